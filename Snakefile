@@ -1,0 +1,22 @@
+# eagle3prep: raw chats -> tokenized shards -> per-layer hidden-state shards -> validation -> report.
+# Data contracts: DESIGN.md (layer numbering, shard format, manifest). Logic: src/eagle3prep/.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/demo.smk"
+include: "rules/prepare.smk"
+include: "rules/tokenize.smk"
+include: "rules/extract.smk"
+include: "rules/validate.smk"
+include: "rules/report.smk"
+
+
+rule all:
+    input:
+        get_final_output(),

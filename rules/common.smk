@@ -1,0 +1,58 @@
+import os
+import sys
+
+from eagle3prep.config import ConfigError, validate_config
+from eagle3prep.prepare import InputError, expand_sources
+from eagle3prep.runlock import clear_stale_locks, record_owner
+
+# Nothing reaches the network at run time: models, tokenizers and datasets come from local folders.
+for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+    os.environ[_var] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+try:
+    validate_config(config, workflow.source_path("../config/schema.yaml"))
+    SOURCES = expand_sources(config["data"]["sources"])
+except (ConfigError, InputError) as e:
+    sys.exit(str(e))
+
+SHARDS = list(range(config["tokenize"]["num_shards"]))
+MODEL = config["model"]["path"]
+
+
+wildcard_constraints:
+    k=r"\d+",
+
+
+if workflow.is_main_process and not workflow.dryrun:
+    for _lock in clear_stale_locks():
+        print(f"eagle3prep: removed stale lock {_lock} (its run was killed)", file=sys.stderr)
+
+
+onstart:
+    record_owner()
+
+
+def get_model(wildcards=None):
+    """The model folder; built by build_demo_model when model.build_demo is set."""
+    return MODEL
+
+
+def get_gpus(wildcards=None):
+    """GPUs one extract job holds: tp_size for vLLM, 1 for hf on cuda, 0 on CPU."""
+    ex = config["extract"]
+    if ex["backend"] == "vllm":
+        return ex["tp_size"]
+    return 1 if ex["device"] == "cuda" else 0
+
+
+def get_shard_dirs(wildcards=None):
+    return expand("results/hidden_states/shard_{k}", k=SHARDS)
+
+
+def get_final_output():
+    return [
+        "results/report/report.html",
+        "results/report/summary.csv",
+        "results/report/dataset_manifest.json",
+    ]

@@ -1,0 +1,14 @@
+if config["model"]["build_demo"]:
+
+    # A tiny random Llama and a BPE tokenizer trained on shipped text: the offline demo target.
+    rule build_demo_model:
+        input:
+            corpus="resources/demo/tokenizer_corpus.txt",
+        output:
+            directory(MODEL),
+        log:
+            "logs/build_demo_model.log",
+        benchmark:
+            "benchmarks/build_demo_model.tsv"
+        script:
+            "../scripts/build_demo_model.py"

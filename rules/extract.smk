@@ -1,0 +1,24 @@
+# The GPU rule: one job per shard; the shard folder counts as finished only with its manifest.
+# Both `gpus` and Snakemake's standard `gpu` are declared, so `--resources gpus=8` and
+# `--resources gpu=8` both cap how many GPUs the running jobs hold together.
+rule extract_hidden_states:
+    input:
+        tokens="results/tokenized/shard_{k}.jsonl",
+        model=get_model(),
+    output:
+        directory("results/hidden_states/shard_{k}"),
+    params:
+        extract=config["extract"],
+        layers=config["layers"],
+        max_seq_len=config["tokenize"]["max_seq_len"],
+        trust_remote_code=config["model"]["trust_remote_code"],
+    threads: config["extract"]["threads"]
+    resources:
+        gpus=get_gpus(),
+        gpu=get_gpus(),
+    log:
+        "logs/extract/shard_{k}.log",
+    benchmark:
+        "benchmarks/extract/shard_{k}.tsv"
+    script:
+        "../scripts/extract.py"

@@ -1,0 +1,18 @@
+# Manifest, checksums, row and token identity, shapes, finite values, per-layer statistics,
+# and a transformers recomputation of sampled rows. The job fails when a check fails.
+rule validate_shard:
+    input:
+        shard="results/hidden_states/shard_{k}",
+        tokens="results/tokenized/shard_{k}.jsonl",
+        model=get_model(),
+    output:
+        "results/validation/shard_{k}.json",
+    params:
+        validate=config["validate"],
+        trust_remote_code=config["model"]["trust_remote_code"],
+    log:
+        "logs/validate/shard_{k}.log",
+    benchmark:
+        "benchmarks/validate/shard_{k}.tsv"
+    script:
+        "../scripts/validate_shard.py"

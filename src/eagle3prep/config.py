@@ -1,0 +1,89 @@
+"""Config loading: JSON-schema validation with defaults, one-line errors, layer-id conversion."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .backends.base import CaptureSpec
+from .layers import convert_layer_ids, resolve_layer_ids
+from .provenance import num_hidden_layers
+
+SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the key, the value and what is allowed."""
+
+
+def _with_defaults(validator_class):
+    """A validator that fills `default`s into missing keys as it validates (jsonschema FAQ recipe)."""
+    validate_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, sub in properties.items():
+                if "default" in sub and name not in instance:
+                    instance[name] = copy.deepcopy(sub["default"])
+        yield from validate_properties(validator, properties, instance, schema)
+
+    import jsonschema
+
+    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
+
+
+def _one_line(error) -> str:
+    key = ".".join(str(p) for p in error.absolute_path) or "<top level>"
+    sub = error.schema
+    if error.validator == "enum":
+        return f"config error: {key} = {error.instance!r} is not allowed; choose one of {sub['enum']}"
+    if error.validator == "additionalProperties":
+        allowed = sorted(sub.get("properties", {}))
+        return f"config error: {key}: {error.message}; allowed keys are {allowed}"
+    if error.validator in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minItems"):
+        return f"config error: {key} = {error.instance!r}: {error.message}"
+    desc = f" ({sub['description']})" if "description" in sub else ""
+    return f"config error: {key} = {error.instance!r}: {error.message}{desc}"
+
+
+def validate_config(config: dict[str, Any], schema_path: str | Path = SCHEMA) -> dict[str, Any]:
+    """Validate `config` in place (defaults filled in) and return it; raise ConfigError on the first error."""
+    import jsonschema
+
+    schema = yaml.safe_load(Path(schema_path).read_text(encoding="utf-8"))
+    validator = _with_defaults(jsonschema.Draft202012Validator)(schema)
+    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
+    if errors:
+        raise ConfigError(_one_line(errors[0]))
+    if config["layers"]["ids"] is not None:
+        try:  # fails early on a bad convention; the range check needs the model (layer_ids below)
+            convert_layer_ids(config["layers"]["ids"], config["layers"]["convention"])
+        except ValueError as e:
+            raise ConfigError(f"config error: {e}") from None
+    return config
+
+
+def layer_ids(config: dict[str, Any]) -> list[int]:
+    """The validated layer ids in our convention; needs the model folder (for N)."""
+    n = num_hidden_layers(config["model"]["path"])
+    try:
+        return resolve_layer_ids(config["layers"]["ids"], config["layers"]["convention"], n)
+    except ValueError as e:
+        raise ConfigError(f"config error: {e}") from None
+
+
+def capture_spec(config: dict[str, Any]) -> CaptureSpec:
+    ex = config["extract"]
+    return CaptureSpec(
+        backend=ex["backend"],
+        model_path=config["model"]["path"],
+        layer_ids=layer_ids(config),
+        dtype=ex["dtype"],
+        device=ex["device"],
+        tp_size=ex["tp_size"],
+        max_seq_len=config["tokenize"]["max_seq_len"],
+        trust_remote_code=config["model"]["trust_remote_code"],
+    )

@@ -1,0 +1,136 @@
+"""The extract stage: one tokenized shard in, one hidden-state shard folder out (DESIGN.md §4)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from . import faults
+from .atomic import remove_stale_temps, sha256_file, write_json
+from .backends import make_backend
+from .backends.base import CaptureSpec
+from .layers import CONVENTION
+from .provenance import code_version, model_identity, tokenizer_identity
+from .records import IndexEntry
+from .shard import DTYPES, MANIFEST, TIMINGS, ShardWriter, layer_file
+
+
+def read_index(tokenized_shard: str | os.PathLike) -> list[IndexEntry]:
+    """First pass over a tokenized shard: where each row will sit in the layer files."""
+    index, offset = [], 0
+    with open(tokenized_shard, encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            index.append(IndexEntry(row=rec["row"], id=rec["id"], offset=offset, length=rec["seq_len"]))
+            offset += rec["seq_len"]
+    return index
+
+
+def iter_batches(tokenized_shard: str | os.PathLike, batch_tokens: int) -> Iterator[list[list[int]]]:
+    """Second pass: contiguous rows, padded size (rows x longest) within `batch_tokens` (one row at least)."""
+    batch: list[list[int]] = []
+    longest = 0
+    with open(tokenized_shard, encoding="utf-8") as f:
+        for line in f:
+            ids = json.loads(line)["input_ids"]
+            if batch and (len(batch) + 1) * max(longest, len(ids)) > batch_tokens:
+                yield batch
+                batch, longest = [], 0
+            batch.append(ids)
+            longest = max(longest, len(ids))
+    if batch:
+        yield batch
+
+
+def shard_bytes(tokens: int, rows: int, num_layers: int, hidden_size: int, dtype: str) -> int:
+    """Bytes a shard will take: layer files + token ids + index/manifest (a generous 200 B per row)."""
+    return tokens * (num_layers * hidden_size * DTYPES[dtype][1] + 8) + 200 * rows + 65536
+
+
+def check_free_space(out_dir: Path, needed: int) -> None:
+    probe = out_dir if out_dir.exists() else out_dir.parent
+    free = shutil.disk_usage(probe).free
+    if needed > free:
+        raise OSError(
+            f"not enough disk for {out_dir}: the shard needs {needed / 2**30:.2f} GiB, "
+            f"{probe} has {free / 2**30:.2f} GiB free; free space or point results/ at a larger filesystem "
+            "(`snakemake plan` lists every shard's size)"
+        )
+
+
+def extract_shard(tokenized_shard: str, out_dir: str, spec: CaptureSpec, options: dict[str, Any],
+                  batch_tokens: int, shard: int) -> dict[str, Any]:
+    """Capture one shard; the folder gets its manifest only after every file is in place."""
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out)
+    (out / MANIFEST).unlink(missing_ok=True)  # a stale manifest must never describe new files
+    t0 = time.time()
+    index = read_index(tokenized_shard)
+    tokens = sum(e.length for e in index)
+
+    faults.kill_point("extract.model_load", shard=shard)
+    backend = make_backend(spec, options)
+    info = backend.probe()
+    t_loaded = time.time()
+    needed = shard_bytes(tokens, len(index), len(spec.layer_ids), info["hidden_size"], spec.dtype)
+    check_free_space(out, needed)
+    print(f"[extract] shard {shard}: {len(index)} rows, {tokens} tokens, layers {spec.layer_ids}, "
+          f"{info['engine']} {info['engine_version']} via {info['capture_path']}, ~{needed / 2**20:.1f} MiB",
+          file=sys.stderr)
+
+    import torch
+
+    writer = ShardWriter(out, spec.layer_ids, info["hidden_size"], spec.dtype, index)
+    try:
+        bar = tqdm(total=tokens, unit="tok", unit_scale=True, file=sys.stderr, mininterval=1.0,
+                   desc=f"shard {shard}")
+        for b, batch in enumerate(iter_batches(tokenized_shard, batch_tokens)):
+            hidden = backend.capture(batch)  # {layer_id: [sum_T_batch, H]}
+            token_ids = torch.tensor([t for row in batch for t in row], dtype=torch.int64)  # [sum_T_batch]
+            writer.append(token_ids, hidden)
+            bar.update(int(token_ids.shape[0]))
+            faults.kill_point("extract.between_batches", shard=shard, batch=b)
+        bar.close()
+        t_done = time.time()
+
+        def before_manifest() -> None:
+            elapsed = t_done - t_loaded
+            write_json(out / TIMINGS, {"engine_start_s": round(t_loaded - t0, 3), "capture_s": round(elapsed, 3),
+                                       "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None})
+            faults.kill_point("extract.before_manifest", shard=shard)
+
+        manifest = writer.finish(
+            {
+                "shard": shard,
+                "layer_id_convention": CONVENTION,
+                "num_hidden_layers": info["num_hidden_layers"],
+                "hidden_size": info["hidden_size"],
+                "dtype": spec.dtype,
+                "row_range": [index[0].row, index[-1].row + 1] if index else [0, 0],
+                "tokenized": {"path": str(tokenized_shard), "sha256": sha256_file(tokenized_shard)},
+                "model": model_identity(spec.model_path, spec.trust_remote_code),
+                "tokenizer": tokenizer_identity(spec.model_path),
+                "engine": {k: info[k] for k in sorted(info) if k not in ("num_hidden_layers", "hidden_size")},
+                "code_version": code_version(),
+            },
+            before_manifest=before_manifest,
+        )
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        backend.close()
+    elapsed = t_done - t_loaded
+    print(f"[extract] shard {shard}: done, {tokens / max(elapsed, 1e-9):.0f} tok/s, "
+          f"{sum(f['bytes'] for f in manifest['files'].values()) / 2**20:.1f} MiB in "
+          f"{', '.join(layer_file(i) for i in spec.layer_ids)}", file=sys.stderr)
+    return manifest

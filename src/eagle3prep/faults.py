@@ -1,0 +1,39 @@
+"""Deterministic kill points for crash tests.
+
+Set EAGLE3PREP_KILL_AT to a point name, optionally with conditions on its context, and the process
+SIGKILLs itself there, e.g.
+
+    EAGLE3PREP_KILL_AT="extract.between_batches:shard=1,batch=2"
+
+By default the whole process group dies (the Snakemake run and all its jobs, like a node crash);
+EAGLE3PREP_KILL_SCOPE=process kills only the job's own process. Unset, kill_point() costs one
+dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+KILL_ENV = "EAGLE3PREP_KILL_AT"
+SCOPE_ENV = "EAGLE3PREP_KILL_SCOPE"
+
+
+def _matches(spec: str, name: str, ctx: dict[str, object]) -> bool:
+    point, _, conds = spec.partition(":")
+    if point != name:
+        return False
+    for cond in filter(None, conds.split(",")):
+        key, _, value = cond.partition("=")
+        if str(ctx.get(key)) != value:
+            return False
+    return True
+
+
+def kill_point(name: str, **ctx: object) -> None:
+    spec = os.environ.get(KILL_ENV)
+    if not spec or not _matches(spec, name, ctx):
+        return
+    if os.environ.get(SCOPE_ENV, "group") == "process":
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.killpg(os.getpgid(0), signal.SIGKILL)

