@@ -26,7 +26,10 @@ wildcard_constraints:
 
 if workflow.is_main_process and not workflow.dryrun:
     for _lock in clear_stale_locks():
-        print(f"eagle3prep: removed stale lock {_lock} (its run was killed)", file=sys.stderr)
+        print(
+            f"eagle3prep: removed stale lock {_lock} (its run was killed)",
+            file=sys.stderr,
+        )
 
 
 onstart:
@@ -44,6 +47,15 @@ def get_gpus(wildcards=None):
     if ex["backend"] == "vllm":
         return ex["tp_size"]
     return 1 if ex["device"] == "cuda" else 0
+
+
+def get_extract_env():
+    """The extract rule's conda env: vLLM's own for the vllm backend (its torch pin differs)."""
+    return (
+        "../envs/vllm.yaml"
+        if config["extract"]["backend"] == "vllm"
+        else "../envs/base.yaml"
+    )
 
 
 def get_shard_dirs(wildcards=None):

@@ -7,18 +7,20 @@ rule extract_hidden_states:
         model=get_model(),
     output:
         directory("results/hidden_states/shard_{k}"),
+    log:
+        "logs/extract/shard_{k}.log",
+    benchmark:
+        "benchmarks/extract/shard_{k}.tsv"
+    conda:
+        get_extract_env()
+    threads: config["extract"]["threads"]
+    resources:
+        gpus=get_gpus(),
+        gpu=get_gpus(),
     params:
         extract=config["extract"],
         layers=config["layers"],
         max_seq_len=config["tokenize"]["max_seq_len"],
         trust_remote_code=config["model"]["trust_remote_code"],
-    threads: config["extract"]["threads"]
-    resources:
-        gpus=get_gpus(),
-        gpu=get_gpus(),
-    log:
-        "logs/extract/shard_{k}.log",
-    benchmark:
-        "benchmarks/extract/shard_{k}.tsv"
     script:
         "../scripts/extract.py"

@@ -6,12 +6,14 @@ rule prepare:
         conversations="results/prepared/conversations.jsonl",
         quarantine="results/prepared/quarantine.jsonl",
         counts="results/prepared/counts.json",
-    params:
-        sources=config["data"]["sources"],
-        max_line_bytes=config["data"]["max_line_bytes"],
     log:
         "logs/prepare.log",
     benchmark:
         "benchmarks/prepare.tsv"
+    conda:
+        "../envs/base.yaml"
+    params:
+        sources=config["data"]["sources"],
+        max_line_bytes=config["data"]["max_line_bytes"],
     script:
         "../scripts/prepare.py"

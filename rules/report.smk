@@ -10,12 +10,14 @@ rule report:
         html="results/report/report.html",
         summary="results/report/summary.csv",
         manifest="results/report/dataset_manifest.json",
-    params:
-        benchmarks=expand("benchmarks/extract/shard_{k}.tsv", k=SHARDS),
-        config=config,
     log:
         "logs/report.log",
     benchmark:
         "benchmarks/report.tsv"
+    conda:
+        "../envs/base.yaml"
+    params:
+        benchmarks=expand("benchmarks/extract/shard_{k}.tsv", k=SHARDS),
+        config=config,
     script:
         "../scripts/report.py"

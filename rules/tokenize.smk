@@ -8,13 +8,15 @@ rule tokenize:
         stats="results/tokenized/stats.json",
         token_freq="results/tokenized/token_freq.json",
         quarantine="results/tokenized/quarantine.jsonl",
-    params:
-        max_seq_len=config["tokenize"]["max_seq_len"],
-        template_fallback=config["tokenize"]["template_fallback"],
-        trust_remote_code=config["model"]["trust_remote_code"],
     log:
         "logs/tokenize.log",
     benchmark:
         "benchmarks/tokenize.tsv"
+    conda:
+        "../envs/base.yaml"
+    params:
+        max_seq_len=config["tokenize"]["max_seq_len"],
+        template_fallback=config["tokenize"]["template_fallback"],
+        trust_remote_code=config["model"]["trust_remote_code"],
     script:
         "../scripts/tokenize.py"

@@ -7,12 +7,14 @@ rule validate_shard:
         model=get_model(),
     output:
         "results/validation/shard_{k}.json",
-    params:
-        validate=config["validate"],
-        trust_remote_code=config["model"]["trust_remote_code"],
     log:
         "logs/validate/shard_{k}.log",
     benchmark:
         "benchmarks/validate/shard_{k}.tsv"
+    conda:
+        "../envs/base.yaml"
+    params:
+        validate=config["validate"],
+        trust_remote_code=config["model"]["trust_remote_code"],
     script:
         "../scripts/validate_shard.py"

@@ -3,20 +3,23 @@ import sys
 sys.stderr = open(snakemake.log[0], "w", buffering=1)
 
 from eagle3prep.config import capture_spec
+from eagle3prep.errors import one_line_errors
 from eagle3prep.extract import extract_shard
 
 if __name__ == "__main__":  # vLLM starts its engine with spawn, which re-imports this file
-    config = {
-        "model": {"path": snakemake.input.model, "trust_remote_code": snakemake.params.trust_remote_code},
-        "layers": snakemake.params.layers,
-        "extract": snakemake.params.extract,
-        "tokenize": {"max_seq_len": snakemake.params.max_seq_len},
-    }
-    extract_shard(
-        snakemake.input.tokens,
-        snakemake.output[0],
-        capture_spec(config),
-        options=dict(snakemake.params.extract),
-        batch_tokens=snakemake.params.extract["batch_tokens"],
-        shard=int(snakemake.wildcards.k),
-    )
+    with one_line_errors():
+        config = {
+            "model": {"path": snakemake.input.model, "trust_remote_code": snakemake.params.trust_remote_code},
+            "layers": snakemake.params.layers,
+            "extract": snakemake.params.extract,
+            "tokenize": {"max_seq_len": snakemake.params.max_seq_len},
+        }
+        extract_shard(
+            snakemake.input.tokens,
+            snakemake.output[0],
+            capture_spec(config),
+            options=dict(snakemake.params.extract),
+            batch_tokens=snakemake.params.extract["batch_tokens"],
+            shard=int(snakemake.wildcards.k),
+            threads=snakemake.threads,
+        )

@@ -2,13 +2,15 @@ import sys
 
 sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: SIM115 (the log stays open for the job)
 
+from eagle3prep.errors import one_line_errors
 from eagle3prep.prepare import prepare, summarize
 
-counts = prepare(
-    list(snakemake.params.sources),
-    snakemake.output.conversations,
-    snakemake.output.quarantine,
-    snakemake.output.counts,
-    max_line_bytes=int(snakemake.params.max_line_bytes),
-)
-print(summarize(counts), file=sys.stderr)
+with one_line_errors():
+    counts = prepare(
+        list(snakemake.params.sources),
+        snakemake.output.conversations,
+        snakemake.output.quarantine,
+        snakemake.output.counts,
+        max_line_bytes=int(snakemake.params.max_line_bytes),
+    )
+    print(summarize(counts), file=sys.stderr)

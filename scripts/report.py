@@ -2,17 +2,19 @@ import sys
 
 sys.stderr = open(snakemake.log[0], "w", buffering=1)
 
+from eagle3prep.errors import one_line_errors
 from eagle3prep.report import build_report
 
-build_report(
-    validations=list(snakemake.input.validations),
-    shard_dirs=list(snakemake.input.shards),
-    tokenized=list(snakemake.input.tokens),
-    counts_path=snakemake.input.counts,
-    stats_path=snakemake.input.stats,
-    benchmarks=list(snakemake.params.benchmarks),
-    config=snakemake.params.config,
-    out_html=snakemake.output.html,
-    out_csv=snakemake.output.summary,
-    out_manifest=snakemake.output.manifest,
-)
+with one_line_errors():
+    build_report(
+        validations=list(snakemake.input.validations),
+        shard_dirs=list(snakemake.input.shards),
+        tokenized=list(snakemake.input.tokens),
+        counts_path=snakemake.input.counts,
+        stats_path=snakemake.input.stats,
+        benchmarks=list(snakemake.params.benchmarks),
+        config=snakemake.params.config,
+        out_html=snakemake.output.html,
+        out_csv=snakemake.output.summary,
+        out_manifest=snakemake.output.manifest,
+    )

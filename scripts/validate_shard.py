@@ -2,17 +2,19 @@ import sys
 
 sys.stderr = open(snakemake.log[0], "w", buffering=1)
 
+from eagle3prep.errors import one_line_errors
 from eagle3prep.validate import validate_shard
 
-opts = snakemake.params.validate
-validate_shard(
-    snakemake.input.shard,
-    snakemake.input.tokens,
-    snakemake.output[0],
-    model_path=snakemake.input.model,
-    sample_rows=opts["sample_rows"],
-    seed=opts["seed"],
-    device=opts["device"],
-    reference=opts["reference"],
-    trust_remote_code=snakemake.params.trust_remote_code,
-)
+with one_line_errors():
+    opts = snakemake.params.validate
+    validate_shard(
+        snakemake.input.shard,
+        snakemake.input.tokens,
+        snakemake.output[0],
+        model_path=snakemake.input.model,
+        sample_rows=opts["sample_rows"],
+        seed=opts["seed"],
+        device=opts["device"],
+        reference=opts["reference"],
+        trust_remote_code=snakemake.params.trust_remote_code,
+    )

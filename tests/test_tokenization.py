@@ -267,3 +267,11 @@ def test_bad_input_line_names_file_and_line(tmp_path, demo_model_dir):
             tmp_path / "q.jsonl", max_seq_len=64,
         )  # fmt: skip
     assert not (tmp_path / "s.jsonl").exists()
+
+
+def test_shallow_json_equals_to_json():
+    from eagle3prep.records import TokenizedRow
+    from eagle3prep.tokenization import shallow_json
+
+    row = TokenizedRow(row=3, id="abc", input_ids=[5, 6, 7], loss_mask=[0, 1, 1], seq_len=3)
+    assert shallow_json(row) == row.to_json()

@@ -9,13 +9,14 @@ from typing import Any
 import yaml
 
 from .backends.base import CaptureSpec
+from .errors import UserError
 from .layers import convert_layer_ids, resolve_layer_ids
 from .provenance import num_hidden_layers
 
 SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config value is wrong; the message names the key, the value and what is allowed."""
 
 

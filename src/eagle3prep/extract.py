@@ -15,6 +15,7 @@ from . import faults
 from .atomic import remove_stale_temps, sha256_file, write_json
 from .backends import make_backend
 from .backends.base import CaptureSpec
+from .errors import UserError
 from .layers import CONVENTION
 from .provenance import code_version, model_identity, tokenizer_identity
 from .records import IndexEntry
@@ -53,21 +54,36 @@ def shard_bytes(tokens: int, rows: int, num_layers: int, hidden_size: int, dtype
     return tokens * (num_layers * hidden_size * DTYPES[dtype][1] + 8) + 200 * rows + 65536
 
 
+class DiskSpaceError(UserError, OSError):
+    """The output filesystem cannot hold the shard."""
+
+
 def check_free_space(out_dir: Path, needed: int) -> None:
     probe = out_dir if out_dir.exists() else out_dir.parent
     free = shutil.disk_usage(probe).free
     if needed > free:
-        raise OSError(
+        raise DiskSpaceError(
             f"not enough disk for {out_dir}: the shard needs {needed / 2**30:.2f} GiB, "
             f"{probe} has {free / 2**30:.2f} GiB free; free space or point results/ at a larger filesystem "
             "(`snakemake plan` lists every shard's size)"
         )
 
 
-def extract_shard(tokenized_shard: str, out_dir: str, spec: CaptureSpec, options: dict[str, Any],
-                  batch_tokens: int, shard: int) -> dict[str, Any]:
+def extract_shard(
+    tokenized_shard: str,
+    out_dir: str,
+    spec: CaptureSpec,
+    options: dict[str, Any],
+    batch_tokens: int,
+    shard: int,
+    threads: int | None = None,
+) -> dict[str, Any]:
     """Capture one shard; the folder gets its manifest only after every file is in place."""
+    import torch
     from tqdm import tqdm
+
+    if threads:  # the job's Snakemake `threads`; also keeps CPU results independent of the host's core count
+        torch.set_num_threads(threads)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,16 +99,15 @@ def extract_shard(tokenized_shard: str, out_dir: str, spec: CaptureSpec, options
     t_loaded = time.time()
     needed = shard_bytes(tokens, len(index), len(spec.layer_ids), info["hidden_size"], spec.dtype)
     check_free_space(out, needed)
-    print(f"[extract] shard {shard}: {len(index)} rows, {tokens} tokens, layers {spec.layer_ids}, "
-          f"{info['engine']} {info['engine_version']} via {info['capture_path']}, ~{needed / 2**20:.1f} MiB",
-          file=sys.stderr)
-
-    import torch
+    print(
+        f"[extract] shard {shard}: {len(index)} rows, {tokens} tokens, layers {spec.layer_ids}, "
+        f"{info['engine']} {info['engine_version']} via {info['capture_path']}, ~{needed / 2**20:.1f} MiB",
+        file=sys.stderr,
+    )
 
     writer = ShardWriter(out, spec.layer_ids, info["hidden_size"], spec.dtype, index)
     try:
-        bar = tqdm(total=tokens, unit="tok", unit_scale=True, file=sys.stderr, mininterval=1.0,
-                   desc=f"shard {shard}")
+        bar = tqdm(total=tokens, unit="tok", unit_scale=True, file=sys.stderr, mininterval=1.0, desc=f"shard {shard}")
         for b, batch in enumerate(iter_batches(tokenized_shard, batch_tokens)):
             hidden = backend.capture(batch)  # {layer_id: [sum_T_batch, H]}
             token_ids = torch.tensor([t for row in batch for t in row], dtype=torch.int64)  # [sum_T_batch]
@@ -104,8 +119,14 @@ def extract_shard(tokenized_shard: str, out_dir: str, spec: CaptureSpec, options
 
         def before_manifest() -> None:
             elapsed = t_done - t_loaded
-            write_json(out / TIMINGS, {"engine_start_s": round(t_loaded - t0, 3), "capture_s": round(elapsed, 3),
-                                       "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None})
+            write_json(
+                out / TIMINGS,
+                {
+                    "engine_start_s": round(t_loaded - t0, 3),
+                    "capture_s": round(elapsed, 3),
+                    "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
+                },
+            )
             faults.kill_point("extract.before_manifest", shard=shard)
 
         manifest = writer.finish(
@@ -130,7 +151,10 @@ def extract_shard(tokenized_shard: str, out_dir: str, spec: CaptureSpec, options
     finally:
         backend.close()
     elapsed = t_done - t_loaded
-    print(f"[extract] shard {shard}: done, {tokens / max(elapsed, 1e-9):.0f} tok/s, "
-          f"{sum(f['bytes'] for f in manifest['files'].values()) / 2**20:.1f} MiB in "
-          f"{', '.join(layer_file(i) for i in spec.layer_ids)}", file=sys.stderr)
+    print(
+        f"[extract] shard {shard}: done, {tokens / max(elapsed, 1e-9):.0f} tok/s, "
+        f"{sum(f['bytes'] for f in manifest['files'].values()) / 2**20:.1f} MiB in "
+        f"{', '.join(layer_file(i) for i in spec.layer_ids)}",
+        file=sys.stderr,
+    )
     return manifest

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3prep.atomic import atomic_open, write_json
+from eagle3prep.errors import UserError
 from eagle3prep.records import Conversation, Quarantined
 
 DEFAULT_MAX_LINE_BYTES = 16 * 1024 * 1024  # config/schema.yaml data.max_line_bytes
@@ -63,7 +64,7 @@ ROLE_MAP = {
 SHAPES = {"messages": ("role", "content"), "conversations": ("from", "value")}
 
 
-class InputError(ValueError):
+class InputError(UserError, ValueError):
     """A source that cannot be read at all; the message names the file (and line/field) and the fix."""
 
 

@@ -38,7 +38,9 @@ def _row_stats(tokenized: list[str]):
         with open(path, encoding="utf-8") as f:
             for line in f:
                 r = json.loads(line)
-                out.append({"shard": k, "seq_len": r["seq_len"], "mask_share": sum(r["loss_mask"]) / max(r["seq_len"], 1)})
+                out.append(
+                    {"shard": k, "seq_len": r["seq_len"], "mask_share": sum(r["loss_mask"]) / max(r["seq_len"], 1)}
+                )
     return pd.DataFrame(out, columns=["shard", "seq_len", "mask_share"])
 
 
@@ -87,9 +89,18 @@ def _plots(rows, summary, layer_norms: dict[str, list[float]]) -> dict[str, str]
     return figs
 
 
-def build_report(validations: list[str], shard_dirs: list[str], tokenized: list[str], counts_path: str,
-                 stats_path: str, benchmarks: list[str], config: dict[str, Any], out_html: str, out_csv: str,
-                 out_manifest: str) -> dict[str, Any]:
+def build_report(
+    validations: list[str],
+    shard_dirs: list[str],
+    tokenized: list[str],
+    counts_path: str,
+    stats_path: str,
+    benchmarks: list[str],
+    config: dict[str, Any],
+    out_html: str,
+    out_csv: str,
+    out_manifest: str,
+) -> dict[str, Any]:
     import pandas as pd
 
     counts, stats = _load(counts_path), _load(stats_path)
@@ -98,18 +109,24 @@ def build_report(validations: list[str], shard_dirs: list[str], tokenized: list[
     rows = _row_stats(tokenized)
 
     records, layer_norms = [], {}
-    for k, (d, m, v, bench) in enumerate(zip(shard_dirs, manifests, reports, benchmarks)):
+    for k, (d, m, v, bench) in enumerate(zip(shard_dirs, manifests, reports, benchmarks, strict=True)):
         timings = _load(Path(d) / TIMINGS) if (Path(d) / TIMINGS).is_file() else {}
         job_s = _benchmark_seconds(bench)
         worst = max((r["rel"] for r in v.get("reference", [])), default=None)
-        records.append({
-            "shard": k, "rows": m["rows"], "tokens": m["tokens"],
-            "bytes": sum(f["bytes"] for f in m["files"].values()),
-            "job_s": job_s, "engine_start_s": timings.get("engine_start_s"),
-            "tokens_per_s": timings.get("tokens_per_s"),
-            "validation_ok": v["ok"], "reference_worst_rel": worst,
-            "capture_path": m["engine"]["capture_path"],
-        })
+        records.append(
+            {
+                "shard": k,
+                "rows": m["rows"],
+                "tokens": m["tokens"],
+                "bytes": sum(f["bytes"] for f in m["files"].values()),
+                "job_s": job_s,
+                "engine_start_s": timings.get("engine_start_s"),
+                "tokens_per_s": timings.get("tokens_per_s"),
+                "validation_ok": v["ok"],
+                "reference_worst_rel": worst,
+                "capture_path": m["engine"]["capture_path"],
+            }
+        )
         for layer, s in v.get("layer_stats", {}).items():
             layer_norms.setdefault(layer, []).append(s["mean_token_norm"])
     summary = pd.DataFrame(records)
@@ -132,9 +149,15 @@ def build_report(validations: list[str], shard_dirs: list[str], tokenized: list[
         "tokens": int(summary["tokens"].sum()),
         "bytes": int(summary["bytes"].sum()),
         "shards": [
-            {"shard": m["shard"], "dir": str(d), "rows": m["rows"], "tokens": m["tokens"], "row_range": m["row_range"],
-             "manifest_sha256": sha256_file(Path(d) / MANIFEST)}
-            for d, m in zip(shard_dirs, manifests)
+            {
+                "shard": m["shard"],
+                "dir": str(d),
+                "rows": m["rows"],
+                "tokens": m["tokens"],
+                "row_range": m["row_range"],
+                "manifest_sha256": sha256_file(Path(d) / MANIFEST),
+            }
+            for d, m in zip(shard_dirs, manifests, strict=True)
         ],
         "prepare": counts["totals"],
         "tokenize": {k: stats[k] for k in sorted(stats) if k != "shards"},
@@ -152,8 +175,10 @@ def build_report(validations: list[str], shard_dirs: list[str], tokenized: list[
 
 def _write_html(path: str, dataset: dict[str, Any], summary, figs: dict[str, str], counts: dict, stats: dict) -> None:
     esc = html.escape
-    quarantined = {**{f"prepare: {k}": v for k, v in counts["totals"].get("quarantined", {}).items() if v},
-                   **{f"tokenize: {k}": v for k, v in stats.get("quarantined", {}).items() if v}}
+    quarantined = {
+        **{f"prepare: {k}": v for k, v in counts["totals"].get("quarantined", {}).items() if v},
+        **{f"tokenize: {k}": v for k, v in stats.get("quarantined", {}).items() if v},
+    }
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>eagle3prep report</title>",
         "<style>body{font-family:sans-serif;max-width:960px;margin:2em auto}table{border-collapse:collapse}"
@@ -164,10 +189,14 @@ def _write_html(path: str, dataset: dict[str, Any], summary, figs: dict[str, str
         f"id {dataset['num_hidden_layers']} = pre-norm final state), dtype {esc(dataset['dtype'])}, "
         f"engine {esc(str(dataset['engine'].get('engine')))} {esc(str(dataset['engine'].get('engine_version')))} "
         f"via {esc(str(dataset['engine'].get('capture_path')))}.</p>",
-        "<h2>Shards</h2>", summary.to_html(index=False, float_format=lambda x: f"{x:.4g}"),
+        "<h2>Shards</h2>",
+        summary.to_html(index=False, float_format=lambda x: f"{x:.4g}"),
         "<h2>Quarantined records</h2>",
-        "<table>" + "".join(f"<tr><th>{esc(k)}</th><td>{v}</td></tr>" for k, v in sorted(quarantined.items()))
-        + "</table>" if quarantined else "<p>none</p>",
+        "<table>"
+        + "".join(f"<tr><th>{esc(k)}</th><td>{v}</td></tr>" for k, v in sorted(quarantined.items()))
+        + "</table>"
+        if quarantined
+        else "<p>none</p>",
     ]
     for title, png in figs.items():
         parts.append(f"<h2>{esc(title)}</h2><img alt='{esc(title)}' src='data:image/png;base64,{png}'>")

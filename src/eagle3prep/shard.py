@@ -62,7 +62,7 @@ class StreamingSafetensorsWriter:
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # the format pads the header to 8-byte alignment
         self.tmp = self.path.with_name(f"{TMP_PREFIX}{self.path.name}")
-        self._f = open(self.tmp, "wb")
+        self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish() or abort()
         self._sha = hashlib.sha256()
         self._write(struct.pack("<Q", len(blob)) + blob)
 
@@ -73,7 +73,9 @@ class StreamingSafetensorsWriter:
     def append(self, tensor: torch.Tensor) -> None:
         """Append rows; `tensor` is [n, *shape[1:]] in this file's dtype (any device)."""
         if tuple(tensor.shape[1:]) != self.shape[1:]:
-            raise ValueError(f"{self.path.name}: got rows of shape {tuple(tensor.shape)}, expected [n, {self.shape[1:]}]")
+            raise ValueError(
+                f"{self.path.name}: got rows of shape {tuple(tensor.shape)}, expected [n, {self.shape[1:]}]"
+            )
         if str(tensor.dtype).removeprefix("torch.") != self.dtype:
             raise ValueError(f"{self.path.name}: got dtype {tensor.dtype}, expected {self.dtype}")
         if self.rows + tensor.shape[0] > self.expected_rows:
@@ -112,16 +114,18 @@ def _prod(xs: tuple[int, ...]) -> int:
 class ShardWriter:
     """Streams a shard: layer files and token ids as batches arrive; index, then manifest, at the end."""
 
-    def __init__(self, out_dir: str | os.PathLike, layer_ids: list[int], hidden_size: int, dtype: str,
-                 index: list[IndexEntry]):
+    def __init__(
+        self, out_dir: str | os.PathLike, layer_ids: list[int], hidden_size: int, dtype: str, index: list[IndexEntry]
+    ):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.layer_ids = list(layer_ids)
         self.index = index
         self.total_tokens = sum(e.length for e in index)
         self.layers = {
-            lid: StreamingSafetensorsWriter(self.out_dir / layer_file(lid), "hidden_states", dtype,
-                                            (self.total_tokens, hidden_size))
+            lid: StreamingSafetensorsWriter(
+                self.out_dir / layer_file(lid), "hidden_states", dtype, (self.total_tokens, hidden_size)
+            )
             for lid in self.layer_ids
         }
         self.tokens = StreamingSafetensorsWriter(self.out_dir / TOKEN_IDS, "token_ids", "int64", (self.total_tokens,))
@@ -145,8 +149,14 @@ class ShardWriter:
         fsync_dir(self.out_dir)
         if before_manifest is not None:
             before_manifest()
-        manifest = {**manifest, "format": FORMAT, "files": files, "rows": len(self.index),
-                    "tokens": self.total_tokens, "layer_ids": self.layer_ids}
+        manifest = {
+            **manifest,
+            "format": FORMAT,
+            "files": files,
+            "rows": len(self.index),
+            "tokens": self.total_tokens,
+            "layer_ids": self.layer_ids,
+        }
         write_json(self.out_dir / MANIFEST, manifest)
         return manifest
 

@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import TMP_PREFIX, sha256_file, write_json
+from .errors import UserError
 from .reference import Reference, bounds, compare, within
 from .shard import INDEX, MANIFEST, TIMINGS, TOKEN_IDS, layer_file, read_index, read_manifest
 
 CHUNK_TOKENS = 65536  # rows of a layer file read at once for statistics (bounds memory)
 
 
-class ValidationError(RuntimeError):
+class ValidationError(UserError, RuntimeError):
     """A shard failed a check; the message lists which."""
 
 
@@ -49,8 +50,11 @@ def _check_files(shard: Path, manifest: dict[str, Any], checks: Checks) -> bool:
             ok &= checks.add(f"file:{name}", False, f"{size} bytes, manifest says {entry['bytes']} (truncated?)")
             continue
         digest = sha256_file(path)
-        ok &= checks.add(f"file:{name}", digest == entry["sha256"],
-                         "sha256 matches" if digest == entry["sha256"] else f"sha256 {digest[:12]} != {entry['sha256'][:12]}")
+        ok &= checks.add(
+            f"file:{name}",
+            digest == entry["sha256"],
+            "sha256 matches" if digest == entry["sha256"] else f"sha256 {digest[:12]} != {entry['sha256'][:12]}",
+        )
     # .snakemake_timestamp: Snakemake's marker in directory() outputs.
     expected = set(manifest["files"]) | {MANIFEST, TIMINGS, ".snakemake_timestamp"}
     stray = sorted(p.name for p in shard.iterdir() if p.name not in expected)
@@ -61,35 +65,52 @@ def _check_files(shard: Path, manifest: dict[str, Any], checks: Checks) -> bool:
     return ok
 
 
-def _check_index(shard: Path, manifest: dict[str, Any], rows: list[dict[str, Any]], tokenized: str,
-                 checks: Checks) -> bool:
+def _check_index(
+    shard: Path, manifest: dict[str, Any], rows: list[dict[str, Any]], tokenized: str, checks: Checks
+) -> bool:
     index = read_index(shard)
     ok = checks.add("row_count", len(index) == len(rows), f"index {len(index)} rows, tokenized shard {len(rows)}")
-    bad = [e.row for e, r in zip(index, rows) if (e.row, e.id, e.length) != (r["row"], r["id"], r["seq_len"])]
+    bad = [
+        e.row
+        for e, r in zip(index, rows, strict=False)
+        if (e.row, e.id, e.length) != (r["row"], r["id"], r["seq_len"])
+    ]
     ok &= checks.add("index_rows", not bad, f"rows whose row/id/length differ from the tokenized shard: {bad[:10]}")
     offset, gaps = 0, []
     for e in index:
         if e.offset != offset:
             gaps.append(e.row)
         offset = e.offset + e.length
-    ok &= checks.add("index_offsets", not gaps and offset == manifest["tokens"],
-                     f"non-contiguous at rows {gaps[:10]}; ends at {offset}, manifest tokens {manifest['tokens']}")
+    ok &= checks.add(
+        "index_offsets",
+        not gaps and offset == manifest["tokens"],
+        f"non-contiguous at rows {gaps[:10]}; ends at {offset}, manifest tokens {manifest['tokens']}",
+    )
     digest = sha256_file(tokenized)
-    ok &= checks.add("tokenized_source", digest == manifest["tokenized"]["sha256"],
-                     "the shard was captured from this tokenized shard" if digest == manifest["tokenized"]["sha256"]
-                     else "the manifest belongs to a different tokenized shard")
+    ok &= checks.add(
+        "tokenized_source",
+        digest == manifest["tokenized"]["sha256"],
+        "the shard was captured from this tokenized shard"
+        if digest == manifest["tokenized"]["sha256"]
+        else "the manifest belongs to a different tokenized shard",
+    )
     return ok
 
 
-def _check_tensors(shard: Path, manifest: dict[str, Any], rows: list[dict[str, Any]], checks: Checks) -> dict[str, Any]:
+def _check_tensors(
+    shard: Path, manifest: dict[str, Any], rows: list[dict[str, Any]], checks: Checks
+) -> dict[str, Any]:
     import torch
     from safetensors import safe_open
 
     with safe_open(shard / TOKEN_IDS, framework="pt") as f:
         stored = f.get_tensor("token_ids")  # [sum_T] int64
     expected = torch.tensor([t for r in rows for t in r["input_ids"]], dtype=torch.int64)
-    checks.add("token_ids", stored.shape == expected.shape and torch.equal(stored, expected),
-               f"{int((stored != expected).sum()) if stored.shape == expected.shape else 'shape'} tokens differ")
+    checks.add(
+        "token_ids",
+        stored.shape == expected.shape and torch.equal(stored, expected),
+        f"{int((stored != expected).sum()) if stored.shape == expected.shape else 'shape'} tokens differ",
+    )
     stats = {}
     for lid in manifest["layer_ids"]:
         with safe_open(shard / layer_file(lid), framework="pt") as f:
@@ -97,8 +118,11 @@ def _check_tensors(shard: Path, manifest: dict[str, Any], rows: list[dict[str, A
             shape, dtype = sl.get_shape(), sl.get_dtype()
             want_shape = [manifest["tokens"], manifest["hidden_size"]]
             want_dtype = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[manifest["dtype"]]
-            if not checks.add(f"shape:layer_{lid}", shape == want_shape and dtype == want_dtype,
-                              f"{dtype}{shape}, expected {want_dtype}{want_shape}"):
+            if not checks.add(
+                f"shape:layer_{lid}",
+                shape == want_shape and dtype == want_dtype,
+                f"{dtype}{shape}, expected {want_dtype}{want_shape}",
+            ):
                 continue
             nonfinite, total, sq, norm_sum, max_abs = 0, 0.0, 0.0, 0.0, 0.0
             bad_rows: set[int] = set()
@@ -126,9 +150,17 @@ def _check_tensors(shard: Path, manifest: dict[str, Any], rows: list[dict[str, A
     return stats
 
 
-def _check_reference(shard: Path, manifest: dict[str, Any], rows: list[dict[str, Any]], model_path: str,
-                     sample_rows: int, seed: int, device: str, trust_remote_code: bool,
-                     checks: Checks) -> list[dict[str, Any]]:
+def _check_reference(
+    shard: Path,
+    manifest: dict[str, Any],
+    rows: list[dict[str, Any]],
+    model_path: str,
+    sample_rows: int,
+    seed: int,
+    device: str,
+    trust_remote_code: bool,
+    checks: Checks,
+) -> list[dict[str, Any]]:
     from safetensors import safe_open
 
     index = read_index(shard)
@@ -136,8 +168,11 @@ def _check_reference(shard: Path, manifest: dict[str, Any], rows: list[dict[str,
     dtype = manifest["dtype"]
     ref = Reference(model_path, device=device, trust_remote_code=trust_remote_code)
     # Same forward in the stored dtype: its distance to fp32 is this dtype's noise floor.
-    noisy = Reference(model_path, device=device, dtype=dtype, trust_remote_code=trust_remote_code) \
-        if dtype != "float32" else None
+    noisy = (
+        Reference(model_path, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+        if dtype != "float32"
+        else None
+    )
     results = []
     for i in picks:
         e = index[i]
@@ -149,21 +184,43 @@ def _check_reference(shard: Path, manifest: dict[str, Any], rows: list[dict[str,
             err = compare(got, want[lid])
             floor = compare(floor_hs[lid], want[lid]) if floor_hs else None
             tol = bounds(dtype, floor)
-            results.append({"row": e.row, "layer_id": lid, **err, "floor_rel": floor["rel"] if floor else 0.0,
-                            "bound_rel": tol["rel"], "bound_min_cos": tol["min_cos"], "ok": within(err, tol)})
+            results.append(
+                {
+                    "row": e.row,
+                    "layer_id": lid,
+                    **err,
+                    "floor_rel": floor["rel"] if floor else 0.0,
+                    "bound_rel": tol["rel"],
+                    "bound_min_cos": tol["min_cos"],
+                    "ok": within(err, tol),
+                }
+            )
     for lid in manifest["layer_ids"]:
         mine = [r for r in results if r["layer_id"] == lid]
         worst = max(mine, key=lambda r: r["rel"]) if mine else None
-        checks.add(f"reference:layer_{lid}", all(r["ok"] for r in mine),
-                   f"worst row {worst['row']}: max_abs {worst['max_abs']:.3g} rel {worst['rel']:.3g} "
-                   f"(bound {worst['bound_rel']:.3g}, {dtype} noise {worst['floor_rel']:.3g}) "
-                   f"min_cos {worst['min_cos']:.6f} (bound {worst['bound_min_cos']:.6f})" if worst else "no rows")
+        checks.add(
+            f"reference:layer_{lid}",
+            all(r["ok"] for r in mine),
+            f"worst row {worst['row']}: max_abs {worst['max_abs']:.3g} rel {worst['rel']:.3g} "
+            f"(bound {worst['bound_rel']:.3g}, {dtype} noise {worst['floor_rel']:.3g}) "
+            f"min_cos {worst['min_cos']:.6f} (bound {worst['bound_min_cos']:.6f})"
+            if worst
+            else "no rows",
+        )
     return results
 
 
-def validate_shard(shard_dir: str, tokenized_shard: str, out_json: str, model_path: str, sample_rows: int = 4,
-                   seed: int = 0, device: str = "cpu", reference: bool = True,
-                   trust_remote_code: bool = False) -> dict[str, Any]:
+def validate_shard(
+    shard_dir: str,
+    tokenized_shard: str,
+    out_json: str,
+    model_path: str,
+    sample_rows: int = 4,
+    seed: int = 0,
+    device: str = "cpu",
+    reference: bool = True,
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
     """Run every check, write the report to `out_json`, raise ValidationError if any failed."""
     shard = Path(shard_dir)
     checks = Checks()
@@ -175,15 +232,22 @@ def validate_shard(shard_dir: str, tokenized_shard: str, out_json: str, model_pa
         checks.add("manifest", False, str(e))
         manifest = None
     if manifest is not None:
-        report.update(shard=manifest["shard"], rows=manifest["rows"], tokens=manifest["tokens"],
-                      dtype=manifest["dtype"], layer_ids=manifest["layer_ids"], engine=manifest["engine"])
+        report.update(
+            shard=manifest["shard"],
+            rows=manifest["rows"],
+            tokens=manifest["tokens"],
+            dtype=manifest["dtype"],
+            layer_ids=manifest["layer_ids"],
+            engine=manifest["engine"],
+        )
         rows = _read_tokenized(tokenized_shard)
         # Content checks only make sense on intact files; a corrupt shard stops here.
         if _check_files(shard, manifest, checks) and _check_index(shard, manifest, rows, tokenized_shard, checks):
             report["layer_stats"] = _check_tensors(shard, manifest, rows, checks)
             if reference and sample_rows > 0 and not checks.failed and rows:
-                report["reference"] = _check_reference(shard, manifest, rows, model_path, sample_rows, seed, device,
-                                                       trust_remote_code, checks)
+                report["reference"] = _check_reference(
+                    shard, manifest, rows, model_path, sample_rows, seed, device, trust_remote_code, checks
+                )
     report["checks"] = checks.items
     report["ok"] = not checks.failed
     write_json(out_json, report)

@@ -1,0 +1,38 @@
+# The two commands of the README:
+#   make demo   set up .venv and run the whole workflow on the embedded demo
+#   make test   set up .venv and .venv-vllm and run every test (unit, workflow, vLLM on CPU, lint)
+PYTHON ?= python3
+VENV := .venv
+VLLM_VENV := .venv-vllm
+PIP_FLAGS ?= -q --disable-pip-version-check
+
+.PHONY: demo test test-base test-vllm lint clean
+
+$(VENV)/.installed: envs/base.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_FLAGS) -r envs/base.txt
+	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
+	touch $@
+
+$(VLLM_VENV)/.installed: envs/vllm.txt pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) -r envs/vllm.txt
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` beside the
+	# CPU torch, and triton has no CPU backend (research/cpu-stack.md).
+	$(VLLM_VENV)/bin/pip uninstall $(PIP_FLAGS) -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/snakemake --cores all
+
+test: test-base test-vllm
+
+test-base: $(VENV)/.installed
+	$(VENV)/bin/pytest -m "not vllm"
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/pytest -m vllm
+
+clean:
+	rm -rf results logs benchmarks .snakemake

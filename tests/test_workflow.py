@@ -1,0 +1,111 @@
+"""The whole demo workflow through the snakemake CLI: dry run, lint, a full run, and kill-and-rerun."""
+
+import csv
+import json
+import re
+import signal
+
+import pytest
+from workflow_helpers import REPO, SMALL_CONFIG, SNAKEMAKE, make_workdir, snakemake, stat_files, tree_digest
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """One uninterrupted run of the small demo config; other tests compare against it."""
+    wd = make_workdir(tmp_path_factory.mktemp("full"))
+    snakemake(wd)
+    return wd
+
+
+def test_dry_run_lists_every_job_before_anything_runs(tmp_path):
+    wd = make_workdir(tmp_path)
+    out = snakemake(wd, "-n").stdout
+    counts = dict(re.findall(r"^(\w+)\s+(\d+)$", out, re.M))
+    assert counts == {
+        "build_demo_model": "1",
+        "prepare": "1",
+        "tokenize": "1",
+        "extract_hidden_states": "3",
+        "validate_shard": "3",
+        "report": "1",
+        "all": "1",
+        "total": "11",
+    }
+    for k in range(3):
+        assert f"results/hidden_states/shard_{k}" in out
+    assert not (wd / "results").exists()
+
+
+def test_gpu_resources_are_declared_under_both_names(tmp_path):
+    wd = make_workdir(tmp_path, {**SMALL_CONFIG, "extract": {"device": "cuda"}})
+    out = snakemake(wd, "-n", "--resources", "gpus=8").stdout
+    assert re.search(r"resources: .*gpus=1.*gpu=1|resources: .*gpu=1.*gpus=1", out)
+
+
+def test_config_error_is_one_line_naming_key_and_allowed_values(tmp_path):
+    wd = make_workdir(tmp_path, {**SMALL_CONFIG, "extract": {"backend": "torchscript"}})
+    proc = snakemake(wd, "-n", check=False)
+    assert proc.returncode != 0
+    assert "config error: extract.backend = 'torchscript' is not allowed; choose one of ['hf', 'vllm']" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_lint_and_format_are_clean():
+    lint = snakemake(REPO, "--lint", "-n")
+    assert "Congratulations, your workflow is in a good condition!" in lint.stdout + lint.stderr
+    fmt = __import__("subprocess").run(
+        [SNAKEMAKE.replace("snakemake", "snakefmt"), "--check", "Snakefile", "rules"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert fmt.returncode == 0, fmt.stderr
+
+
+def test_full_run_outputs(full_run):
+    wd = full_run
+    counts = json.loads((wd / "results/prepared/counts.json").read_text())["totals"]
+    q = sum(counts["quarantined"].values())
+    assert counts["rows_in"] == counts["kept"] + counts["duplicates"] + q and q > 0
+    stats = json.loads((wd / "results/tokenized/stats.json").read_text())
+    rows = [json.loads(line) for k in range(3) for line in open(wd / f"results/tokenized/shard_{k}.jsonl")]
+    assert [r["row"] for r in rows] == list(range(len(rows))) == list(range(stats["rows"]))
+    for k in range(3):
+        v = json.loads((wd / f"results/validation/shard_{k}.json").read_text())
+        assert v["ok"] and v["reference"] and all(c["ok"] for c in v["checks"])
+        assert {c["check"] for c in v["checks"]} >= {"token_ids", "tokenized_source", "row_count", "reference:layer_8"}
+    manifest = json.loads((wd / "results/report/dataset_manifest.json").read_text())
+    assert manifest["layer_ids"] == [2, 4, 5, 8] and manifest["layer_id_convention"] == "input_of_layer"
+    assert manifest["rows"] == len(rows) and len(manifest["shards"]) == 3
+    summary = list(csv.DictReader(open(wd / "results/report/summary.csv")))
+    assert [int(r["rows"]) for r in summary] == [s["rows"] for s in manifest["shards"]]
+    html = (wd / "results/report/report.html").read_text()
+    assert html.count("<img") == 5 and "Per-layer norms" in html
+    assert "tok/s" in (wd / "logs/extract/shard_0.log").read_text()
+    assert not list((wd / "results").rglob(".tmp-*")), "temp files left behind after a successful run"
+
+
+def test_sigkill_during_extract_then_rerun_resumes_at_shard_granularity(tmp_path, full_run):
+    wd = make_workdir(tmp_path)
+    # Shard 0 finishes first; then the run is SIGKILLed (whole process group) inside another shard.
+    snakemake(wd, "results/hidden_states/shard_0")
+    before = stat_files(wd / "results/hidden_states/shard_0")
+    killed = snakemake(
+        wd,
+        "--cores",
+        "1",
+        env={"EAGLE3PREP_KILL_AT": "extract.between_batches:batch=1"},
+        check=False,
+        new_session=True,
+    )
+    assert killed.returncode == -signal.SIGKILL
+    unfinished = [k for k in (1, 2) if not (wd / f"results/hidden_states/shard_{k}/manifest.json").exists()]
+    assert unfinished, "the kill point was not reached"
+    # The same command again: it resumes, and the finished shard is neither recomputed nor touched.
+    rerun = snakemake(wd)
+    assert "removed stale lock" in rerun.stderr
+    assert stat_files(wd / "results/hidden_states/shard_0") == before
+    assert "shard_0" not in re.findall(r"output: (results/hidden_states/shard_\d+)", rerun.stdout + rerun.stderr)
+    assert tree_digest(wd / "results") == tree_digest(full_run / "results")
