@@ -76,7 +76,9 @@ def reference(model_path, rows):
 @pytest.fixture(scope="module", params=ENGINES, ids=[f"{p}-{d}" for p, d in ENGINES])
 def engine(request, model_path, tmp_path_factory):
     path, dtype = request.param
-    spec = CaptureSpec(backend="vllm", model_path=model_path, layer_ids=LAYER_IDS, dtype=dtype, max_seq_len=MAX_SEQ_LEN)
+    spec = CaptureSpec(
+        backend="vllm", model_path=model_path, layer_ids=LAYER_IDS, dtype=dtype, max_seq_len=MAX_SEQ_LEN
+    )
     options = {
         "capture_path": path,
         "max_num_batched_tokens": BATCH_TOKENS,

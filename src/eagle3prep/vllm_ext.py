@@ -26,7 +26,8 @@ from .vllm_compat import TAG_KEY, step_layout
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HiddenStatesCapture", "RowAccumulator", "CPUHiddenStatesConnector", "TAG_KEY"]
+# CPUHiddenStatesConnector is served by the module __getattr__ at the bottom.
+__all__ = ["HiddenStatesCapture", "RowAccumulator", "TAG_KEY"]
 
 
 class RowAccumulator:
@@ -115,6 +116,12 @@ def _decoder_stack(model: Any) -> Any:
     raise RuntimeError(f"cannot find the decoder layers of {type(model).__name__} (no .model.layers)")
 
 
+def _tp_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
 class HiddenStatesCapture:
     """vLLM worker extension (LLM(worker_extension_cls="eagle3prep.vllm_ext.HiddenStatesCapture")).
 
@@ -125,9 +132,7 @@ class HiddenStatesCapture:
 
     def e3p_install_hooks(self, layer_ids: list[int]) -> dict[str, Any]:
         """Register the hooks once; only TP rank 0 keeps rows (all ranks hold the same stream)."""
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        self._e3p_rank = get_tensor_model_parallel_rank()
+        self._e3p_rank = _tp_rank()
         self._e3p_rows = RowAccumulator()
         self._e3p_step: list = []  # this forward's segments, read when layer 0 starts
         stack = _decoder_stack(self.model_runner.model)

@@ -49,7 +49,9 @@ def _sampling_params(tag: str, extra: dict[str, Any] | None = None) -> Any:
 
     # One output token: the prompt's forward is all we need. The tag lets the worker (hooks) and
     # the file name (builtin) attribute rows to requests whatever ids vLLM assigns internally.
-    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args={compat.TAG_KEY: tag, **(extra or {})})
+    return SamplingParams(
+        max_tokens=1, temperature=0.0, detokenize=False, extra_args={compat.TAG_KEY: tag, **(extra or {})}
+    )
 
 
 def _prompts(batch: list[list[int]]) -> list[Any]:
@@ -159,7 +161,9 @@ class HooksPath:
         return {"worker_extension_cls": f"{EXT_MODULE}.HiddenStatesCapture", "enforce_eager": True}
 
     def install(self, llm: Any) -> None:
-        reply = compat.rpc_result(llm.collective_rpc("e3p_install_hooks", args=(self.layer_ids,)), version=self.version)
+        reply = compat.rpc_result(
+            llm.collective_rpc("e3p_install_hooks", args=(self.layer_ids,)), version=self.version
+        )
         log(f"hooks installed on rank 0: {reply}")
 
     def capture(self, llm: Any, batch: list[list[int]], tags: list[str]) -> dict[int, torch.Tensor]:
@@ -290,7 +294,9 @@ class VLLMBackend(CaptureBackend):
             raise ValueError(f"extract.capture_path = {wanted!r} is not one of ['auto', 'builtin', 'hooks']")
         arch = model["architectures"]
         needs_final = model["num_hidden_layers"] in self.spec.layer_ids
-        if not compat.builtin_supported(version) or (needs_final and not compat.builtin_final_layer_reachable(version, arch)):
+        if not compat.builtin_supported(version) or (
+            needs_final and not compat.builtin_final_layer_reachable(version, arch)
+        ):
             log(f"vLLM {version}: {compat.builtin_fix_hint(version, arch)}; using the hooks path")
             return ["hooks"]
         return ["builtin", "hooks"]
@@ -316,7 +322,9 @@ class VLLMBackend(CaptureBackend):
         kwargs.update(path.engine_kwargs())
         kwargs.update(opt.get("engine_args") or {})  # the user's word wins, as documented
         if kwargs.get("enable_prefix_caching"):
-            raise ValueError("extract.engine_args.enable_prefix_caching must stay false: cached tokens are not captured")
+            raise ValueError(
+                "extract.engine_args.enable_prefix_caching must stay false: cached tokens are not captured"
+            )
         return {k: v for k, v in kwargs.items() if v is not None}
 
     def _start(self, name: str, version: str, on_cpu: bool) -> None:

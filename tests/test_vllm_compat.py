@@ -1,0 +1,329 @@
+"""vLLM version shims and the hooks path's row bookkeeping, with fakes that behave like each vLLM.
+
+Runs in the base environment: nothing here imports vLLM. Test names carry the vLLM version whose
+behaviour the fake mimics.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from eagle3prep import vllm_compat as compat
+from eagle3prep import vllm_ext
+from eagle3prep.backends.base import CaptureSpec
+from eagle3prep.backends.vllm import CaptureError, VLLMBackend
+from eagle3prep.vllm_ext import HiddenStatesCapture, RowAccumulator
+
+# ---- versions and collective_rpc -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expect",
+    [("0.32.0", (0, 32, 0)), ("0.11.1rc2.dev5+gabc", (0, 11, 1)), ("0.10.1.1", (0, 10, 1)), ("1.0", (1, 0, 0))],
+)
+def test_parse_version(text, expect):
+    assert compat.parse_version(text) == expect
+
+
+def fake_executor_rpc(version: str, per_rank: list):
+    """collective_rpc(unique_reply_rank=0) as each vLLM's executor answers it."""
+    if compat.parse_version(version) < (0, 11, 1):
+        return [per_rank[0]]  # 0.11.0: always a list, `(output,) = collective_rpc(...)`
+    return per_rank[0]  # 0.11.1+: `return responses[0] if output_rank is not None else responses`
+
+
+def test_collective_rpc_reply_vllm_0_11_0_list():
+    reply = fake_executor_rpc("0.11.0", [{"rows": 3}, None])
+    assert reply == [{"rows": 3}]
+    assert compat.rpc_result(reply, version="0.11.0", unique_reply_rank=0) == {"rows": 3}
+
+
+def test_collective_rpc_reply_vllm_0_11_1_bare():
+    reply = fake_executor_rpc("0.11.1", [{"rows": 3}, None])
+    assert compat.rpc_result(reply, version="0.11.1", unique_reply_rank=0) == {"rows": 3}
+
+
+def test_collective_rpc_reply_vllm_0_11_1_bare_list_of_tensors_is_not_unwrapped():
+    # The bare result may itself be a list (speculators v0.3 read [0] of it: the first layer's tensor).
+    tensors = [torch.zeros(2, 4), torch.ones(2, 4)]
+    reply = fake_executor_rpc("0.11.1", [tensors])
+    assert compat.rpc_result(reply, version="0.11.1", unique_reply_rank=0) is tensors
+
+
+@pytest.mark.parametrize("version", ["0.11.0", "0.26.0", "0.32.0"])
+def test_llm_collective_rpc_reply_is_one_per_worker_vllm(version):
+    # LLM.collective_rpc (what the backend calls) never takes unique_reply_rank: a list in rank order.
+    assert compat.rpc_result([{"rank": 0}, {"rank": 1}], version=version) == {"rank": 0}
+
+
+def test_collective_rpc_empty_reply_raises():
+    with pytest.raises(RuntimeError, match="one reply per worker"):
+        compat.rpc_result([], version="0.32.0")
+
+
+# ---- capability gates ----------------------------------------------------------------------------
+
+
+def test_builtin_path_vllm_0_17_lacks_final_layer():
+    assert not compat.builtin_supported("0.17.0")
+    assert not compat.builtin_final_layer_reachable("0.17.0", ["LlamaForCausalLM"])
+
+
+def test_builtin_path_vllm_0_18_llama():
+    assert compat.builtin_final_layer_reachable("0.18.0", ["LlamaForCausalLM"])
+    assert not compat.custom_save_path_supported("0.23.0")
+    assert compat.custom_save_path_supported("0.24.0")
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK25ForConditionalGeneration"])
+def test_builtin_final_layer_deepseek_vllm_0_24_unreachable_0_25_reachable(arch):
+    assert not compat.builtin_final_layer_reachable("0.24.0", [arch])
+    assert compat.builtin_final_layer_reachable("0.25.0", [arch])
+    assert "needs vLLM >= 0.25" in compat.builtin_fix_hint("0.24.0", [arch])
+
+
+# ---- step layout (which rows of a forward belong to which request) -------------------------------
+
+
+class FakeBuffer:  # vLLM >= 0.10.2 CpuGpuBuffer: .cpu tensor, .np view, .gpu tensor
+    def __init__(self, values):
+        self.cpu = torch.tensor(values, dtype=torch.int32)
+        self.np = self.cpu.numpy()
+
+
+def fake_runner(req_ids, query_start_loc, computed, tags=None, legacy=False):
+    """A V1 GPUModelRunner at forward time; `legacy` = the pre-CpuGpuBuffer attributes."""
+    tags = tags or {}
+    batch = SimpleNamespace(
+        req_ids=list(req_ids),
+        num_reqs=len(req_ids),
+        num_computed_tokens_cpu=np.array(computed, dtype=np.int32),
+    )
+    requests = {
+        r: SimpleNamespace(
+            sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: tags[r]} if r in tags else None)
+        )
+        for r in req_ids
+    }
+    runner = SimpleNamespace(input_batch=batch, requests=requests)
+    padded = list(query_start_loc) + [query_start_loc[-1]] * 3  # vLLM pads the buffer past num_reqs
+    if legacy:
+        runner.query_start_loc_np = np.array(padded, dtype=np.int32)
+    else:
+        runner.query_start_loc = FakeBuffer(padded)
+    return runner
+
+
+def test_step_layout_vllm_0_32_cpu_gpu_buffer_with_chunked_prefill():
+    # Request "1-ab" continues at position 64 (its second chunk); "2-cd" starts; "3-ef" got no token.
+    runner = fake_runner(["1-ab", "2-cd", "3-ef"], [0, 40, 64, 64], [64, 0, 0], tags={"1-ab": "rowA", "2-cd": "rowB"})
+    assert compat.step_layout(runner) == [
+        compat.Segment("rowA", 64, 0, 40),
+        compat.Segment("rowB", 0, 40, 64),
+    ]
+
+
+def test_step_layout_vllm_0_10_1_query_start_loc_np():
+    runner = fake_runner(["0"], [0, 5], [0], legacy=True)
+    assert compat.step_layout(runner) == [compat.Segment("0", 0, 0, 5)]  # no tag: vLLM's own id
+
+
+def test_step_layout_dummy_run_is_empty():
+    assert compat.step_layout(fake_runner([], [0], [])) == []
+
+
+def test_step_layout_vllm_0_32_model_runner_v2_is_refused():
+    runner = SimpleNamespace(input_batch=None, requests={})  # MRv2 builds its InputBatch per step
+    with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        compat.step_layout(runner)
+
+
+# ---- row bookkeeping -----------------------------------------------------------------------------
+
+
+def rows(start, n, h=2, value=None):
+    """[n, h] rows whose value encodes the position, so misplaced rows show."""
+    pos = torch.arange(start, start + n, dtype=torch.float32)[:, None]
+    return pos.expand(n, h).clone() if value is None else torch.full((n, h), float(value))
+
+
+def test_accumulator_joins_chunks_in_position_order_and_keeps_batch_order():
+    acc = RowAccumulator()
+    acc.add("b", 0, {3: rows(0, 2)})
+    acc.add("a", 4, {3: rows(4, 3)})  # chunks arrive out of order
+    acc.add("a", 0, {3: rows(0, 4)})
+    acc.add("a", 7, {3: rows(7, 1)})  # the decode step after the prompt: dropped
+    out = acc.take(["a", "b"], [7, 2])
+    assert out[3][:, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 0, 1]
+    assert acc.tags() == []
+
+
+@pytest.mark.parametrize(
+    "chunks, length, message",
+    [
+        ([(0, 3), (5, 2)], 7, "jump from 3 to 5"),  # a chunk went missing (or a prefix-cache hit)
+        ([(0, 3)], 7, "captured 3 of 7"),
+    ],
+)
+def test_accumulator_refuses_incomplete_rows(chunks, length, message):
+    acc = RowAccumulator()
+    for start, n in chunks:
+        acc.add("a", start, {1: rows(start, n)})
+    with pytest.raises(RuntimeError, match=message):
+        acc.take(["a"], [length])
+
+
+def test_accumulator_missing_request_names_it():
+    with pytest.raises(RuntimeError, match="no captured rows for request tag"):
+        RowAccumulator().take(["x"], [3])
+
+
+# ---- the worker extension, driven by a fake model runner -----------------------------------------
+
+
+class FakeLayer(torch.nn.Module):
+    """Per-token stand-in for a vLLM decoder layer: forward(positions, hidden, residual) -> (hidden, residual).
+
+    Like vLLM, it folds the incoming hidden into the residual and mutates `residual` in place, so a
+    hook that does not sum at once would read the wrong stream.
+    """
+
+    def __init__(self, k):
+        super().__init__()
+        self.k = k
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual = hidden
+        else:
+            residual.add_(hidden)  # in place, as vLLM's fused add+RMSNorm
+        return torch.tanh(residual * (self.k + 1)) * 0.5, residual
+
+
+class FakeModel(torch.nn.Module):
+    def __init__(self, n, h):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([FakeLayer(k) for k in range(n)])
+        self.embed = torch.nn.Embedding(64, h)
+
+    def forward(self, input_ids, positions):
+        hidden, residual = self.embed(input_ids), None
+        for layer in self.model.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        return hidden + residual
+
+
+def reference_streams(model, ids, layer_ids):
+    """{layer_id: [T, H]}: the stream entering each layer (id N: after the last), one row alone."""
+    streams = []
+    with torch.no_grad():
+        hidden, residual = model.embed(torch.tensor(ids)), None
+        streams.append(hidden.clone())
+        for layer in model.model.layers:
+            hidden, residual = layer(None, hidden, residual)
+            streams.append(hidden + residual)
+    return {i: streams[i] for i in layer_ids}
+
+
+def test_worker_extension_attributes_rows_under_batching_and_chunked_prefill(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(vllm_ext, "_tp_rank", lambda: 0)
+    model = FakeModel(n=4, h=3)
+    worker = HiddenStatesCapture()
+    worker.model_runner = SimpleNamespace(model=model)
+    layer_ids = [0, 2, 4]
+    worker.e3p_install_hooks(layer_ids)
+
+    row_a, row_b = [5, 9, 2, 7, 1, 3], [8, 8, 4]
+    # Step 1: all of B and the first 2 tokens of A; step 2: the rest of A (chunked prefill), B first.
+    steps = [
+        (["req-b", "req-a"], [0, 3, 5], [0, 0], row_b + row_a[:2]),
+        (["req-a"], [0, 4], [2], row_a[2:]),
+    ]
+    for req_ids, qsl, computed, flat in steps:
+        worker.model_runner = SimpleNamespace(
+            model=model, **vars(fake_runner(req_ids, qsl, computed, tags={"req-a": "A", "req-b": "B"}))
+        )
+        with torch.no_grad():
+            model(torch.tensor(flat + [0, 0]), None)  # 2 padding tokens, as in a padded forward
+
+    path = tmp_path / "cap.safetensors"
+    reply = worker.e3p_write(str(path), ["A", "B"], [len(row_a), len(row_b)])
+    assert reply == {"rank": 0, "path": str(path), "tokens": 9}
+    got = load_file(path)
+    ref_a, ref_b = reference_streams(model, row_a, layer_ids), reference_streams(model, row_b, layer_ids)
+    for i in layer_ids:
+        assert torch.allclose(got[f"layer_{i}"], torch.cat([ref_a[i], ref_b[i]]), atol=1e-6), i
+    assert got["lengths"].tolist() == [6, 3]
+
+
+def test_worker_extension_other_tp_ranks_keep_nothing(monkeypatch):
+    monkeypatch.setattr(vllm_ext, "_tp_rank", lambda: 1)
+    worker = HiddenStatesCapture()
+    worker.model_runner = SimpleNamespace(model=FakeModel(n=2, h=3))
+    assert worker.e3p_install_hooks([0, 2])["hooks"] == 0
+    assert worker.e3p_write("/nonexistent/x.safetensors", ["A"], [3]) == {"rank": 1}
+
+
+def test_cpu_connector_is_lazy_without_vllm():
+    # `import eagle3prep.vllm_ext` must not need vLLM; only the connector lookup does.
+    assert vllm_ext._cpu_connector_class.cache_info().currsize == 0  # never built here
+    with pytest.raises(AttributeError):
+        vllm_ext.NoSuchThing  # noqa: B018
+
+
+# ---- path choice and the smoke capture's message -------------------------------------------------
+
+
+def make_backend(layer_ids=(2, 4, 5, 8), capture_path="auto"):
+    spec = CaptureSpec(backend="vllm", model_path="unused", layer_ids=list(layer_ids), dtype="bfloat16")
+    return VLLMBackend(spec, {"capture_path": capture_path})
+
+
+def model_facts(arch, n=8, h=16):
+    return {"num_hidden_layers": n, "hidden_size": h, "vocab_size": 100, "architectures": [arch]}
+
+
+@pytest.mark.parametrize(
+    "version, arch, layer_ids, expect",
+    [
+        ("0.32.0", "LlamaForCausalLM", (2, 4, 5, 8), ["builtin", "hooks"]),
+        ("0.17.0", "LlamaForCausalLM", (2, 4, 5, 8), ["hooks"]),  # no id N on the built-in path
+        ("0.24.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), ["hooks"]),  # id N needs 0.25 there
+        ("0.24.0", "DeepseekV3ForCausalLM", (2, 4, 5), ["builtin", "hooks"]),  # no id N asked for
+        ("0.25.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), ["builtin", "hooks"]),
+    ],
+)
+def test_auto_capture_path_vllm(version, arch, layer_ids, expect):
+    assert make_backend(layer_ids)._candidate_paths(version, model_facts(arch)) == expect
+
+
+def test_explicit_capture_path_is_kept():
+    assert make_backend(capture_path="builtin")._candidate_paths("0.24.0", model_facts("DeepseekV3ForCausalLM")) == [
+        "builtin"
+    ]
+
+
+class ShortPath:
+    """A built-in path that, like deepseek_v2.py before vLLM 0.25, drops layer id N."""
+
+    name = "builtin"
+
+    def capture(self, llm, batch, tags):
+        t = len(batch[0])
+        return {i: torch.zeros(t, 16) for i in (2, 4, 5)}
+
+
+def test_smoke_capture_names_version_and_fix_deepseek_vllm_0_24():
+    backend = make_backend()
+    backend.llm, backend.path = object(), ShortPath()
+    with pytest.raises(
+        CaptureError, match=r"vLLM 0\.24\.0.*final-layer capture on DeepseekV3ForCausalLM needs vLLM >= 0\.25"
+    ):
+        backend._smoke("0.24.0", model_facts("DeepseekV3ForCausalLM"))
