@@ -8,6 +8,9 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
+report: "report/workflow.rst"
+
+
 include: "rules/common.smk"
 include: "rules/demo.smk"
 include: "rules/prepare.smk"
@@ -15,6 +18,7 @@ include: "rules/tokenize.smk"
 include: "rules/extract.smk"
 include: "rules/validate.smk"
 include: "rules/report.smk"
+include: "rules/plan.smk"
 
 
 rule all:

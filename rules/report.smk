@@ -7,9 +7,23 @@ rule report:
         stats="results/tokenized/stats.json",
         tokens=expand("results/tokenized/shard_{k}.jsonl", k=SHARDS),
     output:
-        html="results/report/report.html",
-        summary="results/report/summary.csv",
-        manifest="results/report/dataset_manifest.json",
+        html=report(
+            "results/report/report.html",
+            caption="../report/report_html.rst",
+            category="Report",
+        ),
+        summary=report(
+            "results/report/summary.csv",
+            caption="../report/summary_csv.rst",
+            category="Dataset",
+            labels={"file": "per-shard summary"},
+        ),
+        manifest=report(
+            "results/report/dataset_manifest.json",
+            caption="../report/dataset_manifest.rst",
+            category="Dataset",
+            labels={"file": "dataset manifest"},
+        ),
     log:
         "logs/report.log",
     benchmark:

@@ -6,7 +6,12 @@ rule validate_shard:
         tokens="results/tokenized/shard_{k}.jsonl",
         model=get_model(),
     output:
-        "results/validation/shard_{k}.json",
+        report(
+            "results/validation/shard_{k}.json",
+            caption="../report/validation.rst",
+            category="Validation",
+            labels={"shard": "{k}"},
+        ),
     log:
         "logs/validate/shard_{k}.log",
     benchmark:

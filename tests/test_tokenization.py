@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from eagle3prep.atomic import sha256_file
+from eagle3prep.provenance import tokenizer_identity
 from eagle3prep.records import Conversation
 from eagle3prep.tokenization import shard_ranges, tokenize_conversations
 
@@ -199,9 +200,8 @@ def test_stats_and_token_freq(tmp_path, demo_model_dir):
     assert {int(k): v for k, v in freq.items()} == expected  # speculators' token_freq: loss-masked tokens only
     assert stats["assistant_tokens"] == sum(expected.values())
     assert stats["tokens"] == sum(r["seq_len"] for r in rows)
-    assert stats["tokenizer_json_sha256"] == sha256_file(demo_model_dir / "tokenizer.json")
-    template = demo_template(demo_model_dir)
-    assert stats["chat_template_sha256"] == hashlib.sha256(template.encode()).hexdigest()
+    assert stats["tokenizer_sha256"] == sha256_file(demo_model_dir / "tokenizer.json")
+    assert stats["chat_template_sha256"] == tokenizer_identity(str(demo_model_dir))["chat_template_sha256"]
     lens = sorted(r["seq_len"] for r in rows)
     assert (stats["seq_len"]["min"], stats["seq_len"]["max"]) == (lens[0], lens[-1])
     assert stats["seq_len"]["p50"] == lens[2]
@@ -267,11 +267,3 @@ def test_bad_input_line_names_file_and_line(tmp_path, demo_model_dir):
             tmp_path / "q.jsonl", max_seq_len=64,
         )  # fmt: skip
     assert not (tmp_path / "s.jsonl").exists()
-
-
-def test_shallow_json_equals_to_json():
-    from eagle3prep.records import TokenizedRow
-    from eagle3prep.tokenization import shallow_json
-
-    row = TokenizedRow(row=3, id="abc", input_ids=[5, 6, 7], loss_mask=[0, 1, 1], seq_len=3)
-    assert shallow_json(row) == row.to_json()

@@ -15,7 +15,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from . import faults
+
 TMP_PREFIX = ".tmp-"
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -35,12 +43,14 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iter
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual permissions
     os.close(fd)
     try:
         with open(tmp, mode, **kwargs) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        faults.kill_point("atomic.before_rename", file=path.name)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException:

@@ -15,11 +15,10 @@ from . import faults
 from .atomic import remove_stale_temps, sha256_file, write_json
 from .backends import make_backend
 from .backends.base import CaptureSpec
-from .errors import UserError
 from .layers import CONVENTION
 from .provenance import code_version, model_identity, tokenizer_identity
 from .records import IndexEntry
-from .shard import DTYPES, MANIFEST, TIMINGS, ShardWriter, layer_file
+from .shard import DTYPES, MANIFEST, TIMINGS, DiskSpaceError, ShardWriter, human_bytes, layer_file
 
 
 def read_index(tokenized_shard: str | os.PathLike) -> list[IndexEntry]:
@@ -54,18 +53,29 @@ def shard_bytes(tokens: int, rows: int, num_layers: int, hidden_size: int, dtype
     return tokens * (num_layers * hidden_size * DTYPES[dtype][1] + 8) + 200 * rows + 65536
 
 
-class DiskSpaceError(UserError, OSError):
-    """The output filesystem cannot hold the shard."""
+def model_hidden_size(model_path: str | os.PathLike) -> int | None:
+    """H from the model's config.json (text config for multimodal wrappers); None when it has none."""
+    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    text = config.get("text_config") or config
+    return int(text["hidden_size"]) if "hidden_size" in text else None
+
+
+def free_space_probe(path: Path) -> Path:
+    """`path`, or its nearest existing parent: where the filesystem that will hold `path` can be asked."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def check_free_space(out_dir: Path, needed: int) -> None:
-    probe = out_dir if out_dir.exists() else out_dir.parent
+    """Refuse a shard that cannot fit, before any of its files (or the engine) is created."""
+    probe = free_space_probe(Path(out_dir))
     free = shutil.disk_usage(probe).free
     if needed > free:
         raise DiskSpaceError(
-            f"not enough disk for {out_dir}: the shard needs {needed / 2**30:.2f} GiB, "
-            f"{probe} has {free / 2**30:.2f} GiB free; free space or point results/ at a larger filesystem "
-            "(`snakemake plan` lists every shard's size)"
+            f"not enough disk for {out_dir}: the shard needs {human_bytes(needed)} ({needed} bytes), "
+            f"{probe} has {human_bytes(free)} ({free} bytes) free; free space or point results/ at a larger "
+            "filesystem (`snakemake plan` lists every shard's size)"
         )
 
 
@@ -92,13 +102,20 @@ def extract_shard(
     t0 = time.time()
     index = read_index(tokenized_shard)
     tokens = sum(e.length for e in index)
+    hidden_size = model_hidden_size(spec.model_path)
+    if hidden_size is not None:  # refuse before the engine starts: seconds, not an engine start-up
+        check_free_space(out, shard_bytes(tokens, len(index), len(spec.layer_ids), hidden_size, spec.dtype))
 
     faults.kill_point("extract.model_load", shard=shard)
     backend = make_backend(spec, options)
     info = backend.probe()
     t_loaded = time.time()
     needed = shard_bytes(tokens, len(index), len(spec.layer_ids), info["hidden_size"], spec.dtype)
-    check_free_space(out, needed)
+    try:  # again with the engine's own H, and the space other jobs took meanwhile; still before any layer file
+        check_free_space(out, needed)
+    except BaseException:
+        backend.close()
+        raise
     print(
         f"[extract] shard {shard}: {len(index)} rows, {tokens} tokens, layers {spec.layer_ids}, "
         f"{info['engine']} {info['engine_version']} via {info['capture_path']}, ~{needed / 2**20:.1f} MiB",

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3prep import faults
 from eagle3prep.atomic import atomic_open, write_json
 from eagle3prep.errors import UserError
 from eagle3prep.records import Conversation, Quarantined
@@ -427,6 +428,7 @@ def prepare(
             per_file.append(fc)
             for raw in reader.read(path):
                 fc.rows_in += 1
+                faults.kill_point("prepare.mid_stream", file=os.path.basename(path), line=raw.line)
                 try:
                     if raw.reason is not None:
                         raise Rejected(raw.reason, raw.detail)
@@ -450,6 +452,7 @@ def prepare(
             fc.blank_lines = getattr(reader, "blank_lines", 0)
         counts = _counts_json(sources, max_line_bytes, per_file, duplicate_rows)
         check_invariant(counts, written)
+        faults.kill_point("prepare.before_rename")
     write_json(out_counts, counts)
     return counts
 

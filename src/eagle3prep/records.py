@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+
+def _shallow(obj: Any) -> dict[str, Any]:
+    """Like dataclasses.asdict without deep-copying token lists (60 % of tokenize time on 20k rows)."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
 @dataclass(slots=True)
@@ -15,7 +20,7 @@ class Conversation:
     source: str  # "path:line" of the raw record it came from
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return _shallow(self)
 
 
 @dataclass(slots=True)
@@ -29,7 +34,7 @@ class TokenizedRow:
     seq_len: int
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return _shallow(self)
 
 
 @dataclass(slots=True)
@@ -42,7 +47,7 @@ class IndexEntry:
     length: int  # number of tokens (= seq_len)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return _shallow(self)
 
 
 @dataclass(slots=True)
@@ -56,4 +61,4 @@ class Quarantined:
     record: Any = field(default=None)  # the raw record (or its repr when it is not JSON)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return _shallow(self)

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from . import faults
 from .atomic import atomic_open, sha256_file, write_json
 from .shard import FORMAT, MANIFEST, TIMINGS, read_manifest
 
@@ -130,6 +131,7 @@ def build_report(
         for layer, s in v.get("layer_stats", {}).items():
             layer_norms.setdefault(layer, []).append(s["mean_token_norm"])
     summary = pd.DataFrame(records)
+    faults.kill_point("report.before_summary")
     with atomic_open(out_csv, "w", encoding="utf-8", newline="") as f:
         summary.to_csv(f, index=False)
 
@@ -166,9 +168,11 @@ def build_report(
     mixed = {(m["dtype"], tuple(m["layer_ids"]), m["model"]["weights_sha256"]) for m in manifests}
     if len(mixed) > 1:
         raise ValueError(f"shards disagree on dtype/layer ids/model: {sorted(mixed)}; rerun the odd ones")
+    faults.kill_point("report.before_manifest")
     write_json(out_manifest, dataset)
 
     figs = _plots(rows, summary, layer_norms)
+    faults.kill_point("report.before_html")
     _write_html(out_html, dataset, summary, figs, counts, stats)
     return dataset
 

@@ -11,14 +11,20 @@ memory is bounded by one batch, not by the shard.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
+import shutil
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import faults
 from .atomic import TMP_PREFIX, fsync_dir, sha256_file, write_json
+from .errors import UserError
 from .records import IndexEntry
 
 if TYPE_CHECKING:
@@ -43,6 +49,35 @@ def layer_file(layer_id: int) -> str:
     return f"layer_{layer_id}.safetensors"
 
 
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary units, as `df -h` prints them)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class DiskSpaceError(UserError, OSError):
+    """The output filesystem cannot hold the shard: refused before writing, or full while writing."""
+
+
+@contextlib.contextmanager
+def disk_full_is_user_error(path: Path) -> Iterator[None]:
+    """Turn ENOSPC while writing `path` into a DiskSpaceError that names the file and the free space."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        free = shutil.disk_usage(path.parent).free
+        raise DiskSpaceError(
+            f"disk full while writing {path}: {human_bytes(free)} ({free} bytes) free on its filesystem now; "
+            "another job may have used the space since the pre-check. Free space or point results/ at a larger "
+            "filesystem, then rerun (`snakemake plan` lists every shard's size)"
+        ) from e
+
+
 class StreamingSafetensorsWriter:
     """Writes one tensor of a known shape into a safetensors file, chunk by chunk along dim 0.
 
@@ -64,10 +99,15 @@ class StreamingSafetensorsWriter:
         self.tmp = self.path.with_name(f"{TMP_PREFIX}{self.path.name}")
         self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish() or abort()
         self._sha = hashlib.sha256()
-        self._write(struct.pack("<Q", len(blob)) + blob)
+        try:
+            self._write(struct.pack("<Q", len(blob)) + blob)
+        except BaseException:
+            self.abort()
+            raise
 
     def _write(self, data: bytes | memoryview) -> None:
-        self._f.write(data)
+        with disk_full_is_user_error(self.path):
+            self._f.write(data)
         self._sha.update(data)
 
     def append(self, tensor: torch.Tensor) -> None:
@@ -84,6 +124,7 @@ class StreamingSafetensorsWriter:
 
         flat = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
         self._write(memoryview(flat.numpy()))
+        faults.kill_point("shard.mid_write", file=self.path.name, rows=self.rows)
         self.rows += tensor.shape[0]
 
     def finish(self) -> dict[str, Any]:
@@ -91,16 +132,19 @@ class StreamingSafetensorsWriter:
         if self.rows != self.expected_rows:
             self.abort()
             raise ValueError(f"{self.path.name}: {self.rows} rows written, {self.expected_rows} declared")
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
+        with disk_full_is_user_error(self.path):  # buffered bytes can meet a full disk only here
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
         size = self.tmp.stat().st_size
         os.replace(self.tmp, self.path)
         return {"sha256": self._sha.hexdigest(), "bytes": size, "shape": list(self.shape), "dtype": self.dtype}
 
     def abort(self) -> None:
+        """Drop the temp file. Never raises for a full disk: close() flushes, and that may fail again."""
         if not self._f.closed:
-            self._f.close()
+            with contextlib.suppress(OSError):
+                self._f.close()
         self.tmp.unlink(missing_ok=True)
 
 
@@ -122,13 +166,20 @@ class ShardWriter:
         self.layer_ids = list(layer_ids)
         self.index = index
         self.total_tokens = sum(e.length for e in index)
-        self.layers = {
-            lid: StreamingSafetensorsWriter(
-                self.out_dir / layer_file(lid), "hidden_states", dtype, (self.total_tokens, hidden_size)
+        self.layers: dict[int, StreamingSafetensorsWriter] = {}
+        self.tokens: StreamingSafetensorsWriter | None = None
+        self._placed: list[Path] = []  # files this writer renamed into place; abort() removes them
+        try:
+            for lid in self.layer_ids:
+                self.layers[lid] = StreamingSafetensorsWriter(
+                    self.out_dir / layer_file(lid), "hidden_states", dtype, (self.total_tokens, hidden_size)
+                )
+            self.tokens = StreamingSafetensorsWriter(
+                self.out_dir / TOKEN_IDS, "token_ids", "int64", (self.total_tokens,)
             )
-            for lid in self.layer_ids
-        }
-        self.tokens = StreamingSafetensorsWriter(self.out_dir / TOKEN_IDS, "token_ids", "int64", (self.total_tokens,))
+        except BaseException:
+            self.abort()
+            raise
 
     def append(self, token_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
         """Append one batch: token_ids [n] int64 and {layer_id: [n, H]} for exactly our layer ids."""
@@ -142,13 +193,21 @@ class ShardWriter:
 
     def finish(self, manifest: dict[str, Any], before_manifest=None) -> dict[str, Any]:
         """Rename the data files into place, write index.json, then manifest.json last."""
-        files = {layer_file(lid): w.finish() for lid, w in self.layers.items()}
-        files[TOKEN_IDS] = self.tokens.finish()
-        write_json(self.out_dir / INDEX, [e.to_json() for e in self.index])
+        files = {}
+        for w in [*self.layers.values(), self.tokens]:
+            files[w.path.name] = w.finish()
+            self._placed.append(w.path)
+            faults.kill_point("shard.between_files", file=w.path.name)
+        faults.kill_point("shard.before_index", dir=self.out_dir.name)
+        self._placed.append(self.out_dir / INDEX)
+        with disk_full_is_user_error(self.out_dir / INDEX):
+            write_json(self.out_dir / INDEX, [e.to_json() for e in self.index])
         files[INDEX] = {"sha256": sha256_file(self.out_dir / INDEX), "bytes": (self.out_dir / INDEX).stat().st_size}
         fsync_dir(self.out_dir)
         if before_manifest is not None:
-            before_manifest()
+            self._placed.append(self.out_dir / TIMINGS)
+            with disk_full_is_user_error(self.out_dir / TIMINGS):
+                before_manifest()
         manifest = {
             **manifest,
             "format": FORMAT,
@@ -157,12 +216,19 @@ class ShardWriter:
             "tokens": self.total_tokens,
             "layer_ids": self.layer_ids,
         }
-        write_json(self.out_dir / MANIFEST, manifest)
+        with disk_full_is_user_error(self.out_dir / MANIFEST):
+            write_json(self.out_dir / MANIFEST, manifest)
+        self._placed = []  # finished: the files now belong to the manifest
         return manifest
 
     def abort(self) -> None:
+        """Remove every file of the unfinished shard (temp files and those already renamed into place)."""
         for w in [*self.layers.values(), self.tokens]:
-            w.abort()
+            if w is not None:
+                w.abort()
+        for p in self._placed:
+            p.unlink(missing_ok=True)
+        self._placed = []
 
 
 def read_manifest(shard_dir: str | os.PathLike) -> dict[str, Any]:

@@ -13,7 +13,6 @@ are assigned in input order before sharding, so shard k is a contiguous row rang
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -22,11 +21,13 @@ import sys
 from array import array
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3prep.atomic import TMP_PREFIX, atomic_open, sha256_file, write_json, write_jsonl
+from eagle3prep import faults
+from eagle3prep.atomic import TMP_PREFIX, atomic_open, write_json, write_jsonl
+from eagle3prep.provenance import tokenizer_identity
 from eagle3prep.records import Quarantined, TokenizedRow
 
 # The test transformers itself uses to decide whether a template tracks generation spans.
@@ -69,10 +70,6 @@ def get_chat_template(tokenizer, model_path: str | os.PathLike) -> str:
             f"{model_path}: the tokenizer has no usable chat template (no chat_template.jinja, no default "
             "chat_template in tokenizer_config.json); copy the instruct model's chat_template.jinja into the folder"
         ) from None
-
-
-def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 class ChatEncoder:
@@ -177,12 +174,6 @@ class ChatEncoder:
         return results
 
 
-def shallow_json(record) -> dict[str, Any]:
-    """Same dict as `record.to_json()`, without dataclasses.asdict's deep copy of every token list
-    (that copy took 60 % of the stage's time on 20k rows)."""
-    return {f.name: getattr(record, f.name) for f in fields(record)}
-
-
 def read_conversations(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
     """(1-based line, Conversation JSON) for each line of the prepare stage's output."""
     with open(path, encoding="utf-8") as f:
@@ -272,7 +263,7 @@ def tokenize_conversations(
             f"{tokenizer.model_max_length} ({model_path}); the model may not take rows that long",
             file=sys.stderr,
         )
-    tokenizer_json = Path(model_path) / "tokenizer.json"
+    identity = tokenizer_identity(str(model_path))
 
     seq_lens = array("q")
     token_freq: Counter[int] = Counter()
@@ -290,6 +281,7 @@ def tokenize_conversations(
                 results = encoder.encode([conv["messages"] for _, conv in batch])
                 for (line_no, conv), result in zip(batch, results, strict=True):
                     n_in += 1
+                    faults.kill_point("tokenize.mid_stream", rows_in=n_in)
                     if isinstance(result, Rejected):
                         quarantined.append(
                             Quarantined(str(conversations_path), line_no, result.reason, result.detail, conv)
@@ -314,7 +306,7 @@ def tokenize_conversations(
                     row = TokenizedRow(
                         row=len(seq_lens), id=conv["id"], input_ids=ids, loss_mask=mask, seq_len=len(ids)
                     )
-                    spill_f.write(json.dumps(shallow_json(row), ensure_ascii=False, separators=(",", ":")) + "\n")
+                    spill_f.write(json.dumps(row.to_json(), ensure_ascii=False, separators=(",", ":")) + "\n")
                     seq_lens.append(len(ids))
                     n_tokens += len(ids)
                     n_assistant += sum(mask)
@@ -331,6 +323,7 @@ def tokenize_conversations(
                     {"shard": k, "path": str(out_shards[k]), "first_row": start, "rows": end - start,
                      "tokens": sum(seq_lens[start:end])}
                 )  # fmt: skip
+                faults.kill_point("tokenize.between_shards", shard=k)
     finally:
         with contextlib.suppress(FileNotFoundError):
             spill.unlink()
@@ -353,9 +346,11 @@ def tokenize_conversations(
         "shards": shards,
         "seq_len": seq_len_summary(seq_lens),
         "mask_source": encoder.mask_source,
-        "chat_template_sha256": sha256_text(encoder.template),
-        "tokenizer_json_sha256": sha256_file(tokenizer_json) if tokenizer_json.is_file() else None,
+        # the same hashes every manifest records (provenance.tokenizer_identity), so they can be compared
+        "chat_template_sha256": identity.get("chat_template_sha256"),
+        "tokenizer_sha256": identity.get("tokenizer_sha256"),
     }
+    faults.kill_point("tokenize.before_stats")
     write_json(stats_path, stats)
     print(
         f"tokenize: {n_in} conversations -> {len(seq_lens)} rows, {n_tokens} tokens "

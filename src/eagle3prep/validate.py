@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import faults
 from .atomic import TMP_PREFIX, sha256_file, write_json
 from .errors import UserError
 from .reference import Reference, bounds, compare, within
@@ -113,6 +114,7 @@ def _check_tensors(
     )
     stats = {}
     for lid in manifest["layer_ids"]:
+        faults.kill_point("validate.mid_checks", shard=shard.name, layer=lid)
         with safe_open(shard / layer_file(lid), framework="pt") as f:
             sl = f.get_slice("hidden_states")
             shape, dtype = sl.get_shape(), sl.get_dtype()
@@ -250,6 +252,7 @@ def validate_shard(
                 )
     report["checks"] = checks.items
     report["ok"] = not checks.failed
+    faults.kill_point("validate.before_report", shard=shard.name)
     write_json(out_json, report)
     for c in checks.items:
         print(f"[validate] {'ok  ' if c['ok'] else 'FAIL'} {c['check']}: {c['detail']}", file=sys.stderr)

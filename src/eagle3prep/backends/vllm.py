@@ -214,14 +214,12 @@ class VLLMBackend(CaptureBackend):
         version = compat.installed_version()
         model = self._model_facts()
         check_layer_ids(self.spec.layer_ids, model["num_hidden_layers"])
+        self._gpus = self._claim_gpus()  # before vLLM is imported: it reads CUDA_VISIBLE_DEVICES
         on_cpu = self._on_cpu()
-        if not on_cpu:
-            from ..gpus import claim_gpus
-
-            self._gpus = claim_gpus(self.spec.tp_size)
         self._staging = self._make_staging()
 
         candidates = self._candidate_paths(version, model)
+        fallback_reason = None
         for k, name in enumerate(candidates):
             last = k == len(candidates) - 1
             try:
@@ -232,6 +230,7 @@ class VLLMBackend(CaptureBackend):
                 self._shutdown_engine()
                 if last:
                     raise
+                fallback_reason = f"{name} path failed its probe: {e}"[:500]
                 log(f"the {name} capture path failed its probe on vLLM {version} ({e}); trying {candidates[k + 1]}")
 
         n = model["num_hidden_layers"]
@@ -250,6 +249,7 @@ class VLLMBackend(CaptureBackend):
             "platform": "cpu" if on_cpu else "cuda",
             "gpu_ids": os.environ.get("CUDA_VISIBLE_DEVICES") if not on_cpu else None,
             "staging_dir": str(self._staging),
+            "fallback_reason": fallback_reason,
             "probe_s": round(time.time() - t0, 2),
         }
         return self.info
@@ -265,6 +265,13 @@ class VLLMBackend(CaptureBackend):
             "vocab_size": int(text.vocab_size),
             "architectures": list(getattr(cfg, "architectures", None) or []),
         }
+
+    def _claim_gpus(self) -> Any:
+        from ..gpus import claim_gpus, count_gpus
+
+        if "CUDA_VISIBLE_DEVICES" not in os.environ and count_gpus() == 0:
+            return None  # no NVIDIA GPU here (vLLM's CPU build): nothing to claim
+        return claim_gpus(self.spec.tp_size)
 
     @staticmethod
     def _on_cpu() -> bool:

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Debian's Slurm (controller, node daemon, client) and munge, for the one-node cluster that
+# tests/test_slurm.py starts on localhost. Accounting (slurmdbd + a database) is not installed:
+# the test runs the executor plugin with `--slurm-status-command squeue`, which needs no accounting
+# database as long as MinJobAge keeps finished jobs visible (the test's slurm.conf sets it).
+# Idempotent: does nothing when slurmctld is already installed. Needs root (CI runs as root).
+set -euo pipefail
+if command -v slurmctld >/dev/null 2>&1; then
+    echo "install-slurm: slurmctld already installed ($(slurmctld -V))"
+    exit 0
+fi
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -q
+apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge
+# The packages' postinst may start the daemons with the stock config; the test starts its own.
+for svc in slurmctld slurmd munge; do
+    if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet "$svc" 2>/dev/null; then
+        systemctl stop "$svc" || true
+    fi
+done
+slurmctld -V

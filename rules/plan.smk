@@ -1,0 +1,21 @@
+# Disk and GPU time before any GPU job runs: bytes per shard, free space, job time, a shard size.
+# Not part of `all`: `snakemake plan` (add -f to refresh the free space after freeing disk).
+rule plan:
+    input:
+        stats="results/tokenized/stats.json",
+        model=get_model(),
+    output:
+        json="results/plan/plan.json",
+        txt="results/plan/plan.txt",
+    log:
+        "logs/plan.log",
+    conda:
+        "../envs/base.yaml"
+    params:
+        hidden_states="results/hidden_states",
+        layers=config["layers"],
+        dtype=config["extract"]["dtype"],
+        plan=config["plan"],
+        gpus=get_gpus(),
+    script:
+        "../scripts/plan.py"

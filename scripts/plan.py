@@ -1,0 +1,23 @@
+import sys
+
+sys.stderr = open(snakemake.log[0], "w", buffering=1)
+
+from eagle3prep.errors import one_line_errors
+from eagle3prep.plan import plan_run
+
+with one_line_errors():
+    text = plan_run(
+        {
+            "model": {"path": snakemake.input.model},
+            "layers": snakemake.params.layers,
+            "extract": {"dtype": snakemake.params.dtype},
+            "plan": snakemake.params.plan,
+        },
+        snakemake.input.stats,
+        hidden_states_dir=snakemake.params.hidden_states,
+        json_path=snakemake.output.json,
+        txt_path=snakemake.output.txt,
+        gpus_per_job=snakemake.params.gpus,
+    )
+    print(text, file=sys.stderr)
+    print(text, file=sys.__stdout__)  # `snakemake plan` shows the plan on the terminal

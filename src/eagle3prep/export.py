@@ -1,0 +1,219 @@
+"""Export to the layout vllm-project/speculators (>= 0.8) trains from (DESIGN.md §7).
+
+results/export/speculators/
+  data-*.arrow, dataset_info.json, state.json   datasets' save_to_disk, torch format: one row per `row`,
+                                                 input_ids, loss_mask (int64 lists), seq_len (int64)
+  token_freq.pt                                  torch.save'd {token_id: count} over loss-masked tokens
+  hidden_states/hs_{row}.safetensors             token_ids [T] int64, hidden_states [T, L, H] model dtype
+  manifest.json                                  written last: sha256 of every file above
+
+speculators' ArrowDataset reads arrow row i together with hs_{i}.safetensors and uses
+hidden_states[:, :-1] as the EAGLE-3 input and hidden_states[:, -1] as the verifier's last state
+(before its final norm). Our global row ids are 0..n-1 in arrow order, so hs_{row} is hs_{i}; the
+export checks that. Opt-in, because it copies every hidden-state byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .atomic import TMP_PREFIX, atomic_open, fsync_dir, sha256_file, write_json
+from .errors import UserError
+from .layers import CONVENTION
+from .provenance import code_version
+from .shard import MANIFEST, TOKEN_IDS, layer_file, read_index, read_manifest
+
+FORMAT = "eagle3prep.speculators_export/1"
+HIDDEN_STATES = "hidden_states"
+TOKEN_FREQ = "token_freq.pt"
+
+
+class ExportError(UserError, ValueError):
+    """The inputs cannot be exported as speculators training data; the message says why."""
+
+
+def hs_file(row: int) -> str:
+    """speculators' FileTransfer name for arrow row `row` (hs_connectors.transfer.FileTransfer.get_cached)."""
+    return f"hs_{row}.safetensors"
+
+
+def check_shards(shard_dirs: list[str], validations: list[str]) -> list[dict[str, Any]]:
+    """Manifests of validated, mutually consistent shards whose rows are 0..n-1 in order."""
+    manifests = [read_manifest(d) for d in shard_dirs]
+    for d, v in zip(shard_dirs, validations, strict=True):
+        report = json.loads(Path(v).read_text(encoding="utf-8"))
+        if not report.get("ok") or Path(report["shard_dir"]).resolve() != Path(d).resolve():
+            raise ExportError(f"{v} is not a passed validation of {d}; rerun validate_shard for it")
+    kinds = {(m["dtype"], tuple(m["layer_ids"]), m["hidden_size"], m["num_hidden_layers"]) for m in manifests}
+    if len(kinds) != 1:
+        raise ExportError(
+            f"shards disagree on (dtype, layer ids, hidden size, N): {sorted(kinds)}; rerun the odd ones"
+        )
+    first = manifests[0]
+    n = first["num_hidden_layers"]
+    if first["layer_ids"][-1] != n or len(first["layer_ids"]) < 2:
+        raise ExportError(
+            f"layer ids {first['layer_ids']} cannot feed speculators: its last slot must be the pre-norm final "
+            f"state (id {n}) after at least one auxiliary layer; add {n} to layers.ids and rerun extract"
+        )
+    expected = 0
+    for d, m in zip(shard_dirs, manifests, strict=True):
+        a, b = m["row_range"]
+        if a != expected or b - a != m["rows"]:
+            raise ExportError(
+                f"{d} holds rows {a}..{b - 1} ({m['rows']} rows), expected rows from {expected}: speculators "
+                "names hidden-state files by arrow row index, so shards must be given in order, without gaps"
+            )
+        expected = b
+    return manifests
+
+
+def _rows(shard_dir: str, tokenized: str) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """(index entry, tokenized row) pairs of one shard, checked to be the same row."""
+    index = read_index(shard_dir)
+    with open(tokenized, encoding="utf-8") as f:
+        lines = iter(f)
+        for e in index:
+            rec = json.loads(next(lines, "null"))
+            if rec is None or (rec["row"], rec["id"], rec["seq_len"]) != (e.row, e.id, e.length):
+                raise ExportError(f"{tokenized} does not match {shard_dir}/index.json at row {e.row}")
+            yield e, rec
+        if next(lines, None) is not None:
+            raise ExportError(f"{tokenized} has more rows than {shard_dir}/index.json")
+
+
+def _write_hidden_states(
+    out: Path, shard_dir: str, tokenized: str, layer_ids: list[int], files: dict[str, dict[str, Any]]
+) -> int:
+    """Write hs_{row}.safetensors for every row of one shard; return its token count."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    tokens = 0
+    with contextlib.ExitStack() as stack:
+        opened = [stack.enter_context(safe_open(Path(shard_dir) / layer_file(i), framework="pt")) for i in layer_ids]
+        slices = [h.get_slice("hidden_states") for h in opened]  # each [sum_T, H], memory-mapped
+        token_slice = stack.enter_context(safe_open(Path(shard_dir) / TOKEN_IDS, framework="pt")).get_slice(
+            "token_ids"
+        )  # [sum_T] int64
+        for e, rec in _rows(shard_dir, tokenized):
+            a, b = e.offset, e.offset + e.length
+            token_ids = token_slice[a:b]  # [T] int64
+            if token_ids.tolist() != rec["input_ids"]:
+                raise ExportError(f"{shard_dir}: stored token ids of row {e.row} differ from {tokenized}")
+            hidden = torch.stack([s[a:b] for s in slices], dim=1)  # [T, L, H], ascending layer ids
+            blob = save({"token_ids": token_ids, "hidden_states": hidden})
+            name = f"{HIDDEN_STATES}/{hs_file(e.row)}"
+            with atomic_open(out / name, "wb") as f:
+                f.write(blob)
+            files[name] = {"sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
+            tokens += e.length
+    return tokens
+
+
+def _write_arrow(out: Path, shard_dirs: list[str], tokenized: list[str], files: dict[str, dict[str, Any]]) -> None:
+    """The arrow dataset, built as a stream (memory does not grow with the data) and moved in file by file."""
+    from datasets import Dataset, Features, List, Value
+    from datasets.arrow_reader import ArrowReader
+    from datasets.arrow_writer import ArrowWriter
+
+    features = Features(
+        {"input_ids": List(Value("int64")), "loss_mask": List(Value("int64")), "seq_len": Value("int64")}
+    )
+    stream = out / f"{TMP_PREFIX}rows.arrow"
+    staging = out / f"{TMP_PREFIX}arrow"
+    with ArrowWriter(features=features, path=str(stream)) as writer:
+        for d, tok in zip(shard_dirs, tokenized, strict=True):
+            for _, rec in _rows(d, tok):
+                writer.write({k: rec[k] for k in ("input_ids", "loss_mask", "seq_len")})
+        writer.finalize()
+    # Dataset.from_file would fingerprint the file's mtime; a content hash keeps reruns byte-identical.
+    ds = Dataset(ArrowReader.read_table(str(stream)), fingerprint=sha256_file(stream)[:16])
+    # speculators compares hs token_ids with dataset["input_ids"] via torch.equal: tensors, so torch format.
+    ds.set_format(type="torch")
+    ds.save_to_disk(str(staging))
+    del ds
+    for p in sorted(staging.iterdir()):
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(p, out / p.name)
+        files[p.name] = {"sha256": sha256_file(out / p.name), "bytes": (out / p.name).stat().st_size}
+    fsync_dir(out)
+    staging.rmdir()
+    stream.unlink()
+
+
+def _write_token_freq(out: Path, token_freq_json: str, files: dict[str, dict[str, Any]]) -> None:
+    """speculators' own format (train/vocab_mapping.py): torch.save of a dict {token_id: count}, int keys."""
+    import torch
+
+    counts = json.loads(Path(token_freq_json).read_text(encoding="utf-8"))
+    with atomic_open(out / TOKEN_FREQ, "wb") as f:
+        torch.save({int(t): int(c) for t, c in counts.items()}, f)
+    files[TOKEN_FREQ] = {"sha256": sha256_file(out / TOKEN_FREQ), "bytes": (out / TOKEN_FREQ).stat().st_size}
+
+
+def export_speculators(
+    shard_dirs: list[str], validations: list[str], tokenized: list[str], token_freq_json: str, out_dir: str
+) -> dict[str, Any]:
+    """Write `out_dir` in speculators' layout; manifest.json last. Shards must come in row order."""
+    from tqdm import tqdm
+
+    manifests = check_shards(shard_dirs, validations)
+    first = manifests[0]
+    layer_ids = first["layer_ids"]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)  # a stale manifest must never describe new files
+    for p in out.glob(f"{TMP_PREFIX}*"):  # leftovers of a killed export
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    (out / HIDDEN_STATES).mkdir(exist_ok=True)
+
+    rows = sum(m["rows"] for m in manifests)
+    print(
+        f"[export] {rows} rows from {len(shard_dirs)} shards, layers {layer_ids} ({CONVENTION}) -> {out}",
+        file=sys.stderr,
+    )
+    files: dict[str, dict[str, Any]] = {}
+    _write_arrow(out, shard_dirs, tokenized, files)
+    _write_token_freq(out, token_freq_json, files)
+    tokens = 0
+    bar = tqdm(total=rows, unit="row", file=sys.stderr, mininterval=1.0, desc="hs files")
+    for d, tok, m in zip(shard_dirs, tokenized, manifests, strict=True):
+        tokens += _write_hidden_states(out, d, tok, layer_ids, files)
+        bar.update(m["rows"])
+    bar.close()
+    fsync_dir(out / HIDDEN_STATES)
+
+    manifest = {
+        "format": FORMAT,
+        "rows": rows,
+        "tokens": tokens,
+        "layer_ids": layer_ids,
+        "layer_id_convention": CONVENTION,
+        # speculators train --target-layer-ids: the auxiliary ids, vLLM's convention (= ours), final slot excluded.
+        "target_layer_ids": layer_ids[:-1],
+        "num_hidden_layers": first["num_hidden_layers"],
+        "hidden_size": first["hidden_size"],
+        "dtype": first["dtype"],
+        "model": first["model"],
+        "tokenizer": first["tokenizer"],
+        "sources": [{"shard_dir": str(d), "manifest_sha256": sha256_file(Path(d) / MANIFEST)} for d in shard_dirs],
+        "files": dict(sorted(files.items())),
+        "code_version": code_version(),
+    }
+    write_json(out / MANIFEST, manifest)
+    size = sum(f["bytes"] for f in files.values())
+    print(
+        f"[export] done: {rows} rows, {tokens} tokens, {size / 2**20:.1f} MiB in {len(files)} files", file=sys.stderr
+    )
+    return manifest

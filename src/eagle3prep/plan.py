@@ -1,0 +1,216 @@
+"""The `plan` target: what the extract jobs will write and how long they will take, before any of them runs.
+
+From the tokenized shards' sizes (results/tokenized/stats.json) and the model's shape: the bytes each
+hidden-state shard will take (extract.shard_bytes, the same estimate the extract job checks against
+free space), the total, the free space on the output filesystem, and, when a throughput is configured
+(plan.tokens_per_s), each job's time and a shard size that keeps engine start-up under 5 % of it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .atomic import atomic_open, write_json
+from .config import ConfigError, layer_ids
+from .extract import free_space_probe, model_hidden_size, shard_bytes
+from .shard import MANIFEST, human_bytes
+
+START_SHARE = 0.05  # engine start-up should stay under this share of a shard's job time
+
+
+@dataclass(slots=True)
+class ShardPlan:
+    shard: int
+    rows: int
+    tokens: int
+    bytes: int  # extract.shard_bytes: layer files + token ids + index + manifest
+    done: bool  # a manifest is there already: its bytes are on disk, not still to be written
+    job_s: float | None  # engine start + tokens / tokens_per_s; None without a throughput
+
+
+def min_tokens_per_shard(tokens_per_s: float, engine_start_s: float, share: float = START_SHARE) -> int:
+    """Smallest shard whose capture time makes start-up at most `share` of the job:
+    start / (start + tokens / tps) <= share  <=>  tokens >= start * tps * (1 - share) / share."""
+    return math.ceil(engine_start_s * tokens_per_s * (1 - share) / share)
+
+
+def make_plan(
+    shard_sizes: list[dict[str, int]],
+    num_layers: int,
+    hidden_size: int,
+    dtype: str,
+    hidden_states_dir: str | os.PathLike,
+    tokens_per_s: float | None = None,
+    engine_start_s: float = 60.0,
+    gpus_per_job: int = 1,
+) -> dict[str, Any]:
+    """The plan as a JSON-able dict.
+
+    Args:
+        shard_sizes: [{"shard", "rows", "tokens"}] per tokenized shard (stats.json's "shards").
+        num_layers, hidden_size, dtype: what each token stores (len(layer ids) x H in `dtype`).
+        hidden_states_dir: results/hidden_states; finished shards there are marked done, and its
+            filesystem (or its nearest existing parent's) is the one whose free space counts.
+        tokens_per_s: tokens/s of one extract job once its engine is up (a finished shard's
+            timings.json has it); None leaves the time estimate and the shard size out.
+        engine_start_s: seconds from job start to the first batch (model load, engine start-up).
+        gpus_per_job: GPUs one extract job holds (tp_size for vllm, 1 for hf on cuda, 0 on cpu).
+    """
+    out = Path(hidden_states_dir)
+    shards = []
+    for s in shard_sizes:
+        k, tokens = int(s["shard"]), int(s["tokens"])
+        job_s = engine_start_s + tokens / tokens_per_s if tokens_per_s else None
+        shards.append(
+            ShardPlan(
+                shard=k,
+                rows=int(s["rows"]),
+                tokens=tokens,
+                bytes=shard_bytes(tokens, int(s["rows"]), num_layers, hidden_size, dtype),
+                done=(out / f"shard_{k}" / MANIFEST).is_file(),
+                job_s=round(job_s, 1) if job_s is not None else None,
+            )
+        )
+    probe = free_space_probe(out.resolve())
+    free = shutil.disk_usage(probe).free
+    to_write = sum(s.bytes for s in shards if not s.done)
+    total_tokens = sum(s.tokens for s in shards)
+    plan: dict[str, Any] = {
+        "shards": [asdict(s) for s in shards],
+        "num_shards": len(shards),
+        "rows": sum(s.rows for s in shards),
+        "tokens": total_tokens,
+        "num_layers": num_layers,
+        "hidden_size": hidden_size,
+        "dtype": dtype,
+        "bytes_total": sum(s.bytes for s in shards),
+        "bytes_to_write": to_write,
+        "largest_shard_bytes": max((s.bytes for s in shards), default=0),
+        "output_dir": str(out),
+        "free_space_path": str(probe),
+        "free_bytes": free,
+        "fits": to_write <= free,
+        "tokens_per_s": tokens_per_s,
+        "engine_start_s": engine_start_s,
+        "gpus_per_job": gpus_per_job,
+        "job_hours_total": None,
+        "job_hours_left": None,
+        "gpu_hours_left": None,
+        "start_share_worst": None,
+        "recommended": None,
+    }
+    if tokens_per_s:
+        left = [s.job_s for s in shards if not s.done]
+        plan["job_hours_total"] = round(sum(s.job_s for s in shards) / 3600, 3)
+        plan["job_hours_left"] = round(sum(left) / 3600, 3)
+        plan["gpu_hours_left"] = round(sum(left) * gpus_per_job / 3600, 3)
+        smallest = min(shards, key=lambda s: s.tokens, default=None)
+        if smallest is not None:
+            plan["start_share_worst"] = round(engine_start_s / smallest.job_s, 4) if smallest.job_s else None
+        min_tokens = min_tokens_per_shard(tokens_per_s, engine_start_s)
+        plan["recommended"] = {
+            "max_start_share": START_SHARE,
+            "min_tokens_per_shard": min_tokens,
+            # On average; shards are even in rows, not tokens, so the smallest may fall a little short.
+            "max_num_shards": max(1, total_tokens // max(min_tokens, 1)),
+        }
+    return plan
+
+
+def format_plan(plan: dict[str, Any], num_shards_key: str = "tokenize.num_shards") -> str:
+    """The plan as a short table and a few sentences (results/plan/plan.txt)."""
+    lines = [
+        f"eagle3prep plan: {plan['num_shards']} shards, {plan['rows']:,} rows, {plan['tokens']:,} tokens; "
+        f"each token stores {plan['num_layers']} layers x hidden {plan['hidden_size']} in {plan['dtype']}",
+        "",
+        f"{'shard':>5}  {'rows':>9}  {'tokens':>13}  {'bytes':>10}  {'job time':>9}  status",
+    ]
+    for s in plan["shards"]:
+        job = _duration(s["job_s"]) if s["job_s"] is not None else "-"
+        status = "done (has manifest)" if s["done"] else "to do"
+        lines.append(
+            f"{s['shard']:>5}  {s['rows']:>9,}  {s['tokens']:>13,}  {human_bytes(s['bytes']):>10}  {job:>9}  {status}"
+        )
+    verdict = "fits" if plan["fits"] else "DOES NOT FIT: free space or point results/ at a larger filesystem"
+    lines += [
+        "",
+        f"disk: {human_bytes(plan['bytes_total'])} in all, {human_bytes(plan['bytes_to_write'])} still to write "
+        f"(largest shard {human_bytes(plan['largest_shard_bytes'])}); {human_bytes(plan['free_bytes'])} free on "
+        f"{plan['free_space_path']} -> {verdict}",
+    ]
+    if plan["tokens_per_s"]:
+        rec = plan["recommended"]
+        lines += [
+            f"time: {plan['job_hours_left']:.2f} job-hours left"
+            + (
+                f" ({plan['gpu_hours_left']:.2f} GPU-hours at {plan['gpus_per_job']} GPUs per job)"
+                if plan["gpus_per_job"]
+                else " (on CPU)"
+            )
+            + f", {plan['job_hours_total']:.2f} for every shard, at {plan['tokens_per_s']:,} tokens/s and "
+            f"{plan['engine_start_s']:g} s engine start-up per job",
+            f"shard size: start-up stays under {rec['max_start_share']:.0%} of a job with at least "
+            f"{rec['min_tokens_per_shard']:,} tokens per shard, i.e. at most {rec['max_num_shards']} shards for "
+            f"{plan['tokens']:,} tokens; now {num_shards_key} = {plan['num_shards']}, whose smallest shard spends "
+            f"{plan['start_share_worst']:.1%} of its time starting up"
+            + (" (fewer shards would waste less)" if plan["num_shards"] > rec["max_num_shards"] else ""),
+        ]
+    else:
+        lines.append(
+            "time: set plan.tokens_per_s (tokens/s of one extract job; a finished shard's timings.json and the "
+            "report show it) for job time and a recommended shard size"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _duration(seconds: float) -> str:
+    h, rem = divmod(int(round(seconds)), 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def write_plan(plan: dict[str, Any], json_path: str | os.PathLike, txt_path: str | os.PathLike) -> str:
+    write_json(json_path, plan)
+    text = format_plan(plan)
+    with atomic_open(txt_path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return text
+
+
+def plan_run(
+    config: dict[str, Any],
+    stats_path: str | os.PathLike,
+    hidden_states_dir: str | os.PathLike,
+    json_path: str | os.PathLike,
+    txt_path: str | os.PathLike,
+    gpus_per_job: int = 1,
+) -> str:
+    """The `plan` rule: plan the run `config` describes (validated, defaults filled), write it, return the text."""
+    model_path = config["model"]["path"]
+    hidden_size = model_hidden_size(model_path)
+    if hidden_size is None:
+        raise ConfigError(f"{model_path}/config.json has no hidden_size; is model.path a causal LM folder?")
+    plan = make_plan(
+        shard_sizes_from_stats(stats_path),
+        num_layers=len(layer_ids(config)),
+        hidden_size=hidden_size,
+        dtype=config["extract"]["dtype"],
+        hidden_states_dir=hidden_states_dir,
+        tokens_per_s=config["plan"]["tokens_per_s"],
+        engine_start_s=config["plan"]["engine_start_s"],
+        gpus_per_job=gpus_per_job,
+    )
+    return write_plan(plan, json_path, txt_path)
+
+
+def shard_sizes_from_stats(stats_path: str | os.PathLike) -> list[dict[str, int]]:
+    """[{"shard", "rows", "tokens"}] from the tokenize stage's stats.json (exact; written with the shards)."""
+    with open(stats_path, encoding="utf-8") as f:
+        stats = json.load(f)
+    return [{"shard": s["shard"], "rows": s["rows"], "tokens": s["tokens"]} for s in stats["shards"]]

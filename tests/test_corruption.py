@@ -1,0 +1,133 @@
+"""Planted corruption: every way a shard can go wrong is caught by validation, by the check meant for it.
+
+Each test copies one good shard, breaks it one way, and asserts validate_shard raises ValidationError
+whose failed checks are exactly the expected ones (from the `[validate] FAIL <check>:` log lines).
+Where a corruption would be caught early by the checksums, the manifest is rewritten to match, so
+that the later check (index, finite values, reference recomputation) has to catch it on its own.
+"""
+
+import json
+import re
+import shutil
+
+import pytest
+from safetensors import safe_open
+from safetensors.torch import save_file
+from shard_helpers import demo_spec, write_tokenized
+
+from eagle3prep.atomic import sha256_file
+from eagle3prep.extract import extract_shard
+from eagle3prep.shard import INDEX, MANIFEST, TOKEN_IDS
+from eagle3prep.validate import ValidationError, validate_shard
+
+LENGTHS = [23, 41, 17, 60, 35, 28]  # 204 tokens; shard 1 has the same lengths, other tokens
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory, demo_model_dir):
+    """Two finished bf16 shards of the demo model (the second only lends its manifest)."""
+    root = tmp_path_factory.mktemp("good")
+    out = {}
+    for k in (0, 1):
+        tokens = write_tokenized(root / f"tokens_{k}.jsonl", LENGTHS, seed=k, first_row=k * len(LENGTHS))
+        extract_shard(str(tokens), str(root / f"shard_{k}"), demo_spec(demo_model_dir), {}, batch_tokens=128, shard=k)
+        out[k] = (root / f"shard_{k}", tokens)
+    return out
+
+
+@pytest.fixture
+def shard(good, tmp_path):
+    """A fresh copy of the good shard 0, for one test to break."""
+    return shutil.copytree(good[0][0], tmp_path / "shard_0")
+
+
+def failed_checks(shard, good, demo_model_dir, capsys, tmp_path) -> set[str]:
+    with pytest.raises(ValidationError) as e:
+        validate_shard(str(shard), str(good[0][1]), str(tmp_path / "v.json"), str(demo_model_dir), sample_rows=2)
+    assert "\n" not in str(e.value) and not (tmp_path / "v.json").exists()
+    failed = set(re.findall(r"^\[validate\] FAIL (\S+):", capsys.readouterr().err, re.M))
+    assert failed and any(name in str(e.value) for name in failed)  # the message lists the first five
+    return failed
+
+
+def set_file(shard, name: str, data: bytes | None = None) -> None:
+    """Replace a file's bytes (when given) and make the manifest's sha256 and size agree with it."""
+    if data is not None:
+        (shard / name).write_bytes(data)
+    manifest = json.loads((shard / MANIFEST).read_text())
+    manifest["files"][name].update(sha256=sha256_file(shard / name), bytes=(shard / name).stat().st_size)
+    (shard / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+
+
+def test_good_shard_passes_every_check(good, demo_model_dir, tmp_path):
+    report = validate_shard(
+        str(good[0][0]), str(good[0][1]), str(tmp_path / "v.json"), str(demo_model_dir), sample_rows=2
+    )
+    assert report["ok"] and len(report["reference"]) == 2 * 4
+    assert {c["check"] for c in report["checks"]} >= {"manifest", "token_ids", "index_rows", "reference:layer_4"}
+    manifest = json.loads((good[0][0] / MANIFEST).read_text())
+    assert manifest["model"]["trust_remote_code"] is False  # the default, recorded (hygiene)
+
+
+def test_truncated_layer_file(shard, good, demo_model_dir, capsys, tmp_path):
+    path = shard / "layer_4.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    assert failed_checks(shard, good, demo_model_dir, capsys, tmp_path) == {"file:layer_4.safetensors"}
+
+
+def test_flipped_bytes(shard, good, demo_model_dir, capsys, tmp_path):
+    path = shard / "layer_5.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert failed_checks(shard, good, demo_model_dir, capsys, tmp_path) == {"file:layer_5.safetensors"}
+
+
+def test_swapped_layer_files(shard, good, demo_model_dir, capsys, tmp_path):
+    a, b = shard / "layer_2.safetensors", shard / "layer_4.safetensors"
+    a.rename(shard / "x")
+    b.rename(a)
+    (shard / "x").rename(b)
+    assert failed_checks(shard, good, demo_model_dir, capsys, tmp_path) == {
+        "file:layer_2.safetensors",
+        "file:layer_4.safetensors",
+    }
+
+
+def test_manifest_from_another_shard(shard, good, demo_model_dir, capsys, tmp_path):
+    shutil.copy(good[1][0] / MANIFEST, shard / MANIFEST)  # same sizes (same row lengths), other bytes
+    files = json.loads((shard / MANIFEST).read_text())["files"]
+    assert failed_checks(shard, good, demo_model_dir, capsys, tmp_path) == {f"file:{n}" for n in files}
+
+
+def test_index_that_skips_a_row(shard, good, demo_model_dir, capsys, tmp_path):
+    index = json.loads((shard / INDEX).read_text())
+    del index[2]
+    set_file(shard, INDEX, json.dumps(index).encode())
+    assert failed_checks(shard, good, demo_model_dir, capsys, tmp_path) == {"row_count", "index_rows", "index_offsets"}
+
+
+def test_capture_one_layer_off(shard, good, demo_model_dir, capsys, tmp_path):
+    # Layer id 5 stored as 4 (same shape and dtype), checksums made to agree: only the recomputation can tell.
+    set_file(shard, "layer_4.safetensors", (shard / "layer_5.safetensors").read_bytes())
+    assert failed_checks(shard, good, demo_model_dir, capsys, tmp_path) == {"reference:layer_4"}
+
+
+def test_nan_in_one_row(shard, good, demo_model_dir, capsys, tmp_path):
+    path = shard / "layer_5.safetensors"
+    with safe_open(path, framework="pt") as f:
+        hs = f.get_tensor("hidden_states")  # [sum_T, H] bf16
+    hs[100, 7] = float("nan")  # one element of one token row
+    save_file({"hidden_states": hs}, path)
+    set_file(shard, "layer_5.safetensors")
+    assert failed_checks(shard, good, demo_model_dir, capsys, tmp_path) == {"finite:layer_5"}
+
+
+def test_missing_manifest(shard, good, demo_model_dir, capsys, tmp_path):
+    (shard / MANIFEST).unlink()
+    assert failed_checks(shard, good, demo_model_dir, capsys, tmp_path) == {"manifest"}
+
+
+def test_stray_temp_file(shard, good, demo_model_dir, capsys, tmp_path):
+    (shard / f".tmp-{TOKEN_IDS}").write_bytes(b"half a file")
+    assert failed_checks(shard, good, demo_model_dir, capsys, tmp_path) == {"no_stray_files"}

@@ -1,0 +1,138 @@
+"""SIGKILL at every stage, then the README's command again: the dataset comes out byte-identical.
+
+One uninterrupted baseline run is built once. Each case starts from a copy of it (results/, logs/,
+benchmarks/ and .snakemake/ with their mtimes) in which the stage to be killed and everything after
+it is missing, as after a run that stopped there; then it runs `snakemake` with EAGLE3PREP_KILL_AT
+(faults.py) set, which SIGKILLs the whole process group at the point, and `snakemake` again.
+Checked every time:
+- the killed run really died at the point;
+- the rerun's results/ is byte-identical to the baseline's (no stray temp file, no half file);
+- every output that was finished before the kill is neither rewritten nor touched (mtime + sha256);
+- a shard folder left without its manifest is refused by validation.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+from workflow_helpers import SMALL_CONFIG, make_workdir, snakemake, stat_files, tree_digest
+
+from eagle3prep.extract import iter_batches
+from eagle3prep.validate import ValidationError, validate_shard
+
+pytestmark = pytest.mark.integration
+
+# Two shards (one finished, one killed) and only as many rows as give several batches per shard:
+# every case reruns at least one stage, so each second of a job counts ~20 times.
+FAULT_CONFIG = {
+    **SMALL_CONFIG,
+    "data": {"sources": ["resources/demo/sharegpt.jsonl"]},
+    "tokenize": {"max_seq_len": 64, "num_shards": 2},
+    "extract": {"dtype": "bfloat16", "batch_tokens": 512, "threads": 1},
+    "validate": {"sample_rows": 1},
+}
+KILLED_SHARD = 1
+
+# What a run that stopped at a stage leaves missing: that stage's outputs and everything after them.
+MISSING = {
+    "prepare": ["results/prepared", "results/tokenized", "results/hidden_states", "results/validation", "results/report"],
+    "tokenize": ["results/tokenized", "results/hidden_states", "results/validation", "results/report"],
+    "extract": [
+        f"results/hidden_states/shard_{KILLED_SHARD}",
+        f"results/validation/shard_{KILLED_SHARD}.json",
+        "results/report",
+    ],
+    "validate": [f"results/validation/shard_{KILLED_SHARD}.json", "results/report"],
+    "report": ["results/report"],
+}
+
+# (stage whose job is killed, EAGLE3PREP_KILL_AT). `{batch2_rows}` is filled in from the baseline.
+POINTS = {
+    "prepare.mid_stream": ("prepare", "prepare.mid_stream:file=sharegpt.jsonl,line=40"),
+    "prepare.before_rename": ("prepare", "prepare.before_rename"),
+    "prepare.rename_conversations": ("prepare", "atomic.before_rename:file=conversations.jsonl"),
+    "prepare.rename_counts": ("prepare", "atomic.before_rename:file=counts.json"),
+    "tokenize.mid_stream": ("tokenize", "tokenize.mid_stream:rows_in=30"),
+    "tokenize.between_shards": ("tokenize", "tokenize.between_shards:shard=0"),
+    "tokenize.before_stats": ("tokenize", "tokenize.before_stats"),
+    "extract.model_load": ("extract", f"extract.model_load:shard={KILLED_SHARD}"),
+    "extract.between_batches": ("extract", f"extract.between_batches:shard={KILLED_SHARD},batch=2"),
+    "extract.mid_layer_write": ("extract", "shard.mid_write:file=layer_4.safetensors,rows={batch2_rows}"),
+    "extract.between_layer_files": ("extract", "shard.between_files:file=layer_2.safetensors"),
+    "extract.before_index": ("extract", f"shard.before_index:dir=shard_{KILLED_SHARD}"),
+    "extract.rename_index": ("extract", "atomic.before_rename:file=index.json"),
+    "extract.before_manifest": ("extract", f"extract.before_manifest:shard={KILLED_SHARD}"),
+    "extract.rename_manifest": ("extract", "atomic.before_rename:file=manifest.json"),
+    "validate.mid_checks": ("validate", f"validate.mid_checks:shard=shard_{KILLED_SHARD},layer=4"),
+    "validate.before_report": ("validate", f"validate.before_report:shard=shard_{KILLED_SHARD}"),
+    "validate.rename_report": ("validate", f"atomic.before_rename:file=shard_{KILLED_SHARD}.json"),
+    "report.before_summary": ("report", "report.before_summary"),
+    "report.before_manifest": ("report", "report.before_manifest"),
+    "report.before_html": ("report", "report.before_html"),
+    "report.rename_html": ("report", "atomic.before_rename:file=report.html"),
+}
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> Path:
+    """One uninterrupted run of FAULT_CONFIG; every case compares against it."""
+    wd = make_workdir(tmp_path_factory.mktemp("fault-baseline"), FAULT_CONFIG)
+    snakemake(wd)
+    return wd
+
+
+def stopped_at(baseline: Path, stage: str, dest: Path) -> Path:
+    """A copy of the baseline workdir as a run that stopped before `stage` leaves it (mtimes kept)."""
+    shutil.copytree(baseline, dest, symlinks=True)
+    for rel in MISSING[stage]:
+        p = dest / rel
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return dest
+
+
+def batch_start_rows(tokenized_shard: Path, batch: int, batch_tokens: int) -> int:
+    """Token offset of batch `batch` in a shard's layer files (StreamingSafetensorsWriter.rows there)."""
+    batches = list(iter_batches(tokenized_shard, batch_tokens))
+    assert len(batches) > batch, f"{tokenized_shard} has only {len(batches)} batches"
+    return sum(len(row) for b in batches[:batch] for row in b)
+
+
+def assert_half_shard_refused(wd: Path, tmp_path: Path) -> None:
+    """The killed shard has no manifest, and validation refuses it rather than taking it as finished."""
+    shard = wd / f"results/hidden_states/shard_{KILLED_SHARD}"
+    assert not (shard / "manifest.json").exists()
+    if not shard.exists():  # killed before the folder was made: nothing that could look finished
+        return
+    with pytest.raises(ValidationError, match="manifest"):
+        validate_shard(
+            str(shard),
+            str(wd / f"results/tokenized/shard_{KILLED_SHARD}.jsonl"),
+            str(tmp_path / "validation.json"),
+            model_path=str(wd / "results/demo/model"),
+            reference=False,
+        )
+    assert not (tmp_path / "validation.json").exists()
+
+
+@pytest.mark.parametrize("point", list(POINTS))
+def test_sigkill_then_rerun_is_byte_identical(point, baseline, tmp_path):
+    stage, spec = POINTS[point]
+    if "{batch2_rows}" in spec:
+        tokenized = baseline / f"results/tokenized/shard_{KILLED_SHARD}.jsonl"
+        spec = spec.format(batch2_rows=batch_start_rows(tokenized, 2, FAULT_CONFIG["extract"]["batch_tokens"]))
+    wd = stopped_at(baseline, stage, tmp_path / "wd")
+    finished = stat_files(wd / "results")
+
+    killed = snakemake(wd, env={"EAGLE3PREP_KILL_AT": spec}, check=False, new_session=True)
+    assert killed.returncode == -signal.SIGKILL, f"kill point {spec} not reached:\n{killed.stderr[-3000:]}"
+    if stage == "extract":
+        assert_half_shard_refused(wd, tmp_path)
+
+    rerun = snakemake(wd)  # the README's command, with the repo's default profile
+    assert "removed stale lock" in rerun.stderr
+    assert tree_digest(wd / "results") == tree_digest(baseline / "results")
+    after = stat_files(wd / "results")
+    assert {p: after.get(p) for p in finished} == finished, "a finished output was rewritten"
