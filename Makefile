@@ -8,9 +8,11 @@ PIP_FLAGS ?= -q --disable-pip-version-check
 
 .PHONY: demo test test-base test-vllm lint clean
 
-$(VENV)/.installed: envs/base.txt pyproject.toml
+$(VENV)/.installed: envs/base.txt envs/speculators.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) -r envs/base.txt
+	# speculators' trainer data loader, for the export tests; --no-deps: envs/speculators.txt says why.
+	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r envs/speculators.txt
 	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	touch $@
 

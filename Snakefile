@@ -18,6 +18,7 @@ include: "rules/tokenize.smk"
 include: "rules/extract.smk"
 include: "rules/validate.smk"
 include: "rules/report.smk"
+include: "rules/export.smk"
 include: "rules/plan.smk"
 
 

@@ -63,8 +63,11 @@ def get_shard_dirs(wildcards=None):
 
 
 def get_final_output():
-    return [
+    out = [
         "results/report/report.html",
         "results/report/summary.csv",
         "results/report/dataset_manifest.json",
     ]
+    if config["export"]["speculators"]:
+        out.append("results/export/speculators")
+    return out

@@ -2,16 +2,18 @@ import sys
 
 sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: SIM115 (open for the whole job)
 
+from eagle3prep.errors import one_line_errors
 from eagle3prep.tokenization import tokenize_conversations
 
-tokenize_conversations(
-    snakemake.input.conversations,
-    snakemake.input.model,
-    out_shards=list(snakemake.output.shards),
-    stats_path=snakemake.output.stats,
-    token_freq_path=snakemake.output.token_freq,
-    quarantine_path=snakemake.output.quarantine,
-    max_seq_len=snakemake.params.max_seq_len,
-    template_fallback=snakemake.params.template_fallback,
-    trust_remote_code=snakemake.params.trust_remote_code,
-)
+with one_line_errors():
+    tokenize_conversations(
+        snakemake.input.conversations,
+        snakemake.input.model,
+        out_shards=list(snakemake.output.shards),
+        stats_path=snakemake.output.stats,
+        token_freq_path=snakemake.output.token_freq,
+        quarantine_path=snakemake.output.quarantine,
+        max_seq_len=snakemake.params.max_seq_len,
+        template_fallback=snakemake.params.template_fallback,
+        trust_remote_code=snakemake.params.trust_remote_code,
+    )

@@ -19,3 +19,15 @@ def demo_model_dir(tmp_path_factory) -> Path:
     from eagle3prep.demo import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("demo_model") / "model", DEMO_CORPUS)
+
+
+@pytest.fixture(scope="session")
+def small_demo_run(tmp_path_factory) -> Path:
+    """One local `snakemake` run of workflow_helpers.SMALL_CONFIG (~1-2 min on 2 cores), shared by the tests
+    that compare against it or report on it. Read-only for tests: work in your own tmp_path.
+    """
+    from workflow_helpers import make_workdir, snakemake
+
+    wd = make_workdir(tmp_path_factory.mktemp("small_demo_run"))
+    snakemake(wd)
+    return wd

@@ -7,6 +7,7 @@ complete new one. Temp names start with ".tmp-" so they are easy to find and cle
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -42,6 +43,10 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iter
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # A writer of `path` killed before its rename left `.tmp-<name>.<8 random chars>`; one job owns each
+    # output, so such a file is stale. Left there, a rerun's folder would differ from a clean run's.
+    for stale in path.parent.glob(glob.escape(f"{TMP_PREFIX}{path.name}.") + "?" * 8):
+        stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", dir=path.parent)
     os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual permissions
     os.close(fd)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,33 @@ def layer_ids(config: dict[str, Any]) -> list[int]:
         return resolve_layer_ids(config["layers"]["ids"], config["layers"]["convention"], n)
     except ValueError as e:
         raise ConfigError(f"config error: {e}") from None
+
+
+def model_max_positions(model_path: str | Path) -> int | None:
+    """Longest row the model takes: max_position_embeddings, times the rope factor where the config extends
+    the context that way (linear / dynamic / yarn, as vLLM derives max_model_len); None when unknown."""
+    path = Path(model_path) / "config.json"
+    if not path.is_file():  # a tokenizer-only folder
+        return None
+    config = json.loads(path.read_text(encoding="utf-8"))
+    text = config.get("text_config") or config
+    limit = text.get("max_position_embeddings")
+    if not isinstance(limit, int):
+        return None
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type")) in ("linear", "dynamic", "yarn") and rope.get("factor"):
+        limit = int(rope.get("original_max_position_embeddings", limit) * rope["factor"])
+    return limit
+
+
+def check_max_seq_len(max_seq_len: int, model_path: str | Path) -> None:
+    """Raise ConfigError when tokenize.max_seq_len is longer than the model can take."""
+    limit = model_max_positions(model_path)
+    if limit is not None and max_seq_len > limit:
+        raise ConfigError(
+            f"config error: tokenize.max_seq_len = {max_seq_len} is above the model's context of {limit} tokens "
+            f"(max_position_embeddings in {Path(model_path) / 'config.json'}); set it to {limit} or less"
+        )
 
 
 def capture_spec(config: dict[str, Any]) -> CaptureSpec:

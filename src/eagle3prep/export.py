@@ -162,6 +162,24 @@ def _write_token_freq(out: Path, token_freq_json: str, files: dict[str, dict[str
     files[TOKEN_FREQ] = {"sha256": sha256_file(out / TOKEN_FREQ), "bytes": (out / TOKEN_FREQ).stat().st_size}
 
 
+def _clear(out: Path) -> None:
+    """Remove what an earlier or killed export left in `out` (by name: `out` may hold other files)."""
+    (out / MANIFEST).unlink(missing_ok=True)  # first: a stale manifest must never describe new files
+    # d2t-/t2d-{size}.npy: vocab mappings speculators' trainer caches beside token_freq.pt and reuses.
+    for pattern in (
+        f"{TMP_PREFIX}*",
+        HIDDEN_STATES,
+        "data-*.arrow",
+        "dataset_info.json",
+        "state.json",
+        TOKEN_FREQ,
+        "d2t-*.npy",
+        "t2d-*.npy",
+    ):
+        for p in out.glob(pattern):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
 def export_speculators(
     shard_dirs: list[str], validations: list[str], tokenized: list[str], token_freq_json: str, out_dir: str
 ) -> dict[str, Any]:
@@ -172,11 +190,8 @@ def export_speculators(
     first = manifests[0]
     layer_ids = first["layer_ids"]
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).unlink(missing_ok=True)  # a stale manifest must never describe new files
-    for p in out.glob(f"{TMP_PREFIX}*"):  # leftovers of a killed export
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
-    (out / HIDDEN_STATES).mkdir(exist_ok=True)
+    _clear(out)
+    (out / HIDDEN_STATES).mkdir(parents=True)
 
     rows = sum(m["rows"] for m in manifests)
     print(

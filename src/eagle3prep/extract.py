@@ -111,20 +111,19 @@ def extract_shard(
     info = backend.probe()
     t_loaded = time.time()
     needed = shard_bytes(tokens, len(index), len(spec.layer_ids), info["hidden_size"], spec.dtype)
-    try:  # again with the engine's own H, and the space other jobs took meanwhile; still before any layer file
-        check_free_space(out, needed)
-    except BaseException:
-        backend.close()
-        raise
     print(
         f"[extract] shard {shard}: {len(index)} rows, {tokens} tokens, layers {spec.layer_ids}, "
         f"{info['engine']} {info['engine_version']} via {info['capture_path']}, ~{needed / 2**20:.1f} MiB",
         file=sys.stderr,
     )
-
-    writer = ShardWriter(out, spec.layer_ids, info["hidden_size"], spec.dtype, index)
+    try:  # again with the engine's own H and the space other jobs took meanwhile; still before any layer file
+        check_free_space(out, needed)
+        writer = ShardWriter(out, spec.layer_ids, info["hidden_size"], spec.dtype, index)
+    except BaseException:
+        backend.close()
+        raise
+    bar = tqdm(total=tokens, unit="tok", unit_scale=True, file=sys.stderr, mininterval=1.0, desc=f"shard {shard}")
     try:
-        bar = tqdm(total=tokens, unit="tok", unit_scale=True, file=sys.stderr, mininterval=1.0, desc=f"shard {shard}")
         for b, batch in enumerate(iter_batches(tokenized_shard, batch_tokens)):
             hidden = backend.capture(batch)  # {layer_id: [sum_T_batch, H]}
             token_ids = torch.tensor([t for row in batch for t in row], dtype=torch.int64)  # [sum_T_batch]
@@ -166,6 +165,7 @@ def extract_shard(
         writer.abort()
         raise
     finally:
+        bar.close()  # on a failure too: the log shows how far the shard got
         backend.close()
     elapsed = t_done - t_loaded
     print(

@@ -36,7 +36,7 @@ MAX_LISTED_DUPLICATES = 1000  # counts.json lists at most this many duplicate ro
 # Quarantine reasons, in the order they are checked.
 REASONS = (
     "line_too_long",  # JSONL line over max_line_bytes (not parsed)
-    "invalid_utf8",  # JSONL line that is not UTF-8
+    "invalid_utf8",  # JSONL line that is not UTF-8, or content with a lone surrogate ("\\ud800")
     "invalid_json",  # JSONL line that does not parse
     "unknown_shape",  # neither {"messages": [...]} nor {"conversations": [...]}, or a message not an object
     "missing_role",  # a message without role/from
@@ -266,6 +266,10 @@ def reader_for(path: str, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES):
             f"{path}: unsupported file type '{suffix or '(none)'}' "
             "(expected .jsonl, .ndjson, .json, .parquet or a save_to_disk folder)"
         )
+    if not os.path.isfile(path):  # reading a FIFO or a device would block or never end
+        raise InputError(
+            f"{path}: is not a regular file (a FIFO, socket or device?); list a file or a save_to_disk folder"
+        )
     if not os.access(path, os.R_OK):
         raise InputError(f"{path}: file is not readable (check its permissions)")
     return JsonlReader(max_line_bytes) if READERS[suffix] is JsonlReader else READERS[suffix]()
@@ -358,6 +362,10 @@ def _content(content: Any, where: str) -> str:
         raise Rejected("non_string_content", f"{where} content is a {type(content).__name__}, expected a string")
     if not content.strip():
         raise Rejected("empty_content", f"{where} content is empty or whitespace only")
+    try:  # JSON may escape a lone surrogate ("\\ud800"): valid JSON, but no UTF-8 can hold it
+        content.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise Rejected("invalid_utf8", f"{where} content has a lone surrogate at character {e.start}") from None
     return content
 
 
@@ -523,7 +531,9 @@ def _open_binary(path: str):
 def _quarantine_line(q: Quarantined) -> str:
     """One JSON line; a raw record that is not JSON (bytes, NaN, dates from parquet) is kept as its repr."""
     try:
-        return json.dumps(q.to_json(), ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n"
+        line = json.dumps(q.to_json(), ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n"
+        line.encode("utf-8")  # a lone surrogate from a JSON escape cannot be written (UnicodeEncodeError)
+        return line
     except (TypeError, ValueError):
         q.record = repr(q.record)
         return json.dumps(q.to_json(), ensure_ascii=False, separators=(",", ":")) + "\n"

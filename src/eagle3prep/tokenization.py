@@ -27,6 +27,8 @@ from typing import Any
 
 from eagle3prep import faults
 from eagle3prep.atomic import TMP_PREFIX, atomic_open, write_json, write_jsonl
+from eagle3prep.config import check_max_seq_len
+from eagle3prep.errors import UserError
 from eagle3prep.provenance import tokenizer_identity
 from eagle3prep.records import Quarantined, TokenizedRow
 
@@ -44,10 +46,18 @@ class Rejected:
     detail: str
 
 
+class TokenizeError(UserError, ValueError):
+    """The model folder's tokenizer or chat template cannot make rows; the message names the folder and the fix."""
+
+
+class ModelNotFoundError(UserError, FileNotFoundError):
+    """model.path is not a folder."""
+
+
 def load_tokenizer(model_path: str | os.PathLike, trust_remote_code: bool = False):
     """The target model's tokenizer, from its local folder only (no hub access)."""
     if not Path(model_path).is_dir():
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             f"model folder {model_path} not found; set model.path to a Hugging Face model folder "
             "(or model.build_demo: true to build the demo model there)"
         )
@@ -55,7 +65,7 @@ def load_tokenizer(model_path: str | os.PathLike, trust_remote_code: bool = Fals
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code, local_files_only=True)
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(
+        raise TokenizeError(
             f"{model_path}: the tokenizer is a slow (Python) tokenizer, but the loss mask needs character offsets; "
             "add a tokenizer.json (a fast tokenizer) to the model folder"
         )
@@ -66,7 +76,7 @@ def get_chat_template(tokenizer, model_path: str | os.PathLike) -> str:
     try:
         return tokenizer.get_chat_template()
     except ValueError:
-        raise ValueError(
+        raise TokenizeError(
             f"{model_path}: the tokenizer has no usable chat template (no chat_template.jinja, no default "
             "chat_template in tokenizer_config.json); copy the instruct model's chat_template.jinja into the folder"
         ) from None
@@ -89,7 +99,7 @@ class ChatEncoder:
         elif template_fallback:
             self.mask_source = "render_boundary"
         else:
-            raise ValueError(
+            raise TokenizeError(
                 f"{model_path}: the chat template has no {{% generation %}} markers and tokenize.template_fallback "
                 "is false; set tokenize.template_fallback: true, or wrap the assistant content in "
                 "{% generation %}...{% endgeneration %} in the model's chat template"
@@ -102,7 +112,7 @@ class ChatEncoder:
                 if self.mask_source == "generation_markers"
                 else "add {% generation %}...{% endgeneration %} around the assistant content"
             )
-            raise ValueError(
+            raise TokenizeError(
                 f"{model_path}: cannot derive the loss mask from the chat template ({self.mask_source}) "
                 f"on a user/assistant probe: {why}; {fix} in the model's chat template"
             )
@@ -186,7 +196,7 @@ def read_conversations(path: str | os.PathLike) -> Iterator[tuple[int, dict[str,
             except (json.JSONDecodeError, KeyError, TypeError):
                 ok = False
             if not ok:
-                raise ValueError(
+                raise TokenizeError(
                     f"{path}:{line_no}: not a normalized conversation ({{id, messages: [{{role, content}}], source}}); "
                     "re-run the prepare stage"
                 )
@@ -254,8 +264,9 @@ def tokenize_conversations(
         The stats dict also written to `stats_path`.
     """
     if not out_shards:
-        raise ValueError("out_shards is empty; tokenize.num_shards must be at least 1")
+        raise TokenizeError("out_shards is empty; tokenize.num_shards must be at least 1")
     tokenizer = load_tokenizer(model_path, trust_remote_code)
+    check_max_seq_len(max_seq_len, model_path)
     encoder = ChatEncoder(tokenizer, model_path, template_fallback)
     if max_seq_len > tokenizer.model_max_length:
         print(
@@ -274,7 +285,8 @@ def tokenize_conversations(
     # host memory must not grow with the dataset.
     spill_dir = Path(out_shards[0]).parent
     spill_dir.mkdir(parents=True, exist_ok=True)
-    spill = spill_dir / f"{TMP_PREFIX}tokenize-spill.{os.getpid()}.jsonl"
+    # A fixed name: a killed run's spill is overwritten by the rerun, then removed, not left behind.
+    spill = spill_dir / f"{TMP_PREFIX}tokenize-spill.jsonl"
     try:
         with open(spill, "w", encoding="utf-8") as spill_f:
             for batch in batched(read_conversations(conversations_path), batch_size):

@@ -343,6 +343,9 @@ class VLLMBackend(CaptureBackend):
             # The hooks read the V1 model runner's input batch (vllm_compat.step_layout).
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
             self.path = HooksPath(self.spec.layer_ids, self._staging, version)
+        # Fresh worker processes: a forked worker inherits whatever CUDA state this process has (the
+        # extract job may have touched torch.cuda already) and fails with "CUDA error: initialization error".
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         kwargs = self._engine_kwargs(self.path)
         log(f"starting vLLM {version} ({name} path): {kwargs}")
         self.llm = LLM(**kwargs)

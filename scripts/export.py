@@ -1,0 +1,15 @@
+import sys
+
+sys.stderr = open(snakemake.log[0], "w", buffering=1)
+
+from eagle3prep.errors import one_line_errors
+from eagle3prep.export import export_speculators
+
+with one_line_errors():
+    export_speculators(
+        shard_dirs=list(snakemake.input.shards),
+        validations=list(snakemake.input.validations),
+        tokenized=list(snakemake.input.tokens),
+        token_freq_json=snakemake.input.token_freq,
+        out_dir=snakemake.output[0],
+    )

@@ -1,0 +1,145 @@
+"""A training Dataset over our shard folders: speculators' per-row items, without the export copy.
+
+`HiddenStatesDataset[i]` returns exactly what speculators 0.9's `ArrowDataset[i]`
+(speculators/train/data.py) returns for arrow row i of our export, same keys, shapes and dtypes:
+
+    hidden_states                [T, (L-1)*H]  model dtype: the auxiliary layers, ascending ids, side by side
+    input_ids                    [T]           int64
+    verifier_last_hidden_states  [T, H]        model dtype: the last layer id (N, before the final norm)
+    loss_mask                    [T]           int64
+    lengths                      [1]           int64 (= T)
+    position_ids                 [T]           int64 (0..T-1)
+
+Hidden states are read through safetensors' memory-mapped `get_slice`: only the row's bytes are copied.
+Loss masks come from the tokenized shard each hidden-state shard was captured from (its manifest holds
+that file's sha256, checked here). Like ArrowDataset, it exposes `approx_lengths` and
+`hidden_states_dtype`, which speculators' batch sampler and collate function read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch.utils.data import Dataset
+
+from .atomic import sha256_file
+from .shard import TOKEN_IDS, layer_file, read_index, read_manifest
+
+
+class HiddenStatesDataset(Dataset):
+    """Rows of `results/hidden_states/shard_*` in global row order.
+
+    Args:
+        shard_dirs: finished shard folders, in row order (shard_0, shard_1, ...).
+        tokenized: the tokenized shard (JSONL) of each shard folder, same order.
+        train_ratio, split: speculators' split: "train" is the first int(n * train_ratio) rows, "val" the rest.
+        hidden_states_dtype: what speculators' CollateFn casts hidden states to (items keep the stored dtype).
+    """
+
+    def __init__(
+        self,
+        shard_dirs: list[str | os.PathLike],
+        tokenized: list[str | os.PathLike],
+        train_ratio: float = 1.0,
+        split: Literal["train", "val"] = "train",
+        hidden_states_dtype: torch.dtype = torch.bfloat16,
+    ):
+        if len(shard_dirs) != len(tokenized) or not shard_dirs:
+            raise ValueError(f"need one tokenized shard per shard folder, got {len(tokenized)} for {len(shard_dirs)}")
+        self.shard_dirs = [Path(d) for d in shard_dirs]
+        self.hidden_states_dtype = hidden_states_dtype
+        manifests = [read_manifest(d) for d in self.shard_dirs]
+        self.layer_ids: list[int] = manifests[0]["layer_ids"]
+        if any(m["layer_ids"] != self.layer_ids for m in manifests):
+            raise ValueError(f"shards disagree on layer ids: {[m['layer_ids'] for m in manifests]}")
+        n = manifests[0]["num_hidden_layers"]
+        if self.layer_ids[-1] != n or len(self.layer_ids) < 2:
+            raise ValueError(
+                f"layer ids {self.layer_ids}: the last must be the pre-norm final state (id {n}) after at least "
+                "one auxiliary layer, as speculators' verifier_last_hidden_states; add it to layers.ids"
+            )
+
+        # Per row: (shard number, offset into the layer files, length, byte offset of its tokenized line).
+        self._rows: list[tuple[int, int, int, int]] = []
+        self._tokenized = [Path(t) for t in tokenized]
+        for s, (d, tok, m) in enumerate(zip(self.shard_dirs, self._tokenized, manifests, strict=True)):
+            if sha256_file(tok) != m["tokenized"]["sha256"]:
+                raise ValueError(f"{tok} is not the tokenized shard {d} was captured from (sha256 differs)")
+            lines = _line_offsets(tok)
+            index = read_index(d)
+            if len(lines) != len(index):
+                raise ValueError(f"{tok} has {len(lines)} rows, {d}/index.json {len(index)}")
+            for e, pos in zip(index, lines, strict=True):
+                if e.row != len(self._rows):
+                    raise ValueError(
+                        f"{d}: row {e.row} where row {len(self._rows)} was expected (shards out of order?)"
+                    )
+                self._rows.append((s, e.offset, e.length, pos))
+
+        if not 0.0 < train_ratio <= 1.0:
+            raise ValueError(f"train_ratio must be in (0.0, 1.0], got {train_ratio}")
+        cut = int(len(self._rows) * train_ratio)
+        self._rows = self._rows[:cut] if split == "train" else self._rows[cut:]
+        self.approx_lengths = [length for _, _, length, _ in self._rows]
+        self._open: dict[int, Any] = {}  # shard number -> open safetensors handles (per process)
+
+    @classmethod
+    def from_results(cls, results_dir: str | os.PathLike = "results", **kwargs: Any) -> HiddenStatesDataset:
+        """Every shard under results_dir/hidden_states, with results_dir/tokenized/shard_{k}.jsonl."""
+        root = Path(results_dir)
+        shards = sorted((root / "hidden_states").glob("shard_*"), key=lambda p: int(p.name.removeprefix("shard_")))
+        if not shards:
+            raise FileNotFoundError(f"no shard folders under {root / 'hidden_states'}; run the workflow first")
+        tokenized = [root / "tokenized" / f"{d.name}.jsonl" for d in shards]
+        return cls(shards, tokenized, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DataLoader workers (speculators uses spawn) get the index; each opens its own file handles.
+        return {**self.__dict__, "_open": {}}
+
+    def _slices(self, shard: int) -> tuple[list[Any], Any]:
+        if shard not in self._open:
+            from safetensors import safe_open
+
+            d = self.shard_dirs[shard]
+            handles = [safe_open(d / layer_file(i), framework="pt") for i in self.layer_ids]
+            tokens = safe_open(d / TOKEN_IDS, framework="pt")
+            self._open[shard] = (handles, tokens, [h.get_slice("hidden_states") for h in handles])
+        handles, tokens, slices = self._open[shard]
+        return slices, tokens.get_slice("token_ids")
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        shard, offset, length, pos = self._rows[index]
+        with open(self._tokenized[shard], "rb") as f:
+            f.seek(pos)
+            rec = json.loads(f.readline())
+        slices, token_slice = self._slices(shard)
+        a, b = offset, offset + length
+        input_ids = token_slice[a:b]  # [T] int64
+        if rec["seq_len"] != length or input_ids.tolist() != rec["input_ids"]:
+            raise ValueError(f"row {rec['row']}: stored token ids differ from {self._tokenized[shard]}")
+        return {
+            "hidden_states": torch.cat([s[a:b] for s in slices[:-1]], dim=-1),  # [T, (L-1)*H]
+            "input_ids": input_ids,
+            "verifier_last_hidden_states": slices[-1][a:b],  # [T, H]
+            "loss_mask": torch.tensor(rec["loss_mask"], dtype=torch.int64),  # [T]
+            "lengths": torch.tensor([length], dtype=torch.long),  # [1]
+            "position_ids": torch.arange(length, dtype=torch.long),  # [T]
+        }
+
+
+def _line_offsets(path: Path) -> list[int]:
+    """Byte offset of every line of a JSONL file (one pass; the lines are parsed lazily)."""
+    offsets, pos = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            offsets.append(pos)
+            pos += len(line)
+    return offsets

@@ -1,0 +1,86 @@
+"""HiddenStatesDataset: speculators' per-row items straight from our shard folders, equal to the export's."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_export import AUX, H, all_rows, finished_results
+
+from eagle3prep.dataset import HiddenStatesDataset
+
+KEYS = ["hidden_states", "input_ids", "verifier_last_hidden_states", "loss_mask", "lengths", "position_ids"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, demo_model_dir):
+    return finished_results(tmp_path_factory, demo_model_dir)
+
+
+def from_export(results, i: int) -> dict[str, torch.Tensor]:
+    """Row i of the export, assembled the way speculators' ArrowDataset._get_raw_data + __getitem__ do."""
+    hs = load_file(results / f"export/speculators/hidden_states/hs_{i}.safetensors")  # [T, L, H], token_ids [T]
+    r = all_rows(results)[i]
+    T = len(r["input_ids"])
+    return {
+        "hidden_states": hs["hidden_states"][:, :-1].flatten(1),  # [T, (L-1)*H]
+        "input_ids": hs["token_ids"],
+        "verifier_last_hidden_states": hs["hidden_states"][:, -1],  # [T, H]
+        "loss_mask": torch.tensor(r["loss_mask"], dtype=torch.int64),
+        "lengths": torch.tensor([T], dtype=torch.long),
+        "position_ids": torch.arange(T, dtype=torch.long),
+    }
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert list(a) == list(b) == KEYS
+    for k in KEYS:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]), k
+
+
+def test_items_equal_the_export_without_copying_it(results):
+    ds = HiddenStatesDataset.from_results(results)
+    rows = all_rows(results)
+    assert len(ds) == len(rows) and ds.approx_lengths == [r["seq_len"] for r in rows]
+    assert ds.layer_ids[:-1] == AUX and ds.hidden_states_dtype == torch.bfloat16
+    for i in range(len(ds)):
+        item = ds[i]
+        assert item["hidden_states"].shape == (rows[i]["seq_len"], 3 * H)
+        assert_same(item, from_export(results, i))
+
+
+def test_matches_speculators_arrow_dataset(results):
+    data = pytest.importorskip("speculators.train.data", reason="speculators 0.9.0: make .venv/.installed")
+    theirs = data.ArrowDataset(max_len=256, datapath=str(results / "export/speculators"), on_missing="raise")
+    ours = HiddenStatesDataset.from_results(results)
+    assert ours.approx_lengths == theirs.approx_lengths
+    for i in range(len(ours)):
+        assert_same(ours[i], theirs[i])
+    val = HiddenStatesDataset.from_results(results, train_ratio=0.6, split="val")
+    theirs_val = data.ArrowDataset(
+        max_len=256, datapath=str(results / "export/speculators"), on_missing="raise", train_ratio=0.6, split="val"
+    )
+    assert len(val) == len(theirs_val) == 2
+    assert_same(val[1], theirs_val[1])
+
+
+def test_pickles_for_spawned_workers_and_splits_like_speculators(results):
+    ds = HiddenStatesDataset.from_results(results)
+    ds[0]  # opens file handles, which must not travel to a worker
+    again = pickle.loads(pickle.dumps(ds))
+    assert_same(again[4], ds[4])
+    train = HiddenStatesDataset.from_results(results, train_ratio=0.6)
+    val = HiddenStatesDataset.from_results(results, train_ratio=0.6, split="val")
+    assert (len(train), len(val)) == (3, 2)  # int(5 * 0.6) rows for training, as ArrowDataset splits
+    assert_same(val[0], ds[3])
+
+
+def test_refuses_a_tokenized_shard_it_was_not_captured_from(results):
+    shards = [results / "hidden_states/shard_0", results / "hidden_states/shard_1"]
+    swapped = [results / "tokenized/shard_1.jsonl", results / "tokenized/shard_0.jsonl"]
+    with pytest.raises(ValueError, match="not the tokenized shard"):
+        HiddenStatesDataset(shards, swapped)
+    with pytest.raises(ValueError, match="out of order"):
+        HiddenStatesDataset(shards[::-1], swapped)

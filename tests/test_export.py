@@ -1,0 +1,216 @@
+"""The speculators export (DESIGN.md §7): files, checksums and row order, then read by speculators' own loader."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from shard_helpers import DEMO_LAYER_IDS, demo_spec, write_tokenized
+from workflow_helpers import snakemake, tree_digest
+
+from eagle3prep.atomic import sha256_file
+from eagle3prep.export import ExportError, check_shards, export_speculators
+from eagle3prep.extract import extract_shard
+from eagle3prep.validate import validate_shard
+
+LENGTHS = [[9, 30, 17], [24, 5]]  # shard 0 holds rows 0..2, shard 1 rows 3..4
+H = 128  # the demo model's hidden size
+AUX, FINAL = DEMO_LAYER_IDS[:-1], DEMO_LAYER_IDS[-1]  # [2, 4, 5] and N = 8
+_BUILT: dict[str, Path] = {}
+
+
+def export_inputs(res: Path) -> dict[str, object]:
+    k = range(len(LENGTHS))
+    return {
+        "shard_dirs": [str(res / f"hidden_states/shard_{i}") for i in k],
+        "validations": [str(res / f"validation/shard_{i}.json") for i in k],
+        "tokenized": [str(res / f"tokenized/shard_{i}.jsonl") for i in k],
+        "token_freq_json": str(res / "tokenized/token_freq.json"),
+    }
+
+
+def finished_results(tmp_path_factory, model_dir: Path) -> Path:
+    """A `results/` folder as a finished run leaves it: two validated shards and the speculators export.
+
+    Built once per session with the package functions the rules call (test_dataset.py uses it too).
+    """
+    if "results" not in _BUILT:
+        res = tmp_path_factory.mktemp("finished") / "results"
+        (res / "tokenized").mkdir(parents=True)
+        freq: Counter[int] = Counter()
+        first = 0
+        for k, lengths in enumerate(LENGTHS):
+            tok = write_tokenized(res / f"tokenized/shard_{k}.jsonl", lengths, seed=k, first_row=first)
+            shard = res / f"hidden_states/shard_{k}"
+            extract_shard(str(tok), str(shard), demo_spec(model_dir), {}, batch_tokens=64, shard=k)
+            validate_shard(
+                str(shard), str(tok), str(res / f"validation/shard_{k}.json"), str(model_dir), reference=False
+            )
+            for r in rows_of(tok):
+                freq.update(t for t, m in zip(r["input_ids"], r["loss_mask"], strict=True) if m)
+            first += len(lengths)
+        (res / "tokenized/token_freq.json").write_text(json.dumps({str(t): c for t, c in sorted(freq.items())}))
+        export_speculators(**export_inputs(res), out_dir=str(res / "export/speculators"))
+        _BUILT["results"] = res
+    return _BUILT["results"]
+
+
+def rows_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+def all_rows(res: Path) -> list[dict]:
+    return [r for k in range(len(LENGTHS)) for r in rows_of(res / f"tokenized/shard_{k}.jsonl")]
+
+
+def layer_rows(res: Path, layer_id: int) -> list[torch.Tensor]:
+    """Per global row, its [T, H] slice of layer_{id}.safetensors, read straight from our shards."""
+    out = []
+    for k in range(len(LENGTHS)):
+        shard = res / f"hidden_states/shard_{k}"
+        with safe_open(shard / f"layer_{layer_id}.safetensors", framework="pt") as f:
+            hs = f.get_tensor("hidden_states")  # [sum_T, H] bf16
+        out += [hs[e["offset"] : e["offset"] + e["length"]] for e in json.loads((shard / "index.json").read_text())]
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, demo_model_dir) -> Path:
+    return finished_results(tmp_path_factory, demo_model_dir)
+
+
+def test_export_files_checksums_and_contents(results):
+    out = results / "export/speculators"
+    manifest = json.loads((out / "manifest.json").read_text())
+    on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert set(manifest["files"]) == on_disk and not [p for p in on_disk if ".tmp-" in p]
+    for name, entry in manifest["files"].items():
+        assert sha256_file(out / name) == entry["sha256"] and (out / name).stat().st_size == entry["bytes"], name
+    assert manifest["layer_ids"] == DEMO_LAYER_IDS and manifest["target_layer_ids"] == AUX
+    assert manifest["layer_id_convention"] == "input_of_layer" and manifest["rows"] == 5
+
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(out))
+    rows = all_rows(results)
+    assert ds.format["type"] == "torch" and len(ds) == len(rows) == 5
+    layers = {i: layer_rows(results, i) for i in DEMO_LAYER_IDS}
+    for i, r in enumerate(rows):
+        assert r["row"] == i  # arrow row i <-> hs_{i}: speculators' naming is our row id
+        item = ds[i]
+        for key in ("input_ids", "loss_mask"):
+            assert item[key].dtype == torch.int64 and item[key].tolist() == r[key]
+        assert int(item["seq_len"]) == r["seq_len"]
+        hs = load_file(out / f"hidden_states/hs_{i}.safetensors")
+        assert set(hs) == {"token_ids", "hidden_states"}
+        assert hs["token_ids"].dtype == torch.int64 and hs["token_ids"].tolist() == r["input_ids"]
+        assert hs["hidden_states"].dtype == torch.bfloat16 and hs["hidden_states"].shape == (r["seq_len"], 4, H)
+        for slot, layer_id in enumerate(DEMO_LAYER_IDS):  # ascending ids, last slot = id N
+            assert torch.equal(hs["hidden_states"][:, slot], layers[layer_id][i])
+
+    freq = torch.load(out / "token_freq.pt", weights_only=True)
+    want = json.loads((results / "tokenized/token_freq.json").read_text())
+    assert freq == {int(t): c for t, c in want.items()} and all(type(t) is int for t in freq)
+
+
+def test_speculators_training_loader_reads_the_export(results, demo_model_dir):
+    data = pytest.importorskip("speculators.train.data", reason="speculators 0.9.0: make .venv/.installed")
+    from hs_connectors import FileTransfer
+    from speculators.data_generation.offline import check_hidden_states
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    out = results / "export/speculators"
+    rows = all_rows(results)
+    aux = [layer_rows(results, i) for i in AUX]
+    final = layer_rows(results, FINAL)
+    ds = data.ArrowDataset(max_len=256, datapath=str(out), on_missing="raise")  # raise: never call vLLM
+    assert len(ds) == 5 and ds.approx_lengths == [r["seq_len"] for r in rows]
+    items = [ds[i] for i in range(len(ds))]
+    for i, (r, item) in enumerate(zip(rows, items, strict=True)):
+        T = r["seq_len"]
+        assert list(item) == [
+            "hidden_states",
+            "input_ids",
+            "verifier_last_hidden_states",
+            "loss_mask",
+            "lengths",
+            "position_ids",
+        ]
+        assert item["hidden_states"].dtype == torch.bfloat16 and item["hidden_states"].shape == (T, 3 * H)
+        assert torch.equal(item["hidden_states"], torch.cat([a[i] for a in aux], dim=-1))
+        assert item["verifier_last_hidden_states"].shape == (T, H) and torch.equal(
+            item["verifier_last_hidden_states"], final[i]
+        )
+        assert item["input_ids"].dtype == torch.int64 and item["input_ids"].tolist() == r["input_ids"]
+        assert item["loss_mask"].dtype == torch.int64 and item["loss_mask"].tolist() == r["loss_mask"]
+        assert item["lengths"].tolist() == [T] and torch.equal(item["position_ids"], torch.arange(T))
+        check_hidden_states(FileTransfer(out / "hidden_states").get_cached(i), r["input_ids"])  # their validator
+
+    # The validation split maps arrow rows 3, 4 to hs_3, hs_4 (ArrowDataset's start_file_idx).
+    val = data.ArrowDataset(max_len=256, datapath=str(out), on_missing="raise", train_ratio=0.6, split="val")
+    assert len(val) == 2 and torch.equal(val[1]["input_ids"], items[4]["input_ids"])
+
+    # The trainer's collate + EAGLE-3 shift, packing all five rows into one 256-token sequence.
+    batch = data.CollateFn(256, H, num_target_layers=3, preprocess=shift_batch)(items)
+    assert batch["hidden_states"].shape == (1, 256, 3 * H) and batch["verifier_last_hidden_states"].shape == (
+        1,
+        256,
+        H,
+    )
+    assert batch["document_ids"][0, : sum(LENGTHS[0] + LENGTHS[1]) - 5].unique().tolist() == [0, 1, 2, 3, 4]
+    d2t, t2d = build_vocab_mappings_from_distribution(
+        torch.load(out / "token_freq.pt", weights_only=True), draft_vocab_size=64, target_vocab_size=512
+    )
+    assert d2t.shape == (64,) and int(t2d.sum()) == 64
+
+
+def test_refuses_what_speculators_cannot_train_on(results, tmp_path):
+    inputs = export_inputs(results)
+    dirs, validations = inputs["shard_dirs"], inputs["validations"]
+    with pytest.raises(ExportError, match="expected rows from 0"):
+        check_shards(dirs[::-1], validations[::-1])
+    failed = tmp_path / "failed.json"
+    failed.write_text(json.dumps({"ok": False, "shard_dir": dirs[1]}))
+    with pytest.raises(ExportError, match="not a passed validation"):
+        check_shards(dirs, [validations[0], str(failed)])
+    # Layer ids without the pre-norm final state N: speculators would take layer 5 for the verifier's.
+    no_final = tmp_path / "shard_0"
+    no_final.mkdir()
+    manifest = json.loads(Path(dirs[0], "manifest.json").read_text())
+    (no_final / "manifest.json").write_text(json.dumps({**manifest, "layer_ids": AUX}))
+    (tmp_path / "v.json").write_text(json.dumps({"ok": True, "shard_dir": str(no_final)}))
+    with pytest.raises(ExportError, match=r"pre-norm final state \(id 8\)"):
+        check_shards([str(no_final)], [str(tmp_path / "v.json")])
+
+
+def test_rerun_over_a_killed_export_ends_byte_identical(results, tmp_path):
+    out = shutil.copytree(results / "export/speculators", tmp_path / "speculators")
+    # What a kill mid-export leaves: temp files, a partial staging folder, a trainer's vocab cache.
+    (out / ".tmp-rows.arrow").write_bytes(b"partial")
+    (out / ".tmp-arrow").mkdir()
+    (out / "hidden_states/.tmp-hs_3.safetensors.x1").write_bytes(b"partial")
+    (out / "hidden_states/hs_99.safetensors").write_bytes(b"stale")
+    (out / "d2t-64.npy").write_bytes(b"stale")
+    export_speculators(**export_inputs(results), out_dir=str(out))
+    assert tree_digest(out) == tree_digest(results / "export/speculators")
+
+
+@pytest.mark.integration
+def test_workflow_runs_the_export_rule_only_when_asked(tmp_path, small_demo_run):
+    wd = shutil.copytree(small_demo_run, tmp_path / "wd", symlinks=True, ignore=shutil.ignore_patterns(".snakemake"))
+    assert "export_speculators" not in snakemake(wd, "-n").stdout  # off by default
+    run = snakemake(wd, "--config", "export={speculators: true}")
+    assert "rule export_speculators:" in run.stdout + run.stderr
+    assert "rule report:" not in run.stdout + run.stderr  # the finished stages are left alone
+    out = wd / "results/export/speculators"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["rows"] == json.loads((wd / "results/report/dataset_manifest.json").read_text())["rows"]
+    assert (out / f"hidden_states/hs_{manifest['rows'] - 1}.safetensors").is_file()
+    assert "[export] done" in (wd / "logs/export/speculators.log").read_text()

@@ -1,0 +1,61 @@
+"""The plan target's numbers: bytes per shard, free space, job time, a shard size under 5 % start-up."""
+
+import json
+
+import pytest
+
+from eagle3prep.config import ConfigError, validate_config
+from eagle3prep.extract import shard_bytes
+from eagle3prep.plan import format_plan, make_plan, min_tokens_per_shard, plan_run
+
+SIZES = [{"shard": 0, "rows": 10, "tokens": 3000}, {"shard": 1, "rows": 9, "tokens": 1000}]
+
+
+def test_bytes_free_space_and_finished_shards(tmp_path):
+    (tmp_path / "shard_0").mkdir()
+    (tmp_path / "shard_0" / "manifest.json").write_text("{}")
+    plan = make_plan(SIZES, num_layers=4, hidden_size=4096, dtype="bfloat16", hidden_states_dir=tmp_path / "nope")
+    assert [s["done"] for s in plan["shards"]] == [False, False]  # another folder: nothing finished there
+    assert plan["free_space_path"] == str(tmp_path)  # the nearest existing parent's filesystem
+
+    plan = make_plan(SIZES, num_layers=4, hidden_size=4096, dtype="bfloat16", hidden_states_dir=tmp_path)
+    assert [s["bytes"] for s in plan["shards"]] == [
+        shard_bytes(3000, 10, 4, 4096, "bfloat16"),
+        shard_bytes(1000, 9, 4, 4096, "bfloat16"),
+    ]
+    assert plan["shards"][0]["bytes"] > 3000 * 4 * 4096 * 2
+    assert [s["done"] for s in plan["shards"]] == [True, False]
+    assert plan["bytes_to_write"] == plan["shards"][1]["bytes"] and plan["fits"]
+    assert plan["recommended"] is None and plan["job_hours_total"] is None
+    assert "set plan.tokens_per_s" in format_plan(plan)
+
+
+def test_job_time_and_a_shard_size_that_keeps_start_up_under_5_percent(tmp_path):
+    plan = make_plan(SIZES, 4, 4096, "bfloat16", tmp_path, tokens_per_s=100.0, engine_start_s=60.0, gpus_per_job=8)
+    assert [s["job_s"] for s in plan["shards"]] == [90.0, 70.0]
+    assert plan["job_hours_left"] == round(160 / 3600, 3) and plan["gpu_hours_left"] == round(8 * 160 / 3600, 3)
+    assert plan["start_share_worst"] == round(60 / 70, 4)
+    rec = plan["recommended"]
+    assert rec["min_tokens_per_shard"] == 60 * 100 * 19 and rec["max_num_shards"] == 1
+    text = format_plan(plan)
+    assert "at least 114,000 tokens per shard" in text and "fewer shards would waste less" in text
+    # At the recommended size start-up is 5 % of the job; one token less and it is more.
+    for tps, start in [(100.0, 60.0), (5432.1, 97.0), (1e5, 1.5)]:
+        n = min_tokens_per_shard(tps, start)
+        assert start / (start + n / tps) <= 0.05 < start / (start + (n - 1) / tps)
+
+
+def test_plan_run_reads_layers_and_hidden_size_from_the_model(tmp_path, demo_model_dir):
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps({"shards": [{"shard": 0, "path": "x", "first_row": 0, **SIZES[0]}]}))
+    config = validate_config({"data": {"sources": ["x"]}, "model": {"path": str(demo_model_dir)}})
+    assert config["plan"] == {"tokens_per_s": None, "engine_start_s": 60}
+    text = plan_run(config, stats, tmp_path / "hs", tmp_path / "plan.json", tmp_path / "plan.txt")
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert (plan["num_layers"], plan["hidden_size"], plan["dtype"]) == (4, 128, "bfloat16")  # [2, 4, 5, 8]
+    assert (tmp_path / "plan.txt").read_text() == text and "3,000 tokens" in text
+
+
+def test_a_throughput_of_zero_is_a_config_error():
+    with pytest.raises(ConfigError, match="plan.tokens_per_s = 0"):
+        validate_config({"data": {"sources": ["x"]}, "model": {"path": "m"}, "plan": {"tokens_per_s": 0}})
