@@ -18,6 +18,9 @@ except (ConfigError, InputError) as e:
 
 SHARDS = list(range(config["tokenize"]["num_shards"]))
 MODEL = config["model"]["path"]
+# The tokenize job's output is this one folder, not one output per shard: Snakemake's DAG work
+# grows with (outputs of a job) x (jobs using them), so N declared outputs made `-n` quadratic.
+TOKENIZED = "results/tokenized"
 
 
 wildcard_constraints:
@@ -39,6 +42,15 @@ onstart:
 def get_model(wildcards=None):
     """The model folder; built by build_demo_model when model.build_demo is set."""
     return MODEL
+
+
+def get_tokenized_shard(wildcards):
+    """The tokenized rows of shard {k} (a file inside the tokenize job's folder)."""
+    return f"{TOKENIZED}/shard_{wildcards.k}.jsonl"
+
+
+def get_tokenized_shards():
+    return expand(f"{TOKENIZED}/shard_{{k}}.jsonl", k=SHARDS)
 
 
 def get_gpus(wildcards=None):

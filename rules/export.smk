@@ -4,8 +4,7 @@ rule export_speculators:
     input:
         validations=expand("results/validation/shard_{k}.json", k=SHARDS),
         shards=get_shard_dirs(),
-        tokens=expand("results/tokenized/shard_{k}.jsonl", k=SHARDS),
-        token_freq="results/tokenized/token_freq.json",
+        tokenized=TOKENIZED,
     output:
         directory("results/export/speculators"),
     log:
@@ -14,5 +13,7 @@ rule export_speculators:
         "benchmarks/export/speculators.tsv"
     conda:
         "../envs/base.yaml"
+    params:
+        tokens=get_tokenized_shards(),
     script:
         "../scripts/export.py"

@@ -3,7 +3,7 @@
 # `--resources gpu=8` both cap how many GPUs the running jobs hold together.
 rule extract_hidden_states:
     input:
-        tokens="results/tokenized/shard_{k}.jsonl",
+        tokenized=TOKENIZED,
         model=get_model(),
     output:
         directory("results/hidden_states/shard_{k}"),
@@ -18,6 +18,7 @@ rule extract_hidden_states:
         gpus=get_gpus(),
         gpu=get_gpus(),
     params:
+        tokens=get_tokenized_shard,
         extract=config["extract"],
         layers=config["layers"],
         max_seq_len=config["tokenize"]["max_seq_len"],

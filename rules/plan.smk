@@ -2,7 +2,7 @@
 # Not part of `all`: `snakemake plan` (add -f to refresh the free space after freeing disk).
 rule plan:
     input:
-        stats="results/tokenized/stats.json",
+        tokenized=TOKENIZED,
         model=get_model(),
     output:
         json="results/plan/plan.json",
@@ -12,6 +12,7 @@ rule plan:
     conda:
         "../envs/base.yaml"
     params:
+        stats=f"{TOKENIZED}/stats.json",
         hidden_states="results/hidden_states",
         layers=config["layers"],
         dtype=config["extract"]["dtype"],

@@ -4,8 +4,7 @@ rule report:
         validations=expand("results/validation/shard_{k}.json", k=SHARDS),
         shards=get_shard_dirs(),
         counts="results/prepared/counts.json",
-        stats="results/tokenized/stats.json",
-        tokens=expand("results/tokenized/shard_{k}.jsonl", k=SHARDS),
+        tokenized=TOKENIZED,
     output:
         html=report(
             "results/report/report.html",
@@ -31,6 +30,8 @@ rule report:
     conda:
         "../envs/base.yaml"
     params:
+        stats=f"{TOKENIZED}/stats.json",
+        tokens=get_tokenized_shards(),
         benchmarks=expand("benchmarks/extract/shard_{k}.tsv", k=SHARDS),
         config=config,
     script:

@@ -4,10 +4,8 @@ rule tokenize:
         conversations="results/prepared/conversations.jsonl",
         model=get_model(),
     output:
-        shards=expand("results/tokenized/shard_{k}.jsonl", k=SHARDS),
-        stats="results/tokenized/stats.json",
-        token_freq="results/tokenized/token_freq.json",
-        quarantine="results/tokenized/quarantine.jsonl",
+        # shard_{k}.jsonl for every k, stats.json, token_freq.json, quarantine.jsonl
+        directory(TOKENIZED),
     log:
         "logs/tokenize.log",
     benchmark:
@@ -15,6 +13,7 @@ rule tokenize:
     conda:
         "../envs/base.yaml"
     params:
+        shards=get_tokenized_shards(),
         max_seq_len=config["tokenize"]["max_seq_len"],
         template_fallback=config["tokenize"]["template_fallback"],
         trust_remote_code=config["model"]["trust_remote_code"],

@@ -3,7 +3,7 @@
 rule validate_shard:
     input:
         shard="results/hidden_states/shard_{k}",
-        tokens="results/tokenized/shard_{k}.jsonl",
+        tokenized=TOKENIZED,
         model=get_model(),
     output:
         report(
@@ -19,6 +19,7 @@ rule validate_shard:
     conda:
         "../envs/base.yaml"
     params:
+        tokens=get_tokenized_shard,
         validate=config["validate"],
         trust_remote_code=config["model"]["trust_remote_code"],
     script:

@@ -9,7 +9,7 @@ with one_line_errors():
     export_speculators(
         shard_dirs=list(snakemake.input.shards),
         validations=list(snakemake.input.validations),
-        tokenized=list(snakemake.input.tokens),
-        token_freq_json=snakemake.input.token_freq,
+        tokenized=list(snakemake.params.tokens),
+        token_freq_json=f"{snakemake.input.tokenized}/token_freq.json",
         out_dir=snakemake.output[0],
     )

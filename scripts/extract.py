@@ -15,7 +15,7 @@ if __name__ == "__main__":  # vLLM starts its engine with spawn, which re-import
             "tokenize": {"max_seq_len": snakemake.params.max_seq_len},
         }
         extract_shard(
-            snakemake.input.tokens,
+            snakemake.params.tokens,
             snakemake.output[0],
             capture_spec(config),
             options=dict(snakemake.params.extract),

@@ -13,7 +13,7 @@ with one_line_errors():
             "extract": {"dtype": snakemake.params.dtype},
             "plan": snakemake.params.plan,
         },
-        snakemake.input.stats,
+        snakemake.params.stats,
         hidden_states_dir=snakemake.params.hidden_states,
         json_path=snakemake.output.json,
         txt_path=snakemake.output.txt,

@@ -9,9 +9,9 @@ with one_line_errors():
     build_report(
         validations=list(snakemake.input.validations),
         shard_dirs=list(snakemake.input.shards),
-        tokenized=list(snakemake.input.tokens),
+        tokenized=list(snakemake.params.tokens),
         counts_path=snakemake.input.counts,
-        stats_path=snakemake.input.stats,
+        stats_path=snakemake.params.stats,
         benchmarks=list(snakemake.params.benchmarks),
         config=snakemake.params.config,
         out_html=snakemake.output.html,

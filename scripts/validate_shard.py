@@ -9,7 +9,7 @@ with one_line_errors():
     opts = snakemake.params.validate
     validate_shard(
         snakemake.input.shard,
-        snakemake.input.tokens,
+        snakemake.params.tokens,
         snakemake.output[0],
         model_path=snakemake.input.model,
         sample_rows=opts["sample_rows"],

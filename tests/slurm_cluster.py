@@ -1,14 +1,17 @@
 """A one-node Slurm cluster on localhost for the SLURM executor tests (Debian's slurm-wlm 22.05).
 
-Everything lives in one scratch folder: its own munge key and socket, its own ports, state and logs,
-and a slurm.conf that clients find through SLURM_CONF. A Slurm or munge already running on the
-machine is neither used nor touched. The daemons run as root in the foreground, as our children,
-and are stopped by PID. No accounting database: clients poll with squeue, which sees finished jobs
-for MinJobAge seconds.
+Everything but the config lives in one scratch folder: its own munge key and socket, its own ports,
+state and logs. The config goes to Slurm's default path, /etc/slurm/slurm.conf, as on a real cluster:
+the executor's job step strips SLURM_CONF (with every SLURM_* variable but a few) before its inner
+`srun`, which then finds no cluster anywhere else. A config we did not write is never overwritten.
+A munge or Slurm already running is neither used nor touched (other socket, other ports). The
+daemons run as root in the foreground, as our children, and are stopped by PID. No accounting
+database: clients poll with squeue, which sees finished jobs for MinJobAge seconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -22,11 +25,18 @@ import psutil
 NODE = "eagle3prep-node"
 PARTITION = "debug"
 CTLD_PORT, SLURMD_PORT = 16817, 16818  # not the default 6817/6818, so a real Slurm on the host is left alone
-DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scancel")
+BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "scancel")
+CONF = Path("/etc/slurm/slurm.conf")
+MARK = "# Written by eagle3prep tests/slurm_cluster.py for a test cluster on localhost; removed after it.\n"
 
 
 def missing_binaries() -> list[str]:
-    return [b for b in DAEMONS if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
+    return [b for b in BINARIES if shutil.which(b) is None]
+
+
+def foreign_config() -> bool:
+    """A slurm.conf that this module did not write: a real cluster's, left alone."""
+    return CONF.exists() and not CONF.read_text().startswith(MARK)
 
 
 def node_resources() -> tuple[int, int]:
@@ -36,7 +46,7 @@ def node_resources() -> tuple[int, int]:
 
 def slurm_conf(root: Path) -> str:
     cpus, mem_mb = node_resources()
-    return f"""\
+    return f"""{MARK}\
 ClusterName=eagle3prep-test
 SlurmctldHost={socket.gethostname()}(127.0.0.1)
 SlurmctldPort={CTLD_PORT}
@@ -77,15 +87,15 @@ class LocalSlurm:
 
     def __init__(self, root: Path):
         self.root = root
-        self.conf = root / "slurm.conf"
-        self.env = {"SLURM_CONF": str(self.conf)}
+        self.conf = CONF
+        self.env = {"SLURM_CONF": str(CONF)}
         self.procs: list[subprocess.Popen] = []
 
     def _start(self, name: str, *cmd: str) -> None:
-        out = open(self.root / f"{name}.out", "w")
-        self.procs.append(
-            subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
-        )
+        with open(self.root / f"{name}.out", "w") as out:  # the child keeps its own copy of the fd
+            self.procs.append(
+                subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+            )
 
     def client(self, *cmd: str) -> str:
         return subprocess.run(
@@ -95,7 +105,10 @@ class LocalSlurm:
     def start(self, timeout: float = 60) -> LocalSlurm:
         for d in ("state", "spool"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
-        self.conf.write_text(slurm_conf(self.root))
+        if foreign_config():
+            raise RuntimeError(f"{CONF} belongs to another Slurm installation; not overwriting it")
+        CONF.parent.mkdir(parents=True, exist_ok=True)
+        CONF.write_text(slurm_conf(self.root))
         subprocess.run(["mungekey", "--create", "--keyfile", str(self.root / "munge.key")], check=True)
         # --force: munged refuses to run as root otherwise; -F keeps it in the foreground, our child.
         self._start(
@@ -138,10 +151,8 @@ class LocalSlurm:
         return "\n".join(parts)
 
     def stop(self) -> None:
-        try:
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
             self.client("scancel", "--user", "root")  # jobs left by a failed test
-        except (subprocess.SubprocessError, OSError):
-            pass
         for p in reversed(self.procs):  # slurmd, slurmctld, then munged
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -150,3 +161,5 @@ class LocalSlurm:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+        if not foreign_config():
+            CONF.unlink(missing_ok=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 from shard_helpers import DEMO_LAYER_IDS, demo_spec, write_tokenized
@@ -62,7 +63,7 @@ def finished_results(tmp_path_factory, model_dir: Path) -> Path:
 
 
 def rows_of(path: Path) -> list[dict]:
-    return [json.loads(line) for line in open(path, encoding="utf-8")]
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
 def all_rows(res: Path) -> list[dict]:
@@ -206,7 +207,10 @@ def test_rerun_over_a_killed_export_ends_byte_identical(results, tmp_path):
 def test_workflow_runs_the_export_rule_only_when_asked(tmp_path, small_demo_run):
     wd = shutil.copytree(small_demo_run, tmp_path / "wd", symlinks=True, ignore=shutil.ignore_patterns(".snakemake"))
     assert "export_speculators" not in snakemake(wd, "-n").stdout  # off by default
-    run = snakemake(wd, "--config", "export={speculators: true}")
+    # In the config file: `--config export={speculators: true}` reaches the schema as the string 'true'.
+    config = yaml.safe_load((wd / "config/config.yaml").read_text())
+    (wd / "config/config.yaml").write_text(yaml.safe_dump({**config, "export": {"speculators": True}}))
+    run = snakemake(wd)
     assert "rule export_speculators:" in run.stdout + run.stderr
     assert "rule report:" not in run.stdout + run.stderr  # the finished stages are left alone
     out = wd / "results/export/speculators"

@@ -298,16 +298,31 @@ def model_facts(arch, n=8, h=16):
         ("0.24.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), ["hooks"]),  # id N needs 0.25 there
         ("0.24.0", "DeepseekV3ForCausalLM", (2, 4, 5), ["builtin", "hooks"]),  # no id N asked for
         ("0.25.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), ["builtin", "hooks"]),
+        ("0.32.0", "LlamaForCausalLM", (0, 4, 8), ["hooks"]),  # id 0 is aliased on the built-in path
     ],
 )
 def test_auto_capture_path_vllm(version, arch, layer_ids, expect):
-    assert make_backend(layer_ids)._candidate_paths(version, model_facts(arch)) == expect
+    paths, reason = make_backend(layer_ids)._candidate_paths(version, model_facts(arch))
+    assert paths == expect
+    assert (reason is None) == (len(expect) == 2)  # the manifest says why the built-in path was skipped
 
 
-def test_explicit_capture_path_is_kept():
-    assert make_backend(capture_path="builtin")._candidate_paths("0.24.0", model_facts("DeepseekV3ForCausalLM")) == [
-        "builtin"
-    ]
+def test_explicit_hooks_path_is_kept():
+    assert make_backend(capture_path="hooks")._candidate_paths("0.32.0", model_facts("LlamaForCausalLM")) == (
+        ["hooks"],
+        None,
+    )
+
+
+def test_explicit_builtin_path_refuses_what_it_would_capture_wrong_deepseek_vllm_0_24():
+    backend = make_backend(capture_path="builtin")
+    with pytest.raises(ValueError, match=r"needs vLLM >= 0\.25 \(installed 0\.24\.0\).*capture_path: hooks"):
+        backend._candidate_paths("0.24.0", model_facts("DeepseekV3ForCausalLM"))
+
+
+def test_explicit_builtin_path_refuses_layer_id_0_vllm_0_26():
+    with pytest.raises(ValueError, match=r"layer id 0"):
+        make_backend((0, 4, 8), capture_path="builtin")._candidate_paths("0.26.0", model_facts("LlamaForCausalLM"))
 
 
 class ShortPath:

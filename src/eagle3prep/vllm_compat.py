@@ -88,6 +88,24 @@ def builtin_final_layer_reachable(version: str, architectures: list[str]) -> boo
     return True
 
 
+def builtin_blocker(
+    version: str, architectures: list[str], layer_ids: list[int], num_hidden_layers: int
+) -> str | None:
+    """Why the built-in path cannot capture `layer_ids` correctly on this vLLM; None when it can."""
+    arch = architectures[0] if architectures else "this model"
+    if not builtin_supported(version):
+        return f"the built-in extract_hidden_states path needs vLLM >= 0.18 (installed {version})"
+    if num_hidden_layers in layer_ids and not builtin_final_layer_reachable(version, architectures):
+        return f"final-layer capture on {arch} needs vLLM >= 0.25 (installed {version})"
+    if 0 in layer_ids:
+        # vLLM stores id 0 as a reference to the embedding output, and the first layer's fused
+        # add+RMSNorm overwrites that tensor in place: on vLLM 0.26 / H200 / TP 2 / fp32 / eager, id 0
+        # came back as a later residual state (cosine -0.1 to the embeddings; ids 2, 3, 6 exact).
+        # DeepSeek's backbone crashes on id 0 instead (research/arch-feas.md finding 3).
+        return "layer id 0 (the embeddings) is not reliable on the built-in path (vLLM aliases it)"
+    return None
+
+
 def builtin_fix_hint(version: str, architectures: list[str]) -> str:
     """The one-line fix to print when the built-in path returned the wrong layers."""
     arch = architectures[0] if architectures else "this model"

@@ -218,8 +218,7 @@ class VLLMBackend(CaptureBackend):
         on_cpu = self._on_cpu()
         self._staging = self._make_staging()
 
-        candidates = self._candidate_paths(version, model)
-        fallback_reason = None
+        candidates, fallback_reason = self._candidate_paths(version, model)
         for k, name in enumerate(candidates):
             last = k == len(candidates) - 1
             try:
@@ -293,20 +292,27 @@ class VLLMBackend(CaptureBackend):
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def _candidate_paths(self, version: str, model: dict[str, Any]) -> list[str]:
+    def _candidate_paths(self, version: str, model: dict[str, Any]) -> tuple[list[str], str | None]:
+        """The capture paths to try in order, and why the built-in one was left out (if it was)."""
         wanted = self.options.get("capture_path", "auto")
-        if wanted in ("builtin", "hooks"):
-            return [wanted]
-        if wanted != "auto":
+        if wanted not in ("auto", "builtin", "hooks"):
             raise ValueError(f"extract.capture_path = {wanted!r} is not one of ['auto', 'builtin', 'hooks']")
-        arch = model["architectures"]
-        needs_final = model["num_hidden_layers"] in self.spec.layer_ids
-        if not compat.builtin_supported(version) or (
-            needs_final and not compat.builtin_final_layer_reachable(version, arch)
-        ):
-            log(f"vLLM {version}: {compat.builtin_fix_hint(version, arch)}; using the hooks path")
-            return ["hooks"]
-        return ["builtin", "hooks"]
+        if wanted == "hooks":
+            return ["hooks"], None
+        blocker = compat.builtin_blocker(
+            version, model["architectures"], self.spec.layer_ids, model["num_hidden_layers"]
+        )
+        if wanted == "builtin":
+            if blocker:
+                raise ValueError(
+                    f"extract.capture_path = builtin cannot capture layer ids {self.spec.layer_ids}: {blocker}; "
+                    "set extract.capture_path: hooks (or auto)"
+                )
+            return ["builtin"], None
+        if blocker:
+            log(f"not using the built-in path: {blocker}; using the hooks path")
+            return ["hooks"], blocker
+        return ["builtin", "hooks"], None
 
     def _engine_kwargs(self, path: BuiltinPath | HooksPath) -> dict[str, Any]:
         opt = self.options
@@ -343,9 +349,11 @@ class VLLMBackend(CaptureBackend):
             # The hooks read the V1 model runner's input batch (vllm_compat.step_layout).
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
             self.path = HooksPath(self.spec.layer_ids, self._staging, version)
-        # Fresh worker processes: a forked worker inherits whatever CUDA state this process has (the
-        # extract job may have touched torch.cuda already) and fails with "CUDA error: initialization error".
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        if not on_cpu:
+            # Fresh worker processes: a forked worker inherits this process's CUDA state (the extract
+            # job may have touched torch.cuda already) and dies with "CUDA error: initialization error"
+            # (seen on H200 with vLLM 0.26).
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         kwargs = self._engine_kwargs(self.path)
         log(f"starting vLLM {version} ({name} path): {kwargs}")
         self.llm = LLM(**kwargs)
