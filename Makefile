@@ -1,12 +1,13 @@
 # The two commands of the README:
 #   make demo   set up .venv and run the whole workflow on the embedded demo
-#   make test   set up .venv and .venv-vllm and run every test (unit, workflow, vLLM on CPU, lint)
+#   make test   set up .venv and .venv-vllm and run every test (unit, workflow, vLLM on CPU, lint,
+#               and the demo on a one-node Slurm cluster: needs root, installs Debian's Slurm)
 PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
 PIP_FLAGS ?= -q --disable-pip-version-check
 
-.PHONY: demo test test-base test-vllm lint clean
+.PHONY: demo test test-base test-vllm test-slurm lint clean
 
 $(VENV)/.installed: envs/base.txt envs/speculators.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,13 +29,18 @@ $(VLLM_VENV)/.installed: envs/vllm.txt pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/snakemake --cores all
 
-test: test-base test-vllm
+test: test-base test-vllm test-slurm
 
 test-base: $(VENV)/.installed
-	$(VENV)/bin/pytest -m "not vllm"
+	$(VENV)/bin/pytest -m "not vllm and not slurm"
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/pytest -m vllm
+
+# --executor slurm with profiles/slurm on a Slurm cluster that the test starts on localhost.
+test-slurm: $(VENV)/.installed
+	.ci/install-slurm.sh
+	$(VENV)/bin/pytest -m slurm
 
 clean:
 	rm -rf results logs benchmarks .snakemake

@@ -84,3 +84,23 @@ def test_refuses_a_tokenized_shard_it_was_not_captured_from(results):
         HiddenStatesDataset(shards, swapped)
     with pytest.raises(ValueError, match="out of order"):
         HiddenStatesDataset(shards[::-1], swapped)
+
+
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true but no accelerator")  # CPU here
+def test_speculators_dataloader_gives_the_same_batches(results):
+    """speculators' own DataLoader (batch sampler, collate, EAGLE-3 shift) over ours and over the export."""
+    data = pytest.importorskip("speculators.train.data", reason="speculators 0.9.0: make .venv/.installed")
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.dataloader import _setup_dataloader
+
+    def batches(ds):
+        loader = _setup_dataloader(
+            ds, 64, H, num_workers=0, num_target_layers=3, prefetch_factor=None, preprocess=shift_batch
+        )
+        return [{k: v for k, v in b.items() if isinstance(v, torch.Tensor)} for b in loader]
+
+    theirs = data.ArrowDataset(max_len=64, datapath=str(results / "export/speculators"), on_missing="raise")
+    ours, want = batches(HiddenStatesDataset.from_results(results)), batches(theirs)
+    assert len(ours) == len(want) > 1
+    for a, b in zip(ours, want, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -38,7 +38,13 @@ KILLED_SHARD = 1
 
 # What a run that stopped at a stage leaves missing: that stage's outputs and everything after them.
 MISSING = {
-    "prepare": ["results/prepared", "results/tokenized", "results/hidden_states", "results/validation", "results/report"],
+    "prepare": [
+        "results/prepared",
+        "results/tokenized",
+        "results/hidden_states",
+        "results/validation",
+        "results/report",
+    ],
     "tokenize": ["results/tokenized", "results/hidden_states", "results/validation", "results/report"],
     "extract": [
         f"results/hidden_states/shard_{KILLED_SHARD}",
@@ -49,7 +55,8 @@ MISSING = {
     "report": ["results/report"],
 }
 
-# (stage whose job is killed, EAGLE3PREP_KILL_AT). `{batch2_rows}` is filled in from the baseline.
+# (stage whose job is killed, EAGLE3PREP_KILL_AT[, EAGLE3PREP_KILL_SCOPE]). The default scope kills the
+# whole run (a node crash). `{batch2_rows}` is filled in from the baseline.
 POINTS = {
     "prepare.mid_stream": ("prepare", "prepare.mid_stream:file=sharegpt.jsonl,line=40"),
     "prepare.before_rename": ("prepare", "prepare.before_rename"),
@@ -73,6 +80,8 @@ POINTS = {
     "report.before_manifest": ("report", "report.before_manifest"),
     "report.before_html": ("report", "report.before_html"),
     "report.rename_html": ("report", "atomic.before_rename:file=report.html"),
+    # Only the job dies (the OOM killer's way); Snakemake lives on, marks the job failed and removes its output.
+    "extract.job_only": ("extract", "shard.between_files:file=layer_5.safetensors", "process"),
 }
 
 
@@ -119,20 +128,25 @@ def assert_half_shard_refused(wd: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("point", list(POINTS))
 def test_sigkill_then_rerun_is_byte_identical(point, baseline, tmp_path):
-    stage, spec = POINTS[point]
+    stage, spec, *scope = POINTS[point]
+    scope = scope[0] if scope else "group"
     if "{batch2_rows}" in spec:
         tokenized = baseline / f"results/tokenized/shard_{KILLED_SHARD}.jsonl"
         spec = spec.format(batch2_rows=batch_start_rows(tokenized, 2, FAULT_CONFIG["extract"]["batch_tokens"]))
     wd = stopped_at(baseline, stage, tmp_path / "wd")
     finished = stat_files(wd / "results")
 
-    killed = snakemake(wd, env={"EAGLE3PREP_KILL_AT": spec}, check=False, new_session=True)
-    assert killed.returncode == -signal.SIGKILL, f"kill point {spec} not reached:\n{killed.stderr[-3000:]}"
+    env = {"EAGLE3PREP_KILL_AT": spec, "EAGLE3PREP_KILL_SCOPE": scope}
+    killed = snakemake(wd, env=env, check=False, new_session=True)
+    if scope == "group":
+        assert killed.returncode == -signal.SIGKILL, f"kill point {spec} not reached:\n{killed.stderr[-3000:]}"
+    else:
+        assert killed.returncode == 1 and "Error in rule extract_hidden_states" in killed.stderr, killed.stderr[-3000:]
     if stage == "extract":
         assert_half_shard_refused(wd, tmp_path)
 
     rerun = snakemake(wd)  # the README's command, with the repo's default profile
-    assert "removed stale lock" in rerun.stderr
+    assert ("removed stale lock" in rerun.stderr) == (scope == "group")
     assert tree_digest(wd / "results") == tree_digest(baseline / "results")
     after = stat_files(wd / "results")
     assert {p: after.get(p) for p in finished} == finished, "a finished output was rewritten"

@@ -127,12 +127,13 @@ def test_demo_under_slurm_profile_writes_the_same_bytes_as_a_local_run(slurm_clu
         line.split("|")
         for line in slurm_cluster.client("squeue", "-h", "-t", "all", "-o", "%i|%T|%k|%l|%m").splitlines()
     ]
-    assert submitted == len(jobs) == 10, out[-4000:]
+    assert submitted == len(jobs) == 10, out[-4000:]  # the small demo's 11 jobs but `all`
     assert {state for _, state, *_ in jobs} == {"COMPLETED"}, jobs
-    for _, _, comment, limit, mem in jobs:
+    for _, _, comment, limit, mem in jobs:  # comment: rule_<rule>_wildcards_<wildcards>
         rule = GPU_RULE if comment.startswith(f"rule_{GPU_RULE}") else None
         res = profile["set-resources"][rule] if rule else profile["default-resources"]
-        assert (limit, mem) == (f"{res['runtime'] // 60}:00:00", f"{min(res['mem_mb'], _mem_cap())}M"), comment
+        minutes, mem_mb = res["runtime"], min(res["mem_mb"], _mem_cap())
+        assert (limit, mem) == (f"{minutes // 60}:{minutes % 60:02d}:00", f"{mem_mb}M"), comment
 
     assert tree_digest(wd / "results") == tree_digest(local / "results")
     # Jobs re-read the Snakefile in remote mode (--mode remote --no-hooks): no stale-lock recovery and

@@ -98,10 +98,11 @@ def builtin_blocker(
     if num_hidden_layers in layer_ids and not builtin_final_layer_reachable(version, architectures):
         return f"final-layer capture on {arch} needs vLLM >= 0.25 (installed {version})"
     if 0 in layer_ids:
-        # vLLM stores id 0 as a reference to the embedding output, and the first layer's fused
-        # add+RMSNorm overwrites that tensor in place: on vLLM 0.26 / H200 / TP 2 / fp32 / eager, id 0
-        # came back as a later residual state (cosine -0.1 to the embeddings; ids 2, 3, 6 exact).
-        # DeepSeek's backbone crashes on id 0 instead (research/arch-feas.md finding 3).
+        # vLLM keeps id 0 as a reference to the embedding output, which the first layer's fused
+        # add+RMSNorm overwrites in place. Seen on vLLM 0.26, H200, TP 2, eager mode, fp32 and bf16:
+        # id 0 came back as a later residual state (cosine -0.12 to the embeddings) while ids 2, 3, 6
+        # matched; compiled mode (functionalized graph) and the CPU build were right. DeepSeek's
+        # backbone crashes on id 0 instead (research/arch-feas.md finding 3). The hooks copy it at once.
         return "layer id 0 (the embeddings) is not reliable on the built-in path (vLLM aliases it)"
     return None
 

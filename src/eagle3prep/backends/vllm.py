@@ -333,7 +333,8 @@ class VLLMBackend(CaptureBackend):
             "seed": 0,
         }
         kwargs.update(path.engine_kwargs())
-        kwargs.update(opt.get("engine_args") or {})  # the user's word wins, as documented
+        kwargs.update(opt.get("engine_args") or {})  # the user's word wins, as documented...
+        kwargs.update(path.engine_kwargs())  # ...except where a capture path needs its setting (hooks: eager)
         if kwargs.get("enable_prefix_caching"):
             raise ValueError(
                 "extract.engine_args.enable_prefix_caching must stay false: cached tokens are not captured"
