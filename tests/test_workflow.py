@@ -12,11 +12,9 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
-    """One uninterrupted run of the small demo config; other tests compare against it."""
-    wd = make_workdir(tmp_path_factory.mktemp("full"))
-    snakemake(wd)
-    return wd
+def full_run(small_demo_run):
+    """One uninterrupted run of the small demo config (shared with other test modules)."""
+    return small_demo_run
 
 
 def test_dry_run_lists_every_job_before_anything_runs(tmp_path):
@@ -53,15 +51,16 @@ def test_config_error_is_one_line_naming_key_and_allowed_values(tmp_path):
 
 
 def test_lint_and_format_are_clean():
+    import subprocess
+
     lint = snakemake(REPO, "--lint", "-n")
     assert "Congratulations, your workflow is in a good condition!" in lint.stdout + lint.stderr
-    fmt = __import__("subprocess").run(
-        [SNAKEMAKE.replace("snakemake", "snakefmt"), "--check", "Snakefile", "rules"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
+    bindir = REPO / ".venv" / "bin" if (REPO / ".venv/bin/snakefmt").exists() else None
+    tool = (lambda name: str(bindir / name)) if bindir else (lambda name: SNAKEMAKE.replace("snakemake", name))
+    fmt = subprocess.run([tool("snakefmt"), "--check", "Snakefile", "rules"], cwd=REPO, capture_output=True, text=True)
     assert fmt.returncode == 0, fmt.stderr
+    ruff = subprocess.run([tool("ruff"), "check", "."], cwd=REPO, capture_output=True, text=True)
+    assert ruff.returncode == 0, ruff.stdout
 
 
 def test_full_run_outputs(full_run):
@@ -70,7 +69,11 @@ def test_full_run_outputs(full_run):
     q = sum(counts["quarantined"].values())
     assert counts["rows_in"] == counts["kept"] + counts["duplicates"] + q and q > 0
     stats = json.loads((wd / "results/tokenized/stats.json").read_text())
-    rows = [json.loads(line) for k in range(3) for line in open(wd / f"results/tokenized/shard_{k}.jsonl")]
+    rows = [
+        json.loads(line)
+        for k in range(3)
+        for line in (wd / f"results/tokenized/shard_{k}.jsonl").read_text().splitlines()
+    ]
     assert [r["row"] for r in rows] == list(range(len(rows))) == list(range(stats["rows"]))
     for k in range(3):
         v = json.loads((wd / f"results/validation/shard_{k}.json").read_text())
@@ -79,7 +82,7 @@ def test_full_run_outputs(full_run):
     manifest = json.loads((wd / "results/report/dataset_manifest.json").read_text())
     assert manifest["layer_ids"] == [2, 4, 5, 8] and manifest["layer_id_convention"] == "input_of_layer"
     assert manifest["rows"] == len(rows) and len(manifest["shards"]) == 3
-    summary = list(csv.DictReader(open(wd / "results/report/summary.csv")))
+    summary = list(csv.DictReader((wd / "results/report/summary.csv").read_text().splitlines()))
     assert [int(r["rows"]) for r in summary] == [s["rows"] for s in manifest["shards"]]
     html = (wd / "results/report/report.html").read_text()
     assert html.count("<img") == 5 and "Per-layer norms" in html

@@ -107,6 +107,7 @@ def extract_shard(
         check_free_space(out, shard_bytes(tokens, len(index), len(spec.layer_ids), hidden_size, spec.dtype))
 
     faults.kill_point("extract.model_load", shard=shard)
+    spec.extra["output_dir"] = str(out)  # vLLM's built-in path stages per-request files here (same filesystem)
     backend = make_backend(spec, options)
     info = backend.probe()
     t_loaded = time.time()
