@@ -14,11 +14,16 @@ from typing import Any
 from . import faults
 from .atomic import remove_stale_temps, sha256_file, write_json
 from .backends import make_backend
-from .backends.base import CaptureSpec
+from .backends.base import CaptureBackend, CaptureSpec
 from .layers import CONVENTION
 from .provenance import code_version, model_identity, tokenizer_identity
 from .records import IndexEntry
 from .shard import DTYPES, MANIFEST, TIMINGS, DiskSpaceError, ShardWriter, human_bytes, layer_file
+
+
+# Probe facts that differ between two runs of the same shard (timings, which GPUs, temp paths): they
+# go to timings.json, so equal data gives a byte-identical manifest.
+VOLATILE = ("probe_s", "gpu_ids", "staging_dir")
 
 
 def read_index(tokenized_shard: str | os.PathLike) -> list[IndexEntry]:
@@ -87,8 +92,13 @@ def extract_shard(
     batch_tokens: int,
     shard: int,
     threads: int | None = None,
+    engine: tuple[CaptureBackend, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Capture one shard; the folder gets its manifest only after every file is in place."""
+    """Capture one shard; the folder gets its manifest only after every file is in place.
+
+    `engine` = (backend, probe info) of an engine that is already running (benchmarks reuse one
+    across shards); it is left open. By default the shard starts and closes its own.
+    """
     import torch
     from tqdm import tqdm
 
@@ -107,9 +117,13 @@ def extract_shard(
         check_free_space(out, shard_bytes(tokens, len(index), len(spec.layer_ids), hidden_size, spec.dtype))
 
     faults.kill_point("extract.model_load", shard=shard)
-    spec.extra["output_dir"] = str(out)  # vLLM's built-in path stages per-request files here (same filesystem)
-    backend = make_backend(spec, options)
-    info = backend.probe()
+    if engine is None:
+        spec.extra["output_dir"] = str(out)  # vLLM's built-in path stages per-request files here (same filesystem)
+        backend = make_backend(spec, options)
+        info = backend.probe()
+        close = backend.close
+    else:
+        (backend, info), close = engine, (lambda: None)
     t_loaded = time.time()
     needed = shard_bytes(tokens, len(index), len(spec.layer_ids), info["hidden_size"], spec.dtype)
     print(
@@ -121,7 +135,7 @@ def extract_shard(
         check_free_space(out, needed)
         writer = ShardWriter(out, spec.layer_ids, info["hidden_size"], spec.dtype, index)
     except BaseException:
-        backend.close()
+        close()
         raise
     bar = tqdm(total=tokens, unit="tok", unit_scale=True, file=sys.stderr, mininterval=1.0, desc=f"shard {shard}")
     try:
@@ -142,6 +156,7 @@ def extract_shard(
                     "engine_start_s": round(t_loaded - t0, 3),
                     "capture_s": round(elapsed, 3),
                     "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
+                    **{k: info[k] for k in VOLATILE if k in info},
                 },
             )
             faults.kill_point("extract.before_manifest", shard=shard)
@@ -157,7 +172,9 @@ def extract_shard(
                 "tokenized": {"path": str(tokenized_shard), "sha256": sha256_file(tokenized_shard)},
                 "model": model_identity(spec.model_path, spec.trust_remote_code),
                 "tokenizer": tokenizer_identity(spec.model_path),
-                "engine": {k: info[k] for k in sorted(info) if k not in ("num_hidden_layers", "hidden_size")},
+                "engine": {
+                    k: info[k] for k in sorted(info) if k not in ("num_hidden_layers", "hidden_size", *VOLATILE)
+                },
                 "code_version": code_version(),
             },
             before_manifest=before_manifest,
@@ -167,7 +184,7 @@ def extract_shard(
         raise
     finally:
         bar.close()  # on a failure too: the log shows how far the shard got
-        backend.close()
+        close()
     elapsed = t_done - t_loaded
     print(
         f"[extract] shard {shard}: done, {tokens / max(elapsed, 1e-9):.0f} tok/s, "
