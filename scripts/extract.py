@@ -1,12 +1,16 @@
-import sys
+# vLLM starts its engine with spawn, which re-imports this file as __mp_main__, where Snakemake's
+# `snakemake` object does not exist: everything, the log redirect included, stays under the guard.
+if __name__ == "__main__":
+    import os
+    import sys
 
-sys.stderr = open(snakemake.log[0], "w", buffering=1)
+    sys.stderr = open(snakemake.log[0], "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM engine, workers) log there too
 
-from eagle3prep.config import capture_spec
-from eagle3prep.errors import one_line_errors
-from eagle3prep.extract import extract_shard
+    from eagle3prep.config import capture_spec
+    from eagle3prep.errors import one_line_errors
+    from eagle3prep.extract import extract_shard
 
-if __name__ == "__main__":  # vLLM starts its engine with spawn, which re-imports this file
     with one_line_errors():
         config = {
             "model": {"path": snakemake.input.model, "trust_remote_code": snakemake.params.trust_remote_code},

@@ -20,7 +20,6 @@ from .provenance import code_version, model_identity, tokenizer_identity
 from .records import IndexEntry
 from .shard import DTYPES, MANIFEST, TIMINGS, DiskSpaceError, ShardWriter, human_bytes, layer_file
 
-
 # Probe facts that differ between two runs of the same shard (timings, which GPUs, temp paths): they
 # go to timings.json, so equal data gives a byte-identical manifest.
 VOLATILE = ("probe_s", "gpu_ids", "staging_dir")

