@@ -285,8 +285,9 @@ def test_cli_missing_model_folder_is_named_before_any_job(tmp_path):
     # Snakemake's own MissingInputException (a few lines); rules/common.smk has no one-line check for it yet.
     wd = make_workdir(tmp_path, cli_config(model={"path": "no/such/model", "build_demo": False}))
     proc = snakemake(wd, "-n", check=False)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "Missing input files for rule tokenize" in proc.stderr and "no/such/model" in proc.stderr
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in out
+    assert "Missing input files for rule tokenize" in out and "no/such/model" in out
 
 
 @pytest.mark.integration

