@@ -87,22 +87,31 @@ def main() -> None:
         t0 = time.perf_counter()
         prepare([str(src)], tmp / "conv.jsonl", tmp / "q.jsonl", tmp / "counts.json")
         t_prep = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        stats = tokenize_conversations(
-            tmp / "conv.jsonl",
-            model,
-            [tmp / f"s{k}.jsonl" for k in range(4)],
-            tmp / "stats.json",
-            tmp / "freq.json",
-            tmp / "tq.jsonl",
-            max_seq_len=1024,
-        )
-        t_tok = time.perf_counter() - t0
+
+        def tokenize(workers: int) -> tuple[dict, float]:
+            t0 = time.perf_counter()
+            out = tmp / f"tok{workers}"
+            stats = tokenize_conversations(
+                tmp / "conv.jsonl",
+                model,
+                [out / f"s{k}.jsonl" for k in range(4)],
+                out / "stats.json",
+                out / "freq.json",
+                out / "tq.jsonl",
+                max_seq_len=1024,
+                workers=workers,
+            )
+            return stats, time.perf_counter() - t0
+
+        workers = os.cpu_count() or 1
+        _, t_tok1 = tokenize(1)
+        stats, t_tok = tokenize(workers)
         n = args.conversations
         print(f"conversations: {n}; rows kept: ours {stats['rows']}, naive {naive_rows}")
         print(f"naive apply_chat_template loop : {n / t_naive:10.0f} conv/s ({t_naive:.2f} s)")
         print(f"eagle3prep prepare             : {n / t_prep:10.0f} conv/s ({t_prep:.2f} s)")
-        print(f"eagle3prep tokenize            : {n / t_tok:10.0f} conv/s ({t_tok:.2f} s)")
+        print(f"eagle3prep tokenize, 1 process : {n / t_tok1:10.0f} conv/s ({t_tok1:.2f} s)")
+        print(f"eagle3prep tokenize, {workers} workers : {n / t_tok:10.0f} conv/s ({t_tok:.2f} s)")
         print(
             f"eagle3prep prepare + tokenize  : {n / (t_prep + t_tok):10.0f} conv/s "
             f"-> {t_naive / (t_prep + t_tok):.2f}x the naive loop (tokenize alone {t_naive / t_tok:.2f}x)"

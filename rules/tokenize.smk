@@ -12,6 +12,8 @@ rule tokenize:
         "benchmarks/tokenize.tsv"
     conda:
         "../envs/base.yaml"
+    # Worker processes that render the chat template (capped by --cores).
+    threads: 4
     params:
         shards=get_tokenized_shards(),
         max_seq_len=config["tokenize"]["max_seq_len"],

@@ -18,4 +18,5 @@ with one_line_errors():
         max_seq_len=snakemake.params.max_seq_len,
         template_fallback=snakemake.params.template_fallback,
         trust_remote_code=snakemake.params.trust_remote_code,
+        workers=snakemake.threads,
     )

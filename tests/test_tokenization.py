@@ -267,3 +267,14 @@ def test_bad_input_line_names_file_and_line(tmp_path, demo_model_dir):
             tmp_path / "q.jsonl", max_seq_len=64,
         )  # fmt: skip
     assert not (tmp_path / "s.jsonl").exists()
+
+
+def test_worker_processes_give_identical_output(tmp_path, demo_model_dir):
+    convs = [conv(("user", f"Question {i}?"), ("assistant", f"Answer number {i}.")) for i in range(40)]
+    convs[7] = [{"role": "user", "content": "no reply"}]
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = run(tmp_path / "one", demo_model_dir, convs, batch_size=4)
+    two = run(tmp_path / "two", demo_model_dir, convs, batch_size=4, workers=2)
+    assert one[0] == two[0] and one[3][0]["line"] == two[3][0]["line"] == 8
+    assert one[2]["rows"] == two[2]["rows"] == 39

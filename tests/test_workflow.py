@@ -112,3 +112,23 @@ def test_sigkill_during_extract_then_rerun_resumes_at_shard_granularity(tmp_path
     assert stat_files(wd / "results/hidden_states/shard_0") == before
     assert "shard_0" not in re.findall(r"output: (results/hidden_states/shard_\d+)", rerun.stdout + rerun.stderr)
     assert tree_digest(wd / "results") == tree_digest(full_run / "results")
+
+
+def test_example_configs_dry_run(tmp_path):
+    """config/examples/*.yaml: valid, and the Kimi-K2.5 GPU jobs take the whole node (TP 8)."""
+    import yaml
+
+    for name, gpus in (("kimi-k2.5-int4.yaml", 8), ("llama-3.1-8b.yaml", 1)):
+        cfg = yaml.safe_load((REPO / "config/examples" / name).read_text())
+        wd = make_workdir(tmp_path / name, cfg)
+        # The example's data and model paths do not exist here: stand-ins at the same relative places.
+        (wd / "data").mkdir()
+        cfg["data"]["sources"] = [str(wd / "data/conversations.jsonl")]
+        (wd / "data/conversations.jsonl").write_text("")
+        cfg["model"]["path"] = str(wd / "model")
+        (wd / "model").mkdir()
+        (wd / "config/config.yaml").write_text(yaml.safe_dump(cfg))
+        out = snakemake(wd, "-n", "--resources", f"gpu={gpus}").stdout
+        assert re.search(rf"rule extract_hidden_states:.*?resources: [^\n]*gpus={gpus}, gpu={gpus}", out, re.S), out
+        shards = cfg["tokenize"]["num_shards"]
+        assert re.search(rf"^extract_hidden_states\s+{shards}$", out, re.M)

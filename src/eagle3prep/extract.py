@@ -142,6 +142,7 @@ def extract_shard(
             hidden = backend.capture(batch)  # {layer_id: [sum_T_batch, H]}
             token_ids = torch.tensor([t for row in batch for t in row], dtype=torch.int64)  # [sum_T_batch]
             writer.append(token_ids, hidden)
+            del hidden  # else this batch stays alive through the next capture: two batches of host memory
             bar.update(int(token_ids.shape[0]))
             faults.kill_point("extract.between_batches", shard=shard, batch=b)
         bar.close()

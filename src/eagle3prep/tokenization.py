@@ -184,6 +184,43 @@ class ChatEncoder:
         return results
 
 
+_WORKER_ENCODER: ChatEncoder | None = None
+
+
+def _init_worker(model_path, template_fallback: bool, trust_remote_code: bool) -> None:
+    global _WORKER_ENCODER
+    _WORKER_ENCODER = ChatEncoder(load_tokenizer(model_path, trust_remote_code), model_path, template_fallback)
+
+
+def _encode_in_worker(messages: list[list[dict[str, str]]]) -> list:
+    return _WORKER_ENCODER.encode(messages)
+
+
+def encode_batches(batches: Iterator[list], encoder: ChatEncoder, workers: int, init_args: tuple) -> Iterator[tuple]:
+    """(batch, encode results) in input order; with workers > 1 the batches are encoded in worker processes.
+
+    At most 2 x workers batches are in flight, so memory stays bounded by the batch, not the dataset.
+    Rendering the chat template (Jinja, Python) is the bottleneck that threads cannot share.
+    """
+    if workers <= 1:
+        for batch in batches:
+            yield batch, encoder.encode([conv["messages"] for _, conv in batch])
+        return
+    from collections import deque
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=init_args) as pool:
+        pending: deque = deque()
+        for batch in batches:
+            pending.append((batch, pool.submit(_encode_in_worker, [conv["messages"] for _, conv in batch])))
+            if len(pending) >= 2 * workers:
+                done, fut = pending.popleft()
+                yield done, fut.result()
+        while pending:
+            done, fut = pending.popleft()
+            yield done, fut.result()
+
+
 def read_conversations(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
     """(1-based line, Conversation JSON) for each line of the prepare stage's output."""
     with open(path, encoding="utf-8") as f:
@@ -247,6 +284,7 @@ def tokenize_conversations(
     template_fallback: bool = True,
     trust_remote_code: bool = False,
     batch_size: int = BATCH_SIZE,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """Tokenize every conversation with the target's chat template into len(out_shards) contiguous shards.
 
@@ -289,8 +327,10 @@ def tokenize_conversations(
     spill = spill_dir / f"{TMP_PREFIX}tokenize-spill.jsonl"
     try:
         with open(spill, "w", encoding="utf-8") as spill_f:
-            for batch in batched(read_conversations(conversations_path), batch_size):
-                results = encoder.encode([conv["messages"] for _, conv in batch])
+            batches = batched(read_conversations(conversations_path), batch_size)
+            for batch, results in encode_batches(
+                batches, encoder, workers, (model_path, template_fallback, trust_remote_code)
+            ):
                 for (line_no, conv), result in zip(batch, results, strict=True):
                     n_in += 1
                     faults.kill_point("tokenize.mid_stream", rows_in=n_in)

