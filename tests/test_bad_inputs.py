@@ -237,8 +237,8 @@ def test_tp_size_larger_than_the_host(case, tmp_path, monkeypatch):
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     config = validate_config(merged({"data": {"sources": [GOOD_SOURCE]}, "model": {"path": "m"}}, case["config"]))
-    # Not a UserError yet (gpus.py raises RuntimeError), so the extract job prints a traceback before it.
-    with pytest.raises(RuntimeError) as e:
+    # A UserError: the extract job prints it as one `error:` line, no traceback.
+    with pytest.raises(UserError) as e:
         claim_gpus(config["extract"]["tp_size"], num_gpus=case["gpus"], lock_dir=tmp_path, wait_s=0)
     assert_one_line(str(e.value), case["expect"]["error"], "lower extract.tp_size")
 

@@ -23,7 +23,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import UserError
+
 LOCK_DIR_ENV = "EAGLE3PREP_GPU_LOCK_DIR"
+
+
+class GpuClaimError(UserError, RuntimeError):
+    """Not enough GPUs for tp_size, or none free in time; the message says what to change."""
+
+
 DEFAULT_LOCK_DIR = "/tmp/eagle3prep-gpu-locks"
 
 
@@ -137,7 +145,7 @@ def claim_gpus(
     if preset is not None:
         visible = visible_ids(preset)
         if len(visible) < n:
-            raise RuntimeError(
+            raise GpuClaimError(
                 f"extract.tp_size = {n} but CUDA_VISIBLE_DEVICES={preset!r} makes only {len(visible)} GPU(s) "
                 "visible; lower extract.tp_size or request more GPUs from the scheduler (e.g. --gpus)"
             )
@@ -146,7 +154,7 @@ def claim_gpus(
 
     total = count_gpus() if num_gpus is None else num_gpus
     if total < n:
-        raise RuntimeError(
+        raise GpuClaimError(
             f"extract.tp_size = {n} but this host has {total} GPU(s) (nvidia-smi); "
             "lower extract.tp_size or run the extract rule on a host with more GPUs"
         )
@@ -162,7 +170,7 @@ def claim_gpus(
         if ids:
             break
         if time.monotonic() >= deadline:
-            raise RuntimeError(
+            raise GpuClaimError(
                 f"could not claim {n} free GPU(s) of {total} within {wait_s:.0f} s: other jobs hold the locks "
                 f"in {lock_path} (a lock frees when its process exits); lower the number of parallel "
                 "extract jobs (snakemake --resources gpus=...) or set CUDA_VISIBLE_DEVICES yourself"

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from . import faults
-from .atomic import TMP_PREFIX, sha256_file, write_json
+from .atomic import sha256_file, write_json
 from .errors import UserError
 from .reference import Reference, bounds, compare, within
-from .shard import INDEX, MANIFEST, TIMINGS, TOKEN_IDS, layer_file, read_index, read_manifest
+from .shard import MANIFEST, TIMINGS, TOKEN_IDS, layer_file, read_index, read_manifest
 
 CHUNK_TOKENS = 65536  # rows of a layer file read at once for statistics (bounds memory)
 
@@ -263,4 +263,4 @@ def validate_shard(
     return report
 
 
-__all__ = ["ValidationError", "validate_shard", "INDEX", "TMP_PREFIX"]
+__all__ = ["ValidationError", "validate_shard"]
