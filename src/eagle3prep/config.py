@@ -51,11 +51,32 @@ def _one_line(error) -> str:
     return f"config error: {key} = {error.instance!r}: {error.message}{desc}"
 
 
+def _coerce_strings(instance: Any, schema: dict[str, Any]) -> None:
+    """`snakemake --config 'export={speculators: true}'` hands nested values over as strings: turn
+    "true"/"false" and numerals back into what the schema asks for, in place."""
+    if not isinstance(instance, dict):
+        return
+    for key, sub in schema.get("properties", {}).items():
+        value = instance.get(key)
+        types = sub.get("type", [])
+        types = [types] if isinstance(types, str) else types
+        if isinstance(value, str):
+            if "boolean" in types and value.lower() in ("true", "false"):
+                instance[key] = value.lower() == "true"
+            elif "integer" in types and value.lstrip("-").isdigit():
+                instance[key] = int(value)
+            elif "null" in types and value.lower() in ("null", "none"):
+                instance[key] = None
+        elif isinstance(value, dict):
+            _coerce_strings(value, sub)
+
+
 def validate_config(config: dict[str, Any], schema_path: str | Path = SCHEMA) -> dict[str, Any]:
     """Validate `config` in place (defaults filled in) and return it; raise ConfigError on the first error."""
     import jsonschema
 
     schema = yaml.safe_load(Path(schema_path).read_text(encoding="utf-8"))
+    _coerce_strings(config, schema)
     validator = _with_defaults(jsonschema.Draft202012Validator)(schema)
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if errors:

@@ -1,0 +1,34 @@
+import pytest
+
+from eagle3prep.config import ConfigError, validate_config
+
+
+def base(**over):
+    return {"data": {"sources": ["a.jsonl"]}, "model": {"path": "m"}, **over}
+
+
+def test_defaults_are_filled_in():
+    c = validate_config(base())
+    assert c["extract"]["backend"] == "hf" and c["layers"] == {"ids": None, "convention": "input_of_layer"}
+    assert c["tokenize"]["num_shards"] == 1 and c["export"]["speculators"] is False
+
+
+def test_command_line_strings_are_coerced_to_the_schema_type():
+    # What `snakemake --config 'export={speculators: true}' 'tokenize={num_shards: 3}'` hands over.
+    c = validate_config(base(export={"speculators": "true"}, tokenize={"num_shards": "3"}))
+    assert c["export"]["speculators"] is True and c["tokenize"]["num_shards"] == 3
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"extract": {"dtype": "fp8"}}, "extract.dtype = 'fp8' is not allowed; choose one of"),
+        ({"tokenize": {"num_shards": 0}}, "tokenize.num_shards = 0"),
+        ({"layers": {"convention": "sglang"}}, "layers.convention = 'sglang' is not allowed"),
+        ({"extract": {"bakend": "hf"}}, "allowed keys are"),
+    ],
+)
+def test_errors_are_one_line_naming_the_key(over, message):
+    with pytest.raises(ConfigError) as e:
+        validate_config(base(**over))
+    assert message in str(e.value) and "\n" not in str(e.value)
