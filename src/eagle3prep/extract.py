@@ -8,6 +8,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -138,13 +139,22 @@ def extract_shard(
         raise
     bar = tqdm(total=tokens, unit="tok", unit_scale=True, file=sys.stderr, mininterval=1.0, desc=f"shard {shard}")
     try:
-        for b, batch in enumerate(iter_batches(tokenized_shard, batch_tokens)):
-            hidden = backend.capture(batch)  # {layer_id: [sum_T_batch, H]}
-            token_ids = torch.tensor([t for row in batch for t in row], dtype=torch.int64)  # [sum_T_batch]
-            writer.append(token_ids, hidden)
-            del hidden  # else this batch stays alive through the next capture: two batches of host memory
-            bar.update(int(token_ids.shape[0]))
-            faults.kill_point("extract.between_batches", shard=shard, batch=b)
+        # One writer thread: batch i goes to disk while batch i+1 is captured (file writes and sha256
+        # release the GIL). Waiting for write i before handing over i+1 keeps at most two batches in
+        # host memory, and the single thread keeps the rows in order.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as io:
+            pending = None
+            for b, batch in enumerate(iter_batches(tokenized_shard, batch_tokens)):
+                hidden = backend.capture(batch)  # {layer_id: [sum_T_batch, H]}
+                token_ids = torch.tensor([t for row in batch for t in row], dtype=torch.int64)  # [sum_T_batch]
+                if pending is not None:
+                    pending.result()  # batch b-1 is written (its error, e.g. a full disk, raises here)
+                pending = io.submit(writer.append, token_ids, hidden)
+                del hidden
+                bar.update(int(token_ids.shape[0]))
+                faults.kill_point("extract.between_batches", shard=shard, batch=b)
+            if pending is not None:
+                pending.result()
         bar.close()
         t_done = time.time()
 
