@@ -13,7 +13,7 @@ rule tokenize:
     conda:
         "../envs/base.yaml"
     # Worker processes that render the chat template (capped by --cores).
-    threads: 4
+    threads: config["tokenize"]["workers"]
     params:
         shards=get_tokenized_shards(),
         max_seq_len=config["tokenize"]["max_seq_len"],
