@@ -162,3 +162,33 @@ def test_staging_is_emptied(engine, rows):
     backend, info = engine
     backend.capture(rows[:2])
     assert os.listdir(info["staging_dir"]) == []
+
+
+def test_extract_shard_matches_transformers(engine, rows, reference, tmp_path):
+    """A whole shard through extract_shard: on the hooks path the worker writes the layer files itself
+    (pinned slots, rows placed by position); on the built-in path rows come back through capture()."""
+    import hashlib
+    import json
+
+    from safetensors.torch import load_file
+
+    from eagle3prep.extract import extract_shard
+
+    backend, info = engine
+    assert backend.writes_layer_files() == (info["capture_path"] == "hooks")
+    tokenized = tmp_path / "shard_0.jsonl"
+    tokenized.write_text(
+        "".join(
+            json.dumps({"row": i, "id": str(i), "input_ids": r, "loss_mask": [1] * len(r), "seq_len": len(r)}) + "\n"
+            for i, r in enumerate(rows)
+        )
+    )
+    # batch_tokens 300: several batches, so rows of two batches share the engine's steps on the hooks path
+    manifest = extract_shard(str(tokenized), str(tmp_path / "out"), backend.spec, backend.options, 300, 0, engine=engine)
+    out = {i: load_file(tmp_path / "out" / f"layer_{i}.safetensors")["hidden_states"] for i in manifest["layer_ids"]}
+    assert_matches(out, info, reference["float32"], reference["bfloat16"])
+    for name, entry in manifest["files"].items():
+        assert hashlib.sha256((tmp_path / "out" / name).read_bytes()).hexdigest() == entry["sha256"], name
+    ids = load_file(tmp_path / "out" / "token_ids.safetensors")["token_ids"]
+    assert ids.tolist() == [t for r in rows for t in r]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".")) == []  # no temp files

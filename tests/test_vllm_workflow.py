@@ -31,7 +31,7 @@ def test_workflow_with_vllm_backend(tmp_path):
     # Up to validation: the report rule runs in the base env (.venv-vllm has no matplotlib).
     snakemake(wd, "results/validation/shard_0.json", "--resources", "gpu=0", env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     manifest = json.loads((wd / "results/hidden_states/shard_0/manifest.json").read_text())
-    assert manifest["engine"]["engine"] == "vllm" and manifest["engine"]["capture_path"] == "builtin"
+    assert manifest["engine"]["engine"] == "vllm" and manifest["engine"]["capture_path"] == "hooks"  # auto
     assert manifest["engine"]["final_layer_reachable"] and manifest["layer_ids"] == [2, 4, 5, 8]
     report = json.loads((wd / "results/validation/shard_0.json").read_text())
     assert report["ok"]

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import faults
 from .atomic import remove_stale_temps, sha256_file, write_json
@@ -20,6 +20,9 @@ from .layers import CONVENTION
 from .provenance import code_version, model_identity, tokenizer_identity
 from .records import IndexEntry
 from .shard import DTYPES, MANIFEST, TIMINGS, DiskSpaceError, ShardWriter, human_bytes, layer_file
+
+if TYPE_CHECKING:
+    import torch
 
 # Probe facts that differ between two runs of the same shard (timings, which GPUs, temp paths): they
 # go to timings.json, so equal data gives a byte-identical manifest.
@@ -84,6 +87,58 @@ def check_free_space(out_dir: Path, needed: int) -> None:
         )
 
 
+def _token_ids(batch: list[list[int]]) -> torch.Tensor:
+    import torch
+
+    return torch.tensor([t for row in batch for t in row], dtype=torch.int64)  # [sum_T_batch]
+
+
+def capture_batches(
+    backend: CaptureBackend, tokenized_shard: str, writer: ShardWriter, batch_tokens: int, shard: int, bar: Any
+) -> None:
+    """Batch by batch through backend.capture(); this process writes every file.
+
+    One writer thread: batch i goes to disk while batch i+1 is captured (file writes and sha256
+    release the GIL). Waiting for write i before handing over i+1 keeps at most two batches in host
+    memory, and the single thread keeps the rows in order.
+    """
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as io:
+        pending = None
+        for b, batch in enumerate(iter_batches(tokenized_shard, batch_tokens)):
+            hidden = backend.capture(batch)  # {layer_id: [sum_T_batch, H]}
+            token_ids = _token_ids(batch)
+            if pending is not None:
+                pending.result()  # batch b-1 is written (its error, e.g. a full disk, raises here)
+            pending = io.submit(writer.append, token_ids, hidden)
+            del hidden
+            bar.update(int(token_ids.shape[0]))
+            faults.kill_point("extract.between_batches", shard=shard, batch=b)
+        if pending is not None:
+            pending.result()
+
+
+def capture_direct(
+    backend: CaptureBackend,
+    tokenized_shard: str,
+    index: list[IndexEntry],
+    writer: ShardWriter,
+    batch_tokens: int,
+    shard: int,
+    bar: Any,
+) -> None:
+    """The whole shard through backend.capture_shard(): the engine writes the layer files' temp
+    files itself (vLLM hooks path: pinned host slots, a writer thread, rows placed by position)."""
+
+    def on_batch(b: int, batch: list[list[int]]) -> None:
+        token_ids = _token_ids(batch)
+        writer.append_tokens(token_ids)
+        bar.update(int(token_ids.shape[0]))  # submitted to the engine (at most a window ahead of the GPU)
+        faults.kill_point("extract.between_batches", shard=shard, batch=b)
+
+    entries = backend.capture_shard(iter_batches(tokenized_shard, batch_tokens), index, writer.layer_paths(), on_batch)
+    writer.adopt_layers(entries)
+
+
 def extract_shard(
     tokenized_shard: str,
     out_dir: str,
@@ -133,28 +188,17 @@ def extract_shard(
     )
     try:  # again with the engine's own H and the space other jobs took meanwhile; still before any layer file
         check_free_space(out, needed)
-        writer = ShardWriter(out, spec.layer_ids, info["hidden_size"], spec.dtype, index)
+        direct = backend.writes_layer_files()
+        writer = ShardWriter(out, spec.layer_ids, info["hidden_size"], spec.dtype, index, layers_elsewhere=direct)
     except BaseException:
         close()
         raise
     bar = tqdm(total=tokens, unit="tok", unit_scale=True, file=sys.stderr, mininterval=1.0, desc=f"shard {shard}")
     try:
-        # One writer thread: batch i goes to disk while batch i+1 is captured (file writes and sha256
-        # release the GIL). Waiting for write i before handing over i+1 keeps at most two batches in
-        # host memory, and the single thread keeps the rows in order.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as io:
-            pending = None
-            for b, batch in enumerate(iter_batches(tokenized_shard, batch_tokens)):
-                hidden = backend.capture(batch)  # {layer_id: [sum_T_batch, H]}
-                token_ids = torch.tensor([t for row in batch for t in row], dtype=torch.int64)  # [sum_T_batch]
-                if pending is not None:
-                    pending.result()  # batch b-1 is written (its error, e.g. a full disk, raises here)
-                pending = io.submit(writer.append, token_ids, hidden)
-                del hidden
-                bar.update(int(token_ids.shape[0]))
-                faults.kill_point("extract.between_batches", shard=shard, batch=b)
-            if pending is not None:
-                pending.result()
+        if direct:  # the engine's worker writes the layer files; here: token ids, index, manifest
+            capture_direct(backend, tokenized_shard, index, writer, batch_tokens, shard, bar)
+        else:
+            capture_batches(backend, tokenized_shard, writer, batch_tokens, shard, bar)
         bar.close()
         t_done = time.time()
 

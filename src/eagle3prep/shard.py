@@ -96,7 +96,7 @@ class StreamingSafetensorsWriter:
         header = {name: {"dtype": code, "shape": list(self.shape), "data_offsets": [0, nbytes]}}
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # the format pads the header to 8-byte alignment
-        self.tmp = self.path.with_name(f"{TMP_PREFIX}{self.path.name}")
+        self.tmp = _temp_of(self.path)
         self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish() or abort()
         self._sha = hashlib.sha256()
         try:
@@ -127,8 +127,8 @@ class StreamingSafetensorsWriter:
         faults.kill_point("shard.mid_write", file=self.path.name, rows=self.rows)
         self.rows += tensor.shape[0]
 
-    def finish(self) -> dict[str, Any]:
-        """Check the row count, fsync, rename onto the final name; return the file's manifest entry."""
+    def seal(self) -> dict[str, Any]:
+        """Check the row count and fsync the temp file; return its manifest entry (not renamed yet)."""
         if self.rows != self.expected_rows:
             self.abort()
             raise ValueError(f"{self.path.name}: {self.rows} rows written, {self.expected_rows} declared")
@@ -137,8 +137,13 @@ class StreamingSafetensorsWriter:
             os.fsync(self._f.fileno())
             self._f.close()
         size = self.tmp.stat().st_size
-        os.replace(self.tmp, self.path)
         return {"sha256": self._sha.hexdigest(), "bytes": size, "shape": list(self.shape), "dtype": self.dtype}
+
+    def finish(self) -> dict[str, Any]:
+        """seal(), then rename onto the final name; return the file's manifest entry."""
+        entry = self.seal()
+        os.replace(self.tmp, self.path)
+        return entry
 
     def abort(self) -> None:
         """Drop the temp file. Never raises for a full disk: close() flushes, and that may fail again."""
@@ -146,6 +151,67 @@ class StreamingSafetensorsWriter:
             with contextlib.suppress(OSError):
                 self._f.close()
         self.tmp.unlink(missing_ok=True)
+
+
+class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
+    """A streaming tensor file whose rows may arrive in any order: write_rows(first_row, bytes).
+
+    Rows are written where they belong (pwrite); the sha256 still follows file order, so a range
+    that arrives early is kept in memory until the gap before it is filled (vLLM schedules prompts
+    first-come first-served, so that is at most a step's worth). A range written twice raises, and
+    seal() raises unless every row arrived: a shard with a hole never gets a manifest.
+    """
+
+    def __init__(self, path: str | os.PathLike, name: str, dtype: str, shape: tuple[int, ...]):
+        super().__init__(path, name, dtype, shape)
+        self._f.flush()  # the header; rows go through pwrite on the raw descriptor
+        self._data_start = self._f.tell()
+        self._early: dict[int, bytes] = {}  # first row -> bytes of a range that arrived ahead of `rows`
+
+    def append(self, tensor: torch.Tensor) -> None:
+        raise TypeError(f"{self.path.name}: a positional writer takes write_rows(first_row, data)")
+
+    def write_rows(self, first_row: int, data: memoryview | bytes) -> None:
+        """Write whole rows starting at `first_row`; `data` is their raw bytes in this file's dtype."""
+        data = memoryview(data).cast("B")  # flat bytes, whatever the buffer's shape (C-contiguous)
+        if len(data) % self.row_bytes:
+            raise ValueError(
+                f"{self.path.name}: {len(data)} bytes is not a whole number of {self.row_bytes}-byte rows"
+            )
+        n = len(data) // self.row_bytes
+        last = first_row + n
+        if first_row < 0 or last > self.expected_rows:
+            raise ValueError(f"{self.path.name}: rows {first_row}..{last} outside the {self.expected_rows} declared")
+        taken = [(r, r + len(b) // self.row_bytes) for r, b in self._early.items()]
+        if first_row < self.rows or any(a < last and first_row < b for a, b in taken):
+            raise ValueError(f"{self.path.name}: rows {first_row}..{last} written twice")
+        view = data
+        offset = self._data_start + first_row * self.row_bytes
+        with disk_full_is_user_error(self.path):
+            while view:  # pwrite may write less than asked
+                done = os.pwrite(self._f.fileno(), view, offset)
+                view, offset = view[done:], offset + done
+        if first_row != self.rows:
+            self._early[first_row] = bytes(data)  # the caller reuses its buffer
+            return
+        self._sha.update(data)
+        self.rows = last
+        while self.rows in self._early:
+            early = self._early.pop(self.rows)
+            self._sha.update(early)
+            self.rows += len(early) // self.row_bytes
+
+    def seal(self) -> dict[str, Any]:
+        if self.rows != self.expected_rows:
+            missing = f"rows {self.rows}.. never arrived" if self.rows < self.expected_rows else ""
+            self.abort()
+            raise ValueError(f"{self.path.name}: {missing} ({self.expected_rows} declared)")
+        return super().seal()
+
+
+def _temp_of(path: Path) -> Path:
+    """Where a shard file is written before its rename (remove_stale_temps knows the prefix)."""
+    return path.with_name(f"{TMP_PREFIX}{path.name}")
 
 
 def _prod(xs: tuple[int, ...]) -> int:
@@ -159,8 +225,17 @@ class ShardWriter:
     """Streams a shard: layer files and token ids as batches arrive; index, then manifest, at the end."""
 
     def __init__(
-        self, out_dir: str | os.PathLike, layer_ids: list[int], hidden_size: int, dtype: str, index: list[IndexEntry]
+        self,
+        out_dir: str | os.PathLike,
+        layer_ids: list[int],
+        hidden_size: int,
+        dtype: str,
+        index: list[IndexEntry],
+        layers_elsewhere: bool = False,
     ):
+        """`layers_elsewhere`: another process (the vLLM worker) writes the layer files' temp files
+        (`layer_paths()`, `PositionalSafetensorsWriter`) and hands their entries to `adopt_layers()`;
+        this writer still owns the token ids, the index, the renames and the manifest."""
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.layer_ids = list(layer_ids)
@@ -168,9 +243,15 @@ class ShardWriter:
         self.total_tokens = sum(e.length for e in index)
         self.layers: dict[int, StreamingSafetensorsWriter] = {}
         self.tokens: StreamingSafetensorsWriter | None = None
+        self.shape = (self.total_tokens, hidden_size)
+        self.dtype = dtype
+        self._elsewhere: dict[int, dict[str, Any] | None] = {}  # layer id -> adopted entry
         self._placed: list[Path] = []  # files this writer renamed into place; abort() removes them
         try:
             for lid in self.layer_ids:
+                if layers_elsewhere:
+                    self._elsewhere[lid] = None
+                    continue
                 self.layers[lid] = StreamingSafetensorsWriter(
                     self.out_dir / layer_file(lid), "hidden_states", dtype, (self.total_tokens, hidden_size)
                 )
@@ -191,9 +272,39 @@ class ShardWriter:
             self.layers[lid].append(t)
         self.tokens.append(token_ids)
 
+    def layer_paths(self) -> dict[int, str]:
+        """Final paths of the layer files written elsewhere (their temp files sit beside them)."""
+        return {lid: str(self.out_dir / layer_file(lid)) for lid in self._elsewhere}
+
+    def append_tokens(self, token_ids: torch.Tensor) -> None:
+        """Append one batch's token ids [n] int64 (layers written elsewhere)."""
+        self.tokens.append(token_ids)
+
+    def adopt_layers(self, entries: dict[int, dict[str, Any]]) -> None:
+        """Take the sealed (fsynced, not yet renamed) temp files of the layers written elsewhere."""
+        if sorted(entries) != sorted(self._elsewhere):
+            raise ValueError(f"got entries for layers {sorted(entries)}, expected {sorted(self._elsewhere)}")
+        for lid, entry in entries.items():
+            tmp = _temp_of(self.out_dir / layer_file(lid))
+            size = tmp.stat().st_size if tmp.is_file() else None
+            if size != entry["bytes"] or entry["shape"] != list(self.shape) or entry["dtype"] != self.dtype:
+                raise ValueError(
+                    f"{tmp}: {size} bytes on disk, entry says {entry['bytes']} bytes of {entry['shape']} "
+                    f"{entry['dtype']}; expected {list(self.shape)} {self.dtype}"
+                )
+            self._elsewhere[lid] = entry
+
     def finish(self, manifest: dict[str, Any], before_manifest=None) -> dict[str, Any]:
         """Rename the data files into place, write index.json, then manifest.json last."""
         files = {}
+        for lid, entry in self._elsewhere.items():
+            if entry is None:
+                raise ValueError(f"layer {lid}: its file, written elsewhere, was never adopted")
+            path = self.out_dir / layer_file(lid)
+            os.replace(_temp_of(path), path)
+            files[path.name] = entry
+            self._placed.append(path)
+            faults.kill_point("shard.between_files", file=path.name)
         for w in [*self.layers.values(), self.tokens]:
             files[w.path.name] = w.finish()
             self._placed.append(w.path)
@@ -226,6 +337,8 @@ class ShardWriter:
         for w in [*self.layers.values(), self.tokens]:
             if w is not None:
                 w.abort()
+        for lid in self._elsewhere:
+            _temp_of(self.out_dir / layer_file(lid)).unlink(missing_ok=True)
         for p in self._placed:
             p.unlink(missing_ok=True)
         self._placed = []

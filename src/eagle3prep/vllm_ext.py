@@ -26,6 +26,8 @@ from .vllm_compat import TAG_KEY, step_layout
 if TYPE_CHECKING:
     import torch
 
+    from .sink import ShardSink
+
 # CPUHiddenStatesConnector is served by the module __getattr__ at the bottom.
 __all__ = ["HiddenStatesCapture", "RowAccumulator", "TAG_KEY"]
 
@@ -90,20 +92,25 @@ class RowAccumulator:
         return {i: torch.cat([p[i] for p in parts]) for i in parts[0]}
 
 
+def _fresh_stream(hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """HF's residual stream = hidden + residual, as a new tensor: the next layer's fused
+    add+RMSNorm mutates both inputs in place (and layer 0 mutates the embedding output it was given),
+    so the copy to host, which may run later on a side stream, must not read them."""
+    return hidden.clone() if residual is None else hidden + residual
+
+
 def _layer_stream(output: Any) -> torch.Tensor:
-    """The residual stream after a vLLM decoder layer: it returns (hidden, residual), HF's = sum."""
+    """The residual stream after a vLLM decoder layer: it returns (hidden, residual)."""
     if isinstance(output, tuple):
-        hidden, residual = output[0], output[1] if len(output) > 1 else None
-        # Summed here, inside the hook: the next layer's fused add+RMSNorm mutates both in place.
-        return hidden if residual is None else hidden + residual
-    return output  # a layer without the fused residual returns the stream itself
+        return _fresh_stream(output[0], output[1] if len(output) > 1 else None)
+    return _fresh_stream(output, None)  # a layer without the fused residual returns the stream itself
 
 
 def _layer_input(args: tuple, kwargs: dict) -> torch.Tensor:
     """The input stream of a decoder layer, from its forward(positions, hidden_states, residual)."""
     hidden = args[1] if len(args) > 1 else kwargs["hidden_states"]
     residual = args[2] if len(args) > 2 else kwargs.get("residual")
-    return hidden if residual is None else hidden + residual
+    return _fresh_stream(hidden, residual)
 
 
 def _decoder_stack(model: Any) -> Any:
@@ -135,6 +142,7 @@ class HiddenStatesCapture:
         self._e3p_rank = _tp_rank()
         self._e3p_rows = RowAccumulator()
         self._e3p_step: list = []  # this forward's segments, read when layer 0 starts
+        self._e3p_sink: ShardSink | None = None  # set between e3p_open_shard and e3p_finish_shard
         stack = _decoder_stack(self.model_runner.model)
         num_layers = len(stack.layers)
         if self._e3p_rank != 0:
@@ -163,6 +171,8 @@ class HiddenStatesCapture:
     def _e3p_on_step_start(self, module: Any, args: tuple) -> None:
         self._e3p_step = step_layout(self.model_runner)  # [] for vLLM's dummy/warm-up runs
         self._e3p_pending = {}
+        if self._e3p_sink is not None and self._e3p_step:
+            self._e3p_sink.begin_step(self._e3p_step)
 
     def _e3p_on_layer_input(self, layer_id: int, module: Any, args: tuple, kwargs: dict) -> None:
         self._e3p_keep(layer_id, _layer_input(args, kwargs))
@@ -174,6 +184,9 @@ class HiddenStatesCapture:
         if not self._e3p_step:
             return
         total = self._e3p_step[-1].end
+        if self._e3p_sink is not None:  # a shard is open: rows go straight to its layer files
+            self._e3p_sink.add_layer(layer_id, stream[:total])
+            return
         # [total, H] model dtype; copied to host now because vLLM reuses these buffers next step.
         self._e3p_pending[layer_id] = stream[:total].detach().to("cpu", copy=True)
         if layer_id != self._e3p_last_id:
@@ -197,6 +210,50 @@ class HiddenStatesCapture:
         save_file(tensors, tmp)
         os.replace(tmp, path)  # the driver never sees a half-written file
         return {"rank": 0, "path": path, "tokens": int(sum(lengths))}
+
+    def e3p_open_shard(self, shard: dict[str, Any]) -> dict[str, Any]:
+        """Send every following step's rows to a shard's layer files (rank 0 writes them).
+
+        `shard`: layer_paths {layer_id: final path}, hidden_size, dtype, rows [[tag, offset, length]],
+        total_tokens, step_tokens (the scheduler's token budget: the host slots' size), slots.
+        """
+        if self._e3p_rank != 0:
+            return {"rank": self._e3p_rank}
+        from .sink import RowPlacement, ShardSink
+
+        if self._e3p_sink is not None:
+            self._e3p_sink.abort()
+        self._e3p_sink = None
+        self._e3p_sink = ShardSink(
+            {int(k): v for k, v in shard["layer_paths"].items()},
+            hidden_size=int(shard["hidden_size"]),
+            dtype=shard["dtype"],
+            rows={tag: RowPlacement(int(off), int(n)) for tag, off, n in shard["rows"]},
+            total_tokens=int(shard["total_tokens"]),
+            step_tokens=int(shard["step_tokens"]),
+            slots=int(shard.get("slots", 3)),
+        )
+        return {"rank": 0, "files": len(shard["layer_paths"])}
+
+    def e3p_finish_shard(self) -> dict[str, Any]:
+        """Drain and seal the open shard's layer files: {"entries": {layer_id: entry}} or {"error": msg}."""
+        if self._e3p_rank != 0:
+            return {"rank": self._e3p_rank}
+        sink, self._e3p_sink = self._e3p_sink, None
+        if sink is None:
+            return {"rank": 0, "error": "no shard is open in the worker"}
+        try:
+            return {"rank": 0, "entries": {str(k): v for k, v in sink.finish().items()}}
+        except Exception as e:  # the message travels back; a raise here would kill the engine
+            return {"rank": 0, "error": f"{type(e).__name__}: {e}"}
+
+    def e3p_abort_shard(self) -> dict[str, Any]:
+        """Drop the open shard's temp files (the driver failed or was interrupted)."""
+        if getattr(self, "_e3p_rank", 1) != 0 or self._e3p_sink is None:
+            return {"rank": getattr(self, "_e3p_rank", None)}
+        sink, self._e3p_sink = self._e3p_sink, None
+        sink.abort()
+        return {"rank": 0, "aborted": True}
 
     def e3p_reset(self) -> dict[str, Any]:
         """Drop rows nobody asked for (e.g. after a failed generate)."""

@@ -7,7 +7,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
     import torch
+
+    from ..records import IndexEntry
 
 
 @dataclass(slots=True)
@@ -49,6 +53,25 @@ class CaptureBackend(ABC):
         Rows are concatenated in batch order, each row's tokens in order, so the caller can append
         the result straight to the shard's layer files.
         """
+
+    def writes_layer_files(self) -> bool:
+        """True when capture_shard() is available: the engine writes the layer files itself."""
+        return False
+
+    def capture_shard(
+        self,
+        batches: Iterator[list[list[int]]],
+        index: list[IndexEntry],
+        layer_paths: dict[int, str],
+        on_batch: Callable[[int, list[list[int]]], None],
+    ) -> dict[int, dict[str, Any]]:
+        """Capture a whole shard into its layer files' temp files (see shard.ShardWriter.layer_paths).
+
+        `batches` yields the shard's rows in `index` order; on_batch(b, batch) is called once each
+        batch's rows are submitted (the caller writes their token ids). Returns {layer_id: entry} of
+        the sealed temp files for ShardWriter.adopt_layers(). Only when writes_layer_files().
+        """
+        raise NotImplementedError(f"the {self.name} backend returns rows through capture(); it writes no files")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine (GPU memory, worker processes)."""

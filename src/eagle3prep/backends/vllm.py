@@ -30,7 +30,11 @@ from ..layers import check_layer_ids
 from .base import CaptureBackend, CaptureSpec
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
     import torch
+
+    from ..records import IndexEntry
 
 SMOKE_TOKENS = 16  # length of the smoke-capture prompt
 EXT_MODULE = "eagle3prep.vllm_ext"
@@ -184,6 +188,65 @@ class HooksPath:
             raise CaptureError(f"hooks file {path} has row lengths {data['lengths'].tolist()}, expected {lengths}")
         return {i: data[f"layer_{i}"] for i in self.layer_ids}  # [sum_T, H]
 
+    def capture_shard(
+        self,
+        llm: Any,
+        prefix: str,
+        batches: Iterator[list[list[int]]],
+        index: list[IndexEntry],
+        shard: dict[str, Any],
+        on_batch: Callable[[int, list[list[int]]], None],
+        window_tokens: int,
+    ) -> dict[int, dict[str, Any]]:
+        """A whole shard through the engine; TP rank 0 writes the layer files (sink.ShardSink).
+
+        Rows are fed to the engine as a stream, at most `window_tokens` prompt tokens in flight, so
+        the scheduler always has a full step and no batch boundary leaves the GPU idle.
+        """
+        from vllm import TokensPrompt
+
+        tags = [f"{prefix}-{i}" for i in range(len(index))]
+        shard = {**shard, "rows": [[t, e.offset, e.length] for t, e in zip(tags, index, strict=True)]}
+        compat.rpc_result(llm.collective_rpc("e3p_open_shard", args=(shard,)), version=self.version)
+        engine = llm.llm_engine
+        in_flight = 0
+        submitted = 0
+        finished = False
+        try:
+            for b, batch in enumerate(batches):
+                for ids in batch:
+                    tag = tags[submitted]
+                    engine.add_request(tag, TokensPrompt(prompt_token_ids=list(ids)), _sampling_params(tag))
+                    submitted += 1
+                    in_flight += len(ids)
+                on_batch(b, batch)
+                while in_flight > window_tokens:
+                    in_flight -= self._step(engine)
+            while engine.has_unfinished_requests():
+                in_flight -= self._step(engine)
+            if submitted != len(index):
+                raise CaptureError(f"the shard has {len(index)} rows, {submitted} were read from its batches")
+            reply = compat.rpc_result(llm.collective_rpc("e3p_finish_shard"), version=self.version)
+            finished = True
+        finally:
+            if not finished:  # interrupted or failed: drop the requests and the worker's temp files
+                with contextlib.suppress(Exception):
+                    engine.abort_request(tags[:submitted])
+                with contextlib.suppress(Exception):
+                    llm.collective_rpc("e3p_abort_shard")
+        if "error" in reply:
+            raise CaptureError(f"the worker could not write the shard's layer files: {reply['error']}")
+        return {int(k): v for k, v in reply["entries"].items()}
+
+    @staticmethod
+    def _step(engine: Any) -> int:
+        """One engine step; the prompt tokens of the requests it finished."""
+        done = 0
+        for out in engine.step():
+            if out.finished:
+                done += len(out.prompt_token_ids or ())
+        return done
+
 
 class VLLMBackend(CaptureBackend):
     """Capture with vLLM. Options are config `extract:` keys (schema.yaml); spec.extra may carry
@@ -310,9 +373,11 @@ class VLLMBackend(CaptureBackend):
                 )
             return ["builtin"], None
         if blocker:
-            log(f"not using the built-in path: {blocker}; using the hooks path")
+            log(f"the built-in path is no fallback here: {blocker}")
             return ["hooks"], blocker
-        return ["builtin", "hooks"], None
+        # hooks first: only it writes the layer files from the worker (pinned slots, no per-request
+        # files; docs/performance.md); the built-in path is the fallback where the hooks fail their probe.
+        return ["hooks", "builtin"], None
 
     def _engine_kwargs(self, path: BuiltinPath | HooksPath) -> dict[str, Any]:
         opt = self.options
@@ -390,6 +455,37 @@ class VLLMBackend(CaptureBackend):
         b = next(self._batches)
         tags = [f"e3p-{self._run}-{b}-{i}" for i in range(len(batch))]
         return self.path.capture(self.llm, batch, tags)  # {layer_id: [sum_T, H]} in batch order
+
+    def writes_layer_files(self) -> bool:
+        return isinstance(self.path, HooksPath)
+
+    def capture_shard(
+        self,
+        batches: Iterator[list[list[int]]],
+        index: list[IndexEntry],
+        layer_paths: dict[int, str],
+        on_batch: Callable[[int, list[list[int]]], None],
+    ) -> dict[int, dict[str, Any]]:
+        if self.llm is None or not self.writes_layer_files():
+            raise RuntimeError("capture_shard() needs a probed engine on the hooks path")
+        step_tokens = self._step_tokens()
+        shard = {
+            "layer_paths": {str(k): v for k, v in layer_paths.items()},
+            "hidden_size": self.info["hidden_size"],
+            "dtype": self.spec.dtype,
+            "total_tokens": sum(e.length for e in index),
+            "step_tokens": step_tokens,
+            "slots": int(self.options.get("host_slots", 3)),
+        }
+        window = max(int(self.options.get("batch_tokens") or 0), 2 * step_tokens)
+        prefix = f"e3p-{self._run}-{next(self._batches)}"
+        return self.path.capture_shard(self.llm, prefix, batches, index, shard, on_batch, window)
+
+    def _step_tokens(self) -> int:
+        """The scheduler's token budget per forward step (the largest step the worker will see)."""
+        config = getattr(self.llm.llm_engine, "vllm_config", None)
+        budget = getattr(getattr(config, "scheduler_config", None), "max_num_batched_tokens", None)
+        return int(budget or self.options.get("max_num_batched_tokens") or 8192)
 
     # ---- close -------------------------------------------------------------------------------
     def _shutdown_engine(self) -> None:

@@ -1,0 +1,236 @@
+"""Rows written by position (the vLLM worker's direct path), without vLLM: the bookkeeping in plain torch.
+
+sink.ShardSink gets forward steps as the hooks see them (vllm_compat.Segment per request chunk, a
+[step_tokens, H] tensor per layer) and must produce exactly the layer files that the in-process
+ShardWriter writes from the same rows in order: same bytes, same sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3prep.records import IndexEntry
+from eagle3prep.shard import (
+    PositionalSafetensorsWriter,
+    ShardWriter,
+    StreamingSafetensorsWriter,
+    _temp_of,
+    layer_file,
+)
+from eagle3prep.sink import RowPlacement, ShardSink
+from eagle3prep.vllm_compat import Segment
+
+H = 8
+LAYERS = [0, 3, 5]
+
+
+def rows_tensor(total: int, layer_id: int) -> torch.Tensor:
+    """Distinct values per (layer, row): a misplaced row cannot go unnoticed."""
+    base = torch.arange(total * H, dtype=torch.float32).reshape(total, H)
+    return (base + 1000 * layer_id).to(torch.bfloat16)
+
+
+def streamed(tmp_path, total: int, layer_id: int) -> tuple[bytes, dict]:
+    """The reference: the in-order writer's file and entry for the same rows."""
+    w = StreamingSafetensorsWriter(tmp_path / "ref.safetensors", "hidden_states", "bfloat16", (total, H))
+    w.append(rows_tensor(total, layer_id))
+    entry = w.finish()
+    data = (tmp_path / "ref.safetensors").read_bytes()
+    (tmp_path / "ref.safetensors").unlink()
+    return data, entry
+
+
+# ---- PositionalSafetensorsWriter ------------------------------------------------------------------
+def test_positional_writer_out_of_order_equals_streamed(tmp_path):
+    total = 50
+    rows = rows_tensor(total, 3)
+    w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (total, H))
+    ranges = [(0, 7), (7, 20), (20, 21), (21, 50)]
+    for a, b in [ranges[2], ranges[0], ranges[3], ranges[1]]:  # two ranges arrive ahead of a gap
+        w.write_rows(a, rows[a:b].view(torch.uint8).numpy())
+    entry = w.seal()
+    _temp_of(tmp_path / "a.safetensors").rename(tmp_path / "a.safetensors")
+    ref_bytes, ref_entry = streamed(tmp_path, total, 3)
+    assert (tmp_path / "a.safetensors").read_bytes() == ref_bytes
+    assert entry == ref_entry
+    assert entry["sha256"] == hashlib.sha256(ref_bytes).hexdigest()
+
+
+@pytest.mark.parametrize("second", [(3, 5), (0, 1), (9, 12)], ids=["inside-written", "first-row", "inside-early"])
+def test_positional_writer_refuses_a_range_twice(tmp_path, second):
+    rows = rows_tensor(20, 0).view(torch.uint8).numpy()
+    w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (20, H))
+    w.write_rows(0, rows[0:6])
+    w.write_rows(8, rows[8:14])  # early: rows 6..7 not there yet
+    with pytest.raises(ValueError, match="written twice"):
+        w.write_rows(second[0], rows[second[0] : second[1]])
+    w.abort()
+
+
+def test_positional_writer_with_a_hole_is_never_sealed(tmp_path):
+    rows = rows_tensor(10, 0).view(torch.uint8).numpy()
+    w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (10, H))
+    w.write_rows(0, rows[0:4])
+    w.write_rows(6, rows[6:10])
+    with pytest.raises(ValueError, match=r"rows 4\.\. never arrived"):
+        w.seal()
+    assert list(tmp_path.iterdir()) == []  # the temp file is gone
+
+
+def test_positional_writer_refuses_rows_outside_the_shape_and_partial_rows(tmp_path):
+    rows = rows_tensor(10, 0).view(torch.uint8).numpy()
+    w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (10, H))
+    with pytest.raises(ValueError, match="outside the 10 declared"):
+        w.write_rows(8, rows[0:4])
+    with pytest.raises(ValueError, match="not a whole number"):
+        w.write_rows(0, rows[0:2].reshape(-1)[:5])
+    w.abort()
+
+
+# ---- ShardSink --------------------------------------------------------------------------------------
+def simulate(sink: ShardSink, lengths: list[int], tags: list[str], budget: int, seed: int) -> None:
+    """Feed the sink the steps a chunked-prefill scheduler would run: FCFS, `budget` tokens per step,
+    each request's chunks in order, the requests inside a step shuffled (vLLM reorders its batch),
+    and a one-token decode step after each prompt (not a prompt row: must be dropped)."""
+    rnd = random.Random(seed)
+    done = [0] * len(lengths)
+    decode_due: list[int] = []
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    while any(d < n for d, n in zip(done, lengths, strict=True)) or decode_due:
+        chunks = [(r, done[r], 1) for r in decode_due]  # decode: position = prompt length
+        decode_due = []
+        room = budget - len(chunks)
+        for r, n in enumerate(lengths):
+            if room <= 0:
+                break
+            if done[r] < n:
+                take = min(room, n - done[r])
+                chunks.append((r, done[r], take))
+                done[r] += take
+                room -= take
+                if done[r] == n:
+                    decode_due.append(r)
+        rnd.shuffle(chunks)
+        segments, start, pieces = [], 0, []
+        for r, pos, n in chunks:
+            segments.append(Segment(tags[r], pos, start, start + n))
+            pieces.append((r, pos, n))
+            start += n
+        sink.begin_step(segments)
+        for lid in LAYERS:
+            full = rows_tensor(sum(lengths) + 1, lid)  # +1: a stand-in value for decode rows
+            step = torch.cat(
+                [full[offsets[r] + pos : offsets[r] + pos + n] if pos < lengths[r] else full[-1:] for r, pos, n in pieces]
+            )
+            sink.add_layer(lid, step)
+
+
+def make_sink(tmp_path, lengths, tags, slots=2, step_tokens=16):
+    rows, offset = {}, 0
+    for tag, n in zip(tags, lengths, strict=True):
+        rows[tag] = RowPlacement(offset, n)
+        offset += n
+    paths = {lid: str(tmp_path / layer_file(lid)) for lid in LAYERS}
+    return ShardSink(paths, H, "bfloat16", rows, offset, step_tokens=step_tokens, slots=slots)
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_sink_writes_what_the_in_order_writer_writes(tmp_path, slots):
+    lengths = [5, 40, 1, 17, 33, 2]
+    tags = [f"t{i}" for i in range(len(lengths))]
+    sink = make_sink(tmp_path, lengths, tags, slots=slots)
+    simulate(sink, lengths, tags, budget=16, seed=slots)
+    entries = sink.finish()
+    total = sum(lengths)
+    for lid in LAYERS:
+        _temp_of(tmp_path / layer_file(lid)).rename(tmp_path / layer_file(lid))
+        ref_bytes, ref_entry = streamed(tmp_path, total, lid)
+        assert (tmp_path / layer_file(lid)).read_bytes() == ref_bytes, lid
+        assert entries[lid] == ref_entry
+        assert torch.equal(load_file(tmp_path / layer_file(lid))["hidden_states"], rows_tensor(total, lid))
+
+
+def test_sink_steps_larger_than_announced_grow_a_slot(tmp_path):
+    lengths = [30, 30]
+    tags = ["a", "b"]
+    sink = make_sink(tmp_path, lengths, tags, slots=1, step_tokens=4)  # the scheduler said 4, steps hold 25
+    simulate(sink, lengths, tags, budget=25, seed=0)
+    assert set(sink.finish()) == set(LAYERS)
+
+
+def test_sink_reports_a_request_that_is_not_in_the_shard(tmp_path):
+    sink = make_sink(tmp_path, [4], ["a"])
+    sink.begin_step([Segment("a", 0, 0, 4), Segment("stranger", 0, 4, 6)])
+    for lid in LAYERS:
+        sink.add_layer(lid, torch.zeros(6, H, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="'stranger', which is not a row of this shard"):
+        sink.finish()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sink_reports_rows_that_never_arrived(tmp_path):
+    lengths = [4, 6]
+    sink = make_sink(tmp_path, lengths, ["a", "b"])
+    sink.begin_step([Segment("b", 0, 0, 6)])  # request a never ran
+    for lid in LAYERS:
+        sink.add_layer(lid, rows_tensor(10, lid)[4:10])
+    with pytest.raises(RuntimeError, match=r"got \{0: 0, 3: 0, 5: 0\} contiguous rows of 10"):
+        sink.finish()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sink_recovers_the_slot_of_a_step_that_failed_midway(tmp_path):
+    lengths = [3, 3]
+    sink = make_sink(tmp_path, lengths, ["a", "b"], slots=1)
+    sink.begin_step([Segment("a", 0, 0, 3)])
+    sink.add_layer(LAYERS[0], rows_tensor(6, LAYERS[0])[:3])  # the forward failed before the deepest layer
+    simulate(sink, lengths, ["a", "b"], budget=8, seed=0)  # one slot only: would hang if it leaked
+    assert set(sink.finish()) == set(LAYERS)
+
+
+def test_sink_write_error_is_raised_by_finish_not_inside_the_forward(tmp_path):
+    sink = make_sink(tmp_path, [4], ["a"])
+    sink.writers[LAYERS[1]]._f.close()  # the next write to this file fails on the writer thread
+    sink.begin_step([Segment("a", 0, 0, 4)])
+    for lid in LAYERS:
+        sink.add_layer(lid, rows_tensor(4, lid))  # returns normally
+    with pytest.raises(ValueError, match="closed file"):
+        sink.finish()
+
+
+# ---- ShardWriter with layer files written elsewhere ---------------------------------------------------
+def test_shard_writer_adopts_layer_files_written_elsewhere(tmp_path):
+    lengths = [3, 5]
+    index = [IndexEntry(row=0, id="a", offset=0, length=3), IndexEntry(row=1, id="b", offset=3, length=5)]
+    writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index, layers_elsewhere=True)
+    paths = writer.layer_paths()
+    assert sorted(paths) == LAYERS
+    sink = ShardSink(paths, H, "bfloat16", {"a": RowPlacement(0, 3), "b": RowPlacement(3, 5)}, 8, step_tokens=8)
+    simulate(sink, lengths, ["a", "b"], budget=8, seed=1)
+    writer.append_tokens(torch.arange(8, dtype=torch.int64))
+    writer.adopt_layers(sink.finish())
+    manifest = writer.finish({"shard": 0})
+    for lid in LAYERS:
+        data = (tmp_path / layer_file(lid)).read_bytes()
+        assert manifest["files"][layer_file(lid)]["sha256"] == hashlib.sha256(data).hexdigest()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [*(layer_file(i) for i in LAYERS), "token_ids.safetensors", "index.json", "manifest.json"]
+    )
+
+
+def test_shard_writer_refuses_an_entry_that_does_not_match_the_file(tmp_path):
+    index = [IndexEntry(row=0, id="a", offset=0, length=4)]
+    writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index, layers_elsewhere=True)
+    sink = ShardSink(writer.layer_paths(), H, "bfloat16", {"a": RowPlacement(0, 4)}, 4, step_tokens=4)
+    simulate(sink, [4], ["a"], budget=4, seed=0)
+    entries = sink.finish()
+    entries[LAYERS[0]] = {**entries[LAYERS[0]], "bytes": entries[LAYERS[0]]["bytes"] + 1}
+    with pytest.raises(ValueError, match="bytes on disk"):
+        writer.adopt_layers(entries)
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []  # abort removed the worker's temp files too
