@@ -125,7 +125,10 @@ def simulate(sink: ShardSink, lengths: list[int], tags: list[str], budget: int, 
         for lid in LAYERS:
             full = rows_tensor(sum(lengths) + 1, lid)  # +1: a stand-in value for decode rows
             step = torch.cat(
-                [full[offsets[r] + pos : offsets[r] + pos + n] if pos < lengths[r] else full[-1:] for r, pos, n in pieces]
+                [
+                    full[offsets[r] + pos : offsets[r] + pos + n] if pos < lengths[r] else full[-1:]
+                    for r, pos, n in pieces
+                ]
             )
             sink.add_layer(lid, step)
 

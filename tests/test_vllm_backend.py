@@ -184,7 +184,9 @@ def test_extract_shard_matches_transformers(engine, rows, reference, tmp_path):
         )
     )
     # batch_tokens 300: several batches, so rows of two batches share the engine's steps on the hooks path
-    manifest = extract_shard(str(tokenized), str(tmp_path / "out"), backend.spec, backend.options, 300, 0, engine=engine)
+    manifest = extract_shard(
+        str(tokenized), str(tmp_path / "out"), backend.spec, backend.options, 300, 0, engine=engine
+    )
     out = {i: load_file(tmp_path / "out" / f"layer_{i}.safetensors")["hidden_states"] for i in manifest["layer_ids"]}
     assert_matches(out, info, reference["float32"], reference["bfloat16"])
     for name, entry in manifest["files"].items():
