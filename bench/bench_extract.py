@@ -241,7 +241,7 @@ def phase_b(args, model: Path, work: dict) -> dict:
         "capture_path": info["capture_path"],
         "vllm": info["engine_version"],
     }
-    rss = PeakRSS()
+    rss = PeakRSS(children=True)  # the engine's processes too: on the hooks path the worker holds the slots
     try:
         for name in ("uniform_half", "uniform", "mixed"):
             tok = write_tokenized(args.out / f"{name}.jsonl", work[name])
@@ -425,6 +425,14 @@ def main() -> None:
     for p in "abcd":
         if p in results:
             print(f"engine start ({p}): {results[p]['engine_start_s']:.1f} s")
+    if b:
+        from eagle3prep.plan import START_SHARE, min_tokens_per_shard
+
+        rate, start = b["uniform"]["tokens_per_s"], b["engine_start_s"]
+        print(
+            f"shard size that keeps (b)'s engine start under {100 * START_SHARE:.0f} % of a job: "
+            f">= {min_tokens_per_shard(rate, start):,} tokens ({start:.0f} s start at {rate:,.0f} tok/s)"
+        )
 
 
 if __name__ == "__main__":

