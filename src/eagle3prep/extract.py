@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 # Probe facts that differ between two runs of the same shard (timings, which GPUs, temp paths): they
 # go to timings.json, so equal data gives a byte-identical manifest.
-VOLATILE = ("probe_s", "gpu_ids", "staging_dir")
+VOLATILE = ("probe_s", "engine_init_s", "smoke_s", "gpu_ids", "staging_dir")
 
 
 def read_index(tokenized_shard: str | os.PathLike) -> list[IndexEntry]:
@@ -211,6 +211,7 @@ def extract_shard(
                     "capture_s": round(elapsed, 3),
                     "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
                     **{k: info[k] for k in VOLATILE if k in info},
+                    **({"writer": backend.capture_stats} if direct else {}),
                 },
             )
             faults.kill_point("extract.before_manifest", shard=shard)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,10 +47,45 @@ class _Slot:
     host: torch.Tensor  # [num_layers, capacity, H] (pinned when the rows come from a GPU)
     event: Any = None  # CUDA event recorded after the step's last copy; None on CPU
     pieces: list[tuple[int, int, int]] | None = None  # (src_row, dest_row, n) of this step
+    pending: int = 0  # layer threads that have not written their part of this slot yet
+
+
+class SlotPool:
+    """At most `size` host slots of [num_layers, >= step_tokens, H]; kept across shards by the worker
+    (pinning 3 x 512 MiB takes a noticeable fraction of a second). take() waits when all are in use."""
+
+    def __init__(self, num_layers: int, hidden_size: int, dtype: torch.dtype, step_tokens: int, size: int = 3):
+        self.key = (num_layers, hidden_size, dtype, step_tokens, size)
+        self._free: queue.Queue[_Slot] = queue.Queue()
+        self._made = 0
+
+    def take(self, tokens: int) -> _Slot:
+        num_layers, _, _, step_tokens, size = self.key
+        if self._free.empty() and self._made < size:
+            self._made += 1
+            return self._new(max(tokens, step_tokens))
+        slot = self._free.get()  # waits while every slot is with the writers: the disk sets the pace
+        return slot if slot.host.shape[1] >= tokens else self._new(tokens)  # a step larger than announced
+
+    def give(self, slot: _Slot) -> None:
+        slot.event, slot.pieces, slot.pending = None, None, 0
+        self._free.put(slot)
+
+    def _new(self, capacity: int) -> _Slot:
+        import torch
+
+        num_layers, hidden_size, dtype, _, _ = self.key
+        pinned = torch.cuda.is_available()
+        return _Slot(torch.empty((num_layers, capacity, hidden_size), dtype=dtype, pin_memory=pinned))
 
 
 class ShardSink:
-    """Writes the rows of forward steps into one shard's layer files (temp names; see module doc)."""
+    """Writes the rows of forward steps into one shard's layer files (temp names; see module doc).
+
+    One writer thread per layer file (pwrite and sha256 release the GIL, so the files are written
+    in parallel); each flushes its file to disk every `sync_bytes`, so the disk works while the GPU
+    does and the final fsync has little left to do.
+    """
 
     def __init__(
         self,
@@ -60,6 +96,8 @@ class ShardSink:
         total_tokens: int,
         step_tokens: int,
         slots: int = 3,
+        pool: SlotPool | None = None,
+        sync_bytes: int = 256 << 20,
     ):
         import torch
 
@@ -67,22 +105,25 @@ class ShardSink:
         self._slot_of_layer = {lid: j for j, lid in enumerate(self.layer_ids)}
         self.rows = rows
         self.total_tokens = total_tokens
-        self.hidden_size = hidden_size
-        self.dtype = getattr(torch, dtype)
-        self.step_tokens = step_tokens
-        self.num_slots = slots
+        self.pool = pool or SlotPool(len(self.layer_ids), hidden_size, getattr(torch, dtype), step_tokens, slots)
         self.writers = {
-            lid: PositionalSafetensorsWriter(Path(p), "hidden_states", dtype, (total_tokens, hidden_size))
+            lid: PositionalSafetensorsWriter(
+                Path(p), "hidden_states", dtype, (total_tokens, hidden_size), sync_bytes=sync_bytes
+            )
             for lid, p in layer_paths.items()
         }
-        self._free: queue.Queue[_Slot] = queue.Queue()
-        self._made = 0
-        self._todo: queue.Queue[_Slot | None] = queue.Queue()
+        self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._current: _Slot | None = None
         self._stream = None  # side CUDA stream for device-to-host copies, made on first GPU tensor
-        self._thread = threading.Thread(target=self._write_loop, name="e3p-shard-sink", daemon=True)
-        self._thread.start()
+        self.stall_s = 0.0  # forward time spent waiting for a free slot (the writers were behind)
+        self._todo: dict[int, queue.Queue[_Slot | None]] = {lid: queue.Queue() for lid in self.layer_ids}
+        self._threads = [
+            threading.Thread(target=self._write_loop, args=(lid,), name=f"e3p-sink-{lid}", daemon=True)
+            for lid in self.layer_ids
+        ]
+        for t in self._threads:
+            t.start()
 
     # ---- forward side (the worker's main thread, inside vLLM's forward) --------------------------
     def begin_step(self, segments: list[Segment]) -> None:
@@ -97,12 +138,13 @@ class ShardSink:
             if n > 0:  # rows past the prompt (the one sampled token's decode step) are not captured
                 pieces.append((seg.start, place.offset + seg.first_pos, n))
         if self._current is not None:  # the previous step never reached its deepest layer (it failed)
-            self._free.put(self._current)
+            self.pool.give(self._current)
         self._current = None
         if not pieces or self._error is not None:
             return
-        total = max(src + n for src, _, n in pieces)
-        slot = self._take_slot(total)
+        t0 = time.perf_counter()
+        slot = self.pool.take(max(src + n for src, _, n in pieces))
+        self.stall_s += time.perf_counter() - t0
         slot.pieces = pieces
         self._current = slot
 
@@ -131,54 +173,43 @@ class ShardSink:
                 slot.event = torch.cuda.Event()
                 slot.event.record(self._stream)
             self._current = None
-            self._todo.put(slot)
-
-    def _take_slot(self, tokens: int) -> _Slot:
-
-        if self._made < self.num_slots:
-            self._made += 1
-            return self._new_slot(max(tokens, self.step_tokens))
-        slot = self._free.get()  # waits while every slot is with the writer: the disk sets the pace
-        if slot.host.shape[1] < tokens:  # a step larger than announced: grow this slot
-            slot = self._new_slot(tokens)
-        return slot
-
-    def _new_slot(self, capacity: int) -> _Slot:
-        import torch
-
-        pinned = torch.cuda.is_available()
-        host = torch.empty((len(self.layer_ids), capacity, self.hidden_size), dtype=self.dtype, pin_memory=pinned)
-        return _Slot(host)
+            slot.pending = len(self.layer_ids)
+            for q in self._todo.values():
+                q.put(slot)
 
     def _fail(self, error: BaseException) -> None:
-        if self._error is None:
-            self._error = error
+        with self._lock:
+            if self._error is None:
+                self._error = error
 
-    # ---- writer thread -------------------------------------------------------------------------
-    def _write_loop(self) -> None:
+    # ---- writer threads, one per layer file ----------------------------------------------------
+    def _write_loop(self, layer_id: int) -> None:
         import torch
 
+        j, writer, todo = self._slot_of_layer[layer_id], self.writers[layer_id], self._todo[layer_id]
         while True:
-            slot = self._todo.get()
+            slot = todo.get()
             if slot is None:
                 return
             try:
                 if self._error is None:
                     if slot.event is not None:
                         slot.event.synchronize()  # the step's device-to-host copies are done
-                    raw = slot.host.view(torch.uint8)  # [L, capacity, H * itemsize]
-                    for j, lid in enumerate(self.layer_ids):
-                        for src, dest, n in slot.pieces:
-                            self.writers[lid].write_rows(dest, raw[j, src : src + n].numpy().data)
+                    raw = slot.host[j].view(torch.uint8)  # [capacity, H * itemsize]
+                    for src, dest, n in slot.pieces:
+                        writer.write_rows(dest, raw[src : src + n].numpy())
             except BaseException as e:  # noqa: BLE001 - reported by finish()
                 self._fail(e)
             finally:
-                slot.event, slot.pieces = None, None
-                self._free.put(slot)
+                with self._lock:
+                    slot.pending -= 1
+                    last = slot.pending == 0
+                if last:
+                    self.pool.give(slot)
 
     # ---- end -----------------------------------------------------------------------------------
     def finish(self) -> dict[int, dict[str, Any]]:
-        """Drain the writer, check every row arrived, fsync; {layer_id: manifest entry} of the temp files."""
+        """Drain the writers, check every row arrived, fsync; {layer_id: manifest entry} of the temp files."""
         self._stop()
         if self._error is not None:
             self.abort()
@@ -193,6 +224,11 @@ class ShardSink:
             )
         return {lid: w.seal() for lid, w in self.writers.items()}
 
+    def stats(self) -> dict[str, float]:
+        """Seconds: forward stalled for a slot; per-file busiest writer in write, sha256 and disk flushes."""
+        busiest = {k: max(getattr(w, k) for w in self.writers.values()) for k in ("write_s", "hash_s", "sync_s")}
+        return {"stall_s": round(self.stall_s, 3), **{k: round(v, 3) for k, v in busiest.items()}}
+
     def abort(self) -> None:
         """Stop and drop the temp files."""
         self._stop()
@@ -200,6 +236,8 @@ class ShardSink:
             w.abort()
 
     def _stop(self) -> None:
-        if self._thread.is_alive():
-            self._todo.put(None)
-            self._thread.join()
+        for lid, t in zip(self.layer_ids, self._threads, strict=True):
+            if t.is_alive():
+                self._todo[lid].put(None)
+        for t in self._threads:
+            t.join()

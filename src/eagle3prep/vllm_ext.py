@@ -219,21 +219,29 @@ class HiddenStatesCapture:
         """
         if self._e3p_rank != 0:
             return {"rank": self._e3p_rank}
-        from .sink import RowPlacement, ShardSink
+        import torch
+
+        from .sink import RowPlacement, ShardSink, SlotPool
 
         if self._e3p_sink is not None:
             self._e3p_sink.abort()
         self._e3p_sink = None
+        paths = {int(k): v for k, v in shard["layer_paths"].items()}
+        key = (len(paths), int(shard["hidden_size"]), getattr(torch, shard["dtype"]), int(shard["step_tokens"]))
+        pool = getattr(self, "_e3p_pool", None)
+        if pool is None or pool.key != (*key, int(shard.get("slots", 3))):  # pinned slots outlive a shard
+            pool = self._e3p_pool = SlotPool(*key, size=int(shard.get("slots", 3)))
         self._e3p_sink = ShardSink(
-            {int(k): v for k, v in shard["layer_paths"].items()},
+            paths,
             hidden_size=int(shard["hidden_size"]),
             dtype=shard["dtype"],
             rows={tag: RowPlacement(int(off), int(n)) for tag, off, n in shard["rows"]},
             total_tokens=int(shard["total_tokens"]),
             step_tokens=int(shard["step_tokens"]),
-            slots=int(shard.get("slots", 3)),
+            pool=pool,
+            sync_bytes=int(shard.get("sync_bytes", 256 << 20)),
         )
-        return {"rank": 0, "files": len(shard["layer_paths"])}
+        return {"rank": 0, "files": len(paths)}
 
     def e3p_finish_shard(self) -> dict[str, Any]:
         """Drain and seal the open shard's layer files: {"entries": {layer_id: entry}} or {"error": msg}."""
@@ -243,7 +251,8 @@ class HiddenStatesCapture:
         if sink is None:
             return {"rank": 0, "error": "no shard is open in the worker"}
         try:
-            return {"rank": 0, "entries": {str(k): v for k, v in sink.finish().items()}}
+            entries = sink.finish()
+            return {"rank": 0, "entries": {str(k): v for k, v in entries.items()}, "stats": sink.stats()}
         except Exception as e:  # the message travels back; a raise here would kill the engine
             return {"rank": 0, "error": f"{type(e).__name__}: {e}"}
 

@@ -33,6 +33,7 @@ class CaptureBackend(ABC):
     """Runs the target model over token rows and returns the hidden states at `spec.layer_ids`."""
 
     name: str = "base"
+    capture_stats: dict[str, Any] = {}  # noqa: RUF012 - timings of the last capture_shard(), for timings.json
 
     def __init__(self, spec: CaptureSpec, options: dict[str, Any]):
         self.spec = spec

@@ -159,6 +159,7 @@ class HooksPath:
         self.staging = staging
         self.version = version
         self._files = itertools.count()
+        self.stats: dict[str, float] = {}  # the worker's sink timings of the last shard
 
     def engine_kwargs(self) -> dict[str, Any]:
         # Hooks need eager mode: compiled graphs (torch.compile, CUDA graphs) bypass module hooks.
@@ -236,6 +237,7 @@ class HooksPath:
                     llm.collective_rpc("e3p_abort_shard")
         if "error" in reply:
             raise CaptureError(f"the worker could not write the shard's layer files: {reply['error']}")
+        self.stats = reply.get("stats", {})
         return {int(k): v for k, v in reply["entries"].items()}
 
     @staticmethod
@@ -285,8 +287,11 @@ class VLLMBackend(CaptureBackend):
         for k, name in enumerate(candidates):
             last = k == len(candidates) - 1
             try:
+                t_start = time.time()
                 self._start(name, version, on_cpu)
+                t_smoke = time.time()
                 self._smoke(version, model)
+                timings = {"engine_init_s": round(t_smoke - t_start, 2), "smoke_s": round(time.time() - t_smoke, 2)}
                 break
             except Exception as e:  # auto: fall back to the hooks path; else report
                 self._shutdown_engine()
@@ -313,6 +318,7 @@ class VLLMBackend(CaptureBackend):
             "staging_dir": str(self._staging),
             "fallback_reason": fallback_reason,
             "probe_s": round(time.time() - t0, 2),
+            **timings,
         }
         return self.info
 
@@ -479,7 +485,9 @@ class VLLMBackend(CaptureBackend):
         }
         window = max(int(self.options.get("batch_tokens") or 0), 2 * step_tokens)
         prefix = f"e3p-{self._run}-{next(self._batches)}"
-        return self.path.capture_shard(self.llm, prefix, batches, index, shard, on_batch, window)
+        entries = self.path.capture_shard(self.llm, prefix, batches, index, shard, on_batch, window)
+        self.capture_stats = {"window_tokens": window, **self.path.stats}
+        return entries
 
     def _step_tokens(self) -> int:
         """The scheduler's token budget per forward step (the largest step the worker will see)."""
