@@ -12,8 +12,8 @@ import pytest
 
 from eagle3prep.atomic import sha256_file
 from eagle3prep.provenance import tokenizer_identity
-from eagle3prep.records import Conversation
-from eagle3prep.tokenization import shard_ranges, tokenize_conversations
+from eagle3prep.records import Conversation, TokenizedRow
+from eagle3prep.tokenization import ChatEncoder, row_json_tail, shard_ranges, tokenize_conversations
 
 SYSTEM = {"role": "system", "content": "You are a patient teacher."}
 
@@ -257,14 +257,15 @@ def test_template_exception_quarantines_only_that_row(tmp_path, demo_model_dir):
     assert len(rows) == 3
 
 
-def test_bad_input_line_names_file_and_line(tmp_path, demo_model_dir):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_bad_input_line_names_file_and_line(tmp_path, demo_model_dir, workers):
     src = write_conversations(tmp_path / "conversations.jsonl", MIXED[:2])
     with open(src, "a") as f:
         f.write('{"id": "x", "messages": "not a list"}\n')
     with pytest.raises(ValueError, match=r"conversations.jsonl:3: not a normalized conversation"):
         tokenize_conversations(
             src, demo_model_dir, [tmp_path / "s.jsonl"], tmp_path / "st.json", tmp_path / "f.json",
-            tmp_path / "q.jsonl", max_seq_len=64,
+            tmp_path / "q.jsonl", max_seq_len=64, workers=workers, batch_size=2,
         )  # fmt: skip
     assert not (tmp_path / "s.jsonl").exists()
 
@@ -278,3 +279,37 @@ def test_worker_processes_give_identical_output(tmp_path, demo_model_dir):
     two = run(tmp_path / "two", demo_model_dir, convs, batch_size=4, workers=2)
     assert one[0] == two[0] and one[3][0]["line"] == two[3][0]["line"] == 8
     assert one[2]["rows"] == two[2]["rows"] == 39
+
+
+EDGES = MIXED + [
+    conv(("  Leading and trailing spaces  ", "  Reply with spaces around.  ")),
+    conv(("Tabs\tand\nnewlines", "\n\nStarts with blank lines")),
+    conv(("Special token text?", "Literally <|im_end|> inside a reply.")),
+]
+
+
+def test_encoder_matches_apply_chat_template_row_by_row(tmp_path, demo_model_dir, tokenizer):
+    # The batched encoder must give what the one-row-at-a-time transformers call gives, for both
+    # mask sources (the render boundary is checked against the markers' mask).
+    plain = tokenizer_variant(tmp_path, demo_model_dir, strip_markers(demo_template(demo_model_dir)))
+    from transformers import AutoTokenizer
+
+    marked = ChatEncoder(AutoTokenizer.from_pretrained(demo_model_dir), demo_model_dir).encode(EDGES)
+    boundary = ChatEncoder(AutoTokenizer.from_pretrained(plain), plain).encode(EDGES)
+    for messages, m, b in zip(EDGES, marked, boundary, strict=True):
+        ref = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        assert (m[0], list(m[1])) == (ref["input_ids"], ref["assistant_masks"])
+        assert (b[0], list(b[1])) == (ref["input_ids"], ref["assistant_masks"])
+
+
+def test_row_json_tail_is_the_tokenized_row_json():
+    id_str = [str(i) for i in range(200_000)]
+    for row, cid, ids, mask in [(0, "ab12", [1, 2, 3], [0, 1, 1]), (12345, 'Café "東京"\n', [151_643, 0], [1, 0])]:
+        expected = json.dumps(
+            TokenizedRow(row=row, id=cid, input_ids=ids, loss_mask=mask, seq_len=len(ids)).to_json(),
+            ensure_ascii=False,
+            separators=(",", ":"),
+        )
+        assert f'{{"row":{row},' + row_json_tail(cid, ids, bytearray(mask), id_str) == expected + "\n"
