@@ -232,6 +232,7 @@ def phase_b(args, model: Path, work: dict) -> dict:
         "engine_args": {"load_format": "dummy"},
     }
     shards = args.out / "shards"
+    shm = Path("/dev/shm")
     spec.extra["output_dir"] = str(shards)
     t0 = time.perf_counter()
     backend = make_backend(spec, options)
@@ -245,19 +246,23 @@ def phase_b(args, model: Path, work: dict) -> dict:
     }
     rss = PeakRSS(children=True)  # the engine's processes too: on the hooks path the worker holds the slots
     try:
-        for name in ("uniform_half", "uniform", "mixed"):
-            tok = write_tokenized(args.out / f"{name}.jsonl", work[name])
+        # the same shard written to /dev/shm (memory) as well: what the pipeline does without the disk,
+        # and the like-for-like comparison with (d), whose files go to /dev/shm
+        runs = [("uniform_half", shards), ("uniform", shards), ("mixed", shards)]
+        runs += [("uniform_shm", shm / "e3p-bench")] if shm.is_dir() else []
+        for name, where in runs:
+            tok = write_tokenized(args.out / f"{name}.jsonl", work[name.removesuffix("_shm")])
             base = rss.reset()
             m = extract_shard(
                 str(tok),
-                str(shards / name),
+                str(where / name),
                 spec,
                 options,
                 batch_tokens=args.batch_tokens,
                 shard=0,
                 engine=(backend, info),
             )
-            timings = json.loads((shards / name / "timings.json").read_text())
+            timings = json.loads((where / name / "timings.json").read_text())
             nbytes = sum(f["bytes"] for f in m["files"].values())
             out[name] = {
                 "tokens": m["tokens"],
@@ -269,7 +274,7 @@ def phase_b(args, model: Path, work: dict) -> dict:
                     "writer"
                 ),  # worker: forward stalled for a slot; busiest file's write/hash/sync s
             }
-            shutil.rmtree(shards / name)
+            shutil.rmtree(where / name)
     finally:
         out["peak_rss_mib"] = rss.stop() / 2**20
         backend.close()
@@ -424,6 +429,14 @@ def main() -> None:
             + f" | {ratio(v['b'], v['a'])} | {ratio(v['b'], v['c'])} | {ratio(v['b'], v['d'])} |"
         )
     b = results.get("b")
+    if b and "uniform_shm" in b:
+        v = {p: results.get(p, {}).get("uniform", {}).get("tokens_per_s") for p in "acd"}
+        shm_rate = b["uniform_shm"]["tokens_per_s"]
+        print(
+            f"| uniform, (b) to /dev/shm | {v['a'] or 0:,.0f} | {shm_rate:,.0f} | {v['c'] or 0:,.0f} | {v['d'] or 0:,.0f} | "
+            + " | ".join(f"{shm_rate / v[p]:.2f}" if v[p] else "-" for p in "acd")
+            + " |"
+        )
     if b:
         for w, seq in (("uniform", args.seq), ("mixed", (args.min_len + args.max_len) / 2)):
             tflops = b[w]["tokens_per_s"] * flops_per_token(shape, seq) / 1e12
@@ -456,8 +469,8 @@ def main() -> None:
                 else ""
             )
         )
-        for w in ("uniform_half", "uniform", "mixed"):
-            if b[w].get("writer"):
+        for w in ("uniform_half", "uniform", "mixed", "uniform_shm"):
+            if b.get(w, {}).get("writer"):
                 print(f"(b) {w} worker writer, seconds: {b[w]['writer']}")
         print(
             f"(b) engine start {b['engine_start_s']:.1f} s = LLM() {b['engine_init_s']} s + smoke capture {b['smoke_s']} s + rest"

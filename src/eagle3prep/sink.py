@@ -137,6 +137,9 @@ class ShardSink:
             n = min(seg.end - seg.start, place.length - seg.first_pos)
             if n > 0:  # rows past the prompt (the one sampled token's decode step) are not captured
                 pieces.append((seg.start, place.offset + seg.first_pos, n))
+        # File order: vLLM's persistent batch puts a new request into a freed slot, ahead of an older
+        # request's next chunk; in file order, the older rows come first and nothing waits in memory.
+        pieces.sort(key=lambda p: p[1])
         if self._current is not None:  # the previous step never reached its deepest layer (it failed)
             self.pool.give(self._current)
         self._current = None

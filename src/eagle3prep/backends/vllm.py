@@ -37,6 +37,10 @@ if TYPE_CHECKING:
     from ..records import IndexEntry
 
 SMOKE_TOKENS = 16  # length of the smoke-capture prompt
+# Pinned host slots of the hooks path, each one forward step of every requested layer (8B shape,
+# 16k-token steps: 512 MiB): one being filled, up to two with the writer threads. Host memory is
+# this, whatever the shard's size (docs/performance.md).
+HOST_SLOTS = 3
 EXT_MODULE = "eagle3prep.vllm_ext"
 
 
@@ -481,7 +485,7 @@ class VLLMBackend(CaptureBackend):
             "dtype": self.spec.dtype,
             "total_tokens": sum(e.length for e in index),
             "step_tokens": step_tokens,
-            "slots": int(self.options.get("host_slots", 3)),
+            "slots": HOST_SLOTS,
         }
         window = max(int(self.options.get("batch_tokens") or 0), 2 * step_tokens)
         prefix = f"e3p-{self._run}-{next(self._batches)}"
