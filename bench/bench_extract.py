@@ -428,6 +428,10 @@ def main() -> None:
             + " | ".join(f"{v[p]:,.0f}" if v[p] else "-" for p in "abcd")
             + f" | {ratio(v['b'], v['a'])} | {ratio(v['b'], v['c'])} | {ratio(v['b'], v['d'])} |"
         )
+    for p, w, seq in (("a", "uniform", args.seq), ("a", "mixed", (args.min_len + args.max_len) / 2)):
+        if p in results:
+            tflops = results[p][w]["tokens_per_s"] * flops_per_token(shape, seq) / 1e12
+            print(f"({p}) {w}: {tflops:.0f} TFLOP/s = {100 * tflops / PEAK_TFLOPS:.0f} % MFU of {PEAK_TFLOPS:.0f}")
     b = results.get("b")
     if b and "uniform_shm" in b:
         v = {p: results.get(p, {}).get("uniform", {}).get("tokens_per_s") for p in "acd"}

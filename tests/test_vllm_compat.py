@@ -296,8 +296,8 @@ def model_facts(arch, n=8, h=16):
         ("0.32.0", "LlamaForCausalLM", (2, 4, 5, 8), ["hooks", "builtin"]),
         ("0.17.0", "LlamaForCausalLM", (2, 4, 5, 8), ["hooks"]),  # no id N on the built-in path
         ("0.24.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), ["hooks"]),  # id N needs 0.25 there
-        ("0.24.0", "DeepseekV3ForCausalLM", (2, 4, 5), ["hooks", "builtin"]),  # no id N asked for
-        ("0.25.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), ["hooks", "builtin"]),
+        ("0.24.0", "DeepseekV3ForCausalLM", (2, 4, 5), ["builtin", "hooks"]),  # no id N asked for
+        ("0.25.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), ["builtin", "hooks"]),  # MoE: vLLM's path first
         ("0.32.0", "LlamaForCausalLM", (0, 4, 8), ["hooks"]),  # id 0 is aliased on the built-in path
     ],
 )

@@ -385,6 +385,10 @@ class VLLMBackend(CaptureBackend):
         if blocker:
             log(f"the built-in path is no fallback here: {blocker}")
             return ["hooks"], blocker
+        if compat.uses_deepseek_backbone(model["architectures"]):
+            # MoE on the DeepSeek backbone (Kimi, GLM-5): the hooks path has not been checked on the
+            # GPU there (expert/data parallel layouts); vLLM's own path is the one its authors test.
+            return ["builtin", "hooks"], None
         # hooks first: only it writes the layer files from the worker (pinned slots, no per-request
         # files; docs/performance.md); the built-in path is the fallback where the hooks fail their probe.
         return ["hooks", "builtin"], None
