@@ -181,20 +181,26 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
 
     def write_rows(self, first_row: int, data: memoryview | bytes) -> None:
         """Write whole rows starting at `first_row`; `data` is their raw bytes in this file's dtype."""
+        self.place(first_row, data)
+        self.account(first_row, data)
+
+    # write_rows = place + account. They touch disjoint state, so one thread may place (pwrite,
+    # fdatasync: waits on the disk) while another accounts (sha256: waits on a core), each in order.
+    def _rows_of(self, first_row: int, data: memoryview | bytes) -> tuple[memoryview, int]:
         data = memoryview(data).cast("B")  # flat bytes, whatever the buffer's shape (C-contiguous)
         if len(data) % self.row_bytes:
             raise ValueError(
                 f"{self.path.name}: {len(data)} bytes is not a whole number of {self.row_bytes}-byte rows"
             )
-        n = len(data) // self.row_bytes
-        last = first_row + n
+        last = first_row + len(data) // self.row_bytes
         if first_row < 0 or last > self.expected_rows:
             raise ValueError(f"{self.path.name}: rows {first_row}..{last} outside the {self.expected_rows} declared")
-        taken = [(r, r + len(b) // self.row_bytes) for r, b in self._early.items()]
-        if first_row < self.rows or any(a < last and first_row < b for a, b in taken):
-            raise ValueError(f"{self.path.name}: rows {first_row}..{last} written twice")
-        view = data
-        offset = self._data_start + first_row * self.row_bytes
+        return data, last
+
+    def place(self, first_row: int, data: memoryview | bytes) -> None:
+        """pwrite the rows where they belong; fdatasync every `sync_bytes`."""
+        data, _ = self._rows_of(first_row, data)
+        view, offset = data, self._data_start + first_row * self.row_bytes
         t0 = time.perf_counter()
         with disk_full_is_user_error(self.path):
             while view:  # pwrite may write less than asked
@@ -207,7 +213,14 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
                 os.fdatasync(self._f.fileno())
                 self._unsynced = 0
                 self.sync_s += time.perf_counter() - t1
-        t2 = time.perf_counter()
+
+    def account(self, first_row: int, data: memoryview | bytes) -> None:
+        """Hash the rows in file order (keeping a range that came early); refuse a range seen twice."""
+        data, last = self._rows_of(first_row, data)
+        taken = [(r, r + len(b) // self.row_bytes) for r, b in self._early.items()]
+        if first_row < self.rows or any(a < last and first_row < b for a, b in taken):
+            raise ValueError(f"{self.path.name}: rows {first_row}..{last} written twice")
+        t0 = time.perf_counter()
         if first_row != self.rows:
             self._early[first_row] = bytes(data)  # the caller reuses its buffer
             return
@@ -217,7 +230,7 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
             early = self._early.pop(self.rows)
             self._sha.update(early)
             self.rows += len(early) // self.row_bytes
-        self.hash_s += time.perf_counter() - t2
+        self.hash_s += time.perf_counter() - t0
 
     def seal(self) -> dict[str, Any]:
         if self.rows != self.expected_rows:

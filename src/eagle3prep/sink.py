@@ -6,14 +6,15 @@ The vLLM hooks capture path runs this inside TP rank 0's worker. For every forwa
     sink.add_layer(layer_id, stream) # per requested layer: [step_tokens, H] on the GPU (or CPU)
 
 Each step's layers are copied into one host slot (pinned memory, on a side CUDA stream, so the copy
-overlaps the next layers' compute); when the deepest layer is in, the slot goes to a writer thread,
-which waits for the copy, then writes each request's rows where they belong in the layer files
-(`PositionalSafetensorsWriter`). A fixed pool of slots bounds host memory whatever the shard size:
-when the writer falls behind, begin_step waits for a free slot (the disk then sets the pace).
-finish() drains the writer, checks every row of every request arrived exactly once and fsyncs;
-the driver renames the files into place and writes the manifest.
+overlaps the next layers' compute); when the deepest layer is in, the slot goes to the writer
+threads (two per layer file: one waits for the copy and writes each request's rows where they belong,
+`PositionalSafetensorsWriter.place`; the other hashes them in file order, `.account`). A fixed pool
+of slots bounds host memory whatever the shard size: when the writers fall behind, begin_step waits
+for a free slot (the disk then sets the pace). finish() drains the writers, checks every row of
+every request arrived exactly once and fsyncs; the driver renames the files into place and writes
+the manifest.
 
-Errors on the writer thread (a full disk) do not raise inside vLLM's forward: the sink stops
+Errors on a writer thread (a full disk) do not raise inside vLLM's forward: the sink stops
 writing, and finish() raises them with the file name.
 """
 
@@ -82,9 +83,10 @@ class SlotPool:
 class ShardSink:
     """Writes the rows of forward steps into one shard's layer files (temp names; see module doc).
 
-    One writer thread per layer file (pwrite and sha256 release the GIL, so the files are written
-    in parallel); each flushes its file to disk every `sync_bytes`, so the disk works while the GPU
-    does and the final fsync has little left to do.
+    Two threads per layer file (pwrite, fdatasync and sha256 release the GIL): one writes the rows
+    where they belong and flushes the file to disk every `sync_bytes`, so the disk works while the
+    GPU does and the final fsync has little left to do; the other hashes them in file order, so the
+    disk never waits for a hash. A slot is free again once every file's rows are hashed.
     """
 
     def __init__(
@@ -118,9 +120,11 @@ class ShardSink:
         self._stream = None  # side CUDA stream for device-to-host copies, made on first GPU tensor
         self.stall_s = 0.0  # forward time spent waiting for a free slot (the writers were behind)
         self._todo: dict[int, queue.Queue[_Slot | None]] = {lid: queue.Queue() for lid in self.layer_ids}
+        self._to_hash: dict[int, queue.Queue[_Slot | None]] = {lid: queue.Queue() for lid in self.layer_ids}
         self._threads = [
-            threading.Thread(target=self._write_loop, args=(lid,), name=f"e3p-sink-{lid}", daemon=True)
+            threading.Thread(target=loop, args=(lid,), name=f"e3p-sink-{kind}-{lid}", daemon=True)
             for lid in self.layer_ids
+            for kind, loop in (("write", self._write_loop), ("hash", self._hash_loop))
         ]
         for t in self._threads:
             t.start()
@@ -185,14 +189,15 @@ class ShardSink:
             if self._error is None:
                 self._error = error
 
-    # ---- writer threads, one per layer file ----------------------------------------------------
+    # ---- writer threads: per layer file, one places the rows (disk), one hashes them (a core) ---
     def _write_loop(self, layer_id: int) -> None:
         import torch
 
-        j, writer, todo = self._slot_of_layer[layer_id], self.writers[layer_id], self._todo[layer_id]
+        j, writer = self._slot_of_layer[layer_id], self.writers[layer_id]
         while True:
-            slot = todo.get()
+            slot = self._todo[layer_id].get()
             if slot is None:
+                self._to_hash[layer_id].put(None)
                 return
             try:
                 if self._error is None:
@@ -200,7 +205,24 @@ class ShardSink:
                         slot.event.synchronize()  # the step's device-to-host copies are done
                     raw = slot.host[j].view(torch.uint8)  # [capacity, H * itemsize]
                     for src, dest, n in slot.pieces:
-                        writer.write_rows(dest, raw[src : src + n].numpy())
+                        writer.place(dest, raw[src : src + n].numpy())
+            except BaseException as e:  # noqa: BLE001 - reported by finish()
+                self._fail(e)
+            self._to_hash[layer_id].put(slot)  # the hash thread frees the slot, error or not
+
+    def _hash_loop(self, layer_id: int) -> None:
+        import torch
+
+        j, writer = self._slot_of_layer[layer_id], self.writers[layer_id]
+        while True:
+            slot = self._to_hash[layer_id].get()
+            if slot is None:
+                return
+            try:
+                if self._error is None:
+                    raw = slot.host[j].view(torch.uint8)
+                    for src, dest, n in slot.pieces:
+                        writer.account(dest, raw[src : src + n].numpy())
             except BaseException as e:  # noqa: BLE001 - reported by finish()
                 self._fail(e)
             finally:
@@ -239,8 +261,8 @@ class ShardSink:
             w.abort()
 
     def _stop(self) -> None:
-        for lid, t in zip(self.layer_ids, self._threads, strict=True):
-            if t.is_alive():
-                self._todo[lid].put(None)
+        if any(t.is_alive() for t in self._threads):
+            for lid in self.layer_ids:
+                self._todo[lid].put(None)  # each write thread passes it on to its hash thread
         for t in self._threads:
             t.join()

@@ -3,8 +3,11 @@
 - builtin: vLLM's `extract_hidden_states` speculative method + the hidden-states KV connector
   (vLLM >= 0.18; id N on the DeepSeek-V2/V3/Kimi backbone only from 0.25). Each request's file is
   staged on disk (named by our request tag where vLLM >= 0.24 allows it), read, checked and removed.
-- hooks: `LLM.generate` + the worker extension `eagle3prep.vllm_ext.HiddenStatesCapture`, whose
-  forward hooks split every forward step by request id; TP rank 0 writes one file per batch.
+- hooks: the worker extension `eagle3prep.vllm_ext.HiddenStatesCapture`, whose forward hooks split
+  every forward step by request. For a shard (capture_shard, what extract_shard uses), the driver
+  streams the rows into the engine and TP rank 0's worker writes the layer files itself
+  (sink.ShardSink: pinned slots, side-stream copies, one writer thread per file); capture(batch),
+  used by the smoke test, returns rows through one file per batch instead.
 
 probe() picks the path (extract.capture_path: auto | builtin | hooks), starts the engine and runs a
 one-prompt smoke capture at the real TP size, so a wrong layer count stops the job before its real

@@ -1,0 +1,77 @@
+"""The host side of the hooks capture path alone: how close sink.ShardSink gets to the disk.
+
+No GPU and no vLLM: synthetic forward steps (the 8B shape by default: 4 layers x 4096 x bf16, steps
+of 16,384 tokens, rows of 2,048 tokens, first-come first-served chunks) go through ShardSink into
+OUTDIR, and the same number of bytes is then written by plain threads, one file per layer with
+fdatasync every 256 MiB (bench_extract.disk_write_speed): the baseline, in the same run.
+
+    python bench/bench_sink.py OUTDIR [--gib 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_extract import disk_write_speed  # noqa: E402
+
+from eagle3prep.sink import RowPlacement, ShardSink  # noqa: E402
+from eagle3prep.vllm_compat import Segment  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--gib", type=float, default=4.0, help="bytes of hidden states to write")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--step-tokens", type=int, default=16384)
+    ap.add_argument("--row-tokens", type=int, default=2048)
+    args = ap.parse_args()
+    out = args.out / "sink"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+
+    per_token = args.layers * args.hidden * 2  # bf16
+    rows = max(1, int(args.gib * 2**30 / per_token / args.row_tokens))
+    total = rows * args.row_tokens
+    tags = {f"r{i}": RowPlacement(i * args.row_tokens, args.row_tokens) for i in range(rows)}
+    step = [torch.randn(args.step_tokens, args.hidden).to(torch.bfloat16) for _ in range(args.layers)]
+    paths = {lid: str(out / f"layer_{lid}.safetensors") for lid in range(args.layers)}
+
+    t0 = time.perf_counter()
+    sink = ShardSink(paths, args.hidden, "bfloat16", tags, total, step_tokens=args.step_tokens)
+    for first in range(0, total, args.step_tokens):  # FCFS: a step is the next step_tokens tokens
+        segments, start, pos = [], 0, first
+        while pos < min(first + args.step_tokens, total):
+            row, at = divmod(pos, args.row_tokens)
+            n = min(args.row_tokens - at, first + args.step_tokens - pos, total - pos)
+            segments.append(Segment(f"r{row}", at, start, start + n))
+            start, pos = start + n, pos + n
+        sink.begin_step(segments)
+        for lid in range(args.layers):
+            sink.add_layer(lid, step[lid][:start])
+    sink.finish()
+    secs = time.perf_counter() - t0
+    nbytes = total * per_token
+    stats = sink.stats()
+    shutil.rmtree(out)
+    disk = disk_write_speed(args.out, nbytes, streams=args.layers)
+
+    print(
+        f"# {time.strftime('%Y-%m-%d')} {torch.__version__}, {args.layers} layers x {args.hidden} bf16, "
+        f"{total:,} tokens ({nbytes / 1e9:.2f} GB), steps of {args.step_tokens:,} tokens"
+    )
+    print(f"ShardSink (copy to slots, write, hash, fdatasync, fsync): {nbytes / secs / 1e9:.2f} GB/s in {secs:.2f} s")
+    print(f"the disk, {args.layers} files at once with fdatasync every 256 MiB: {disk / 1e9:.2f} GB/s")
+    print(f"ShardSink / disk: {nbytes / secs / disk:.2f}; sink timings (s): {stats}")
+
+
+if __name__ == "__main__":
+    main()
