@@ -342,3 +342,89 @@ def test_smoke_capture_names_version_and_fix_deepseek_vllm_0_24():
         CaptureError, match=r"vLLM 0\.24\.0.*final-layer capture on DeepseekV3ForCausalLM needs vLLM >= 0\.25"
     ):
         backend._smoke("0.24.0", model_facts("DeepseekV3ForCausalLM"))
+
+
+# ---- the hooks path's shard protocol: errors from the worker reach the user as one line -------------
+
+
+class FakeEngine:
+    """LLMEngine's add_request/step/has_unfinished_requests: every request finishes in one step."""
+
+    def __init__(self):
+        self.queued, self.aborted = [], []
+
+    def add_request(self, request_id, prompt, params):
+        self.queued.append(SimpleNamespace(finished=True, prompt_token_ids=prompt["prompt_token_ids"]))
+
+    def step(self):
+        out, self.queued = self.queued, []
+        return out
+
+    def has_unfinished_requests(self):
+        return bool(self.queued)
+
+    def abort_request(self, ids):
+        self.aborted.extend(ids)
+
+
+class FakeLLM:
+    def __init__(self, finish_reply):
+        self.llm_engine, self.calls, self.finish_reply = FakeEngine(), [], finish_reply
+
+    def collective_rpc(self, name, args=()):
+        self.calls.append(name)
+        return [self.finish_reply if name == "e3p_finish_shard" else {"rank": 0}]  # one reply per worker
+
+
+def run_capture_shard(monkeypatch, finish_reply):
+    import sys
+
+    from eagle3prep.backends.vllm import HooksPath
+    from eagle3prep.records import IndexEntry
+
+    fake_vllm = SimpleNamespace(TokensPrompt=dict, SamplingParams=lambda **kw: kw)
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
+    path = HooksPath([2, 4], staging=None, version="0.26.0")
+    index = [IndexEntry(row=0, id="a", offset=0, length=3), IndexEntry(row=1, id="b", offset=3, length=2)]
+    llm = FakeLLM(finish_reply)
+    seen = []
+    entries = path.capture_shard(
+        llm, "p", iter([[[5, 6, 7]], [[8, 9]]]), index, {}, lambda b, batch: seen.append(b), window_tokens=4
+    )
+    return entries, llm, seen
+
+
+def test_capture_shard_feeds_every_row_and_returns_the_worker_entries(monkeypatch):
+    entry = {"sha256": "x", "bytes": 1, "shape": [5, 16], "dtype": "bfloat16"}
+    entries, llm, seen = run_capture_shard(monkeypatch, {"rank": 0, "entries": {"2": entry, "4": entry}})
+    assert entries == {2: entry, 4: entry} and seen == [0, 1]
+    assert llm.calls == ["e3p_open_shard", "e3p_finish_shard"]
+
+
+def test_capture_shard_full_disk_in_the_worker_is_a_user_error(monkeypatch):
+    from eagle3prep.backends.vllm import WorkerUserError
+    from eagle3prep.errors import UserError
+
+    reply = {"rank": 0, "error": "DiskSpaceError: disk full while writing /x/layer_2.safetensors", "user_error": True}
+    with pytest.raises(WorkerUserError, match="disk full while writing /x/layer_2") as e:
+        run_capture_shard(monkeypatch, reply)
+    assert isinstance(e.value, UserError)  # scripts print it as one line (errors.one_line_errors)
+
+
+def test_capture_shard_other_worker_errors_stay_capture_errors(monkeypatch):
+    with pytest.raises(CaptureError, match="never arrived"):
+        run_capture_shard(monkeypatch, {"rank": 0, "error": "RuntimeError: rows never arrived", "user_error": False})
+
+
+def test_worker_reports_a_full_disk_as_a_user_error(tmp_path):
+    from eagle3prep.shard import DiskSpaceError
+
+    class FullSink:
+        def finish(self):
+            raise DiskSpaceError("disk full while writing layer_2.safetensors")
+
+    worker = HiddenStatesCapture()
+    worker._e3p_rank, worker._e3p_sink = 0, FullSink()
+    reply = worker.e3p_finish_shard()
+    assert reply["user_error"] is True and reply["error"].startswith("DiskSpaceError: disk full")
+    assert worker._e3p_sink is None

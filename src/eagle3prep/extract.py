@@ -127,7 +127,7 @@ def capture_direct(
     bar: Any,
 ) -> None:
     """The whole shard through backend.capture_shard(): the engine writes the layer files' temp
-    files itself (vLLM hooks path: pinned host slots, a writer thread, rows placed by position)."""
+    files itself (vLLM hooks path: pinned host slots, writer threads, rows placed by position)."""
 
     def on_batch(b: int, batch: list[list[int]]) -> None:
         token_ids = _token_ids(batch)

@@ -254,7 +254,9 @@ class HiddenStatesCapture:
             entries = sink.finish()
             return {"rank": 0, "entries": {str(k): v for k, v in entries.items()}, "stats": sink.stats()}
         except Exception as e:  # the message travels back; a raise here would kill the engine
-            return {"rank": 0, "error": f"{type(e).__name__}: {e}"}
+            from .errors import UserError
+
+            return {"rank": 0, "error": f"{type(e).__name__}: {e}", "user_error": isinstance(e, UserError)}
 
     def e3p_abort_shard(self) -> dict[str, Any]:
         """Drop the open shard's temp files (the driver failed or was interrupted)."""

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import vllm_compat as compat
+from ..errors import UserError
 from ..layers import check_layer_ids
 from .base import CaptureBackend, CaptureSpec
 
@@ -53,6 +54,10 @@ def log(msg: str) -> None:
 
 class CaptureError(RuntimeError):
     """The engine returned hidden states that do not match the request (layers, shapes, tokens)."""
+
+
+class WorkerUserError(UserError):
+    """A UserError raised in the vLLM worker (a full disk), passed on with its message."""
 
 
 def _sampling_params(tag: str, extra: dict[str, Any] | None = None) -> Any:
@@ -243,7 +248,10 @@ class HooksPath:
                 with contextlib.suppress(Exception):
                     llm.collective_rpc("e3p_abort_shard")
         if "error" in reply:
-            raise CaptureError(f"the worker could not write the shard's layer files: {reply['error']}")
+            message = f"the worker could not write the shard's layer files: {reply['error']}"
+            if reply.get("user_error"):  # e.g. the disk filled up: one line for the user, no traceback
+                raise WorkerUserError(message)
+            raise CaptureError(message)
         self.stats = reply.get("stats", {})
         return {int(k): v for k, v in reply["entries"].items()}
 
