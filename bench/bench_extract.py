@@ -331,20 +331,21 @@ def phase_c(args, model: Path, work: dict) -> dict:
 
 
 def disk_write_speed(folder: Path, nbytes: int, streams: int = 1) -> float:
-    """Write + fsync of `nbytes` in `folder` by `streams` files at once (as the worker writes one file
-    per layer, fdatasync every 256 MiB), bytes/s: the disk's own limit."""
+    """Write + fsync of `nbytes` in `folder` by `streams` files at once, bytes/s: the disk's own limit.
+    Flushed as the worker flushes its layer files (BackgroundFlush every 256 MiB, one file per layer)."""
+    from eagle3prep.shard import BackgroundFlush
+
     block = os.urandom(1 << 24)
     blocks = max(1, nbytes // len(block) // streams)
 
     def one(k: int) -> None:
         path = folder / f"disk_speed_{k}.bin"
-        with open(path, "wb") as f:
-            for i in range(blocks):
+        with open(path, "wb", buffering=0) as f:
+            flush = BackgroundFlush(f.fileno(), path.name, every=256 << 20)
+            for _ in range(blocks):
                 f.write(block)
-                if i % 16 == 15:
-                    f.flush()
-                    os.fdatasync(f.fileno())
-            f.flush()
+                flush.wrote(len(block))
+            flush.close()
             os.fsync(f.fileno())
         path.unlink()
 
@@ -386,6 +387,10 @@ def main() -> None:
         print("RESULT " + json.dumps(PHASES[args.phase](args, model, work)), flush=True)
         return
     make_model_dir(args.out, args.shape, args.max_len)
+    size = 4 << 30 if not args.tiny else 64 << 20
+    streams = len(layer_ids(args.shape))
+    # the disk's own speed before and after the phases: it moves during a session
+    disk_before = (disk_write_speed(args.out, size), disk_write_speed(args.out, size, streams=streams))
     results = {}
     for p in args.phases:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--phase", p]
@@ -398,11 +403,13 @@ def main() -> None:
         results[p] = json.loads(line[-1][7:])
         results[p]["wall_s"] = time.perf_counter() - t0
         print(f"phase {p}: {json.dumps(results[p])}", flush=True)
-    size = 4 << 30 if not args.tiny else 64 << 20
-    disk = disk_write_speed(args.out, size)
-    disk_par = disk_write_speed(args.out, size, streams=len(layer_ids(args.shape)))
+    disk_after = (disk_write_speed(args.out, size), disk_write_speed(args.out, size, streams=streams))
+    disk, disk_par = max(disk_before[0], disk_after[0]), max(disk_before[1], disk_after[1])
     (args.out / "bench_extract.json").write_text(
-        json.dumps({"results": results, "disk_bytes_per_s": disk, "disk_parallel_bytes_per_s": disk_par}, indent=1)
+        json.dumps(
+            {"results": results, "disk_bytes_per_s": [*disk_before, *disk_after], "disk_streams": [1, streams] * 2},
+            indent=1,
+        )
     )
 
     import torch
@@ -459,9 +466,10 @@ def main() -> None:
         need = results["a"]["uniform"]["tokens_per_s"] * per_token if "a" in results else None
         best = max(disk, disk_par)
         print(
-            f"disk write + fsync, same folder: {disk / 1e9:.2f} GB/s one file, {disk_par / 1e9:.2f} GB/s "
-            f"{len(layer_ids(shape))} files at once; (b) wrote {b['uniform']['bytes_per_s'] / 1e9:.2f} GB/s "
-            f"({100 * b['uniform']['bytes_per_s'] / best:.0f} % of the faster)"
+            f"disk write + fsync, same folder, before / after the phases: {disk_before[0] / 1e9:.2f} / "
+            f"{disk_after[0] / 1e9:.2f} GB/s one file, {disk_before[1] / 1e9:.2f} / {disk_after[1] / 1e9:.2f} GB/s "
+            f"{streams} files at once; (b) wrote {b['uniform']['bytes_per_s'] / 1e9:.2f} GB/s "
+            f"({100 * b['uniform']['bytes_per_s'] / best:.0f} % of the fastest)"
             + (
                 f"; at (a)'s rate the shard needs {need / 1e9:.2f} GB/s -> "
                 + (

@@ -3,7 +3,7 @@
 No GPU and no vLLM: synthetic forward steps (the 8B shape by default: 4 layers x 4096 x bf16, steps
 of 16,384 tokens, rows of 2,048 tokens, first-come first-served chunks) go through ShardSink into
 OUTDIR, and the same number of bytes is then written by plain threads, one file per layer with
-fdatasync every 256 MiB (bench_extract.disk_write_speed): the baseline, in the same run.
+a background fdatasync every 256 MiB (bench_extract.disk_write_speed): the baseline, in the same run.
 
     python bench/bench_sink.py OUTDIR [--gib 4]
 """
@@ -69,7 +69,7 @@ def main() -> None:
         f"{total:,} tokens ({nbytes / 1e9:.2f} GB), steps of {args.step_tokens:,} tokens"
     )
     print(f"ShardSink (copy to slots, write, hash, fdatasync, fsync): {nbytes / secs / 1e9:.2f} GB/s in {secs:.2f} s")
-    print(f"the disk, {args.layers} files at once with fdatasync every 256 MiB: {disk / 1e9:.2f} GB/s")
+    print(f"the disk, {args.layers} files at once with a background fdatasync every 256 MiB: {disk / 1e9:.2f} GB/s")
     print(f"ShardSink / disk: {nbytes / secs / disk:.2f}; sink timings (s): {stats}")
 
 

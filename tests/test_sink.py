@@ -7,15 +7,21 @@ ShardWriter writes from the same rows in order: same bytes, same sha256.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import random
+import threading
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle3prep import shard
 from eagle3prep.records import IndexEntry
 from eagle3prep.shard import (
+    BackgroundFlush,
+    DiskSpaceError,
     PositionalSafetensorsWriter,
     ShardWriter,
     StreamingSafetensorsWriter,
@@ -92,6 +98,63 @@ def test_positional_writer_refuses_rows_outside_the_shape_and_partial_rows(tmp_p
     w.abort()
 
 
+# ---- BackgroundFlush (through the positional writer) ---------------------------------------------
+def test_background_flushes_run_while_rows_arrive_and_change_no_byte(tmp_path, monkeypatch):
+    calls = []
+    real = shard.os.fdatasync
+    monkeypatch.setattr(shard.os, "fdatasync", lambda fd: (calls.append(fd), real(fd)))
+    total = 64
+    rows = rows_tensor(total, 5)
+    w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (total, H), sync_bytes=32)
+    for a in range(0, total, 4):
+        w.write_rows(a, rows[a : a + 4].view(torch.uint8).numpy())
+        time.sleep(0.001)  # let the flush thread see the bytes
+    entry = w.seal()
+    _temp_of(tmp_path / "a.safetensors").rename(tmp_path / "a.safetensors")
+    assert calls, "no background flush ran"
+    ref_bytes, ref_entry = streamed(tmp_path, total, 5)
+    assert (tmp_path / "a.safetensors").read_bytes() == ref_bytes
+    assert entry == ref_entry
+
+
+def test_writer_waits_for_the_disk_only_when_too_far_behind(tmp_path, monkeypatch):
+    disk = threading.Event()  # the "disk" finishes a flush only when this is set
+    monkeypatch.setattr(shard.os, "fdatasync", lambda fd: disk.wait())
+    path = tmp_path / "f.bin"
+    with open(path, "wb", buffering=0) as f:
+        flush = BackgroundFlush(f.fileno(), path.name, every=100, max_behind=300)
+        flush.wrote(100)  # the flush thread starts its (blocked) flush of these 100 bytes
+        flush.wrote(200)  # 300 behind: allowed
+        done = threading.Event()
+        later = threading.Thread(target=lambda: (flush.wrote(1), done.set()))
+        later.start()
+        assert not done.wait(0.2), "the writer went more than max_behind ahead of the disk"
+        disk.set()  # the disk catches up: the writer goes on
+        assert done.wait(5)
+        later.join()
+        flush.close()
+    assert flush.wait_s > 0
+
+
+def test_a_failed_background_flush_names_the_file(tmp_path, monkeypatch):
+    failed = threading.Event()
+
+    def full(fd):
+        failed.set()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shard.os, "fdatasync", full)
+    rows = rows_tensor(8, 0).view(torch.uint8).numpy()
+    w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (8, H), sync_bytes=16)
+    w.write_rows(0, rows[0:2])  # reaches `every`: the flush thread runs, and fails
+    assert failed.wait(5)
+    with pytest.raises(DiskSpaceError, match=r"disk full while writing .*a\.safetensors"):
+        w.write_rows(2, rows[2:8])  # raises here if the thread's error is already recorded...
+        w.seal()  # ...else here, after the thread ended
+    w.abort()  # what the sink does after any error
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- ShardSink --------------------------------------------------------------------------------------
 def simulate(sink: ShardSink, lengths: list[int], tags: list[str], budget: int, seed: int) -> None:
     """Feed the sink the steps a chunked-prefill scheduler would run: FCFS, `budget` tokens per step,
@@ -133,20 +196,20 @@ def simulate(sink: ShardSink, lengths: list[int], tags: list[str], budget: int, 
             sink.add_layer(lid, step)
 
 
-def make_sink(tmp_path, lengths, tags, slots=2, step_tokens=16):
+def make_sink(tmp_path, lengths, tags, slots=2, step_tokens=16, sync_bytes=256 << 20):
     rows, offset = {}, 0
     for tag, n in zip(tags, lengths, strict=True):
         rows[tag] = RowPlacement(offset, n)
         offset += n
     paths = {lid: str(tmp_path / layer_file(lid)) for lid in LAYERS}
-    return ShardSink(paths, H, "bfloat16", rows, offset, step_tokens=step_tokens, slots=slots)
+    return ShardSink(paths, H, "bfloat16", rows, offset, step_tokens=step_tokens, slots=slots, sync_bytes=sync_bytes)
 
 
 @pytest.mark.parametrize("slots", [1, 3])
 def test_sink_writes_what_the_in_order_writer_writes(tmp_path, slots):
     lengths = [5, 40, 1, 17, 33, 2]
     tags = [f"t{i}" for i in range(len(lengths))]
-    sink = make_sink(tmp_path, lengths, tags, slots=slots)
+    sink = make_sink(tmp_path, lengths, tags, slots=slots, sync_bytes=48)  # a background flush every 3 rows
     simulate(sink, lengths, tags, budget=16, seed=slots)
     entries = sink.finish()
     total = sum(lengths)

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,6 +155,74 @@ class StreamingSafetensorsWriter:
         self.tmp.unlink(missing_ok=True)
 
 
+class BackgroundFlush:
+    """fdatasync one file from a thread of its own, so whoever writes it hands bytes to the page
+    cache and the disk works meanwhile, instead of all at the final fsync.
+
+    The thread flushes whenever `every` bytes were written since its last flush began. The writer
+    waits in wrote() only while more than `max_behind` bytes are not yet known to be on disk: then
+    the disk sets the pace, and the file's dirty pages stay bounded. A flush's error (EIO, ENOSPC)
+    is raised by the next wrote() or by close().
+    """
+
+    def __init__(self, fd: int, name: str, every: int, max_behind: int | None = None):
+        self._fd = fd
+        self.every = every
+        self.max_behind = max(max_behind or 4 * every, every)
+        self._cond = threading.Condition()
+        self._written = self._synced = 0
+        self._closing = False
+        self._error: OSError | None = None
+        self.flush_s = 0.0  # time the thread spent in fdatasync (off the writer's path)
+        self.wait_s = 0.0  # time the writer waited for the disk
+        self._thread = threading.Thread(target=self._loop, name=f"e3p-flush-{name}", daemon=True)
+        self._thread.start()
+
+    def wrote(self, nbytes: int) -> None:
+        """Count `nbytes` just written; wait while too much of the file is not on disk yet."""
+        with self._cond:
+            self._written += nbytes
+            self._cond.notify_all()
+            if self._written - self._synced > self.max_behind:
+                t0 = time.perf_counter()
+                while self._error is None and self._written - self._synced > self.max_behind:
+                    self._cond.wait()
+                self.wait_s += time.perf_counter() - t0
+            if self._error is not None:
+                raise self._error
+
+    def close(self) -> None:
+        """Stop the thread once its flush in progress is done; raise a flush's error. The caller
+        still fsyncs: bytes written since the last flush began are not on disk yet."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closing and self._written - self._synced < self.every:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                target = self._written
+            t0 = time.perf_counter()
+            try:
+                os.fdatasync(self._fd)
+            except OSError as e:
+                with self._cond:
+                    self._error = e
+                    self._cond.notify_all()
+                return
+            self.flush_s += time.perf_counter() - t0
+            with self._cond:
+                self._synced = target
+                self._cond.notify_all()
+
+
 class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
     """A streaming tensor file whose rows may arrive in any order: write_rows(first_row, bytes).
 
@@ -166,15 +235,24 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
     def __init__(
         self, path: str | os.PathLike, name: str, dtype: str, shape: tuple[int, ...], sync_bytes: int | None = None
     ):
-        """`sync_bytes`: fdatasync after every this many bytes, so the page cache goes to disk while
-        the capture runs instead of all at the final fsync (None: only at seal())."""
+        """`sync_bytes`: flush to disk in the background every this many bytes (BackgroundFlush), so
+        the disk works while the capture runs (None: only at seal())."""
         super().__init__(path, name, dtype, shape)
         self._f.flush()  # the header; rows go through pwrite on the raw descriptor
         self._data_start = self._f.tell()
         self._early: dict[int, bytes] = {}  # first row -> bytes of a range that arrived ahead of `rows`
-        self.sync_bytes = sync_bytes
-        self._unsynced = 0
-        self.write_s = self.hash_s = self.sync_s = 0.0  # where this writer's time went (benchmarks)
+        self._flush = BackgroundFlush(self._f.fileno(), self.path.name, sync_bytes) if sync_bytes else None
+        self.write_s = self.hash_s = 0.0  # where this writer's time went (benchmarks)
+
+    @property
+    def sync_s(self) -> float:
+        """Seconds the background flushes took (the disk's work, off the writer's path)."""
+        return self._flush.flush_s if self._flush is not None else 0.0
+
+    @property
+    def disk_wait_s(self) -> float:
+        """Seconds place() waited for the disk (it had fallen more than BackgroundFlush.max_behind behind)."""
+        return self._flush.wait_s if self._flush is not None else 0.0
 
     def append(self, tensor: torch.Tensor) -> None:
         raise TypeError(f"{self.path.name}: a positional writer takes write_rows(first_row, data)")
@@ -198,7 +276,7 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
         return data, last
 
     def place(self, first_row: int, data: memoryview | bytes) -> None:
-        """pwrite the rows where they belong; fdatasync every `sync_bytes`."""
+        """pwrite the rows where they belong (the page cache; the background flush takes them to disk)."""
         data, _ = self._rows_of(first_row, data)
         view, offset = data, self._data_start + first_row * self.row_bytes
         t0 = time.perf_counter()
@@ -206,13 +284,9 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
             while view:  # pwrite may write less than asked
                 done = os.pwrite(self._f.fileno(), view, offset)
                 view, offset = view[done:], offset + done
-            t1 = time.perf_counter()
-            self.write_s += t1 - t0
-            self._unsynced += len(data)
-            if self.sync_bytes and self._unsynced >= self.sync_bytes:
-                os.fdatasync(self._f.fileno())
-                self._unsynced = 0
-                self.sync_s += time.perf_counter() - t1
+            self.write_s += time.perf_counter() - t0
+            if self._flush is not None:
+                self._flush.wrote(len(data))
 
     def account(self, first_row: int, data: memoryview | bytes) -> None:
         """Hash the rows in file order (keeping a range that came early); refuse a range seen twice."""
@@ -237,7 +311,21 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
             missing = f"rows {self.rows}.. never arrived" if self.rows < self.expected_rows else ""
             self.abort()
             raise ValueError(f"{self.path.name}: {missing} ({self.expected_rows} declared)")
+        if self._flush is not None:
+            try:
+                with disk_full_is_user_error(self.path):
+                    self._flush.close()
+            except BaseException:
+                self.abort()
+                raise
         return super().seal()
+
+    def abort(self) -> None:
+        flush = getattr(self, "_flush", None)  # None when the header's write failed in __init__
+        if flush is not None:
+            with contextlib.suppress(OSError):
+                flush.close()  # before the descriptor closes under its fdatasync
+        super().abort()
 
 
 def _temp_of(path: Path) -> Path:

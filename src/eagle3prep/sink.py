@@ -7,8 +7,9 @@ The vLLM hooks capture path runs this inside TP rank 0's worker. For every forwa
 
 Each step's layers are copied into one host slot (pinned memory, on a side CUDA stream, so the copy
 overlaps the next layers' compute); when the deepest layer is in, the slot goes to the writer
-threads (two per layer file: one waits for the copy and writes each request's rows where they belong,
-`PositionalSafetensorsWriter.place`; the other hashes them in file order, `.account`). A fixed pool
+threads (per layer file: one waits for the copy and writes each request's rows where they belong,
+`PositionalSafetensorsWriter.place`, while a third flushes the file to disk in the background; the
+other hashes them in file order, `.account`). A fixed pool
 of slots bounds host memory whatever the shard size: when the writers fall behind, begin_step waits
 for a free slot (the disk then sets the pace). finish() drains the writers, checks every row of
 every request arrived exactly once and fsyncs; the driver renames the files into place and writes
@@ -83,10 +84,11 @@ class SlotPool:
 class ShardSink:
     """Writes the rows of forward steps into one shard's layer files (temp names; see module doc).
 
-    Two threads per layer file (pwrite, fdatasync and sha256 release the GIL): one writes the rows
-    where they belong and flushes the file to disk every `sync_bytes`, so the disk works while the
-    GPU does and the final fsync has little left to do; the other hashes them in file order, so the
-    disk never waits for a hash. A slot is free again once every file's rows are hashed.
+    Three threads per layer file (pwrite, fdatasync and sha256 release the GIL): one writes the rows
+    where they belong (into the page cache); one flushes the file to disk every `sync_bytes`
+    (BackgroundFlush), so the disk works while the GPU does and the final fsync has little left to
+    do; one hashes the rows in file order, so the disk never waits for a hash. A slot is free again
+    once every file's rows are hashed.
     """
 
     def __init__(
@@ -250,8 +252,10 @@ class ShardSink:
         return {lid: w.seal() for lid, w in self.writers.items()}
 
     def stats(self) -> dict[str, float]:
-        """Seconds: forward stalled for a slot; per-file busiest writer in write, sha256 and disk flushes."""
-        busiest = {k: max(getattr(w, k) for w in self.writers.values()) for k in ("write_s", "hash_s", "sync_s")}
+        """Seconds: forward stalled for a slot; per-file busiest writer in pwrite, sha256, background
+        flushes, and waiting for the disk (it was behind by more than BackgroundFlush.max_behind)."""
+        keys = ("write_s", "hash_s", "sync_s", "disk_wait_s")
+        busiest = {k: max(getattr(w, k) for w in self.writers.values()) for k in keys}
         return {"stall_s": round(self.stall_s, 3), **{k: round(v, 3) for k, v in busiest.items()}}
 
     def abort(self) -> None:
