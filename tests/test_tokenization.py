@@ -13,7 +13,7 @@ import pytest
 from eagle3prep.atomic import sha256_file
 from eagle3prep.provenance import tokenizer_identity
 from eagle3prep.records import Conversation, TokenizedRow
-from eagle3prep.tokenization import ChatEncoder, row_json_tail, shard_ranges, tokenize_conversations
+from eagle3prep.tokenization import ChatEncoder, mask_runs, row_json_tail, shard_ranges, tokenize_conversations
 
 SYSTEM = {"role": "system", "content": "You are a patient teacher."}
 
@@ -306,10 +306,21 @@ def test_encoder_matches_apply_chat_template_row_by_row(tmp_path, demo_model_dir
 
 def test_row_json_tail_is_the_tokenized_row_json():
     id_str = [str(i) for i in range(200_000)]
-    for row, cid, ids, mask in [(0, "ab12", [1, 2, 3], [0, 1, 1]), (12345, 'Café "東京"\n', [151_643, 0], [1, 0])]:
+    for row, cid, ids, mask in [
+        (0, "ab12", [1, 2, 3], [0, 1, 1]),
+        (12345, 'Café "東京"\n', [151_643, 0], [1, 0]),
+        (7, "runs", [5, 6, 7, 8, 9, 10, 11], [1, 0, 0, 1, 1, 0, 1]),
+    ]:
         expected = json.dumps(
             TokenizedRow(row=row, id=cid, input_ids=ids, loss_mask=mask, seq_len=len(ids)).to_json(),
             ensure_ascii=False,
             separators=(",", ":"),
         )
-        assert f'{{"row":{row},' + row_json_tail(cid, ids, bytearray(mask), id_str) == expected + "\n"
+        runs = mask_runs(bytearray(mask))
+        assert f'{{"row":{row},' + row_json_tail(cid, ids, runs, id_str) == expected + "\n"
+
+
+def test_mask_runs():
+    assert mask_runs(bytearray([0, 1, 1, 0, 0, 1, 0, 1])) == [(1, 3), (5, 6), (7, 8)]
+    assert mask_runs(bytearray([1, 1])) == [(0, 2)]
+    assert mask_runs(bytearray([0, 0])) == mask_runs(bytearray()) == []

@@ -22,7 +22,6 @@ from array import array
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import compress
 from pathlib import Path
 from typing import Any
 
@@ -226,19 +225,37 @@ class EncodedChunk:
     """What the encoder makes of a chunk of input lines, ready for the parent to number and write."""
 
     rows: list[tuple[str, int] | Quarantined]  # per input line: (row JSON after `{"row":N,`, seq_len) or why not
-    token_freq: Counter[int]  # over loss-masked tokens of the kept rows
+    # Over loss-masked tokens of the kept rows: (token ids, counts), both [n_distinct] int64, ids ascending.
+    # Sparse, so that a chunk of a 150k-token vocabulary does not ship 150k zeros.
+    token_freq: tuple[Any, Any]
     n_truncated: int
 
 
-_MASK_DIGITS = bytes.maketrans(b"\x00\x01", b"01")
+def mask_runs(mask: bytearray) -> list[tuple[int, int]]:
+    """The [start, end) token ranges where the loss mask is 1 (an assistant reply each, for a chat template)."""
+    runs = []
+    start = mask.find(1)
+    while start >= 0:
+        end = mask.find(0, start)
+        if end < 0:
+            end = len(mask)
+        runs.append((start, end))
+        start = mask.find(1, end)
+    return runs
 
 
-def row_json_tail(conv_id: str, ids: list[int], mask: bytearray, id_str: list[str]) -> str:
+def row_json_tail(conv_id: str, ids: list[int], runs: list[tuple[int, int]], id_str: list[str]) -> str:
     """`json.dumps(TokenizedRow(...).to_json(), ensure_ascii=False, separators=(",", ":"))` + newline, from
-    the key after "row" on: the row number is known only in input order, in the parent."""
+    the key after "row" on: the row number is known only in input order, in the parent. The loss mask is
+    given as its `mask_runs`: it is written a run at a time, not a digit at a time."""
+    mask, prev = [], 0
+    for start, end in runs:
+        mask += ("0," * (start - prev), "1," * (end - start))
+        prev = end
+    mask.append("0," * (len(ids) - prev))
     return (
         f'"id":{json.dumps(conv_id, ensure_ascii=False)},"input_ids":[{",".join(map(id_str.__getitem__, ids))}],'
-        f'"loss_mask":[{",".join(mask.translate(_MASK_DIGITS).decode())}],"seq_len":{len(ids)}}}\n'
+        f'"loss_mask":[{"".join(mask)[:-1]}],"seq_len":{len(ids)}}}\n'
     )
 
 
@@ -246,10 +263,12 @@ def encode_lines(
     encoder: ChatEncoder, conversations_path: str, lines: list[tuple[int, str]], max_seq_len: int
 ) -> EncodedChunk:
     """Parse, encode, truncate, quarantine and serialize a chunk of (1-based line, text) of the prepare output."""
+    import numpy as np
+
     convs = [parse_conversation(conversations_path, line_no, line) for line_no, line in lines]
     results = encoder.encode([conv["messages"] for conv in convs])
     rows: list[tuple[str, int] | Quarantined] = []
-    token_freq: Counter[int] = Counter()
+    masked: list[int] = []  # the loss-masked token ids of the chunk's kept rows, counted once at the end
     n_truncated = 0
     for (line_no, _), conv, result in zip(lines, convs, results, strict=True):
         if isinstance(result, Rejected):
@@ -259,7 +278,8 @@ def encode_lines(
         full_len = len(ids)
         if full_len > max_seq_len:
             ids, mask = ids[:max_seq_len], mask[:max_seq_len]
-        if 1 not in mask:
+        runs = mask_runs(mask)
+        if not runs:
             where = f" within the first {max_seq_len} of {full_len} tokens" if full_len > max_seq_len else ""
             rows.append(
                 Quarantined(
@@ -269,9 +289,13 @@ def encode_lines(
             )  # fmt: skip
             continue
         n_truncated += full_len > max_seq_len
-        token_freq.update(compress(ids, mask))
-        rows.append((row_json_tail(conv["id"], ids, mask, encoder.id_str), len(ids)))
-    return EncodedChunk(rows, token_freq, n_truncated)
+        for start, end in runs:
+            masked += ids[start:end]
+        rows.append((row_json_tail(conv["id"], ids, runs, encoder.id_str), len(ids)))
+    # One bincount instead of a Counter.update per row: half the time (Counter hashes every token).
+    counts = np.bincount(np.fromiter(masked, dtype=np.int64, count=len(masked)))
+    distinct = np.flatnonzero(counts)
+    return EncodedChunk(rows, (distinct, counts[distinct]), n_truncated)
 
 
 _WORKER: tuple[ChatEncoder, str, int] | None = None
@@ -405,6 +429,8 @@ def tokenize_conversations(
     Returns:
         The stats dict also written to `stats_path`.
     """
+    import numpy as np
+
     if not out_shards:
         raise TokenizeError("out_shards is empty; tokenize.num_shards must be at least 1")
     tokenizer = load_tokenizer(model_path, trust_remote_code)
@@ -419,7 +445,7 @@ def tokenize_conversations(
     identity = tokenizer_identity(str(model_path))
 
     seq_lens = array("q")
-    token_freq: Counter[int] = Counter()
+    token_freq = np.zeros(len(encoder.id_str), dtype=np.int64)  # [vocab] count of each token id, loss-masked
     quarantined: list[Quarantined] = []
     n_in = n_truncated = 0
 
@@ -443,7 +469,8 @@ def tokenize_conversations(
                     tail, seq_len = item
                     spill_f.write(f'{{"row":{len(seq_lens)},{tail}')
                     seq_lens.append(seq_len)
-                token_freq.update(chunk.token_freq)
+                distinct, counts = chunk.token_freq
+                token_freq[distinct] += counts
                 n_truncated += chunk.n_truncated
 
         shards = []
@@ -463,9 +490,10 @@ def tokenize_conversations(
             spill.unlink()
 
     assert n_in == len(seq_lens) + len(quarantined), "rows in != rows out + quarantined"
-    n_tokens, n_assistant = sum(seq_lens), sum(token_freq.values())
+    n_tokens, n_assistant = sum(seq_lens), int(token_freq.sum())
     write_jsonl(quarantine_path, (q.to_json() for q in quarantined))
-    write_json(token_freq_path, {str(t): c for t, c in sorted(token_freq.items())})
+    distinct = np.flatnonzero(token_freq)  # ascending token ids
+    write_json(token_freq_path, dict(zip(map(str, distinct.tolist()), token_freq[distinct].tolist(), strict=True)))
     stats = {
         "conversations_path": str(conversations_path),
         "model_path": str(model_path),
