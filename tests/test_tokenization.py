@@ -13,7 +13,14 @@ import pytest
 from eagle3prep.atomic import sha256_file
 from eagle3prep.provenance import tokenizer_identity
 from eagle3prep.records import Conversation, TokenizedRow
-from eagle3prep.tokenization import ChatEncoder, mask_runs, row_json_tail, shard_ranges, tokenize_conversations
+from eagle3prep.tokenization import (
+    ChatEncoder,
+    copy_lines,
+    mask_runs,
+    row_json_tail,
+    shard_ranges,
+    tokenize_conversations,
+)
 
 SYSTEM = {"role": "system", "content": "You are a patient teacher."}
 
@@ -324,3 +331,19 @@ def test_mask_runs():
     assert mask_runs(bytearray([0, 1, 1, 0, 0, 1, 0, 1])) == [(1, 3), (5, 6), (7, 8)]
     assert mask_runs(bytearray([1, 1])) == [(0, 2)]
     assert mask_runs(bytearray([0, 0])) == mask_runs(bytearray()) == []
+
+
+@pytest.mark.parametrize("block", [1, 5, 7, 1 << 20])
+def test_copy_lines_splits_at_line_ends_across_blocks(block):
+    import io
+
+    lines = [b"%d%s\n" % (i, b"x" * (i % 9)) for i in range(30)]
+    src = io.BytesIO(b"".join(lines))
+    counts = [0, 4, 1, 0, 13, 12]
+    for k, n in enumerate(counts):
+        dst = io.BytesIO()
+        copy_lines(src, dst, n, block=block)
+        first = sum(counts[:k])
+        assert dst.getvalue() == b"".join(lines[first : first + n])
+    with pytest.raises(EOFError):
+        copy_lines(src, io.BytesIO(), 1, block=block)

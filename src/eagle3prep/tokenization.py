@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from eagle3prep import faults
 from eagle3prep.atomic import TMP_PREFIX, atomic_open, write_json, write_jsonl
@@ -379,6 +379,26 @@ def batched(items: Iterator, n: int) -> Iterator[list]:
         yield batch
 
 
+def copy_lines(src: BinaryIO, dst: BinaryIO, n: int, block: int = 1 << 20) -> None:
+    """Copy the next `n` lines of `src` to `dst` a block at a time: newlines are found by bytes.count and
+    bytes.index, not by a readline and a write per row (those took half the time after the last chunk)."""
+    while n > 0:
+        buf = src.read(block)
+        if not buf:
+            raise EOFError(f"{n} lines short: the spill file holds fewer rows than were counted")
+        found = buf.count(b"\n")
+        if found < n:
+            dst.write(buf)
+            n -= found
+            continue
+        end = -1
+        for _ in range(n):
+            end = buf.index(b"\n", end + 1)
+        dst.write(memoryview(buf)[: end + 1])
+        src.seek(end + 1 - len(buf), os.SEEK_CUR)  # the rest of the block belongs to the next shard
+        n = 0
+
+
 def shard_ranges(n_rows: int, n_shards: int) -> list[tuple[int, int]]:
     """Contiguous [start, end) row ranges whose sizes differ by at most one (the first ones are larger)."""
     base, extra = divmod(n_rows, n_shards)
@@ -474,12 +494,11 @@ def tokenize_conversations(
                 n_truncated += chunk.n_truncated
 
         shards = []
-        with open(spill, encoding="utf-8") as spill_f:
+        with open(spill, "rb") as spill_f:
             for k, (start, end) in enumerate(shard_ranges(len(seq_lens), len(out_shards))):
                 # Lines are copied as written: the same format as atomic.write_jsonl.
-                with atomic_open(out_shards[k], "w", encoding="utf-8") as f:
-                    for _ in range(start, end):
-                        f.write(spill_f.readline())
+                with atomic_open(out_shards[k], "wb") as f:
+                    copy_lines(spill_f, f, end - start)
                 shards.append(
                     {"shard": k, "path": str(out_shards[k]), "first_row": start, "rows": end - start,
                      "tokens": sum(seq_lens[start:end])}
