@@ -291,6 +291,12 @@ class VLLMBackend(CaptureBackend):
 
     def _probe(self) -> dict[str, Any]:
         t0 = time.time()
+        # vLLM forks its GPU workers unless this process has initialized CUDA (then it spawns them).
+        # Forked workers start ~20 s sooner on the H200 (spawned ones import torch and vLLM again;
+        # docs/performance.md). torch.cuda.is_available()/device_count() initialize the CUDA driver
+        # without torch noticing, and a forked worker then dies with "CUDA error: initialization
+        # error": make them ask NVML instead, wherever they are called in this process.
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         version = compat.installed_version()
         model = self._model_facts()
         check_layer_ids(self.spec.layer_ids, model["num_hidden_layers"])
@@ -440,11 +446,6 @@ class VLLMBackend(CaptureBackend):
             # The hooks read the V1 model runner's input batch (vllm_compat.step_layout).
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
             self.path = HooksPath(self.spec.layer_ids, self._staging, version)
-        if not on_cpu:
-            # Fresh worker processes: a forked worker inherits this process's CUDA state (the extract
-            # job may have touched torch.cuda already) and dies with "CUDA error: initialization error"
-            # (seen on H200 with vLLM 0.26).
-            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         kwargs = self._engine_kwargs(self.path)
         log(f"starting vLLM {version} ({name} path): {kwargs}")
         self.llm = LLM(**kwargs)
