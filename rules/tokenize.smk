@@ -2,6 +2,9 @@
 rule tokenize:
     input:
         conversations="results/prepared/conversations.jsonl",
+        # Read first: no conversation kept stops the run here, naming the sources and the quarantine.
+        counts="results/prepared/counts.json",
+        quarantine="results/prepared/quarantine.jsonl",
         model=get_model(),
     output:
         # shard_{k}.jsonl for every k, stats.json, token_freq.json, quarantine.jsonl

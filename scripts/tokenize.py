@@ -5,9 +5,11 @@ sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: SIM115 (open for 
 os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM workers, tokenizers) log there too
 
 from eagle3prep.errors import one_line_errors
+from eagle3prep.prepare import require_conversations
 from eagle3prep.tokenization import tokenize_conversations
 
 with one_line_errors():
+    require_conversations(snakemake.input.counts, snakemake.input.quarantine)
     tokenize_conversations(
         snakemake.input.conversations,
         snakemake.input.model,

@@ -30,6 +30,19 @@ def test_bytes_free_space_and_finished_shards(tmp_path):
     assert "set plan.tokens_per_s" in format_plan(plan)
 
 
+def test_empty_shards_are_named_with_the_shard_count_that_avoids_them(tmp_path):
+    sizes = [{"shard": 0, "rows": 1, "tokens": 30}, {"shard": 1, "rows": 1, "tokens": 20}]
+    sizes += [{"shard": k, "rows": 0, "tokens": 0} for k in (2, 3)]  # 2 rows, num_shards = 4
+    plan = make_plan(sizes, 4, 128, "bfloat16", tmp_path)
+    assert plan["empty_shards"] == [2, 3]
+    assert (
+        "empty shards: 2 of 4 hold no rows (2 rows for 4 shards); they validate, but each extract job still "
+        "starts the engine, so set tokenize.num_shards to 2 or fewer"
+    ) in format_plan(plan)
+    assert make_plan(SIZES, 4, 128, "bfloat16", tmp_path)["empty_shards"] == []
+    assert "empty shards" not in format_plan(make_plan(SIZES, 4, 128, "bfloat16", tmp_path))
+
+
 def test_job_time_and_a_shard_size_that_keeps_start_up_under_5_percent(tmp_path):
     plan = make_plan(SIZES, 4, 4096, "bfloat16", tmp_path, tokens_per_s=100.0, engine_start_s=60.0, gpus_per_job=8)
     assert [s["job_s"] for s in plan["shards"]] == [90.0, 70.0]

@@ -16,12 +16,14 @@ from eagle3prep.prepare import (
     REASONS,
     InputError,
     JsonlReader,
+    NoConversationsError,
     Rejected,
     check_invariant,
     conversation_id,
     expand_sources,
     normalize,
     prepare,
+    require_conversations,
     summarize,
 )
 
@@ -250,6 +252,36 @@ def test_empty_files_are_counted(tmp_path, run):
     assert [(f["file"], f["rows_in"]) for f in counts["files"]] == [(str(p), 0) for p in paths]
     assert counts["totals"]["files"] == 3 and convs == quar == []
     assert "(empty)" in summarize(counts)
+
+
+def test_nothing_kept_is_one_line_naming_every_source_and_the_quarantine(tmp_path, run, monkeypatch):
+    """What the tokenize job says when prepare kept nothing (tests/test_edge_datasets.py: through the CLI)."""
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "bad.jsonl", ["{", {"messages": [{"role": "tool", "content": "x"}]}])
+    (tmp_path / "blank.jsonl").write_text("\n \n")
+    (tmp_path / "none.json").write_text("[]")
+    run(["bad.jsonl", "blank.jsonl", "none.json"])
+    out = tmp_path / "out"
+    with pytest.raises(NoConversationsError) as e:
+        require_conversations(out / "counts.json", "q.jsonl")
+    assert str(e.value) == (
+        "no conversations to tokenize: prepare quarantined all 2 records (invalid_json 1, unknown_role 1) of "
+        "bad.jsonl (2 records), blank.jsonl (only 2 blank lines), none.json (empty); "
+        "each record and its reason is in q.jsonl"
+    )
+    names = [f"{i}.jsonl" for i in range(7)]
+    for name in names:
+        (tmp_path / name).write_text("")
+    run(names)
+    with pytest.raises(NoConversationsError) as e:
+        require_conversations(out / "counts.json", "q.jsonl")
+    assert str(e.value) == (
+        "no conversations to tokenize: data.sources hold no records: 0.jsonl (empty), 1.jsonl (empty), "
+        "2.jsonl (empty), 3.jsonl (empty), 4.jsonl (empty) and 2 more files; "
+        "list files that contain conversations in data.sources"
+    )
+    run([*names, write_jsonl(tmp_path / "one.jsonl", [openai()])])  # one conversation is enough
+    require_conversations(out / "counts.json", "q.jsonl")
 
 
 # --------------------------------------------------------------------------- JSON, parquet, datasets

@@ -92,6 +92,8 @@ def make_plan(
         "bytes_total": sum(s.bytes for s in shards),
         "bytes_to_write": to_write,
         "largest_shard_bytes": max((s.bytes for s in shards), default=0),
+        # More shards than rows: the last ones are empty (valid, but each extract job still starts an engine).
+        "empty_shards": [s.shard for s in shards if not s.rows],
         "output_dir": str(out),
         "free_space_path": str(probe),
         "free_bytes": free,
@@ -144,6 +146,12 @@ def format_plan(plan: dict[str, Any], num_shards_key: str = "tokenize.num_shards
         f"(largest shard {human_bytes(plan['largest_shard_bytes'])}); {human_bytes(plan['free_bytes'])} free on "
         f"{plan['free_space_path']} -> {verdict}",
     ]
+    if plan["empty_shards"]:
+        lines.append(
+            f"empty shards: {len(plan['empty_shards'])} of {plan['num_shards']} hold no rows ({plan['rows']:,} rows "
+            f"for {plan['num_shards']} shards); they validate, but each extract job still starts the engine, so "
+            f"set {num_shards_key} to {max(plan['rows'], 1)} or fewer"
+        )
     if plan["tokens_per_s"]:
         rec = plan["recommended"]
         lines += [

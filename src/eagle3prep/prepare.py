@@ -69,6 +69,10 @@ class InputError(UserError, ValueError):
     """A source that cannot be read at all; the message names the file (and line/field) and the fix."""
 
 
+class NoConversationsError(InputError):
+    """Prepare kept no conversation: the sources are empty, or every record in them was quarantined."""
+
+
 class Rejected(Exception):
     """A record that is quarantined; `reason` is one of REASONS."""
 
@@ -518,6 +522,44 @@ def summarize(counts: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+MAX_NAMED_FILES = 5  # require_conversations names at most this many source files
+
+
+def require_conversations(counts_path: str | os.PathLike, quarantine_path: str | os.PathLike) -> None:
+    """Raise NoConversationsError unless the prepare stage kept at least one conversation.
+
+    Checked by the tokenize job, not by prepare itself: a failed job loses its outputs, and the user
+    needs prepare's quarantine file to see why every record was rejected. An empty file among others
+    is fine (counted, "(empty)" in the log); only a dataset with nothing in it stops the run here,
+    before any engine starts on empty shards.
+    """
+    with open(counts_path, encoding="utf-8") as f:
+        counts = json.load(f)
+    t = counts["totals"]
+    if t["kept"]:
+        return
+
+    def size(f: dict[str, Any]) -> str:
+        if f["rows_in"]:
+            return _plural(f["rows_in"], "record")
+        return f"only {_plural(f['blank_lines'], 'blank line')}" if f["blank_lines"] else "empty"
+
+    files = counts["files"]
+    named = ", ".join(f"{f['file']} ({size(f)})" for f in files[:MAX_NAMED_FILES])
+    if len(files) > MAX_NAMED_FILES:
+        named += f" and {len(files) - MAX_NAMED_FILES} more files"
+    if not t["rows_in"]:
+        raise NoConversationsError(
+            f"no conversations to tokenize: data.sources hold no records: {named}; "
+            "list files that contain conversations in data.sources"
+        )
+    reasons = ", ".join(f"{r} {t['quarantined'][r]}" for r in REASONS if t["quarantined"].get(r))  # check order
+    raise NoConversationsError(
+        f"no conversations to tokenize: prepare quarantined all {_plural(t['rows_in'], 'record')} ({reasons}) "
+        f"of {files[0]['file'] if len(files) == 1 else named}; each record and its reason is in {quarantine_path}"
+    )
+
+
 # ---------------------------------------------------------------------------------------- helpers
 
 
@@ -537,6 +579,10 @@ def _quarantine_line(q: Quarantined) -> str:
     except (TypeError, ValueError):
         q.record = repr(q.record)
         return json.dumps(q.to_json(), ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def _keys(d: dict) -> str:

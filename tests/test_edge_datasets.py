@@ -1,0 +1,187 @@
+"""Datasets at the edges, through the `snakemake` CLI on the CPU demo model: nothing survives prepare (every
+record quarantined, an empty file, a file of blank lines), and fewer conversations than shards.
+
+Nothing kept stops the run in the tokenize job with one line naming the sources and prepare's quarantine file,
+which stays on disk (a failed prepare job would lose it). Fewer rows than shards gives empty shards that are
+captured, validated, reported, exported and loaded like the others.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_bad_inputs import BAD, good_line, merged
+from workflow_helpers import SMALL_CONFIG, make_workdir, snakemake
+
+from eagle3prep.dataset import HiddenStatesDataset
+
+pytestmark = pytest.mark.integration
+
+H = 128  # the demo model's hidden size
+# One line from each of three corpus files (tests/data/bad/sources), each quarantined for a different reason.
+ALL_BAD = [("invalid_json_unterminated.jsonl", 2), ("unknown_role_tool.jsonl", 2), ("no_assistant_turn.jsonl", 2)]
+
+
+def corpus_line(name: str, line: int) -> str:
+    return (BAD / "sources" / name).read_text(encoding="utf-8").splitlines()[line - 1]
+
+
+def edge_workdir(path: Path, model_dir: Path, sources: dict[str, str], **override) -> Path:
+    """A workdir whose only sources are `sources` ({name: text}), on the session's demo model."""
+    config = merged(
+        SMALL_CONFIG,
+        {"data": {"sources": list(sources)}, "model": {"path": str(model_dir), "build_demo": False}, **override},
+    )
+    wd = make_workdir(path, config)
+    for name, text in sources.items():
+        (wd / name).write_text(text, encoding="utf-8")
+    return wd
+
+
+# ------------------------------------------------------------------------------------------ nothing kept
+
+NOTHING_KEPT = {
+    "all_quarantined": (
+        {"all_bad.jsonl": "".join(corpus_line(*at) + "\n" for at in ALL_BAD)},
+        "error: no conversations to tokenize: prepare quarantined all 3 records (invalid_json 1, unknown_role 1, "
+        "no_assistant_turn 1) of all_bad.jsonl; each record and its reason is in results/prepared/quarantine.jsonl",
+    ),
+    "empty_file": (
+        {"empty.jsonl": (BAD / "sources/empty.jsonl").read_text()},
+        "error: no conversations to tokenize: data.sources hold no records: empty.jsonl (empty); "
+        "list files that contain conversations in data.sources",
+    ),
+    "blank_lines_only": (
+        {"blank_lines_only.jsonl": (BAD / "sources/blank_lines_only.jsonl").read_text()},
+        "error: no conversations to tokenize: data.sources hold no records: blank_lines_only.jsonl (only 4 blank "
+        "lines); list files that contain conversations in data.sources",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(NOTHING_KEPT))
+def test_nothing_kept_stops_the_tokenize_job_with_one_line(case, tmp_path, demo_model_dir):
+    sources, message = NOTHING_KEPT[case]
+    wd = edge_workdir(tmp_path, demo_model_dir, sources)
+    proc = snakemake(wd, check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert (wd / "logs/tokenize.log").read_text().splitlines() == [message]
+    assert message in proc.stderr  # the profile's show-failed-logs prints it under the failed job
+    # prepare succeeded: its counts and the quarantine the message points at are there to read.
+    counts = json.loads((wd / "results/prepared/counts.json").read_text())["totals"]
+    quarantine = [json.loads(x) for x in (wd / "results/prepared/quarantine.jsonl").read_text().splitlines()]
+    assert counts["kept"] == 0 and counts["rows_in"] == counts["quarantined_total"] == len(quarantine)
+    if case == "all_quarantined":
+        assert [(q["line"], q["reason"]) for q in quarantine] == [
+            (1, "invalid_json"),
+            (2, "unknown_role"),
+            (3, "no_assistant_turn"),
+        ]
+    else:
+        assert quarantine == [] and counts["rows_in"] == 0
+    # Nothing after it ran: no empty "successful" dataset.
+    assert sorted(p.name for p in (wd / "results").iterdir()) == ["prepared"]
+
+
+# ------------------------------------------------------------------------------- fewer rows than shards
+
+
+@pytest.fixture(scope="module")
+def few_rows_run(tmp_path_factory, demo_model_dir) -> Path:
+    """2 conversations kept (of 5 records in 3 files, two of them empty) for 3 shards: shard 2 is empty."""
+    duplicate = good_line(1)
+    sources = {
+        "few.jsonl": "".join(
+            x + "\n"
+            for x in [good_line(1), corpus_line("no_assistant_turn.jsonl", 2), duplicate, "{oops", good_line(2)]
+        ),
+        "empty.jsonl": (BAD / "sources/empty.jsonl").read_text(),
+        "blank_lines_only.jsonl": (BAD / "sources/blank_lines_only.jsonl").read_text(),
+    }
+    wd = edge_workdir(
+        tmp_path_factory.mktemp("few_rows"),
+        demo_model_dir,
+        sources,
+        tokenize={"num_shards": 3},
+        export={"speculators": True},
+    )
+    snakemake(wd)
+    return wd
+
+
+def test_fewer_rows_than_shards_makes_empty_shards_that_validate(few_rows_run):
+    res = few_rows_run / "results"
+    counts = json.loads((res / "prepared/counts.json").read_text())
+    assert [(f["file"], f["rows_in"], f["kept"]) for f in counts["files"]] == [
+        ("few.jsonl", 5, 2),
+        ("empty.jsonl", 0, 0),
+        ("blank_lines_only.jsonl", 0, 0),
+    ]
+    t = counts["totals"]
+    assert (t["duplicates"], t["quarantined_total"], t["blank_lines"]) == (1, 2, 4)
+
+    tokenized = [
+        [json.loads(x) for x in (res / f"tokenized/shard_{k}.jsonl").read_text().splitlines()] for k in range(3)
+    ]
+    assert [[r["row"] for r in rows] for rows in tokenized] == [[0], [1], []]
+    manifests = [json.loads((res / f"hidden_states/shard_{k}/manifest.json").read_text()) for k in range(3)]
+    assert [(m["rows"], m["row_range"]) for m in manifests] == [(1, [0, 1]), (1, [1, 2]), (0, [0, 0])]
+    assert [m["tokens"] for m in manifests] == [rows[0]["seq_len"] for rows in tokenized[:2]] + [0]
+    empty = res / "hidden_states/shard_2"
+    assert load_file(empty / "layer_8.safetensors")["hidden_states"].shape == (0, H)
+    assert load_file(empty / "token_ids.safetensors")["token_ids"].shape == (0,)
+    assert json.loads((empty / "index.json").read_text()) == []
+
+    validations = [json.loads((res / f"validation/shard_{k}.json").read_text()) for k in range(3)]
+    assert all(v["ok"] and all(c["ok"] for c in v["checks"]) for v in validations)
+    checks = {c["check"]: c["detail"] for c in validations[2]["checks"]}
+    assert checks["row_count"] == "index 0 rows, tokenized shard 0" and "token_ids" in checks
+    assert "reference" not in validations[2]  # no row to recompute; shards 0 and 1 had theirs
+    assert all(v["reference"] for v in validations[:2])
+
+    dataset = json.loads((res / "report/dataset_manifest.json").read_text())
+    assert dataset["rows"] == 2 and [s["rows"] for s in dataset["shards"]] == [1, 1, 0]
+    assert dataset["prepare"]["kept"] == 2 and dataset["tokenize"]["rows"] == 2
+    summary = list(csv.DictReader((res / "report/summary.csv").read_text().splitlines()))
+    assert [(r["shard"], r["rows"], r["validation_ok"]) for r in summary] == [
+        ("0", "1", "True"),
+        ("1", "1", "True"),
+        ("2", "0", "True"),
+    ]
+
+
+def test_empty_shards_load_as_no_rows_in_the_dataset_and_the_export(few_rows_run):
+    res = few_rows_run / "results"
+    rows = [json.loads(x) for k in range(3) for x in (res / f"tokenized/shard_{k}.jsonl").read_text().splitlines()]
+    out = res / "export/speculators"
+    export = json.loads((out / "manifest.json").read_text())
+    assert export["rows"] == 2
+    assert sorted(p.name for p in (out / "hidden_states").iterdir()) == ["hs_0.safetensors", "hs_1.safetensors"]
+
+    ds = HiddenStatesDataset.from_results(res)
+    assert len(ds) == 2 and ds.approx_lengths == [r["seq_len"] for r in rows]
+    for i, r in enumerate(rows):
+        item, hs = ds[i], load_file(out / f"hidden_states/hs_{i}.safetensors")  # [T, L, H]
+        assert item["input_ids"].tolist() == hs["token_ids"].tolist() == r["input_ids"]
+        assert item["loss_mask"].tolist() == r["loss_mask"]
+        assert torch.equal(item["hidden_states"], hs["hidden_states"][:, :-1].flatten(1))  # [T, 3H]
+        assert torch.equal(item["verifier_last_hidden_states"], hs["hidden_states"][:, -1])  # [T, H]
+
+    data = pytest.importorskip("speculators.train.data", reason="speculators 0.9.0: make .venv/.installed")
+    spec = data.ArrowDataset(max_len=256, datapath=str(out), on_missing="raise")
+    assert len(spec) == 2 and torch.equal(spec[1]["input_ids"], ds[1]["input_ids"])
+
+
+def test_plan_names_the_empty_shards(few_rows_run, tmp_path):
+    wd = shutil.copytree(few_rows_run, tmp_path / "wd", symlinks=True, ignore=shutil.ignore_patterns(".snakemake"))
+    snakemake(wd, "plan")
+    assert (
+        "empty shards: 1 of 3 hold no rows (2 rows for 3 shards); they validate, but each extract job still "
+        "starts the engine, so set tokenize.num_shards to 2 or fewer"
+    ) in (wd / "results/plan/plan.txt").read_text()
