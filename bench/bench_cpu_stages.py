@@ -8,8 +8,18 @@ Prints, in one run:
       against a naive one-row-at-a-time `apply_chat_template(..., return_assistant_tokens_mask=True)`
       loop over the same conversations in the same process; the ratio is the figure of merit
       (target >= 3x). Each figure is the best of --repeat runs, the naive loop's too.
+      Tokenize in 1 process encodes each batch on the Rust tokenizer's own threads (one per core);
+      with N workers, each worker encodes on one thread.
       Also the Rust BPE encode of the same rendered texts alone, one thread: work that the naive
       loop and eagle3prep both do, so naive time / (encode time / cores) bounds the ratio.
+      Then the CPU seconds of the fastest runs (where the time goes), and the wall time of a call
+      on 16 conversations (the fixed cost: worker start-up, fsyncs, stats).
+      Tokenize is measured with two tokenizers, both with the demo's ChatML template:
+        demo    the demo model's (512 tokens, trained on resources/demo/tokenizer_corpus.txt);
+                ~2.7 characters per token, so every conversation is a long token sequence.
+        large   the same byte-level BPE trained on the bench's own synthetic text with a
+                --large-vocab vocabulary: ~4.5 characters of that text per token (the run prints
+                it), near the ~4 usually quoted for Llama 3 or Qwen tokenizers on English.
   (2) the wall time of `snakemake -n` for a config with --shards shards (target < 30 s).
 """
 
@@ -20,6 +30,7 @@ import json
 import os
 import platform
 import random
+import resource
 import subprocess
 import sys
 import tempfile
@@ -63,27 +74,124 @@ def naive_tokenize(model_dir: Path, convs: list[dict], max_seq_len: int) -> int:
     return n
 
 
-def rust_encode_only(model_dir: Path, convs: list[dict]) -> float:
-    """Seconds the Rust tokenizer alone takes to encode the rendered conversations, one thread."""
+def rust_encode_only(model_dir: Path, convs: list[dict]) -> tuple[float, float]:
+    """(wall, CPU) seconds the Rust tokenizer alone takes to encode the rendered conversations, one thread."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     texts = tok.apply_chat_template([c["messages"] for c in convs], tokenize=False)
     backend = tok.backend_tokenizer
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for text in texts:  # encode() of one text runs on the calling thread only
         backend.encode(text, add_special_tokens=False)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def chars_per_token(model_dir: Path, convs: list[dict]) -> tuple[float, float]:
+    """Characters per token over the message texts alone, and over the conversations as rendered."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    backend = tok.backend_tokenizer
+    contents = [m["content"] for c in convs for m in c["messages"]]
+    rendered = tok.apply_chat_template([c["messages"] for c in convs], tokenize=False)
+
+    def ratio(texts: list[str]) -> float:
+        return sum(map(len, texts)) / sum(len(e.ids) for e in backend.encode_batch(texts, add_special_tokens=False))
+
+    return ratio(contents), ratio(rendered)
+
+
+def build_large_tokenizer(out_dir: Path, convs: list[dict], vocab_size: int) -> Path:
+    """A tokenizer-only model folder: the demo's tokenizer recipe trained on `convs` with `vocab_size` tokens."""
+    from eagle3prep.demo import build_tokenizer
+
+    corpus = out_dir.with_suffix(".txt")
+    corpus.write_text("".join(m["content"] + "\n" for c in convs for m in c["messages"]), encoding="utf-8")
+    build_tokenizer(corpus, vocab_size).save_pretrained(out_dir)  # BPE training is deterministic: no seed
+    return out_dir
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """CPU seconds (user + system) of this process, and of its ended child processes (tokenize's workers)."""
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, children.ru_utime + children.ru_stime
 
 
 def best_of(n: int, fn):
-    """(result of the last call, least seconds over n calls)."""
-    times = []
+    """(result of the last call, least seconds over n calls, (own, children's) CPU seconds of that call)."""
+    runs = []
     for _ in range(n):
-        t0 = time.perf_counter()
+        t0, (c0, k0) = time.perf_counter(), cpu_seconds()
         result = fn()
-        times.append(time.perf_counter() - t0)
-    return result, min(times)
+        t1, (c1, k1) = time.perf_counter(), cpu_seconds()
+        runs.append((t1 - t0, (c1 - c0, k1 - k0)))
+    wall, cpu = min(runs)
+    return result, wall, cpu
+
+
+def bench_tokenize(name: str, model: Path, convs: list[dict], conversations: Path, t_prep: float, args) -> None:
+    """Print the tokenize figures of one tokenizer: naive loop, 1 and all-core processes, encode ceiling."""
+    from eagle3prep.tokenization import tokenize_conversations
+
+    tmp = conversations.parent
+    naive_rows, t_naive, (c_naive, _) = best_of(args.repeat, lambda: naive_tokenize(model, convs, 1024))
+
+    def tokenize(workers: int, conversations: Path = conversations) -> dict:
+        out = tmp / f"tok-{name}-{workers}"
+        return tokenize_conversations(
+            conversations,
+            model,
+            [out / f"s{k}.jsonl" for k in range(4)],
+            out / "stats.json",
+            out / "freq.json",
+            out / "tq.jsonl",
+            max_seq_len=1024,
+            workers=workers,
+        )
+
+    workers = os.cpu_count() or 1
+    _, t_tok1, (c_tok1, _) = best_of(args.repeat, lambda: tokenize(1))
+    stats, t_tok, (c_parent, c_workers) = best_of(args.repeat, lambda: tokenize(workers))
+    t_encode, c_encode = min(rust_encode_only(model, convs) for _ in range(args.repeat))
+    # The same calls on a few conversations: what a call costs besides its rows (start-up, fsyncs, stats).
+    few = tmp / "conv-few.jsonl"
+    with open(conversations) as f:
+        few.write_text("".join(f.readline() for _ in range(16)))
+    _, t_few1, _ = best_of(args.repeat, lambda: tokenize(1, few))
+    _, t_few, _ = best_of(args.repeat, lambda: tokenize(workers, few))
+    text_cpt, rendered_cpt = chars_per_token(model, convs)
+    n = args.conversations
+    print(
+        f"## tokenizer '{name}': {stats['tokens'] / stats['rows']:.0f} tokens/row; characters per token "
+        f"{text_cpt:.2f} in the message texts, {rendered_cpt:.2f} in the rendered conversations"
+    )
+    print(f"conversations: {n}; rows kept: ours {stats['rows']}, naive {naive_rows}; best of {args.repeat} runs")
+    print(f"naive apply_chat_template loop : {n / t_naive:10.0f} conv/s ({t_naive:.2f} s)")
+    print(f"eagle3prep tokenize, 1 process : {n / t_tok1:10.0f} conv/s ({t_tok1:.2f} s)")
+    print(f"eagle3prep tokenize, {workers} workers : {n / t_tok:10.0f} conv/s ({t_tok:.2f} s)")
+    print(
+        f"eagle3prep prepare + tokenize  : {n / (t_prep + t_tok):10.0f} conv/s "
+        f"-> {t_naive / (t_prep + t_tok):.2f}x the naive loop (tokenize alone {t_naive / t_tok:.2f}x)"
+    )
+    print(
+        f"Rust BPE encode alone, 1 thread: {n / t_encode:10.0f} conv/s ({t_encode:.2f} s, "
+        f"{t_encode / t_naive:.0%} of the naive loop) -> at most {t_naive / (t_encode / workers):.2f}x "
+        f"on {workers} cores"
+    )
+    print(
+        f"CPU seconds of the fastest runs: naive loop {c_naive:.2f}; tokenize 1 process {c_tok1:.2f} (with the Rust "
+        f"encode's own threads); {workers} workers: parent {c_parent:.2f} + workers {c_workers:.2f}; encode alone "
+        f"{c_encode:.2f}"
+    )
+    print(
+        f"  -> the workers spend {c_workers - c_encode:.2f} CPU s around the encode (render, parse, mask, JSON, "
+        f"counts); the {workers}-worker wall is {t_tok - (c_parent + c_workers) / workers:.2f} s above "
+        f"(parent + workers) / {workers} cores"
+    )
+    print(
+        f"tokenize of 16 conversations (fixed cost of a call): 1 process {t_few1:.2f} s, {workers} workers {t_few:.2f} s"
+    )
 
 
 def main() -> None:
@@ -91,58 +199,34 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=8000)
     ap.add_argument("--shards", type=int, default=10000)
     ap.add_argument("--repeat", type=int, default=3, help="best of this many runs per figure (the machine is shared)")
+    ap.add_argument(
+        "--large-vocab", type=int, default=1024,
+        help="vocabulary of the 'large' tokenizer (the run prints how many characters a token holds)",
+    )  # fmt: skip
     args = ap.parse_args()
     from eagle3prep.demo import build_demo_model
     from eagle3prep.prepare import prepare
-    from eagle3prep.tokenization import tokenize_conversations
 
     print(
-        f"# {time.strftime('%Y-%m-%d')} {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}"
+        f"# {time.strftime('%Y-%m-%d')} {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, "
+        f"load average (1, 5, 15 min) {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model = build_demo_model(tmp / "model", REPO / "resources/demo/tokenizer_corpus.txt")
         convs = synthetic_conversations(args.conversations)
+        large = build_large_tokenizer(tmp / "large", convs, args.large_vocab)
         src = tmp / "raw.jsonl"
         src.write_text("".join(json.dumps(c) + "\n" for c in convs))
-
-        naive_rows, t_naive = best_of(args.repeat, lambda: naive_tokenize(model, convs, 1024))
-        _, t_prep = best_of(
+        _, t_prep, _ = best_of(
             args.repeat, lambda: prepare([str(src)], tmp / "conv.jsonl", tmp / "q.jsonl", tmp / "counts.json")
         )
-
-        def tokenize(workers: int) -> dict:
-            out = tmp / f"tok{workers}"
-            return tokenize_conversations(
-                tmp / "conv.jsonl",
-                model,
-                [out / f"s{k}.jsonl" for k in range(4)],
-                out / "stats.json",
-                out / "freq.json",
-                out / "tq.jsonl",
-                max_seq_len=1024,
-                workers=workers,
-            )
-
-        workers = os.cpu_count() or 1
-        _, t_tok1 = best_of(args.repeat, lambda: tokenize(1))
-        stats, t_tok = best_of(args.repeat, lambda: tokenize(workers))
-        t_encode = min(rust_encode_only(model, convs) for _ in range(args.repeat))
         n = args.conversations
-        print(f"conversations: {n}; rows kept: ours {stats['rows']}, naive {naive_rows}; best of {args.repeat} runs")
-        print(f"naive apply_chat_template loop : {n / t_naive:10.0f} conv/s ({t_naive:.2f} s)")
-        print(f"eagle3prep prepare             : {n / t_prep:10.0f} conv/s ({t_prep:.2f} s)")
-        print(f"eagle3prep tokenize, 1 process : {n / t_tok1:10.0f} conv/s ({t_tok1:.2f} s)")
-        print(f"eagle3prep tokenize, {workers} workers : {n / t_tok:10.0f} conv/s ({t_tok:.2f} s)")
         print(
-            f"eagle3prep prepare + tokenize  : {n / (t_prep + t_tok):10.0f} conv/s "
-            f"-> {t_naive / (t_prep + t_tok):.2f}x the naive loop (tokenize alone {t_naive / t_tok:.2f}x)"
+            f"eagle3prep prepare             : {n / t_prep:10.0f} conv/s ({t_prep:.2f} s), best of {args.repeat} runs"
         )
-        print(
-            f"Rust BPE encode alone, 1 thread: {n / t_encode:10.0f} conv/s ({t_encode:.2f} s, "
-            f"{t_encode / t_naive:.0%} of the naive loop) -> at most {t_naive / (t_encode / workers):.2f}x "
-            f"on {workers} cores"
-        )
+        bench_tokenize("demo", model, convs, tmp / "conv.jsonl", t_prep, args)
+        bench_tokenize(f"large ({args.large_vocab} tokens)", large, convs, tmp / "conv.jsonl", t_prep, args)
 
         # (2) Dry run of a config with many shards: DAG building must stay interactive.
         wd = tmp / "dry"
@@ -163,6 +247,8 @@ def main() -> None:
         if proc.returncode:
             sys.exit(proc.stderr[-3000:])
         print(f"snakemake -n with {args.shards} shards ({3 * args.shards + 5} jobs): {t_dry:.1f} s wall")
+    # Other jobs on the machine slow the 2-worker runs most: they need every core.
+    print(f"# load average (1, 5, 15 min) at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -35,8 +35,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(corpus_path: str | os.PathLike):
-    """Train a ByteLevel BPE tokenizer on `corpus_path` (one sentence a line) and wrap it for transformers."""
+def build_tokenizer(corpus_path: str | os.PathLike, vocab_size: int = VOCAB_SIZE):
+    """Train a ByteLevel BPE tokenizer on `corpus_path` (one sentence a line) and wrap it for transformers.
+
+    The demo model uses VOCAB_SIZE; bench/bench_cpu_stages.py also trains a larger one, whose longer
+    tokens compress text like a real chat model's tokenizer does.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -47,7 +51,7 @@ def build_tokenizer(corpus_path: str | os.PathLike):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,  # ids 0..4, in this order
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable: no <unk>
         show_progress=False,
