@@ -482,6 +482,13 @@ def main() -> None:
                 else ""
             )
         )
+        if "uniform_shm" in b:  # what writing to the disk costs a shard: a steady rate, or a tail?
+            on_disk = b["uniform"]["tokens"] / b["uniform"]["tokens_per_s"]
+            in_memory = b["uniform_shm"]["tokens"] / b["uniform_shm"]["tokens_per_s"]
+            print(
+                f"(b) uniform: {on_disk:.2f} s to disk, {in_memory:.2f} s to /dev/shm: the disk costs "
+                f"{on_disk - in_memory:.2f} s per shard of {b['uniform']['tokens']:,} tokens"
+            )
         for w in ("uniform_half", "uniform", "mixed", "uniform_shm"):
             if b.get(w, {}).get("writer"):
                 print(f"(b) {w} worker writer, seconds: {b[w]['writer']}")
