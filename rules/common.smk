@@ -1,7 +1,7 @@
 import os
 import sys
 
-from eagle3prep.config import ConfigError, validate_config
+from eagle3prep.config import ConfigError, extract_data_params, validate_config
 from eagle3prep.prepare import InputError, expand_sources
 from eagle3prep.runlock import clear_stale_locks, record_owner
 
@@ -59,6 +59,11 @@ def get_gpus(wildcards=None):
     if ex["backend"] == "vllm":
         return ex["tp_size"]
     return 1 if ex["device"] == "cuda" else 0
+
+
+def get_extract_data_params(wildcards=None):
+    """extract.* without the speed knobs (config.SPEED_KEYS): changing those re-queues no shard."""
+    return extract_data_params(config["extract"])
 
 
 def get_extract_env():

@@ -19,7 +19,7 @@ rule extract_hidden_states:
         gpu=get_gpus(),
     params:
         tokens=get_tokenized_shard,
-        extract=config["extract"],
+        extract=get_extract_data_params(),
         layers=config["layers"],
         max_seq_len=config["tokenize"]["max_seq_len"],
         trust_remote_code=config["model"]["trust_remote_code"],

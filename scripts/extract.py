@@ -1,5 +1,6 @@
-# vLLM starts its engine with spawn, which re-imports this file as __mp_main__, where Snakemake's
-# `snakemake` object does not exist: everything, the log redirect included, stays under the guard.
+# vLLM may start its workers with spawn (when CUDA is initialized here), which re-imports this file
+# as __mp_main__, where Snakemake's `snakemake` object does not exist: everything, the log redirect
+# included, stays under the guard.
 if __name__ == "__main__":
     import os
     import sys
@@ -7,23 +8,25 @@ if __name__ == "__main__":
     sys.stderr = open(snakemake.log[0], "w", buffering=1)
     os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM engine, workers) log there too
 
-    from eagle3prep.config import capture_spec
+    from eagle3prep.config import capture_spec, extract_options
     from eagle3prep.errors import one_line_errors
     from eagle3prep.extract import extract_shard
 
     with one_line_errors():
+        # speed knobs (batch_tokens, gpu_memory_utilization, ...) are not params: see config.SPEED_KEYS
+        options = extract_options(snakemake.params.extract, snakemake.config["extract"])
         config = {
             "model": {"path": snakemake.input.model, "trust_remote_code": snakemake.params.trust_remote_code},
             "layers": snakemake.params.layers,
-            "extract": snakemake.params.extract,
+            "extract": options,
             "tokenize": {"max_seq_len": snakemake.params.max_seq_len},
         }
         extract_shard(
             snakemake.params.tokens,
             snakemake.output[0],
             capture_spec(config),
-            options=dict(snakemake.params.extract),
-            batch_tokens=snakemake.params.extract["batch_tokens"],
+            options=options,
+            batch_tokens=options["batch_tokens"],
             shard=int(snakemake.wildcards.k),
             threads=snakemake.threads,
         )

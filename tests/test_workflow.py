@@ -6,6 +6,7 @@ import re
 import signal
 
 import pytest
+import yaml
 from workflow_helpers import REPO, SMALL_CONFIG, SNAKEMAKE, make_workdir, snakemake, stat_files, tree_digest
 
 pytestmark = pytest.mark.integration
@@ -88,6 +89,22 @@ def test_full_run_outputs(full_run):
     assert html.count("<img") == 5 and "Per-layer norms" in html
     assert "tok/s" in (wd / "logs/extract/shard_0.log").read_text()
     assert not list((wd / "results").rglob(".tmp-*")), "temp files left behind after a successful run"
+
+
+def test_speed_knobs_requeue_no_finished_shard_but_data_keys_do(tmp_path, full_run):
+    """After an out-of-memory crash a user lowers gpu_memory_utilization or batch_tokens and reruns:
+    the finished shards stay finished. A key that changes the data (dtype) re-queues every shard."""
+
+    def dry_run(extract: dict) -> str:
+        override = tmp_path / "override.yaml"  # --configfile: merged over config/config.yaml
+        override.write_text(yaml.safe_dump({"extract": {**SMALL_CONFIG["extract"], **extract}}))
+        return snakemake(full_run, "-n", "--configfile", str(override)).stdout
+
+    speed = {"batch_tokens": 512, "threads": 2, "gpu_memory_utilization": 0.5, "max_num_batched_tokens": 4096}
+    assert "extract_hidden_states" not in dry_run(speed)
+    out = dry_run({"dtype": "float32"})
+    assert re.search(r"^extract_hidden_states\s+3$", out, re.M), out
+    assert "Params have changed since last execution" in out
 
 
 def test_sigkill_during_extract_then_rerun_resumes_at_shard_granularity(tmp_path, full_run):

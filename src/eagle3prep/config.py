@@ -125,6 +125,24 @@ def check_max_seq_len(max_seq_len: int, model_path: str | Path) -> None:
         )
 
 
+# extract.* keys that change how fast a shard is made and what it needs, not what it holds. The
+# extract rule keeps them out of its params (Snakemake re-queues finished jobs whose params changed):
+# lowering gpu_memory_utilization after an out-of-memory crash must not redo the finished shards.
+# The script reads them from the config. vLLM is not batch-invariant: a shard redone with another
+# batch size can differ in the last bits, within the dtype's noise, not in what it means.
+SPEED_KEYS = frozenset({"batch_tokens", "threads", "gpu_memory_utilization", "max_num_batched_tokens", "staging_dir"})
+
+
+def extract_data_params(extract: dict[str, Any]) -> dict[str, Any]:
+    """The extract.* settings that decide a shard's contents: the rule's params (its rerun trigger)."""
+    return {k: v for k, v in extract.items() if k not in SPEED_KEYS}
+
+
+def extract_options(data_params: dict[str, Any], config_extract: dict[str, Any]) -> dict[str, Any]:
+    """The extract job's options: the speed keys from the config as it is now, the rest from params."""
+    return {**{k: v for k, v in config_extract.items() if k in SPEED_KEYS}, **data_params}
+
+
 def capture_spec(config: dict[str, Any]) -> CaptureSpec:
     ex = config["extract"]
     return CaptureSpec(
