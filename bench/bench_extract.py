@@ -332,7 +332,7 @@ def phase_c(args, model: Path, work: dict) -> dict:
 
 def disk_write_speed(folder: Path, nbytes: int, streams: int = 1) -> float:
     """Write + fsync of `nbytes` in `folder` by `streams` files at once, bytes/s: the disk's own limit.
-    Flushed as the worker flushes its layer files (BackgroundFlush every 256 MiB, one file per layer)."""
+    Flushed as the worker flushes its layer files (BackgroundFlush, one file per layer)."""
     from eagle3prep.shard import BackgroundFlush
 
     block = os.urandom(1 << 24)
@@ -341,7 +341,7 @@ def disk_write_speed(folder: Path, nbytes: int, streams: int = 1) -> float:
     def one(k: int) -> None:
         path = folder / f"disk_speed_{k}.bin"
         with open(path, "wb", buffering=0) as f:
-            flush = BackgroundFlush(f.fileno(), path.name, every=256 << 20)
+            flush = BackgroundFlush(f.fileno(), path.name)
             for _ in range(blocks):
                 f.write(block)
                 flush.wrote(len(block))

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .shard import PositionalSafetensorsWriter
+from .shard import FLUSH_EVERY, PositionalSafetensorsWriter
 
 if TYPE_CHECKING:
     import torch
@@ -101,7 +101,7 @@ class ShardSink:
         step_tokens: int,
         slots: int = 3,
         pool: SlotPool | None = None,
-        sync_bytes: int = 256 << 20,
+        sync_bytes: int = FLUSH_EVERY,
     ):
         import torch
 

@@ -221,6 +221,7 @@ class HiddenStatesCapture:
             return {"rank": self._e3p_rank}
         import torch
 
+        from .shard import FLUSH_EVERY
         from .sink import RowPlacement, ShardSink, SlotPool
 
         if self._e3p_sink is not None:
@@ -239,7 +240,7 @@ class HiddenStatesCapture:
             total_tokens=int(shard["total_tokens"]),
             step_tokens=int(shard["step_tokens"]),
             pool=pool,
-            sync_bytes=int(shard.get("sync_bytes", 256 << 20)),
+            sync_bytes=int(shard.get("sync_bytes", FLUSH_EVERY)),
         )
         return {"rank": 0, "files": len(paths)}
 
