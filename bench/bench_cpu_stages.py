@@ -11,7 +11,8 @@ Prints, in one run:
       Tokenize in 1 process encodes each batch on the Rust tokenizer's own threads (one per core);
       with N workers, each worker encodes on one thread.
       Also the Rust BPE encode of the same rendered texts alone, one thread: work that the naive
-      loop and eagle3prep both do, so naive time / (encode time / cores) bounds the ratio.
+      loop and eagle3prep both do, so naive time / (encode time / cores) bounds the ratio; and the
+      same encode split over the cores in processes at once, the bound this machine really gives.
       Then the CPU seconds of the fastest runs (where the time goes), and the wall time of a call
       on 16 conversations (the fixed cost: worker start-up, fsyncs, stats).
       Tokenize is measured with two tokenizers, both with the demo's ChatML template:
@@ -87,6 +88,34 @@ def rust_encode_only(model_dir: Path, convs: list[dict]) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
+def _encode_part(model_dir: Path, texts: list[str], start_at: float) -> tuple[float, float]:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # forked: one thread, and no warning about the fork
+    from transformers import AutoTokenizer
+
+    backend = AutoTokenizer.from_pretrained(model_dir).backend_tokenizer
+    while time.perf_counter() < start_at:  # every process starts encoding at once, its tokenizer loaded
+        time.sleep(0.001)
+    t0 = time.perf_counter()
+    for text in texts:
+        backend.encode(text, add_special_tokens=False)
+    return t0, time.perf_counter()
+
+
+def rust_encode_parallel(model_dir: Path, convs: list[dict], workers: int) -> float:
+    """Wall seconds of the same encode split over `workers` processes: what the cores really give together."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = tok.apply_chat_template([c["messages"] for c in convs], tokenize=False)
+    parts = [texts[k::workers] for k in range(workers)]
+    start_at = time.perf_counter() + 3.0  # perf_counter is CLOCK_MONOTONIC: one clock for all processes
+    with ProcessPoolExecutor(workers) as pool:
+        spans = list(pool.map(_encode_part, [model_dir] * workers, parts, [start_at] * workers))
+    return max(end for _, end in spans) - min(start for start, _ in spans)
+
+
 def chars_per_token(model_dir: Path, convs: list[dict]) -> tuple[float, float]:
     """Characters per token over the message texts alone, and over the conversations as rendered."""
     from transformers import AutoTokenizer
@@ -154,6 +183,7 @@ def bench_tokenize(name: str, model: Path, convs: list[dict], conversations: Pat
     _, t_tok1, (c_tok1, _) = best_of(args.repeat, lambda: tokenize(1))
     stats, t_tok, (c_parent, c_workers) = best_of(args.repeat, lambda: tokenize(workers))
     t_encode, c_encode = min(rust_encode_only(model, convs) for _ in range(args.repeat))
+    t_encode_par = min(rust_encode_parallel(model, convs, workers) for _ in range(args.repeat))
     # The same calls on a few conversations: what a call costs besides its rows (start-up, fsyncs, stats).
     few = tmp / "conv-few.jsonl"
     with open(conversations) as f:
@@ -178,6 +208,10 @@ def bench_tokenize(name: str, model: Path, convs: list[dict], conversations: Pat
         f"Rust BPE encode alone, 1 thread: {n / t_encode:10.0f} conv/s ({t_encode:.2f} s, "
         f"{t_encode / t_naive:.0%} of the naive loop) -> at most {t_naive / (t_encode / workers):.2f}x "
         f"on {workers} cores"
+    )
+    print(
+        f"Rust BPE encode alone, {workers} processes at once: {t_encode_par:.2f} s wall ({t_encode / t_encode_par:.2f}x "
+        f"one thread) -> at most {t_naive / t_encode_par:.2f}x on this machine"
     )
     print(
         f"CPU seconds of the fastest runs: naive loop {c_naive:.2f}; tokenize 1 process {c_tok1:.2f} (with the Rust "
