@@ -219,8 +219,8 @@ def bench_tokenize(name: str, model: Path, convs: list[dict], conversations: Pat
         f"{c_encode:.2f}"
     )
     print(
-        f"  -> the workers spend {c_workers - c_encode:.2f} CPU s around the encode (render, parse, mask, JSON, "
-        f"counts); the {workers}-worker wall is {t_tok - (c_parent + c_workers) / workers:.2f} s above "
+        f"  -> workers - encode alone = {c_workers - c_encode:.2f} CPU s (render, parse, mask, JSON, counts, start-up, "
+        f"and the encode's slowdown with every core busy); the {workers}-worker wall is {t_tok - (c_parent + c_workers) / workers:.2f} s above "
         f"(parent + workers) / {workers} cores"
     )
     print(
