@@ -15,6 +15,7 @@ from eagle3prep.provenance import tokenizer_identity
 from eagle3prep.records import Conversation, TokenizedRow
 from eagle3prep.tokenization import (
     ChatEncoder,
+    TokenizeError,
     copy_lines,
     mask_runs,
     row_json_tail,
@@ -162,6 +163,18 @@ def test_no_assistant_tokens_is_quarantined(tmp_path, demo_model_dir):
     assert stats["conversations_in"] == len(conversations) == stats["rows"] + stats["quarantined_total"]
     assert [r["row"] for r in rows] == [0, 1]  # row ids stay dense after a quarantine
     assert stats["truncated_rows"] == 0  # the truncated row was quarantined, not kept
+
+
+def test_every_conversation_quarantined_is_one_line_error_not_an_empty_dataset(tmp_path, demo_model_dir):
+    long_prompt = "Please read this. " + "The harbour and the bridge are old. " * 40
+    conversations = [conv((long_prompt, "Nice notes.")), conv(("Is anyone there?", None))]
+    with pytest.raises(TokenizeError) as e:
+        run(tmp_path, demo_model_dir, conversations, max_seq_len=64)
+    message = str(e.value)
+    assert "\n" not in message
+    assert "all 2 conversations were quarantined (no_assistant_tokens 2)" in message
+    assert "conversations.jsonl line 1: no_assistant_tokens: no assistant token within the first 64" in message
+    assert "raise tokenize.max_seq_len (64)" in message
 
 
 def test_truncation(tmp_path, demo_model_dir):

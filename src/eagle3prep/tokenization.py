@@ -421,6 +421,21 @@ def seq_len_summary(seq_lens: array) -> dict[str, float] | None:
     return {"min": s[0], "mean": round(sum(s) / len(s), 2), "p50": pct(50), "p95": pct(95), "max": s[-1]}
 
 
+def no_rows_error(quarantined: list[Quarantined], max_seq_len: int) -> TokenizeError:
+    """Every conversation was quarantined: one line with the reasons and the first records, since the
+    failed job's folder (and its quarantine.jsonl) is removed by Snakemake."""
+    reasons = ", ".join(f"{r} {n}" for r, n in sorted(Counter(q.reason for q in quarantined).items()))
+    first = "; ".join(f"{q.file} line {q.line}: {q.reason}: {q.detail}" for q in quarantined[:3])
+    hint = (
+        f"; raise tokenize.max_seq_len ({max_seq_len}) if the replies fall past it"
+        if any("within the first" in q.detail for q in quarantined)
+        else ""
+    )
+    return TokenizeError(
+        f"tokenize kept no row: all {len(quarantined)} conversations were quarantined ({reasons}), e.g. {first}{hint}"
+    )
+
+
 def tokenize_conversations(
     conversations_path: str | os.PathLike,
     model_path: str | os.PathLike,
@@ -509,6 +524,8 @@ def tokenize_conversations(
             spill.unlink()
 
     assert n_in == len(seq_lens) + len(quarantined), "rows in != rows out + quarantined"
+    if n_in and not seq_lens:
+        raise no_rows_error(quarantined, max_seq_len)
     n_tokens, n_assistant = sum(seq_lens), int(token_freq.sum())
     write_jsonl(quarantine_path, (q.to_json() for q in quarantined))
     distinct = np.flatnonzero(token_freq)  # ascending token ids
