@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -62,16 +61,18 @@ def tokenizer_identity(model_path: str) -> dict[str, Any]:
 
 
 @functools.cache
+@functools.lru_cache(maxsize=1)
 def code_version() -> str:
-    """Package version plus the git commit of the checkout it runs from, when there is one."""
+    """Package version plus a sha256 of the package's source files, the code that actually ran.
+
+    Not the git commit: a checkout with uncommitted edits would claim a commit it does not run, and
+    a commit that only touches docs would change every manifest of otherwise identical data.
+    """
     here = Path(__file__).resolve().parent
-    try:
-        sha = subprocess.run(
-            ["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        sha = ""
-    return f"eagle3prep {__version__}" + (f" ({sha})" if sha else "")
+    digest = hashlib.sha256()
+    for path in sorted(here.rglob("*.py")):
+        digest.update(path.relative_to(here).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return f"eagle3prep {__version__} (src sha256 {digest.hexdigest()[:12]})"
 
 
 def num_hidden_layers(model_path: str) -> int:
