@@ -155,6 +155,36 @@ def test_a_failed_background_flush_names_the_file(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_writer_waiting_for_the_disk_is_released_when_the_flush_thread_dies(tmp_path, monkeypatch):
+    disk = threading.Event()
+
+    def broken(fd):
+        disk.wait()
+        raise RuntimeError("the flush thread broke")
+
+    monkeypatch.setattr(shard.os, "fdatasync", broken)
+    with open(tmp_path / "f.bin", "wb", buffering=0) as f:
+        flush = BackgroundFlush(f.fileno(), "f.bin", every=100, max_behind=100)
+        flush.wrote(100)  # the thread starts a flush that will fail
+        outcome = []
+        waiter = threading.Thread(target=lambda: outcome.append(_raised(flush.wrote, 500)))
+        waiter.start()  # 600 behind: waits for the disk
+        disk.set()
+        waiter.join(5)
+        assert not waiter.is_alive(), "the writer still waits for a flush thread that is gone"
+        assert "the flush thread broke" in outcome[0]
+        with pytest.raises(RuntimeError, match="the flush thread broke"):
+            flush.close()
+
+
+def _raised(fn, *args) -> str:
+    try:
+        fn(*args)
+    except BaseException as e:  # noqa: BLE001
+        return str(e)
+    return ""
+
+
 # ---- ShardSink --------------------------------------------------------------------------------------
 def simulate(sink: ShardSink, lengths: list[int], tags: list[str], budget: int, seed: int) -> None:
     """Feed the sink the steps a chunked-prefill scheduler would run: FCFS, `budget` tokens per step,
@@ -300,3 +330,22 @@ def test_shard_writer_refuses_an_entry_that_does_not_match_the_file(tmp_path):
         writer.adopt_layers(entries)
     writer.abort()
     assert list(tmp_path.iterdir()) == []  # abort removed the worker's temp files too
+
+
+def test_a_file_that_cannot_be_sealed_leaves_no_thread_and_no_temp_file(tmp_path, monkeypatch):
+    lengths = [5, 9]
+    sink = make_sink(tmp_path, lengths, ["a", "b"], sync_bytes=48)
+    simulate(sink, lengths, ["a", "b"], budget=8, seed=0)
+    real, calls = shard.os.fsync, []
+
+    def second_fails(fd):  # the second file's final fsync meets a full disk
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd)
+
+    monkeypatch.setattr(shard.os, "fsync", second_fails)
+    with pytest.raises(DiskSpaceError, match="disk full while writing"):
+        sink.finish()
+    assert list(tmp_path.iterdir()) == []
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("e3p-flush-")]

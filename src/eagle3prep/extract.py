@@ -171,6 +171,7 @@ def extract_shard(
     if hidden_size is not None:  # refuse before the engine starts: seconds, not an engine start-up
         check_free_space(out, shard_bytes(tokens, len(index), len(spec.layer_ids), hidden_size, spec.dtype))
 
+    version = code_version()  # the code this shard starts with, before hours of capture
     faults.kill_point("extract.model_load", shard=shard)
     if engine is None:
         spec.extra["output_dir"] = str(out)  # vLLM's built-in path stages per-request files here (same filesystem)
@@ -230,7 +231,7 @@ def extract_shard(
                 "engine": {
                     k: info[k] for k in sorted(info) if k not in ("num_hidden_layers", "hidden_size", *VOLATILE)
                 },
-                "code_version": code_version(),
+                "code_version": version,
             },
             before_manifest=before_manifest,
         )

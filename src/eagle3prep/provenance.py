@@ -61,16 +61,17 @@ def tokenizer_identity(model_path: str) -> dict[str, Any]:
 
 
 @functools.cache
-@functools.lru_cache(maxsize=1)
 def code_version() -> str:
     """Package version plus a sha256 of the package's source files, the code that actually ran.
 
     Not the git commit: a checkout with uncommitted edits would claim a commit it does not run, and
-    a commit that only touches docs would change every manifest of otherwise identical data.
+    a commit that only touches docs would change every manifest of otherwise identical data. Cached:
+    extract_shard calls it before the engine starts, so a shard names the code it was started with.
     """
     here = Path(__file__).resolve().parent
     digest = hashlib.sha256()
-    for path in sorted(here.rglob("*.py")):
+    sources = (p for p in here.rglob("*.py") if p.is_file() and not p.name.startswith("."))  # no editor lock links
+    for path in sorted(sources):
         digest.update(path.relative_to(here).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return f"eagle3prep {__version__} (src sha256 {digest.hexdigest()[:12]})"
 

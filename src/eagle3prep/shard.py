@@ -179,7 +179,8 @@ class BackgroundFlush:
         self._cond = threading.Condition()
         self._written = self._synced = 0
         self._closing = False
-        self._error: OSError | None = None
+        self._stopped = False  # the thread has ended: nobody will flush again
+        self._error: BaseException | None = None
         self.flush_s = 0.0  # time the thread spent in fdatasync (off the writer's path)
         self.wait_s = 0.0  # time the writer waited for the disk
         self._thread = threading.Thread(target=self._loop, name=f"e3p-flush-{name}", daemon=True)
@@ -192,11 +193,13 @@ class BackgroundFlush:
             self._cond.notify_all()
             if self._written - self._synced > self.max_behind:
                 t0 = time.perf_counter()
-                while self._error is None and self._written - self._synced > self.max_behind:
+                while not self._stopped and self._written - self._synced > self.max_behind:
                     self._cond.wait()
                 self.wait_s += time.perf_counter() - t0
             if self._error is not None:
                 raise self._error
+            if self._stopped and self._written - self._synced > self.max_behind:
+                raise RuntimeError("BackgroundFlush: wrote() after close()")
 
     def close(self) -> None:
         """Stop the thread once its flush in progress is done; raise a flush's error. The caller
@@ -209,24 +212,26 @@ class BackgroundFlush:
             raise self._error
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closing and self._written - self._synced < self.every:
-                    self._cond.wait()
-                if self._closing:
-                    return
-                target = self._written
-            t0 = time.perf_counter()
-            try:
-                os.fdatasync(self._fd)
-            except OSError as e:
+        try:
+            while True:
                 with self._cond:
-                    self._error = e
+                    while not self._closing and self._written - self._synced < self.every:
+                        self._cond.wait()
+                    if self._closing:
+                        return
+                    target = self._written
+                t0 = time.perf_counter()
+                os.fdatasync(self._fd)
+                self.flush_s += time.perf_counter() - t0
+                with self._cond:
+                    self._synced = target
                     self._cond.notify_all()
-                return
-            self.flush_s += time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 - raised by the writer's next wrote() or by close()
             with self._cond:
-                self._synced = target
+                self._error = e
+        finally:
+            with self._cond:  # a writer waiting for the disk must not wait for a thread that is gone
+                self._stopped = True
                 self._cond.notify_all()
 
 
@@ -245,7 +250,12 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
         """`sync_bytes`: flush to disk in the background every this many bytes (BackgroundFlush), so
         the disk works while the capture runs (None: only at seal())."""
         super().__init__(path, name, dtype, shape)
-        self._f.flush()  # the header; rows go through pwrite on the raw descriptor
+        try:
+            with disk_full_is_user_error(self.path):
+                self._f.flush()  # the header; rows go through pwrite on the raw descriptor
+        except BaseException:
+            self.abort()
+            raise
         self._data_start = self._f.tell()
         self._early: dict[int, bytes] = {}  # first row -> bytes of a range that arrived ahead of `rows`
         self._flush = BackgroundFlush(self._f.fileno(), self.path.name, sync_bytes) if sync_bytes else None

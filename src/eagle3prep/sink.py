@@ -110,12 +110,16 @@ class ShardSink:
         self.rows = rows
         self.total_tokens = total_tokens
         self.pool = pool or SlotPool(len(self.layer_ids), hidden_size, getattr(torch, dtype), step_tokens, slots)
-        self.writers = {
-            lid: PositionalSafetensorsWriter(
-                Path(p), "hidden_states", dtype, (total_tokens, hidden_size), sync_bytes=sync_bytes
-            )
-            for lid, p in layer_paths.items()
-        }
+        self.writers: dict[int, PositionalSafetensorsWriter] = {}
+        try:
+            for lid, p in layer_paths.items():
+                self.writers[lid] = PositionalSafetensorsWriter(
+                    Path(p), "hidden_states", dtype, (total_tokens, hidden_size), sync_bytes=sync_bytes
+                )
+        except BaseException:
+            for w in self.writers.values():  # no flush thread or temp file left behind
+                w.abort()
+            raise
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._current: _Slot | None = None
@@ -249,7 +253,11 @@ class ShardSink:
                 f"the shard's layer files got {got} contiguous rows of {self.total_tokens}: a request's rows "
                 "never arrived (prefix caching must be off and every forward step captured)"
             )
-        return {lid: w.seal() for lid, w in self.writers.items()}
+        try:
+            return {lid: w.seal() for lid, w in self.writers.items()}
+        except BaseException:
+            self.abort()  # the files not sealed yet still hold flush threads and temp files
+            raise
 
     def stats(self) -> dict[str, float]:
         """Seconds: forward stalled for a slot; per-file busiest writer in pwrite, sha256, background
