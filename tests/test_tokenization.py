@@ -173,7 +173,9 @@ def test_every_conversation_quarantined_is_one_line_error_not_an_empty_dataset(t
     message = str(e.value)
     assert "\n" not in message
     assert "all 2 conversations were quarantined (no_assistant_tokens 2)" in message
-    assert "conversations.jsonl line 1: no_assistant_tokens: no assistant token within the first 64" in message
+    # the raw record's file:line (prepare's `source`), then where it sits in the prepared file
+    assert "e.g. test:1 (" in message
+    assert "conversations.jsonl line 1): no_assistant_tokens: no assistant token within the first 64" in message
     assert "raise tokenize.max_seq_len (64)" in message
 
 

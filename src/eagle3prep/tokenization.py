@@ -425,7 +425,11 @@ def no_rows_error(quarantined: list[Quarantined], max_seq_len: int) -> TokenizeE
     """Every conversation was quarantined: one line with the reasons and the first records, since the
     failed job's folder (and its quarantine.jsonl) is removed by Snakemake."""
     reasons = ", ".join(f"{r} {n}" for r, n in sorted(Counter(q.reason for q in quarantined).items()))
-    first = "; ".join(f"{q.file} line {q.line}: {q.reason}: {q.detail}" for q in quarantined[:3])
+    def where(q: Quarantined) -> str:  # the raw record's file:line when prepare recorded it
+        source = q.record.get("source") if isinstance(q.record, dict) else None
+        return f"{source} ({q.file} line {q.line})" if source else f"{q.file} line {q.line}"
+
+    first = "; ".join(f"{where(q)}: {q.reason}: {q.detail}" for q in quarantined[:3])
     hint = (
         f"; raise tokenize.max_seq_len ({max_seq_len}) if the replies fall past it"
         if any("within the first" in q.detail for q in quarantined)
