@@ -1,0 +1,65 @@
+"""Figures derived from committed bench_extract.py outputs (docs/runs/), printed so the docs quote them.
+
+    python bench/summarize_extract_runs.py docs/runs/bench_extract_2026-11-30_*.txt
+
+Per run: b/a to disk and to /dev/shm, what writing to disk costs (b) per shard (the disk run minus
+the /dev/shm run, tokens / rate), (d)'s share of (a) and the b/d that (b) would reach at (a)'s rate,
+and the disk's own speeds measured before and after the phases. Then the shard size `snakemake plan`
+recommends from the Llama example's `plan` numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DISK = re.compile(r"before / after the phases: ([\d.]+) / ([\d.]+) GB/s one file, ([\d.]+) / ([\d.]+) GB/s")
+
+
+def summarize(path: Path) -> None:
+    text = path.read_text()
+    phases = {m[1]: json.loads(m[2]) for m in re.finditer(r"^phase (\w): (\{.*\})$", text, re.M)}
+    a, b, d = phases.get("a"), phases.get("b"), phases.get("d")
+    print(f"{path.name}:")
+    if a and b:
+        for w in ("uniform", "mixed"):
+            print(f"  b/a {w}: {b[w]['tokens_per_s'] / a[w]['tokens_per_s']:.2f}")
+        if "uniform_shm" in b:
+            print(f"  b/a uniform to /dev/shm: {b['uniform_shm']['tokens_per_s'] / a['uniform']['tokens_per_s']:.2f}")
+    if b and "uniform_shm" in b:
+        on_disk = b["uniform"]["tokens"] / b["uniform"]["tokens_per_s"]
+        in_memory = b["uniform_shm"]["tokens"] / b["uniform_shm"]["tokens_per_s"]
+        print(
+            f"  (b) uniform {on_disk:.2f} s to disk, {in_memory:.2f} s to /dev/shm: the disk costs "
+            f"{on_disk - in_memory:.2f} s per shard of {b['uniform']['tokens']:,} tokens, "
+            f"{(on_disk - in_memory) / on_disk:.2f} of the shard's time"
+        )
+    if a and d:
+        share = d["uniform"]["tokens_per_s"] / a["uniform"]["tokens_per_s"]
+        print(f"  (d) = {share:.2f} x (a) (uniform): b/d is at most {1 / share:.2f} at (a)'s rate")
+    disk = DISK.search(text)
+    if disk:
+        speeds = [float(x) for x in disk.groups()]
+        print(f"  disk GB/s before/after, one file and 4 files: {speeds}; spread {max(speeds) - min(speeds):.2f}")
+
+
+def main() -> None:
+    for name in sys.argv[1:]:
+        summarize(Path(name))
+    sys.path.insert(0, str(REPO / "src"))
+    from eagle3prep.plan import min_tokens_per_shard
+
+    plan = yaml.safe_load((REPO / "config/examples/llama-3.1-8b.yaml").read_text())["plan"]
+    print(
+        f"config/examples/llama-3.1-8b.yaml plan ({plan['tokens_per_s']} tok/s, {plan['engine_start_s']} s start): "
+        f"shards of >= {min_tokens_per_shard(plan['tokens_per_s'], plan['engine_start_s']):,} tokens"
+    )
+
+
+if __name__ == "__main__":
+    main()
