@@ -358,6 +358,16 @@ def disk_write_speed(folder: Path, nbytes: int, streams: int = 1) -> float:
     return blocks * streams * len(block) / (time.perf_counter() - t0)
 
 
+def disk_cost(b: dict) -> str:
+    """What writing to disk costs phase (b)'s uniform shard: its time to disk minus to /dev/shm."""
+    on_disk = b["uniform"]["tokens"] / b["uniform"]["tokens_per_s"]
+    in_memory = b["uniform_shm"]["tokens"] / b["uniform_shm"]["tokens_per_s"]
+    return (
+        f"{on_disk:.2f} s to disk, {in_memory:.2f} s to /dev/shm: the disk costs {on_disk - in_memory:.2f} s "
+        f"per shard of {b['uniform']['tokens']:,} tokens, {(on_disk - in_memory) / on_disk:.2f} of the shard's time"
+    )
+
+
 PHASES = {"a": phase_a, "b": phase_b, "c": phase_c, "d": phase_d}
 
 
@@ -483,12 +493,7 @@ def main() -> None:
             )
         )
         if "uniform_shm" in b:  # what writing to the disk costs a shard: a steady rate, or a tail?
-            on_disk = b["uniform"]["tokens"] / b["uniform"]["tokens_per_s"]
-            in_memory = b["uniform_shm"]["tokens"] / b["uniform_shm"]["tokens_per_s"]
-            print(
-                f"(b) uniform: {on_disk:.2f} s to disk, {in_memory:.2f} s to /dev/shm: the disk costs "
-                f"{on_disk - in_memory:.2f} s per shard of {b['uniform']['tokens']:,} tokens"
-            )
+            print(f"(b) uniform: {disk_cost(b)}")
             a_rate = results.get("a", {}).get("uniform", {}).get("tokens_per_s")
             if a_rate:
                 shm_ratio, disk_ratio = (

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_extract import disk_cost  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 DISK = re.compile(r"before / after the phases: ([\d.]+) / ([\d.]+) GB/s one file, ([\d.]+) / ([\d.]+) GB/s")
 
@@ -32,13 +35,7 @@ def summarize(path: Path) -> None:
         if "uniform_shm" in b:
             print(f"  b/a uniform to /dev/shm: {b['uniform_shm']['tokens_per_s'] / a['uniform']['tokens_per_s']:.2f}")
     if b and "uniform_shm" in b:
-        on_disk = b["uniform"]["tokens"] / b["uniform"]["tokens_per_s"]
-        in_memory = b["uniform_shm"]["tokens"] / b["uniform_shm"]["tokens_per_s"]
-        print(
-            f"  (b) uniform {on_disk:.2f} s to disk, {in_memory:.2f} s to /dev/shm: the disk costs "
-            f"{on_disk - in_memory:.2f} s per shard of {b['uniform']['tokens']:,} tokens, "
-            f"{(on_disk - in_memory) / on_disk:.2f} of the shard's time"
-        )
+        print(f"  (b) uniform {disk_cost(b)}")
     if a and d:
         share = d["uniform"]["tokens_per_s"] / a["uniform"]["tokens_per_s"]
         print(f"  (d) = {share:.2f} x (a) (uniform): b/d is at most {1 / share:.2f} at (a)'s rate")
