@@ -425,6 +425,7 @@ def no_rows_error(quarantined: list[Quarantined], max_seq_len: int) -> TokenizeE
     """Every conversation was quarantined: one line with the reasons and the first records, since the
     failed job's folder (and its quarantine.jsonl) is removed by Snakemake."""
     reasons = ", ".join(f"{r} {n}" for r, n in sorted(Counter(q.reason for q in quarantined).items()))
+
     def where(q: Quarantined) -> str:  # the raw record's file:line when prepare recorded it
         source = q.record.get("source") if isinstance(q.record, dict) else None
         return f"{source} ({q.file} line {q.line})" if source else f"{q.file} line {q.line}"
