@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from eagle3prep.atomic import fsync_dir
@@ -119,20 +120,28 @@ def check_model(model, tokenizer) -> None:
 
 
 def build_demo_model(out_dir: str | os.PathLike, corpus_path: str | os.PathLike, seed: int = 1234) -> Path:
-    """Build tokenizer + tiny Llama into `out_dir` (safetensors, configs, tokenizer, chat template).
+    """Build tokenizer + tiny Llama into `out_dir` (safetensors, configs, tokenizer, chat template)."""
 
-    Everything is written into a temp sibling folder that is renamed onto `out_dir` at the end, so a
-    killed build never leaves a half-written model folder under its final name.
-    """
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".build-{out_dir.name}.", dir=out_dir.parent))
-    try:
+    def write(tmp: Path) -> None:
         tokenizer = build_tokenizer(corpus_path)
         model = build_model(tokenizer, seed)
         check_model(model, tokenizer)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+
+    return write_model_folder(out_dir, write)
+
+
+def write_model_folder(out_dir: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Run `write(tmp)` on a temp sibling folder of `out_dir`, then rename it onto `out_dir`.
+
+    A killed build never leaves a half-written model folder under its final name.
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".build-{out_dir.name}.", dir=out_dir.parent))
+    try:
+        write(tmp)
         for path in tmp.iterdir():
             path.chmod(0o644)  # safetensors' writer leaves 0600
             with open(path, "rb") as f:
