@@ -1,16 +1,32 @@
 """An independent transformers forward: the reference every capture is compared against.
 
 Deliberately not the hf backend's code path: ids k < N come from `output_hidden_states[k]`, and id N
-from a pre-hook on the final norm (its input is the pre-norm final state), one row at a time, fp32.
+from a pre-hook on the final norm (its input is the pre-norm final state), one row at a time.
+The exact reference runs in fp32 with TF32 off; the *floor* run repeats it at the engine's working
+precision, so the pass rule (passrule.py) can judge a capture by what that precision does (DESIGN.md §6).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 
 class Reference:
-    def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False):
+    """A transformers model that returns the hidden states of one row at the requested layer ids.
+
+    `tf32=True` lets fp32 matmuls and convolutions on a GPU use TensorFloat-32, as GPU engines'
+    fp32 kernels do; it changes nothing on a CPU.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        device: str = "cpu",
+        dtype: str = "float32",
+        trust_remote_code: bool = False,
+        tf32: bool = False,
+    ):
         import torch
         import transformers
 
@@ -20,6 +36,7 @@ class Reference:
         ).to(device)
         self.model.eval()
         self.device = device
+        self.tf32 = tf32
         base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         self.n = len(base.layers)
         self._final = None
@@ -28,10 +45,23 @@ class Reference:
     def _norm_hook(self, module, args):
         self._final = args[0].detach()
 
+    @contextlib.contextmanager
+    def _precision(self):
+        """TF32 on or off for this forward only (the flag is process-wide)."""
+        torch = self.torch
+        old = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+        torch.set_float32_matmul_precision("high" if self.tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = self.tf32
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(old[0])
+            torch.backends.cudnn.allow_tf32 = old[1]
+
     def hidden_states(self, input_ids: list[int], layer_ids: list[int]) -> dict[int, Any]:
         """{layer_id: [T, H] float32 CPU tensor} for one row."""
         torch = self.torch
-        with torch.inference_mode():
+        with torch.inference_mode(), self._precision():
             out = self.model(torch.tensor([input_ids], device=self.device), output_hidden_states=True, use_cache=False)
         result = {}
         for lid in layer_ids:
@@ -40,11 +70,60 @@ class Reference:
         return result
 
 
-def compare(captured, reference) -> dict[str, float]:
-    """Error of `captured` against `reference` ([T, H] each): max abs, relative (Frobenius), min cosine.
+def floor_precision(dtype: str, device: str) -> dict[str, Any] | None:
+    """How the floor run computes for a capture stored in `dtype`; None when it would equal the reference.
 
-    Both magnitude and direction: a wrongly scaled stream keeps a cosine near 1 (DESIGN.md §6).
+    bf16/fp16: the model in that dtype. fp32: TF32 matmuls on a GPU (fp32 engines use TF32-class
+    kernels there); on a CPU fp32 has no cheaper mode, so the reference is its own floor.
     """
+    if dtype != "float32":
+        return {"dtype": dtype, "tf32": False}
+    if device.startswith("cuda"):
+        return {"dtype": "float32", "tf32": True}
+    return None
+
+
+class ReferencePair:
+    """The exact fp32 reference and the floor run of one model, with per-row results cached.
+
+    The cache lets one validation job judge many layers, and the validation matrix judge many
+    planted shards of the same rows, for one forward per row and precision.
+    """
+
+    def __init__(
+        self, model_path: str, dtype: str, device: str = "cpu", trust_remote_code: bool = False, cache_rows: int = 1
+    ):
+        self.exact = Reference(model_path, device=device, trust_remote_code=trust_remote_code)
+        how = floor_precision(dtype, device)
+        self.floor_how = how
+        self.floor = Reference(model_path, device=device, trust_remote_code=trust_remote_code, **how) if how else None
+        self.n = self.exact.n
+        self.cache_rows = cache_rows
+        self._cache: dict[tuple[int, ...], tuple[dict[int, Any], dict[int, Any] | None]] = {}
+
+    def describe(self) -> str:
+        """The floor run in words, for messages ('bfloat16 transformers on cuda')."""
+        if self.floor_how is None:
+            return "none (fp32 on a CPU: the reference is exact)"
+        how = self.floor_how["dtype"] + (" with TF32" if self.floor_how["tf32"] else "")
+        return f"transformers {how} on {self.exact.device}"
+
+    def rows(self, input_ids: list[int], layer_ids: list[int]) -> tuple[dict[int, Any], dict[int, Any] | None]:
+        """(reference, floor) hidden states of one row; floor is None when the reference is exact."""
+        key = tuple(input_ids)
+        if key not in self._cache:
+            # A cache of many rows serves other layer ids too (the matrix's planted shards): keep every id.
+            want = sorted(set(layer_ids) | set(range(self.n + 1))) if self.cache_rows > 1 else list(layer_ids)
+            ref = self.exact.hidden_states(list(input_ids), want)
+            floor = self.floor.hidden_states(list(input_ids), want) if self.floor else None
+            if len(self._cache) >= self.cache_rows:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = (ref, floor)
+        return self._cache[key]
+
+
+def compare(captured, reference) -> dict[str, float]:
+    """Error of `captured` against `reference` ([T, H] each): max abs, relative (Frobenius), min cosine."""
     import torch
 
     c, r = captured.float(), reference.float()
@@ -55,33 +134,3 @@ def compare(captured, reference) -> dict[str, float]:
         "rel": float(diff.norm() / r.norm().clamp_min(1e-30)),
         "min_cos": float(cos.min()),
     }
-
-
-# Pass rule per stored dtype, against an fp32 reference.
-# fp32: fixed bounds (two fp32 forwards differ only by summation order).
-# bf16/fp16: the same rows are also run through transformers in that dtype; the gap between that
-# run and fp32 is the dtype's rounding noise on *this* model and row (`floor`). A capture passes when
-# its error is within FLOOR_FACTOR x that noise (or a small absolute bound, whichever is larger). A
-# layer off by one, a post-norm final state or a 1/2.5 scale sit orders of magnitude above it.
-FLOOR_FACTOR = 3.0
-TOLERANCES = {
-    "float32": {"max_abs": 1e-4, "rel": 1e-5, "min_cos": 0.99999},
-    "float16": {"rel": 2e-3, "min_cos": 0.9999},
-    "bfloat16": {"rel": 1e-2, "min_cos": 0.999},
-}
-
-
-def bounds(dtype: str, floor: dict[str, float] | None = None) -> dict[str, float]:
-    """The pass bounds for a capture stored in `dtype`; `floor` = compare(ref_in_dtype, ref_fp32)."""
-    tol = dict(TOLERANCES[dtype])
-    if dtype != "float32" and floor is not None:
-        tol["rel"] = max(tol["rel"], FLOOR_FACTOR * floor["rel"])
-        tol["min_cos"] = min(tol["min_cos"], 1 - FLOOR_FACTOR * (1 - floor["min_cos"]))
-    return tol
-
-
-def within(err: dict[str, float], tol: dict[str, float]) -> bool:
-    ok = err["rel"] <= tol["rel"] and err["min_cos"] >= tol["min_cos"]
-    if "max_abs" in tol:
-        ok = ok and err["max_abs"] <= tol["max_abs"]
-    return ok

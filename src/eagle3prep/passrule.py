@@ -1,0 +1,134 @@
+"""The pass rule: is one captured row, at one layer, as close to fp32 as its precision allows? (DESIGN.md §6)
+
+A capture is judged against the exact fp32 reference *relative to the floor run*: transformers at the
+engine's working precision on the same row. Two criteria, per row and layer:
+- diverged tokens: tokens whose state points elsewhere (cosine < COS_DIVERGED; a bf16 MoE flips a few
+  tokens' experts) may be as many as the floor run has, with Poisson-like slack, not more;
+- relative error over the other tokens: at most FLOOR_FACTOR x the floor run's, or MIN_REL.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+COS_DIVERGED = 0.99  # below this a token took another path (expert route, token, layer), not rounding
+FLOOR_FACTOR = 3.0
+# The smallest relative-error bound per stored dtype: the rounding of the stored values alone, so an
+# exact floor (fp32 on a CPU) still leaves room for summation order.
+MIN_REL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+
+
+def allowed_diverged(floor_diverged: int) -> int:
+    """Diverged tokens a correct capture may have when the floor run has `floor_diverged`.
+
+    Both counts are draws of the same rate (which tokens flip differs between runs): 2x the floor's
+    plus three Poisson standard deviations; 3 when the floor has none.
+    """
+    return int(2 * floor_diverged + 3 * math.sqrt(floor_diverged + 1))
+
+
+def _token_stats(x, ref):
+    """Per token: cosine to the reference, squared error norm, squared reference norm ([T] each)."""
+    import torch
+
+    x, ref = x.float(), ref.float()
+    cos = torch.nn.functional.cosine_similarity(x, ref, dim=-1)
+    return cos, ((x - ref) ** 2).sum(-1), (ref**2).sum(-1)
+
+
+def _rel(err2, ref2, keep) -> float:
+    if not bool(keep.any()):
+        keep = keep | True  # every token diverged: the error over all of them
+    return float(err2[keep].sum().sqrt() / ref2[keep].sum().sqrt().clamp_min(1e-30))
+
+
+def judge_row(captured, reference, floor, dtype: str) -> dict[str, Any]:
+    """The verdict for one row at one layer ([T, H] tensors; `floor` None when the reference is exact).
+
+    Returns the measured values, their bounds, `ok`, the failing `criterion` ('' when ok) and `worst_pos`,
+    the token position a reader should look at first.
+    """
+    import torch
+
+    cos, err2, ref2 = _token_stats(captured, reference)
+    diverged = cos < COS_DIVERGED
+    if floor is not None:
+        fcos, ferr2, _ = _token_stats(floor, reference)
+        fdiv = fcos < COS_DIVERGED
+        floor_rel = _rel(ferr2, ref2, ~fdiv)
+    else:
+        fdiv = torch.zeros_like(diverged)
+        floor_rel = 0.0
+    n_div, n_fdiv = int(diverged.sum()), int(fdiv.sum())
+    allowed = allowed_diverged(n_fdiv)
+    rel = _rel(err2, ref2, ~diverged)
+    bound_rel = max(FLOOR_FACTOR * floor_rel, MIN_REL[dtype])
+    token_rel = (err2 / ref2.clamp_min(1e-30)).sqrt()
+    if n_div > allowed:
+        criterion = "diverged_tokens"
+        worst_pos = int(torch.nonzero(diverged)[0])  # where it starts
+    elif rel > bound_rel:
+        criterion = "rel"
+        worst_pos = int(torch.where(diverged, -1.0, token_rel).argmax())
+    else:
+        criterion = ""
+        worst_pos = int(cos.argmin())
+    return {
+        "tokens": int(cos.numel()),
+        "rel": rel,
+        "floor_rel": floor_rel,
+        "bound_rel": bound_rel,
+        "diverged": n_div,
+        "floor_diverged": n_fdiv,
+        "allowed_diverged": allowed,
+        "min_cos": float(cos.min()),
+        "worst_pos": worst_pos,
+        "worst_pos_cos": float(cos[worst_pos]),
+        "worst_pos_rel": float(token_rel[worst_pos]),
+        "ok": not criterion,
+        "criterion": criterion,
+    }
+
+
+def describe_failure(r: dict[str, Any], dtype: str, floor: str) -> str:
+    """One clause naming the row, the position, the criterion, the value, the bound and its floor."""
+    where = f"row {r['row']} token {r['worst_pos']}"
+    if r["criterion"] == "diverged_tokens":
+        return (
+            f"{where}: {r['diverged']} of {r['tokens']} tokens diverged (cosine < {COS_DIVERGED}; first at "
+            f"token {r['worst_pos']}, cosine {r['worst_pos_cos']:.4f}) > {r['allowed_diverged']} allowed "
+            f"(floor run: {r['floor_diverged']}, {floor})"
+        )
+    return (
+        f"{where}: relative error {r['rel']:.3g} > bound {r['bound_rel']:.3g} "
+        f"(= max({FLOOR_FACTOR:g} x floor {r['floor_rel']:.3g}, {MIN_REL[dtype]:g}); "
+        f"floor run: {floor}; worst token rel {r['worst_pos_rel']:.3g})"
+    )
+
+
+# Sampling: rows recomputed per shard so that a mistake on AFFECTED_SHARE of a shard's rows is missed
+# with probability < MISS_RATE (a hypergeometric draw without replacement; at most 90 rows, since
+# 0.95**90 < 0.01 bounds any shard size).
+MISS_RATE = 0.01
+AFFECTED_SHARE = 0.05
+
+
+def miss_probability(rows: int, sampled: int, affected_share: float = AFFECTED_SHARE) -> float:
+    """P(no affected row among `sampled` rows drawn without replacement from `rows`)."""
+    bad = max(1, math.ceil(affected_share * rows))
+    p = 1.0
+    for i in range(min(sampled, rows)):  # the i-th draw misses the `bad` rows
+        p *= max(rows - bad - i, 0) / (rows - i)
+    return p
+
+
+def rows_to_sample(rows: int, miss_rate: float = MISS_RATE, affected_share: float = AFFECTED_SHARE) -> int:
+    """The fewest rows whose miss probability is below `miss_rate` (all rows of a small shard)."""
+    bad = max(1, math.ceil(affected_share * rows))
+    p = 1.0
+    for n in range(rows):
+        if p < miss_rate:
+            return n
+        p *= max(rows - bad - n, 0) / (rows - n)
+    return rows

@@ -1,0 +1,108 @@
+"""Planted capture mistakes: copies of a correct shard made wrong the ways real capture code goes wrong.
+
+Each planted shard keeps a manifest whose checksums agree with its files, so only the reference check
+can catch it. Used by bench/validation_matrix.py and the tests to show that validation fails each one.
+The source shard must hold every id the mistakes borrow from (the matrix captures ids 1..N).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .atomic import sha256_file
+from .shard import MANIFEST, layer_file, read_index, read_manifest
+
+MISTAKES = (
+    "layer_plus_one",  # every id k < N holds id k + 1
+    "layer_minus_one",  # every id k holds id k - 1
+    "post_norm_final",  # id N holds the final norm's output instead of its input
+    "rows_swapped",  # two requests of equal length exchanged
+    "tokens_shifted",  # every row's states one position early (token t holds t + 1)
+    "scaled",  # every layer x 1/routed_scaling_factor (DeepSeek's fp16 residual scaling)
+    "other_shard",  # the rows of another shard
+)
+
+
+def _load(shard: Path, lid: int):
+    from safetensors import safe_open
+
+    with safe_open(shard / layer_file(lid), framework="pt") as f:
+        return f.get_tensor("hidden_states")  # [sum_T, H]
+
+
+def _row_slices(shard: Path) -> list[slice]:
+    return [slice(e.offset, e.offset + e.length) for e in read_index(shard)]
+
+
+def _equal_length_pair(shard: Path) -> tuple[slice, slice]:
+    by_len: dict[int, slice] = {}
+    for s in _row_slices(shard):
+        n = s.stop - s.start
+        if n in by_len:
+            return by_len[n], s
+        by_len[n] = s
+    raise ValueError(f"{shard}: no two rows of equal length to swap")
+
+
+def plant(
+    mistake: str,
+    source: Path,
+    out: Path,
+    layer_ids: list[int],
+    final_norm: Callable[[Any], Any] | None = None,
+    scale: float = 2.5,
+    other: Path | None = None,
+) -> Path:
+    """Write `out`: shard `source` reduced to `layer_ids`, made wrong by `mistake` (one of MISTAKES).
+
+    `final_norm` maps the pre-norm final state to the model's final-norm output (post_norm_final);
+    `other` is another shard of the same model (other_shard).
+    """
+    manifest = read_manifest(source)
+    n = manifest["num_hidden_layers"]
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("layer_*.safetensors", MANIFEST))
+    rows = _row_slices(source)
+    for lid in layer_ids:
+        hs = _load(source, lid)
+        if mistake == "layer_plus_one" and lid < n:
+            hs = _load(source, lid + 1)
+        elif mistake == "layer_minus_one" and lid > 0:
+            hs = _load(source, lid - 1)
+        elif mistake == "post_norm_final" and lid == n:
+            hs = final_norm(hs.float()).to(hs.dtype)
+        elif mistake == "rows_swapped":
+            a, b = _equal_length_pair(source)
+            hs = hs.clone()
+            hs[a], hs[b] = hs[b].clone(), hs[a].clone()
+        elif mistake == "tokens_shifted":
+            hs = hs.clone()
+            for s in rows:
+                if s.stop - s.start > 1:
+                    hs[s.start : s.stop - 1] = hs[s.start + 1 : s.stop].clone()
+        elif mistake == "scaled":
+            hs = (hs.float() / scale).to(hs.dtype)
+        elif mistake == "other_shard":
+            theirs = _load(other, lid)
+            reps = -(-hs.shape[0] // max(theirs.shape[0], 1))
+            hs = theirs.repeat(reps, 1)[: hs.shape[0]].clone()
+        elif mistake not in MISTAKES:
+            raise ValueError(f"unknown mistake {mistake!r}; one of {MISTAKES}")
+        _save(out / layer_file(lid), hs)
+    files = {k: v for k, v in manifest["files"].items() if not k.startswith("layer_")}
+    for lid in layer_ids:
+        path = out / layer_file(lid)
+        files[layer_file(lid)] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    manifest.update(files=files, layer_ids=list(layer_ids))
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    return out
+
+
+def _save(path: Path, hs) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"hidden_states": hs.contiguous()}, str(path))

@@ -1,0 +1,92 @@
+"""The pass rule on synthetic rows: right data passes at its precision's floor, each kind of wrong data fails."""
+
+import math
+
+import pytest
+import torch
+
+from eagle3prep.passrule import (
+    COS_DIVERGED,
+    allowed_diverged,
+    describe_failure,
+    judge_row,
+    miss_probability,
+    rows_to_sample,
+)
+
+T, H = 120, 64
+
+
+@pytest.fixture
+def ref():
+    return torch.randn(T, H, generator=torch.Generator().manual_seed(0)) * 3
+
+
+def noisy(x, rel, seed):
+    """x plus Gaussian noise of relative size `rel` (what a lower precision does to a state)."""
+    g = torch.Generator().manual_seed(seed)
+    return x + rel * x.norm() / math.sqrt(x.numel()) * torch.randn(x.shape, generator=g)
+
+
+def flipped(x, positions, seed):
+    """x with the states at `positions` replaced by unrelated ones (a token routed to other experts)."""
+    out = x.clone()
+    g = torch.Generator().manual_seed(seed)
+    for p in positions:
+        out[p] = torch.randn(H, generator=g) * x[p].norm() / math.sqrt(H)
+    return out
+
+
+def test_bf16_noise_at_the_floor_passes(ref):
+    r = judge_row(noisy(ref, 0.02, 1), ref, noisy(ref, 0.02, 2), "bfloat16")
+    assert r["ok"] and r["criterion"] == "" and r["rel"] <= r["bound_rel"]
+    assert r["bound_rel"] == pytest.approx(3 * r["floor_rel"])
+
+
+def test_moe_routing_flips_on_other_tokens_pass(ref):
+    # The floor run flips 4 tokens, the capture 6 others: the same rate, different tokens.
+    floor = flipped(noisy(ref, 0.02, 2), [5, 40, 77, 100], seed=3)
+    captured = flipped(noisy(ref, 0.02, 1), [8, 9, 50, 60, 90, 110], seed=4)
+    r = judge_row(captured, ref, floor, "bfloat16")
+    assert r["ok"], r
+    assert r["diverged"] == 6 and r["floor_diverged"] == 4 and r["min_cos"] < COS_DIVERGED
+
+
+def test_many_more_diverged_tokens_than_the_floor_fail(ref):
+    floor = flipped(noisy(ref, 0.02, 2), [5], seed=3)
+    captured = flipped(noisy(ref, 0.02, 1), range(30, 60), seed=4)  # a chunk of the row is wrong
+    r = judge_row(captured, ref, floor, "bfloat16")
+    assert not r["ok"] and r["criterion"] == "diverged_tokens" and r["worst_pos"] == 30
+    assert r["diverged"] == 30 and r["allowed_diverged"] == allowed_diverged(1)
+
+
+def test_scaled_stream_fails_on_relative_error(ref):
+    # cosine stays 1: only the magnitude shows it (DeepSeek's 1/routed_scaling_factor)
+    r = judge_row(noisy(ref, 0.02, 1) / 2.5, ref, noisy(ref, 0.02, 2), "bfloat16")
+    assert not r["ok"] and r["criterion"] == "rel" and r["diverged"] == 0 and r["rel"] > 0.5
+
+
+def test_fp32_with_an_exact_reference_uses_the_minimum_bound(ref):
+    assert judge_row(noisy(ref, 1e-7, 1), ref, None, "float32")["ok"]
+    r = judge_row(noisy(ref, 1e-3, 1), ref, None, "float32")  # bf16-sized error in an fp32 shard
+    assert not r["ok"] and r["criterion"] == "rel" and r["bound_rel"] == 1e-5 and r["floor_rel"] == 0.0
+
+
+def test_failure_message_names_row_position_criterion_value_bound_and_floor(ref):
+    r = judge_row(noisy(ref, 0.02, 1) / 2.5, ref, noisy(ref, 0.02, 2), "bfloat16")
+    msg = describe_failure({"row": 17, **r}, "bfloat16", "transformers bfloat16 on cpu")
+    assert msg.startswith(f"row 17 token {r['worst_pos']}: relative error")
+    assert f"{r['rel']:.3g}" in msg and f"{r['bound_rel']:.3g}" in msg and "transformers bfloat16 on cpu" in msg
+    r = judge_row(flipped(ref, range(30, 60), 4), ref, None, "float32")
+    msg = describe_failure({"row": 3, **r}, "float32", "none")
+    assert "row 3 token 30: 30 of 120 tokens diverged" in msg and "> 3 allowed" in msg
+
+
+def test_sample_size_keeps_the_miss_rate_under_one_percent():
+    for rows in (1, 7, 20, 50, 105, 1000, 10**5):
+        n = rows_to_sample(rows)
+        bad = max(1, math.ceil(0.05 * rows))
+        exact = math.comb(rows - bad, n) / math.comb(rows, n) if n <= rows - bad else 0.0
+        assert miss_probability(rows, n) == pytest.approx(exact, abs=1e-12)
+        assert exact < 0.01 and (n == 0 or miss_probability(rows, n - 1) >= 0.01)
+    assert rows_to_sample(10**6) == 90 and rows_to_sample(20) == 20  # 0.95**90 < 0.01 < 0.95**89
