@@ -19,6 +19,22 @@ def test_command_line_strings_are_coerced_to_the_schema_type():
     assert c["export"]["speculators"] is True and c["tokenize"]["num_shards"] == 3
 
 
+def test_command_line_numbers_nulls_and_lists_are_accepted():
+    # `--config 'plan={tokens_per_s: 660}'` failed with "'660' is not of type 'number'".
+    c = validate_config(
+        base(
+            plan={"tokens_per_s": "660", "engine_start_s": "12.5"},
+            layers={"ids": ["2", "4", "8"]},
+            extract={"quantization": "null", "enforce_eager": "yes", "gpu_memory_utilization": "0.5"},
+        )
+    )
+    assert c["plan"] == {"tokens_per_s": 660, "engine_start_s": 12.5}
+    assert c["layers"]["ids"] == [2, 4, 8]
+    assert c["extract"]["quantization"] is None and c["extract"]["enforce_eager"] is True
+    assert c["extract"]["gpu_memory_utilization"] == 0.5
+    assert validate_config(base(plan={"tokens_per_s": "null"}))["plan"]["tokens_per_s"] is None
+
+
 @pytest.mark.parametrize(
     ("over", "message"),
     [

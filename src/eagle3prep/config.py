@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -51,24 +52,42 @@ def _one_line(error) -> str:
     return f"config error: {key} = {error.instance!r}: {error.message}{desc}"
 
 
-def _coerce_strings(instance: Any, schema: dict[str, Any]) -> None:
-    """`snakemake --config 'export={speculators: true}'` hands nested values over as strings: turn
-    "true"/"false" and numerals back into what the schema asks for, in place."""
-    if not isinstance(instance, dict):
-        return
-    for key, sub in schema.get("properties", {}).items():
-        value = instance.get(key)
-        types = sub.get("type", [])
-        types = [types] if isinstance(types, str) else types
-        if isinstance(value, str):
-            if "boolean" in types and value.lower() in ("true", "false"):
-                instance[key] = value.lower() == "true"
-            elif "integer" in types and value.lstrip("-").isdigit():
-                instance[key] = int(value)
-            elif "null" in types and value.lower() in ("null", "none"):
-                instance[key] = None
-        elif isinstance(value, dict):
-            _coerce_strings(value, sub)
+_TRUE, _FALSE, _NULL = ("true", "yes", "on"), ("false", "no", "off"), ("null", "none", "~")
+
+
+def _coerce_scalar(value: str, types: list[str]) -> Any:
+    """A command-line string read as the first schema type it fits; unchanged when none fits."""
+    low = value.strip().lower()
+    if "null" in types and low in _NULL:
+        return None
+    if "string" in types:
+        return value
+    if "boolean" in types and low in _TRUE + _FALSE:
+        return low in _TRUE
+    if "integer" in types and re.fullmatch(r"[-+]?\d+", value.strip()):
+        return int(value)
+    if "number" in types:
+        try:
+            return int(value) if re.fullmatch(r"[-+]?\d+", value.strip()) else float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _coerce_strings(instance: Any, schema: dict[str, Any]) -> Any:
+    """Values given on the command line (`--config 'plan={tokens_per_s: 660}'`) reach the config as strings
+    (Snakemake reads nested ones with YAML's BaseLoader): read them as the schema's type; return the value."""
+    types = schema.get("type", [])
+    types = [types] if isinstance(types, str) else types
+    if isinstance(instance, str) and types:
+        return _coerce_scalar(instance, types)
+    if isinstance(instance, dict):
+        for key, sub in schema.get("properties", {}).items():
+            if key in instance:
+                instance[key] = _coerce_strings(instance[key], sub)
+    elif isinstance(instance, list) and isinstance(schema.get("items"), dict):
+        instance[:] = [_coerce_strings(item, schema["items"]) for item in instance]
+    return instance
 
 
 def validate_config(config: dict[str, Any], schema_path: str | Path = SCHEMA) -> dict[str, Any]:
