@@ -1,7 +1,12 @@
 import os
 import sys
 
-from eagle3prep.config import ConfigError, extract_data_params, validate_config
+from eagle3prep.config import (
+    ConfigError,
+    check_model,
+    extract_data_params,
+    validate_config,
+)
 from eagle3prep.prepare import InputError, expand_sources
 from eagle3prep.runlock import clear_stale_locks, record_owner
 
@@ -13,8 +18,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 try:
     validate_config(config, workflow.source_path("../config/schema.yaml"))
     SOURCES = expand_sources(config["data"]["sources"])
+    # Whatever the model's config.json decides (layer ids, max_seq_len) fails here, before any job.
+    MODEL_NOTES = check_model(config)
 except (ConfigError, InputError) as e:
     sys.exit(str(e))
+if workflow.is_main_process:
+    for _note in MODEL_NOTES:
+        print(f"eagle3prep: note: {_note}", file=sys.stderr)
 
 SHARDS = list(range(config["tokenize"]["num_shards"]))
 MODEL = config["model"]["path"]

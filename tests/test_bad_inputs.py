@@ -17,7 +17,7 @@ import pytest
 import yaml
 from workflow_helpers import REPO, make_workdir, snakemake
 
-from eagle3prep.config import capture_spec, validate_config
+from eagle3prep.config import capture_spec, check_model, validate_config
 from eagle3prep.errors import UserError
 from eagle3prep.prepare import expand_sources, prepare
 from eagle3prep.tokenization import tokenize_conversations
@@ -207,11 +207,11 @@ def model_variants(demo_model_dir, tmp_path_factory) -> dict[str, Path]:
 
 def check_config(case: dict, tmp_path: Path, request) -> None:
     """What the workflow checks, in its order: parse time (common.smk), the tokenize job, the extract job."""
-    base = {"data": {"sources": [GOOD_SOURCE]}, "model": {"path": "model"}, "tokenize": {"max_seq_len": 128}}
-    if case["at"] == "model":
-        base["model"]["path"] = str(request.getfixturevalue("model_variants")[case.get("model", "demo")])
+    model = str(request.getfixturevalue("model_variants")[case.get("model", "demo")])
+    base = {"data": {"sources": [GOOD_SOURCE]}, "model": {"path": model}, "tokenize": {"max_seq_len": 128}}
     config = validate_config(merged(base, case.get("config", {})))
     expand_sources(config["data"]["sources"])
+    check_model(config)
     if case["at"] == "model":
         conversations = tmp_path / "conversations.jsonl"
         conversations.write_text(json.dumps({"id": "x", "messages": json.loads(good_line(1))["messages"]}) + "\n")
@@ -281,13 +281,16 @@ def test_cli_parse_time_error_is_one_line(override, message, tmp_path):
 
 
 @pytest.mark.integration
-def test_cli_missing_model_folder_is_named_before_any_job(tmp_path):
-    # Snakemake's own MissingInputException (a few lines); rules/common.smk has no one-line check for it yet.
+def test_cli_missing_model_folder_is_one_line_before_any_job(tmp_path):
+    # Was Snakemake's multi-line MissingInputException in a fresh folder, and nothing at all once results
+    # existed (only the report reran, recording a model path that was never used).
     wd = make_workdir(tmp_path, cli_config(model={"path": "no/such/model", "build_demo": False}))
     proc = snakemake(wd, "-n", check=False)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "Traceback" not in out
-    assert "Missing input files for rule tokenize" in out and "no/such/model" in out
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr and "MissingInput" not in proc.stderr
+    assert error_lines(proc.stderr) == [
+        f"config error: model.path = 'no/such/model': no such folder (cwd: {wd}); set model.path to a local "
+        "Hugging Face model folder (or model.build_demo: true to build the demo model there)"
+    ]
 
 
 @pytest.mark.integration
@@ -306,13 +309,26 @@ def test_cli_bad_source_fails_the_prepare_job_with_one_line(tmp_path):
 
 
 @pytest.mark.integration
-def test_cli_max_seq_len_beyond_the_model_fails_tokenize_with_one_line(tmp_path, demo_model_dir):
-    config = cli_config(model={"path": str(demo_model_dir), "build_demo": False}, tokenize={"max_seq_len": 4096})
-    wd = make_workdir(tmp_path, config)
-    proc = snakemake(wd, "results/tokenized", check=False)
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            {"tokenize": {"max_seq_len": 4096}},
+            "config error: tokenize.max_seq_len = 4096 is above the model's context of 1024 tokens "
+            "(max_position_embeddings in {model}/config.json); set it to 1024 or less",
+        ),
+        (
+            {"layers": {"ids": [2, 4, 99]}},
+            "config error: layers.ids = [2, 4, 99] has ids [99] outside 0..8 (the model has N = 8 decoder layers; "
+            "id 8 is the pre-norm final state)",
+        ),
+    ],
+    ids=["max_seq_len", "layer_ids"],
+)
+def test_cli_what_the_model_config_decides_fails_the_dry_run_in_one_line(override, message, tmp_path, demo_model_dir):
+    # Both were found only inside the jobs (layer ids once per extract job), after prepare and tokenize.
+    wd = make_workdir(tmp_path, cli_config(model={"path": str(demo_model_dir), "build_demo": False}, **override))
+    proc = snakemake(wd, "-n", check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    lines = (wd / "logs" / "tokenize.log").read_text().splitlines()
-    assert lines == [
-        "error: config error: tokenize.max_seq_len = 4096 is above the model's context of 1024 tokens "
-        f"(max_position_embeddings in {demo_model_dir / 'config.json'}); set it to 1024 or less"
-    ]
+    assert error_lines(proc.stderr) == [message.format(model=demo_model_dir)]
+    assert not (wd / "results").exists()

@@ -1,6 +1,15 @@
+import json
+
 import pytest
 
-from eagle3prep.config import SPEED_KEYS, ConfigError, extract_data_params, extract_options, validate_config
+from eagle3prep.config import (
+    SPEED_KEYS,
+    ConfigError,
+    check_model,
+    extract_data_params,
+    extract_options,
+    validate_config,
+)
 
 
 def base(**over):
@@ -60,3 +69,33 @@ def test_speed_knobs_are_not_params_and_come_back_from_the_config():
     assert options["gpu_memory_utilization"] == 0.5  # a speed knob: the config as it is now
     assert options["dtype"] == extract["dtype"]  # a data key: what the params (the rerun trigger) hold
     assert set(options) == set(extract)
+
+
+def model_folder(tmp_path, config: dict):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_layer_ids_are_checked_against_the_text_config_at_parse_time(tmp_path):
+    # A multimodal wrapper (Kimi-K2.5): N lives in text_config. Was found only inside each extract job.
+    path = model_folder(tmp_path, {"text_config": {"num_hidden_layers": 61}, "vision_config": {}})
+    assert check_model(validate_config(base(model={"path": path}, layers={"ids": [2, 30, 58, 61]}))) == []
+    with pytest.raises(ConfigError, match=r"^config error: layers.ids = \[2, 4, 99\] has ids \[99\] outside 0..61"):
+        check_model(validate_config(base(model={"path": path}, layers={"ids": [2, 4, 99]})))
+
+
+def test_a_missing_model_folder_is_an_error_unless_the_demo_builds_it(tmp_path):
+    with pytest.raises(ConfigError, match="model.path = '.*nope': no such folder"):
+        check_model(validate_config(base(model={"path": str(tmp_path / "nope")})))
+    assert check_model(validate_config(base(model={"path": str(tmp_path / "nope"), "build_demo": True}))) == []
+    with pytest.raises(ConfigError, match="has no config.json"):
+        check_model(validate_config(base(model={"path": str(tmp_path)})))
+
+
+def test_default_layer_ids_that_collapse_on_a_small_model_are_named_in_one_line(tmp_path):
+    path = model_folder(tmp_path, {"num_hidden_layers": 6})
+    notes = check_model(validate_config(base(model={"path": path})))
+    assert len(notes) == 1 and "\n" not in notes[0]
+    assert "the default [2, N//2, N-3, N] is [2, 3, 3, 6] for this N = 6" in notes[0]
+    assert "3 distinct ids [2, 3, 6] are captured, not 4" in notes[0]
+    assert check_model(validate_config(base(model={"path": model_folder(tmp_path, {"num_hidden_layers": 32})}))) == []

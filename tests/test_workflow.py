@@ -135,6 +135,7 @@ def test_example_configs_dry_run(tmp_path):
     """config/examples/*.yaml: valid, and the Kimi-K2.5 GPU jobs take the whole node (TP 8)."""
     import yaml
 
+    layers = {"kimi-k2.5-int4.yaml": {"text_config": {"num_hidden_layers": 61}}, "llama-3.1-8b.yaml": {}}
     for name, gpus in (("kimi-k2.5-int4.yaml", 8), ("llama-3.1-8b.yaml", 1)):
         cfg = yaml.safe_load((REPO / "config/examples" / name).read_text())
         wd = make_workdir(tmp_path / name, cfg)
@@ -143,7 +144,8 @@ def test_example_configs_dry_run(tmp_path):
         cfg["data"]["sources"] = [str(wd / "data/conversations.jsonl")]
         (wd / "data/conversations.jsonl").write_text("")
         cfg["model"]["path"] = str(wd / "model")
-        (wd / "model").mkdir()
+        (wd / "model").mkdir()  # the layer ids and max_seq_len are checked against its config.json
+        (wd / "model/config.json").write_text(json.dumps(layers[name] or {"num_hidden_layers": 32}))
         (wd / "config/config.yaml").write_text(yaml.safe_dump(cfg))
         out = snakemake(wd, "-n", "--resources", f"gpu={gpus}").stdout
         assert re.search(rf"rule extract_hidden_states:.*?resources: [^\n]*gpus={gpus}, gpu={gpus}", out, re.S), out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import yaml
 
 from .backends.base import CaptureSpec
 from .errors import UserError
-from .layers import convert_layer_ids, resolve_layer_ids
+from .layers import convert_layer_ids, default_layer_ids, resolve_layer_ids
 from .provenance import num_hidden_layers
 
 SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
@@ -115,6 +116,41 @@ def layer_ids(config: dict[str, Any]) -> list[int]:
         return resolve_layer_ids(config["layers"]["ids"], config["layers"]["convention"], n)
     except ValueError as e:
         raise ConfigError(f"config error: {e}") from None
+
+
+def check_model(config: dict[str, Any]) -> list[str]:
+    """What the model folder decides, checked when the workflow is parsed, before any job: the folder and its
+    config.json exist, the layer ids fit its depth, max_seq_len its context. Returns notes for the user (one
+    line each). Skipped while the folder does not exist yet and model.build_demo will build it."""
+    path = Path(config["model"]["path"])
+    if not path.is_dir():
+        if config["model"]["build_demo"]:
+            return []
+        raise ConfigError(
+            f"config error: model.path = '{path}': no such folder (cwd: {os.getcwd()}); set model.path to a local "
+            "Hugging Face model folder (or model.build_demo: true to build the demo model there)"
+        )
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"config error: model.path = '{path}' has no config.json; point model.path at the model folder itself "
+            "(config.json, safetensors weights, tokenizer)"
+        )
+    try:
+        n = num_hidden_layers(str(path))
+    except (ValueError, OSError) as e:  # json.JSONDecodeError is a ValueError
+        raise ConfigError(f"config error: model.path = '{path}': cannot read config.json ({e})") from None
+    notes = []
+    if config["layers"]["ids"] is None:
+        ids, formula = default_layer_ids(n), [2, n // 2, n - 3, n]
+        if len(ids) < len(formula):
+            notes.append(
+                f"layers.ids: the default [2, N//2, N-3, N] is {formula} for this N = {n} ({path / 'config.json'}); "
+                f"{len(ids)} distinct ids {ids} are captured, not 4; set layers.ids to choose others"
+            )
+    else:
+        layer_ids(config)  # raises ConfigError in one line
+    check_max_seq_len(config["tokenize"]["max_seq_len"], path)
+    return notes
 
 
 def model_max_positions(model_path: str | Path) -> int | None:
