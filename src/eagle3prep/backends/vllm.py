@@ -29,9 +29,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import vllm_compat as compat
+from ..config import ConfigError
 from ..errors import UserError
 from ..layers import check_layer_ids
 from .base import CaptureBackend, CaptureSpec
+from .vllm_errors import ChildOutput, EngineError, engine_error
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -280,6 +282,8 @@ class VLLMBackend(CaptureBackend):
         self._staging: Path | None = None
         self._run = uuid.uuid4().hex[:8]  # keeps tags unique if two jobs share a staging folder
         self._batches = itertools.count()
+        self._workarounds = compat.Workarounds()
+        self._children = ChildOutput()
 
     # ---- probe -------------------------------------------------------------------------------
     def probe(self) -> dict[str, Any]:
@@ -302,9 +306,18 @@ class VLLMBackend(CaptureBackend):
         check_layer_ids(self.spec.layer_ids, model["num_hidden_layers"])
         self._gpus = self._claim_gpus()  # before vLLM is imported: it reads CUDA_VISIBLE_DEVICES
         on_cpu = self._on_cpu()
+        self._workarounds = compat.engine_workarounds(
+            version, on_cpu, model["architectures"], disabled=compat.workarounds_disabled()
+        )
+        if self._workarounds.refusal:
+            raise EngineError(self._workarounds.refusal)
+        for line in self._workarounds.log_lines:
+            log(line)
         self._staging = self._make_staging()
 
         candidates, fallback_reason = self._candidate_paths(version, model)
+        arch = model["architectures"][0] if model["architectures"] else "the model"
+        wanted = self.options.get("capture_path", "auto")
         for k, name in enumerate(candidates):
             last = k == len(candidates) - 1
             try:
@@ -314,12 +327,17 @@ class VLLMBackend(CaptureBackend):
                 self._smoke(version, model)
                 timings = {"engine_init_s": round(t_smoke - t_start, 2), "smoke_s": round(time.time() - t_smoke, 2)}
                 break
-            except Exception as e:  # auto: fall back to the hooks path; else report
+            except Exception as e:  # auto: fall back to the hooks path; else one line with the root cause
                 self._shutdown_engine()
+                err = (
+                    EngineError(str(e))  # the smoke capture's message names the version and the fix
+                    if isinstance(e, CaptureError)
+                    else engine_error(e, self._children.text(), version=version, arch=arch, path=name, wanted=wanted)
+                )
                 if last:
-                    raise
-                fallback_reason = f"{name} path failed its probe: {e}"[:500]
-                log(f"the {name} capture path failed its probe on vLLM {version} ({e}); trying {candidates[k + 1]}")
+                    raise err from e
+                fallback_reason = f"{name} path failed its probe: {err}"[:500]
+                log(f"the {name} capture path failed its probe ({err}); trying {candidates[k + 1]}")
 
         n = model["num_hidden_layers"]
         self.info = {
@@ -338,6 +356,7 @@ class VLLMBackend(CaptureBackend):
             "gpu_ids": os.environ.get("CUDA_VISIBLE_DEVICES") if not on_cpu else None,
             "staging_dir": str(self._staging),
             "fallback_reason": fallback_reason,
+            "workarounds": self._workarounds.names,
             "probe_s": round(time.time() - t0, 2),
             **timings,
         }
@@ -386,7 +405,7 @@ class VLLMBackend(CaptureBackend):
         """The capture paths to try in order, and why the built-in one was left out (if it was)."""
         wanted = self.options.get("capture_path", "auto")
         if wanted not in ("auto", "builtin", "hooks"):
-            raise ValueError(f"extract.capture_path = {wanted!r} is not one of ['auto', 'builtin', 'hooks']")
+            raise ConfigError(f"extract.capture_path = {wanted!r} is not one of ['auto', 'builtin', 'hooks']")
         if wanted == "hooks":
             return ["hooks"], None
         blocker = compat.builtin_blocker(
@@ -394,7 +413,7 @@ class VLLMBackend(CaptureBackend):
         )
         if wanted == "builtin":
             if blocker:
-                raise ValueError(
+                raise ConfigError(
                     f"extract.capture_path = builtin cannot capture layer ids {self.spec.layer_ids}: {blocker}; "
                     "set extract.capture_path: hooks (or auto)"
                 )
@@ -431,6 +450,7 @@ class VLLMBackend(CaptureBackend):
         kwargs.update(path.engine_kwargs())
         kwargs.update(opt.get("engine_args") or {})  # the user's word wins, as documented...
         kwargs.update(path.engine_kwargs())  # ...except where a capture path needs its setting (hooks: eager)
+        kwargs = compat.merge_engine_kwargs(kwargs, self._workarounds.engine_kwargs)  # known engine bugs
         if kwargs.get("enable_prefix_caching"):
             raise ValueError(
                 "extract.engine_args.enable_prefix_caching must stay false: cached tokens are not captured"
@@ -448,7 +468,9 @@ class VLLMBackend(CaptureBackend):
             self.path = HooksPath(self.spec.layer_ids, self._staging, version)
         kwargs = self._engine_kwargs(self.path)
         log(f"starting vLLM {version} ({name} path): {kwargs}")
-        self.llm = LLM(**kwargs)
+        self._children = ChildOutput()  # the engine's processes print the root cause of a failed start
+        with self._children.routed():
+            self.llm = LLM(**kwargs)
         self.path.install(self.llm)
 
     def _smoke(self, version: str, model: dict[str, Any]) -> None:

@@ -1,0 +1,134 @@
+"""vLLM engine failures as one line with their root cause (DESIGN.md §5).
+
+vLLM's engine core and workers are child processes: when they fail to start, the driver only raises
+"Engine core initialization failed. See root cause above." The root cause is a traceback the child
+printed; ChildOutput keeps a copy of what the children write so the job's one `error:` line carries it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+from ..errors import UserError
+
+KEEP_BYTES = 1 << 18  # tail of the children's output kept for the root cause
+
+
+class EngineError(UserError):
+    """vLLM could not start or probe the engine, or the probe refused it; the message says why."""
+
+
+class ChildOutput:
+    """Route fds 1 and 2 through pipes while the engine starts: the processes it forks or spawns
+    inherit them, and a thread forwards every byte to the original fds and keeps the tail."""
+
+    def __init__(self) -> None:
+        self._tail = bytearray()
+        self._lock = threading.Lock()
+        self._last_read = 0.0
+
+    @contextlib.contextmanager
+    def routed(self) -> Iterator[None]:
+        saved = []
+        for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+            with contextlib.suppress(Exception):
+                stream.flush()
+            try:
+                original = os.dup(fd)
+            except OSError:  # no such fd (a daemon without stdio): nothing to route
+                continue
+            read_end, write_end = os.pipe()
+            os.dup2(write_end, fd)
+            os.close(write_end)
+            threading.Thread(target=self._pump, args=(read_end, original), daemon=True).start()
+            saved.append((fd, original))
+        try:
+            yield
+        finally:
+            for fd, original in saved:  # this process writes directly again; the children keep the pipe
+                with contextlib.suppress(Exception):
+                    (sys.stdout if fd == 1 else sys.stderr).flush()
+                os.dup2(original, fd)
+
+    def _pump(self, read_end: int, original: int) -> None:
+        # EOF comes only once this process has restored its fd (routed's finally) and the children exit.
+        try:
+            while chunk := os.read(read_end, 65536):
+                with self._lock:
+                    self._tail += chunk
+                    del self._tail[:-KEEP_BYTES]
+                    self._last_read = time.monotonic()
+                with contextlib.suppress(OSError):
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(original, view) :]
+        finally:
+            os.close(read_end)
+            os.close(original)
+
+    def text(self, settle_s: float = 0.3, timeout_s: float = 5.0) -> str:
+        """What the children wrote, once nothing new has arrived for `settle_s` (a dying child's
+        last lines are still in the pipe when the driver raises)."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end and time.monotonic() - self._last_read < settle_s:
+            time.sleep(0.05)
+        with self._lock:
+            return self._tail.decode("utf-8", errors="replace")
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# "(EngineCore pid=8768) " and vLLM's log header "ERROR 11-30 17:28:30 [core.py:1510] "
+_PREFIX = re.compile(
+    r"^(?:\([\w.-]+ pid=\d+\) )?(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) [\d-]+ [\d:.]+ \[[^\]]*\] )?"
+)
+_EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)): ?(.*)$")
+# vLLM's own wrappers around a child's failure, never the root cause
+_WRAPPERS = ("root cause", "initialization failed", "failed to start")
+
+
+def root_cause(output: str) -> str | None:
+    """The first exception of the children's tracebacks that is not one of vLLM's wrappers, as
+    "Type: message", or None when their output holds no traceback."""
+    in_traceback = False
+    for raw in output.splitlines():
+        line = _PREFIX.sub("", _ANSI.sub("", raw)).rstrip()
+        if line.startswith("Traceback (most recent call last):"):
+            in_traceback = True
+            continue
+        if not in_traceback or not line or line[0].isspace():
+            continue
+        in_traceback = False
+        m = _EXCEPTION.match(line)
+        if m and not any(w in m.group(2).lower() for w in _WRAPPERS):
+            return f"{m.group(1)}: {m.group(2)}".rstrip(": ")
+    return None
+
+
+def fix_hint(path: str, wanted: str, cause: str) -> str:
+    if path == wanted == "builtin":
+        return "set extract.capture_path: hooks (or auto)"
+    if "out of memory" in cause.lower():
+        return "lower extract.gpu_memory_utilization or extract.max_num_batched_tokens"
+    return "the engine's traceback is in the log above"
+
+
+def engine_error(
+    exc: BaseException, output: str, *, version: str, arch: str, path: str, wanted: str = "auto"
+) -> UserError:
+    """One line for a failed engine start or smoke capture: what failed, the root cause, the fix."""
+    if isinstance(exc, UserError):
+        return exc
+    cause = root_cause(output)
+    if cause is None:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        cause = f"{type(exc).__name__}: {first}".rstrip(": ")
+    cause = re.sub(r"^(RuntimeError|Exception): ", "", cause)  # the message alone says it
+    return EngineError(
+        f"vLLM {version} could not start {arch} with capture_path {path}: {cause}; {fix_hint(path, wanted, cause)}"
+    )
