@@ -1,10 +1,19 @@
 # One HTML report with plots, a CSV summary, and the dataset-level manifest.
+from eagle3prep.report import report_config
+
+
+def get_report_export(wildcards=None):
+    """The speculators export when requested: the report then waits for it and records it."""
+    return ["results/export/speculators"] if config["export"]["speculators"] else []
+
+
 rule report:
     input:
         validations=expand("results/validation/shard_{k}.json", k=SHARDS),
         shards=get_shard_dirs(),
         counts="results/prepared/counts.json",
         tokenized=TOKENIZED,
+        export=get_report_export(),
     output:
         html=report(
             "results/report/report.html",
@@ -31,8 +40,10 @@ rule report:
         "../envs/base.yaml"
     params:
         stats=f"{TOKENIZED}/stats.json",
+        token_freq=f"{TOKENIZED}/token_freq.json",
         tokens=get_tokenized_shards(),
         benchmarks=expand("benchmarks/extract/shard_{k}.tsv", k=SHARDS),
-        config=config,
+        # Only the keys that decide the data: other edits (plan.*, speed knobs) do not rerun the report.
+        config=report_config(config),
     script:
         "../scripts/report.py"

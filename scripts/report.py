@@ -14,9 +14,11 @@ with one_line_errors():
         tokenized=list(snakemake.params.tokens),
         counts_path=snakemake.input.counts,
         stats_path=snakemake.params.stats,
+        token_freq_path=snakemake.params.token_freq,
         benchmarks=list(snakemake.params.benchmarks),
         config=snakemake.params.config,
         out_html=snakemake.output.html,
         out_csv=snakemake.output.summary,
         out_manifest=snakemake.output.manifest,
+        export_dir=snakemake.input.export[0] if snakemake.input.export else None,
     )

@@ -1,0 +1,185 @@
+"""The report stage: an HTML report, a CSV summary (one row per shard) and the dataset-level manifest.
+
+data.py gathers what the page shows, plots.py draws it, page.py lays it out; this module reads the
+workflow's outputs and writes the three files (DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .. import faults
+from ..atomic import atomic_open, sha256_file, write_json
+from ..shard import FORMAT, MANIFEST, TIMINGS, read_manifest
+from . import data, page, plots
+from .data import report_config
+
+DATASET_FORMAT = "eagle3prep.dataset/1"
+
+
+def _benchmark_seconds(path: str | Path) -> float | None:
+    """Wall seconds from a Snakemake benchmark TSV (first column `s`); None when absent."""
+    import pandas as pd
+
+    if not Path(path).is_file():
+        return None
+    return float(pd.read_csv(path, sep="\t")["s"].iloc[-1])
+
+
+def _row_stats(tokenized: list[str]):
+    """Per row: shard, seq_len, share of loss-masked tokens (for the length and mask histograms)."""
+    import pandas as pd
+
+    out = []
+    for k, path in enumerate(tokenized):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                r = json.loads(line)
+                out.append(
+                    {"shard": k, "seq_len": r["seq_len"], "mask_share": sum(r["loss_mask"]) / max(r["seq_len"], 1)}
+                )
+    return pd.DataFrame(out, columns=["shard", "seq_len", "mask_share"])
+
+
+def _summary(shard_dirs, manifests, reports, benchmarks, margins):
+    import pandas as pd
+
+    records = []
+    for k, (d, m, v, bench) in enumerate(zip(shard_dirs, manifests, reports, benchmarks, strict=True)):
+        timings = data.load_json(Path(d) / TIMINGS) if (Path(d) / TIMINGS).is_file() else {}
+        job_s = _benchmark_seconds(bench)
+        worst = max((r["rel"] for r in v.get("reference") or []), default=None)
+        shard_margins = [vals[k] for vals in margins.values() if vals[k] is not None]
+        records.append(
+            {
+                "shard": k,
+                "rows": m["rows"],
+                "tokens": m["tokens"],
+                "bytes": sum(f["bytes"] for f in m["files"].values()),
+                "job_s": job_s,
+                "engine_start_s": timings.get("engine_start_s"),
+                "tokens_per_s": timings.get("tokens_per_s"),  # capture only (timings.json)
+                "job_tokens_per_s": m["tokens"] / job_s if job_s else None,  # whole job (benchmark TSV)
+                "validation_ok": v["ok"],
+                "reference_worst_rel": worst,
+                "reference_worst_margin": max(shard_margins) if shard_margins else None,  # error / bound
+                "capture_path": m["engine"]["capture_path"],
+            }
+        )
+    return pd.DataFrame(records)
+
+
+def _export_facts(export_dir: str | None) -> dict[str, Any] | None:
+    """Rows and bytes of the speculators export, from its manifest; None when it was not requested."""
+    if not export_dir:
+        return None
+    m = data.load_json(Path(export_dir) / MANIFEST)
+    return {"dir": str(export_dir), "rows": m["rows"], "bytes": sum(f["bytes"] for f in m["files"].values())}
+
+
+def _dataset_manifest(shard_dirs, manifests, summary, counts, stats, config) -> dict[str, Any]:
+    mixed = {(m["dtype"], tuple(m["layer_ids"]), m["model"]["weights_sha256"]) for m in manifests}
+    if len(mixed) > 1:
+        raise ValueError(f"shards disagree on dtype/layer ids/model: {sorted(mixed)}; rerun the odd ones")
+    first = manifests[0]
+    return {
+        "format": DATASET_FORMAT,
+        "shard_format": FORMAT,
+        **{k: first[k] for k in ("layer_ids", "layer_id_convention", "num_hidden_layers", "hidden_size", "dtype")},
+        **{k: first[k] for k in ("model", "tokenizer", "engine")},
+        "rows": int(summary["rows"].sum()),
+        "tokens": int(summary["tokens"].sum()),
+        "bytes": int(summary["bytes"].sum()),
+        "shards": [
+            {
+                "shard": m["shard"],
+                "dir": str(d),
+                "rows": m["rows"],
+                "tokens": m["tokens"],
+                "row_range": m["row_range"],
+                "manifest_sha256": sha256_file(Path(d) / MANIFEST),
+            }
+            for d, m in zip(shard_dirs, manifests, strict=True)
+        ],
+        "prepare": counts["totals"],
+        "tokenize": {k: stats[k] for k in sorted(stats) if k != "shards"},
+        "config": config,  # report_config(): the keys that decide the data
+    }
+
+
+def build_report(
+    validations: list[str],
+    shard_dirs: list[str],
+    tokenized: list[str],
+    counts_path: str,
+    stats_path: str,
+    token_freq_path: str,
+    benchmarks: list[str],
+    config: dict[str, Any],
+    out_html: str,
+    out_csv: str,
+    out_manifest: str,
+    export_dir: str | None = None,
+) -> dict[str, Any]:
+    """Write summary.csv, dataset_manifest.json and report.html (in that order); return the manifest.
+
+    `config` is report_config(config), `export_dir` the speculators export when it was requested.
+    """
+    counts, stats = data.load_json(counts_path), data.load_json(stats_path)
+    manifests = [read_manifest(d) for d in shard_dirs]
+    reports = [data.load_json(v) for v in validations]
+    margins = data.reference_margins(reports)
+
+    summary = _summary(shard_dirs, manifests, reports, benchmarks, margins)
+    faults.kill_point("report.before_summary")
+    with atomic_open(out_csv, "w", encoding="utf-8", newline="") as f:
+        summary.to_csv(f, index=False)
+
+    dataset = _dataset_manifest(shard_dirs, manifests, summary, counts, stats, config)
+    faults.kill_point("report.before_manifest")
+    write_json(out_manifest, dataset)
+
+    exact = all("outlier_share" in s for v in reports for s in v.get("layer_stats", {}).values())
+    outliers = None if exact else [data.sampled_outlier_shares(d, v) for d, v in zip(shard_dirs, reports, strict=True)]
+    ratio = data.OUTLIER_NORM_RATIO
+    outlier_note = (
+        f"Outlier token: L2 norm above {ratio:g}x the layer's mean token norm in the shard; "
+        + ("share over every token (validation)." if exact else
+           f"share over up to {data.OUTLIER_SAMPLE_TOKENS:,} sampled tokens per layer and shard.")
+    )  # fmt: skip
+    series = data.layer_stat_series(reports, outliers)
+    coverage = data.vocab_coverage(data.load_json(token_freq_path))
+    skipped = [k for k, v in enumerate(reports) if data.reference_skipped(v)]
+    ctx = {
+        "dataset": dataset,
+        "stats": stats,
+        "counts": counts,
+        "reports": reports,
+        "summary": summary,
+        "margins": margins,
+        "funnel": data.funnel(counts, stats),
+        "grid": data.check_grid(reports),
+        "coverage": coverage,
+        "outlier_note": outlier_note,
+        "reference_skipped": skipped,
+        "reference_line": data.reference_summary(reports) + (f"; SKIPPED on shards {skipped}" if skipped else ""),
+        "code_versions": {str(m.get("code_version")) for m in manifests},
+        "export": _export_facts(export_dir),
+        "config": config,
+    }
+    n = len(reports)
+    figs = {
+        "margin": plots.reference_margin(margins, n) if margins else None,
+        "layer_stats": plots.layer_stats(series, n),
+        "coverage": plots.vocab_coverage(coverage),
+        "throughput": plots.throughput_and_disk(summary),
+        "distributions": plots.distributions(_row_stats(tokenized)),
+    }
+    faults.kill_point("report.before_html")
+    page.write_page(out_html, ctx, figs)
+    return dataset
+
+
+__all__ = ["DATASET_FORMAT", "build_report", "report_config"]

@@ -1,0 +1,236 @@
+"""What the report shows, as plain data: the row funnel, validation verdicts, reference margins,
+hidden-state statistics and vocabulary coverage. No HTML or plotting here, so each piece is unit-tested
+on small dicts, and old validation files (fewer keys) still load."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from ..config import extract_data_params
+from ..shard import layer_file, read_index
+
+# The draft vocabulary sizes a user picks from (speculators' --draft-vocab-size).
+DRAFT_VOCAB_SIZES = (8192, 16384, 32768, 65536)
+# A token is an outlier when its L2 norm is this many times the layer's mean token norm in the shard.
+OUTLIER_NORM_RATIO = 4.0
+# Tokens read per layer per shard for the outlier share: bounds the report's reads and memory
+# (the validate job already read every byte once; the report must not do it again).
+OUTLIER_SAMPLE_TOKENS = 16384
+OUTLIER_BLOCKS = 16  # the sample is this many evenly spaced runs of rows, not one run at the start
+
+# Validation checks grouped into the columns of the per-shard verdict grid (name prefix -> column).
+CHECK_GROUPS = (
+    ("manifest", "manifest"),
+    ("file:", "sha256"),
+    ("no_stray_files", "stray files"),
+    ("layer_files", "layer files"),
+    ("row_count", "rows"),
+    ("index_", "index"),
+    ("tokenized_source", "source"),
+    ("token_ids", "token ids"),
+    ("shape:", "shape/dtype"),
+    ("finite:", "finite"),
+    ("reference", "reference"),
+)
+
+
+def load_json(path: str | Path) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def report_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config keys the report records: those that decide the data (the upstream rules' params).
+
+    The report rule takes this as params, so editing other keys (plan.*, extract speed knobs,
+    tokenize.workers) neither reruns it nor fills the `-n` reason line with the whole config.
+    """
+    return {
+        "data": {"sources": list(config["data"]["sources"])},
+        "model": {"path": config["model"]["path"], "trust_remote_code": config["model"]["trust_remote_code"]},
+        "tokenize": {
+            k: config["tokenize"][k]
+            for k in ("max_seq_len", "num_shards", "template_fallback")
+            if k in config["tokenize"]
+        },
+        "layers": dict(config["layers"]),
+        "extract": extract_data_params(config["extract"]),
+        "validate": dict(config["validate"]),
+        "export": {"speculators": bool(config["export"]["speculators"])},
+    }
+
+
+def funnel(counts: dict[str, Any], stats: dict[str, Any]) -> list[tuple[str, int | None, str]]:
+    """Rows from the raw sources to the tokenized shards: (step, rows, note), each step's loss named.
+
+    Truncated rows stay in the data (cut to max_seq_len); their lost tokens are shown when
+    stats.json records them (`truncated_tokens`), else the note says they were not counted.
+    """
+    t = counts["totals"]
+    out: list[tuple[str, int | None, str]] = [("rows in the sources", t["rows_in"], f"{t.get('files', '?')} files")]
+    out.append(("duplicates dropped", -t["duplicates"], "same content as an earlier row"))
+    out.append(_quarantine_step("prepare", t.get("quarantined", {})))
+    out.append(("conversations kept by prepare", t["kept"], ""))
+    out.append(_quarantine_step("tokenize", stats.get("quarantined", {})))
+    rows, trunc = stats["rows"], stats.get("truncated_rows", 0)
+    lost = stats.get("truncated_tokens")
+    if lost is not None:
+        kept_tokens = stats["tokens"]
+        note = f"{lost:,} tokens cut ({lost / max(kept_tokens + lost, 1):.2%} of all)"
+    else:
+        note = "tokens cut: not in stats.json"
+    out.append(
+        (f"truncated to {stats.get('max_seq_len', '?')} tokens (kept)", trunc, f"{share(trunc, rows)} of rows; {note}")
+    )
+    out.append(("rows out (tokenized, captured)", rows, f"{stats['tokens']:,} tokens"))
+    return out
+
+
+def _quarantine_step(stage: str, reasons: dict[str, int]) -> tuple[str, int, str]:
+    """One funnel line per stage; the note names every reason with its count."""
+    named = {r: n for r, n in sorted(reasons.items()) if n}
+    return (f"quarantined by {stage}", -sum(named.values()), ", ".join(f"{r} {n}" for r, n in named.items()))
+
+
+def share(n: float, total: float) -> str:
+    return f"{n / total:.1%}" if total else "n/a"
+
+
+def check_grid(reports: list[dict[str, Any]]) -> tuple[list[str], list[list[tuple[str, str]]]]:
+    """Per shard, one verdict per check group: ("ok"|"FAIL"|"skipped"|"-", tooltip with every detail)."""
+    columns = [name for _, name in CHECK_GROUPS]
+    grid = []
+    for v in reports:
+        row = []
+        for prefix, name in CHECK_GROUPS:
+            mine = [c for c in v.get("checks", []) if c["check"].startswith(prefix)]
+            if name == "reference" and reference_skipped(v):
+                row.append(("skipped", "no row was recomputed"))
+                continue
+            if not mine:
+                row.append(("-", "no such check in this file"))
+                continue
+            bad = [c for c in mine if not c["ok"]]
+            tip = "; ".join(f"{c['check']}: {c.get('detail') or 'ok'}" for c in (bad or mine))
+            row.append(("FAIL" if bad else "ok", tip))
+        grid.append(row)
+    return columns, grid
+
+
+def reference_skipped(v: dict[str, Any]) -> bool:
+    """True when the shard's hidden states were not compared with a recomputation.
+
+    New files say so in `reference_mode` ("off"), older ones and `sample_rows: 0` by an absent or
+    empty `reference`. A shard without rows has nothing to compare and does not count as skipped.
+    """
+    if v.get("rows") == 0:
+        return False
+    return v.get("reference_mode") == "off" or not v.get("reference")
+
+
+def reference_margins(reports: list[dict[str, Any]]) -> dict[str, list[float | None]]:
+    """{layer id: [worst error / bound per shard]}; < 1 passes. None where a shard has no reference."""
+    layers: dict[str, list[float | None]] = {}
+    for k, v in enumerate(reports):
+        per_layer = v.get("reference_layers")
+        if per_layer:
+            worst = {str(lid): s.get("worst_margin") for lid, s in per_layer.items()}
+        else:  # older files: derive the margin from the per-row results
+            worst = {}
+            for r in v.get("reference") or []:
+                m = r["rel"] / r["bound_rel"] if r.get("bound_rel") else math.inf
+                worst[str(r["layer_id"])] = max(worst.get(str(r["layer_id"]), 0.0), m)
+        for lid, m in worst.items():
+            layers.setdefault(lid, [None] * len(reports))[k] = m
+    return dict(sorted(layers.items(), key=lambda kv: int(kv[0])))
+
+
+def layer_stat_series(reports: list[dict[str, Any]], outliers: list[dict[str, float]] | None = None) -> dict:
+    """{stat: {layer id: [value per shard]}} for mean, std, max_abs and the outlier share."""
+    out: dict[str, dict[str, list[float | None]]] = {s: {} for s in ("mean", "std", "max_abs", "outlier_share")}
+    for k, v in enumerate(reports):
+        for lid, s in v.get("layer_stats", {}).items():
+            for stat in ("mean", "std", "max_abs"):
+                out[stat].setdefault(lid, [None] * len(reports))[k] = s.get(stat)
+            got = s.get("outlier_share", (outliers[k] if outliers else {}).get(lid))
+            out["outlier_share"].setdefault(lid, [None] * len(reports))[k] = got
+    return {stat: dict(sorted(series.items(), key=lambda kv: int(kv[0]))) for stat, series in out.items()}
+
+
+def sampled_outlier_shares(shard_dir: str | Path, validation: dict[str, Any]) -> dict[str, float]:
+    """{layer id: share of sampled tokens with norm > OUTLIER_NORM_RATIO x the layer's mean token norm}.
+
+    Reads at most OUTLIER_SAMPLE_TOKENS rows per layer file, in OUTLIER_BLOCKS evenly spaced runs,
+    so the report's cost does not grow with the shard. The mean norm comes from validation.
+    """
+    import torch
+    from safetensors import safe_open
+
+    shard = Path(shard_dir)
+    tokens = sum(e.length for e in read_index(shard))
+    if tokens == 0:
+        return {}
+    block = max(OUTLIER_SAMPLE_TOKENS // OUTLIER_BLOCKS, 1)
+    starts = sorted({int(i * tokens / OUTLIER_BLOCKS) for i in range(OUTLIER_BLOCKS)})
+    out = {}
+    for lid, s in validation.get("layer_stats", {}).items():
+        mean_norm = s.get("mean_token_norm")
+        if not mean_norm or not (shard / layer_file(int(lid))).is_file():
+            continue
+        hit = seen = 0
+        with safe_open(shard / layer_file(int(lid)), framework="pt") as f:
+            sl = f.get_slice("hidden_states")
+            end_prev = 0
+            for a in starts:
+                a = max(a, end_prev)  # blocks of a small shard overlap: read each row once
+                b = min(a + block, tokens)
+                if a >= b:
+                    continue
+                norms = torch.linalg.vector_norm(sl[a:b].float(), dim=-1)  # [b - a]
+                hit += int((norms > OUTLIER_NORM_RATIO * mean_norm).sum())
+                seen += b - a
+                end_prev = b
+        out[lid] = hit / seen if seen else 0.0
+    return out
+
+
+def reference_summary(reports: list[dict[str, Any]]) -> str:
+    """One line: how many rows were recomputed, against what, and the chance a bad 5 % of rows slipped by."""
+    sampled = [v["reference_sample"] for v in reports if v.get("reference_sample")]
+    floors = sorted({str(v["reference_floor"]) for v in reports if v.get("reference_floor")})
+    if not sampled:
+        n = sum(len({r["row"] for r in v.get("reference") or []}) for v in reports)
+        return f"{n} rows recomputed in all (an older validation file: no sample summary)"
+    rows, of = sum(s["rows"] for s in sampled), sum(s["of"] for s in sampled)
+    miss = max(s.get("miss_probability", 0.0) for s in sampled)
+    return (
+        f"{rows:,} of {of:,} rows recomputed with {', '.join(floors) or 'no reference'}; "
+        f"worst shard's chance of missing a mistake on 5 % of its rows: {miss:.1%}"
+    )
+
+
+def vocab_coverage(token_freq: dict[str, int], sizes: tuple[int, ...] = DRAFT_VOCAB_SIZES) -> dict[str, Any]:
+    """Share of loss-masked tokens covered by the most frequent n ids, for a draft vocabulary of n.
+
+    Returns the distinct ids seen, the share at each of `sizes`, and the whole curve (n, share)
+    at about 200 log-spaced points, for the plot.
+    """
+    import numpy as np
+
+    counts = np.sort(np.fromiter(token_freq.values(), dtype=np.int64))[::-1]
+    total = int(counts.sum())
+    cum = np.cumsum(counts) / total if total else np.zeros(0)
+
+    def at(n: int) -> float:
+        return float(cum[min(n, len(cum)) - 1]) if len(cum) else 0.0
+
+    points = sorted({int(x) for x in np.geomspace(1, max(len(cum), 1), num=200)} | {len(cum)})
+    return {
+        "distinct_ids": len(cum),
+        "masked_tokens": total,
+        "at": {n: at(n) for n in sizes},
+        "curve": [(n, at(n)) for n in points if n >= 1],
+    }

@@ -1,0 +1,245 @@
+"""The report's HTML page: what a person needs before spending GPU-days on the data comes first
+(banners, the row funnel, every check's verdict, the reference margins); details follow. One
+self-contained file (figures inlined), laid out for a 1,000-pixel-wide window."""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Any
+
+from ..atomic import atomic_open
+
+# A layer whose worst sampled row reaches this share of its bound is flagged before it fails.
+NEAR_MISS = 0.8
+
+esc = html.escape
+
+STYLE = """
+body{font-family:system-ui,sans-serif;font-size:14px;max-width:960px;margin:12px auto;padding:0 12px;color:#222}
+h1{font-size:20px;margin:4px 0}h2{font-size:16px;margin:18px 0 6px;border-bottom:1px solid #ddd}
+p{margin:4px 0}table{border-collapse:collapse;font-size:12.5px;margin:4px 0}
+td,th{border:1px solid #ccc;padding:2px 6px;text-align:right;white-space:nowrap}table.w{width:100%}
+th{background:#f3f3f3}td.l,th.l{text-align:left;white-space:normal}
+.banner{padding:8px 12px;margin:8px 0;border-radius:4px;font-weight:600}
+.bad{background:#fde2e1;border:1px solid #d33}.warn{background:#fff4d6;border:1px solid #d90}
+.good{background:#e4f6e6;border:1px solid #3a3}
+.ok{color:#176b2c}.FAIL{color:#fff;background:#c62828;font-weight:700}.skipped{background:#ffe9a8}
+.cols{display:flex;gap:16px;align-items:flex-start}.cols>div{flex:1;min-width:0}
+.kpi{display:grid;grid-template-columns:repeat(4,1fr);gap:6px;margin:8px 0}
+.kpi div{border:1px solid #ddd;border-radius:4px;padding:4px 8px}.kpi b{display:block;font-size:17px}
+img{max-width:100%}details{margin:6px 0}code{font-size:12px;word-break:break-all}
+"""
+
+
+def mib(n: float | None) -> str:
+    return "" if n is None or _nan(n) else f"{n / 2**20:,.1f} MiB"
+
+
+def num(n: float | None, digits: int = 0) -> str:
+    return "" if n is None or _nan(n) else f"{n:,.{digits}f}"
+
+
+def secs(n: float | None) -> str:
+    return "" if n is None or _nan(n) else f"{n:,.1f} s"
+
+
+def _nan(x: Any) -> bool:
+    return isinstance(x, float) and math.isnan(x)
+
+
+def _table(header: list[str], rows: list[list[str]], text: tuple[int, ...] = (0,)) -> str:
+    """Cells are already escaped HTML; columns in `text` are left-aligned and wrap, numbers align right."""
+    cls = lambda i: " class='l'" if i in text else ""  # noqa: E731
+    head = "".join(f"<th{cls(i)}>{h}</th>" for i, h in enumerate(header))
+    body = "".join("<tr>" + "".join(f"<td{cls(i)}>{c}</td>" for i, c in enumerate(r)) + "</tr>" for r in rows)
+    return f"<table>{head and f'<tr>{head}</tr>'}{body}</table>"
+
+
+def banners(ctx: dict[str, Any]) -> list[str]:
+    """Red or amber lines for what must not be missed: a skipped reference check, failed checks, near misses."""
+    out = []
+    skipped = ctx["reference_skipped"]
+    if skipped:
+        which = "every shard" if len(skipped) == len(ctx["reports"]) else f"shards {skipped}"
+        out.append(
+            f"<div class='banner bad'>Reference check SKIPPED on {which} (validate.reference: false or "
+            "sample_rows: 0): the stored hidden states were never compared with a recomputation, so wrongly "
+            "captured data would pass every other check. Rerun validation with the reference on before training.</div>"
+        )
+    failed = [(k, c["check"]) for k, v in enumerate(ctx["reports"]) for c in v.get("checks", []) if not c["ok"]]
+    if failed:
+        out.append(f"<div class='banner bad'>{len(failed)} failed check(s): {esc(str(failed[:8]))}</div>")
+    worst = {lid: max((v for v in vals if v is not None), default=0.0) for lid, vals in ctx["margins"].items()}
+    close = {lid: m for lid, m in worst.items() if NEAR_MISS <= m < 1.0}
+    if close:
+        out.append(
+            f"<div class='banner warn'>Near the reference bound (worst error / bound ≥ {NEAR_MISS}): "
+            + ", ".join(f"layer {lid}: {m:.2f}" for lid, m in close.items())
+            + "</div>"
+        )
+    if not out:
+        out.append("<div class='banner good'>Every check passed on every shard, the reference check included.</div>")
+    return out
+
+
+def kpis(ctx: dict[str, Any]) -> str:
+    d, stats, t = ctx["dataset"], ctx["stats"], ctx["counts"]["totals"]
+    ok = sum(1 for v in ctx["reports"] if v.get("ok"))
+    worst = [v for vals in ctx["margins"].values() for v in vals if v is not None]
+    cov = ctx["coverage"]["at"]
+    items = [
+        ("rows in → rows out", f"{t['rows_in']:,} → {d['rows']:,}"),
+        ("tokens (loss-masked share)", f"{d['tokens']:,} ({stats.get('assistant_token_share', 0):.1%})"),
+        ("shards validated", f"{ok} / {len(ctx['reports'])}"),
+        ("worst reference error / bound", f"{max(worst):.2f}" if worst else "not checked"),
+        ("hidden states on disk", mib(d["bytes"])),
+        ("layer ids (vLLM convention)", esc(str(d["layer_ids"]))),
+        ("truncated rows", f"{stats.get('truncated_rows', 0):,} of {d['rows']:,}"),
+        ("masked tokens a 32k draft vocab covers", f"{cov.get(32768, 0):.1%}"),
+    ]
+    return "<div class='kpi'>" + "".join(f"<div>{k}<b>{v}</b></div>" for k, v in items) + "</div>"
+
+
+def funnel_table(steps: list[tuple[str, int | None, str]]) -> str:
+    rows = [[esc(step), num(n), esc(note)] for step, n, note in steps]
+    return _table(["step", "rows", "note"], rows, text=(0, 2)) + (
+        "<p>Every quarantined record, with its file, line and reason: <code>results/prepared/quarantine.jsonl</code>, "
+        "<code>results/tokenized/quarantine.jsonl</code>.</p>"
+    )
+
+
+def shard_tokens_table(summary) -> str:
+    total = max(int(summary["tokens"].sum()), 1)
+    rows = [
+        [str(r.shard), num(r.rows), num(r.tokens), f"{r.tokens / total:.1%}", mib(r.bytes)]
+        for r in summary.itertuples()
+    ]
+    return _table(["shard", "rows", "tokens", "share", "on disk"], rows, text=())
+
+
+def check_grid_table(columns: list[str], grid: list[list[tuple[str, str]]]) -> str:
+    head = "<tr><th>shard</th>" + "".join(f"<th>{esc(c)}</th>" for c in columns) + "</tr>"
+    body = "".join(
+        f"<tr><td>{k}</td>"
+        + "".join(f"<td class='{v}' title='{esc(tip)}'>{'✓' if v == 'ok' else esc(v)}</td>" for v, tip in row)
+        + "</tr>"
+        for k, row in enumerate(grid)
+    )
+    return f"<table>{head}{body}</table>"
+
+
+def shard_table(summary) -> str:
+    rows = []
+    for r in summary.itertuples():
+        margin = r.reference_worst_margin
+        rows.append(
+            [
+                str(r.shard),
+                num(r.rows),
+                num(r.tokens),
+                mib(r.bytes),
+                secs(r.job_s),
+                secs(r.engine_start_s),
+                num(r.tokens_per_s),
+                num(r.job_tokens_per_s),
+                "ok" if r.validation_ok else "FAIL",
+                "skipped" if margin is None or _nan(margin) else f"{margin:.2f}",
+                esc(str(r.capture_path)),
+            ]
+        )
+    header = ["shard", "rows", "tokens", "on disk", "job", "engine start", "capture tokens/s",
+              "job tokens/s", "checks", "ref. error / bound", "capture path"]  # fmt: skip
+    return _table(header, rows, text=(10,))
+
+
+def provenance_table(ctx: dict[str, Any]) -> str:
+    d = ctx["dataset"]
+    m, tok, eng = d["model"], d["tokenizer"], d["engine"]
+    export = ctx["export"]
+    if export is None:
+        export_line = "not requested (export.speculators: false)"
+    else:
+        export_line = f"ran: {export['rows']:,} rows, {mib(export['bytes'])} in {esc(export['dir'])}"
+    rows = [
+        ("model", f"<code>{esc(str(m.get('path')))}</code> {esc(str(m.get('architectures')))}"),
+        ("model config sha256", f"<code>{esc(str(m.get('config_sha256')))}</code>"),
+        ("weights sha256", f"<code>{esc(str(m.get('weights_sha256')))}</code>"),
+        ("tokenizer sha256", f"<code>{esc(str(tok.get('tokenizer_sha256')))}</code>"),
+        ("chat template sha256", f"<code>{esc(str(tok.get('chat_template_sha256')))}</code>"),
+        ("loss mask from", esc(str(ctx["stats"].get("mask_source")))),
+        (
+            "engine",
+            esc(
+                f"{eng.get('engine')} {eng.get('engine_version', '')}, capture path {eng.get('capture_path')}, "
+                f"TP {eng.get('tp_size', 1)}"
+            ),
+        ),  # fmt: skip
+        ("dtype, hidden size", esc(f"{d['dtype']}, {d['hidden_size']} ({d['num_hidden_layers']} layers)")),
+        ("code version", esc(", ".join(sorted(ctx["code_versions"])))),
+        ("validation reference", esc(ctx["reference_line"])),
+        ("speculators export", export_line),
+        ("sources", esc(", ".join(ctx["config"]["data"]["sources"]))),
+    ]
+    return _table([], [[k, v] for k, v in rows], text=(0, 1))
+
+
+def coverage_table(cov: dict[str, Any]) -> str:
+    head = [f"top {n // 1024}k ids" for n in cov["at"]]
+    return _table(head, [[f"{s:.2%}" for s in cov["at"].values()]], text=()) + (
+        f"<p>{cov['distinct_ids']:,} distinct ids among {cov['masked_tokens']:,} loss-masked tokens. "
+        "A draft vocabulary of n ids can predict at most this share of the training targets.</p>"
+    )
+
+
+def all_checks(reports: list[dict[str, Any]]) -> str:
+    parts = []
+    for k, v in enumerate(reports):
+        rows = [[esc(c["check"]), "ok" if c["ok"] else "FAIL", esc(c.get("detail", ""))] for c in v.get("checks", [])]
+        parts.append(f"<h3>shard {k}</h3>" + _table(["check", "verdict", "detail"], rows, text=(0, 1, 2)))
+    return "<details><summary>Every check of every shard, with its detail</summary>" + "".join(parts) + "</details>"
+
+
+def img(title: str, png: str) -> str:
+    return f"<img alt='{esc(title)}' src='data:image/png;base64,{png}'>"
+
+
+def write_page(path: str, ctx: dict[str, Any], figs: dict[str, str]) -> None:
+    """The whole page; `ctx` holds the dataset manifest, the tables' data and the validation reports."""
+    d = ctx["dataset"]
+    cols, grid = ctx["grid"]
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>eagle3prep report</title>",
+        f"<style>{STYLE}</style></head><body>",
+        "<h1>eagle3prep dataset report</h1>",
+        f"<p>{d['rows']:,} rows, {d['tokens']:,} tokens in {len(d['shards'])} shards of "
+        f"<code>{esc(str(d['model'].get('path')))}</code> hidden states, layer ids {esc(str(d['layer_ids']))}, "
+        f"{esc(d['dtype'])}.</p>",
+        *banners(ctx),
+        kpis(ctx),
+        "<div class='cols'><div><h2>Rows: sources → training rows</h2>",
+        funnel_table(ctx["funnel"]),
+        "</div><div style='flex:0 0 auto'><h2>Tokens per shard</h2>",
+        shard_tokens_table(ctx["summary"]),
+        "</div></div>",
+        "<h2>Validation: every check per shard (hover a cell for its detail)</h2>",
+        check_grid_table(cols, grid),
+        img("reference margin", figs["margin"]) if figs.get("margin") else "<p>No reference comparison ran.</p>",
+        "<h2>Hidden-state statistics per layer and shard</h2>",
+        img("layer statistics", figs["layer_stats"]),
+        f"<p>{esc(ctx['outlier_note'])}</p>",
+        "<h2>Draft-vocabulary coverage</h2>",
+        coverage_table(ctx["coverage"]),
+        img("vocabulary coverage", figs["coverage"]),
+        "<h2>Shards</h2>",
+        shard_table(ctx["summary"]),
+        img("throughput and disk", figs["throughput"]),
+        "<h2>Rows</h2>",
+        img("distributions", figs["distributions"]),
+        "<h2>Provenance</h2>",
+        provenance_table(ctx),
+        all_checks(ctx["reports"]),
+        "</body></html>",
+    ]
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(parts))

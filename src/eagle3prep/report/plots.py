@@ -1,0 +1,140 @@
+"""The report's figures as base64 PNGs: each sized for a 1,000-pixel-wide page, shards on integer
+ticks, legends beside the axes (never over the data)."""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+WIDTH_IN = 9.6  # at DPI, the width of the page's text column
+DPI = 100
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI)
+    _pyplot().close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _shard_axis(ax, n: int) -> None:
+    """Shard numbers are integers: at most ~20 labelled ticks, never 0.5."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=min(max(n, 1), 20), integer=True))
+    ax.set_xlim(-0.5, max(n - 0.5, 0.5))
+    ax.set_xlabel("shard")
+
+
+def _legend_outside(ax) -> None:
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
+
+
+MARKERS = "os^Dv<>p"
+
+
+def _series(ax, series: dict[str, list[float | None]], label: str) -> None:
+    """One line per layer; each its own marker, so equal values on several layers stay visible."""
+    for i, (lid, values) in enumerate(series.items()):
+        xs = [k for k, v in enumerate(values) if v is not None]
+        ax.plot(
+            xs,
+            [values[k] for k in xs],
+            marker=MARKERS[i % len(MARKERS)],
+            ms=7 - i % 4,
+            alpha=0.85,
+            label=f"{label} {lid}",
+        )
+
+
+def reference_margin(margins: dict[str, list[float | None]], n_shards: int) -> str:
+    """Per layer: the worst row's error / bound per shard; the check fails above the 1.0 line."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(WIDTH_IN, 2.4), layout="constrained")
+    _series(ax, margins, "layer")
+    top = max([1.2] + [v * 1.1 for vals in margins.values() for v in vals if v is not None and v < 1e9])
+    ax.axhline(1.0, color="crimson", lw=1.5, ls="--", label="bound (fails above)")
+    ax.set_ylim(0, top)
+    ax.set(ylabel="worst error / bound", title="Reference check: worst sampled row per layer, against its bound")
+    _shard_axis(ax, n_shards)
+    _legend_outside(ax)
+    return _png(fig)
+
+
+def layer_stats(series: dict[str, dict[str, list[float | None]]], n_shards: int) -> str:
+    """Four panels, shards on x: mean, std, max |x| and share of outlier tokens per layer."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 4, figsize=(WIDTH_IN, 2.6), layout="constrained")
+    titles = {
+        "mean": "mean",
+        "std": "std",
+        "max_abs": "max |x|",
+        "outlier_share": "outlier tokens",
+    }
+    for ax, (stat, title) in zip(axes, titles.items(), strict=True):
+        _series(ax, series.get(stat, {}), "layer")
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(labelsize=8)
+        _shard_axis(ax, n_shards)
+        if stat == "outlier_share":
+            ax.set_ylim(bottom=0)
+            ax.yaxis.set_major_formatter(lambda y, _: f"{y:.1%}")
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, fontsize=8, loc="outside right upper", frameon=False)
+    return _png(fig)
+
+
+def vocab_coverage(cov: dict[str, Any]) -> str:
+    """Share of loss-masked tokens covered by the n most frequent ids, marked at the usual draft sizes."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(WIDTH_IN, 2.8), layout="constrained")
+    xs, ys = zip(*cov["curve"], strict=True) if cov["curve"] else ((1,), (0.0,))
+    ax.plot(xs, ys, color="tab:blue", label="top-n ids")
+    for n, s in cov["at"].items():
+        ax.plot([n], [s], "o", ms=6, label=f"{n // 1024}k: {s:.1%}")
+    ax.axvline(cov["distinct_ids"], color="grey", ls=":", label=f"{cov['distinct_ids']:,} distinct ids seen")
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1.02)
+    ax.yaxis.set_major_formatter(lambda y, _: f"{y:.0%}")
+    ax.set(xlabel="draft vocabulary size n (most frequent ids)", ylabel="loss-masked tokens covered")
+    ax.set_title("Draft-vocabulary coverage (token_freq.json)")
+    _legend_outside(ax)
+    return _png(fig)
+
+
+def distributions(rows) -> str:
+    """Tokens per row and share of loss-masked tokens per row, side by side."""
+    plt = _pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(WIDTH_IN, 2.6), layout="constrained")
+    a.hist(rows["seq_len"], bins=40)
+    a.set(xlabel="tokens per row", ylabel="rows", title="Sequence lengths")
+    b.hist(rows["mask_share"], bins=40, range=(0, 1))
+    b.set(xlabel="share of the row's tokens with loss_mask = 1", ylabel="rows", title="Loss-mask share per row")
+    return _png(fig)
+
+
+def throughput_and_disk(summary) -> str:
+    """Extract tokens/s per shard (capture alone and whole job) and MiB on disk per shard."""
+    plt = _pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(WIDTH_IN, 2.8), layout="constrained")
+    x = list(summary["shard"])
+    a.bar([i - 0.2 for i in x], summary["tokens_per_s"].fillna(0), width=0.4, label="capture")
+    a.bar([i + 0.2 for i in x], summary["job_tokens_per_s"].fillna(0), width=0.4, label="whole job")
+    a.set(ylabel="tokens/s", title="Extract throughput")
+    a.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.08), ncol=2, frameon=False)
+    b.bar(x, summary["bytes"] / 2**20)
+    b.set(ylabel="MiB", title="Bytes on disk")
+    for ax in (a, b):
+        _shard_axis(ax, len(x))
+    return _png(fig)
