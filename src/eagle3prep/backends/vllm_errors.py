@@ -85,7 +85,7 @@ class ChildOutput:
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # "(EngineCore pid=8768) " and vLLM's log header "ERROR 11-30 17:28:30 [core.py:1510] "
 _PREFIX = re.compile(
-    r"^(?:\([\w.-]+ pid=\d+\) )?(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) [\d-]+ [\d:.]+ \[[^\]]*\] )?"
+    r"^(?:\([\w.-]+ pid=\d+\) )?(?:(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) [\d-]+ [\d:.]+ \[[^\]]*\] )?"
 )
 _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)): ?(.*)$")
 # vLLM's own wrappers around a child's failure, never the root cause
@@ -94,19 +94,21 @@ _WRAPPERS = ("root cause", "initialization failed", "failed to start")
 
 def root_cause(output: str) -> str | None:
     """The first exception of the children's tracebacks that is not one of vLLM's wrappers, as
-    "Type: message", or None when their output holds no traceback."""
+    "Type: message"; tracebacks logged as warnings (e.g. "Chat template warmup failed") are skipped."""
     in_traceback = False
     for raw in output.splitlines():
-        line = _PREFIX.sub("", _ANSI.sub("", raw)).rstrip()
+        text = _ANSI.sub("", raw)
+        m = _PREFIX.match(text)
+        line = text[m.end() :].rstrip()
         if line.startswith("Traceback (most recent call last):"):
-            in_traceback = True
+            in_traceback = m.group("level") in (None, "ERROR", "CRITICAL")
             continue
         if not in_traceback or not line or line[0].isspace():
             continue
         in_traceback = False
-        m = _EXCEPTION.match(line)
-        if m and not any(w in m.group(2).lower() for w in _WRAPPERS):
-            return f"{m.group(1)}: {m.group(2)}".rstrip(": ")
+        exc = _EXCEPTION.match(line)
+        if exc and not any(w in exc.group(2).lower() for w in _WRAPPERS):
+            return f"{exc.group(1)}: {exc.group(2)}".rstrip(": ")
     return None
 
 

