@@ -117,6 +117,7 @@ def test_probe_describes_the_engine(engine):
     assert info["final_layer_reachable"] is True
     assert (info["num_hidden_layers"], info["hidden_size"]) == (8, 128)
     assert info["platform"] == "cpu"
+    assert info["workarounds"] == []  # no known engine bug on Llama (vllm_compat.KNOWN_BUGS)
 
 
 def rows_of(full: dict[int, torch.Tensor], rows: list[list[int]], order: list[int]) -> dict[int, torch.Tensor]:

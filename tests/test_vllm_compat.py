@@ -428,3 +428,192 @@ def test_worker_reports_a_full_disk_as_a_user_error(tmp_path):
     reply = worker.e3p_finish_shard()
     assert reply["user_error"] is True and reply["error"].startswith("DiskSpaceError: disk full")
     assert worker._e3p_sink is None
+
+
+# ---- known engine bugs: their workaround, or a refusal --------------------------------------------
+
+ROTARY = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration", "DeepseekV2ForCausalLM"])
+def test_cpu_mla_gets_the_native_rotary_vllm_0_32(arch):
+    fixes = compat.engine_workarounds("0.32.0", True, [arch])
+    assert fixes.engine_kwargs == ROTARY and fixes.names == ["cpu-mla-native-rotary"] and fixes.refusal is None
+    assert len(fixes.log_lines) == 1 and "forward_cpu" in fixes.log_lines[0]
+
+
+@pytest.mark.parametrize("on_cpu, arch", [(False, "DeepseekV3ForCausalLM"), (True, "Qwen2MoeForCausalLM")])
+def test_no_workaround_on_gpu_or_off_the_deepseek_backbone_vllm_0_32(on_cpu, arch):
+    fixes = compat.engine_workarounds("0.32.0", on_cpu, [arch])
+    assert (fixes.engine_kwargs, fixes.names, fixes.log_lines, fixes.refusal) == ({}, [], [], None)
+
+
+def test_no_workarounds_switch_starts_the_broken_engine_and_says_so():
+    fixes = compat.engine_workarounds("0.32.0", True, ["DeepseekV3ForCausalLM"], disabled=True)
+    assert (fixes.engine_kwargs, fixes.names, fixes.refusal) == ({}, [], None)
+    assert "expected to be wrong" in fixes.log_lines[0] and "EAGLE3PREP_NO_WORKAROUNDS=1" in fixes.log_lines[0]
+
+
+def test_workarounds_switch_reads_the_environment(monkeypatch):
+    monkeypatch.delenv(compat.NO_WORKAROUNDS_ENV, raising=False)
+    assert not compat.workarounds_disabled()
+    monkeypatch.setenv(compat.NO_WORKAROUNDS_ENV, "1")
+    assert compat.workarounds_disabled()
+
+
+def test_a_bug_without_workaround_is_refused_unless_asked_for():
+    unfixed = compat.KnownBug("gpu-x-wrong", lambda v, cpu, archs: v >= (0, 40, 0), "kernel X drops rows", None)
+    bugs = (*compat.KNOWN_BUGS, unfixed)
+    assert compat.engine_workarounds("0.39.0", False, ["LlamaForCausalLM"], bugs=bugs).refusal is None
+    refused = compat.engine_workarounds("0.40.0", False, ["LlamaForCausalLM"], bugs=bugs)
+    assert refused.refusal == (
+        "vLLM 0.40.0 on GPU, LlamaForCausalLM captures hidden states wrong and no workaround is known: "
+        "kernel X drops rows"
+    )
+    asked = compat.engine_workarounds("0.40.0", False, ["LlamaForCausalLM"], bugs=bugs, disabled=True)
+    assert asked.refusal is None and "expected to be wrong" in asked.log_lines[0]
+
+
+@pytest.mark.parametrize(
+    "have, want",
+    [
+        (None, {"custom_ops": ["-rotary_embedding"]}),
+        (3, {"mode": 3, "custom_ops": ["-rotary_embedding"]}),
+        (
+            {"mode": 0, "custom_ops": ["none", "+rotary_embedding", "+rms_norm"]},
+            {"mode": 0, "custom_ops": ["none", "+rms_norm", "-rotary_embedding"]},  # vLLM refuses +x with -x
+        ),
+    ],
+)
+def test_workaround_merges_into_the_users_compilation_config(have, want):
+    kwargs = {"model": "m", "enforce_eager": True, **({"compilation_config": have} if have is not None else {})}
+    merged = compat.merge_engine_kwargs(kwargs, ROTARY)
+    assert merged == {"model": "m", "enforce_eager": True, "compilation_config": want}
+    assert compat.merge_engine_kwargs(kwargs, {}) == kwargs
+
+
+def test_workaround_merges_into_a_compilation_config_object():
+    config = SimpleNamespace(mode=3, custom_ops=["all", "+rotary_embedding"])
+    merged = compat.merge_engine_kwargs({"compilation_config": config}, ROTARY)
+    assert merged["compilation_config"] is config and config.custom_ops == ["all", "-rotary_embedding"]
+
+
+# ---- engine failures: one line with the engine's root cause -------------------------------------
+
+# What vLLM 0.32's processes print when the built-in path meets a model without the EAGLE3 interface
+# (trimmed): the worker's root cause, then the engine core's and the driver's wrappers.
+QWEN2_MOE_BUILTIN_OUTPUT = """\
+(MainProcess pid=11) WARNING 11-30 17:32:10 [base.py:380] Chat template warmup failed
+(MainProcess pid=11) WARNING 11-30 17:32:10 [base.py:380] Traceback (most recent call last):
+(MainProcess pid=11) WARNING 11-30 17:32:10 [base.py:380] ValueError: Tokenizer not available
+(Worker pid=11473) ERROR 11-30 17:32:25 [multiproc_executor.py:953] WorkerProc failed to start.
+(Worker pid=11473) ERROR 11-30 17:32:25 [multiproc_executor.py:953] Traceback (most recent call last):
+(Worker pid=11473) ERROR 11-30 17:32:25 [multiproc_executor.py:953]   File "gpu_model_runner.py", line 5235, in _setup
+(Worker pid=11473) ERROR 11-30 17:32:25 [multiproc_executor.py:953]     raise RuntimeError(
+(Worker pid=11473) ERROR 11-30 17:32:25 [multiproc_executor.py:953] \x1b[0mRuntimeError: Model does not support \
+EAGLE3 interface but aux_hidden_state_outputs was requested
+(EngineCore pid=11438) ERROR 11-30 17:32:28 [core.py:1510] EngineCore failed to start.
+(EngineCore pid=11438) ERROR 11-30 17:32:28 [core.py:1510] Traceback (most recent call last):
+(EngineCore pid=11438) ERROR 11-30 17:32:28 [core.py:1510]     raise e from None
+(EngineCore pid=11438) ERROR 11-30 17:32:28 [core.py:1510] Exception: WorkerProc initialization failed due to an \
+exception in a background process. See stack trace for root cause.
+Process EngineCore:
+Traceback (most recent call last):
+  File "core.py", line 1514, in run_engine_core
+Exception: WorkerProc initialization failed due to an exception in a background process. See stack trace for root cause.
+"""
+ENGINE_CORE_FAILED = RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+
+
+def test_root_cause_is_the_workers_exception_not_vllms_wrappers_vllm_0_32():
+    from eagle3prep.backends.vllm_errors import root_cause
+
+    assert root_cause(QWEN2_MOE_BUILTIN_OUTPUT) == (
+        "RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
+    )
+    assert root_cause("INFO 11-30 17:32:25 [core.py:1] loading\n") is None
+
+
+def test_engine_error_is_one_line_with_the_cause_and_the_fix():
+    from eagle3prep.backends.vllm_errors import engine_error
+    from eagle3prep.errors import UserError
+
+    err = engine_error(
+        ENGINE_CORE_FAILED, QWEN2_MOE_BUILTIN_OUTPUT, version="0.32.0", arch="Qwen2MoeForCausalLM",
+        path="builtin", wanted="builtin",
+    )  # fmt: skip
+    assert isinstance(err, UserError) and str(err) == (
+        "vLLM 0.32.0 could not start Qwen2MoeForCausalLM with capture_path builtin: Model does not support "
+        "EAGLE3 interface but aux_hidden_state_outputs was requested; set extract.capture_path: hooks (or auto)"
+    )
+    # no traceback in the children's output: the driver's exception, first line
+    bare = engine_error(ValueError("bad\nmore"), "", version="0.32.0", arch="X", path="hooks")
+    assert "\n" not in str(bare) and "with capture_path hooks: ValueError: bad;" in str(bare)
+
+
+def test_child_output_is_forwarded_and_kept(capfd):
+    import subprocess
+    import sys
+
+    from eagle3prep.backends.vllm_errors import ChildOutput, root_cause
+
+    children = ChildOutput()
+    with children.routed():
+        child = subprocess.Popen([sys.executable, "-c", "print('hello'); raise KeyError('boom')"])
+    assert child.wait() == 1
+    assert root_cause(children.text()) == "KeyError: 'boom'"
+    out, err = capfd.readouterr()
+    assert "hello" in out and "KeyError: 'boom'" in err  # still in the job's log
+
+
+def probe_with_fakes(monkeypatch, tmp_path, arch, start, options=None):
+    """VLLMBackend.probe() with the engine replaced by `start(backend, path_name)`."""
+    from eagle3prep.backends import vllm as backend_mod
+
+    lines = []
+    monkeypatch.setattr(backend_mod, "log", lines.append)
+    monkeypatch.setattr(compat, "installed_version", lambda: "0.32.0")
+    monkeypatch.delenv(compat.NO_WORKAROUNDS_ENV, raising=False)
+    spec = CaptureSpec(backend="vllm", model_path="unused", layer_ids=[2, 4, 8], dtype="float32")
+    backend = VLLMBackend(spec, {"capture_path": "auto", "staging_dir": str(tmp_path), **(options or {})})
+    monkeypatch.setattr(backend, "_model_facts", lambda: model_facts(arch))
+    monkeypatch.setattr(backend, "_claim_gpus", lambda: None)
+    monkeypatch.setattr(backend, "_on_cpu", lambda: True)
+    monkeypatch.setattr(backend, "_smoke", lambda version, model: None)
+    monkeypatch.setattr(backend, "_start", lambda name, version, on_cpu: start(backend, name))
+    return backend, lines
+
+
+def test_auto_falls_back_to_hooks_with_the_builtin_root_cause_and_keeps_the_workaround(monkeypatch, tmp_path):
+    """DeepSeek on CPU: auto tries builtin first; its failed start is logged once with the cause."""
+    from eagle3prep.backends.vllm import BuiltinPath, HooksPath
+
+    kwargs = {}
+
+    def start(backend, name):
+        path = {"builtin": BuiltinPath, "hooks": HooksPath}[name]
+        backend.path = path([2, 4, 8], tmp_path, "0.32.0", *([True] if name == "builtin" else []))
+        kwargs[name] = backend._engine_kwargs(backend.path)
+        if name == "builtin":
+            backend._children.text = lambda: QWEN2_MOE_BUILTIN_OUTPUT
+            raise ENGINE_CORE_FAILED
+
+    user = {"engine_args": {"compilation_config": {"custom_ops": ["+rms_norm"]}}}
+    backend, lines = probe_with_fakes(monkeypatch, tmp_path, "DeepseekV3ForCausalLM", start, user)
+    info = backend.probe()
+    assert info["capture_path"] == "hooks" and info["workarounds"] == ["cpu-mla-native-rotary"]
+    assert "does not support EAGLE3 interface" in info["fallback_reason"]
+    assert [x for x in lines if "builtin capture path failed its probe" in x and "does not support EAGLE3" in x]
+    for name in ("builtin", "hooks"):  # the user's compilation_config, merged with the workaround
+        assert kwargs[name]["compilation_config"] == {"custom_ops": ["+rms_norm", "-rotary_embedding"]}
+
+
+def test_probe_refuses_a_bug_without_workaround_before_any_engine_start(monkeypatch, tmp_path):
+    from eagle3prep.backends.vllm_errors import EngineError
+
+    starts = []
+    monkeypatch.setattr(compat, "KNOWN_BUGS", (compat.KnownBug("x", lambda v, c, a: True, "kernel X", None),))
+    backend, _ = probe_with_fakes(monkeypatch, tmp_path, "LlamaForCausalLM", lambda b, name: starts.append(name))
+    with pytest.raises(EngineError, match="no workaround is known: kernel X"):
+        backend.probe()
+    assert starts == []

@@ -167,14 +167,19 @@ def workarounds_disabled() -> bool:
 
 
 def engine_workarounds(
-    version: str, on_cpu: bool, architectures: list[str], *, disabled: bool = False, bugs=KNOWN_BUGS
+    version: str,
+    on_cpu: bool,
+    architectures: list[str],
+    *,
+    disabled: bool = False,
+    bugs: tuple[KnownBug, ...] | None = None,
 ) -> Workarounds:
-    """The known bugs of this vLLM, platform and model, and the engine kwargs that avoid them.
-    `disabled` (EAGLE3PREP_NO_WORKAROUNDS=1) applies none and refuses nothing: the user asked for it."""
+    """The known bugs (default KNOWN_BUGS) of this vLLM, platform and model, and the engine kwargs that
+    avoid them. `disabled` (EAGLE3PREP_NO_WORKAROUNDS=1) applies none and refuses nothing: asked for."""
     arch = architectures[0] if architectures else "this model"
     where = f"vLLM {version} on {'CPU' if on_cpu else 'GPU'}, {arch}"
     out = Workarounds()
-    for bug in bugs:
+    for bug in KNOWN_BUGS if bugs is None else bugs:
         if not bug.applies(parse_version(version), on_cpu, architectures):
             continue
         if disabled:
