@@ -187,7 +187,10 @@ def engine_workarounds(
                 f"{NO_WORKAROUNDS_ENV}=1: {bug.name} not applied; the capture is expected to be wrong ({where}: {bug.why})"
             )
         elif bug.engine_kwargs is None:
-            return Workarounds(refusal=f"{where} captures hidden states wrong and no workaround is known: {bug.why}")
+            return Workarounds(
+                refusal=f"{where} captures hidden states wrong and no workaround is known: {bug.why}; use another "
+                f"vLLM version or extract.backend: hf ({NO_WORKAROUNDS_ENV}=1 starts it anyway)"
+            )
         else:
             out.names.append(bug.name)
             out.log_lines.append(

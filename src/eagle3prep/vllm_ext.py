@@ -5,10 +5,9 @@
   are split by request (the model runner's input batch and query_start_loc say which tokens belong to
   which request) and kept per request until the driver asks for them; then TP rank 0 writes them to
   a safetensors file. Tensors never travel through collective_rpc replies (they arrive mangled
-  unless VLLM_ALLOW_INSECURE_SERIALIZATION=1, research/arch-feas.md finding 7).
+  unless VLLM_ALLOW_INSECURE_SERIALIZATION=1).
 - `CPUHiddenStatesConnector`: vLLM's ExampleHiddenStatesConnector without pinned memory and CUDA
-  streams, so the built-in `extract_hidden_states` path runs on vLLM's CPU build
-  (research/cpu-stack.md §3).
+  streams, so the built-in `extract_hidden_states` path runs on vLLM's CPU build.
 
 vLLM is imported lazily, so `import eagle3prep.vllm_ext` works without it (the row bookkeeping,
 `RowAccumulator`, is plain torch and unit-tested in the base environment).

@@ -460,6 +460,7 @@ class VLLMBackend(CaptureBackend):
     def _start(self, name: str, version: str, on_cpu: bool) -> None:
         from vllm import LLM
 
+        self._children = ChildOutput()  # the engine's processes print the root cause of a failed start
         if name == "builtin":
             self.path = BuiltinPath(self.spec.layer_ids, self._staging, version, on_cpu)
         else:
@@ -468,7 +469,6 @@ class VLLMBackend(CaptureBackend):
             self.path = HooksPath(self.spec.layer_ids, self._staging, version)
         kwargs = self._engine_kwargs(self.path)
         log(f"starting vLLM {version} ({name} path): {kwargs}")
-        self._children = ChildOutput()  # the engine's processes print the root cause of a failed start
         with self._children.routed():
             self.llm = LLM(**kwargs)
         self.path.install(self.llm)

@@ -29,7 +29,7 @@ class ChildOutput:
     inherit them, and a thread forwards every byte to the original fds and keeps the tail."""
 
     def __init__(self) -> None:
-        self._tail = bytearray()
+        self._tails = {1: bytearray(), 2: bytearray()}  # apart: the two pipes' bytes interleave mid-line
         self._lock = threading.Lock()
         self._last_read = 0.0
 
@@ -46,7 +46,7 @@ class ChildOutput:
             read_end, write_end = os.pipe()
             os.dup2(write_end, fd)
             os.close(write_end)
-            threading.Thread(target=self._pump, args=(read_end, original), daemon=True).start()
+            threading.Thread(target=self._pump, args=(read_end, original, self._tails[fd]), daemon=True).start()
             saved.append((fd, original))
         try:
             yield
@@ -56,13 +56,13 @@ class ChildOutput:
                     (sys.stdout if fd == 1 else sys.stderr).flush()
                 os.dup2(original, fd)
 
-    def _pump(self, read_end: int, original: int) -> None:
+    def _pump(self, read_end: int, original: int, tail: bytearray) -> None:
         # EOF comes only once this process has restored its fd (routed's finally) and the children exit.
         try:
             while chunk := os.read(read_end, 65536):
                 with self._lock:
-                    self._tail += chunk
-                    del self._tail[:-KEEP_BYTES]
+                    tail += chunk
+                    del tail[:-KEEP_BYTES]
                     self._last_read = time.monotonic()
                 with contextlib.suppress(OSError):
                     view = memoryview(chunk)
@@ -73,13 +73,13 @@ class ChildOutput:
             os.close(original)
 
     def text(self, settle_s: float = 0.3, timeout_s: float = 5.0) -> str:
-        """What the children wrote, once nothing new has arrived for `settle_s` (a dying child's
-        last lines are still in the pipe when the driver raises)."""
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end and time.monotonic() - self._last_read < settle_s:
+        """What the children wrote (stdout, then stderr), once nothing new has arrived for `settle_s`
+        (a dying child's last lines are still in the pipe when the driver raises)."""
+        start = time.monotonic()
+        while time.monotonic() < start + timeout_s and time.monotonic() - max(start, self._last_read) < settle_s:
             time.sleep(0.05)
         with self._lock:
-            return self._tail.decode("utf-8", errors="replace")
+            return "\n".join(t.decode("utf-8", errors="replace") for t in self._tails.values())
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
