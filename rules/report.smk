@@ -1,7 +1,7 @@
 # One HTML report with plots, a CSV summary, and the dataset-level manifest.
-from eagle3prep.report import report_config
-
-
+# No config in params: what the config decided is in the inputs (counts, stats, manifests,
+# validations), so a config edit reruns the report only through the jobs it reruns, and the
+# `-n` reason line names those inputs instead of printing the config.
 def get_report_export(wildcards=None):
     """The speculators export when requested: the report then waits for it and records it."""
     return ["results/export/speculators"] if config["export"]["speculators"] else []
@@ -43,7 +43,5 @@ rule report:
         token_freq=f"{TOKENIZED}/token_freq.json",
         tokens=get_tokenized_shards(),
         benchmarks=expand("benchmarks/extract/shard_{k}.tsv", k=SHARDS),
-        # Only the keys that decide the data: other edits (plan.*, speed knobs) do not rerun the report.
-        config=report_config(config),
     script:
         "../scripts/report.py"

@@ -16,7 +16,6 @@ with one_line_errors():
         stats_path=snakemake.params.stats,
         token_freq_path=snakemake.params.token_freq,
         benchmarks=list(snakemake.params.benchmarks),
-        config=snakemake.params.config,
         out_html=snakemake.output.html,
         out_csv=snakemake.output.summary,
         out_manifest=snakemake.output.manifest,

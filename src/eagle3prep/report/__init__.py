@@ -14,7 +14,6 @@ from .. import faults
 from ..atomic import atomic_open, sha256_file, write_json
 from ..shard import FORMAT, MANIFEST, TIMINGS, read_manifest
 from . import data, page, plots
-from .data import report_config
 
 DATASET_FORMAT = "eagle3prep.dataset/1"
 
@@ -79,7 +78,7 @@ def _export_facts(export_dir: str | None) -> dict[str, Any] | None:
     return {"dir": str(export_dir), "rows": m["rows"], "bytes": sum(f["bytes"] for f in m["files"].values())}
 
 
-def _dataset_manifest(shard_dirs, manifests, summary, counts, stats, config) -> dict[str, Any]:
+def _dataset_manifest(shard_dirs, manifests, summary, counts, stats, reports) -> dict[str, Any]:
     mixed = {(m["dtype"], tuple(m["layer_ids"]), m["model"]["weights_sha256"]) for m in manifests}
     if len(mixed) > 1:
         raise ValueError(f"shards disagree on dtype/layer ids/model: {sorted(mixed)}; rerun the odd ones")
@@ -105,7 +104,11 @@ def _dataset_manifest(shard_dirs, manifests, summary, counts, stats, config) -> 
         ],
         "prepare": counts["totals"],
         "tokenize": {k: stats[k] for k in sorted(stats) if k != "shards"},
-        "config": config,  # report_config(): the keys that decide the data
+        # What the config decided is recorded by the stages themselves (sources in counts.json,
+        # max_seq_len in stats.json, engine and layers in the shard manifests, the reference check
+        # in the validation files): the report takes no config, so no config edit reruns it.
+        "sources": counts.get("sources"),
+        "reference": data.reference_summary(reports),
     }
 
 
@@ -117,7 +120,6 @@ def build_report(
     stats_path: str,
     token_freq_path: str,
     benchmarks: list[str],
-    config: dict[str, Any],
     out_html: str,
     out_csv: str,
     out_manifest: str,
@@ -125,7 +127,7 @@ def build_report(
 ) -> dict[str, Any]:
     """Write summary.csv, dataset_manifest.json and report.html (in that order); return the manifest.
 
-    `config` is report_config(config), `export_dir` the speculators export when it was requested.
+    `export_dir` is the speculators export when it was requested (the report then records it).
     """
     counts, stats = data.load_json(counts_path), data.load_json(stats_path)
     manifests = [read_manifest(d) for d in shard_dirs]
@@ -137,7 +139,7 @@ def build_report(
     with atomic_open(out_csv, "w", encoding="utf-8", newline="") as f:
         summary.to_csv(f, index=False)
 
-    dataset = _dataset_manifest(shard_dirs, manifests, summary, counts, stats, config)
+    dataset = _dataset_manifest(shard_dirs, manifests, summary, counts, stats, reports)
     faults.kill_point("report.before_manifest")
     write_json(out_manifest, dataset)
 
@@ -167,7 +169,6 @@ def build_report(
         "reference_line": data.reference_summary(reports) + (f"; SKIPPED on shards {skipped}" if skipped else ""),
         "code_versions": {str(m.get("code_version")) for m in manifests},
         "export": _export_facts(export_dir),
-        "config": config,
     }
     n = len(reports)
     figs = {
@@ -182,4 +183,4 @@ def build_report(
     return dataset
 
 
-__all__ = ["DATASET_FORMAT", "build_report", "report_config"]
+__all__ = ["DATASET_FORMAT", "build_report"]

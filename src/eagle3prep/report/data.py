@@ -9,7 +9,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..config import extract_data_params
 from ..shard import layer_file, read_index
 
 # The draft vocabulary sizes a user picks from (speculators' --draft-vocab-size).
@@ -40,27 +39,6 @@ CHECK_GROUPS = (
 def load_json(path: str | Path) -> Any:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
-
-
-def report_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The config keys the report records: those that decide the data (the upstream rules' params).
-
-    The report rule takes this as params, so editing other keys (plan.*, extract speed knobs,
-    tokenize.workers) neither reruns it nor fills the `-n` reason line with the whole config.
-    """
-    return {
-        "data": {"sources": list(config["data"]["sources"])},
-        "model": {"path": config["model"]["path"], "trust_remote_code": config["model"]["trust_remote_code"]},
-        "tokenize": {
-            k: config["tokenize"][k]
-            for k in ("max_seq_len", "num_shards", "template_fallback")
-            if k in config["tokenize"]
-        },
-        "layers": dict(config["layers"]),
-        "extract": extract_data_params(config["extract"]),
-        "validate": dict(config["validate"]),
-        "export": {"speculators": bool(config["export"]["speculators"])},
-    }
 
 
 def funnel(counts: dict[str, Any], stats: dict[str, Any]) -> list[tuple[str, int | None, str]]:

@@ -109,12 +109,23 @@ def funnel_table(steps: list[tuple[str, int | None, str]]) -> str:
     )
 
 
+FIRST_SCREEN_SHARDS = 12  # beyond this, the first screen's shard table shows the spread instead
+
+
 def shard_tokens_table(summary) -> str:
     total = max(int(summary["tokens"].sum()), 1)
     rows = [
         [str(r.shard), num(r.rows), num(r.tokens), f"{r.tokens / total:.1%}", mib(r.bytes)]
         for r in summary.itertuples()
     ]
+    if len(rows) > FIRST_SCREEN_SHARDS:
+        t = summary["tokens"]
+        rows = [
+            ["min", "", num(t.min()), f"{t.min() / total:.1%}", mib(summary["bytes"].min())],
+            ["median", "", num(t.median()), f"{t.median() / total:.1%}", mib(summary["bytes"].median())],
+            ["max", "", num(t.max()), f"{t.max() / total:.1%}", mib(summary["bytes"].max())],
+            [f"all {len(rows)}", num(summary["rows"].sum()), num(total), "100%", mib(summary["bytes"].sum())],
+        ]
     return _table(["shard", "rows", "tokens", "share", "on disk"], rows, text=())
 
 
@@ -179,7 +190,7 @@ def provenance_table(ctx: dict[str, Any]) -> str:
         ("code version", esc(", ".join(sorted(ctx["code_versions"])))),
         ("validation reference", esc(ctx["reference_line"])),
         ("speculators export", export_line),
-        ("sources", esc(", ".join(ctx["config"]["data"]["sources"]))),
+        ("sources", esc(", ".join(map(str, d.get("sources") or [])))),
     ]
     return _table([], [[k, v] for k, v in rows], text=(0, 1))
 
