@@ -7,7 +7,7 @@ import json
 import pytest
 
 from eagle3prep.atomic import sha256_file
-from eagle3prep.tiny_models import FAMILIES, NUM_LAYERS, build_family, chat_ids, layer_updates
+from eagle3prep.tiny_models import FAMILIES, MIN_UPDATE, NUM_LAYERS, build_family, chat_ids, layer_updates
 
 BUILT = ("qwen2_moe", "deepseek_v3")
 
@@ -19,8 +19,8 @@ def built(tmp_path_factory):
 
 
 def test_two_builds_are_byte_identical(built, tmp_path):
-    again = build_family("deepseek_v3", tmp_path / "deepseek_v3")
-    first = {p.name: sha256_file(p) for p in sorted(built["deepseek_v3"].iterdir())}
+    again = build_family("qwen2_moe", tmp_path / "qwen2_moe")
+    first = {p.name: sha256_file(p) for p in sorted(built["qwen2_moe"].iterdir())}
     assert first == {p.name: sha256_file(p) for p in sorted(again.iterdir())}
     assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= set(first)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".build-")]  # no temp folder left
@@ -51,14 +51,13 @@ def test_unknown_family_is_refused(tmp_path):
     assert len(FAMILIES) == 5
 
 
-@pytest.mark.parametrize("name", BUILT)
-def test_forward_is_finite_and_every_layer_moves_the_stream(built, name):
+def test_forward_is_finite_and_every_layer_moves_the_stream(built):
+    """On the saved folder as transformers loads it (build_family checks the model it built, too)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(built[name])
-    model = AutoModelForCausalLM.from_pretrained(built[name], dtype=torch.float32).eval()
-    if name == "deepseek_v3":  # the saved routing bias is loaded, not left at zero
-        assert model.model.layers[1].mlp.gate.e_score_correction_bias.abs().sum() > 0
+    tokenizer = AutoTokenizer.from_pretrained(built["deepseek_v3"])
+    model = AutoModelForCausalLM.from_pretrained(built["deepseek_v3"], dtype=torch.float32).eval()
+    assert model.model.layers[1].mlp.gate.e_score_correction_bias.abs().sum() > 0  # loaded, not zeros
     updates = layer_updates(model, chat_ids(tokenizer))  # raises on non-finite logits
-    assert len(updates) == NUM_LAYERS and min(updates) > 0.3, updates
+    assert len(updates) == NUM_LAYERS and min(updates) >= MIN_UPDATE, updates

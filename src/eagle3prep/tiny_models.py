@@ -17,6 +17,7 @@ from eagle3prep.demo import MAX_POSITIONS, build_tokenizer, write_model_folder
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3")
 NUM_LAYERS = 6
+MIN_UPDATE = 0.3  # smallest ||h_{k+1} - h_k|| / ||h_k|| a build accepts, per decoder layer
 DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "resources" / "demo" / "tokenizer_corpus.txt"
 
 # Non-MLA families: 4 query heads and 2 KV heads of 64 (GPU FlashAttention and vLLM's CPU attention
@@ -141,7 +142,9 @@ def chat_ids(tokenizer) -> list[int]:
     return tokenizer.apply_chat_template(CHAT, tokenize=True, return_dict=True)["input_ids"]
 
 
-def build_family(name: str, out_dir: str | os.PathLike, corpus_path: str | os.PathLike = DEFAULT_CORPUS, seed: int = 0) -> Path:
+def build_family(
+    name: str, out_dir: str | os.PathLike, corpus_path: str | os.PathLike = DEFAULT_CORPUS, seed: int = 0
+) -> Path:
     """Build the tiny `name` target into `out_dir` atomically (temp sibling folder, then rename)."""
     if name not in _SPECS:
         raise ValueError(f"unknown family {name!r}; known: {', '.join(FAMILIES)}")
@@ -150,7 +153,7 @@ def build_family(name: str, out_dir: str | os.PathLike, corpus_path: str | os.Pa
         tokenizer = build_tokenizer(corpus_path)
         model = build_model(name, tokenizer, seed)
         updates = layer_updates(model, chat_ids(tokenizer))
-        if min(updates) < 0.1:
+        if min(updates) < MIN_UPDATE:
             raise ValueError(f"{name}: a layer barely moves the residual stream: {updates}")
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -162,11 +165,16 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0].startswith("-"):
         print(__doc__.strip().splitlines()[-1], file=sys.stderr)
         return 2
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     out, names = Path(argv[0]), argv[1:] or list(FAMILIES)
     for name in names:
         start = time.perf_counter()
         path = build_family(name, out / name)
-        print(f"{name}: {path} in {time.perf_counter() - start:.1f} s")
+        seconds = time.perf_counter() - start
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        updates = layer_updates(AutoModelForCausalLM.from_pretrained(path).eval(), chat_ids(tokenizer))
+        print(f"{name}: {path} in {seconds:.1f} s; per-layer update {' '.join(f'{u:.2f}' for u in updates)}")
     return 0
 
 
