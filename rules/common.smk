@@ -7,6 +7,7 @@ from eagle3prep.config import (
     extract_data_params,
     validate_config,
 )
+from eagle3prep import heal
 from eagle3prep.prepare import InputError, expand_sources
 from eagle3prep.runlock import clear_stale_locks, record_owner
 
@@ -45,8 +46,37 @@ if workflow.is_main_process and not workflow.dryrun:
         )
 
 
+# Shards that are missing, unfinished, changed after validation or failed it are redone by the same
+# command, each named in one line (eagle3prep.heal; README "Reruns after a failure"). They are forced
+# as with --forcerun. The command line's settings exist only after the Snakefile is parsed, so the check
+# runs just before Snakemake makes its DAG (Workflow._prepare_dag), in the main process, for a run or dry
+# run of the whole workflow.
+HEALS = []
+if workflow.is_main_process and hasattr(workflow, "_prepare_dag"):
+    _prepare_dag = workflow._prepare_dag
+
+    def _prepare_dag_healed(*args, **kwargs):
+        settings = workflow.dag_settings
+        if not workflow.touch and set(settings.targets) <= {"all"}:
+            HEALS[:] = heal.find(SHARDS, config["heal"]["keep_failed"])
+            for line in heal.summary(HEALS):
+                print(f"eagle3prep: {line}", file=sys.stderr)
+            forced = {h.force for h in HEALS if h.force}
+            settings.forcerun = set(settings.forcerun) | forced
+        _prepare_dag(*args, **kwargs)
+
+    workflow._prepare_dag = _prepare_dag_healed
+
+
 onstart:
     record_owner()
+    # Under Snakemake's lock, before any job: a failed shard moves aside, so its extract starts afresh.
+    for _heal in HEALS:
+        if _heal.set_aside:
+            print(
+                f"eagle3prep: moved {heal.shard_dir(_heal.shard)} to {heal.set_aside(_heal)}",
+                file=sys.stderr,
+            )
 
 
 def get_model(wildcards=None):

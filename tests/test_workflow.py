@@ -151,3 +151,60 @@ def test_example_configs_dry_run(tmp_path):
         assert re.search(rf"rule extract_hidden_states:.*?resources: [^\n]*gpus={gpus}, gpu={gpus}", out, re.S), out
         shards = cfg["tokenize"]["num_shards"]
         assert re.search(rf"^extract_hidden_states\s+{shards}$", out, re.M)
+
+
+def test_the_same_command_heals_deleted_damaged_interrupted_and_failed_shards(tmp_path, full_run):
+    """A deleted shard, a damaged one and a Ctrl-C: each is named in one line, and the same command ends
+    with every shard byte-identical to an uninterrupted run; the shard that failed validation is kept
+    in results/failed/ for study. (Before: "Nothing to be done" with shard_2 gone.)"""
+    import os
+    import shutil
+    import subprocess
+    import time
+
+    wd = tmp_path / "run"
+    shutil.copytree(full_run, wd, symlinks=True)
+    shutil.rmtree(wd / "results/hidden_states/shard_2")
+    layer = wd / "results/hidden_states/shard_1/layer_2.safetensors"
+    data = bytearray(layer.read_bytes())
+    data[-8] ^= 0xFF  # damaged in place: only validation can tell
+    layer.write_bytes(data)
+    (wd / "results/validation/shard_1.json").unlink()
+
+    dry = snakemake(wd, "-n")
+    assert (
+        "eagle3prep: results/hidden_states/shard_2 is missing but results/validation/shard_2.json exists: "
+        "extracting it again" in dry.stderr
+    )
+    assert (
+        "eagle3prep: results/validation/shard_1.json is missing but results/report/dataset_manifest.json" in dry.stderr
+    )
+    assert re.search(r"^extract_hidden_states\s+1$", dry.stdout, re.M), dry.stdout
+
+    # Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while shard_2 is being extracted.
+    cmd = [SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "--cores", "1"]
+    proc = subprocess.Popen(cmd, cwd=wd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    log = wd / "logs/extract/shard_2.log"
+    log.unlink()  # the copied run's; the new job's first line says it is past its imports
+    deadline = time.monotonic() + 300
+    while not (log.exists() and log.stat().st_size) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode != 0 and "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert "interrupted (Ctrl-C): this job's outputs are incomplete; the same command redoes it" in out
+
+    # The same command, until it succeeds: shard_1 fails validation once, then is set aside and redone.
+    for _ in range(3):
+        rerun = snakemake(wd, check=False)
+        if rerun.returncode == 0:
+            break
+        assert "1 check(s) failed: file:layer_2.safetensors" in rerun.stderr, rerun.stderr[-3000:]
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    failed = wd / "results/failed/shard_1"
+    assert "[validate] FAIL file:layer_2.safetensors" in (failed / "validate.log").read_text()
+    assert (failed / "hidden_states/layer_2.safetensors").read_bytes() == bytes(data)
+    digest = tree_digest(wd / "results")
+    assert {p: h for p, h in digest.items() if not p.startswith("failed/")} == tree_digest(full_run / "results")
+    assert "Nothing to be done" in snakemake(wd, "-n").stdout

@@ -13,9 +13,13 @@ class UserError(Exception):
 
 @contextlib.contextmanager
 def one_line_errors() -> Iterator[None]:
-    """In a Snakemake script: print a UserError as `error: <message>` and exit 1 (the job fails)."""
+    """In a Snakemake script: print a UserError as `error: <message>` and exit 1 (the job fails). Ctrl-C is
+    one line too, not a traceback per job: the job fails (130), and the next run redoes it from its start."""
     try:
         yield
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C): this job's outputs are incomplete; the same command redoes it", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,164 @@
+"""Heal the results folder with the same command: find, when the workflow is parsed, every shard that is
+missing, unfinished, changed after validation or that failed validation, and say in one line what is redone.
+
+Snakemake alone does not redo them: a deleted shard whose validation and report exist is an intermediate
+file it does not need, and a failed shard's folder still looks finished. The checks are directory listings,
+`stat`s and existence tests (no file is read but the validation log of a shard that has no validation),
+so `snakemake -n` on 10,000 shards stays fast. The forced outputs go to Snakemake's --forcerun; the one
+change on disk, moving a failed shard to results/failed/, happens in `onstart`, under Snakemake's lock.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+HIDDEN_STATES = "results/hidden_states"
+VALIDATION = "results/validation"
+FAILED = "results/failed"
+# Outputs that are made from every validated shard: when one exists, a missing shard is not "not made yet".
+DOWNSTREAM = ("results/report/dataset_manifest.json", "results/export/speculators")
+MANIFEST = "manifest.json"  # shard.MANIFEST; not imported, to keep torch out of the Snakefile's parse
+FAIL_MARK = "[validate] FAIL"  # a check that failed, as the validate job logs it
+MAX_REDOS = 2  # a shard that fails validation this many times is not extracted a third time
+SHOWN = 10  # lines printed at parse time; the rest are counted
+
+
+@dataclass(frozen=True, slots=True)
+class Heal:
+    """One shard to redo (or to leave as it is), and why, in one line."""
+
+    shard: int
+    why: str
+    force: str | None = None  # the output to force (Snakemake's --forcerun); None: nothing is forced
+    set_aside: bool = False  # move the shard folder to results/failed/ before the run starts
+
+
+def shard_dir(k: int) -> str:
+    return f"{HIDDEN_STATES}/shard_{k}"
+
+
+def validation_json(k: int) -> str:
+    return f"{VALIDATION}/shard_{k}.json"
+
+
+def validate_log(k: int) -> str:
+    return f"logs/validate/shard_{k}.log"
+
+
+def _mtimes(folder: str, suffix: str = "") -> dict[str, int]:
+    """{entry name: mtime_ns} of a folder's entries (one listing, one stat each); {} when it does not exist."""
+    try:
+        with os.scandir(folder) as entries:
+            return {e.name: e.stat().st_mtime_ns for e in entries if e.name.endswith(suffix)}
+    except FileNotFoundError:
+        return {}
+
+
+def validation_failure(k: int, since_ns: int) -> str | None:
+    """The reason shard k failed its last validation, from the validate job's log; None when it did not fail
+    (no log, a log older than the shard, or a job that stopped before judging)."""
+    log = validate_log(k)
+    try:
+        if os.stat(log).st_mtime_ns < since_ns:
+            return None
+        with open(log, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - (1 << 16)))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return None
+    failed = [line for line in lines if line.startswith(FAIL_MARK)]
+    if not failed:
+        return None
+    errors = [line for line in lines if line.startswith("error: ")]
+    return (errors[-1] if errors else failed[0]).strip()
+
+
+def failed_copies(k: int) -> list[str]:
+    """Earlier failed copies of shard k under results/failed/ (shard_k, shard_k.1, ...)."""
+    names = set(_mtimes(FAILED))
+    return [f"{FAILED}/{n}" for n in sorted(names) if n == f"shard_{k}" or n.startswith(f"shard_{k}.")]
+
+
+def find(shards: Iterable[int], keep_failed: bool = False) -> list[Heal]:
+    """Every shard the same command should redo, with why (see the module docstring)."""
+    present = _mtimes(HIDDEN_STATES)
+    validated = _mtimes(VALIDATION, ".json")
+    if not present and not validated:
+        return []  # a fresh folder: nothing to heal, no cost
+    downstream = next((p for p in DOWNSTREAM if os.path.exists(p)), None)
+    heals = []
+    for k in shards:
+        folder, val = shard_dir(k), validation_json(k)
+        val_ns = validated.get(f"shard_{k}.json")
+        if f"shard_{k}" not in present:
+            made_from_it = val if val_ns is not None else downstream
+            if made_from_it:
+                heals.append(Heal(k, f"{folder} is missing but {made_from_it} exists: extracting it again", folder))
+            continue
+        try:
+            manifest_ns = os.stat(f"{folder}/{MANIFEST}").st_mtime_ns
+        except FileNotFoundError:
+            heals.append(
+                Heal(k, f"{folder} has no {MANIFEST} (a run stopped while writing it): extracting it again", folder)
+            )
+            continue
+        if val_ns is not None:
+            if present[f"shard_{k}"] > val_ns:  # a file was added, removed or renamed after validation
+                heals.append(Heal(k, f"{folder} changed after {val} was written: validating it again", val))
+            continue
+        failure = validation_failure(k, manifest_ns)
+        if failure:
+            heals.append(_failed(k, failure, keep_failed))
+        elif downstream:
+            heals.append(Heal(k, f"{val} is missing but {downstream} exists: validating {folder} again", val))
+    return heals
+
+
+def _failed(k: int, failure: str, keep_failed: bool) -> Heal:
+    folder, log = shard_dir(k), validate_log(k)
+    if keep_failed:
+        return Heal(k, f"{folder} failed validation ({log}); kept in place (heal.keep_failed): not extracted again")
+    copies = failed_copies(k)
+    if len(copies) >= MAX_REDOS:
+        return Heal(
+            k,
+            f"{folder} failed validation again ({log}) after {len(copies)} redos ({', '.join(copies)}); "
+            "not extracted again: the cause is not in the shard's files",
+        )
+    return Heal(
+        k,
+        f"{folder} failed validation ({failure.removeprefix('error: ')[:200]}): moving it to "
+        f"{next_failed_dir(k)} and extracting it again",
+        folder,
+        set_aside=True,
+    )
+
+
+def next_failed_dir(k: int) -> str:
+    n = len(failed_copies(k))
+    return f"{FAILED}/shard_{k}" + (f".{n}" if n else "")
+
+
+def set_aside(heal: Heal) -> str:
+    """Move a failed shard to results/failed/shard_k[.n]/ (hidden_states/, validate.log, extract.log) for
+    study, so that its extract job starts from an empty folder; return where it went."""
+    dest = Path(next_failed_dir(heal.shard))
+    dest.mkdir(parents=True)
+    os.rename(shard_dir(heal.shard), dest / "hidden_states")
+    shutil.copy2(validate_log(heal.shard), dest / "validate.log")
+    extract_log = f"logs/extract/shard_{heal.shard}.log"
+    if os.path.exists(extract_log):
+        shutil.copy2(extract_log, dest / "extract.log")
+    return str(dest)
+
+
+def summary(heals: list[Heal], shown: int = SHOWN) -> list[str]:
+    """The lines printed at parse time: the first `shown` heals, then a count of the rest."""
+    lines = [h.why for h in heals[:shown]]
+    if len(heals) > shown:
+        lines.append(f"... and {len(heals) - shown} more shards (the first {shown} are listed above)")
+    return lines

@@ -1,0 +1,122 @@
+"""eagle3prep.heal on a fake results folder: which shards the same command redoes, and why (one line each)."""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eagle3prep import heal
+
+
+def finished(k: int, validated: bool = True) -> Path:
+    folder = Path(heal.shard_dir(k))
+    folder.mkdir(parents=True)
+    (folder / "layer_2.safetensors").write_bytes(b"x")
+    (folder / "manifest.json").write_text("{}")
+    if validated:
+        val = Path(heal.validation_json(k))
+        val.parent.mkdir(parents=True, exist_ok=True)
+        val.write_text('{"ok": true}')
+        later = folder.stat().st_mtime_ns + 10**9
+        os.utime(val, ns=(later, later))
+    return folder
+
+
+def failed_log(k: int, manifest_newer: bool = False) -> None:
+    log = Path(heal.validate_log(k))
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(
+        "[validate] ok   manifest: \n[validate] FAIL file:layer_2.safetensors: sha256 1 != 2\n"
+        f"error: {heal.shard_dir(k)}: 1 check(s) failed: file:layer_2.safetensors (sha256 1 != 2)\n"
+    )
+    manifest = Path(heal.shard_dir(k)) / "manifest.json"
+    t = manifest.stat().st_mtime_ns + (-(10**9) if manifest_newer else 10**9)
+    os.utime(log, ns=(t, t))
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+
+def test_a_fresh_folder_or_a_healthy_run_heals_nothing():
+    assert heal.find(range(3)) == []
+    for k in range(3):
+        finished(k)
+    Path("results/report").mkdir(parents=True)
+    Path("results/report/dataset_manifest.json").write_text("{}")
+    assert heal.find(range(3)) == []
+
+
+def test_a_deleted_finished_shard_is_extracted_again():
+    # Snakemake alone said "Nothing to be done": the shard is an intermediate its validation no longer needs.
+    for k in range(3):
+        finished(k)
+    shutil.rmtree(heal.shard_dir(2))
+    [h] = heal.find(range(3))
+    assert (h.shard, h.force, h.set_aside) == (2, "results/hidden_states/shard_2", False)
+    assert h.why == (
+        "results/hidden_states/shard_2 is missing but results/validation/shard_2.json exists: extracting it again"
+    )
+
+
+def test_unfinished_changed_and_unvalidated_shards():
+    for k in range(4):
+        finished(k)
+    (Path(heal.shard_dir(0)) / "manifest.json").unlink()  # a run stopped while writing it
+    (Path(heal.shard_dir(1)) / "layer_2.safetensors").unlink()  # the folder changed after validation
+    os.utime(heal.shard_dir(1), ns=(2 * 10**18, 2 * 10**18))
+    Path(heal.validation_json(2)).unlink()  # validation gone, report made from it
+    Path("results/report").mkdir(parents=True)
+    Path("results/report/dataset_manifest.json").write_text("{}")
+    heals = {h.shard: h for h in heal.find(range(4))}
+    assert sorted(heals) == [0, 1, 2]
+    assert heals[0].force == heal.shard_dir(0) and "has no manifest.json" in heals[0].why
+    assert heals[1].force == heal.validation_json(1) and "changed after" in heals[1].why
+    assert (
+        heals[2].force == heal.validation_json(2) and "validating results/hidden_states/shard_2 again" in heals[2].why
+    )
+
+
+def test_a_shard_that_failed_validation_is_set_aside_and_redone(tmp_path):
+    finished(0)
+    finished(1, validated=False)
+    failed_log(1)
+    Path("logs/extract").mkdir(parents=True)
+    Path("logs/extract/shard_1.log").write_text("tok/s")
+    [h] = heal.find(range(2))
+    assert (h.shard, h.force, h.set_aside) == (1, heal.shard_dir(1), True)
+    assert h.why.startswith("results/hidden_states/shard_1 failed validation (results/hidden_states/shard_1: 1 check")
+    assert h.why.endswith("moving it to results/failed/shard_1 and extracting it again")
+    assert heal.set_aside(h) == "results/failed/shard_1"
+    assert not Path(heal.shard_dir(1)).exists()
+    kept = Path("results/failed/shard_1")
+    assert sorted(p.name for p in kept.iterdir()) == ["extract.log", "hidden_states", "validate.log"]
+    assert (kept / "hidden_states/manifest.json").is_file() and "FAIL" in (kept / "validate.log").read_text()
+
+
+def test_failed_shards_are_kept_on_request_and_redone_at_most_twice():
+    finished(1, validated=False)
+    failed_log(1)
+    [h] = heal.find([1], keep_failed=True)
+    assert h.force is None and "kept in place (heal.keep_failed)" in h.why
+    Path("results/failed/shard_1").mkdir(parents=True)
+    assert heal.find([1])[0].why.endswith("moving it to results/failed/shard_1.1 and extracting it again")
+    Path("results/failed/shard_1.1").mkdir()
+    [h] = heal.find([1])
+    assert h.force is None and "after 2 redos" in h.why
+
+
+def test_a_validation_log_older_than_the_shard_or_without_a_verdict_is_no_failure():
+    finished(1, validated=False)
+    failed_log(1, manifest_newer=True)  # the shard was redone after that validation
+    assert heal.find([1]) == []
+    Path(heal.validate_log(1)).write_text("interrupted (Ctrl-C): ...\n")
+    assert heal.find([1]) == []
+
+
+def test_summary_is_one_line_per_shard_then_a_count():
+    heals = [heal.Heal(k, f"shard {k}") for k in range(25)]
+    lines = heal.summary(heals)
+    assert len(lines) == 11 and lines[-1] == "... and 15 more shards (the first 10 are listed above)"
