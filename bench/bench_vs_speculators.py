@@ -13,8 +13,8 @@ so its render calls are served two ways, both by the same transformers tokenizer
   in-process  `_encode_render` replaced by a direct apply_chat_template call: no HTTP, its cheapest case;
   http        its unchanged code (httpx, pooled client) against a stdlib HTTP server in another process
               standing in for vLLM's render endpoint (vLLM's own server does more per request).
-Each repetition times every contestant once, in turn (paired); the table gives the median and the
-per-repetition ratio range. Then the outputs are compared: speculators' last row of a conversation
+After one untimed warm-up call of each (imports, datasets' first map), each repetition times every
+contestant once, in turn (paired); the table gives the median and the per-repetition ratio range. Then the outputs are compared: speculators' last row of a conversation
 is the whole conversation, so its ids must equal ours; the union of its per-turn masks, laid on those
 ids, is compared with our mask, and the tokens where they differ are named. Last, a cProfile of each
 side on 1 process says where the time goes.
@@ -152,41 +152,68 @@ def ours(model_dir: Path, conversations: Path, out: Path, max_len: int, workers:
     )
 
 
+def group_rows(convs: list[dict], theirs) -> list[list[tuple[list[int], list[int]]]]:
+    """speculators' rows per conversation: one per assistant turn, in order, each extending the last.
+
+    A turn whose context alone fills max_length yields no row, so a conversation may have fewer rows
+    than turns: its rows are the run of prefix-extending rows (at most one per turn) at this point.
+    """
+    rows, i = [], 0
+    for c in convs:
+        turns, mine = sum(m["role"] == "assistant" for m in c["messages"]), []
+        while i < len(theirs) and len(mine) < turns:
+            ids, mask = theirs[i]["input_ids"].tolist(), theirs[i]["loss_mask"].tolist()
+            if mine and ids[: len(mine[-1][0])] != mine[-1][0]:
+                break
+            mine.append((ids, mask))
+            i += 1
+        rows.append(mine)
+    assert i == len(theirs), f"{len(theirs) - i} speculators rows left over after grouping"
+    return rows
+
+
 def compare(model_dir: Path, convs: list[dict], ours_dir: Path, theirs, max_len: int) -> list[str]:
-    """Ids of whole conversations and masks (speculators' per-turn masks united) on the same rows."""
+    """Ids and masks (speculators' per-turn masks united on its last row) against ours, row by row.
+
+    Where speculators kept every turn, its last row is the whole conversation cut to max_len and must
+    equal ours; where it dropped the last turns (their context filled max_len), its last row must be a
+    prefix of ours. The tokens where the masks differ are named, with the token before each.
+    """
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     mine = [json.loads(line) for k in range(4) for line in (ours_dir / f"s{k}.jsonl").read_text().splitlines()]
-    # speculators fans a conversation out into one row per assistant turn, in order, each a prefix of the next.
-    turns = [sum(m["role"] == "assistant" for m in c["messages"]) for c in convs]
-    rows, i = [], 0
-    for n in turns:
-        rows.append([(theirs[j]["input_ids"].tolist(), theirs[j]["loss_mask"].tolist()) for j in range(i, i + n)])
-        i += n
-    assert i == len(theirs), f"speculators made {len(theirs)} rows, expected {i} (one per assistant turn)"
-    same_ids = same_mask = prefix_ok = 0
+    grouped = group_rows(convs, theirs)
+    full = partial = same_ids = same_mask = no_row = 0
     diff_tokens: Counter[str] = Counter()
     diff_side: Counter[str] = Counter()
-    for r, per_turn in zip(mine, rows, strict=True):
+    for c, r, per_turn in zip(convs, mine, grouped, strict=True):
+        if not per_turn:
+            no_row += 1
+            continue
         ids, mask = per_turn[-1][0], [0] * len(per_turn[-1][0])
-        prefix_ok += all(ids[: len(t)] == t for t, _ in per_turn)
         for _ids, m in per_turn:
             for p, v in enumerate(m):
                 mask[p] |= v
-        same_ids += r["input_ids"] == ids
-        if r["input_ids"] != ids:
+        every_turn = len(per_turn) == sum(m["role"] == "assistant" for m in c["messages"])
+        full += every_turn
+        partial += not every_turn
+        ours_ids, ours_mask = (r["input_ids"], r["loss_mask"]) if every_turn else (
+            r["input_ids"][: len(ids)], r["loss_mask"][: len(ids)]
+        )  # fmt: skip
+        if ours_ids != ids:
             continue
-        same_mask += r["loss_mask"] == mask
-        for p, (a, b) in enumerate(zip(r["loss_mask"], mask, strict=True)):
+        same_ids += 1
+        same_mask += ours_mask == mask
+        for p, (a, b) in enumerate(zip(ours_mask, mask, strict=True)):
             if a != b:
                 diff_tokens[repr(tok.decode(ids[max(p - 1, 0) : p + 1]))] += 1  # the token and the one before
                 diff_side["speculators 1, eagle3prep 0" if b else "eagle3prep 1, speculators 0"] += 1
     n = len(convs)
     return [
-        f"rows compared: {n} conversations; speculators rows: {len(theirs)} (one per assistant turn), "
-        f"each a prefix of the conversation's last: {prefix_ok}/{n}",
-        f"input_ids identical (whole conversation, cut to {max_len}): {same_ids}/{n}",
+        f"conversations: {n}; speculators rows: {len(theirs)} (one per assistant turn whose context fits "
+        f"in {max_len}); every turn kept: {full}, last turns dropped: {partial}, no row at all: {no_row}",
+        f"input_ids identical (whole conversation, or speculators' last row as a prefix of ours): {same_ids}/{n - no_row}",
         f"loss_mask identical on those: {same_mask}/{same_ids}",
         f"positions where the masks differ: {dict(diff_side)}; those tokens, each after the token before it: "
         f"{dict(diff_tokens.most_common(5))}",
@@ -221,6 +248,11 @@ def bench_one(name: str, model: Path, convs: list[dict], tmp: Path, args) -> Non
         "speculators, in-process render, 2 workers": lambda: speculators_build(model, convs, args.max_len, 2, None),
         "speculators, HTTP render stub, 1 worker": lambda: speculators_build(model, convs, args.max_len, 1, endpoint),
     }
+    warm = convs[:20]  # warm-up, not timed: imports and datasets' first map cost seconds once per process
+    speculators_build(model, warm, args.max_len, 1, None)
+    speculators_build(model, warm, args.max_len, 2, None)
+    speculators_build(model, warm, args.max_len, 1, endpoint)
+    ours(model, conversations, tmp / f"warm-{name}", args.max_len, 2)
     times: dict[str, list[float]] = {k: [] for k in contestants}
     results = {}
     for _ in range(args.repeat):
