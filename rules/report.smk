@@ -2,9 +2,6 @@
 # No config in params: what the config decided is in the inputs (counts, stats, manifests,
 # validations), so a config edit reruns the report only through the jobs it reruns, and the
 # `-n` reason line names those inputs instead of printing the config.
-def get_report_export(wildcards=None):
-    """The speculators export when requested: the report then waits for it and records it."""
-    return ["results/export/speculators"] if config["export"]["speculators"] else []
 
 
 rule report:
@@ -13,7 +10,10 @@ rule report:
         shards=get_shard_dirs(),
         counts="results/prepared/counts.json",
         tokenized=TOKENIZED,
-        export=get_report_export(),
+        # The speculators export when requested: the report then waits for it and records it.
+        export=(
+            ["results/export/speculators"] if config["export"]["speculators"] else []
+        ),
     output:
         html=report(
             "results/report/report.html",
