@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 
 H = 128  # the demo model's hidden size
 # One line from each of three corpus files (tests/data/bad/sources), each quarantined for a different reason.
-ALL_BAD = [("invalid_json_unterminated.jsonl", 2), ("unknown_role_tool.jsonl", 2), ("no_assistant_turn.jsonl", 2)]
+ALL_BAD = [("invalid_json_unterminated.jsonl", 2), ("unknown_role.jsonl", 2), ("no_assistant_turn.jsonl", 2)]
 
 
 def corpus_line(name: str, line: int) -> str:

@@ -22,6 +22,7 @@ from eagle3prep.prepare import (
     conversation_id,
     expand_sources,
     normalize,
+    normalize_tools,
     prepare,
     require_conversations,
     summarize,
@@ -140,8 +141,12 @@ BAD_RECORDS = {
     ],
     "missing_role": [{"messages": [{"content": "q"}, {"role": "assistant", "content": "a"}]}],
     "unknown_role": [
-        {"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "a"}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "critic", "content": "a"}]},
         {"messages": [{"role": 3, "content": "q"}, {"role": "assistant", "content": "a"}]},
+    ],
+    "invalid_tool_call": [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"function": {}}]}]},
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "{not json"}]},
     ],
     "empty_content": [
         _user(""),
@@ -172,8 +177,59 @@ def test_normalize_rejects_with_reason(reason, record):
 
 
 def test_unknown_role_detail_names_role_and_index():
-    with pytest.raises(Rejected, match=r"messages\[1\].*'tool'"):
-        normalize({"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "a"}]})
+    with pytest.raises(Rejected, match=r"messages\[1\].*'critic'"):
+        normalize({"messages": [{"role": "user", "content": "q"}, {"role": "critic", "content": "a"}]})
+
+
+WEATHER_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+
+
+def test_openai_tool_calls_and_tool_replies_are_kept_not_quarantined_as_empty_content():
+    messages = normalize(
+        {
+            "messages": [
+                {"role": "user", "content": "Weather?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "c1", **WEATHER_CALL, "function": {**WEATHER_CALL["function"],
+                                                                           "arguments": '{"city": "Paris"}'}}],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                {"role": "assistant", "content": "Sunny.", "function_call": None},
+            ]
+        }
+    )  # fmt: skip
+    assert messages == [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{**WEATHER_CALL, "id": "c1"}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+
+
+def test_sharegpt_function_call_and_observation_turns_match_the_openai_shape():
+    sharegpt_record = {
+        "conversations": [
+            {"from": "human", "value": "Weather?"},
+            {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "Paris"}}'},
+            {"from": "observation", "value": "sunny"},
+            {"from": "gpt", "value": "Sunny."},
+        ],
+        "tools": '[{"name": "get_weather", "parameters": {}}]',
+    }
+    assert normalize(sharegpt_record) == [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [WEATHER_CALL]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+    assert normalize_tools(sharegpt_record) == [{"name": "get_weather", "parameters": {}}]
+    with pytest.raises(Rejected, match="tools is not valid JSON"):
+        normalize_tools({**sharegpt_record, "tools": "[oops"})
+    # The tools are part of the conversation's identity; a record without tools keeps its old id.
+    plain = normalize(openai())
+    assert conversation_id(plain, None) == conversation_id(plain) != conversation_id(plain, [{"name": "x"}])
 
 
 # ------------------------------------------------------------------------------------ stage, JSONL
@@ -257,7 +313,7 @@ def test_empty_files_are_counted(tmp_path, run):
 def test_nothing_kept_is_one_line_naming_every_source_and_the_quarantine(tmp_path, run, monkeypatch):
     """What the tokenize job says when prepare kept nothing (tests/test_edge_datasets.py: through the CLI)."""
     monkeypatch.chdir(tmp_path)
-    write_jsonl(tmp_path / "bad.jsonl", ["{", {"messages": [{"role": "tool", "content": "x"}]}])
+    write_jsonl(tmp_path / "bad.jsonl", ["{", {"messages": [{"role": "critic", "content": "x"}]}])
     (tmp_path / "blank.jsonl").write_text("\n \n")
     (tmp_path / "none.json").write_text("[]")
     run(["bad.jsonl", "blank.jsonl", "none.json"])

@@ -362,3 +362,90 @@ def test_copy_lines_splits_at_line_ends_across_blocks(block):
         assert dst.getvalue() == b"".join(lines[first : first + n])
     with pytest.raises(EOFError):
         copy_lines(src, io.BytesIO(), 1, block=block)
+
+
+# ------------------------------------------------------------------------------------------ tool calling
+
+# ChatML that renders tools the way agentic templates do: the schemas in a system block, each call as
+# <tool_call>name {arguments}</tool_call> inside the assistant turn, each reply as a `tool` turn.
+TOOLS_TEMPLATE = (
+    "{%- if tools -%}{{- '<|im_start|>system\\nTools:' -}}"
+    "{%- for t in tools -%}{{- ' ' + t['function']['name'] -}}{%- endfor -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' -}}{%- generation -%}{{- message['content'] -}}"
+    "{%- if message.tool_calls is defined -%}{%- for c in message.tool_calls -%}"
+    "{{- '<tool_call>' + c['function']['name'] + ' ' + (c['function']['arguments'] | tojson) + '</tool_call>' -}}"
+    "{%- endfor -%}{%- endif -%}{{- '<|im_end|>' -}}{%- endgeneration -%}{{- '\\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+# OpenAI's shape as a dataset holds it (arguments as JSON text, content null on the calling turn).
+AGENTIC_RECORD = {
+    "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"},
+        {"role": "assistant", "content": "It is sunny in Paris."},
+    ],
+    "tools": WEATHER_TOOLS,
+}
+
+
+def prepared_agentic(tmp_path: Path) -> Path:
+    """The record above through the prepare stage (it was quarantined there as empty_content)."""
+    from eagle3prep.prepare import prepare
+
+    src = tmp_path / "agentic.jsonl"
+    src.write_text(json.dumps(AGENTIC_RECORD) + "\n" + json.dumps({"messages": conv(("Hi", "Hello."))}) + "\n")
+    counts = prepare([str(src)], tmp_path / "conv.jsonl", tmp_path / "q.jsonl", tmp_path / "counts.json")
+    assert counts["totals"]["kept"] == 2
+    return tmp_path / "conv.jsonl"
+
+
+def tokenize_prepared(tmp_path: Path, model: Path, conversations: Path, **kw):
+    out = tmp_path / "tokenized"
+    stats = tokenize_conversations(
+        conversations, model, [out / "shard_0.jsonl"], out / "stats.json", out / "freq.json", out / "q.jsonl",
+        max_seq_len=512, **kw,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in (out / "shard_0.jsonl").read_text().splitlines()]
+    quarantine = [json.loads(line) for line in (out / "q.jsonl").read_text().splitlines()]
+    return stats, rows, quarantine
+
+
+@pytest.mark.parametrize("markers", [True, False], ids=["generation_markers", "render_boundary"])
+def test_tool_turns_are_kept_and_the_mask_covers_the_calls_not_the_results(tmp_path, demo_model_dir, markers):
+    from transformers import AutoTokenizer
+
+    template = TOOLS_TEMPLATE if markers else strip_markers(TOOLS_TEMPLATE)
+    model = tokenizer_variant(tmp_path, demo_model_dir, template)
+    stats, rows, quarantine = tokenize_prepared(tmp_path, model, prepared_agentic(tmp_path))
+    assert quarantine == [] and stats["rows"] == 2
+    tok = AutoTokenizer.from_pretrained(model)
+    masked = [tok.decode(run) for run in masked_runs(rows[0])]
+    assert masked == [
+        '<tool_call>get_weather {"city": "Paris"}</tool_call><|im_end|>',
+        "It is sunny in Paris.<|im_end|>",
+    ]
+    text = tok.decode(rows[0]["input_ids"])
+    assert "Tools: get_weather" in text and "<|im_start|>tool\nsunny, 21 C<|im_end|>" in text  # rendered, not masked
+
+
+def test_a_template_that_cannot_render_tools_quarantines_with_a_reason_naming_tool_turns(tmp_path, demo_model_dir):
+    # The demo template renders message['content'] only: the call would vanish from the hidden states.
+    stats, rows, quarantine = tokenize_prepared(tmp_path, demo_model_dir, prepared_agentic(tmp_path))
+    assert stats["rows"] == 1 and stats["quarantined"] == {"tool_turns_unsupported_by_template": 1}
+    assert quarantine[0]["reason"] == "tool_turns_unsupported_by_template"
+    assert quarantine[0]["detail"] == (
+        "the chat template does not render tool turns: messages[1] calls 'get_weather', "
+        "but 'get_weather' is not in the rendered text"
+    )

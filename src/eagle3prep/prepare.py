@@ -2,9 +2,12 @@
 
 Reads JSONL, JSON (a top-level list), parquet files and Hugging Face `save_to_disk` folders, in the
 order given (globs expanded, sorted). Each record is normalized to `Conversation.messages`
-(`[{"role": system|user|assistant, "content": str}]`) from the ShareGPT shape
+(`[{"role": system|user|assistant|tool, "content": str}]`) from the ShareGPT shape
 (`conversations: [{from, value}]`) or the OpenAI shape (`messages: [{role, content}]`), or is
-quarantined with one of `REASONS`. Exact duplicates (same content hash) are dropped after the first
+quarantined with one of `REASONS`. Tool calling is kept in the shape transformers' chat templates
+render: an assistant message's `tool_calls: [{"type": "function", "function": {name, arguments}}]`
+(from OpenAI `tool_calls`/`function_call` or a ShareGPT `function_call` turn), `role: tool` replies
+(OpenAI `tool`/`function`, ShareGPT `observation`), and the record's `tools` schemas. Exact duplicates (same content hash) are dropped after the first
 occurrence and counted. Every input row ends up in exactly one of kept / duplicates / quarantined,
 and `prepare` raises if that does not add up.
 
@@ -14,6 +17,7 @@ Line numbers are 1-based everywhere (JSONL line, JSON list element, parquet/data
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -40,8 +44,9 @@ REASONS = (
     "invalid_json",  # JSONL line that does not parse
     "unknown_shape",  # neither {"messages": [...]} nor {"conversations": [...]}, or a message not an object
     "missing_role",  # a message without role/from
-    "unknown_role",  # a role outside ROLE_MAP (tool, function, ...)
-    "empty_content",  # content missing, null, "" or whitespace only, or an empty list of parts
+    "unknown_role",  # a role outside ROLE_MAP and TOOL_CALL_ROLES
+    "invalid_tool_call",  # a tool call without a function name, or tool calls / `tools` that are not JSON
+    "empty_content",  # content missing, null, "" or whitespace only (and no tool call), or an empty list of parts
     "non_string_content",  # content neither a string nor a list of text parts
     "non_text_content",  # a list of parts with a non-text part (image, audio, ...)
     "misplaced_system",  # a system message anywhere but first
@@ -58,7 +63,13 @@ ROLE_MAP = {
     "bing": "assistant",
     "bard": "assistant",
     "model": "assistant",
+    "tool": "tool",  # OpenAI tool replies
+    "function": "tool",  # OpenAI's older function replies
+    "observation": "tool",  # ShareGPT (LLaMA-Factory) tool replies
+    "ipython": "tool",  # Llama 3.1's tool replies
 }
+# ShareGPT turns whose value is the assistant's tool call(s) as JSON: {"name", "arguments"} or a list of them.
+TOOL_CALL_ROLES = ("function_call", "tool_call", "tool_calls")
 
 # Container key -> (role key, content key). Either pair is accepted in either container, native first,
 # because many datasets put {role, content} messages under "conversations".
@@ -331,16 +342,84 @@ def normalize(record: Any) -> list[dict[str, str]]:
         role_raw = next((m[k] for k in role_keys if m.get(k) is not None), None)
         if role_raw is None:
             raise Rejected("missing_role", f"{where} has no {' or '.join(repr(k) for k in role_keys)}")
-        role = ROLE_MAP.get(role_raw.strip().lower()) if isinstance(role_raw, str) else None
+        name = role_raw.strip().lower() if isinstance(role_raw, str) else None
+        raw_content = next((m[k] for k in content_keys if m.get(k) is not None), None)
+        if name in TOOL_CALL_ROLES:  # ShareGPT: the value is the call itself
+            messages.append({"role": "assistant", "content": "", "tool_calls": _tool_calls_json(raw_content, where)})
+            continue
+        role = ROLE_MAP.get(name)
         if role is None:
-            raise Rejected("unknown_role", f"{where} has role {role_raw!r} (known: {', '.join(ROLE_MAP)})")
-        content = _content(next((m[k] for k in content_keys if m.get(k) is not None), None), where)
+            known = ", ".join((*ROLE_MAP, *TOOL_CALL_ROLES))
+            raise Rejected("unknown_role", f"{where} has role {role_raw!r} (known: {known})")
+        calls = m.get("tool_calls") or ([m["function_call"]] if m.get("function_call") else None)
+        if role == "assistant" and calls:
+            calls = _tool_calls(calls, where)
+            blank = raw_content is None or (isinstance(raw_content, str) and not raw_content.strip())
+            content = "" if blank else _content(raw_content, where)
+            messages.append({"role": role, "content": content, "tool_calls": calls})
+            continue
+        content = _content(raw_content, where)
         if role == "system" and i > 0:
             raise Rejected("misplaced_system", f"{where} is a system message; only the first message may be")
-        messages.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        if role == "tool":  # which call it answers, where the record says so (some templates render it)
+            message.update((k, m[k]) for k in ("tool_call_id", "name") if isinstance(m.get(k), str))
+        messages.append(message)
     if not any(m["role"] == "assistant" for m in messages):
         raise Rejected("no_assistant_turn", f"none of the {len(messages)} messages is from the assistant")
     return messages
+
+
+def normalize_tools(record: dict) -> list[dict] | None:
+    """The record's `tools` (function schemas for the chat template), a list of objects or None; OpenAI gives a
+    list, ShareGPT (LLaMA-Factory) a JSON string of one. Raise Rejected("invalid_tool_call") otherwise."""
+    tools = record.get("tools")
+    if isinstance(tools, str):
+        tools = _json_value(tools, "tools") if tools.strip() else None
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise Rejected("invalid_tool_call", f"'tools' is a {type(tools).__name__}, expected a list of objects")
+    return tools
+
+
+def _json_value(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        raise Rejected("invalid_tool_call", f"{where} is not valid JSON") from None
+
+
+def _tool_calls_json(value: Any, where: str) -> list[dict[str, Any]]:
+    """A ShareGPT function_call turn's value: one call or a list of calls, as JSON text or already parsed."""
+    calls = _json_value(value, where) if isinstance(value, str) else value
+    return _tool_calls(calls if isinstance(calls, list) else [calls], where)
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """Tool calls in transformers' shape: {"type": "function", "function": {"name", "arguments"}} (+ "id"),
+    arguments parsed to an object when they are a JSON object's text (what chat templates expect)."""
+    if not isinstance(calls, list):
+        raise Rejected("invalid_tool_call", f"{where} tool_calls is a {type(calls).__name__}, expected a list")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise Rejected("invalid_tool_call", f"{where} tool call {j} has no function name")
+        args = fn.get("arguments", fn.get("parameters"))
+        if isinstance(args, str):
+            with contextlib.suppress(json.JSONDecodeError, RecursionError):
+                parsed = json.loads(args)
+                args = parsed if isinstance(parsed, dict) else args
+        elif args is None:
+            args = {}
+        elif not isinstance(args, dict):
+            raise Rejected("invalid_tool_call", f"{where} tool call {j} has arguments of type {type(args).__name__}")
+        entry: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
 
 
 def _content(content: Any, where: str) -> str:
@@ -373,13 +452,15 @@ def _content(content: Any, where: str) -> str:
     return content
 
 
-def conversation_id(messages: list[dict[str, str]]) -> str:
-    """sha256 (hex) of the canonical JSON of normalized messages: stable across runs and machines."""
-    return hashlib.sha256(_canonical(messages)).hexdigest()
+def conversation_id(messages: list[dict[str, Any]], tools: list[dict] | None = None) -> str:
+    """sha256 (hex) of the canonical JSON of normalized messages (and tools, when the record has them): stable
+    across runs and machines."""
+    return hashlib.sha256(_canonical(messages, tools)).hexdigest()
 
 
-def _canonical(messages: list[dict[str, str]]) -> bytes:
-    return json.dumps(messages, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+def _canonical(messages: list[dict[str, Any]], tools: list[dict] | None = None) -> bytes:
+    value = {"messages": messages, "tools": tools} if tools else messages  # ids without tools are unchanged
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
 # ------------------------------------------------------------------------------------------ stage
@@ -445,12 +526,13 @@ def prepare(
                     if raw.reason is not None:
                         raise Rejected(raw.reason, raw.detail)
                     messages = normalize(raw.record)
+                    tools = normalize_tools(raw.record)
                 except Rejected as r:
                     fc.quarantined[r.reason] += 1
                     quar_f.write(_quarantine_line(Quarantined(path, raw.line, r.reason, r.detail, raw.record)))
                     written["quarantine"] += 1
                     continue
-                digest = hashlib.sha256(_canonical(messages)).digest()
+                digest = hashlib.sha256(_canonical(messages, tools)).digest()
                 if digest in seen:
                     fc.duplicates += 1
                     if len(duplicate_rows) < MAX_LISTED_DUPLICATES:
@@ -458,7 +540,7 @@ def prepare(
                     continue
                 seen.add(digest)
                 fc.kept += 1
-                conv = Conversation(digest.hex(), messages, f"{path}:{raw.line}")
+                conv = Conversation(digest.hex(), messages, f"{path}:{raw.line}", tools)
                 conv_f.write(json.dumps(conv.to_json(), ensure_ascii=False, separators=(",", ":")) + "\n")
                 written["conversations"] += 1
             fc.blank_lines = getattr(reader, "blank_lines", 0)

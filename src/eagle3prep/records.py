@@ -13,14 +13,18 @@ def _shallow(obj: Any) -> dict[str, Any]:
 
 @dataclass(slots=True)
 class Conversation:
-    """A normalized conversation: roles are exactly system | user | assistant."""
+    """A normalized conversation: roles are exactly system | user | assistant | tool."""
 
-    id: str  # content hash of `messages` (stable across runs and machines)
-    messages: list[dict[str, str]]  # [{"role": ..., "content": ...}]
+    id: str  # content hash of `messages` (and `tools`): stable across runs and machines
+    messages: list[dict[str, Any]]  # [{"role": ..., "content": ...}], assistant turns may carry "tool_calls"
     source: str  # "path:line" of the raw record it came from
+    tools: list[dict[str, Any]] | None = None  # function schemas the chat template renders; omitted when None
 
     def to_json(self) -> dict[str, Any]:
-        return _shallow(self)
+        out = _shallow(self)
+        if out["tools"] is None:  # conversations without tools keep their bytes
+            del out["tools"]
+        return out
 
 
 @dataclass(slots=True)

@@ -8,6 +8,11 @@ and render(messages[:i+1]), less trailing whitespace (template glue such as the 
 
 Rows that keep no assistant token are quarantined with a reason, never dropped in silence. Row ids
 are assigned in input order before sharding, so shard k is a contiguous row range.
+
+Tool calling (assistant `tool_calls`, `tool` replies, the record's `tools`) is rendered by the template
+like any turn: the mask covers the assistant's text and tool calls, not the tool results. A template
+that fails on tool turns, or renders them without a call's name, a reply or a tool schema, quarantines
+the conversation as `tool_turns_unsupported_by_template`: its hidden states would not be what is served.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 from array import array
 from collections import Counter
@@ -36,6 +42,7 @@ from eagle3prep.records import Quarantined
 GENERATION_RE = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
 PROBE = [{"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello, how can I help?"}]
 BATCH_SIZE = 256  # conversations per render + batch-encode call
+TOOL_REASON = "tool_turns_unsupported_by_template"
 
 
 @dataclass(slots=True)
@@ -132,10 +139,40 @@ class ChatEncoder:
                 f"on a user/assistant probe: {why}; {fix} in the model's chat template"
             )
 
-    def encode(self, batch: list[list[dict[str, str]]]) -> list[tuple[list[int], bytearray] | Rejected]:
-        """One result per conversation: (input_ids, loss_mask as bytes 0/1), not truncated, or Rejected."""
+    def encode(
+        self, batch: list[list[dict[str, Any]]], tools: list[list[dict] | None] | None = None
+    ) -> list[tuple[list[int], bytearray] | Rejected]:
+        """One result per conversation: (input_ids, loss_mask as bytes 0/1), not truncated, or Rejected.
+        `tools`: each conversation's tool schemas (or None), rendered by the template with its tool turns."""
+        tools = tools or [None] * len(batch)
+        agentic = [i for i, (m, t) in enumerate(zip(batch, tools, strict=True)) if t or has_tool_turns(m)]
+        if not agentic:
+            return self._encode_plain(batch)
+        results: list = [None] * len(batch)
+        plain = sorted(set(range(len(batch))) - set(agentic))
+        for i, result in zip(plain, self._encode_plain([batch[i] for i in plain]), strict=True):
+            results[i] = result
+        for i in agentic:  # one at a time: the template gets each conversation's own tools
+            results[i] = self._encode_agentic(batch[i], tools[i])
+        return results
+
+    def _encode_agentic(self, messages: list[dict[str, Any]], tools: list[dict] | None):
+        try:
+            text = self._render([messages], add_generation_prompt=False, tools=tools)[0]
+            missing = dropped_tool_part(text, messages, tools)
+            if missing:
+                return Rejected(TOOL_REASON, f"the chat template does not render tool turns: {missing}")
+            if self.mask_source == "generation_markers":
+                return self._encode_markers([messages], tools)[0]
+            return self._encode_boundary([messages], tools)[0]
+        except Exception as e:  # a template may fail on tool turns in any way (TypeError on a None, ...)
+            return Rejected(TOOL_REASON, f"the chat template cannot render tool turns: {type(e).__name__}: {e}")
+
+    def _encode_plain(self, batch: list[list[dict[str, Any]]]) -> list[tuple[list[int], bytearray] | Rejected]:
         import jinja2
 
+        if not batch:
+            return []
         try:
             if self.mask_source == "generation_markers":
                 return self._encode_markers(batch)
@@ -144,15 +181,19 @@ class ChatEncoder:
             # One bad conversation (a template's raise_exception) must not sink its batch.
             if len(batch) == 1:
                 return [Rejected("template_error", f"the chat template raised: {e}")]
-            return [self.encode([messages])[0] for messages in batch]
+            return [self._encode_plain([messages])[0] for messages in batch]
 
-    def _encode_markers(self, batch):
+    def _encode_markers(self, batch, tools: list[dict] | None = None):
         # The renderer apply_chat_template uses, with the same arguments; it records the character
         # span of every {% generation %} block.
         from transformers.utils.chat_template_utils import render_jinja_template
 
         texts, spans = render_jinja_template(
-            conversations=batch, chat_template=self.template, return_assistant_tokens_mask=True, **self.template_kwargs
+            conversations=batch,
+            tools=tools,
+            chat_template=self.template,
+            return_assistant_tokens_mask=True,
+            **self.template_kwargs,
         )
         results = []
         for enc, span in zip(self.backend.encode_batch(texts, add_special_tokens=False), spans, strict=True):
@@ -170,15 +211,15 @@ class ChatEncoder:
             results.append((ids, mask))
         return results
 
-    def _render(self, conversations: list[list[dict[str, str]]], add_generation_prompt: bool) -> list[str]:
+    def _render(self, conversations: list[list[dict[str, Any]]], add_generation_prompt: bool, tools=None) -> list[str]:
         if not conversations:
             return []
         # A batched call also renders an empty history (the prompt before an opening assistant turn).
         return self.tokenizer.apply_chat_template(
-            conversations, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversations, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
-    def _encode_boundary(self, batch):
+    def _encode_boundary(self, batch, tools: list[dict] | None = None):
         import numpy as np
 
         # Renders per batch: the full conversations, every assistant turn's history with the generation
@@ -186,9 +227,9 @@ class ChatEncoder:
         turns = [
             (b, i) for b, messages in enumerate(batch) for i, m in enumerate(messages) if m["role"] == "assistant"
         ]
-        full = self._render(batch, add_generation_prompt=False)
-        prompts = self._render([batch[b][:i] for b, i in turns], add_generation_prompt=True)
-        with_turn = self._render([batch[b][: i + 1] for b, i in turns], add_generation_prompt=False)
+        full = self._render(batch, add_generation_prompt=False, tools=tools)
+        prompts = self._render([batch[b][:i] for b, i in turns], add_generation_prompt=True, tools=tools)
+        with_turn = self._render([batch[b][: i + 1] for b, i in turns], add_generation_prompt=False, tools=tools)
         spans: list[list[tuple[int, int]] | Rejected] = [[] for _ in batch]
         for (b, i), prompt, turn in zip(turns, prompts, with_turn, strict=True):
             if isinstance(spans[b], Rejected):
@@ -218,6 +259,29 @@ class ChatEncoder:
                 mask |= (offsets[:, 0] < e) & (offsets[:, 1] > s)
             results.append((enc.ids, bytearray(mask.view(np.uint8))))
         return results
+
+
+def has_tool_turns(messages: list[dict[str, Any]]) -> bool:
+    return any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+
+
+def dropped_tool_part(text: str, messages: list[dict[str, Any]], tools: list[dict] | None) -> str | None:
+    """What of the tool turns the rendered `text` lacks (a call's name or argument names, a tool reply, a tool
+    schema's name), said in a few words; None when everything is there."""
+    for i, m in enumerate(messages):
+        for call in m.get("tool_calls") or []:
+            fn = call["function"]
+            args = fn["arguments"] if isinstance(fn["arguments"], dict) else {}
+            for part in (fn["name"], *map(str, args)):
+                if part not in text:
+                    return f"messages[{i}] calls {fn['name']!r}, but {part!r} is not in the rendered text"
+        if m["role"] == "tool" and m["content"].strip() not in text:
+            return f"the tool reply of messages[{i}] is not in the rendered text"
+    for j, tool in enumerate(tools or []):
+        name = (tool.get("function") if isinstance(tool.get("function"), dict) else tool).get("name")
+        if isinstance(name, str) and name not in text:
+            return f"tool {j} ({name!r}) of the record's tools is not in the rendered text"
+    return None
 
 
 @dataclass(slots=True)
@@ -266,7 +330,7 @@ def encode_lines(
     import numpy as np
 
     convs = [parse_conversation(conversations_path, line_no, line) for line_no, line in lines]
-    results = encoder.encode([conv["messages"] for conv in convs])
+    results = encoder.encode([conv["messages"] for conv in convs], [conv.get("tools") for conv in convs])
     rows: list[tuple[str, int] | Quarantined] = []
     masked: list[int] = []  # the loss-masked token ids of the chunk's kept rows, counted once at the end
     n_truncated = 0
@@ -305,6 +369,9 @@ def _init_worker(
     conversations_path: str, max_seq_len: int, model_path, template_fallback: bool, trust_remote_code: bool
 ):
     global _WORKER
+    # Ctrl-C reaches the whole process group: the parent stops the job with one line; a worker's
+    # KeyboardInterrupt would add a traceback per worker to the log.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # One Rust thread per worker process (unless set otherwise): the workers already fill the cores
     # (tokenize.workers is about one per core), and rayon threads on top would only contend with them.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -463,7 +530,7 @@ def tokenize_conversations(
         stats_path: JSON summary (row/token counts, truncation, quarantine reasons, per-shard sizes, hashes).
         token_freq_path: JSON {token_id: count} over loss-masked tokens (speculators' token_freq.pt semantics).
         quarantine_path: JSONL of `Quarantined` records (reasons: no_assistant_tokens,
-            template_not_prefix_stable, template_error).
+            template_not_prefix_stable, template_error, tool_turns_unsupported_by_template).
         max_seq_len: rows longer than this are truncated (and counted).
 
     Returns:
