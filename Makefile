@@ -28,6 +28,7 @@ $(VLLM_VENV)/.installed: envs/vllm.txt pyproject.toml
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/snakemake --cores all
+	@echo "make demo: done; open results/report/report.html (dataset in results/, README 'Output layout')"
 
 test: test-base test-vllm test-slurm
 
