@@ -99,6 +99,8 @@ def run_cell(args, family: str, model: Path, backend: str, dtype: str, tokens: l
         }
         for v in correct
     ]
+    if args.dump:
+        dump_tokens(wd / "tokens.npz", shards, tokens, refs)
     claimed = default_layer_ids(n)
     norm = refs.exact.model.get_decoder().norm
     dev = refs.exact.device
@@ -116,6 +118,30 @@ def run_cell(args, family: str, model: Path, backend: str, dtype: str, tokens: l
         v = validate(bad, tokens[0], model, refs, wd / f"v_{mistake}.json")
         cell["planted"][mistake] = {"caught": not v["ok"], "failed": v["failed"], "message": v["message"][:400]}
     return cell
+
+
+def dump_tokens(path: Path, shards: list[Path], tokens: list[Path], refs: ReferencePair) -> None:
+    """Per row and layer, every token's relative error of the capture and of the floor run (for calibration)."""
+    import numpy as np
+    from safetensors import safe_open
+
+    from eagle3prep.shard import layer_file, read_index, read_manifest
+
+    out = {}
+    for shard, tok in zip(shards, tokens, strict=True):
+        rows = [json.loads(line) for line in tok.read_text(encoding="utf-8").splitlines()]
+        lids = read_manifest(shard)["layer_ids"]
+        for e, row in zip(read_index(shard), rows, strict=True):
+            ref, floor = refs.rows(row["input_ids"], lids)
+            for lid in lids:
+                with safe_open(shard / layer_file(lid), framework="pt") as f:
+                    got = f.get_slice("hidden_states")[e.offset : e.offset + e.length].float()
+                r = ref[lid]
+                norm = r.norm(dim=-1).clamp_min(1e-30)
+                out[f"{e.row}_{lid}_c"] = ((got - r).norm(dim=-1) / norm).numpy()
+                if floor is not None:
+                    out[f"{e.row}_{lid}_f"] = ((floor[lid] - r).norm(dim=-1) / norm).numpy()
+    np.savez_compressed(path, **out)
 
 
 def summary_row(c: dict) -> str:
@@ -151,21 +177,28 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--rows", type=int, default=24, help="rows per shard")
     ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--dump", action="store_true", help="save per-token errors of the correct captures")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
 
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
-    print(
+    table = open(args.out / "table.md", "a", encoding="utf-8")  # noqa: SIM115 - vLLM logs to stdout too
+
+    def emit(line: str) -> None:
+        print(line, flush=True)
+        table.write(line + "\n")
+        table.flush()
+
+    emit(
         f"# {time.strftime('%Y-%m-%d')} {name}, torch {torch.__version__}, TP {args.tp}, "
-        f"EAGLE3PREP_NO_WORKAROUNDS={os.environ.get('EAGLE3PREP_NO_WORKAROUNDS', '')}",
-        flush=True,
+        f"EAGLE3PREP_NO_WORKAROUNDS={os.environ.get('EAGLE3PREP_NO_WORKAROUNDS', '')}"
     )
-    print(
+    emit(
         "| family | backend (path) | dtype | device | TP | correct capture, every row | worst error / bound "
         "| diverged tokens capture / floor | planted mistakes caught |"
     )
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    emit("|---|---|---|---|---|---|---|---|---|")
     cells = []
     for family in args.families:
         model = build_family(family, args.out / "models" / family)
@@ -190,7 +223,7 @@ def main() -> None:
                         "error": f"{type(e).__name__}: {e}",
                     }
                 cells.append(cell)
-                print(summary_row(cell), flush=True)
+                emit(summary_row(cell))
                 (args.out / "matrix.json").write_text(json.dumps(cells, indent=1))
             del refs
 

@@ -1,9 +1,10 @@
 """The pass rule: is one captured row, at one layer, as close to fp32 as its precision allows? (DESIGN.md §6)
 
 A capture is judged against the exact fp32 reference *relative to the floor run*: transformers at the
-engine's working precision on the same row. Two criteria, per row and layer:
-- diverged tokens: tokens whose state points elsewhere (cosine < COS_DIVERGED; a bf16 MoE flips a few
-  tokens' experts) may be as many as the floor run has, with Poisson-like slack, not more;
+engine's working precision on the same row. Per token, the error is |x_t - r_t| / |r_t|. Two criteria:
+- diverged tokens (error above TOKEN_FACTOR x the floor run's median token error, and above
+  TOKEN_MIN): a MoE flips a few tokens' experts at any precision below the reference's, so the capture
+  may have as many as the floor run has, with Poisson-like slack, not more;
 - relative error over the other tokens: at most FLOOR_FACTOR x the floor run's, or MIN_REL.
 """
 
@@ -12,7 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-COS_DIVERGED = 0.99  # below this a token took another path (expert route, token, layer), not rounding
+TOKEN_FACTOR = 8.0  # a token this far above the row's typical rounding error took another path
+TOKEN_MIN = 0.01  # ... and never below 1 %: no rounding moves a state that far (fp32 floors are ~0)
 FLOOR_FACTOR = 3.0
 # The smallest relative-error bound per stored dtype: the rounding of the stored values alone, so an
 # exact floor (fp32 on a CPU) still leaves room for summation order.
@@ -28,13 +30,14 @@ def allowed_diverged(floor_diverged: int) -> int:
     return int(2 * floor_diverged + 3 * math.sqrt(floor_diverged + 1))
 
 
-def _token_stats(x, ref):
-    """Per token: cosine to the reference, squared error norm, squared reference norm ([T] each)."""
+def _token_errors(x, ref):
+    """Per token: relative error, squared error norm, squared reference norm, cosine ([T] each)."""
     import torch
 
     x, ref = x.float(), ref.float()
+    err2, ref2 = ((x - ref) ** 2).sum(-1), (ref**2).sum(-1)
     cos = torch.nn.functional.cosine_similarity(x, ref, dim=-1)
-    return cos, ((x - ref) ** 2).sum(-1), (ref**2).sum(-1)
+    return (err2 / ref2.clamp_min(1e-30)).sqrt(), err2, ref2, cos
 
 
 def _rel(err2, ref2, keep) -> float:
@@ -51,41 +54,38 @@ def judge_row(captured, reference, floor, dtype: str) -> dict[str, Any]:
     """
     import torch
 
-    cos, err2, ref2 = _token_stats(captured, reference)
-    diverged = cos < COS_DIVERGED
+    tok, err2, ref2, cos = _token_errors(captured, reference)
     if floor is not None:
-        fcos, ferr2, _ = _token_stats(floor, reference)
-        fdiv = fcos < COS_DIVERGED
-        floor_rel = _rel(ferr2, ref2, ~fdiv)
+        ftok, ferr2, _, _ = _token_errors(floor, reference)
     else:
-        fdiv = torch.zeros_like(diverged)
-        floor_rel = 0.0
+        ftok = ferr2 = torch.zeros_like(tok)
+    token_bound = max(TOKEN_FACTOR * float(ftok.median()), TOKEN_MIN)
+    diverged, fdiv = tok > token_bound, ftok > token_bound
     n_div, n_fdiv = int(diverged.sum()), int(fdiv.sum())
     allowed = allowed_diverged(n_fdiv)
-    rel = _rel(err2, ref2, ~diverged)
+    rel, floor_rel = _rel(err2, ref2, ~diverged), _rel(ferr2, ref2, ~fdiv)
     bound_rel = max(FLOOR_FACTOR * floor_rel, MIN_REL[dtype])
-    token_rel = (err2 / ref2.clamp_min(1e-30)).sqrt()
     if n_div > allowed:
         criterion = "diverged_tokens"
         worst_pos = int(torch.nonzero(diverged)[0])  # where it starts
     elif rel > bound_rel:
         criterion = "rel"
-        worst_pos = int(torch.where(diverged, -1.0, token_rel).argmax())
+        worst_pos = int(torch.where(diverged, -1.0, tok).argmax())
     else:
         criterion = ""
-        worst_pos = int(cos.argmin())
+        worst_pos = int(tok.argmax())
     return {
-        "tokens": int(cos.numel()),
+        "tokens": int(tok.numel()),
         "rel": rel,
         "floor_rel": floor_rel,
         "bound_rel": bound_rel,
+        "token_bound": token_bound,
         "diverged": n_div,
         "floor_diverged": n_fdiv,
         "allowed_diverged": allowed,
         "min_cos": float(cos.min()),
         "worst_pos": worst_pos,
-        "worst_pos_cos": float(cos[worst_pos]),
-        "worst_pos_rel": float(token_rel[worst_pos]),
+        "worst_pos_rel": float(tok[worst_pos]),
         "ok": not criterion,
         "criterion": criterion,
     }
@@ -96,14 +96,14 @@ def describe_failure(r: dict[str, Any], dtype: str, floor: str) -> str:
     where = f"row {r['row']} token {r['worst_pos']}"
     if r["criterion"] == "diverged_tokens":
         return (
-            f"{where}: {r['diverged']} of {r['tokens']} tokens diverged (cosine < {COS_DIVERGED}; first at "
-            f"token {r['worst_pos']}, cosine {r['worst_pos_cos']:.4f}) > {r['allowed_diverged']} allowed "
+            f"{where}: {r['diverged']} of {r['tokens']} tokens diverged (token error > {r['token_bound']:.3g}; "
+            f"first at token {r['worst_pos']}, error {r['worst_pos_rel']:.3g}) > {r['allowed_diverged']} allowed "
             f"(floor run: {r['floor_diverged']}, {floor})"
         )
     return (
         f"{where}: relative error {r['rel']:.3g} > bound {r['bound_rel']:.3g} "
         f"(= max({FLOOR_FACTOR:g} x floor {r['floor_rel']:.3g}, {MIN_REL[dtype]:g}); "
-        f"floor run: {floor}; worst token rel {r['worst_pos_rel']:.3g})"
+        f"floor run: {floor}; worst token error {r['worst_pos_rel']:.3g})"
     )
 
 
