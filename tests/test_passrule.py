@@ -8,7 +8,9 @@ import torch
 from eagle3prep.passrule import (
     allowed_diverged,
     describe_failure,
+    judge_layer,
     judge_row,
+    judge_tokens,
     miss_probability,
     rows_to_sample,
 )
@@ -85,6 +87,46 @@ def test_failure_message_names_row_position_criterion_value_bound_and_floor(ref)
     r = judge_row(flipped(ref, range(30, 60), 4), ref, None, "float32")
     msg = describe_failure({"row": 3, **r}, "float32", "none")
     assert "row 3 token 30: 30 of 120 tokens diverged (token error > 0.01" in msg and "> 3 allowed" in msg
+
+
+def cascade_row(start: int, first: float = 0.2, later: float = 0.05, wrong: float | None = None):
+    """Token errors of a row re-routed at `start` (as seen on the H200): clean before, `first` at the
+    re-routed token, `later` after it through attention; `wrong` replaces the whole suffix instead."""
+    e = torch.full((T,), 0.001)
+    e[start] = first
+    e[start + 1 :] = later if wrong is None else wrong
+    if wrong is not None:
+        e[start] = wrong
+    return e
+
+
+def test_a_routing_cascade_mid_row_is_excused_once_per_row():
+    floor = torch.full((T,), 0.001)
+    r = judge_tokens(cascade_row(44), floor, "float32")
+    assert r["ok"] and r["cascade"] and r["diverged"] == T - 44 and r["worst_pos"] == 44
+
+
+def test_divergence_that_is_not_a_cascade_fails():
+    floor = torch.full((T,), 0.001)
+    assert judge_tokens(cascade_row(44, wrong=1.0), floor, "float32")["criterion"] == "diverged_tokens"  # wrong tokens
+    assert judge_tokens(cascade_row(0), floor, "float32")["criterion"] == "diverged_tokens"  # from the first token
+    dirty = cascade_row(44)
+    dirty[:44] = 0.005  # the prefix is 5x the floor: the row is wrong before any re-routing
+    assert not judge_tokens(dirty, floor, "float32")["ok"]
+
+
+def test_more_cascade_rows_than_the_floor_run_has_fail_the_layer():
+    floor = torch.full((T,), 0.001)
+    rows = [{"row": i, **judge_tokens(cascade_row(10 + i), floor, "float32")} for i in range(4)]
+    judge_layer(rows)  # no floor row diverged: 3 cascades allowed
+    assert [r["criterion"] for r in rows] == ["cascades"] * 4
+    assert "4 rows diverge mid-row (routing cascades) > 3 allowed" in describe_failure(rows[0], "float32", "x")
+    floor_flip = floor.clone()
+    floor_flip[5] = 0.2  # the floor run re-routes tokens in other rows too
+    rows = [{"row": i, **judge_tokens(cascade_row(10 + i), floor_flip, "float32")} for i in range(4)]
+    rows += [{"row": 9, **judge_tokens(floor, floor_flip, "float32")}]
+    judge_layer(rows)
+    assert all(r["ok"] for r in rows)
 
 
 def test_sample_size_keeps_the_miss_rate_under_one_percent():

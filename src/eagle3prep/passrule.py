@@ -1,11 +1,15 @@
 """The pass rule: is one captured row, at one layer, as close to fp32 as its precision allows? (DESIGN.md §6)
 
 A capture is judged against the exact fp32 reference *relative to the floor run*: transformers at the
-engine's working precision on the same row. Per token, the error is |x_t - r_t| / |r_t|. Two criteria:
+engine's working precision on the same row. Per token, the error is |x_t - r_t| / |r_t|. Per row:
 - diverged tokens (error above TOKEN_FACTOR x the floor run's median token error, and above
-  TOKEN_MIN): a MoE flips a few tokens' experts at any precision below the reference's, so the capture
-  may have as many as the floor run has, with Poisson-like slack, not more;
-- relative error over the other tokens: at most FLOOR_FACTOR x the floor run's, or MIN_REL.
+  TOKEN_MIN): a MoE re-routes a few tokens at any precision below the reference's, so the capture may
+  have as many as the floor run has, with Poisson-like slack;
+- relative error (RMS of the other tokens' errors): at most FLOOR_FACTOR x the floor run's, or MIN_REL;
+- a *routing cascade* is excused once per row: divergence that starts mid-row after a clean prefix,
+  with no token moved by more than CASCADE_MAX (one re-routed token reaches later tokens through
+  causal attention). Per shard and layer, cascades may be as many as the floor run's rows with
+  divergence, with the same slack (`cascades_allowed`).
 """
 
 from __future__ import annotations
@@ -15,65 +19,72 @@ from typing import Any
 
 TOKEN_FACTOR = 8.0  # a token this far above the row's typical rounding error took another path
 TOKEN_MIN = 0.01  # ... and never below 1 %: no rounding moves a state that far (fp32 floors are ~0)
+CASCADE_MAX = 0.5  # a re-routed token keeps its direction (H200: 0.04-0.3); a wrong token does not (~1)
 FLOOR_FACTOR = 3.0
 # The smallest relative-error bound per stored dtype: the rounding of the stored values alone, so an
 # exact floor (fp32 on a CPU) still leaves room for summation order.
 MIN_REL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 
 
-def allowed_diverged(floor_diverged: int) -> int:
-    """Diverged tokens a correct capture may have when the floor run has `floor_diverged`.
+def allowed_diverged(floor_count: int) -> int:
+    """How many events (diverged tokens, cascade rows) a capture may have when the floor run has `floor_count`.
 
     Both counts are draws of the same rate (which tokens flip differs between runs): 2x the floor's
     plus three Poisson standard deviations; 3 when the floor has none.
     """
-    return int(2 * floor_diverged + 3 * math.sqrt(floor_diverged + 1))
+    return int(2 * floor_count + 3 * math.sqrt(floor_count + 1))
 
 
-def _token_errors(x, ref):
-    """Per token: relative error, squared error norm, squared reference norm, cosine ([T] each)."""
-    import torch
-
+def token_errors(x, ref):
+    """Per token |x_t - r_t| / |r_t| ([T] float32 tensor) of [T, H] states."""
     x, ref = x.float(), ref.float()
-    err2, ref2 = ((x - ref) ** 2).sum(-1), (ref**2).sum(-1)
-    cos = torch.nn.functional.cosine_similarity(x, ref, dim=-1)
-    return (err2 / ref2.clamp_min(1e-30)).sqrt(), err2, ref2, cos
+    return (x - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)
 
 
-def _rel(err2, ref2, keep) -> float:
+def _rms(e, keep) -> float:
     if not bool(keep.any()):
         keep = keep | True  # every token diverged: the error over all of them
-    return float(err2[keep].sum().sqrt() / ref2[keep].sum().sqrt().clamp_min(1e-30))
+    return float(e[keep].pow(2).mean().sqrt())
 
 
 def judge_row(captured, reference, floor, dtype: str) -> dict[str, Any]:
-    """The verdict for one row at one layer ([T, H] tensors; `floor` None when the reference is exact).
+    """The verdict for one row at one layer ([T, H] tensors; `floor` None when the reference is exact)."""
+    import torch
 
-    Returns the measured values, their bounds, `ok`, the failing `criterion` ('' when ok) and `worst_pos`,
-    the token position a reader should look at first.
+    cos = torch.nn.functional.cosine_similarity(captured.float(), reference.float(), dim=-1)
+    ftok = token_errors(floor, reference) if floor is not None else None
+    return {**judge_tokens(token_errors(captured, reference), ftok, dtype), "min_cos": float(cos.min())}
+
+
+def judge_tokens(tok, ftok, dtype: str) -> dict[str, Any]:
+    """The verdict from per-token errors of the capture (`tok`) and the floor run (`ftok`, None = exact).
+
+    Returns the measured values, their bounds, `ok`, `cascade`, the failing `criterion` ('' when ok)
+    and `worst_pos`, the token position a reader should look at first.
     """
     import torch
 
-    tok, err2, ref2, cos = _token_errors(captured, reference)
-    if floor is not None:
-        ftok, ferr2, _, _ = _token_errors(floor, reference)
-    else:
-        ftok = ferr2 = torch.zeros_like(tok)
+    tok = torch.as_tensor(tok, dtype=torch.float32)
+    ftok = torch.zeros_like(tok) if ftok is None else torch.as_tensor(ftok, dtype=torch.float32)
     token_bound = max(TOKEN_FACTOR * float(ftok.median()), TOKEN_MIN)
     diverged, fdiv = tok > token_bound, ftok > token_bound
     n_div, n_fdiv = int(diverged.sum()), int(fdiv.sum())
     allowed = allowed_diverged(n_fdiv)
-    rel, floor_rel = _rel(err2, ref2, ~diverged), _rel(ferr2, ref2, ~fdiv)
+    rel, floor_rel = _rms(tok, ~diverged), _rms(ftok, ~fdiv)
     bound_rel = max(FLOOR_FACTOR * floor_rel, MIN_REL[dtype])
-    if n_div > allowed:
-        criterion = "diverged_tokens"
-        worst_pos = int(torch.nonzero(diverged)[0])  # where it starts
+    first = int(torch.nonzero(diverged)[0]) if n_div else 0
+    cascade = (
+        n_div > allowed
+        and first > 0
+        and float(tok[diverged].max()) <= CASCADE_MAX
+        and _rms(tok[:first], ~diverged[:first]) <= bound_rel
+    )
+    if n_div > allowed and not cascade:
+        criterion, worst_pos = "diverged_tokens", first  # where it starts
     elif rel > bound_rel:
-        criterion = "rel"
-        worst_pos = int(torch.where(diverged, -1.0, tok).argmax())
+        criterion, worst_pos = "rel", int(torch.where(diverged, -1.0, tok).argmax())
     else:
-        criterion = ""
-        worst_pos = int(tok.argmax())
+        criterion, worst_pos = "", first if cascade else int(tok.argmax())
     return {
         "tokens": int(tok.numel()),
         "rel": rel,
@@ -83,12 +94,26 @@ def judge_row(captured, reference, floor, dtype: str) -> dict[str, Any]:
         "diverged": n_div,
         "floor_diverged": n_fdiv,
         "allowed_diverged": allowed,
-        "min_cos": float(cos.min()),
+        "cascade": cascade,
         "worst_pos": worst_pos,
-        "worst_pos_rel": float(tok[worst_pos]),
+        "worst_pos_rel": float(tok[worst_pos]) if tok.numel() else 0.0,
         "ok": not criterion,
         "criterion": criterion,
     }
+
+
+def cascades_allowed(rows: list[dict[str, Any]]) -> int:
+    """Cascade rows one layer of a shard may have: as many as the floor run's rows with divergence, with slack."""
+    return allowed_diverged(sum(r["floor_diverged"] > 0 for r in rows))
+
+
+def judge_layer(rows: list[dict[str, Any]]) -> None:
+    """Fail the cascade rows of one layer when there are more than `cascades_allowed` (in place)."""
+    cascades = [r for r in rows if r["cascade"] and r["ok"]]
+    limit = cascades_allowed(rows)
+    if len(cascades) > limit:
+        for r in cascades:
+            r.update(ok=False, criterion="cascades", cascades=len(cascades), cascades_allowed=limit)
 
 
 def describe_failure(r: dict[str, Any], dtype: str, floor: str) -> str:
@@ -99,6 +124,11 @@ def describe_failure(r: dict[str, Any], dtype: str, floor: str) -> str:
             f"{where}: {r['diverged']} of {r['tokens']} tokens diverged (token error > {r['token_bound']:.3g}; "
             f"first at token {r['worst_pos']}, error {r['worst_pos_rel']:.3g}) > {r['allowed_diverged']} allowed "
             f"(floor run: {r['floor_diverged']}, {floor})"
+        )
+    if r["criterion"] == "cascades":
+        return (
+            f"{where}: {r['cascades']} rows diverge mid-row (routing cascades) > {r['cascades_allowed']} allowed "
+            f"by the floor run's rows with diverged tokens ({floor})"
         )
     return (
         f"{where}: relative error {r['rel']:.3g} > bound {r['bound_rel']:.3g} "

@@ -11,7 +11,7 @@ from typing import Any
 from . import faults
 from .atomic import sha256_file, write_json
 from .errors import UserError
-from .passrule import describe_failure, judge_row, miss_probability, rows_to_sample
+from .passrule import describe_failure, judge_layer, judge_row, miss_probability, rows_to_sample
 from .reference import ReferencePair
 from .shard import MANIFEST, TIMINGS, TOKEN_IDS, layer_file, read_index, read_manifest
 from .vllm_compat import KNOWN_BUGS, NO_WORKAROUNDS_ENV, parse_version
@@ -173,6 +173,7 @@ def _layer_summary(mine: list[dict[str, Any]]) -> dict[str, Any]:
         "bound_rel": worst["bound_rel"],
         "worst_margin": worst["rel"] / worst["bound_rel"],
         "worst_row": worst["row"],
+        "cascade_rows": sum(r["cascade"] for r in mine),
         "diverged_share": sum(r["diverged"] for r in mine) / tokens,
         "floor_diverged_share": sum(r["floor_diverged"] for r in mine) / tokens,
     }
@@ -206,6 +207,7 @@ def _check_reference(
         mine = [r for r in results if r["layer_id"] == lid]
         if not mine:
             continue
+        judge_layer(mine)
         summary[str(lid)] = s = _layer_summary(mine)
         failed = [r for r in mine if not r["ok"]]
         if failed:
@@ -217,7 +219,8 @@ def _check_reference(
             detail = (
                 f"{len(mine)} rows ok; worst row {s['worst_row']}: rel {s['max_rel']:.3g} "
                 f"({s['worst_margin']:.2f} of its bound {s['bound_rel']:.3g}); "
-                f"diverged tokens {s['diverged_share']:.2%} (floor run {s['floor_diverged_share']:.2%})"
+                f"diverged tokens {s['diverged_share']:.2%} (floor run {s['floor_diverged_share']:.2%}); "
+                f"routing cascades in {s['cascade_rows']} rows"
             )
         checks.add(f"reference:layer_{lid}", not failed, detail)
     return results, summary
