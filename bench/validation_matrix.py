@@ -144,9 +144,57 @@ def dump_tokens(path: Path, shards: list[Path], tokens: list[Path], refs: Refere
     np.savez_compressed(path, **out)
 
 
+def rejudge(run: Path, rows_per_shard: int) -> None:
+    """Judge the correct captures of a finished run again from its per-token dumps with today's pass rule.
+
+    The device runs are expensive; their dumps keep every token's error of the capture and the floor run,
+    which is all passrule.judge_tokens reads. Planted-mistake columns stay as the run recorded them.
+    """
+    import numpy as np
+
+    from eagle3prep.passrule import judge_layer, judge_tokens
+
+    for cell in json.loads((run / "matrix.json").read_text()):
+        dump = run / "cells" / f"{cell['family']}-{cell['backend']}-{cell['dtype']}" / "tokens.npz"
+        if "error" in cell or not dump.exists():
+            print(summary_row(cell))
+            continue
+        data = np.load(dump)
+        verdicts: dict[tuple[int, int], list[dict]] = {}
+        for key in sorted({k.rsplit("_", 1)[0] for k in data.files}):
+            row, lid = map(int, key.split("_"))
+            floor = data[f"{key}_f"] if f"{key}_f" in data.files else None
+            verdicts.setdefault((row // rows_per_shard, lid), []).append(
+                {"row": row, **judge_tokens(data[f"{key}_c"], floor, cell["dtype"])}
+            )
+        for rows in verdicts.values():
+            judge_layer(rows)
+        shards = sorted({k for k, _ in verdicts})
+        cell["correct"] = [
+            {
+                "ok": all(r["ok"] for (k, _), rows in verdicts.items() if k == shard for r in rows),
+                "rows": len({r["row"] for (k, _), rows in verdicts.items() if k == shard for r in rows}),
+                "layers": {
+                    str(lid): {
+                        "worst_margin": max(r["rel"] / r["bound_rel"] for r in rows),
+                        "diverged_share": sum(r["diverged"] for r in rows) / sum(r["tokens"] for r in rows),
+                        "floor_diverged_share": sum(r["floor_diverged"] for r in rows)
+                        / sum(r["tokens"] for r in rows),
+                        "cascade_rows": sum(r["cascade"] for r in rows),
+                    }
+                    for (k, lid), rows in verdicts.items()
+                    if k == shard
+                },
+            }
+            for shard in shards
+        ]
+        cell["correct_ok"] = all(v["ok"] for v in cell["correct"])
+        print(summary_row(cell))
+
+
 def summary_row(c: dict) -> str:
     if "error" in c:
-        return f"| {c['family']} | {c['backend']} | {c['dtype']} | {c['device']} | {c['tp']} | ERROR: {c['error'][:160]} |"
+        return f"| {c['family']} | {c['backend']} | {c['dtype']} | {c['device']} | {c['tp']} | refused: {c['error'][:400]} |"
     worst = max(
         (layer["worst_margin"] for v in c["correct"] if v["layers"] for layer in v["layers"].values()), default=0
     )
@@ -158,11 +206,15 @@ def summary_row(c: dict) -> str:
         default=0,
     )
     rows = sum(v["rows"] or 0 for v in c["correct"])
+    cascades = max(
+        (layer.get("cascade_rows", 0) for v in c["correct"] if v["layers"] for layer in v["layers"].values()),
+        default=0,
+    )
     caught = [m for m, p in c["planted"].items() if p["caught"]]
     missed = [m for m, p in c["planted"].items() if not p["caught"]]
     return (
         f"| {c['family']} | {c['backend']} ({c['capture_path']}) | {c['dtype']} | {c['device']} | {c['tp']} | "
-        f"{'PASS' if c['correct_ok'] else 'FAIL'} ({rows} rows) | {worst:.2f} | {div:.2%} / {fdiv:.2%} | "
+        f"{'PASS' if c['correct_ok'] else 'FAIL'} ({rows} rows) | {worst:.2f} | {div:.2%} / {fdiv:.2%} | {cascades} | "
         f"{len(caught)}/{len(MISTAKES)}{' missed: ' + ', '.join(missed) if missed else ''} |"
     )
 
@@ -178,7 +230,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=24, help="rows per shard")
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--dump", action="store_true", help="save per-token errors of the correct captures")
+    ap.add_argument("--rejudge", action="store_true", help="OUT is a finished run with dumps: judge it again")
     args = ap.parse_args()
+    if args.rejudge:
+        return rejudge(args.out, args.rows)
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
 
@@ -196,9 +251,9 @@ def main() -> None:
     )
     emit(
         "| family | backend (path) | dtype | device | TP | correct capture, every row | worst error / bound "
-        "| diverged tokens capture / floor | planted mistakes caught |"
+        "| diverged tokens capture / floor | cascade rows | planted mistakes caught |"
     )
-    emit("|---|---|---|---|---|---|---|---|---|")
+    emit("|---|---|---|---|---|---|---|---|---|---|")
     cells = []
     for family in args.families:
         model = build_family(family, args.out / "models" / family)

@@ -100,10 +100,12 @@ def cascade_row(start: int, first: float = 0.2, later: float = 0.05, wrong: floa
     return e
 
 
-def test_a_routing_cascade_mid_row_is_excused_once_per_row():
+def test_a_routing_cascade_mid_row_is_judged_on_the_tokens_before_it():
     floor = torch.full((T,), 0.001)
     r = judge_tokens(cascade_row(44), floor, "float32")
     assert r["ok"] and r["cascade"] and r["diverged"] == T - 44 and r["worst_pos"] == 44
+    faint = cascade_row(44, first=0.05, later=0.008)  # later tokens under the token bound still excused
+    assert judge_tokens(faint, floor, "float32")["ok"] and judge_tokens(faint, floor, "float32")["diverged"] == 1
 
 
 def test_divergence_that_is_not_a_cascade_fails():

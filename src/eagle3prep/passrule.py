@@ -6,10 +6,10 @@ engine's working precision on the same row. Per token, the error is |x_t - r_t| 
   TOKEN_MIN): a MoE re-routes a few tokens at any precision below the reference's, so the capture may
   have as many as the floor run has, with Poisson-like slack;
 - relative error (RMS of the other tokens' errors): at most FLOOR_FACTOR x the floor run's, or MIN_REL;
-- a *routing cascade* is excused once per row: divergence that starts mid-row after a clean prefix,
-  with no token moved by more than CASCADE_MAX (one re-routed token reaches later tokens through
-  causal attention). Per shard and layer, cascades may be as many as the floor run's rows with
-  divergence, with the same slack (`cascades_allowed`).
+- a *routing cascade* (divergence that starts mid-row, no token moved by more than CASCADE_MAX: one
+  re-routed token reaches every later token through causal attention) is judged on the tokens before
+  it alone. Per shard and layer, cascade rows may be as many as the floor run's rows with divergence,
+  with the same slack (`cascades_allowed`).
 """
 
 from __future__ import annotations
@@ -70,19 +70,17 @@ def judge_tokens(tok, ftok, dtype: str) -> dict[str, Any]:
     diverged, fdiv = tok > token_bound, ftok > token_bound
     n_div, n_fdiv = int(diverged.sum()), int(fdiv.sum())
     allowed = allowed_diverged(n_fdiv)
-    rel, floor_rel = _rms(tok, ~diverged), _rms(ftok, ~fdiv)
+    first = int(torch.nonzero(diverged)[0]) if n_div else len(tok)
+    # Causal attention carries a re-routed token to every later token, so a cascade is judged on the
+    # tokens before it; any other divergence on the tokens that did not diverge.
+    cascade = 0 < first < len(tok) and float(tok[first:].max()) <= CASCADE_MAX
+    judged = torch.arange(len(tok)) < first if cascade else ~diverged
+    rel, floor_rel = _rms(tok, judged), _rms(ftok, ~fdiv)
     bound_rel = max(FLOOR_FACTOR * floor_rel, MIN_REL[dtype])
-    first = int(torch.nonzero(diverged)[0]) if n_div else 0
-    cascade = (
-        n_div > allowed
-        and first > 0
-        and float(tok[diverged].max()) <= CASCADE_MAX
-        and _rms(tok[:first], ~diverged[:first]) <= bound_rel
-    )
     if n_div > allowed and not cascade:
         criterion, worst_pos = "diverged_tokens", first  # where it starts
     elif rel > bound_rel:
-        criterion, worst_pos = "rel", int(torch.where(diverged, -1.0, tok).argmax())
+        criterion, worst_pos = "rel", int(torch.where(judged, tok, -1.0).argmax())
     else:
         criterion, worst_pos = "", first if cascade else int(tok.argmax())
     return {
