@@ -86,7 +86,8 @@ def test_full_run_outputs(full_run):
     summary = list(csv.DictReader((wd / "results/report/summary.csv").read_text().splitlines()))
     assert [int(r["rows"]) for r in summary] == [s["rows"] for s in manifest["shards"]]
     html = (wd / "results/report/report.html").read_text()
-    assert html.count("<img") == 5 and "Per-layer norms" in html
+    assert html.count("<img") >= 5 and "Hidden-state statistics per layer and shard" in html
+    assert "Draft-vocabulary coverage" in html and "Validation: every check per shard" in html
     assert "tok/s" in (wd / "logs/extract/shard_0.log").read_text()
     assert not list((wd / "results").rglob(".tmp-*")), "temp files left behind after a successful run"
 
