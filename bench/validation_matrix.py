@@ -155,7 +155,9 @@ def rejudge(run: Path, rows_per_shard: int) -> None:
     from eagle3prep.passrule import judge_layer, judge_tokens
 
     for cell in json.loads((run / "matrix.json").read_text()):
-        dump = run / "cells" / f"{cell['family']}-{cell['backend']}-{cell['dtype']}" / "tokens.npz"
+        name = f"{cell['family']}-{cell['backend']}-{cell['dtype']}"
+        dump = run / "cells" / name / "tokens.npz"
+        dump = dump if dump.exists() else run / f"{name}.npz"  # as committed under docs/runs/
         if "error" in cell or not dump.exists():
             print(summary_row(cell))
             continue
