@@ -188,6 +188,9 @@ def test_truncation(tmp_path, demo_model_dir):
     assert rows[0]["loss_mask"][-1] == 1
     assert rows[1]["seq_len"] < 48
     assert stats["truncated_rows"] == 1
+    (tmp_path / "full").mkdir()
+    full = run(tmp_path / "full", demo_model_dir, [conv(("Tell me a lot.", long_reply))], max_seq_len=1024)[0][0]
+    assert stats["truncated_tokens"] == full["seq_len"] - 48 > 0  # what training loses, for the report
     assert stats["seq_len"]["max"] == 48
 
 

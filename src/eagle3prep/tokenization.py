@@ -293,6 +293,7 @@ class EncodedChunk:
     # Sparse, so that a chunk of a 150k-token vocabulary does not ship 150k zeros.
     token_freq: tuple[Any, Any]
     n_truncated: int
+    truncated_tokens: int = 0  # tokens cut from the truncated rows (what training loses)
 
 
 def mask_runs(mask: bytearray) -> list[tuple[int, int]]:
@@ -333,7 +334,7 @@ def encode_lines(
     results = encoder.encode([conv["messages"] for conv in convs], [conv.get("tools") for conv in convs])
     rows: list[tuple[str, int] | Quarantined] = []
     masked: list[int] = []  # the loss-masked token ids of the chunk's kept rows, counted once at the end
-    n_truncated = 0
+    n_truncated = truncated_tokens = 0
     for (line_no, _), conv, result in zip(lines, convs, results, strict=True):
         if isinstance(result, Rejected):
             rows.append(Quarantined(conversations_path, line_no, result.reason, result.detail, conv))
@@ -353,13 +354,14 @@ def encode_lines(
             )  # fmt: skip
             continue
         n_truncated += full_len > max_seq_len
+        truncated_tokens += max(full_len - max_seq_len, 0)
         for start, end in runs:
             masked += ids[start:end]
         rows.append((row_json_tail(conv["id"], ids, runs, encoder.id_str), len(ids)))
     # One bincount instead of a Counter.update per row: half the time (Counter hashes every token).
     counts = np.bincount(np.fromiter(masked, dtype=np.int64, count=len(masked)))
     distinct = np.flatnonzero(counts)
-    return EncodedChunk(rows, (distinct, counts[distinct]), n_truncated)
+    return EncodedChunk(rows, (distinct, counts[distinct]), n_truncated, truncated_tokens)
 
 
 _WORKER: tuple[ChatEncoder, str, int] | None = None
@@ -554,7 +556,7 @@ def tokenize_conversations(
     seq_lens = array("q")
     token_freq = np.zeros(len(encoder.id_str), dtype=np.int64)  # [vocab] count of each token id, loss-masked
     quarantined: list[Quarantined] = []
-    n_in = n_truncated = 0
+    n_in = n_truncated = truncated_tokens = 0
 
     # Rows go to a spill file first: how many rows each shard gets is known only at the end, and
     # host memory must not grow with the dataset.
@@ -579,6 +581,7 @@ def tokenize_conversations(
                 distinct, counts = chunk.token_freq
                 token_freq[distinct] += counts
                 n_truncated += chunk.n_truncated
+                truncated_tokens += chunk.truncated_tokens
 
         shards = []
         with open(spill, "rb") as spill_f:
@@ -612,6 +615,7 @@ def tokenize_conversations(
         "assistant_token_share": round(n_assistant / n_tokens, 6) if n_tokens else 0.0,
         "max_seq_len": max_seq_len,
         "truncated_rows": n_truncated,
+        "truncated_tokens": truncated_tokens,
         "quarantined": dict(sorted(Counter(q.reason for q in quarantined).items())),
         "quarantined_total": len(quarantined),
         "shards": shards,
