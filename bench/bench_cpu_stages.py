@@ -141,6 +141,18 @@ def build_large_tokenizer(out_dir: Path, convs: list[dict], vocab_size: int) -> 
     return out_dir
 
 
+def bench_inputs(tmp: Path, conversations: int, large_vocab: int) -> tuple[Path, list[dict], Path, Path]:
+    """The demo model, `conversations` synthetic conversations, the 'large' tokenizer and the raw JSONL file."""
+    from eagle3prep.demo import build_demo_model
+
+    model = build_demo_model(tmp / "model", REPO / "resources/demo/tokenizer_corpus.txt")
+    convs = synthetic_conversations(conversations)
+    large = build_large_tokenizer(tmp / "large", convs, large_vocab)
+    src = tmp / "raw.jsonl"
+    src.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    return model, convs, large, src
+
+
 def cpu_seconds() -> tuple[float, float]:
     """CPU seconds (user + system) of this process, and of its ended child processes (tokenize's workers)."""
     me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -238,7 +250,6 @@ def main() -> None:
         help="vocabulary of the 'large' tokenizer (the run prints how many characters a token holds)",
     )  # fmt: skip
     args = ap.parse_args()
-    from eagle3prep.demo import build_demo_model
     from eagle3prep.prepare import prepare
 
     print(
@@ -247,11 +258,7 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        model = build_demo_model(tmp / "model", REPO / "resources/demo/tokenizer_corpus.txt")
-        convs = synthetic_conversations(args.conversations)
-        large = build_large_tokenizer(tmp / "large", convs, args.large_vocab)
-        src = tmp / "raw.jsonl"
-        src.write_text("".join(json.dumps(c) + "\n" for c in convs))
+        model, convs, large, src = bench_inputs(tmp, args.conversations, args.large_vocab)
         _, t_prep, _ = best_of(
             args.repeat, lambda: prepare([str(src)], tmp / "conv.jsonl", tmp / "q.jsonl", tmp / "counts.json")
         )

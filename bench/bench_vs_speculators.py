@@ -38,7 +38,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cpu_stages import build_large_tokenizer, synthetic_conversations  # noqa: E402
+from bench_cpu_stages import bench_inputs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -301,7 +301,6 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from importlib.metadata import version
 
-    from eagle3prep.demo import build_demo_model
     from eagle3prep.prepare import prepare
 
     print(
@@ -311,11 +310,7 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        model = build_demo_model(tmp / "model", REPO / "resources/demo/tokenizer_corpus.txt")
-        convs = synthetic_conversations(args.conversations)
-        large = build_large_tokenizer(tmp / "large", convs, args.large_vocab)
-        src = tmp / "raw.jsonl"
-        src.write_text("".join(json.dumps(c) + "\n" for c in convs))
+        model, convs, large, src = bench_inputs(tmp, args.conversations, args.large_vocab)
         prepare([str(src)], tmp / "conv.jsonl", tmp / "q.jsonl", tmp / "counts.json")
         bench_one("demo", model, convs, tmp, args)
         bench_one(f"large ({args.large_vocab} tokens)", large, convs, tmp, args)
