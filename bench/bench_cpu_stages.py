@@ -153,6 +153,22 @@ def bench_inputs(tmp: Path, conversations: int, large_vocab: int) -> tuple[Path,
     return model, convs, large, src
 
 
+def tokenize_into(out: Path, model_dir: Path, conversations: Path, max_seq_len: int, workers: int) -> dict:
+    """The workflow's tokenize stage into `out` (4 shards); returns its stats."""
+    from eagle3prep.tokenization import tokenize_conversations
+
+    return tokenize_conversations(
+        conversations,
+        model_dir,
+        [out / f"s{k}.jsonl" for k in range(4)],
+        out / "stats.json",
+        out / "freq.json",
+        out / "q.jsonl",
+        max_seq_len=max_seq_len,
+        workers=workers,
+    )
+
+
 def cpu_seconds() -> tuple[float, float]:
     """CPU seconds (user + system) of this process, and of its ended child processes (tokenize's workers)."""
     me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -173,23 +189,12 @@ def best_of(n: int, fn):
 
 def bench_tokenize(name: str, model: Path, convs: list[dict], conversations: Path, t_prep: float, args) -> None:
     """Print the tokenize figures of one tokenizer: naive loop, 1 and all-core processes, encode ceiling."""
-    from eagle3prep.tokenization import tokenize_conversations
 
     tmp = conversations.parent
     naive_rows, t_naive, (c_naive, _) = best_of(args.repeat, lambda: naive_tokenize(model, convs, 1024))
 
     def tokenize(workers: int, conversations: Path = conversations) -> dict:
-        out = tmp / f"tok-{name}-{workers}"
-        return tokenize_conversations(
-            conversations,
-            model,
-            [out / f"s{k}.jsonl" for k in range(4)],
-            out / "stats.json",
-            out / "freq.json",
-            out / "tq.jsonl",
-            max_seq_len=1024,
-            workers=workers,
-        )
+        return tokenize_into(tmp / f"tok-{name}-{workers}", model, conversations, 1024, workers)
 
     workers = os.cpu_count() or 1
     _, t_tok1, (c_tok1, _) = best_of(args.repeat, lambda: tokenize(1))

@@ -38,7 +38,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cpu_stages import bench_inputs  # noqa: E402
+from bench_cpu_stages import bench_inputs, tokenize_into  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -138,18 +138,7 @@ def speculators_batch(model_dir: Path, convs: list[dict], max_len: int):
 
 
 def ours(model_dir: Path, conversations: Path, out: Path, max_len: int, workers: int) -> dict:
-    from eagle3prep.tokenization import tokenize_conversations
-
-    return tokenize_conversations(
-        conversations,
-        model_dir,
-        [out / f"s{k}.jsonl" for k in range(4)],
-        out / "stats.json",
-        out / "freq.json",
-        out / "q.jsonl",
-        max_seq_len=max_len,
-        workers=workers,
-    )
+    return tokenize_into(out, model_dir, conversations, max_len, workers)
 
 
 def group_rows(convs: list[dict], theirs) -> list[list[tuple[list[int], list[int]]]]:

@@ -120,17 +120,3 @@ class ReferencePair:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = (ref, floor)
         return self._cache[key]
-
-
-def compare(captured, reference) -> dict[str, float]:
-    """Error of `captured` against `reference` ([T, H] each): max abs, relative (Frobenius), min cosine."""
-    import torch
-
-    c, r = captured.float(), reference.float()
-    diff = c - r
-    cos = torch.nn.functional.cosine_similarity(c, r, dim=-1)  # [T]
-    return {
-        "max_abs": float(diff.abs().max()),
-        "rel": float(diff.norm() / r.norm().clamp_min(1e-30)),
-        "min_cos": float(cos.min()),
-    }

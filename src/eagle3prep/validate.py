@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import sys
@@ -193,14 +194,15 @@ def _check_reference(
     index = read_index(shard)
     dtype, lids = manifest["dtype"], manifest["layer_ids"]
     results = []
-    files = {lid: safe_open(shard / layer_file(lid), framework="pt") for lid in lids}
-    for i in picks:
-        e = index[i]
-        want, floor = refs.rows(rows[i]["input_ids"], lids)
-        for lid in lids:
-            got = files[lid].get_slice("hidden_states")[e.offset : e.offset + e.length]  # [T, H]
-            verdict = judge_row(got, want[lid], floor[lid] if floor else None, dtype)
-            results.append({"row": e.row, "layer_id": lid, **verdict})
+    with contextlib.ExitStack() as stack:
+        files = {lid: stack.enter_context(safe_open(shard / layer_file(lid), framework="pt")) for lid in lids}
+        for i in picks:
+            e = index[i]
+            want, floor = refs.rows(rows[i]["input_ids"], lids)
+            for lid in lids:
+                got = files[lid].get_slice("hidden_states")[e.offset : e.offset + e.length]  # [T, H]
+                verdict = judge_row(got, want[lid], floor[lid] if floor else None, dtype)
+                results.append({"row": e.row, "layer_id": lid, **verdict})
     summary = {}
     hint = known_engine_bug(manifest)
     for lid in lids:
