@@ -154,6 +154,7 @@ def rejudge(run: Path, rows_per_shard: int) -> None:
 
     from eagle3prep.passrule import judge_layer, judge_tokens
 
+    cascades: list[str] = []
     for cell in json.loads((run / "matrix.json").read_text()):
         name = f"{cell['family']}-{cell['backend']}-{cell['dtype']}"
         dump = run / "cells" / name / "tokens.npz"
@@ -192,6 +193,27 @@ def rejudge(run: Path, rows_per_shard: int) -> None:
         ]
         cell["correct_ok"] = all(v["ok"] for v in cell["correct"])
         print(summary_row(cell))
+        cascades.extend(cascade_lines(name, data, verdicts))
+    print("\n".join(cascades))
+
+
+def cascade_lines(name: str, data, verdicts: dict) -> list[str]:
+    """One line per cascade row: where the re-routed token is, how far it and the later tokens moved."""
+    import numpy as np
+
+    out = []
+    for (_, lid), rows in sorted(verdicts.items()):
+        for r in rows:
+            if r["cascade"]:
+                e = data[f"{r['row']}_{lid}_c"]
+                p = r["worst_pos"]
+                later = e[p + 1 :]
+                out.append(
+                    f"# cascade {name} row {r['row']} layer {lid}: token {p} of {r['tokens']} error {e[p]:.3f}; "
+                    f"{r['diverged']} tokens over {r['token_bound']:.3g}; later tokens max "
+                    f"{later.max() if later.size else 0:.3f}, median {float(np.median(later)) if later.size else 0:.4f}"
+                )
+    return out
 
 
 def summary_row(c: dict) -> str:

@@ -154,3 +154,4 @@ def test_sample_size_keeps_the_miss_rate_under_one_percent():
         assert miss_probability(rows, n) == pytest.approx(exact, abs=1e-12)
         assert exact < 0.01 and (n == 0 or miss_probability(rows, n - 1) >= 0.01)
     assert rows_to_sample(10**6) == 90 and rows_to_sample(20) == 20  # 0.95**90 < 0.01 < 0.95**89
+    assert [rows_to_sample(r) for r in (50, 105, 1000)] == [39, 55, 86]  # the figures DESIGN.md §6 quotes

@@ -77,9 +77,9 @@ _SPECS = {
 }
 
 # Expert weights (routed and shared) of the MoE families: with the 0.1 of the other weights, a token
-# whose experts flip in bf16 diverges so far that 20 % (Qwen) to 90 % (DeepSeek, routed scaling 2.827)
-# of the last layer's tokens leave cosine 0.99 against fp32; with these, 1-2 % and ~6 %, as the
-# project measured on real-sized MoE targets (docs/DESIGN.md §6).
+# whose experts flip in bf16 moved so far that most of the tiny DeepSeek's last-layer tokens left
+# cosine 0.99 against fp32 (measured by hand while building these, not kept); with these, the bf16
+# runs of the validation matrix diverge at most 2.4 % of a layer's tokens (docs/gpu-validation.md).
 EXPERT_STD = {"qwen3_moe": 0.065, "qwen2_moe": 0.065, "deepseek_v3": 0.04}
 
 
