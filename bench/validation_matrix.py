@@ -246,10 +246,10 @@ def summary_row(c: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--families", nargs="+", default=list(FAMILIES))
-    ap.add_argument("--backends", nargs="+", default=["hf", "vllm"])
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    ap.add_argument("--backends", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--rows", type=int, default=24, help="rows per shard")
     ap.add_argument("--shards", type=int, default=2)
@@ -257,6 +257,8 @@ def main() -> None:
     ap.add_argument("--rejudge", action="store_true", help="OUT is a finished run with dumps: judge it again")
     args = ap.parse_args()
     if args.rejudge:
+        if not (args.out / "matrix.json").is_file():
+            ap.error(f"{args.out}/matrix.json not found: --rejudge reads a finished run's folder")
         return rejudge(args.out, args.rows)
     args.out.mkdir(parents=True, exist_ok=True)
     import torch

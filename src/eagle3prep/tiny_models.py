@@ -184,6 +184,10 @@ def main(argv: list[str]) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out, names = Path(argv[0]), argv[1:] or list(FAMILIES)
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        print(f"error: unknown families {unknown}; known: {', '.join(FAMILIES)}", file=sys.stderr)
+        return 2
     for name in names:
         start = time.perf_counter()
         path = build_family(name, out / name)
