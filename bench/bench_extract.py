@@ -193,7 +193,7 @@ def phase_d(args, model: Path, work: dict) -> dict:
         "kv_connector": "CPUHiddenStatesConnector" if on_cpu else "ExampleHiddenStatesConnector",
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(shm)},
-        **({"kv_connector_module_path": "eagle3prep.vllm_ext"} if on_cpu else {}),
+        **({"kv_connector_module_path": "eagle3prep.backends.vllm.worker"} if on_cpu else {}),
     }
     t0 = time.perf_counter()
     llm = LLM(**kw)
@@ -239,10 +239,10 @@ def phase_b(args, model: Path, work: dict) -> dict:
     info = backend.probe()
     out = {
         "engine_start_s": time.perf_counter() - t0,
-        "engine_init_s": info.get("engine_init_s"),  # LLM() alone; the rest is the probe's smoke capture
-        "smoke_s": info.get("smoke_s"),
-        "capture_path": info["capture_path"],
-        "vllm": info["engine_version"],
+        "engine_init_s": info.volatile.get("engine_init_s"),  # LLM() alone; the rest is the probe's smoke capture
+        "smoke_s": info.volatile.get("smoke_s"),
+        "capture_path": info.capture_path,
+        "vllm": info.engine_version,
     }
     rss = PeakRSS(children=True)  # the engine's processes too: on the hooks path the worker holds the slots
     try:
@@ -263,9 +263,9 @@ def phase_b(args, model: Path, work: dict) -> dict:
                 engine=(backend, info),
             )
             timings = json.loads((where / name / "timings.json").read_text())
-            nbytes = sum(f["bytes"] for f in m["files"].values())
+            nbytes = sum(f["bytes"] for f in m.files.values())
             out[name] = {
-                "tokens": m["tokens"],
+                "tokens": m.tokens,
                 "tokens_per_s": timings["tokens_per_s"],
                 "bytes": nbytes,
                 "bytes_per_s": nbytes / timings["capture_s"],
@@ -286,7 +286,8 @@ def phase_c(args, model: Path, work: dict) -> dict:
     import transformers
 
     from eagle3prep.extract import iter_batches, read_index
-    from eagle3prep.shard import ShardWriter
+    from eagle3prep.shard.sink import LayerSink, Segment
+    from eagle3prep.shard.writer import ShardWriter
 
     dev = "cuda" if args.device == "cuda" else "cpu"
     cfg = transformers.AutoConfig.from_pretrained(model)
@@ -302,10 +303,12 @@ def phase_c(args, model: Path, work: dict) -> dict:
         tok = write_tokenized(args.out / f"hf_{name}.jsonl", work[name])
         index = read_index(tok)
         writer = ShardWriter(args.out / f"hf_{name}", ids, cfg.hidden_size, args.dtype, index)
+        sink = LayerSink(writer.sink_spec(args.hf_batch_tokens))
         if dev == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        for batch in iter_batches(tok, args.hf_batch_tokens):
+        first = 0
+        for batch in writer.tee(iter_batches(tok, args.hf_batch_tokens)):
             lens = [len(r) for r in batch]
             x = torch.zeros(len(batch), max(lens), dtype=torch.long)
             mask = torch.zeros_like(x)
@@ -316,11 +319,15 @@ def phase_c(args, model: Path, work: dict) -> dict:
                 hs = hf.model(
                     input_ids=x.to(dev), attention_mask=mask.to(dev), output_hidden_states=True
                 ).hidden_states
-            layers = {
-                k: torch.cat([(final["x"] if k == n else hs[k])[i, :m] for i, m in enumerate(lens)]).cpu() for k in ids
-            }  # [sum_T, H] per layer, host copies
-            writer.append(torch.tensor([t for r in batch for t in r]), layers)
-        writer.finish({"shard": 0})
+            starts = [sum(lens[:i]) for i in range(len(lens))]
+            sink.begin_step([Segment(sink.spec.tag(first + i), 0, a, a + m) for i, (a, m) in enumerate(zip(starts, lens))])
+            first += len(batch)
+            for k in ids:  # [sum_T, H] per layer; the sink copies it to the host off the forward's path
+                sink.add_layer(k, torch.cat([(final["x"] if k == n else hs[k])[i, :m] for i, m in enumerate(lens)]))
+        placeholders = {"shard": 0, "layer_id_convention": "input_of_layer", "num_hidden_layers": n,
+                        "hidden_size": cfg.hidden_size, "dtype": args.dtype, "row_range": [0, 0], "tokenized": {},
+                        "model": {}, "tokenizer": {}, "engine": {}, "code_version": ""}  # a baseline: no provenance
+        writer.finish(sink.finish(), placeholders)
         secs = time.perf_counter() - t1
         out[name] = {
             "tokens": sum(lens for lens in map(len, work[name])),
@@ -333,7 +340,7 @@ def phase_c(args, model: Path, work: dict) -> dict:
 def disk_write_speed(folder: Path, nbytes: int, streams: int = 1) -> float:
     """Write + fsync of `nbytes` in `folder` by `streams` files at once, bytes/s: the disk's own limit.
     Flushed as the worker flushes its layer files (BackgroundFlush, one file per layer)."""
-    from eagle3prep.shard import BackgroundFlush
+    from eagle3prep.shard.files import BackgroundFlush
 
     block = os.urandom(1 << 24)
     blocks = max(1, nbytes // len(block) // streams)

@@ -84,8 +84,8 @@ def run_cell(args, family: str, model: Path, backend: str, dtype: str, tokens: l
             shards.append(shard)
     finally:
         engine.close()
-    cell.update(capture_path=info["capture_path"], engine_version=info["engine_version"], capture_s=time.time() - t0)
-    cell["workarounds"] = info.get("workarounds", [])
+    cell.update(capture_path=info.capture_path, engine_version=info.engine_version, capture_s=time.time() - t0)
+    cell["workarounds"] = info.details.get("workarounds", [])
     correct = [
         validate(s, t, model, refs, wd / f"v_{k}.json") for k, (s, t) in enumerate(zip(shards, tokens, strict=True))
     ]
@@ -125,12 +125,12 @@ def dump_tokens(path: Path, shards: list[Path], tokens: list[Path], refs: Refere
     import numpy as np
     from safetensors import safe_open
 
-    from eagle3prep.shard import layer_file, read_index, read_manifest
+    from eagle3prep.shard.format import layer_file, read_index, read_manifest
 
     out = {}
     for shard, tok in zip(shards, tokens, strict=True):
         rows = [json.loads(line) for line in tok.read_text(encoding="utf-8").splitlines()]
-        lids = read_manifest(shard)["layer_ids"]
+        lids = read_manifest(shard).layer_ids
         for e, row in zip(read_index(shard), rows, strict=True):
             ref, floor = refs.rows(row["input_ids"], lids)
             for lid in lids:

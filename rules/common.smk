@@ -101,6 +101,12 @@ def get_gpus(wildcards=None):
     return 1 if ex["device"] == "cuda" else 0
 
 
+def get_validate_gpus(wildcards=None):
+    """GPUs one validate job holds: 1 when its reference runs on cuda."""
+    v = config["validate"]
+    return 1 if v["reference"] and v["device"].startswith("cuda") else 0
+
+
 def get_extract_data_params(wildcards=None):
     """extract.* without the speed knobs (config.SPEED_KEYS): changing those re-queues no shard."""
     return extract_data_params(config["extract"])

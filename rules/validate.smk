@@ -18,6 +18,9 @@ rule validate_shard:
         "benchmarks/validate/shard_{k}.tsv"
     conda:
         "../envs/base.yaml"
+    resources:
+        gpus=get_validate_gpus(),
+        gpu=get_validate_gpus(),
     params:
         tokens=get_tokenized_shard,
         validate=config["validate"],

@@ -8,25 +8,20 @@ if __name__ == "__main__":
     sys.stderr = open(snakemake.log[0], "w", buffering=1)
     os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM engine, workers) log there too
 
-    from eagle3prep.config import capture_spec, extract_options
+    from eagle3prep.config import extract_options
     from eagle3prep.errors import one_line_errors
-    from eagle3prep.extract import extract_shard
+    from eagle3prep.extract import run_extract_job
 
     with one_line_errors():
-        # speed knobs (batch_tokens, gpu_memory_utilization, ...) are not params: see config.SPEED_KEYS
-        options = extract_options(snakemake.params.extract, snakemake.config["extract"])
-        config = {
-            "model": {"path": snakemake.input.model, "trust_remote_code": snakemake.params.trust_remote_code},
-            "layers": snakemake.params.layers,
-            "extract": options,
-            "tokenize": {"max_seq_len": snakemake.params.max_seq_len},
-        }
-        extract_shard(
+        run_extract_job(
             snakemake.params.tokens,
             snakemake.output[0],
-            capture_spec(config),
-            options=options,
-            batch_tokens=options["batch_tokens"],
+            model_path=snakemake.input.model,
+            layers=snakemake.params.layers,
+            # speed knobs (batch_tokens, gpu_memory_utilization, ...) are not params: see config.SPEED_KEYS
+            extract=extract_options(snakemake.params.extract, snakemake.config["extract"]),
+            max_seq_len=snakemake.params.max_seq_len,
+            trust_remote_code=snakemake.params.trust_remote_code,
             shard=int(snakemake.wildcards.k),
             threads=snakemake.threads,
         )

@@ -20,7 +20,8 @@ from workflow_helpers import make_workdir, snakemake
 
 from eagle3prep import extract
 from eagle3prep.extract import extract_shard, shard_bytes
-from eagle3prep.shard import MANIFEST, DiskSpaceError, ShardWriter
+from eagle3prep.shard.format import MANIFEST, DiskSpaceError
+from eagle3prep.shard.writer import ShardWriter
 from eagle3prep.validate import validate_shard
 
 LENGTHS = [100] * 20  # 2000 tokens x 4 layers x 128 x bf16: a ~2 MiB shard
@@ -104,7 +105,7 @@ def test_disk_full_during_the_write_then_a_rerun_with_room(small_fs, tmp_path, d
     ballast.unlink()
     manifest = extract_shard(str(tokens), str(out), demo_spec(demo_model_dir), {}, batch_tokens=512, shard=0)
     report = validate_shard(str(out), str(tokens), str(tmp_path / "v.json"), str(demo_model_dir), sample_rows=1)
-    assert report["ok"] and manifest["tokens"] == sum(LENGTHS)
+    assert report["ok"] and manifest.tokens == sum(LENGTHS)
     assert not list(out.glob(".tmp-*"))
     on_disk = sum(p.stat().st_size for p in out.iterdir())
     assert 0.95 * NEEDED < on_disk <= NEEDED  # the estimate the pre-check and `plan` use is safe and tight

@@ -174,21 +174,20 @@ def test_speculators_training_loader_reads_the_export(results, demo_model_dir):
 
 def test_refuses_what_speculators_cannot_train_on(results, tmp_path):
     inputs = export_inputs(results)
-    dirs, validations = inputs["shard_dirs"], inputs["validations"]
+    dirs, validations, tokenized = inputs["shard_dirs"], inputs["validations"], inputs["tokenized"]
     with pytest.raises(ExportError, match="expected rows from 0"):
-        check_shards(dirs[::-1], validations[::-1])
+        check_shards(dirs[::-1], validations[::-1], tokenized[::-1])
     failed = tmp_path / "failed.json"
     failed.write_text(json.dumps({"ok": False, "shard_dir": dirs[1]}))
     with pytest.raises(ExportError, match="not a passed validation"):
-        check_shards(dirs, [validations[0], str(failed)])
+        check_shards(dirs, [validations[0], str(failed)], tokenized)
     # Layer ids without the pre-norm final state N: speculators would take layer 5 for the verifier's.
-    no_final = tmp_path / "shard_0"
-    no_final.mkdir()
+    no_final = shutil.copytree(dirs[0], tmp_path / "shard_0")
     manifest = json.loads(Path(dirs[0], "manifest.json").read_text())
     (no_final / "manifest.json").write_text(json.dumps({**manifest, "layer_ids": AUX}))
     (tmp_path / "v.json").write_text(json.dumps({"ok": True, "shard_dir": str(no_final)}))
     with pytest.raises(ExportError, match=r"pre-norm final state \(id 8\)"):
-        check_shards([str(no_final)], [str(tmp_path / "v.json")])
+        check_shards([str(no_final)], [str(tmp_path / "v.json")], tokenized[:1])
 
 
 def test_rerun_over_a_killed_export_ends_byte_identical(results, tmp_path):

@@ -5,6 +5,7 @@ import torch
 
 from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.backends.hf import HFBackend
+from shard_helpers import capture_rows
 from eagle3prep.layers import (
     check_layer_ids,
     convert_layer_ids,
@@ -55,7 +56,7 @@ def test_ids_below_n_equal_output_hidden_states(demo_model_dir, fp32_model):
     backend = HFBackend(CaptureSpec("hf", str(demo_model_dir), ids, dtype="float32"), {})
     backend.probe()
     row = list(range(5, 45))
-    got = backend.capture([row])
+    got = capture_rows(backend, [row])
     with torch.inference_mode():
         ref = fp32_model(torch.tensor([row]), output_hidden_states=True).hidden_states
     for k in range(n):
@@ -73,11 +74,11 @@ def test_batched_padded_capture_equals_single_rows(demo_model_dir):
     ids = [2, 4, 5, 8]
     backend = HFBackend(CaptureSpec("hf", str(demo_model_dir), ids, dtype="float32"), {})
     info = backend.probe()
-    assert info["final_layer_reachable"] and info["num_hidden_layers"] == 8
+    assert info.final_layer_reachable and info.num_hidden_layers == 8
     rows = [list(range(3, 30)), list(range(40, 47)), list(range(10, 60))]
-    batched = backend.capture(rows)
-    singles = [backend.capture([r]) for r in rows]
+    batched = capture_rows(backend, rows)
+    singles = [capture_rows(backend, [r]) for r in rows]
     for lid in ids:
-        assert batched[lid].shape == (sum(map(len, rows)), info["hidden_size"])
+        assert batched[lid].shape == (sum(map(len, rows)), info.hidden_size)
         # Padded batches change fp32 summation order only: ~1e-5 on values of magnitude ~10.
         torch.testing.assert_close(batched[lid], torch.cat([s[lid] for s in singles]), rtol=1e-4, atol=1e-5)

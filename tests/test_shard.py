@@ -4,14 +4,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3prep.records import IndexEntry
-from eagle3prep.shard import (
-    INDEX,
-    TOKEN_IDS,
-    ShardWriter,
-    StreamingSafetensorsWriter,
-    read_index,
-    read_manifest,
-)
+from eagle3prep.shard.files import StreamingSafetensorsWriter
+from eagle3prep.shard.format import INDEX, TOKEN_IDS, read_index, read_manifest
+from eagle3prep.shard.sink import LayerSink, Segment
+from eagle3prep.shard.writer import ShardWriter
+from shard_helpers import manifest_fields
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -40,20 +37,36 @@ def test_short_or_wrong_writes_fail_and_leave_nothing(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def _write(w: ShardWriter, batches: list[list[list[int]]], layers: dict[int, float]) -> dict:
+    """Batches through the writer's token tee and a LayerSink: layer `lid` holds `layers[lid]` everywhere."""
+    sink = LayerSink(w.sink_spec(step_tokens=8))
+    first = 0
+    for batch in w.tee(iter(batches)):
+        n = sum(map(len, batch))
+        sink.begin_step([Segment(sink.spec.tag(first + i), 0, sum(map(len, batch[:i])), sum(map(len, batch[: i + 1]))) for i in range(len(batch))])
+        first += len(batch)
+        for lid, value in layers.items():
+            sink.add_layer(lid, torch.full((n, 4), value))
+    return sink.finish()
+
+
 def test_shard_writer_layout_and_manifest_last(tmp_path):
     index = [IndexEntry(row=10, id="a", offset=0, length=3), IndexEntry(row=11, id="b", offset=3, length=2)]
     w = ShardWriter(tmp_path / "shard_0", [2, 8], hidden_size=4, dtype="float32", index=index)
     seen = []
-    w.append(torch.arange(3), {2: torch.ones(3, 4), 8: torch.zeros(3, 4)})
-    w.append(torch.arange(2), {2: torch.ones(2, 4), 8: torch.zeros(2, 4)})
+    entries = _write(w, [[[1, 2, 3]], [[4, 5]]], {2: 1.0, 8: 0.0})
     m = w.finish(
-        {"shard": 0}, before_manifest=lambda: seen.append(sorted(p.name for p in (tmp_path / "shard_0").iterdir()))
+        entries,
+        manifest_fields(),
+        before_manifest=lambda: seen.append(sorted(p.name for p in (tmp_path / "shard_0").iterdir())),
     )
     # Everything but the manifest was in place before the manifest was written.
     assert seen == [sorted(["layer_2.safetensors", "layer_8.safetensors", TOKEN_IDS, INDEX])]
     assert read_manifest(tmp_path / "shard_0") == m
-    assert m["tokens"] == 5 and m["rows"] == 2 and set(m["files"]) == {*seen[0]}
+    assert m.tokens == 5 and m.rows == 2 and set(m.files) == {*seen[0]}
     assert read_index(tmp_path / "shard_0") == index
+    with safe_open(tmp_path / "shard_0" / TOKEN_IDS, framework="pt") as f:
+        assert f.get_tensor("token_ids").tolist() == [1, 2, 3, 4, 5]
 
 
 def test_unfinished_shard_is_not_finished(tmp_path):
@@ -64,5 +77,6 @@ def test_unfinished_shard_is_not_finished(tmp_path):
 
 def test_backend_layer_mismatch_is_refused(tmp_path):
     w = ShardWriter(tmp_path, [2, 8], 4, "float32", [IndexEntry(0, "a", 0, 1)])
+    entries = _write(w, [[[7]]], {2: 1.0, 8: 2.0})
     with pytest.raises(ValueError, match="expected \\[2, 8\\]"):
-        w.append(torch.arange(1), {2: torch.ones(1, 4), 7: torch.ones(1, 4)})
+        w.finish({2: entries[2], 7: entries[8]}, manifest_fields())

@@ -1,8 +1,8 @@
-"""Rows written by position (the vLLM worker's direct path), without vLLM: the bookkeeping in plain torch.
+"""Rows written by position (the one write path of every backend), without vLLM: plain torch.
 
-sink.ShardSink gets forward steps as the hooks see them (vllm_compat.Segment per request chunk, a
-[step_tokens, H] tensor per layer) and must produce exactly the layer files that the in-process
-ShardWriter writes from the same rows in order: same bytes, same sha256.
+shard.sink.LayerSink gets forward steps as the hooks see them (a Segment per request chunk, a
+[step_tokens, H] tensor per layer) and must produce exactly the file that an in-order
+StreamingSafetensorsWriter writes from the same rows: same bytes, same sha256.
 """
 
 from __future__ import annotations
@@ -17,19 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3prep import shard
 from eagle3prep.records import IndexEntry
-from eagle3prep.shard import (
-    BackgroundFlush,
-    DiskSpaceError,
-    PositionalSafetensorsWriter,
-    ShardWriter,
-    StreamingSafetensorsWriter,
-    _temp_of,
-    layer_file,
-)
-from eagle3prep.sink import RowPlacement, ShardSink
-from eagle3prep.vllm_compat import Segment
+from eagle3prep.shard import files as shard_files
+from eagle3prep.shard.files import BackgroundFlush, PositionalSafetensorsWriter, StreamingSafetensorsWriter
+from eagle3prep.shard.format import DiskSpaceError, layer_file, temp_of
+from eagle3prep.shard.sink import LayerSink, Segment, SinkSpec
+from eagle3prep.shard.writer import ShardWriter
+from shard_helpers import manifest_fields
 
 H = 8
 LAYERS = [0, 3, 5]
@@ -60,7 +54,7 @@ def test_positional_writer_out_of_order_equals_streamed(tmp_path):
     for a, b in [ranges[2], ranges[0], ranges[3], ranges[1]]:  # two ranges arrive ahead of a gap
         w.write_rows(a, rows[a:b].view(torch.uint8).numpy())
     entry = w.seal()
-    _temp_of(tmp_path / "a.safetensors").rename(tmp_path / "a.safetensors")
+    temp_of(tmp_path / "a.safetensors").rename(tmp_path / "a.safetensors")
     ref_bytes, ref_entry = streamed(tmp_path, total, 3)
     assert (tmp_path / "a.safetensors").read_bytes() == ref_bytes
     assert entry == ref_entry
@@ -101,8 +95,8 @@ def test_positional_writer_refuses_rows_outside_the_shape_and_partial_rows(tmp_p
 # ---- BackgroundFlush (through the positional writer) ---------------------------------------------
 def test_background_flushes_run_while_rows_arrive_and_change_no_byte(tmp_path, monkeypatch):
     calls = []
-    real = shard.os.fdatasync
-    monkeypatch.setattr(shard.os, "fdatasync", lambda fd: (calls.append(fd), real(fd)))
+    real = shard_files.os.fdatasync
+    monkeypatch.setattr(shard_files.os, "fdatasync", lambda fd: (calls.append(fd), real(fd)))
     total = 64
     rows = rows_tensor(total, 5)
     w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (total, H), sync_bytes=32)
@@ -110,7 +104,7 @@ def test_background_flushes_run_while_rows_arrive_and_change_no_byte(tmp_path, m
         w.write_rows(a, rows[a : a + 4].view(torch.uint8).numpy())
         time.sleep(0.001)  # let the flush thread see the bytes
     entry = w.seal()
-    _temp_of(tmp_path / "a.safetensors").rename(tmp_path / "a.safetensors")
+    temp_of(tmp_path / "a.safetensors").rename(tmp_path / "a.safetensors")
     assert calls, "no background flush ran"
     ref_bytes, ref_entry = streamed(tmp_path, total, 5)
     assert (tmp_path / "a.safetensors").read_bytes() == ref_bytes
@@ -119,7 +113,7 @@ def test_background_flushes_run_while_rows_arrive_and_change_no_byte(tmp_path, m
 
 def test_writer_waits_for_the_disk_only_when_too_far_behind(tmp_path, monkeypatch):
     disk = threading.Event()  # the "disk" finishes a flush only when this is set
-    monkeypatch.setattr(shard.os, "fdatasync", lambda fd: disk.wait())
+    monkeypatch.setattr(shard_files.os, "fdatasync", lambda fd: disk.wait())
     path = tmp_path / "f.bin"
     with open(path, "wb", buffering=0) as f:
         flush = BackgroundFlush(f.fileno(), path.name, every=100, max_behind=300)
@@ -143,7 +137,7 @@ def test_a_failed_background_flush_names_the_file(tmp_path, monkeypatch):
         failed.set()
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(shard.os, "fdatasync", full)
+    monkeypatch.setattr(shard_files.os, "fdatasync", full)
     rows = rows_tensor(8, 0).view(torch.uint8).numpy()
     w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (8, H), sync_bytes=16)
     w.write_rows(0, rows[0:2])  # reaches `every`: the flush thread runs, and fails
@@ -162,7 +156,7 @@ def test_a_writer_waiting_for_the_disk_is_released_when_the_flush_thread_dies(tm
         disk.wait()
         raise RuntimeError("the flush thread broke")
 
-    monkeypatch.setattr(shard.os, "fdatasync", broken)
+    monkeypatch.setattr(shard_files.os, "fdatasync", broken)
     with open(tmp_path / "f.bin", "wb", buffering=0) as f:
         flush = BackgroundFlush(f.fileno(), "f.bin", every=100, max_behind=100)
         flush.wrote(100)  # the thread starts a flush that will fail
@@ -185,8 +179,8 @@ def _raised(fn, *args) -> str:
     return ""
 
 
-# ---- ShardSink --------------------------------------------------------------------------------------
-def simulate(sink: ShardSink, lengths: list[int], tags: list[str], budget: int, seed: int) -> None:
+# ---- LayerSink --------------------------------------------------------------------------------------
+def simulate(sink: LayerSink, lengths: list[int], tags: list[str], budget: int, seed: int) -> None:
     """Feed the sink the steps a chunked-prefill scheduler would run: FCFS, `budget` tokens per step,
     each request's chunks in order, the requests inside a step shuffled (vLLM reorders its batch),
     and a one-token decode step after each prompt (not a prompt row: must be dropped)."""
@@ -226,25 +220,26 @@ def simulate(sink: ShardSink, lengths: list[int], tags: list[str], budget: int, 
             sink.add_layer(lid, step)
 
 
-def make_sink(tmp_path, lengths, tags, slots=2, step_tokens=16, sync_bytes=256 << 20):
-    rows, offset = {}, 0
-    for tag, n in zip(tags, lengths, strict=True):
-        rows[tag] = RowPlacement(offset, n)
-        offset += n
+def make_sink(tmp_path, lengths, slots=2, step_tokens=16, sync_bytes=256 << 20):
+    """A sink of rows with these lengths; row i's tag is sink.spec.tag(i) (see tags())."""
+    rows = [(sum(lengths[:i]), n) for i, n in enumerate(lengths)]
     paths = {lid: str(tmp_path / layer_file(lid)) for lid in LAYERS}
-    return ShardSink(paths, H, "bfloat16", rows, offset, step_tokens=step_tokens, slots=slots, sync_bytes=sync_bytes)
+    spec = SinkSpec(paths, H, "bfloat16", rows, step_tokens=step_tokens, slots=slots, sync_bytes=sync_bytes)
+    return LayerSink(spec)
+
+
+def tags(n: int) -> list[str]:
+    return [SinkSpec({}, H, "bfloat16", []).tag(i) for i in range(n)]
 
 
 @pytest.mark.parametrize("slots", [1, 3])
 def test_sink_writes_what_the_in_order_writer_writes(tmp_path, slots):
     lengths = [5, 40, 1, 17, 33, 2]
-    tags = [f"t{i}" for i in range(len(lengths))]
-    sink = make_sink(tmp_path, lengths, tags, slots=slots, sync_bytes=48)  # a background flush every 3 rows
-    simulate(sink, lengths, tags, budget=16, seed=slots)
+    sink = make_sink(tmp_path, lengths, slots=slots, sync_bytes=48)  # a background flush every 3 rows
+    simulate(sink, lengths, tags(len(lengths)), budget=16, seed=slots)
     entries = sink.finish()
     total = sum(lengths)
     for lid in LAYERS:
-        _temp_of(tmp_path / layer_file(lid)).rename(tmp_path / layer_file(lid))
         ref_bytes, ref_entry = streamed(tmp_path, total, lid)
         assert (tmp_path / layer_file(lid)).read_bytes() == ref_bytes, lid
         assert entries[lid] == ref_entry
@@ -253,15 +248,14 @@ def test_sink_writes_what_the_in_order_writer_writes(tmp_path, slots):
 
 def test_sink_steps_larger_than_announced_grow_a_slot(tmp_path):
     lengths = [30, 30]
-    tags = ["a", "b"]
-    sink = make_sink(tmp_path, lengths, tags, slots=1, step_tokens=4)  # the scheduler said 4, steps hold 25
-    simulate(sink, lengths, tags, budget=25, seed=0)
+    sink = make_sink(tmp_path, lengths, slots=1, step_tokens=4)  # the scheduler said 4, steps hold 25
+    simulate(sink, lengths, tags(2), budget=25, seed=0)
     assert set(sink.finish()) == set(LAYERS)
 
 
 def test_sink_reports_a_request_that_is_not_in_the_shard(tmp_path):
-    sink = make_sink(tmp_path, [4], ["a"])
-    sink.begin_step([Segment("a", 0, 0, 4), Segment("stranger", 0, 4, 6)])
+    sink = make_sink(tmp_path, [4])
+    sink.begin_step([Segment(tags(1)[0], 0, 0, 4), Segment("stranger", 0, 4, 6)])
     for lid in LAYERS:
         sink.add_layer(lid, torch.zeros(6, H, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="'stranger', which is not a row of this shard"):
@@ -271,8 +265,8 @@ def test_sink_reports_a_request_that_is_not_in_the_shard(tmp_path):
 
 def test_sink_reports_rows_that_never_arrived(tmp_path):
     lengths = [4, 6]
-    sink = make_sink(tmp_path, lengths, ["a", "b"])
-    sink.begin_step([Segment("b", 0, 0, 6)])  # request a never ran
+    sink = make_sink(tmp_path, lengths)
+    sink.begin_step([Segment(tags(2)[1], 0, 0, 6)])  # request 0 never ran
     for lid in LAYERS:
         sink.add_layer(lid, rows_tensor(10, lid)[4:10])
     with pytest.raises(RuntimeError, match=r"got \{0: 0, 3: 0, 5: 0\} contiguous rows of 10"):
@@ -282,38 +276,37 @@ def test_sink_reports_rows_that_never_arrived(tmp_path):
 
 def test_sink_recovers_the_slot_of_a_step_that_failed_midway(tmp_path):
     lengths = [3, 3]
-    sink = make_sink(tmp_path, lengths, ["a", "b"], slots=1)
-    sink.begin_step([Segment("a", 0, 0, 3)])
+    sink = make_sink(tmp_path, lengths, slots=1)
+    sink.begin_step([Segment(tags(1)[0], 0, 0, 3)])
     sink.add_layer(LAYERS[0], rows_tensor(6, LAYERS[0])[:3])  # the forward failed before the deepest layer
-    simulate(sink, lengths, ["a", "b"], budget=8, seed=0)  # one slot only: would hang if it leaked
+    simulate(sink, lengths, tags(2), budget=8, seed=0)  # one slot only: would hang if it leaked
     assert set(sink.finish()) == set(LAYERS)
 
 
 def test_sink_write_error_is_raised_by_finish_not_inside_the_forward(tmp_path):
-    sink = make_sink(tmp_path, [4], ["a"])
+    sink = make_sink(tmp_path, [4])
     sink.writers[LAYERS[1]]._f.close()  # the next write to this file fails on the writer thread
-    sink.begin_step([Segment("a", 0, 0, 4)])
+    sink.begin_step([Segment(tags(1)[0], 0, 0, 4)])
     for lid in LAYERS:
         sink.add_layer(lid, rows_tensor(4, lid))  # returns normally
     with pytest.raises(ValueError, match="closed file"):
         sink.finish()
 
 
-# ---- ShardWriter with layer files written elsewhere ---------------------------------------------------
-def test_shard_writer_adopts_layer_files_written_elsewhere(tmp_path):
+# ---- ShardWriter with layer files from a LayerSink (in this process or a vLLM worker) ---------------
+def test_shard_writer_takes_the_layer_files_of_a_sink(tmp_path):
     lengths = [3, 5]
     index = [IndexEntry(row=0, id="a", offset=0, length=3), IndexEntry(row=1, id="b", offset=3, length=5)]
-    writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index, layers_elsewhere=True)
-    paths = writer.layer_paths()
-    assert sorted(paths) == LAYERS
-    sink = ShardSink(paths, H, "bfloat16", {"a": RowPlacement(0, 3), "b": RowPlacement(3, 5)}, 8, step_tokens=8)
-    simulate(sink, lengths, ["a", "b"], budget=8, seed=1)
-    writer.append_tokens(torch.arange(8, dtype=torch.int64))
-    writer.adopt_layers(sink.finish())
-    manifest = writer.finish({"shard": 0})
+    writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index)
+    spec = writer.sink_spec(step_tokens=8)
+    assert sorted(spec.layer_paths) == LAYERS and spec.rows == [(0, 3), (3, 5)]
+    sink = LayerSink(spec)
+    list(writer.tee(iter([[[1, 2, 3], [4, 5, 6, 7, 8]]])))
+    simulate(sink, lengths, [spec.tag(0), spec.tag(1)], budget=8, seed=1)
+    manifest = writer.finish(sink.finish(), manifest_fields(num_hidden_layers=5, hidden_size=H))
     for lid in LAYERS:
         data = (tmp_path / layer_file(lid)).read_bytes()
-        assert manifest["files"][layer_file(lid)]["sha256"] == hashlib.sha256(data).hexdigest()
+        assert manifest.files[layer_file(lid)]["sha256"] == hashlib.sha256(data).hexdigest()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [*(layer_file(i) for i in LAYERS), "token_ids.safetensors", "index.json", "manifest.json"]
     )
@@ -321,22 +314,24 @@ def test_shard_writer_adopts_layer_files_written_elsewhere(tmp_path):
 
 def test_shard_writer_refuses_an_entry_that_does_not_match_the_file(tmp_path):
     index = [IndexEntry(row=0, id="a", offset=0, length=4)]
-    writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index, layers_elsewhere=True)
-    sink = ShardSink(writer.layer_paths(), H, "bfloat16", {"a": RowPlacement(0, 4)}, 4, step_tokens=4)
-    simulate(sink, [4], ["a"], budget=4, seed=0)
+    writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index)
+    spec = writer.sink_spec(step_tokens=4)
+    sink = LayerSink(spec)
+    list(writer.tee(iter([[[1, 2, 3, 4]]])))
+    simulate(sink, [4], [spec.tag(0)], budget=4, seed=0)
     entries = sink.finish()
     entries[LAYERS[0]] = {**entries[LAYERS[0]], "bytes": entries[LAYERS[0]]["bytes"] + 1}
     with pytest.raises(ValueError, match="bytes on disk"):
-        writer.adopt_layers(entries)
+        writer.finish(entries, manifest_fields(hidden_size=H))
     writer.abort()
-    assert list(tmp_path.iterdir()) == []  # abort removed the worker's temp files too
+    assert list(tmp_path.iterdir()) == []  # abort removed the sink's files too
 
 
 def test_a_file_that_cannot_be_sealed_leaves_no_thread_and_no_temp_file(tmp_path, monkeypatch):
     lengths = [5, 9]
-    sink = make_sink(tmp_path, lengths, ["a", "b"], sync_bytes=48)
-    simulate(sink, lengths, ["a", "b"], budget=8, seed=0)
-    real, calls = shard.os.fsync, []
+    sink = make_sink(tmp_path, lengths, sync_bytes=48)
+    simulate(sink, lengths, tags(2), budget=8, seed=0)
+    real, calls = shard_files.os.fsync, []
 
     def second_fails(fd):  # the second file's final fsync meets a full disk
         calls.append(fd)
@@ -344,7 +339,7 @@ def test_a_file_that_cannot_be_sealed_leaves_no_thread_and_no_temp_file(tmp_path
             raise OSError(errno.ENOSPC, "No space left on device")
         real(fd)
 
-    monkeypatch.setattr(shard.os, "fsync", second_fails)
+    monkeypatch.setattr(shard_files.os, "fsync", second_fails)
     with pytest.raises(DiskSpaceError, match="disk full while writing"):
         sink.finish()
     assert list(tmp_path.iterdir()) == []

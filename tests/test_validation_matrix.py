@@ -77,7 +77,7 @@ def test_mla_rotary_bug_forced_on_fails_validation_and_names_the_bug(tmp_path, m
     tokens = matrix.write_rows(tmp_path / "tokens.jsonl", ROWS, 512, 0, 0)
     spec = CaptureSpec(backend="vllm", model_path=str(model), layer_ids=[2, 3, 6], dtype="float32", max_seq_len=256)
     manifest = extract_shard(str(tokens), str(tmp_path / "shard"), spec, {"enforce_eager": True}, 2048, 0)
-    assert manifest["engine"]["workarounds"] == []
+    assert manifest.engine["workarounds"] == []
     with pytest.raises(ValidationError) as e:
         validate_shard(str(tmp_path / "shard"), str(tokens), str(tmp_path / "v.json"), str(model))
     assert "known engine bug cpu-mla-native-rotary was not worked around" in str(e.value)

@@ -23,7 +23,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from eagle3prep.backends.base import CaptureSpec  # noqa: E402
-from eagle3prep.backends.vllm import VLLMBackend  # noqa: E402
+from eagle3prep.backends.vllm.driver import VLLMBackend  # noqa: E402
+from shard_helpers import capture_rows  # noqa: E402
 from eagle3prep.demo import build_demo_model  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,14 +111,14 @@ def fmt(err: dict[str, float]) -> str:
 
 def test_probe_describes_the_engine(engine):
     backend, info = engine
-    assert info["engine"] == "vllm"
-    assert info["engine_version"] == vllm.__version__
-    assert info["capture_path"] == backend.options["capture_path"]
-    assert info["tp_size"] == 1
-    assert info["final_layer_reachable"] is True
-    assert (info["num_hidden_layers"], info["hidden_size"]) == (8, 128)
-    assert info["platform"] == "cpu"
-    assert info["workarounds"] == []  # no known engine bug on Llama (vllm_compat.KNOWN_BUGS)
+    assert info.engine == "vllm"
+    assert info.engine_version == vllm.__version__
+    assert info.capture_path == backend.options["capture_path"]
+    assert info.tp_size == 1
+    assert info.final_layer_reachable is True
+    assert (info.num_hidden_layers, info.hidden_size) == (8, 128)
+    assert info.details["platform"] == "cpu"
+    assert info.details["workarounds"] == []  # no known engine bug on Llama (compat.KNOWN_BUGS)
 
 
 def rows_of(full: dict[int, torch.Tensor], rows: list[list[int]], order: list[int]) -> dict[int, torch.Tensor]:
@@ -130,14 +131,14 @@ def rows_of(full: dict[int, torch.Tensor], rows: list[list[int]], order: list[in
 
 def assert_matches(out, info, ref32, ref16):
     """Every layer of a capture against transformers fp32 (and, for bf16, transformers' own bf16 error)."""
-    dtype, layer_ids = info["dtype"], LAYER_IDS[info["capture_path"]]
+    dtype, layer_ids = info.dtype, LAYER_IDS[info.capture_path]
     assert sorted(out) == layer_ids
     for layer_id in layer_ids:
         got, ref = out[layer_id], ref32[layer_id]  # [sum_T, H] model dtype, [sum_T, H] fp32
         assert tuple(got.shape) == tuple(ref.shape) and got.dtype == getattr(torch, dtype), layer_id
         err = errors(got, ref)
         floor = errors(ref16[layer_id], ref)  # transformers bf16 vs fp32: the dtype's noise on these rows
-        print(f"{info['capture_path']} {dtype} layer {layer_id}: {fmt(err)}   (transformers bf16: {fmt(floor)})")
+        print(f"{info.capture_path} {dtype} layer {layer_id}: {fmt(err)}   (transformers bf16: {fmt(floor)})")
         if dtype == "float32":  # two fp32 forwards differ only by summation order
             scale = max(1.0, float(ref.abs().max()))  # stream values reach ~20 on this model
             assert err["max_abs"] <= 1e-5 * scale and err["rel"] <= 1e-5 and err["min_cos"] >= 0.99999, err
@@ -148,26 +149,27 @@ def assert_matches(out, info, ref32, ref16):
 
 def test_capture_matches_transformers(engine, rows, reference):
     backend, info = engine
-    assert_matches(backend.capture(rows), info, reference["float32"], reference["bfloat16"])
+    assert_matches(capture_rows(backend, rows), info, reference["float32"], reference["bfloat16"])
 
 
 def test_rows_follow_their_request(engine, rows, reference):
     """The same rows in another order and grouping: each row's states still follow it."""
     backend, info = engine
     order = [3, 0, 5, 1]
-    out = backend.capture([rows[k] for k in order])
+    mine = [rows[k] for k in order]
+    out = capture_rows(backend, mine, batches=[mine[:1], mine[1:]])
     assert_matches(out, info, rows_of(reference["float32"], rows, order), rows_of(reference["bfloat16"], rows, order))
 
 
 def test_staging_is_emptied(engine, rows):
     backend, info = engine
-    backend.capture(rows[:2])
-    assert os.listdir(info["staging_dir"]) == []
+    capture_rows(backend, rows[:2])
+    assert os.listdir(info.volatile["staging_dir"]) == []
 
 
 def test_extract_shard_matches_transformers(engine, rows, reference, tmp_path):
-    """A whole shard through extract_shard: on the hooks path the worker writes the layer files itself
-    (pinned slots, rows placed by position); on the built-in path rows come back through capture()."""
+    """A whole shard through extract_shard: on the hooks path the worker's LayerSink writes the layer
+    files; on the built-in path the driver's, from the per-request files."""
     import hashlib
     import json
 
@@ -176,7 +178,6 @@ def test_extract_shard_matches_transformers(engine, rows, reference, tmp_path):
     from eagle3prep.extract import extract_shard
 
     backend, info = engine
-    assert backend.writes_layer_files() == (info["capture_path"] == "hooks")
     tokenized = tmp_path / "shard_0.jsonl"
     tokenized.write_text(
         "".join(
@@ -188,9 +189,9 @@ def test_extract_shard_matches_transformers(engine, rows, reference, tmp_path):
     manifest = extract_shard(
         str(tokenized), str(tmp_path / "out"), backend.spec, backend.options, 300, 0, engine=engine
     )
-    out = {i: load_file(tmp_path / "out" / f"layer_{i}.safetensors")["hidden_states"] for i in manifest["layer_ids"]}
+    out = {i: load_file(tmp_path / "out" / f"layer_{i}.safetensors")["hidden_states"] for i in manifest.layer_ids}
     assert_matches(out, info, reference["float32"], reference["bfloat16"])
-    for name, entry in manifest["files"].items():
+    for name, entry in manifest.files.items():
         assert hashlib.sha256((tmp_path / "out" / name).read_bytes()).hexdigest() == entry["sha256"], name
     ids = load_file(tmp_path / "out" / "token_ids.safetensors")["token_ids"]
     assert ids.tolist() == [t for r in rows for t in r]

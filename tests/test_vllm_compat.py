@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3prep import vllm_compat as compat
-from eagle3prep import vllm_ext
+from eagle3prep.backends.vllm import compat
+from eagle3prep.backends.vllm import worker as vllm_ext
 from eagle3prep.backends.base import CaptureSpec
-from eagle3prep.backends.vllm import CaptureError, VLLMBackend
-from eagle3prep.vllm_ext import HiddenStatesCapture, RowAccumulator
+from eagle3prep.backends.vllm.driver import VLLMBackend
+from eagle3prep.backends.vllm.paths import CaptureError
+from eagle3prep.model_facts import ModelFacts
+from eagle3prep.backends.vllm.worker import HiddenStatesCapture
 
 # ---- versions and collective_rpc -----------------------------------------------------------------
 
@@ -142,46 +144,6 @@ def test_step_layout_vllm_0_32_model_runner_v2_is_refused():
         compat.step_layout(runner)
 
 
-# ---- row bookkeeping -----------------------------------------------------------------------------
-
-
-def rows(start, n, h=2, value=None):
-    """[n, h] rows whose value encodes the position, so misplaced rows show."""
-    pos = torch.arange(start, start + n, dtype=torch.float32)[:, None]
-    return pos.expand(n, h).clone() if value is None else torch.full((n, h), float(value))
-
-
-def test_accumulator_joins_chunks_in_position_order_and_keeps_batch_order():
-    acc = RowAccumulator()
-    acc.add("b", 0, {3: rows(0, 2)})
-    acc.add("a", 4, {3: rows(4, 3)})  # chunks arrive out of order
-    acc.add("a", 0, {3: rows(0, 4)})
-    acc.add("a", 7, {3: rows(7, 1)})  # the decode step after the prompt: dropped
-    out = acc.take(["a", "b"], [7, 2])
-    assert out[3][:, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 0, 1]
-    assert acc.tags() == []
-
-
-@pytest.mark.parametrize(
-    "chunks, length, message",
-    [
-        ([(0, 3), (5, 2)], 7, "jump from 3 to 5"),  # a chunk went missing (or a prefix-cache hit)
-        ([(0, 3)], 7, "captured 3 of 7"),
-    ],
-)
-def test_accumulator_refuses_incomplete_rows(chunks, length, message):
-    acc = RowAccumulator()
-    for start, n in chunks:
-        acc.add("a", start, {1: rows(start, n)})
-    with pytest.raises(RuntimeError, match=message):
-        acc.take(["a"], [length])
-
-
-def test_accumulator_missing_request_names_it():
-    with pytest.raises(RuntimeError, match="no captured rows for request tag"):
-        RowAccumulator().take(["x"], [3])
-
-
 # ---- the worker extension, driven by a fake model runner -----------------------------------------
 
 
@@ -231,7 +193,11 @@ def reference_streams(model, ids, layer_ids):
 
 
 def test_worker_extension_attributes_rows_under_batching_and_chunked_prefill(tmp_path, monkeypatch):
+    import dataclasses
+
     from safetensors.torch import load_file
+
+    from eagle3prep.shard.sink import SinkSpec
 
     monkeypatch.setattr(vllm_ext, "_tp_rank", lambda: 0)
     model = FakeModel(n=4, h=3)
@@ -239,8 +205,10 @@ def test_worker_extension_attributes_rows_under_batching_and_chunked_prefill(tmp
     worker.model_runner = SimpleNamespace(model=model)
     layer_ids = [0, 2, 4]
     worker.e3p_install_hooks(layer_ids)
-
     row_a, row_b = [5, 9, 2, 7, 1, 3], [8, 8, 4]
+    paths = {i: str(tmp_path / f"layer_{i}.safetensors") for i in layer_ids}
+    spec = SinkSpec(paths, 3, "float32", [(0, len(row_a)), (len(row_a), len(row_b))], step_tokens=8, tag_prefix="t")
+    assert worker.e3p_open_shard(dataclasses.asdict(spec)) == {"rank": 0, "files": 3}
     # Step 1: all of B and the first 2 tokens of A; step 2: the rest of A (chunked prefill), B first.
     steps = [
         (["req-b", "req-a"], [0, 3, 5], [0, 0], row_b + row_a[:2]),
@@ -248,19 +216,17 @@ def test_worker_extension_attributes_rows_under_batching_and_chunked_prefill(tmp
     ]
     for req_ids, qsl, computed, flat in steps:
         worker.model_runner = SimpleNamespace(
-            model=model, **vars(fake_runner(req_ids, qsl, computed, tags={"req-a": "A", "req-b": "B"}))
+            model=model, **vars(fake_runner(req_ids, qsl, computed, tags={"req-a": "t-0", "req-b": "t-1"}))
         )
         with torch.no_grad():
             model(torch.tensor(flat + [0, 0]), None)  # 2 padding tokens, as in a padded forward
 
-    path = tmp_path / "cap.safetensors"
-    reply = worker.e3p_write(str(path), ["A", "B"], [len(row_a), len(row_b)])
-    assert reply == {"rank": 0, "path": str(path), "tokens": 9}
-    got = load_file(path)
+    reply = worker.e3p_finish_shard()
+    assert sorted(reply["entries"]) == ["0", "2", "4"], reply
     ref_a, ref_b = reference_streams(model, row_a, layer_ids), reference_streams(model, row_b, layer_ids)
     for i in layer_ids:
-        assert torch.allclose(got[f"layer_{i}"], torch.cat([ref_a[i], ref_b[i]]), atol=1e-6), i
-    assert got["lengths"].tolist() == [6, 3]
+        got = load_file(paths[i])["hidden_states"]
+        assert torch.allclose(got, torch.cat([ref_a[i], ref_b[i]]), atol=1e-6), i
 
 
 def test_worker_extension_other_tp_ranks_keep_nothing(monkeypatch):
@@ -268,11 +234,11 @@ def test_worker_extension_other_tp_ranks_keep_nothing(monkeypatch):
     worker = HiddenStatesCapture()
     worker.model_runner = SimpleNamespace(model=FakeModel(n=2, h=3))
     assert worker.e3p_install_hooks([0, 2])["hooks"] == 0
-    assert worker.e3p_write("/nonexistent/x.safetensors", ["A"], [3]) == {"rank": 1}
+    assert worker.e3p_open_shard({"layer_paths": {"0": "/nonexistent/x.safetensors"}}) == {"rank": 1}
 
 
 def test_cpu_connector_is_lazy_without_vllm():
-    # `import eagle3prep.vllm_ext` must not need vLLM; only the connector lookup does.
+    # `import eagle3prep.backends.vllm.worker` must not need vLLM; only the connector lookup does.
     assert vllm_ext._cpu_connector_class.cache_info().currsize == 0  # never built here
     with pytest.raises(AttributeError):
         vllm_ext.NoSuchThing  # noqa: B018
@@ -287,7 +253,7 @@ def make_backend(layer_ids=(2, 4, 5, 8), capture_path="auto"):
 
 
 def model_facts(arch, n=8, h=16):
-    return {"num_hidden_layers": n, "hidden_size": h, "vocab_size": 100, "architectures": [arch]}
+    return ModelFacts(n, h, 100, [arch], 4096, None)
 
 
 @pytest.mark.parametrize(
@@ -325,19 +291,34 @@ def test_explicit_builtin_path_refuses_layer_id_0_vllm_0_26():
         make_backend((0, 4, 8), capture_path="builtin")._candidate_paths("0.26.0", model_facts("LlamaForCausalLM"))
 
 
-class ShortPath:
-    """A built-in path that, like deepseek_v2.py before vLLM 0.25, drops layer id N."""
+class ShortLLM:
+    """LLM.generate of a built-in path that, like deepseek_v2.py before vLLM 0.25, drops layer id N:
+    each request's connector file holds 3 layers where 4 were asked for."""
 
-    name = "builtin"
+    def __init__(self, folder):
+        self.folder = folder
 
-    def capture(self, llm, batch, tags):
-        t = len(batch[0])
-        return {i: torch.zeros(t, 16) for i in (2, 4, 5)}
+    def generate(self, prompts, params, use_tqdm=False):
+        from safetensors.torch import save_file
+
+        outs = []
+        for k, prompt in enumerate(prompts):
+            ids = prompt["prompt_token_ids"]
+            path = str(self.folder / f"req-{k}.safetensors")
+            save_file({"hidden_states": torch.zeros(len(ids), 3, 16), "token_ids": torch.tensor(ids)}, path)
+            outs.append(SimpleNamespace(kv_transfer_params={"hidden_states_path": path}))
+        return outs
 
 
-def test_smoke_capture_names_version_and_fix_deepseek_vllm_0_24():
+def test_smoke_capture_names_version_and_fix_deepseek_vllm_0_24(tmp_path, monkeypatch):
+    import sys
+
+    from eagle3prep.backends.vllm.paths import BuiltinPath
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(TokensPrompt=dict, SamplingParams=lambda **kw: kw))
     backend = make_backend()
-    backend.llm, backend.path = object(), ShortPath()
+    backend.llm, backend.path = ShortLLM(tmp_path), BuiltinPath([2, 4, 5, 8], tmp_path, "0.24.0", on_cpu=True)
+    backend.spec.dtype = "float32"
     with pytest.raises(
         CaptureError, match=r"vLLM 0\.24\.0.*final-layer capture on DeepseekV3ForCausalLM needs vLLM >= 0\.25"
     ):
@@ -351,9 +332,10 @@ class FakeEngine:
     """LLMEngine's add_request/step/has_unfinished_requests: every request finishes in one step."""
 
     def __init__(self):
-        self.queued, self.aborted = [], []
+        self.queued, self.aborted, self.added = [], [], []
 
     def add_request(self, request_id, prompt, params):
+        self.added.append(request_id)
         self.queued.append(SimpleNamespace(finished=True, prompt_token_ids=prompt["prompt_token_ids"]))
 
     def step(self):
@@ -379,30 +361,28 @@ class FakeLLM:
 def run_capture_shard(monkeypatch, finish_reply):
     import sys
 
-    from eagle3prep.backends.vllm import HooksPath
-    from eagle3prep.records import IndexEntry
+    from eagle3prep.backends.vllm.paths import HooksPath
+    from eagle3prep.shard.sink import SinkSpec
 
     fake_vllm = SimpleNamespace(TokensPrompt=dict, SamplingParams=lambda **kw: kw)
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
-    path = HooksPath([2, 4], staging=None, version="0.26.0")
-    index = [IndexEntry(row=0, id="a", offset=0, length=3), IndexEntry(row=1, id="b", offset=3, length=2)]
+    path = HooksPath([2, 4], version="0.26.0")
+    path.window_tokens = 4
+    spec = SinkSpec({2: "/x/layer_2", 4: "/x/layer_4"}, 16, "bfloat16", [(0, 3), (3, 2)], tag_prefix="p")
     llm = FakeLLM(finish_reply)
-    seen = []
-    entries = path.capture_shard(
-        llm, "p", iter([[[5, 6, 7]], [[8, 9]]]), index, {}, lambda b, batch: seen.append(b), window_tokens=4
-    )
-    return entries, llm, seen
+    entries = path.capture_shard(llm, iter([[[5, 6, 7]], [[8, 9]]]), spec)
+    return entries, llm, llm.llm_engine.added
 
 
 def test_capture_shard_feeds_every_row_and_returns_the_worker_entries(monkeypatch):
     entry = {"sha256": "x", "bytes": 1, "shape": [5, 16], "dtype": "bfloat16"}
-    entries, llm, seen = run_capture_shard(monkeypatch, {"rank": 0, "entries": {"2": entry, "4": entry}})
-    assert entries == {2: entry, 4: entry} and seen == [0, 1]
+    entries, llm, added = run_capture_shard(monkeypatch, {"rank": 0, "entries": {"2": entry, "4": entry}})
+    assert entries == {2: entry, 4: entry} and added == ["p-0", "p-1"]
     assert llm.calls == ["e3p_open_shard", "e3p_finish_shard"]
 
 
 def test_capture_shard_full_disk_in_the_worker_is_a_user_error(monkeypatch):
-    from eagle3prep.backends.vllm import WorkerUserError
+    from eagle3prep.backends.vllm.paths import WorkerUserError
     from eagle3prep.errors import UserError
 
     reply = {"rank": 0, "error": "DiskSpaceError: disk full while writing /x/layer_2.safetensors", "user_error": True}
@@ -417,7 +397,7 @@ def test_capture_shard_other_worker_errors_stay_capture_errors(monkeypatch):
 
 
 def test_worker_reports_a_full_disk_as_a_user_error(tmp_path):
-    from eagle3prep.shard import DiskSpaceError
+    from eagle3prep.shard.format import DiskSpaceError
 
     class FullSink:
         def finish(self):
@@ -527,7 +507,7 @@ ENGINE_CORE_FAILED = RuntimeError("Engine core initialization failed. See root c
 
 
 def test_root_cause_is_the_workers_exception_not_vllms_wrappers_vllm_0_32():
-    from eagle3prep.backends.vllm_errors import root_cause
+    from eagle3prep.backends.vllm.errors import root_cause
 
     assert root_cause(QWEN2_MOE_BUILTIN_OUTPUT) == (
         "RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
@@ -536,7 +516,7 @@ def test_root_cause_is_the_workers_exception_not_vllms_wrappers_vllm_0_32():
 
 
 def test_engine_error_is_one_line_with_the_cause_and_the_fix():
-    from eagle3prep.backends.vllm_errors import engine_error
+    from eagle3prep.backends.vllm.errors import engine_error
     from eagle3prep.errors import UserError
 
     err = engine_error(
@@ -556,7 +536,7 @@ def test_child_output_is_forwarded_and_kept(capfd):
     import subprocess
     import sys
 
-    from eagle3prep.backends.vllm_errors import ChildOutput, root_cause
+    from eagle3prep.backends.vllm.errors import ChildOutput, root_cause
 
     children = ChildOutput()
     with children.routed():
@@ -569,7 +549,7 @@ def test_child_output_is_forwarded_and_kept(capfd):
 
 def probe_with_fakes(monkeypatch, tmp_path, arch, start, options=None):
     """VLLMBackend.probe() with the engine replaced by `start(backend, path_name)`."""
-    from eagle3prep.backends import vllm as backend_mod
+    from eagle3prep.backends.vllm import driver as backend_mod
 
     lines = []
     monkeypatch.setattr(backend_mod, "log", lines.append)
@@ -577,8 +557,7 @@ def probe_with_fakes(monkeypatch, tmp_path, arch, start, options=None):
     monkeypatch.delenv(compat.NO_WORKAROUNDS_ENV, raising=False)
     spec = CaptureSpec(backend="vllm", model_path="unused", layer_ids=[2, 4, 8], dtype="float32")
     backend = VLLMBackend(spec, {"capture_path": "auto", "staging_dir": str(tmp_path), **(options or {})})
-    monkeypatch.setattr(backend, "_model_facts", lambda: model_facts(arch))
-    monkeypatch.setattr(backend, "_claim_gpus", lambda: None)
+    monkeypatch.setattr(backend_mod.ModelFacts, "read", staticmethod(lambda path: model_facts(arch)))
     monkeypatch.setattr(backend, "_on_cpu", lambda: True)
     monkeypatch.setattr(backend, "_smoke", lambda version, model: None)
     monkeypatch.setattr(backend, "_start", lambda name, version, on_cpu: start(backend, name))
@@ -587,13 +566,12 @@ def probe_with_fakes(monkeypatch, tmp_path, arch, start, options=None):
 
 def test_auto_falls_back_to_hooks_with_the_builtin_root_cause_and_keeps_the_workaround(monkeypatch, tmp_path):
     """DeepSeek on CPU: auto tries builtin first; its failed start is logged once with the cause."""
-    from eagle3prep.backends.vllm import BuiltinPath, HooksPath
+    from eagle3prep.backends.vllm.paths import BuiltinPath, HooksPath
 
     kwargs = {}
 
     def start(backend, name):
-        path = {"builtin": BuiltinPath, "hooks": HooksPath}[name]
-        backend.path = path([2, 4, 8], tmp_path, "0.32.0", *([True] if name == "builtin" else []))
+        backend.path = BuiltinPath([2, 4, 8], tmp_path, "0.32.0", True) if name == "builtin" else HooksPath([2, 4, 8], "0.32.0")
         kwargs[name] = backend._engine_kwargs(backend.path)
         if name == "builtin":
             backend._children.text = lambda: QWEN2_MOE_BUILTIN_OUTPUT
@@ -602,15 +580,15 @@ def test_auto_falls_back_to_hooks_with_the_builtin_root_cause_and_keeps_the_work
     user = {"engine_args": {"compilation_config": {"custom_ops": ["+rms_norm"]}}}
     backend, lines = probe_with_fakes(monkeypatch, tmp_path, "DeepseekV3ForCausalLM", start, user)
     info = backend.probe()
-    assert info["capture_path"] == "hooks" and info["workarounds"] == ["cpu-mla-native-rotary"]
-    assert "does not support EAGLE3 interface" in info["fallback_reason"]
+    assert info.capture_path == "hooks" and info.details["workarounds"] == ["cpu-mla-native-rotary"]
+    assert "does not support EAGLE3 interface" in info.details["fallback_reason"]
     assert [x for x in lines if "builtin capture path failed its probe" in x and "does not support EAGLE3" in x]
     for name in ("builtin", "hooks"):  # the user's compilation_config, merged with the workaround
         assert kwargs[name]["compilation_config"] == {"custom_ops": ["+rms_norm", "-rotary_embedding"]}
 
 
 def test_probe_refuses_a_bug_without_workaround_before_any_engine_start(monkeypatch, tmp_path):
-    from eagle3prep.backends.vllm_errors import EngineError
+    from eagle3prep.backends.vllm.errors import EngineError
 
     starts = []
     monkeypatch.setattr(compat, "KNOWN_BUGS", (compat.KnownBug("x", lambda v, c, a: True, "kernel X", None),))

@@ -14,7 +14,7 @@ import yaml
 from .backends.base import CaptureSpec
 from .errors import UserError
 from .layers import convert_layer_ids, default_layer_ids, resolve_layer_ids
-from .provenance import num_hidden_layers
+from .model_facts import ModelFacts
 
 SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 
@@ -111,7 +111,7 @@ def validate_config(config: dict[str, Any], schema_path: str | Path = SCHEMA) ->
 
 def layer_ids(config: dict[str, Any]) -> list[int]:
     """The validated layer ids in our convention; needs the model folder (for N)."""
-    n = num_hidden_layers(config["model"]["path"])
+    n = ModelFacts.read(config["model"]["path"]).num_hidden_layers
     try:
         return resolve_layer_ids(config["layers"]["ids"], config["layers"]["convention"], n)
     except ValueError as e:
@@ -136,7 +136,7 @@ def check_model(config: dict[str, Any]) -> list[str]:
             "(config.json, safetensors weights, tokenizer)"
         )
     try:
-        n = num_hidden_layers(str(path))
+        n = ModelFacts.read(path).num_hidden_layers
     except (ValueError, OSError) as e:  # json.JSONDecodeError is a ValueError
         raise ConfigError(f"config error: model.path = '{path}': cannot read config.json ({e})") from None
     notes = []
@@ -154,20 +154,10 @@ def check_model(config: dict[str, Any]) -> list[str]:
 
 
 def model_max_positions(model_path: str | Path) -> int | None:
-    """Longest row the model takes: max_position_embeddings, times the rope factor where the config extends
-    the context that way (linear / dynamic / yarn, as vLLM derives max_model_len); None when unknown."""
-    path = Path(model_path) / "config.json"
-    if not path.is_file():  # a tokenizer-only folder
+    """Longest row the model takes (ModelFacts.max_positions); None for a tokenizer-only folder."""
+    if not (Path(model_path) / "config.json").is_file():
         return None
-    config = json.loads(path.read_text(encoding="utf-8"))
-    text = config.get("text_config") or config
-    limit = text.get("max_position_embeddings")
-    if not isinstance(limit, int):
-        return None
-    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
-    if rope.get("rope_type", rope.get("type")) in ("linear", "dynamic", "yarn") and rope.get("factor"):
-        limit = int(rope.get("original_max_position_embeddings", limit) * rope["factor"])
-    return limit
+    return ModelFacts.read(model_path).max_positions
 
 
 def check_max_seq_len(max_seq_len: int, model_path: str | Path) -> None:

@@ -26,8 +26,8 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import Dataset
 
-from .atomic import sha256_file
-from .shard import TOKEN_IDS, layer_file, read_index, read_manifest
+from .shard.format import TOKEN_IDS, layer_file
+from .shard.shardset import ShardSet
 
 
 class HiddenStatesDataset(Dataset):
@@ -48,37 +48,16 @@ class HiddenStatesDataset(Dataset):
         split: Literal["train", "val"] = "train",
         hidden_states_dtype: torch.dtype = torch.bfloat16,
     ):
-        if len(shard_dirs) != len(tokenized) or not shard_dirs:
-            raise ValueError(f"need one tokenized shard per shard folder, got {len(tokenized)} for {len(shard_dirs)}")
-        self.shard_dirs = [Path(d) for d in shard_dirs]
+        shards = ShardSet.open(shard_dirs, tokenized).check(final_layer=True)  # ShardSetError is a ValueError
+        self.shard_dirs = [s.dir for s in shards.shards]
         self.hidden_states_dtype = hidden_states_dtype
-        manifests = [read_manifest(d) for d in self.shard_dirs]
-        self.layer_ids: list[int] = manifests[0]["layer_ids"]
-        if any(m["layer_ids"] != self.layer_ids for m in manifests):
-            raise ValueError(f"shards disagree on layer ids: {[m['layer_ids'] for m in manifests]}")
-        n = manifests[0]["num_hidden_layers"]
-        if self.layer_ids[-1] != n or len(self.layer_ids) < 2:
-            raise ValueError(
-                f"layer ids {self.layer_ids}: the last must be the pre-norm final state (id {n}) after at least "
-                "one auxiliary layer, as speculators' verifier_last_hidden_states; add it to layers.ids"
-            )
-
+        self.layer_ids: list[int] = shards.layer_ids
         # Per row: (shard number, offset into the layer files, length, byte offset of its tokenized line).
         self._rows: list[tuple[int, int, int, int]] = []
-        self._tokenized = [Path(t) for t in tokenized]
-        for s, (d, tok, m) in enumerate(zip(self.shard_dirs, self._tokenized, manifests, strict=True)):
-            if sha256_file(tok) != m["tokenized"]["sha256"]:
-                raise ValueError(f"{tok} is not the tokenized shard {d} was captured from (sha256 differs)")
-            lines = _line_offsets(tok)
-            index = read_index(d)
-            if len(lines) != len(index):
-                raise ValueError(f"{tok} has {len(lines)} rows, {d}/index.json {len(index)}")
-            for e, pos in zip(index, lines, strict=True):
-                if e.row != len(self._rows):
-                    raise ValueError(
-                        f"{d}: row {e.row} where row {len(self._rows)} was expected (shards out of order?)"
-                    )
-                self._rows.append((s, e.offset, e.length, pos))
+        self._tokenized = [s.tokenized for s in shards.shards]
+        for k, s in enumerate(shards.shards):
+            for e, ref in zip(s.index, s.tokenized_rows, strict=True):
+                self._rows.append((k, e.offset, e.length, ref.byte_offset))
 
         if not 0.0 < train_ratio <= 1.0:
             raise ValueError(f"train_ratio must be in (0.0, 1.0], got {train_ratio}")
@@ -133,13 +112,3 @@ class HiddenStatesDataset(Dataset):
             "lengths": torch.tensor([length], dtype=torch.long),  # [1]
             "position_ids": torch.arange(length, dtype=torch.long),  # [T]
         }
-
-
-def _line_offsets(path: Path) -> list[int]:
-    """Byte offset of every line of a JSONL file (one pass; the lines are parsed lazily)."""
-    offsets, pos = [], 0
-    with open(path, "rb") as f:
-        for line in f:
-            offsets.append(pos)
-            pos += len(line)
-    return offsets

@@ -29,7 +29,8 @@ from .atomic import TMP_PREFIX, atomic_open, fsync_dir, sha256_file, write_json
 from .errors import UserError
 from .layers import CONVENTION
 from .provenance import code_version
-from .shard import MANIFEST, TOKEN_IDS, layer_file, read_index, read_manifest
+from .shard.format import MANIFEST, TOKEN_IDS, layer_file
+from .shard.shardset import Shard, ShardSet, ShardSetError
 
 FORMAT = "eagle3prep.speculators_export/1"
 HIDDEN_STATES = "hidden_states"
@@ -45,56 +46,26 @@ def hs_file(row: int) -> str:
     return f"hs_{row}.safetensors"
 
 
-def check_shards(shard_dirs: list[str], validations: list[str]) -> list[dict[str, Any]]:
-    """Manifests of validated, mutually consistent shards whose rows are 0..n-1 in order."""
-    manifests = [read_manifest(d) for d in shard_dirs]
+def check_shards(shard_dirs: list[str], validations: list[str], tokenized: list[str]) -> ShardSet:
+    """Validated shards that agree with their tokenized files and each other, rows 0..n-1 in order."""
     for d, v in zip(shard_dirs, validations, strict=True):
         report = json.loads(Path(v).read_text(encoding="utf-8"))
         if not report.get("ok") or Path(report["shard_dir"]).resolve() != Path(d).resolve():
             raise ExportError(f"{v} is not a passed validation of {d}; rerun validate_shard for it")
-    kinds = {(m["dtype"], tuple(m["layer_ids"]), m["hidden_size"], m["num_hidden_layers"]) for m in manifests}
-    if len(kinds) != 1:
-        raise ExportError(
-            f"shards disagree on (dtype, layer ids, hidden size, N): {sorted(kinds)}; rerun the odd ones"
-        )
-    first = manifests[0]
-    n = first["num_hidden_layers"]
-    if first["layer_ids"][-1] != n or len(first["layer_ids"]) < 2:
-        raise ExportError(
-            f"layer ids {first['layer_ids']} cannot feed speculators: its last slot must be the pre-norm final "
-            f"state (id {n}) after at least one auxiliary layer; add {n} to layers.ids and rerun extract"
-        )
-    expected = 0
-    for d, m in zip(shard_dirs, manifests, strict=True):
-        a, b = m["row_range"]
-        if m["rows"] == 0:  # more shards than rows: an empty shard's range is [0, 0]
-            continue
-        if a != expected or b - a != m["rows"]:
-            raise ExportError(
-                f"{d} holds rows {a}..{b - 1} ({m['rows']} rows), expected rows from {expected}: speculators "
-                "names hidden-state files by arrow row index, so shards must be given in order, without gaps"
-            )
-        expected = b
-    return manifests
+    try:
+        return ShardSet.open(shard_dirs, tokenized).check(final_layer=True)
+    except ShardSetError as e:
+        raise ExportError(str(e)) from None
 
 
-def _rows(shard_dir: str, tokenized: str) -> Iterator[tuple[Any, dict[str, Any]]]:
-    """(index entry, tokenized row) pairs of one shard, checked to be the same row."""
-    index = read_index(shard_dir)
-    with open(tokenized, encoding="utf-8") as f:
-        lines = iter(f)
-        for e in index:
-            rec = json.loads(next(lines, "null"))
-            if rec is None or (rec["row"], rec["id"], rec["seq_len"]) != (e.row, e.id, e.length):
-                raise ExportError(f"{tokenized} does not match {shard_dir}/index.json at row {e.row}")
-            yield e, rec
-        if next(lines, None) is not None:
-            raise ExportError(f"{tokenized} has more rows than {shard_dir}/index.json")
+def _rows(shard: Shard) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """(index entry, tokenized row) pairs of one shard (ShardSet checked they are the same rows)."""
+    with open(shard.tokenized, encoding="utf-8") as f:
+        for e, line in zip(shard.index, f, strict=True):
+            yield e, json.loads(line)
 
 
-def _write_hidden_states(
-    out: Path, shard_dir: str, tokenized: str, layer_ids: list[int], files: dict[str, dict[str, Any]]
-) -> int:
+def _write_hidden_states(out: Path, shard: Shard, layer_ids: list[int], files: dict[str, dict[str, Any]]) -> int:
     """Write hs_{row}.safetensors for every row of one shard; return its token count."""
     import torch
     from safetensors import safe_open
@@ -102,12 +73,13 @@ def _write_hidden_states(
 
     tokens = 0
     with contextlib.ExitStack() as stack:
-        opened = [stack.enter_context(safe_open(Path(shard_dir) / layer_file(i), framework="pt")) for i in layer_ids]
+        shard_dir, tokenized = shard.dir, shard.tokenized
+        opened = [stack.enter_context(safe_open(shard_dir / layer_file(i), framework="pt")) for i in layer_ids]
         slices = [h.get_slice("hidden_states") for h in opened]  # each [sum_T, H], memory-mapped
-        token_slice = stack.enter_context(safe_open(Path(shard_dir) / TOKEN_IDS, framework="pt")).get_slice(
+        token_slice = stack.enter_context(safe_open(shard_dir / TOKEN_IDS, framework="pt")).get_slice(
             "token_ids"
         )  # [sum_T] int64
-        for e, rec in _rows(shard_dir, tokenized):
+        for e, rec in _rows(shard):
             a, b = e.offset, e.offset + e.length
             token_ids = token_slice[a:b]  # [T] int64
             if token_ids.tolist() != rec["input_ids"]:
@@ -122,7 +94,7 @@ def _write_hidden_states(
     return tokens
 
 
-def _write_arrow(out: Path, shard_dirs: list[str], tokenized: list[str], files: dict[str, dict[str, Any]]) -> None:
+def _write_arrow(out: Path, shards: ShardSet, files: dict[str, dict[str, Any]]) -> None:
     """The arrow dataset, built as a stream (memory does not grow with the data) and moved in file by file."""
     from datasets import Dataset, Features, List, Value
     from datasets.arrow_reader import ArrowReader
@@ -134,8 +106,8 @@ def _write_arrow(out: Path, shard_dirs: list[str], tokenized: list[str], files: 
     stream = out / f"{TMP_PREFIX}rows.arrow"
     staging = out / f"{TMP_PREFIX}arrow"
     with ArrowWriter(features=features, path=str(stream)) as writer:
-        for d, tok in zip(shard_dirs, tokenized, strict=True):
-            for _, rec in _rows(d, tok):
+        for shard in shards.shards:
+            for _, rec in _rows(shard):
                 writer.write({k: rec[k] for k in ("input_ids", "loss_mask", "seq_len")})
         writer.finalize()
     # Dataset.from_file would fingerprint the file's mtime; a content hash keeps reruns byte-identical.
@@ -188,26 +160,26 @@ def export_speculators(
     """Write `out_dir` in speculators' layout; manifest.json last. Shards must come in row order."""
     from tqdm import tqdm
 
-    manifests = check_shards(shard_dirs, validations)
-    first = manifests[0]
-    layer_ids = first["layer_ids"]
+    shards = check_shards(shard_dirs, validations, tokenized)
+    first = shards.first
+    layer_ids = first.layer_ids
     out = Path(out_dir)
     _clear(out)
     (out / HIDDEN_STATES).mkdir(parents=True)
 
-    rows = sum(m["rows"] for m in manifests)
+    rows = sum(s.manifest.rows for s in shards.shards)
     print(
         f"[export] {rows} rows from {len(shard_dirs)} shards, layers {layer_ids} ({CONVENTION}) -> {out}",
         file=sys.stderr,
     )
     files: dict[str, dict[str, Any]] = {}
-    _write_arrow(out, shard_dirs, tokenized, files)
+    _write_arrow(out, shards, files)
     _write_token_freq(out, token_freq_json, files)
     tokens = 0
     bar = tqdm(total=rows, unit="row", file=sys.stderr, mininterval=1.0, desc="hs files")
-    for d, tok, m in zip(shard_dirs, tokenized, manifests, strict=True):
-        tokens += _write_hidden_states(out, d, tok, layer_ids, files)
-        bar.update(m["rows"])
+    for shard in shards.shards:
+        tokens += _write_hidden_states(out, shard, layer_ids, files)
+        bar.update(shard.manifest.rows)
     bar.close()
     fsync_dir(out / HIDDEN_STATES)
 
@@ -219,11 +191,11 @@ def export_speculators(
         "layer_id_convention": CONVENTION,
         # speculators train --target-layer-ids: the auxiliary ids, vLLM's convention (= ours), final slot excluded.
         "target_layer_ids": layer_ids[:-1],
-        "num_hidden_layers": first["num_hidden_layers"],
-        "hidden_size": first["hidden_size"],
-        "dtype": first["dtype"],
-        "model": first["model"],
-        "tokenizer": first["tokenizer"],
+        "num_hidden_layers": first.num_hidden_layers,
+        "hidden_size": first.hidden_size,
+        "dtype": first.dtype,
+        "model": first.model,
+        "tokenizer": first.tokenizer,
         "sources": [{"shard_dir": str(d), "manifest_sha256": sha256_file(Path(d) / MANIFEST)} for d in shard_dirs],
         "files": dict(sorted(files.items())),
         "code_version": code_version(),

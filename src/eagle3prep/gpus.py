@@ -26,6 +26,7 @@ from pathlib import Path
 from .errors import UserError
 
 LOCK_DIR_ENV = "EAGLE3PREP_GPU_LOCK_DIR"
+NUM_GPUS_ENV = "EAGLE3PREP_NUM_GPUS"  # the host's GPU count, instead of nvidia-smi (tests: a fake set of ids)
 
 
 class GpuClaimError(UserError, RuntimeError):
@@ -70,6 +71,8 @@ def count_gpus() -> int:
     Not torch.cuda.device_count(): torch caches that count, and a CUDA_VISIBLE_DEVICES set after it
     would then be ignored in this process.
     """
+    if os.environ.get(NUM_GPUS_ENV):
+        return int(os.environ[NUM_GPUS_ENV])
     if shutil.which("nvidia-smi") is None:
         return 0
     try:
@@ -184,3 +187,11 @@ def claim_gpus(
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in ids)
     print(f"eagle3prep: claimed GPU(s) {os.environ['CUDA_VISIBLE_DEVICES']} (locks in {lock_path})", file=sys.stderr)
     return claim
+
+
+def claim_job_gpus(n: int) -> GpuClaim:
+    """The claim of one GPU job (extract, validate): `n` GPUs by lock, or nothing on a host without
+    NVIDIA GPUs (vLLM's CPU build, the tests), where the job runs on the CPU or fails in one line."""
+    if n <= 0 or ("CUDA_VISIBLE_DEVICES" not in os.environ and count_gpus() == 0):
+        return GpuClaim(ids=[], source="none")
+    return claim_gpus(n)

@@ -62,3 +62,23 @@ def resolve_layer_ids(configured: list[int] | None, convention: str, num_hidden_
 def to_convention(ids: list[int], convention: str) -> list[int]:
     """Our ids expressed in another convention (for hand-offs, e.g. a trainer's --target-layer-ids)."""
     return [i - CONVENTIONS[convention] for i in ids]
+
+
+# ---- where an id is taken from a running model (both capture backends use this) -------------------
+
+
+def decoder_stack(model: object) -> object:
+    """The module that owns `.layers`: model.model of a causal LM, or of a VLM's language model."""
+    if hasattr(model, "get_language_model"):
+        model = model.get_language_model()
+    for candidate in (getattr(model, "model", None), model):
+        if candidate is not None and hasattr(candidate, "layers"):
+            return candidate
+    raise ValueError(f"{type(model).__name__}: no decoder `layers` found; this architecture is not supported")
+
+
+def hook_point(layer_id: int, num_hidden_layers: int) -> tuple[int, str]:
+    """(decoder layer, "input" | "output") whose hook sees id `layer_id`: the embedding output is the
+    input of layer 0; every later id k is the output of layer k-1 (id N: the last layer, pre-norm)."""
+    check_layer_ids([layer_id], num_hidden_layers, where="layer id")
+    return (0, "input") if layer_id == 0 else (layer_id - 1, "output")

@@ -18,8 +18,9 @@ from typing import Any
 
 from .atomic import atomic_open, write_json
 from .config import ConfigError, layer_ids
-from .extract import free_space_probe, model_hidden_size, shard_bytes
-from .shard import MANIFEST, human_bytes
+from .extract import free_space_probe, shard_bytes
+from .model_facts import ModelFacts, require_hidden_size
+from .shard.format import MANIFEST, human_bytes
 
 START_SHARE = 0.05  # engine start-up should stay under this share of a shard's job time
 
@@ -201,9 +202,10 @@ def plan_run(
 ) -> str:
     """The `plan` rule: plan the run `config` describes (validated, defaults filled), write it, return the text."""
     model_path = config["model"]["path"]
-    hidden_size = model_hidden_size(model_path)
-    if hidden_size is None:
-        raise ConfigError(f"{model_path}/config.json has no hidden_size; is model.path a causal LM folder?")
+    try:
+        hidden_size = require_hidden_size(ModelFacts.read(model_path), model_path)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     plan = make_plan(
         shard_sizes_from_stats(stats_path),
         num_layers=len(layer_ids(config)),

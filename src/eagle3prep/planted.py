@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import sha256_file
-from .shard import MANIFEST, layer_file, read_index, read_manifest
+from .shard.format import MANIFEST, layer_file, read_index, read_manifest
 
 MISTAKES = (
     "layer_plus_one",  # every id k < N holds id k + 1
@@ -63,7 +63,7 @@ def plant(
     `other` is another shard of the same model (other_shard).
     """
     manifest = read_manifest(source)
-    n = manifest["num_hidden_layers"]
+    n = manifest.num_hidden_layers
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(source, out, ignore=shutil.ignore_patterns("layer_*.safetensors", MANIFEST))
     rows = _row_slices(source)
@@ -93,12 +93,12 @@ def plant(
         elif mistake not in MISTAKES:
             raise ValueError(f"unknown mistake {mistake!r}; one of {MISTAKES}")
         _save(out / layer_file(lid), hs)
-    files = {k: v for k, v in manifest["files"].items() if not k.startswith("layer_")}
+    files = {k: v for k, v in manifest.files.items() if not k.startswith("layer_")}
     for lid in layer_ids:
         path = out / layer_file(lid)
         files[layer_file(lid)] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-    manifest.update(files=files, layer_ids=list(layer_ids))
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    manifest.files, manifest.layer_ids = files, list(layer_ids)
+    (out / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2, sort_keys=True))
     return out
 
 

@@ -74,12 +74,3 @@ def code_version() -> str:
     for path in sorted(sources):
         digest.update(path.relative_to(here).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return f"eagle3prep {__version__} (src sha256 {digest.hexdigest()[:12]})"
-
-
-def num_hidden_layers(model_path: str) -> int:
-    """N of the model, from config.json (text config for multimodal wrappers such as Kimi-K2.5)."""
-    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    text = config.get("text_config") or config
-    if "num_hidden_layers" not in text:
-        raise ValueError(f"{model_path}/config.json has no num_hidden_layers; is this a causal LM folder?")
-    return int(text["num_hidden_layers"])

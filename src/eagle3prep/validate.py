@@ -14,8 +14,10 @@ from .atomic import sha256_file, write_json
 from .errors import UserError
 from .passrule import describe_failure, judge_layer, judge_row, miss_probability, rows_to_sample
 from .reference import ReferencePair
-from .shard import MANIFEST, TIMINGS, TOKEN_IDS, layer_file, read_index, read_manifest
-from .vllm_compat import KNOWN_BUGS, NO_WORKAROUNDS_ENV, parse_version
+from .backends.vllm.compat import KNOWN_BUGS, NO_WORKAROUNDS_ENV, parse_version
+from .gpus import claim_job_gpus
+from .shard.format import MANIFEST, TIMINGS, TOKEN_IDS, ShardManifest, layer_file, read_manifest
+from .shard.shardset import Shard, open_shard, shard_checks
 
 CHUNK_TOKENS = 65536  # rows of a layer file read at once for statistics (bounds memory)
 
@@ -44,9 +46,9 @@ def _read_tokenized(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f]
 
 
-def _check_files(shard: Path, manifest: dict[str, Any], checks: Checks) -> bool:
+def _check_files(shard: Path, manifest: ShardManifest, checks: Checks) -> bool:
     ok = True
-    for name, entry in sorted(manifest["files"].items()):
+    for name, entry in sorted(manifest.files.items()):
         path = shard / name
         if not path.is_file():
             ok &= checks.add(f"file:{name}", False, "listed in the manifest but missing")
@@ -62,50 +64,24 @@ def _check_files(shard: Path, manifest: dict[str, Any], checks: Checks) -> bool:
             "sha256 matches" if digest == entry["sha256"] else f"sha256 {digest[:12]} != {entry['sha256'][:12]}",
         )
     # .snakemake_timestamp: Snakemake's marker in directory() outputs.
-    expected = set(manifest["files"]) | {MANIFEST, TIMINGS, ".snakemake_timestamp"}
+    expected = set(manifest.files) | {MANIFEST, TIMINGS, ".snakemake_timestamp"}
     stray = sorted(p.name for p in shard.iterdir() if p.name not in expected)
     ok &= checks.add("no_stray_files", not stray, f"unexpected files: {stray}" if stray else "")
-    layers = sorted(n for n in manifest["files"] if n.startswith("layer_"))
-    want = sorted(layer_file(i) for i in manifest["layer_ids"])
-    ok &= checks.add("layer_files", layers == want, f"{layers} vs layer ids {manifest['layer_ids']}")
+    layers = sorted(n for n in manifest.files if n.startswith("layer_"))
+    want = sorted(layer_file(i) for i in manifest.layer_ids)
+    ok &= checks.add("layer_files", layers == want, f"{layers} vs layer ids {manifest.layer_ids}")
     return ok
 
 
-def _check_index(
-    shard: Path, manifest: dict[str, Any], rows: list[dict[str, Any]], tokenized: str, checks: Checks
-) -> bool:
-    index = read_index(shard)
-    ok = checks.add("row_count", len(index) == len(rows), f"index {len(index)} rows, tokenized shard {len(rows)}")
-    bad = [
-        e.row
-        for e, r in zip(index, rows, strict=False)
-        if (e.row, e.id, e.length) != (r["row"], r["id"], r["seq_len"])
-    ]
-    ok &= checks.add("index_rows", not bad, f"rows whose row/id/length differ from the tokenized shard: {bad[:10]}")
-    offset, gaps = 0, []
-    for e in index:
-        if e.offset != offset:
-            gaps.append(e.row)
-        offset = e.offset + e.length
-    ok &= checks.add(
-        "index_offsets",
-        not gaps and offset == manifest["tokens"],
-        f"non-contiguous at rows {gaps[:10]}; ends at {offset}, manifest tokens {manifest['tokens']}",
-    )
-    digest = sha256_file(tokenized)
-    ok &= checks.add(
-        "tokenized_source",
-        digest == manifest["tokenized"]["sha256"],
-        "the shard was captured from this tokenized shard"
-        if digest == manifest["tokenized"]["sha256"]
-        else "the manifest belongs to a different tokenized shard",
-    )
+def _check_index(shard: Shard, checks: Checks) -> bool:
+    """The index against the tokenized shard it was captured from (shardset.shard_checks)."""
+    ok = True
+    for c in shard_checks(shard):
+        ok &= checks.add(c.name, c.ok, c.detail)
     return ok
 
 
-def _check_tensors(
-    shard: Path, manifest: dict[str, Any], rows: list[dict[str, Any]], checks: Checks
-) -> dict[str, Any]:
+def _check_tensors(shard: Path, manifest: ShardManifest, rows: list[dict[str, Any]], checks: Checks) -> dict[str, Any]:
     import torch
     from safetensors import safe_open
 
@@ -118,13 +94,13 @@ def _check_tensors(
         f"{int((stored != expected).sum()) if stored.shape == expected.shape else 'shape'} tokens differ",
     )
     stats = {}
-    for lid in manifest["layer_ids"]:
+    for lid in manifest.layer_ids:
         faults.kill_point("validate.mid_checks", shard=shard.name, layer=lid)
         with safe_open(shard / layer_file(lid), framework="pt") as f:
             sl = f.get_slice("hidden_states")
             shape, dtype = sl.get_shape(), sl.get_dtype()
-            want_shape = [manifest["tokens"], manifest["hidden_size"]]
-            want_dtype = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[manifest["dtype"]]
+            want_shape = [manifest.tokens, manifest.hidden_size]
+            want_dtype = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[manifest.dtype]
             if not checks.add(
                 f"shape:layer_{lid}",
                 shape == want_shape and dtype == want_dtype,
@@ -181,8 +157,7 @@ def _layer_summary(mine: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _check_reference(
-    shard: Path,
-    manifest: dict[str, Any],
+    shard: Shard,
     rows: list[dict[str, Any]],
     refs: ReferencePair,
     picks: list[int],
@@ -191,11 +166,11 @@ def _check_reference(
     """Recompute the `picks` rows and judge every layer of each (passrule.judge_row)."""
     from safetensors import safe_open
 
-    index = read_index(shard)
-    dtype, lids = manifest["dtype"], manifest["layer_ids"]
+    index, manifest = shard.index, shard.manifest
+    dtype, lids = manifest.dtype, manifest.layer_ids
     results = []
     with contextlib.ExitStack() as stack:
-        files = {lid: stack.enter_context(safe_open(shard / layer_file(lid), framework="pt")) for lid in lids}
+        files = {lid: stack.enter_context(safe_open(shard.dir / layer_file(lid), framework="pt")) for lid in lids}
         for i in picks:
             e = index[i]
             want, floor = refs.rows(rows[i]["input_ids"], lids)
@@ -228,12 +203,12 @@ def _check_reference(
     return results, summary
 
 
-def known_engine_bug(manifest: dict[str, Any]) -> str:
-    """The known engine bug (vllm_compat.KNOWN_BUGS) that fits this shard's engine and was not worked around."""
-    engine = manifest.get("engine", {})
+def known_engine_bug(manifest: ShardManifest) -> str:
+    """The known engine bug (compat.KNOWN_BUGS) that fits this shard's engine and was not worked around."""
+    engine = manifest.engine
     if engine.get("engine") != "vllm":
         return ""
-    archs = engine.get("architectures") or manifest.get("model", {}).get("architectures") or []
+    archs = engine.get("architectures") or manifest.model.get("architectures") or []
     version = parse_version(engine.get("engine_version", "0"))
     for bug in KNOWN_BUGS:
         if bug.applies(version, engine.get("platform") == "cpu", archs) and bug.name not in engine.get(
@@ -262,28 +237,20 @@ def validate_shard(
 
     `refs`: a ReferencePair already loaded (the validation matrix judges many shards of one model).
     """
-    shard = Path(shard_dir)
     checks = Checks()
-    report: dict[str, Any] = {"shard_dir": str(shard), "tokenized": str(tokenized_shard)}
+    report: dict[str, Any] = {"shard_dir": str(shard_dir), "tokenized": str(tokenized_shard)}
     try:
-        manifest = read_manifest(shard)
+        m = read_manifest(shard_dir)
         checks.add("manifest", True)
-    except (FileNotFoundError, ValueError, json.JSONDecodeError) as e:
+    except (FileNotFoundError, ValueError) as e:  # json.JSONDecodeError is a ValueError
         checks.add("manifest", False, str(e))
-        manifest = None
-    if manifest is not None:
-        report.update(
-            shard=manifest["shard"],
-            rows=manifest["rows"],
-            tokens=manifest["tokens"],
-            dtype=manifest["dtype"],
-            layer_ids=manifest["layer_ids"],
-            engine=manifest["engine"],
-        )
+        m = None
+    if m is not None:
+        report.update(shard=m.shard, rows=m.rows, tokens=m.tokens, dtype=m.dtype, layer_ids=m.layer_ids, engine=m.engine)
         rows = _read_tokenized(tokenized_shard)
-        # Content checks only make sense on intact files; a corrupt shard stops here.
-        if _check_files(shard, manifest, checks) and _check_index(shard, manifest, rows, tokenized_shard, checks):
-            report["layer_stats"] = _check_tensors(shard, manifest, rows, checks)
+        # Content checks only make sense on intact files (index.json's sha256 included); a corrupt shard stops here.
+        if _check_files(Path(shard_dir), m, checks) and _check_index(shard := open_shard(shard_dir, tokenized_shard), checks):
+            report["layer_stats"] = _check_tensors(shard.dir, m, rows, checks)
             report["reference_mode"] = "full" if reference else "off"
             picks = _sample(len(rows), sample_rows, seed) if reference else []
             report["reference_sample"] = {
@@ -292,21 +259,20 @@ def validate_shard(
                 "miss_probability": miss_probability(len(rows), len(picks)) if rows else 0.0,
             }
             if picks and not checks.failed:
-                refs = refs or ReferencePair(model_path, manifest["dtype"], device, trust_remote_code)
-                report["reference_floor"] = refs.describe()
-                report["reference"], report["reference_layers"] = _check_reference(
-                    shard, manifest, rows, refs, picks, checks
-                )
+                with claim_job_gpus(1 if device.startswith("cuda") and refs is None else 0):
+                    refs = refs or ReferencePair(model_path, m.dtype, device, trust_remote_code)
+                    report["reference_floor"] = refs.describe()
+                    report["reference"], report["reference_layers"] = _check_reference(shard, rows, refs, picks, checks)
     report["checks"] = checks.items
     report["ok"] = not checks.failed
-    faults.kill_point("validate.before_report", shard=shard.name)
+    faults.kill_point("validate.before_report", shard=Path(shard_dir).name)
     write_json(out_json, report)
     for c in checks.items:
         print(f"[validate] {'ok  ' if c['ok'] else 'FAIL'} {c['check']}: {c['detail']}", file=sys.stderr)
     if checks.failed:
         Path(out_json).unlink()  # a failed shard must not leave a report that looks like a pass
         names = ", ".join(f"{c['check']} ({c['detail']})" for c in checks.failed[:5])
-        error = ValidationError(f"{shard}: {len(checks.failed)} check(s) failed: {names}")
+        error = ValidationError(f"{shard_dir}: {len(checks.failed)} check(s) failed: {names}")
         error.failed = [c["check"] for c in checks.failed]
         raise error
     return report

@@ -16,7 +16,7 @@ def make_backend(spec: CaptureSpec, options: dict[str, Any]) -> CaptureBackend:
 
         return HFBackend(spec, options)
     if spec.backend == "vllm":
-        from .vllm import VLLMBackend
+        from .vllm.driver import VLLMBackend
 
         return VLLMBackend(spec, options)
     raise ValueError(f"extract.backend = {spec.backend!r} is not one of {list(BACKENDS)}")

@@ -1,17 +1,24 @@
-"""The capture-backend interface (DESIGN.md §5): probe(), capture(batch), close()."""
+"""The capture-backend interface (DESIGN.md §5): probe(), capture_shard(batches, sink), close().
+
+Every backend writes through the same LayerSink (shard/sink.py), in whichever process holds the
+rows; the smoke capture of probe() writes a throw-away shard the same way.
+"""
 
 from __future__ import annotations
 
+import tempfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Iterator
 
     import torch
 
-    from ..records import IndexEntry
+    from ..shard.format import EngineInfo
+    from ..shard.sink import SinkSpec
 
 
 @dataclass(slots=True)
@@ -28,51 +35,68 @@ class CaptureSpec:
     trust_remote_code: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def gpus(self) -> int:
+        """GPUs a job of this spec holds: tp_size for vllm, one for hf on cuda (validate uses the same)."""
+        if self.backend == "vllm":
+            return self.tp_size
+        return 1 if self.device.startswith("cuda") else 0
+
 
 class CaptureBackend(ABC):
-    """Runs the target model over token rows and returns the hidden states at `spec.layer_ids`."""
+    """Runs the target model over token rows and writes the hidden states at `spec.layer_ids`."""
 
     name: str = "base"
-    capture_stats: dict[str, Any] = {}  # noqa: RUF012 - timings of the last capture_shard(), for timings.json
 
     def __init__(self, spec: CaptureSpec, options: dict[str, Any]):
         self.spec = spec
         self.options = options
+        self.capture_stats: dict[str, Any] = {}  # timings of the last capture_shard(), for timings.json
 
     @abstractmethod
-    def probe(self) -> dict[str, Any]:
-        """Load the engine, check it can capture every requested id, and describe itself.
-
-        Returns at least: engine, engine_version, capture_path, tp_size, final_layer_reachable,
-        num_hidden_layers, hidden_size, dtype. The result goes into the shard manifest.
-        """
+    def probe(self) -> EngineInfo:
+        """Load the engine, check it can capture every requested id (a smoke shard), describe itself."""
 
     @abstractmethod
-    def capture(self, batch: list[list[int]]) -> dict[int, torch.Tensor]:
-        """Forward a batch of rows; return {layer_id: [sum_T, H] CPU tensor in the model dtype}.
+    def capture_shard(self, batches: Iterator[list[list[int]]], sink: SinkSpec) -> dict[int, dict[str, Any]]:
+        """Forward every row of `batches` (the shard's rows in order; row i is `sink.tag(i)`) and write
+        its layers through a LayerSink(sink); return LayerSink.finish()'s {layer_id: file entry}."""
 
-        Rows are concatenated in batch order, each row's tokens in order, so the caller can append
-        the result straight to the shard's layer files.
-        """
-
-    def writes_layer_files(self) -> bool:
-        """True when capture_shard() is available: the engine writes the layer files itself."""
-        return False
-
-    def capture_shard(
-        self,
-        batches: Iterator[list[list[int]]],
-        index: list[IndexEntry],
-        layer_paths: dict[int, str],
-        on_batch: Callable[[int, list[list[int]]], None],
-    ) -> dict[int, dict[str, Any]]:
-        """Capture a whole shard into its layer files' temp files (see shard.ShardWriter.layer_paths).
-
-        `batches` yields the shard's rows in `index` order; on_batch(b, batch) is called once each
-        batch's rows are submitted (the caller writes their token ids). Returns {layer_id: entry} of
-        the sealed temp files for ShardWriter.adopt_layers(). Only when writes_layer_files().
-        """
-        raise NotImplementedError(f"the {self.name} backend returns rows through capture(); it writes no files")
+    def step_tokens(self) -> int:
+        """The largest forward step, in tokens: the size of the sink's host slots."""
+        return int(self.options.get("batch_tokens") or 8192)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine (GPU memory, worker processes)."""
+
+    def __enter__(self) -> CaptureBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def smoke_shard(backend: CaptureBackend, prompt: list[int], hidden_size: int) -> dict[int, torch.Tensor]:
+    """Capture one row into a throw-away shard through capture_shard() and read it back:
+    {layer_id: [T, H]}, checked for every requested layer, the shape and finite values."""
+    from safetensors.torch import load_file
+
+    from ..shard.format import layer_file
+    from ..shard.sink import SinkSpec
+
+    ids = backend.spec.layer_ids
+    with tempfile.TemporaryDirectory(prefix="eagle3prep-smoke-") as tmp:
+        spec = SinkSpec(
+            layer_paths={lid: str(Path(tmp) / layer_file(lid)) for lid in ids},
+            hidden_size=hidden_size,
+            dtype=backend.spec.dtype,
+            rows=[(0, len(prompt))],
+            step_tokens=max(len(prompt), 16),
+            slots=1,
+            tag_prefix="smoke",
+        )
+        backend.capture_shard(iter([[prompt]]), spec)
+        out = {lid: load_file(spec.layer_paths[lid])["hidden_states"] for lid in ids}
+    bad = [i for i, t in out.items() if not bool(t.float().isfinite().all())]
+    if bad:
+        raise RuntimeError(f"smoke capture returned non-finite values in layers {bad}")
+    return out

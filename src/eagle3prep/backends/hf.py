@@ -1,23 +1,23 @@
-"""transformers capture backend: the demo backend and the reference every other backend is tested against.
+"""transformers capture backend: the demo backend, and the one every engine is compared with.
 
-Capture points (DESIGN.md §2), with N = num_hidden_layers:
-  id k < N: a forward *pre*-hook on decoder layer k takes its input hidden states;
-  id N:     a forward hook on decoder layer N-1 takes its output, before the final norm.
+Hooks sit where layers.hook_point puts each id (the vLLM worker uses the same map); each batch is
+one forward step into the LayerSink, in this process.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .base import CaptureBackend, CaptureSpec
+from ..errors import UserError
+from ..layers import decoder_stack, hook_point
+from ..shard.format import EngineInfo
+from ..shard.sink import LayerSink, Segment
+from .base import CaptureBackend, CaptureSpec, smoke_shard
 
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
-def decoder_layers(model: Any) -> Any:
-    """The ModuleList of decoder layers of a transformers causal LM (Llama, Qwen, DeepSeek, ...)."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    if not hasattr(base, "layers"):
-        raise ValueError(f"{type(model).__name__}: no decoder `layers` found; this architecture is not supported")
-    return base, base.layers
+    from ..shard.sink import SinkSpec
 
 
 def _first_tensor(x: Any) -> Any:
@@ -33,62 +33,70 @@ class HFBackend(CaptureBackend):
         self._captured: dict[int, Any] = {}
         self._handles: list[Any] = []
 
-    def probe(self) -> dict[str, Any]:
+    def probe(self) -> EngineInfo:
         import torch
         import transformers
 
-        dtype = getattr(torch, self.spec.dtype)
+        if self.spec.device.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError(f"extract.device = {self.spec.device} but torch sees no CUDA GPU here; set extract.device: cpu")
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            self.spec.model_path, dtype=dtype, trust_remote_code=self.spec.trust_remote_code
+            self.spec.model_path, dtype=getattr(torch, self.spec.dtype), trust_remote_code=self.spec.trust_remote_code
         ).to(self.spec.device)
         self.model.eval()
-        self.base, layers = decoder_layers(self.model)
-        n = len(layers)
+        self.base = decoder_stack(self.model)
+        n = len(self.base.layers)
         for lid in self.spec.layer_ids:
-            if lid < n:
-                self._handles.append(layers[lid].register_forward_pre_hook(self._pre_hook(lid), with_kwargs=True))
-            elif lid == n:
-                self._handles.append(layers[n - 1].register_forward_hook(self._post_hook(lid)))
+            layer, side = hook_point(lid, n)
+            module = self.base.layers[layer]
+            if side == "input":
+                self._handles.append(module.register_forward_pre_hook(self._input_hook(lid), with_kwargs=True))
             else:
-                raise ValueError(f"layer id {lid} > N = {n}: the model has no such layer")
+                self._handles.append(module.register_forward_hook(self._output_hook(lid)))
         hidden = self.model.config.get_text_config().hidden_size
-        # Smoke capture: one short row must come back with every layer, shaped [T, H].
-        out = self.capture([[1, 2, 3]])
-        if sorted(out) != sorted(self.spec.layer_ids) or any(tuple(t.shape) != (3, hidden) for t in out.values()):
-            raise RuntimeError(f"hf smoke capture returned {[(k, tuple(v.shape)) for k, v in out.items()]}")
-        return {
-            "engine": "transformers",
-            "engine_version": transformers.__version__,
-            "torch_version": torch.__version__,
-            "capture_path": "hf_hooks",
-            "device": self.spec.device,
-            "tp_size": 1,
-            "final_layer_reachable": True,
-            "num_hidden_layers": n,
-            "hidden_size": hidden,
-            "dtype": self.spec.dtype,
-        }
+        smoke_shard(self, [1, 2, 3], hidden)
+        return EngineInfo(
+            engine="transformers",
+            engine_version=transformers.__version__,
+            capture_path="hf_hooks",
+            tp_size=1,
+            dtype=self.spec.dtype,
+            num_hidden_layers=n,
+            hidden_size=hidden,
+            final_layer_reachable=True,
+            details={"torch_version": torch.__version__, "device": self.spec.device},
+        )
 
-    def _pre_hook(self, lid: int):
+    def _input_hook(self, lid: int):
         def hook(module, args, kwargs):
-            hs = args[0] if args else kwargs["hidden_states"]
-            self._captured[lid] = hs.detach()  # [B, T, H]
+            self._captured[lid] = args[0] if args else kwargs["hidden_states"]  # [B, T, H]
 
         return hook
 
-    def _post_hook(self, lid: int):
+    def _output_hook(self, lid: int):
         def hook(module, args, output):
-            self._captured[lid] = _first_tensor(output).detach()  # [B, T, H]
+            self._captured[lid] = _first_tensor(output)  # [B, T, H]
 
         return hook
 
-    def capture(self, batch: list[list[int]]) -> dict[int, Any]:
+    def capture_shard(self, batches: Iterator[list[list[int]]], sink: SinkSpec) -> dict[int, dict[str, Any]]:
+        out = LayerSink(sink)
+        try:
+            first = 0
+            for batch in batches:
+                self._step(out, batch, [sink.tag(first + i) for i in range(len(batch))])
+                first += len(batch)
+            return out.finish()
+        except BaseException:
+            out.abort()
+            raise
+
+    def _step(self, sink: LayerSink, batch: list[list[int]], tags: list[str]) -> None:
+        """One padded forward of the base model; its valid rows go to the sink as one step."""
         import torch
 
         lengths = [len(r) for r in batch]
-        t_max = max(lengths)
-        ids = torch.zeros(len(batch), t_max, dtype=torch.long)  # right padding: causal attention
-        mask = torch.zeros(len(batch), t_max, dtype=torch.long)  # never lets a row see its pads
+        ids = torch.zeros(len(batch), max(lengths), dtype=torch.long)  # right padding: causal attention
+        mask = torch.zeros(len(batch), max(lengths), dtype=torch.long)  # never lets a row see its pads
         for i, row in enumerate(batch):
             ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
             mask[i, : len(row)] = 1
@@ -96,12 +104,12 @@ class HFBackend(CaptureBackend):
         with torch.inference_mode():
             # The base model only: the LM head's [B, T, vocab] logits are not needed.
             self.base(input_ids=ids.to(self.spec.device), attention_mask=mask.to(self.spec.device), use_cache=False)
-        out = {}
-        for lid in self.spec.layer_ids:
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        sink.begin_step([Segment(t, 0, s, s + n) for t, s, n in zip(tags, starts, lengths, strict=True)])
+        for lid in sorted(self.spec.layer_ids):
             hs = self._captured[lid]  # [B, T_max, H]
-            out[lid] = torch.cat([hs[i, :n] for i, n in enumerate(lengths)]).to("cpu")  # [sum_T, H]
+            sink.add_layer(lid, torch.cat([hs[i, :n] for i, n in enumerate(lengths)]))  # [sum_T, H], a new tensor
         self._captured = {}
-        return out
 
     def close(self) -> None:
         for h in self._handles:

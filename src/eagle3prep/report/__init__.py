@@ -12,7 +12,8 @@ from typing import Any
 
 from .. import faults
 from ..atomic import atomic_open, sha256_file, write_json
-from ..shard import FORMAT, MANIFEST, TIMINGS, read_manifest
+from ..shard.format import FORMAT, MANIFEST, TIMINGS
+from ..shard.shardset import ShardSet
 from . import data, page, plots
 
 DATASET_FORMAT = "eagle3prep.dataset/1"
@@ -54,17 +55,17 @@ def _summary(shard_dirs, manifests, reports, benchmarks, margins):
         records.append(
             {
                 "shard": k,
-                "rows": m["rows"],
-                "tokens": m["tokens"],
-                "bytes": sum(f["bytes"] for f in m["files"].values()),
+                "rows": m.rows,
+                "tokens": m.tokens,
+                "bytes": sum(f["bytes"] for f in m.files.values()),
                 "job_s": job_s,
                 "engine_start_s": timings.get("engine_start_s"),
                 "tokens_per_s": timings.get("tokens_per_s"),  # capture only (timings.json)
-                "job_tokens_per_s": m["tokens"] / job_s if job_s else None,  # whole job (benchmark TSV)
+                "job_tokens_per_s": m.tokens / job_s if job_s else None,  # whole job (benchmark TSV)
                 "validation_ok": v["ok"],
                 "reference_worst_rel": worst,
                 "reference_worst_margin": max(shard_margins) if shard_margins else None,  # error / bound
-                "capture_path": m["engine"]["capture_path"],
+                "capture_path": m.engine["capture_path"],
             }
         )
     return pd.DataFrame(records)
@@ -79,25 +80,25 @@ def _export_facts(export_dir: str | None) -> dict[str, Any] | None:
 
 
 def _dataset_manifest(shard_dirs, manifests, summary, counts, stats, reports) -> dict[str, Any]:
-    mixed = {(m["dtype"], tuple(m["layer_ids"]), m["model"]["weights_sha256"]) for m in manifests}
+    mixed = {(m.dtype, tuple(m.layer_ids), m.model["weights_sha256"]) for m in manifests}
     if len(mixed) > 1:
         raise ValueError(f"shards disagree on dtype/layer ids/model: {sorted(mixed)}; rerun the odd ones")
     first = manifests[0]
     return {
         "format": DATASET_FORMAT,
         "shard_format": FORMAT,
-        **{k: first[k] for k in ("layer_ids", "layer_id_convention", "num_hidden_layers", "hidden_size", "dtype")},
-        **{k: first[k] for k in ("model", "tokenizer", "engine")},
+        **{k: getattr(first, k) for k in ("layer_ids", "layer_id_convention", "num_hidden_layers", "hidden_size", "dtype")},
+        **{k: getattr(first, k) for k in ("model", "tokenizer", "engine")},
         "rows": int(summary["rows"].sum()),
         "tokens": int(summary["tokens"].sum()),
         "bytes": int(summary["bytes"].sum()),
         "shards": [
             {
-                "shard": m["shard"],
+                "shard": m.shard,
                 "dir": str(d),
-                "rows": m["rows"],
-                "tokens": m["tokens"],
-                "row_range": m["row_range"],
+                "rows": m.rows,
+                "tokens": m.tokens,
+                "row_range": m.row_range,
                 "manifest_sha256": sha256_file(Path(d) / MANIFEST),
             }
             for d, m in zip(shard_dirs, manifests, strict=True)
@@ -130,7 +131,7 @@ def build_report(
     `export_dir` is the speculators export when it was requested (the report then records it).
     """
     counts, stats = data.load_json(counts_path), data.load_json(stats_path)
-    manifests = [read_manifest(d) for d in shard_dirs]
+    manifests = [s.manifest for s in ShardSet.open(shard_dirs, tokenized).check(final_layer=False).shards]
     reports = [data.load_json(v) for v in validations]
     margins = data.reference_margins(reports)
 
@@ -167,7 +168,7 @@ def build_report(
         "outlier_note": outlier_note,
         "reference_skipped": skipped,
         "reference_line": data.reference_summary(reports) + (f"; SKIPPED on shards {skipped}" if skipped else ""),
-        "code_versions": {str(m.get("code_version")) for m in manifests},
+        "code_versions": {str(m.code_version) for m in manifests},
         "export": _export_facts(export_dir),
     }
     n = len(reports)

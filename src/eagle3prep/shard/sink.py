@@ -1,26 +1,20 @@
-"""Forward-step rows straight into a shard's layer files, off the GPU's critical path (DESIGN.md §5).
+"""The one way hidden states reach a shard's layer files: forward steps into a LayerSink (DESIGN.md §5).
 
-The vLLM hooks capture path runs this inside TP rank 0's worker. For every forward step:
+Every backend speaks it, in the process that holds the rows: the hf backend in its own process, the
+vLLM hooks in TP rank 0's worker, vLLM's built-in path in the driver after reading its files.
 
     sink.begin_step(segments)        # which rows of the step belong to which request, at which position
     sink.add_layer(layer_id, stream) # per requested layer: [step_tokens, H] on the GPU (or CPU)
+    sink.finish()                    # every row arrived exactly once: fsync, rename, {layer_id: entry}
 
-Each step's layers are copied into one host slot (pinned memory, on a side CUDA stream, so the copy
-overlaps the next layers' compute); when the deepest layer is in, the slot goes to the writer
-threads (per layer file: one waits for the copy and writes each request's rows where they belong,
-`PositionalSafetensorsWriter.place`, while a third flushes the file to disk in the background; the
-other hashes them in file order, `.account`). A fixed pool
-of slots bounds host memory whatever the shard size: when the writers fall behind, begin_step waits
-for a free slot (the disk then sets the pace). finish() drains the writers, checks every row of
-every request arrived exactly once and fsyncs; the driver renames the files into place and writes
-the manifest.
-
-Errors on a writer thread (a full disk) do not raise inside vLLM's forward: the sink stops
-writing, and finish() raises them with the file name.
+Rows are copied into a pooled host slot (pinned, on a side CUDA stream, so the copy overlaps the next
+layers' compute); writer threads place them by position and hash them in file order
+(docs/performance.md has the measurements behind the thread layout and the slot count).
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -28,20 +22,41 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .shard import FLUSH_EVERY, PositionalSafetensorsWriter
+from .files import FLUSH_EVERY, PositionalSafetensorsWriter
 
 if TYPE_CHECKING:
     import torch
 
-    from .vllm_compat import Segment
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """The tokens of one request inside one flattened forward step."""
+
+    tag: str  # the request's tag (SinkSpec.tag(i) for shard row i)
+    first_pos: int  # position of the segment's first token within its request (> 0 for a later chunk)
+    start: int  # first row of the segment in the step's [num_tokens, H] hidden states
+    end: int  # one past its last row
 
 
 @dataclass(frozen=True, slots=True)
-class RowPlacement:
-    """Where one request's rows go: its first row in the shard and its prompt length."""
+class SinkSpec:
+    """Everything a LayerSink needs, plain data so it can travel to a vLLM worker by RPC."""
 
-    offset: int
-    length: int
+    layer_paths: dict[int, str]  # final path of each layer file
+    hidden_size: int
+    dtype: str
+    rows: list[tuple[int, int]]  # (offset, length) of each shard row, in index order
+    step_tokens: int = 8192  # the largest forward step expected: the host slots' size
+    slots: int = 3
+    sync_bytes: int = FLUSH_EVERY
+    tag_prefix: str = "row"
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(n for _, n in self.rows)
+
+    def tag(self, i: int) -> str:
+        return f"{self.tag_prefix}-{i}"
 
 
 @dataclass(slots=True)
@@ -53,8 +68,8 @@ class _Slot:
 
 
 class SlotPool:
-    """At most `size` host slots of [num_layers, >= step_tokens, H]; kept across shards by the worker
-    (pinning 3 x 512 MiB takes a noticeable fraction of a second). take() waits when all are in use."""
+    """At most `size` host slots of [num_layers, >= step_tokens, H]; kept across shards by the vLLM
+    worker (pinning 3 x 512 MiB takes a noticeable fraction of a second). take() waits when all are in use."""
 
     def __init__(self, num_layers: int, hidden_size: int, dtype: torch.dtype, step_tokens: int, size: int = 3):
         self.key = (num_layers, hidden_size, dtype, step_tokens, size)
@@ -62,7 +77,7 @@ class SlotPool:
         self._made = 0
 
     def take(self, tokens: int) -> _Slot:
-        num_layers, _, _, step_tokens, size = self.key
+        _, _, _, step_tokens, size = self.key
         if self._free.empty() and self._made < size:
             self._made += 1
             return self._new(max(tokens, step_tokens))
@@ -81,41 +96,40 @@ class SlotPool:
         return _Slot(torch.empty((num_layers, capacity, hidden_size), dtype=dtype, pin_memory=pinned))
 
 
-class ShardSink:
-    """Writes the rows of forward steps into one shard's layer files (temp names; see module doc).
+def _pool_key(spec: SinkSpec) -> tuple:
+    import torch
 
-    Three threads per layer file (pwrite, fdatasync and sha256 release the GIL): one writes the rows
-    where they belong (into the page cache); one flushes the file to disk every `sync_bytes`
-    (BackgroundFlush), so the disk works while the GPU does and the final fsync has little left to
-    do; one hashes the rows in file order, so the disk never waits for a hash. A slot is free again
-    once every file's rows are hashed.
+    return (len(spec.layer_paths), spec.hidden_size, getattr(torch, spec.dtype), spec.step_tokens, spec.slots)
+
+
+def pool_for(spec: SinkSpec) -> SlotPool:
+    """A new pool sized for `spec` (a worker keeps it for the next shard of the same shape)."""
+    import torch
+
+    return SlotPool(len(spec.layer_paths), spec.hidden_size, getattr(torch, spec.dtype), spec.step_tokens, spec.slots)
+
+
+class LayerSink:
+    """Writes the rows of forward steps into one shard's layer files.
+
+    Two threads per layer file (pwrite and sha256 release the GIL): one places the rows where they
+    belong, one hashes them in file order; each file's BackgroundFlush takes them to disk meanwhile.
+    Errors on a thread (a full disk) never raise inside the forward: finish() raises them.
     """
 
-    def __init__(
-        self,
-        layer_paths: dict[int, str],
-        hidden_size: int,
-        dtype: str,
-        rows: dict[str, RowPlacement],
-        total_tokens: int,
-        step_tokens: int,
-        slots: int = 3,
-        pool: SlotPool | None = None,
-        sync_bytes: int = FLUSH_EVERY,
-    ):
-        import torch
-
-        self.layer_ids = sorted(layer_paths)
+    def __init__(self, spec: SinkSpec, pool: SlotPool | None = None):
+        self.spec = spec
+        self.layer_ids = sorted(spec.layer_paths)
         self._slot_of_layer = {lid: j for j, lid in enumerate(self.layer_ids)}
-        self.rows = rows
-        self.total_tokens = total_tokens
-        self.pool = pool or SlotPool(len(self.layer_ids), hidden_size, getattr(torch, dtype), step_tokens, slots)
+        self.rows = {spec.tag(i): place for i, place in enumerate(spec.rows)}
+        self.total_tokens = spec.total_tokens
+        self.pool = pool if pool is not None and pool.key == _pool_key(spec) else pool_for(spec)
         self.writers: dict[int, PositionalSafetensorsWriter] = {}
+        shape = (self.total_tokens, spec.hidden_size)
         try:
-            for lid, p in layer_paths.items():
-                self.writers[lid] = PositionalSafetensorsWriter(
-                    Path(p), "hidden_states", dtype, (total_tokens, hidden_size), sync_bytes=sync_bytes
-                )
+            for lid in self.layer_ids:
+                path = Path(spec.layer_paths[lid])
+                self.writers[lid] = PositionalSafetensorsWriter(path, "hidden_states", spec.dtype, shape, spec.sync_bytes)
         except BaseException:
             for w in self.writers.values():  # no flush thread or temp file left behind
                 w.abort()
@@ -135,7 +149,7 @@ class ShardSink:
         for t in self._threads:
             t.start()
 
-    # ---- forward side (the worker's main thread, inside vLLM's forward) --------------------------
+    # ---- forward side ---------------------------------------------------------------------------
     def begin_step(self, segments: list[Segment]) -> None:
         """Start a step: map its segments to shard rows; take a free host slot."""
         pieces = []
@@ -144,9 +158,10 @@ class ShardSink:
             if place is None:
                 self._fail(RuntimeError(f"the step holds request {seg.tag!r}, which is not a row of this shard"))
                 continue
-            n = min(seg.end - seg.start, place.length - seg.first_pos)
+            offset, length = place
+            n = min(seg.end - seg.start, length - seg.first_pos)
             if n > 0:  # rows past the prompt (the one sampled token's decode step) are not captured
-                pieces.append((seg.start, place.offset + seg.first_pos, n))
+                pieces.append((seg.start, offset + seg.first_pos, n))
         # File order: vLLM's persistent batch puts a new request into a freed slot, ahead of an older
         # request's next chunk; in file order, the older rows come first and nothing waits in memory.
         pieces.sort(key=lambda p: p[1])
@@ -174,8 +189,7 @@ class ShardSink:
         if stream.is_cuda:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device=stream.device)
-            compute = torch.cuda.current_stream(stream.device)
-            self._stream.wait_stream(compute)  # the stream's value is computed before we copy it
+            self._stream.wait_stream(torch.cuda.current_stream(stream.device))  # the value is computed first
             with torch.cuda.stream(self._stream):
                 dest.copy_(stream[:n], non_blocking=True)
             stream.record_stream(self._stream)  # the allocator keeps it until the copy ran
@@ -190,12 +204,19 @@ class ShardSink:
             for q in self._todo.values():
                 q.put(slot)
 
+    def write_rows(self, tag: str, layers: dict[int, torch.Tensor]) -> None:
+        """One whole request's rows at once ({layer_id: [T, H]}): a one-segment step (built-in path)."""
+        n = next(iter(layers.values())).shape[0]
+        self.begin_step([Segment(tag, 0, 0, n)])
+        for lid in self.layer_ids:
+            self.add_layer(lid, layers[lid])
+
     def _fail(self, error: BaseException) -> None:
         with self._lock:
             if self._error is None:
                 self._error = error
 
-    # ---- writer threads: per layer file, one places the rows (disk), one hashes them (a core) ---
+    # ---- writer threads -------------------------------------------------------------------------
     def _write_loop(self, layer_id: int) -> None:
         import torch
 
@@ -238,26 +259,29 @@ class ShardSink:
                 if last:
                     self.pool.give(slot)
 
-    # ---- end -----------------------------------------------------------------------------------
+    # ---- end ------------------------------------------------------------------------------------
     def finish(self) -> dict[int, dict[str, Any]]:
-        """Drain the writers, check every row arrived, fsync; {layer_id: manifest entry} of the temp files."""
+        """Drain the writers, check every row arrived, fsync and rename each file into place;
+        {layer_id: manifest entry}. The shard is still unfinished until ShardWriter writes the manifest."""
         self._stop()
         if self._error is not None:
             self.abort()
             raise self._error
-        missing = [lid for lid, w in self.writers.items() if w.rows != self.total_tokens]
+        missing = {lid: w.rows for lid, w in self.writers.items() if w.rows != self.total_tokens}
         if missing:
-            got = {lid: self.writers[lid].rows for lid in missing}
             self.abort()
             raise RuntimeError(
-                f"the shard's layer files got {got} contiguous rows of {self.total_tokens}: a request's rows "
+                f"the shard's layer files got {missing} contiguous rows of {self.total_tokens}: a request's rows "
                 "never arrived (prefix caching must be off and every forward step captured)"
             )
         try:
-            return {lid: w.seal() for lid, w in self.writers.items()}
+            entries = {lid: w.seal() for lid, w in self.writers.items()}
         except BaseException:
             self.abort()  # the files not sealed yet still hold flush threads and temp files
             raise
+        for w in self.writers.values():
+            os.replace(w.tmp, w.path)
+        return entries
 
     def stats(self) -> dict[str, float]:
         """Seconds: forward stalled for a slot; per-file busiest writer in pwrite, sha256, background

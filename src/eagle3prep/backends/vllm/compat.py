@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...shard.sink import Segment
+
 # SamplingParams.extra_args key that carries our own request tag to the worker. vLLM >= 0.11 rewrites
 # LLM.generate's request ids inside the engine ("<id>-<8 random chars>"), so the driver cannot know
 # the id a worker sees; the tag travels with the request unchanged.
@@ -226,16 +228,6 @@ def merge_engine_kwargs(kwargs: dict[str, Any], extra: dict[str, Any]) -> dict[s
         setattr(have, key, _merge_custom_ops(list(have.custom_ops), value) if key == "custom_ops" else value)
     merged["compilation_config"] = have
     return merged
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """The tokens of one request inside one flattened forward step."""
-
-    tag: str  # our request tag (SamplingParams.extra_args[TAG_KEY]), else vLLM's request id
-    first_pos: int  # position of the segment's first token within its request (> 0 for a later chunk)
-    start: int  # first row of the segment in the step's [num_tokens, H] hidden states
-    end: int  # one past its last row
 
 
 def _query_start_loc(runner: Any) -> Any:

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from ..errors import UserError
+from ...errors import UserError
 
 KEEP_BYTES = 1 << 18  # tail of the children's output kept for the root cause
 

@@ -1,83 +1,35 @@
-"""Hidden-state shard files (DESIGN.md §4), written as a stream and read back without copies.
-
-A shard folder holds one `layer_{id}.safetensors` per layer id (tensor `hidden_states`, [sum_T, H]),
-`token_ids.safetensors` (tensor `token_ids`, [sum_T] int64), `index.json` and, written last,
-`manifest.json`. A folder without a valid manifest is not finished.
+"""Safetensors files written as a stream (DESIGN.md §4): rows appended in order, or placed by position.
 
 The total token count is known before the first forward (it is in the tokenized shard), so each
-layer file's safetensors header can be written first and the rows appended batch by batch: host
-memory is bounded by one batch, not by the shard.
+file's header is written first and the rows follow batch by batch: host memory is bounded by one
+batch, not by the shard. A file appears under its final name only after every row arrived and was
+fsynced.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
-import shutil
 import struct
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import faults
-from .atomic import TMP_PREFIX, fsync_dir, sha256_file, write_json
-from .errors import UserError
-from .records import IndexEntry
+from .. import faults
+from .format import DTYPES, disk_full_is_user_error, temp_of
 
 if TYPE_CHECKING:
     import torch
 
-MANIFEST = "manifest.json"
-INDEX = "index.json"
-TOKEN_IDS = "token_ids.safetensors"
-TIMINGS = "timings.json"  # wall-clock facts; outside the manifest so equal data gives equal bytes
-FORMAT = "eagle3prep.hidden_states/1"
 
-# torch dtype name -> (safetensors dtype code, bytes per element)
-DTYPES = {
-    "bfloat16": ("BF16", 2),
-    "float16": ("F16", 2),
-    "float32": ("F32", 4),
-    "int64": ("I64", 8),
-}
-
-
-def layer_file(layer_id: int) -> str:
-    return f"layer_{layer_id}.safetensors"
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB' (binary units, as `df -h` prints them)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-class DiskSpaceError(UserError, OSError):
-    """The output filesystem cannot hold the shard: refused before writing, or full while writing."""
-
-
-@contextlib.contextmanager
-def disk_full_is_user_error(path: Path) -> Iterator[None]:
-    """Turn ENOSPC while writing `path` into a DiskSpaceError that names the file and the free space."""
-    try:
-        yield
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
-            raise
-        free = shutil.disk_usage(path.parent).free
-        raise DiskSpaceError(
-            f"disk full while writing {path}: {human_bytes(free)} ({free} bytes) free on its filesystem now; "
-            "another job may have used the space since the pre-check. Free space or point results/ at a larger "
-            "filesystem, then rerun (`snakemake plan` lists every shard's size)"
-        ) from e
+def _prod(xs: tuple[int, ...]) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
 
 
 class StreamingSafetensorsWriter:
@@ -98,7 +50,7 @@ class StreamingSafetensorsWriter:
         header = {name: {"dtype": code, "shape": list(self.shape), "data_offsets": [0, nbytes]}}
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # the format pads the header to 8-byte alignment
-        self.tmp = _temp_of(self.path)
+        self.tmp = temp_of(self.path)
         self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish() or abort()
         self._sha = hashlib.sha256()
         try:
@@ -295,6 +247,7 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
     def place(self, first_row: int, data: memoryview | bytes) -> None:
         """pwrite the rows where they belong (the page cache; the background flush takes them to disk)."""
         data, _ = self._rows_of(first_row, data)
+        faults.kill_point("shard.mid_write", file=self.path.name, rows=first_row)
         view, offset = data, self._data_start + first_row * self.row_bytes
         t0 = time.perf_counter()
         with disk_full_is_user_error(self.path):
@@ -343,154 +296,3 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
             with contextlib.suppress(OSError):
                 flush.close()  # before the descriptor closes under its fdatasync
         super().abort()
-
-
-def _temp_of(path: Path) -> Path:
-    """Where a shard file is written before its rename (remove_stale_temps knows the prefix)."""
-    return path.with_name(f"{TMP_PREFIX}{path.name}")
-
-
-def _prod(xs: tuple[int, ...]) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
-
-
-class ShardWriter:
-    """Streams a shard: layer files and token ids as batches arrive; index, then manifest, at the end."""
-
-    def __init__(
-        self,
-        out_dir: str | os.PathLike,
-        layer_ids: list[int],
-        hidden_size: int,
-        dtype: str,
-        index: list[IndexEntry],
-        layers_elsewhere: bool = False,
-    ):
-        """`layers_elsewhere`: another process (the vLLM worker) writes the layer files' temp files
-        (`layer_paths()`, `PositionalSafetensorsWriter`) and hands their entries to `adopt_layers()`;
-        this writer still owns the token ids, the index, the renames and the manifest."""
-        self.out_dir = Path(out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.layer_ids = list(layer_ids)
-        self.index = index
-        self.total_tokens = sum(e.length for e in index)
-        self.layers: dict[int, StreamingSafetensorsWriter] = {}
-        self.tokens: StreamingSafetensorsWriter | None = None
-        self.shape = (self.total_tokens, hidden_size)
-        self.dtype = dtype
-        self._elsewhere: dict[int, dict[str, Any] | None] = {}  # layer id -> adopted entry
-        self._placed: list[Path] = []  # files this writer renamed into place; abort() removes them
-        try:
-            for lid in self.layer_ids:
-                if layers_elsewhere:
-                    self._elsewhere[lid] = None
-                    continue
-                self.layers[lid] = StreamingSafetensorsWriter(
-                    self.out_dir / layer_file(lid), "hidden_states", dtype, (self.total_tokens, hidden_size)
-                )
-            self.tokens = StreamingSafetensorsWriter(
-                self.out_dir / TOKEN_IDS, "token_ids", "int64", (self.total_tokens,)
-            )
-        except BaseException:
-            self.abort()
-            raise
-
-    def append(self, token_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
-        """Append one batch: token_ids [n] int64 and {layer_id: [n, H]} for exactly our layer ids."""
-        if sorted(hidden) != sorted(self.layer_ids):
-            raise ValueError(f"backend returned layers {sorted(hidden)}, expected {self.layer_ids}")
-        for lid, t in hidden.items():
-            if t.shape[0] != token_ids.shape[0]:
-                raise ValueError(f"layer {lid}: {t.shape[0]} token rows for a batch of {token_ids.shape[0]} tokens")
-            self.layers[lid].append(t)
-        self.tokens.append(token_ids)
-
-    def layer_paths(self) -> dict[int, str]:
-        """Final paths of the layer files written elsewhere (their temp files sit beside them)."""
-        return {lid: str(self.out_dir / layer_file(lid)) for lid in self._elsewhere}
-
-    def append_tokens(self, token_ids: torch.Tensor) -> None:
-        """Append one batch's token ids [n] int64 (layers written elsewhere)."""
-        self.tokens.append(token_ids)
-
-    def adopt_layers(self, entries: dict[int, dict[str, Any]]) -> None:
-        """Take the sealed (fsynced, not yet renamed) temp files of the layers written elsewhere."""
-        if sorted(entries) != sorted(self._elsewhere):
-            raise ValueError(f"got entries for layers {sorted(entries)}, expected {sorted(self._elsewhere)}")
-        for lid, entry in entries.items():
-            tmp = _temp_of(self.out_dir / layer_file(lid))
-            size = tmp.stat().st_size if tmp.is_file() else None
-            if size != entry["bytes"] or entry["shape"] != list(self.shape) or entry["dtype"] != self.dtype:
-                raise ValueError(
-                    f"{tmp}: {size} bytes on disk, entry says {entry['bytes']} bytes of {entry['shape']} "
-                    f"{entry['dtype']}; expected {list(self.shape)} {self.dtype}"
-                )
-            self._elsewhere[lid] = entry
-
-    def finish(self, manifest: dict[str, Any], before_manifest=None) -> dict[str, Any]:
-        """Rename the data files into place, write index.json, then manifest.json last."""
-        files = {}
-        for lid, entry in self._elsewhere.items():
-            if entry is None:
-                raise ValueError(f"layer {lid}: its file, written elsewhere, was never adopted")
-            path = self.out_dir / layer_file(lid)
-            os.replace(_temp_of(path), path)
-            files[path.name] = entry
-            self._placed.append(path)
-            faults.kill_point("shard.between_files", file=path.name)
-        for w in [*self.layers.values(), self.tokens]:
-            files[w.path.name] = w.finish()
-            self._placed.append(w.path)
-            faults.kill_point("shard.between_files", file=w.path.name)
-        faults.kill_point("shard.before_index", dir=self.out_dir.name)
-        self._placed.append(self.out_dir / INDEX)
-        with disk_full_is_user_error(self.out_dir / INDEX):
-            write_json(self.out_dir / INDEX, [e.to_json() for e in self.index])
-        files[INDEX] = {"sha256": sha256_file(self.out_dir / INDEX), "bytes": (self.out_dir / INDEX).stat().st_size}
-        fsync_dir(self.out_dir)
-        if before_manifest is not None:
-            self._placed.append(self.out_dir / TIMINGS)
-            with disk_full_is_user_error(self.out_dir / TIMINGS):
-                before_manifest()
-        manifest = {
-            **manifest,
-            "format": FORMAT,
-            "files": files,
-            "rows": len(self.index),
-            "tokens": self.total_tokens,
-            "layer_ids": self.layer_ids,
-        }
-        with disk_full_is_user_error(self.out_dir / MANIFEST):
-            write_json(self.out_dir / MANIFEST, manifest)
-        self._placed = []  # finished: the files now belong to the manifest
-        return manifest
-
-    def abort(self) -> None:
-        """Remove every file of the unfinished shard (temp files and those already renamed into place)."""
-        for w in [*self.layers.values(), self.tokens]:
-            if w is not None:
-                w.abort()
-        for lid in self._elsewhere:
-            _temp_of(self.out_dir / layer_file(lid)).unlink(missing_ok=True)
-        for p in self._placed:
-            p.unlink(missing_ok=True)
-        self._placed = []
-
-
-def read_manifest(shard_dir: str | os.PathLike) -> dict[str, Any]:
-    path = Path(shard_dir) / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"{shard_dir}: no {MANIFEST}, so the shard is not finished (rerun its extract job)")
-    with open(path, encoding="utf-8") as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
-    return manifest
-
-
-def read_index(shard_dir: str | os.PathLike) -> list[IndexEntry]:
-    with open(Path(shard_dir) / INDEX, encoding="utf-8") as f:
-        return [IndexEntry(**e) for e in json.load(f)]

@@ -1,0 +1,277 @@
+"""vLLM capture backend (DESIGN.md §5): start the engine, pick a capture path, stream a shard.
+
+probe() picks the path (extract.capture_path: auto | builtin | hooks; paths.py), starts the engine
+and writes a one-row smoke shard at the real TP size, so a wrong layer count stops the job before
+its real work, with the vLLM version and the fix in the message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...config import ConfigError
+from ...layers import check_layer_ids
+from ...model_facts import ModelFacts, require_hidden_size
+from ...shard.format import EngineInfo
+from ..base import CaptureBackend, CaptureSpec, smoke_shard
+from . import compat
+from .errors import ChildOutput, EngineError, engine_error
+from .paths import BuiltinPath, CaptureError, HooksPath, log
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from ...shard.sink import SinkSpec
+
+SMOKE_TOKENS = 16  # length of the smoke-capture prompt
+# Pinned host slots of the hooks path, each one forward step of every requested layer (8B shape,
+# 16k-token steps: 512 MiB): one being filled, up to two with the writer threads (docs/performance.md).
+HOST_SLOTS = 3
+
+
+class VLLMBackend(CaptureBackend):
+    """Capture with vLLM. Options are config `extract:` keys (schema.yaml); spec.extra may carry
+    `output_dir`, the shard folder, under which the built-in path stages its files by default."""
+
+    name = "vllm"
+
+    def __init__(self, spec: CaptureSpec, options: dict[str, Any]):
+        super().__init__(spec, options)
+        self.llm: Any = None
+        self.path: BuiltinPath | HooksPath | None = None
+        self.info: EngineInfo | None = None
+        self._staging: Path | None = None
+        self._run = uuid.uuid4().hex[:8]  # keeps tags unique if two jobs share a staging folder
+        self._shards = itertools.count()
+        self._workarounds = compat.Workarounds()
+        self._children = ChildOutput()
+
+    # ---- probe -------------------------------------------------------------------------------
+    def probe(self) -> EngineInfo:
+        try:
+            return self._probe()
+        except BaseException:
+            self.close()  # free the engine, the GPU locks and the staging folder
+            raise
+
+    def _probe(self) -> EngineInfo:
+        t0 = time.time()
+        # vLLM forks its GPU workers unless this process has initialized CUDA (then it spawns them).
+        # Forked workers start ~20 s sooner on the H200 (spawned ones import torch and vLLM again;
+        # docs/performance.md). torch.cuda.is_available()/device_count() initialize the CUDA driver
+        # without torch noticing, and a forked worker then dies with "CUDA error: initialization
+        # error": make them ask NVML instead, wherever they are called in this process.
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        version = compat.installed_version()
+        model = ModelFacts.read(self.spec.model_path)
+        check_layer_ids(self.spec.layer_ids, model.num_hidden_layers)
+        on_cpu = self._on_cpu()
+        self._workarounds = compat.engine_workarounds(
+            version, on_cpu, model.architectures, disabled=compat.workarounds_disabled()
+        )
+        if self._workarounds.refusal:
+            raise EngineError(self._workarounds.refusal)
+        for line in self._workarounds.log_lines:
+            log(line)
+        self._staging = self._make_staging()
+
+        candidates, fallback_reason = self._candidate_paths(version, model)
+        arch = model.architectures[0] if model.architectures else "the model"
+        wanted = self.options.get("capture_path", "auto")
+        for k, name in enumerate(candidates):
+            last = k == len(candidates) - 1
+            try:
+                t_start = time.time()
+                self._start(name, version, on_cpu)
+                t_smoke = time.time()
+                self._smoke(version, model)
+                timings = {"engine_init_s": round(t_smoke - t_start, 2), "smoke_s": round(time.time() - t_smoke, 2)}
+                break
+            except Exception as e:  # auto: fall back to the hooks path; else one line with the root cause
+                self._shutdown_engine()
+                err = (
+                    EngineError(str(e))  # the smoke capture's message names the version and the fix
+                    if isinstance(e, CaptureError)
+                    else engine_error(e, self._children.text(), version=version, arch=arch, path=name, wanted=wanted)
+                )
+                if last:
+                    raise err from e
+                fallback_reason = f"{name} path failed its probe: {err}"[:500]
+                log(f"the {name} capture path failed its probe ({err}); trying {candidates[k + 1]}")
+
+        n = model.num_hidden_layers
+        self.info = EngineInfo(
+            engine="vllm",
+            engine_version=version,
+            capture_path=self.path.name,
+            tp_size=self.spec.tp_size,
+            dtype=self.spec.dtype,
+            num_hidden_layers=n,
+            hidden_size=require_hidden_size(model, self.spec.model_path),
+            final_layer_reachable=self.path.name == "hooks"
+            or compat.builtin_final_layer_reachable(version, model.architectures),
+            details={
+                "final_layer_captured": n in self.spec.layer_ids,
+                "architectures": model.architectures,
+                "platform": "cpu" if on_cpu else "cuda",
+                "fallback_reason": fallback_reason,
+                "workarounds": self._workarounds.names,
+            },
+            volatile={
+                "gpu_ids": os.environ.get("CUDA_VISIBLE_DEVICES") if not on_cpu else None,
+                "staging_dir": str(self._staging),
+                "probe_s": round(time.time() - t0, 2),
+                **timings,
+            },
+        )
+        return self.info
+
+    @staticmethod
+    def _on_cpu() -> bool:
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cpu()
+
+    def _make_staging(self) -> Path:
+        """extract.staging_dir, else <output_dir>/.vllm-staging (same filesystem), else a temp folder."""
+        configured = self.options.get("staging_dir") or None
+        out_dir = self.spec.extra.get("output_dir") or self.options.get("output_dir")
+        if configured:
+            path = Path(configured) / f"eagle3prep-{self._run}"
+        elif out_dir:
+            path = Path(out_dir) / ".vllm-staging"
+            shutil.rmtree(path, ignore_errors=True)  # left by a killed run of this shard
+        else:
+            return Path(tempfile.mkdtemp(prefix="eagle3prep-vllm-"))
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _candidate_paths(self, version: str, model: ModelFacts) -> tuple[list[str], str | None]:
+        """The capture paths to try in order, and why the built-in one was left out (if it was)."""
+        wanted = self.options.get("capture_path", "auto")
+        if wanted not in ("auto", "builtin", "hooks"):
+            raise ConfigError(f"extract.capture_path = {wanted!r} is not one of ['auto', 'builtin', 'hooks']")
+        if wanted == "hooks":
+            return ["hooks"], None
+        blocker = compat.builtin_blocker(
+            version, model.architectures, self.spec.layer_ids, model.num_hidden_layers
+        )
+        if wanted == "builtin":
+            if blocker:
+                raise ConfigError(
+                    f"extract.capture_path = builtin cannot capture layer ids {self.spec.layer_ids}: {blocker}; "
+                    "set extract.capture_path: hooks (or auto)"
+                )
+            return ["builtin"], None
+        if blocker:
+            log(f"the built-in path is no fallback here: {blocker}")
+            return ["hooks"], blocker
+        if compat.uses_deepseek_backbone(model.architectures):
+            # MoE on the DeepSeek backbone (Kimi, GLM-5): the hooks path has not been checked on the
+            # GPU there (expert/data parallel layouts); vLLM's own path is the one its authors test.
+            return ["builtin", "hooks"], None
+        # hooks first: only it writes the layer files from the worker (pinned slots, no per-request
+        # files; docs/performance.md); the built-in path is the fallback where the hooks fail their probe.
+        return ["hooks", "builtin"], None
+
+    def _engine_kwargs(self, path: BuiltinPath | HooksPath) -> dict[str, Any]:
+        opt = self.options
+        kwargs: dict[str, Any] = {
+            "model": self.spec.model_path,
+            "skip_tokenizer_init": True,  # we hand over token ids; the engine needs no tokenizer
+            "dtype": self.spec.dtype,
+            "tensor_parallel_size": self.spec.tp_size,
+            # +1: the one sampled token must fit after a prompt of max_seq_len tokens.
+            "max_model_len": self.spec.max_seq_len + 1,
+            "max_num_batched_tokens": opt.get("max_num_batched_tokens"),
+            "gpu_memory_utilization": opt.get("gpu_memory_utilization", 0.9),
+            "enforce_eager": bool(opt.get("enforce_eager", False)),
+            "quantization": opt.get("quantization"),
+            # A prefix-cache hit skips the forward of the cached tokens: their rows would be missing.
+            "enable_prefix_caching": False,
+            "trust_remote_code": self.spec.trust_remote_code,
+            "seed": 0,
+        }
+        kwargs.update(path.engine_kwargs())
+        kwargs.update(opt.get("engine_args") or {})  # the user's word wins, as documented...
+        kwargs.update(path.engine_kwargs())  # ...except where a capture path needs its setting (hooks: eager)
+        kwargs = compat.merge_engine_kwargs(kwargs, self._workarounds.engine_kwargs)  # known engine bugs
+        if kwargs.get("enable_prefix_caching"):
+            raise ValueError(
+                "extract.engine_args.enable_prefix_caching must stay false: cached tokens are not captured"
+            )
+        return {k: v for k, v in kwargs.items() if v is not None}
+
+    def _start(self, name: str, version: str, on_cpu: bool) -> None:
+        from vllm import LLM
+
+        self._children = ChildOutput()  # the engine's processes print the root cause of a failed start
+        if name == "builtin":
+            self.path = BuiltinPath(self.spec.layer_ids, self._staging, version, on_cpu)
+        else:
+            # The hooks read the V1 model runner's input batch (compat.step_layout).
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+            self.path = HooksPath(self.spec.layer_ids, version)
+        kwargs = self._engine_kwargs(self.path)
+        log(f"starting vLLM {version} ({name} path): {kwargs}")
+        with self._children.routed():
+            self.llm = LLM(**kwargs)
+        self.path.install(self.llm)
+
+    def _smoke(self, version: str, model: ModelFacts) -> None:
+        """One short prompt at the real TP size, through capture_shard into a throw-away shard."""
+        prompt = [(7 + 3 * i) % (model.vocab_size or 1000) for i in range(SMOKE_TOKENS)]
+        try:
+            smoke_shard(self, prompt, model.hidden_size)
+        except CaptureError as e:
+            raise CaptureError(
+                f"smoke capture on vLLM {version} ({self.path.name} path) failed: {e}; {self._hint(version, model)}"
+            ) from e
+
+    def _hint(self, version: str, model: ModelFacts) -> str:
+        if self.path is not None and self.path.name == "builtin":
+            return compat.builtin_fix_hint(version, model.architectures)
+        return "report this model and vLLM version; the hf backend (extract.backend: hf) is the fallback"
+
+    # ---- capture -----------------------------------------------------------------------------
+    def capture_shard(self, batches: Iterator[list[list[int]]], sink: SinkSpec) -> dict[int, dict[str, Any]]:
+        if self.llm is None:
+            raise RuntimeError("capture_shard() before probe(): call probe() first")
+        # Request ids must be unique for the engine's lifetime: one prefix per shard.
+        sink = dataclasses.replace(sink, tag_prefix=f"e3p-{self._run}-{next(self._shards)}", slots=HOST_SLOTS)
+        if isinstance(self.path, HooksPath):  # a full step always waiting, whatever the batches' size
+            self.path.window_tokens = max(int(self.options.get("batch_tokens") or 0), 2 * self.step_tokens())
+        entries = self.path.capture_shard(self.llm, batches, sink)
+        self.capture_stats = self.path.stats
+        return entries
+
+    def step_tokens(self) -> int:
+        """The scheduler's token budget per forward step (the largest step the worker will see)."""
+        config = getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None)
+        budget = getattr(getattr(config, "scheduler_config", None), "max_num_batched_tokens", None)
+        return int(budget or self.options.get("max_num_batched_tokens") or 8192)
+
+    # ---- close -------------------------------------------------------------------------------
+    def _shutdown_engine(self) -> None:
+        if self.llm is not None:
+            with contextlib.suppress(Exception):
+                self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+            import gc
+
+            gc.collect()
+
+    def close(self) -> None:
+        self._shutdown_engine()
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None

@@ -1,0 +1,106 @@
+"""ShardWriter: one shard folder from token ids to manifest (DESIGN.md §4).
+
+The layer files come from a LayerSink (shard/sink.py), wherever the backend runs it; this writer
+owns everything else: the token ids (taken from the batches as the backend reads them), index.json,
+timings.json and, last, manifest.json. abort() removes every file of an unfinished shard.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from .. import faults
+from ..atomic import fsync_dir, sha256_file, write_json
+from ..records import IndexEntry
+from .files import StreamingSafetensorsWriter
+from .format import INDEX, MANIFEST, TIMINGS, TOKEN_IDS, ShardManifest, disk_full_is_user_error, layer_file, temp_of
+from .sink import SinkSpec
+
+
+class ShardWriter:
+    """Streams a shard's token ids as batches pass; checks the layer files and writes the manifest last."""
+
+    def __init__(self, out_dir: str | os.PathLike, layer_ids: list[int], hidden_size: int, dtype: str, index: list[IndexEntry]):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.layer_ids = list(layer_ids)
+        self.index = index
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.total_tokens = sum(e.length for e in index)
+        self._placed: list[Path] = []  # files this writer renamed into place; abort() removes them
+        self.tokens = StreamingSafetensorsWriter(self.out_dir / TOKEN_IDS, "token_ids", "int64", (self.total_tokens,))
+
+    def sink_spec(self, step_tokens: int, tag_prefix: str = "row", **kw: Any) -> SinkSpec:
+        """What the backend's LayerSink needs to write this shard's layer files."""
+        return SinkSpec(
+            layer_paths={lid: str(self.out_dir / layer_file(lid)) for lid in self.layer_ids},
+            hidden_size=self.hidden_size,
+            dtype=self.dtype,
+            rows=[(e.offset, e.length) for e in self.index],
+            step_tokens=step_tokens,
+            tag_prefix=tag_prefix,
+            **kw,
+        )
+
+    def tee(self, batches: Iterator[list[list[int]]], on_batch: Callable[[int, list[list[int]]], None] | None = None) -> Iterator[list[list[int]]]:
+        """Pass the batches on to the backend, writing each one's token ids first."""
+        import torch
+
+        for b, batch in enumerate(batches):
+            self.tokens.append(torch.tensor([t for row in batch for t in row], dtype=torch.int64))  # [sum_T]
+            yield batch
+            if on_batch is not None:
+                on_batch(b, batch)
+
+    def finish(
+        self, layer_entries: dict[int, dict[str, Any]], manifest: dict[str, Any], before_manifest: Callable[[], None] | None = None
+    ) -> ShardManifest:
+        """Check the sink's layer files, close the token ids, write index.json, then manifest.json last."""
+        files = {}
+        if sorted(layer_entries) != self.layer_ids:
+            raise ValueError(f"the backend wrote layers {sorted(layer_entries)}, expected {self.layer_ids}")
+        for lid in self.layer_ids:
+            path, entry = self.out_dir / layer_file(lid), layer_entries[lid]
+            self._placed.append(path)
+            size = path.stat().st_size if path.is_file() else None
+            if size != entry["bytes"] or entry["shape"] != [self.total_tokens, self.hidden_size] or entry["dtype"] != self.dtype:
+                raise ValueError(
+                    f"{path}: {size} bytes on disk, its entry says {entry['bytes']} bytes of {entry['shape']} "
+                    f"{entry['dtype']}; expected [{self.total_tokens}, {self.hidden_size}] {self.dtype}"
+                )
+            files[path.name] = entry
+            faults.kill_point("shard.between_files", file=path.name)
+        files[TOKEN_IDS] = self.tokens.finish()
+        self._placed.append(self.tokens.path)
+        faults.kill_point("shard.before_index", dir=self.out_dir.name)
+        self._placed.append(self.out_dir / INDEX)
+        with disk_full_is_user_error(self.out_dir / INDEX):
+            write_json(self.out_dir / INDEX, [e.to_json() for e in self.index])
+        files[INDEX] = {"sha256": sha256_file(self.out_dir / INDEX), "bytes": (self.out_dir / INDEX).stat().st_size}
+        fsync_dir(self.out_dir)
+        if before_manifest is not None:
+            self._placed.append(self.out_dir / TIMINGS)
+            with disk_full_is_user_error(self.out_dir / TIMINGS):
+                before_manifest()
+        result = ShardManifest(
+            **manifest, files=files, rows=len(self.index), tokens=self.total_tokens, layer_ids=self.layer_ids
+        )
+        with disk_full_is_user_error(self.out_dir / MANIFEST):
+            write_json(self.out_dir / MANIFEST, result.to_json())
+        self._placed = []  # finished: the files now belong to the manifest
+        return result
+
+    def abort(self) -> None:
+        """Remove every file of the unfinished shard: temp files, and those already renamed into place."""
+        self.tokens.abort()
+        for lid in self.layer_ids:
+            path = self.out_dir / layer_file(lid)
+            temp_of(path).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+        for p in self._placed:
+            p.unlink(missing_ok=True)
+        self._placed = []
