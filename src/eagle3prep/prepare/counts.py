@@ -1,0 +1,131 @@
+"""Row accounting: per-file counts (every input row is kept, a duplicate, or quarantined), counts.json, the
+check that the numbers add up, the log summary, and the tokenize job's stop when nothing was kept."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from eagle3prep.prepare.errors import REASONS, NoConversationsError
+
+MAX_LISTED_DUPLICATES = 1000  # counts.json lists at most this many duplicate rows (all are counted)
+MAX_NAMED_FILES = 5  # require_conversations names at most this many source files
+
+
+@dataclass(slots=True)
+class FileCounts:
+    """What became of one source file's rows; `to_json` is its entry in counts.json."""
+
+    file: str
+    format: str
+    rows_in: int = 0
+    kept: int = 0
+    duplicates: int = 0
+    blank_lines: int = 0  # JSONL only; not rows
+    quarantined: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "format": self.format,
+            "rows_in": self.rows_in,
+            "kept": self.kept,
+            "duplicates": self.duplicates,
+            "quarantined": dict(self.quarantined),
+            "quarantined_total": sum(self.quarantined.values()),
+            "blank_lines": self.blank_lines,
+        }
+
+
+def counts_json(sources, max_line_bytes, per_file: list[FileCounts], duplicate_rows) -> dict[str, Any]:
+    """counts.json: {sources, max_line_bytes, files: [per file], totals, duplicate_rows[, _truncated]}."""
+    files = [fc.to_json() for fc in per_file]
+    totals: dict[str, Any] = {
+        k: sum(f[k] for f in files) for k in ("rows_in", "kept", "duplicates", "quarantined_total", "blank_lines")
+    }
+    totals["quarantined"] = {r: sum(f["quarantined"][r] for f in files) for r in REASONS}
+    totals["files"] = len(files)
+    return {
+        "sources": list(sources),
+        "max_line_bytes": max_line_bytes,
+        "files": files,
+        "totals": totals,
+        "duplicate_rows": duplicate_rows,  # first MAX_LISTED_DUPLICATES; `id` finds the kept first copy
+        "duplicate_rows_truncated": totals["duplicates"] > len(duplicate_rows),
+    }
+
+
+def check_invariant(counts: dict[str, Any], written: dict[str, int] | None = None) -> None:
+    """Raise unless rows_in == kept + duplicates + quarantined for every file and in total."""
+    for c in [*counts["files"], counts["totals"]]:
+        name = c.get("file", "totals")
+        q = sum(c["quarantined"].values())
+        if q != c["quarantined_total"] or c["rows_in"] != c["kept"] + c["duplicates"] + q:
+            raise RuntimeError(
+                f"prepare: row accounting broken for {name}: rows_in={c['rows_in']} != kept={c['kept']} "
+                f"+ duplicates={c['duplicates']} + quarantined={q} (a bug in eagle3prep.prepare; please report it)"
+            )
+    t = counts["totals"]
+    if written is not None and (written["conversations"], written["quarantine"]) != (
+        t["kept"],
+        t["quarantined_total"],
+    ):
+        raise RuntimeError(f"prepare: lines written {written} do not match counts {t} (a bug in eagle3prep.prepare)")
+
+
+def summarize(counts: dict[str, Any]) -> str:
+    """A few human-readable lines for the log: one per file and the totals."""
+
+    def line(name: str, c: dict[str, Any]) -> str:
+        reasons = ", ".join(f"{r} {n}" for r, n in c["quarantined"].items() if n)
+        return (
+            f"{name}: {c['rows_in']} rows in, {c['kept']} kept, {c['duplicates']} duplicates, "
+            f"{c['quarantined_total']} quarantined" + (f" ({reasons})" if reasons else "")
+        )
+
+    lines = [
+        line(f"{f['file']} [{f['format']}]", f) + (" (empty)" if not f["rows_in"] else "") for f in counts["files"]
+    ]
+    lines.append(line(f"total over {counts['totals']['files']} files", counts["totals"]))
+    return "\n".join(lines)
+
+
+def require_conversations(counts_path: str | os.PathLike, quarantine_path: str | os.PathLike) -> None:
+    """Raise NoConversationsError unless the prepare stage kept at least one conversation. Called by the
+    tokenize job, not by prepare, so that prepare's quarantine survives (DESIGN.md §3 says why)."""
+    with open(counts_path, encoding="utf-8") as f:
+        counts = json.load(f)
+    if not counts["totals"]["kept"]:
+        raise NoConversationsError(_no_conversations_message(counts, quarantine_path))
+
+
+def _no_conversations_message(counts: dict[str, Any], quarantine_path: str | os.PathLike) -> str:
+    """One line: the sources (with their sizes) and, when they held records, every quarantine reason."""
+    t = counts["totals"]
+
+    def size(f: dict[str, Any]) -> str:
+        if f["rows_in"]:
+            return _plural(f["rows_in"], "record")
+        return f"only {_plural(f['blank_lines'], 'blank line')}" if f["blank_lines"] else "empty"
+
+    files = counts["files"]
+    named = ", ".join(f"{f['file']} ({size(f)})" for f in files[:MAX_NAMED_FILES])
+    if len(files) > MAX_NAMED_FILES:
+        named += f" and {len(files) - MAX_NAMED_FILES} more files"
+    if not t["rows_in"]:
+        return (
+            f"no conversations to tokenize: data.sources hold no records: {named}; "
+            "list files that contain conversations in data.sources"
+        )
+    reasons = ", ".join(f"{r} {t['quarantined'][r]}" for r in REASONS if t["quarantined"].get(r))  # check order
+    return (
+        f"no conversations to tokenize: prepare quarantined all {_plural(t['rows_in'], 'record')} ({reasons}) "
+        f"of {files[0]['file'] if len(files) == 1 else named}; each record and its reason is in {quarantine_path}"
+    )
+
+
+def _plural(n: int, word: str) -> str:
+    """`n` and `word`, with an "s" unless n is 1."""
+    return f"{n} {word}{'' if n == 1 else 's'}"

@@ -1,0 +1,107 @@
+"""The prepare driver: every source read in order, each row sorted into kept / duplicate / quarantined and
+written, then counts.json; the outputs appear together, atomically, or not at all."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from eagle3prep import faults
+from eagle3prep.atomic import atomic_open, write_json
+from eagle3prep.prepare.counts import MAX_LISTED_DUPLICATES, FileCounts, check_invariant, counts_json
+from eagle3prep.prepare.errors import Rejected
+from eagle3prep.prepare.normalize import conversation_digest, normalize, normalize_tools
+from eagle3prep.prepare.readers import DEFAULT_MAX_LINE_BYTES, RawRecord, expand_sources, reader_for
+from eagle3prep.records import Conversation, Quarantined
+
+
+def prepare(
+    sources: list[str],
+    out_conversations: str | os.PathLike,
+    out_quarantine: str | os.PathLike,
+    out_counts: str | os.PathLike,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+) -> dict[str, Any]:
+    """Read every source, write conversations / quarantine JSONL and counts JSON; return the counts.
+
+    Args:
+        sources: files, globs or save_to_disk folders, read in this order (globs sorted).
+        out_conversations: JSONL of `Conversation.to_json()`, `source` = "path:line".
+        out_quarantine: JSONL of `Quarantined.to_json()`.
+        out_counts: JSON, layout in `counts.counts_json`.
+        max_line_bytes: a longer JSONL line is quarantined as "line_too_long" without being parsed.
+    """
+    sources = [os.fspath(s) for s in sources]
+    files = expand_sources(sources)
+    readers = [reader_for(path, max_line_bytes) for path in files]  # fail on a bad source before reading
+    with (
+        atomic_open(out_conversations, "w", encoding="utf-8") as conv_f,
+        atomic_open(out_quarantine, "w", encoding="utf-8") as quar_f,
+    ):
+        out = _Outputs(conv_f, quar_f)
+        per_file = [_prepare_file(path, reader, out) for path, reader in zip(files, readers, strict=True)]
+        counts = counts_json(sources, max_line_bytes, per_file, out.duplicate_rows)
+        check_invariant(counts, out.written)
+        faults.kill_point("prepare.before_rename")
+    write_json(out_counts, counts)
+    return counts
+
+
+def _prepare_file(path: str, reader, out: _Outputs) -> FileCounts:
+    """Stream one source file's rows into `out`; return what became of them."""
+    fc = FileCounts(path, reader.format)
+    for raw in reader.read(path):
+        fc.rows_in += 1
+        faults.kill_point("prepare.mid_stream", file=os.path.basename(path), line=raw.line)
+        out.add(fc, path, raw)
+    fc.blank_lines = getattr(reader, "blank_lines", 0)
+    return fc
+
+
+@dataclass(slots=True)
+class _Outputs:
+    """The two JSONL outputs, and what spans files: the digests kept so far (exact duplicates are dropped
+    after the first occurrence, in any file), the duplicates listed, and the lines written."""
+
+    conv_f: TextIO
+    quar_f: TextIO
+    seen: set[bytes] = field(default_factory=set)  # sha256 digests of kept conversations (32 bytes each)
+    duplicate_rows: list[dict[str, Any]] = field(default_factory=list)
+    written: dict[str, int] = field(default_factory=lambda: {"conversations": 0, "quarantine": 0})
+
+    def add(self, fc: FileCounts, path: str, raw: RawRecord) -> None:
+        """Sort one row into kept, duplicate or quarantined: count it in `fc` and write it where it goes."""
+        try:
+            if raw.reason is not None:
+                raise Rejected(raw.reason, raw.detail)
+            messages = normalize(raw.record)
+            tools = normalize_tools(raw.record)
+        except Rejected as r:
+            fc.quarantined[r.reason] += 1
+            self.quar_f.write(quarantine_line(Quarantined(path, raw.line, r.reason, r.detail, raw.record)))
+            self.written["quarantine"] += 1
+            return
+        digest = conversation_digest(messages, tools)
+        if digest in self.seen:
+            fc.duplicates += 1
+            if len(self.duplicate_rows) < MAX_LISTED_DUPLICATES:
+                self.duplicate_rows.append({"file": path, "line": raw.line, "id": digest.hex()})
+            return
+        self.seen.add(digest)
+        fc.kept += 1
+        conv = Conversation(digest.hex(), messages, f"{path}:{raw.line}", tools)
+        self.conv_f.write(json.dumps(conv.to_json(), ensure_ascii=False, separators=(",", ":")) + "\n")
+        self.written["conversations"] += 1
+
+
+def quarantine_line(q: Quarantined) -> str:
+    """One JSON line; a raw record that is not JSON (bytes, NaN, dates from parquet) is kept as its repr."""
+    try:
+        line = json.dumps(q.to_json(), ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n"
+        line.encode("utf-8")  # a lone surrogate from a JSON escape cannot be written (UnicodeEncodeError)
+        return line
+    except (TypeError, ValueError):
+        q.record = repr(q.record)
+        return json.dumps(q.to_json(), ensure_ascii=False, separators=(",", ":")) + "\n"

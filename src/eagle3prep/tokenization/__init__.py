@@ -1,0 +1,71 @@
+"""The tokenize stage (DESIGN.md §3): normalized conversations -> contiguous shards of tokenized rows.
+
+The loss mask is 1 exactly on assistant tokens, from the chat template's `{% generation %}` markers or,
+without them, from the render boundary (module `template` says how). Rows that keep no assistant token
+are quarantined with a reason, never dropped in silence. Row ids are assigned in input order before
+sharding, so shard k is a contiguous row range.
+
+Tool calling (assistant `tool_calls`, `tool` replies, the record's `tools`) is rendered by the template
+like any turn: the mask covers the assistant's text and tool calls, not the tool results. A template
+that fails on tool turns, or renders them without a call's name, a reply or a tool schema, quarantines
+the conversation as `tool_turns_unsupported_by_template`: its hidden states would not be what is served.
+
+Modules, in the order a conversation meets them:
+    template  the tokenizer and chat template; ChatEncoder: conversation -> (input_ids, loss_mask)
+    rows      a chunk of lines -> truncated, serialized rows or quarantine records, token counts
+    workers   chunks encoded in this process or in worker processes, in input order
+    stage     the `tokenize_conversations` driver: spill, shards, quarantine, token_freq, stats
+"""
+
+from eagle3prep.tokenization.rows import EncodedChunk, encode_lines, mask_runs, parse_conversation, row_json_tail
+from eagle3prep.tokenization.stage import (
+    BATCH_SIZE,
+    copy_lines,
+    no_rows_error,
+    seq_len_summary,
+    shard_ranges,
+    tokenize_conversations,
+)
+from eagle3prep.tokenization.template import (
+    GENERATION_RE,
+    PROBE,
+    TOOL_REASON,
+    ChatEncoder,
+    ModelNotFoundError,
+    Rejected,
+    TokenizeError,
+    choose_mask_source,
+    dropped_tool_part,
+    get_chat_template,
+    has_tool_turns,
+    load_tokenizer,
+)
+from eagle3prep.tokenization.workers import batched, encode_chunks
+
+__all__ = [
+    "BATCH_SIZE",
+    "GENERATION_RE",
+    "PROBE",
+    "TOOL_REASON",
+    "ChatEncoder",
+    "EncodedChunk",
+    "ModelNotFoundError",
+    "Rejected",
+    "TokenizeError",
+    "batched",
+    "choose_mask_source",
+    "copy_lines",
+    "dropped_tool_part",
+    "encode_chunks",
+    "encode_lines",
+    "get_chat_template",
+    "has_tool_turns",
+    "load_tokenizer",
+    "mask_runs",
+    "no_rows_error",
+    "parse_conversation",
+    "row_json_tail",
+    "seq_len_summary",
+    "shard_ranges",
+    "tokenize_conversations",
+]

@@ -1,0 +1,286 @@
+"""Chat-template rendering and the assistant loss mask: the target's tokenizer loaded from its folder, and
+ChatEncoder, which turns conversations into (input_ids, loss_mask) or a Rejected reason.
+
+The mask is 1 exactly on assistant tokens. It comes from the chat template's `{% generation %}` markers when
+the template has them, else (tokenize.template_fallback) from the render boundary: for assistant turn i, the
+text between render(messages[:i], add_generation_prompt=True) and render(messages[:i+1]), less trailing
+whitespace (template glue such as the "\\n" after <|im_end|>). On the demo tokenizer both give the same mask.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3prep.errors import UserError
+
+# The test transformers itself uses to decide whether a template tracks generation spans.
+GENERATION_RE = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
+PROBE = [{"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello, how can I help?"}]
+TOOL_REASON = "tool_turns_unsupported_by_template"
+
+
+@dataclass(slots=True)
+class Rejected:
+    """A conversation the encoder could not turn into a row."""
+
+    reason: str
+    detail: str
+
+
+class TokenizeError(UserError, ValueError):
+    """The model folder's tokenizer or chat template cannot make rows; the message names the folder and the fix."""
+
+
+class ModelNotFoundError(UserError, FileNotFoundError):
+    """model.path is not a folder."""
+
+
+def load_tokenizer(model_path: str | os.PathLike, trust_remote_code: bool = False):
+    """The target model's tokenizer, from its local folder only (no hub access)."""
+    if not Path(model_path).is_dir():
+        raise ModelNotFoundError(
+            f"model folder {model_path} not found; set model.path to a Hugging Face model folder "
+            "(or model.build_demo: true to build the demo model there)"
+        )
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code, local_files_only=True)
+    if not getattr(tokenizer, "is_fast", False):
+        raise TokenizeError(
+            f"{model_path}: the tokenizer is a slow (Python) tokenizer, but the loss mask needs character offsets; "
+            "add a tokenizer.json (a fast tokenizer) to the model folder"
+        )
+    return tokenizer
+
+
+def get_chat_template(tokenizer, model_path: str | os.PathLike) -> str:
+    """The tokenizer's chat template text, or TokenizeError naming the folder and the fix."""
+    try:
+        return tokenizer.get_chat_template()
+    except ValueError:
+        raise TokenizeError(
+            f"{model_path}: the tokenizer has no usable chat template (no chat_template.jinja, no default "
+            "chat_template in tokenizer_config.json); copy the instruct model's chat_template.jinja into the folder"
+        ) from None
+
+
+def _rust_backend(tokenizer):
+    """The Rust tokenizer behind `tokenizer`, set as `tokenizer(texts, add_special_tokens=False)` sets it
+    (PreTrainedTokenizerFast.set_truncation_and_padding), so that calling it directly gives the same ids."""
+    backend = tokenizer.backend_tokenizer
+    backend.no_truncation()
+    backend.no_padding()
+    backend.encode_special_tokens = tokenizer.split_special_tokens
+    return backend
+
+
+def choose_mask_source(template: str, template_fallback: bool, model_path: str | os.PathLike) -> str:
+    """Where the loss mask comes from: "generation_markers" when the template has them, else
+    "render_boundary" if tokenize.template_fallback allows it; TokenizeError otherwise."""
+    if GENERATION_RE.search(template):
+        return "generation_markers"
+    if template_fallback:
+        return "render_boundary"
+    raise TokenizeError(
+        f"{model_path}: the chat template has no {{% generation %}} markers and tokenize.template_fallback "
+        "is false; set tokenize.template_fallback: true, or wrap the assistant content in "
+        "{% generation %}...{% endgeneration %} in the model's chat template"
+    )
+
+
+class ChatEncoder:
+    """Renders conversations with the target's chat template; returns (input_ids, loss_mask) per conversation:
+    what `apply_chat_template(..., return_assistant_tokens_mask=True)` gives one at a time (tests/test_tokenization.py
+    checks it), but one Rust encode call per batch and masks from character spans, with no Python loop over tokens.
+
+    Args:
+        tokenizer: a fast transformers tokenizer with a chat template.
+        model_path: only for error messages.
+        template_fallback: without `{% generation %}` markers, derive the mask from the render boundary.
+    """
+
+    def __init__(self, tokenizer, model_path: str | os.PathLike, template_fallback: bool = True):
+        """Set up the template, the Rust tokenizer and the mask source; raise TokenizeError if no mask comes out."""
+        self.tokenizer = tokenizer
+        self.template = get_chat_template(tokenizer, model_path)
+        # The variables apply_chat_template hands the template (bos_token, eos_token, ...).
+        self.template_kwargs = dict(tokenizer.special_tokens_map)
+        self.backend = _rust_backend(tokenizer)
+        # str(token id) for every id: looking it up is 3x faster than formatting it, row after row.
+        self.id_str = [str(i) for i in range(max(self.backend.get_vocab(with_added_tokens=True).values()) + 1)]
+        self.mask_source = choose_mask_source(self.template, template_fallback, model_path)
+        self._check_probe(model_path)
+
+    def _check_probe(self, model_path: str | os.PathLike) -> None:
+        """Raise TokenizeError unless a user/assistant probe gets a loss mask: a template the mask cannot
+        be derived from must stop the run at start, not quarantine every conversation."""
+        probe = self.encode([PROBE])[0]
+        if isinstance(probe, Rejected) or not any(probe[1]):
+            why = probe.detail if isinstance(probe, Rejected) else "no token of the assistant reply is masked"
+            fix = (
+                "fix the {% generation %} block"
+                if self.mask_source == "generation_markers"
+                else "add {% generation %}...{% endgeneration %} around the assistant content"
+            )
+            raise TokenizeError(
+                f"{model_path}: cannot derive the loss mask from the chat template ({self.mask_source}) "
+                f"on a user/assistant probe: {why}; {fix} in the model's chat template"
+            )
+
+    def encode(
+        self, batch: list[list[dict[str, Any]]], tools: list[list[dict] | None] | None = None
+    ) -> list[tuple[list[int], bytearray] | Rejected]:
+        """One result per conversation: (input_ids, loss_mask as bytes 0/1), not truncated, or Rejected.
+        `tools`: each conversation's tool schemas (or None), rendered by the template with its tool turns."""
+        tools = tools or [None] * len(batch)
+        agentic = [i for i, (m, t) in enumerate(zip(batch, tools, strict=True)) if t or has_tool_turns(m)]
+        if not agentic:
+            return self._encode_plain(batch)
+        results: list = [None] * len(batch)
+        plain = sorted(set(range(len(batch))) - set(agentic))
+        for i, result in zip(plain, self._encode_plain([batch[i] for i in plain]), strict=True):
+            results[i] = result
+        for i in agentic:  # one at a time: the template gets each conversation's own tools
+            results[i] = self._encode_agentic(batch[i], tools[i])
+        return results
+
+    def _encode_agentic(self, messages: list[dict[str, Any]], tools: list[dict] | None):
+        """One conversation with tool turns or schemas, or Rejected(TOOL_REASON) when the template fails on them
+        or drops part of them: its hidden states would not be what is served."""
+        try:
+            text = self._render([messages], add_generation_prompt=False, tools=tools)[0]
+            missing = dropped_tool_part(text, messages, tools)
+            if missing:
+                return Rejected(TOOL_REASON, f"the chat template does not render tool turns: {missing}")
+            if self.mask_source == "generation_markers":
+                return self._encode_markers([messages], tools)[0]
+            return self._encode_boundary([messages], tools)[0]
+        except Exception as e:  # a template may fail on tool turns in any way (TypeError on a None, ...)
+            return Rejected(TOOL_REASON, f"the chat template cannot render tool turns: {type(e).__name__}: {e}")
+
+    def _encode_plain(self, batch: list[list[dict[str, Any]]]) -> list[tuple[list[int], bytearray] | Rejected]:
+        """A batch without tool turns; a template error rejects only the conversation that raised it."""
+        import jinja2
+
+        if not batch:
+            return []
+        try:
+            if self.mask_source == "generation_markers":
+                return self._encode_markers(batch)
+            return self._encode_boundary(batch)
+        except jinja2.TemplateError as e:
+            # One bad conversation (a template's raise_exception) must not sink its batch.
+            if len(batch) == 1:
+                return [Rejected("template_error", f"the chat template raised: {e}")]
+            return [self._encode_plain([messages])[0] for messages in batch]
+
+    def _encode_markers(self, batch, tools: list[dict] | None = None):
+        """The generation-marker mask, from the renderer apply_chat_template uses (same arguments), which
+        records the character span of every {% generation %} block."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        texts, spans = render_jinja_template(
+            conversations=batch,
+            tools=tools,
+            chat_template=self.template,
+            return_assistant_tokens_mask=True,
+            **self.template_kwargs,
+        )
+        results = []
+        for enc, span in zip(self.backend.encode_batch(texts, add_special_tokens=False), spans, strict=True):
+            ids = enc.ids
+            mask = bytearray(len(ids))
+            # apply_chat_template's rule, kept exactly: from the token holding the block's first
+            # character to the one holding its last (to the end when that one is not found).
+            for start_char, end_char in span:
+                start = enc.char_to_token(start_char)
+                if start is None:
+                    break
+                end = enc.char_to_token(end_char - 1)
+                end = end + 1 if end else len(ids)
+                mask[start:end] = b"\x01" * (end - start)
+            results.append((ids, mask))
+        return results
+
+    def _render(self, conversations: list[list[dict[str, Any]]], add_generation_prompt: bool, tools=None) -> list[str]:
+        """The conversations rendered as text, one call for the batch."""
+        if not conversations:
+            return []
+        # A batched call also renders an empty history (the prompt before an opening assistant turn).
+        return self.tokenizer.apply_chat_template(
+            conversations, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def _encode_boundary(self, batch, tools: list[dict] | None = None):
+        """The render-boundary mask: a token is an assistant token when its characters overlap an assistant
+        span; a conversation whose spans cannot be found stays Rejected."""
+        import numpy as np
+
+        full, spans = self._boundary_spans(batch, tools)
+        results = []
+        for enc, span in zip(self.backend.encode_batch(full, add_special_tokens=False), spans, strict=True):
+            if isinstance(span, Rejected):
+                results.append(span)
+                continue
+            offsets = np.array(enc.offsets, dtype=np.int64).reshape(-1, 2)  # [T, 2] character [start, end)
+            mask = np.zeros(len(offsets), dtype=bool)
+            for s, e in span:
+                mask |= (offsets[:, 0] < e) & (offsets[:, 1] > s)
+            results.append((enc.ids, bytearray(mask.view(np.uint8))))
+        return results
+
+    def _boundary_spans(self, batch, tools: list[dict] | None = None):
+        """Each conversation rendered whole, and the character span of every assistant reply in it: the text
+        between each turn's history rendered with the generation prompt and the history including the turn.
+        Renders that are not prefixes of each other give Rejected("template_not_prefix_stable") instead."""
+        turns = [
+            (b, i) for b, messages in enumerate(batch) for i, m in enumerate(messages) if m["role"] == "assistant"
+        ]
+        full = self._render(batch, add_generation_prompt=False, tools=tools)
+        prompts = self._render([batch[b][:i] for b, i in turns], add_generation_prompt=True, tools=tools)
+        with_turn = self._render([batch[b][: i + 1] for b, i in turns], add_generation_prompt=False, tools=tools)
+        spans: list[list[tuple[int, int]] | Rejected] = [[] for _ in batch]
+        for (b, i), prompt, turn in zip(turns, prompts, with_turn, strict=True):
+            if isinstance(spans[b], Rejected):
+                continue
+            if not turn.startswith(prompt):
+                spans[b] = Rejected(
+                    "template_not_prefix_stable",
+                    f"messages[:{i}] rendered with the generation prompt is not a prefix of messages[:{i + 1}]",
+                )
+            elif not full[b].startswith(turn):
+                spans[b] = Rejected(
+                    "template_not_prefix_stable",
+                    f"messages[:{i + 1}] rendered alone is not a prefix of the whole conversation rendered",
+                )
+            else:
+                reply = turn[len(prompt) :].rstrip()
+                spans[b].append((len(prompt), len(prompt) + len(reply)))
+        return full, spans
+
+
+def has_tool_turns(messages: list[dict[str, Any]]) -> bool:
+    """Whether a conversation holds a tool call or a tool reply (then it is encoded on its own, with its tools)."""
+    return any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+
+
+def dropped_tool_part(text: str, messages: list[dict[str, Any]], tools: list[dict] | None) -> str | None:
+    """What of the tool turns the rendered `text` lacks (a call's name or argument names, a tool reply, a tool
+    schema's name), said in a few words; None when everything is there."""
+    for i, m in enumerate(messages):
+        for call in m.get("tool_calls") or []:
+            fn = call["function"]
+            args = fn["arguments"] if isinstance(fn["arguments"], dict) else {}
+            for part in (fn["name"], *map(str, args)):
+                if part not in text:
+                    return f"messages[{i}] calls {fn['name']!r}, but {part!r} is not in the rendered text"
+        if m["role"] == "tool" and m["content"].strip() not in text:
+            return f"the tool reply of messages[{i}] is not in the rendered text"
+    for j, tool in enumerate(tools or []):
+        name = (tool.get("function") if isinstance(tool.get("function"), dict) else tool).get("name")
+        if isinstance(name, str) and name not in text:
+            return f"tool {j} ({name!r}) of the record's tools is not in the rendered text"
