@@ -320,13 +320,28 @@ def phase_c(args, model: Path, work: dict) -> dict:
                     input_ids=x.to(dev), attention_mask=mask.to(dev), output_hidden_states=True
                 ).hidden_states
             starts = [sum(lens[:i]) for i in range(len(lens))]
-            sink.begin_step([Segment(sink.spec.tag(first + i), 0, a, a + m) for i, (a, m) in enumerate(zip(starts, lens))])
+            sink.begin_step(
+                [
+                    Segment(sink.spec.tag(first + i), 0, a, a + m)
+                    for i, (a, m) in enumerate(zip(starts, lens, strict=True))
+                ]
+            )
             first += len(batch)
             for k in ids:  # [sum_T, H] per layer; the sink copies it to the host off the forward's path
                 sink.add_layer(k, torch.cat([(final["x"] if k == n else hs[k])[i, :m] for i, m in enumerate(lens)]))
-        placeholders = {"shard": 0, "layer_id_convention": "input_of_layer", "num_hidden_layers": n,
-                        "hidden_size": cfg.hidden_size, "dtype": args.dtype, "row_range": [0, 0], "tokenized": {},
-                        "model": {}, "tokenizer": {}, "engine": {}, "code_version": ""}  # a baseline: no provenance
+        placeholders = {
+            "shard": 0,
+            "layer_id_convention": "input_of_layer",
+            "num_hidden_layers": n,
+            "hidden_size": cfg.hidden_size,
+            "dtype": args.dtype,
+            "row_range": [0, 0],
+            "tokenized": {},
+            "model": {},
+            "tokenizer": {},
+            "engine": {},
+            "code_version": "",
+        }  # a baseline: no provenance
         writer.finish(sink.finish(), placeholders)
         secs = time.perf_counter() - t1
         out[name] = {

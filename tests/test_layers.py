@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from shard_helpers import capture_rows
 
 from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.backends.hf import HFBackend
-from shard_helpers import capture_rows
 from eagle3prep.layers import (
     check_layer_ids,
     convert_layer_ids,

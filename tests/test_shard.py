@@ -2,13 +2,13 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from shard_helpers import manifest_fields
 
 from eagle3prep.records import IndexEntry
 from eagle3prep.shard.files import StreamingSafetensorsWriter
 from eagle3prep.shard.format import INDEX, TOKEN_IDS, read_index, read_manifest
 from eagle3prep.shard.sink import LayerSink, Segment
 from eagle3prep.shard.writer import ShardWriter
-from shard_helpers import manifest_fields
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -43,7 +43,12 @@ def _write(w: ShardWriter, batches: list[list[list[int]]], layers: dict[int, flo
     first = 0
     for batch in w.tee(iter(batches)):
         n = sum(map(len, batch))
-        sink.begin_step([Segment(sink.spec.tag(first + i), 0, sum(map(len, batch[:i])), sum(map(len, batch[: i + 1]))) for i in range(len(batch))])
+        sink.begin_step(
+            [
+                Segment(sink.spec.tag(first + i), 0, sum(map(len, batch[:i])), sum(map(len, batch[: i + 1])))
+                for i in range(len(batch))
+            ]
+        )
         first += len(batch)
         for lid, value in layers.items():
             sink.add_layer(lid, torch.full((n, 4), value))

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
+from shard_helpers import manifest_fields
 
 from eagle3prep.records import IndexEntry
 from eagle3prep.shard import files as shard_files
@@ -23,7 +24,6 @@ from eagle3prep.shard.files import BackgroundFlush, PositionalSafetensorsWriter,
 from eagle3prep.shard.format import DiskSpaceError, layer_file, temp_of
 from eagle3prep.shard.sink import LayerSink, Segment, SinkSpec
 from eagle3prep.shard.writer import ShardWriter
-from shard_helpers import manifest_fields
 
 H = 8
 LAYERS = [0, 3, 5]

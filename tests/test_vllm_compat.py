@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.backends.vllm import compat
 from eagle3prep.backends.vllm import worker as vllm_ext
-from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.backends.vllm.driver import VLLMBackend
 from eagle3prep.backends.vllm.paths import CaptureError
-from eagle3prep.model_facts import ModelFacts
 from eagle3prep.backends.vllm.worker import HiddenStatesCapture
+from eagle3prep.model_facts import ModelFacts
 
 # ---- versions and collective_rpc -----------------------------------------------------------------
 
@@ -571,7 +571,9 @@ def test_auto_falls_back_to_hooks_with_the_builtin_root_cause_and_keeps_the_work
     kwargs = {}
 
     def start(backend, name):
-        backend.path = BuiltinPath([2, 4, 8], tmp_path, "0.32.0", True) if name == "builtin" else HooksPath([2, 4, 8], "0.32.0")
+        backend.path = (
+            BuiltinPath([2, 4, 8], tmp_path, "0.32.0", True) if name == "builtin" else HooksPath([2, 4, 8], "0.32.0")
+        )
         kwargs[name] = backend._engine_kwargs(backend.path)
         if name == "builtin":
             backend._children.text = lambda: QWEN2_MOE_BUILTIN_OUTPUT

@@ -131,7 +131,9 @@ def extract_shard(
     (out / MANIFEST).unlink(missing_ok=True)  # a stale manifest must never describe new files
     index = index_of_tokenized(tokenized_shard)
     tokens = sum(e.length for e in index)
-    needed = shard_bytes(tokens, len(index), len(spec.layer_ids), require_hidden_size(facts, spec.model_path), spec.dtype)
+    needed = shard_bytes(
+        tokens, len(index), len(spec.layer_ids), require_hidden_size(facts, spec.model_path), spec.dtype
+    )
     check_free_space(out, needed)  # seconds, not an engine start-up
     version = code_version()  # the code this shard starts with, before hours of capture
     t0 = time.time()
@@ -166,7 +168,9 @@ class _Job:
 
         tokens = sum(e.length for e in self.index)
         writer = ShardWriter(self.out, self.spec.layer_ids, self.info.hidden_size, self.spec.dtype, self.index)
-        bar = tqdm(total=tokens, unit="tok", unit_scale=True, file=sys.stderr, mininterval=1.0, desc=f"shard {self.shard}")
+        bar = tqdm(
+            total=tokens, unit="tok", unit_scale=True, file=sys.stderr, mininterval=1.0, desc=f"shard {self.shard}"
+        )
 
         def on_batch(b: int, batch: list[list[int]]) -> None:
             bar.update(sum(len(r) for r in batch))  # submitted to the engine (at most a window ahead of the GPU)

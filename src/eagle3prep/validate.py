@@ -11,11 +11,11 @@ from typing import Any
 
 from . import faults
 from .atomic import sha256_file, write_json
+from .backends.vllm.compat import KNOWN_BUGS, NO_WORKAROUNDS_ENV, parse_version
 from .errors import UserError
+from .gpus import claim_job_gpus
 from .passrule import describe_failure, judge_layer, judge_row, miss_probability, rows_to_sample
 from .reference import ReferencePair
-from .backends.vllm.compat import KNOWN_BUGS, NO_WORKAROUNDS_ENV, parse_version
-from .gpus import claim_job_gpus
 from .shard.format import MANIFEST, TIMINGS, TOKEN_IDS, ShardManifest, layer_file, read_manifest
 from .shard.shardset import Shard, open_shard, shard_checks
 
@@ -246,10 +246,14 @@ def validate_shard(
         checks.add("manifest", False, str(e))
         m = None
     if m is not None:
-        report.update(shard=m.shard, rows=m.rows, tokens=m.tokens, dtype=m.dtype, layer_ids=m.layer_ids, engine=m.engine)
+        report.update(
+            shard=m.shard, rows=m.rows, tokens=m.tokens, dtype=m.dtype, layer_ids=m.layer_ids, engine=m.engine
+        )
         rows = _read_tokenized(tokenized_shard)
         # Content checks only make sense on intact files (index.json's sha256 included); a corrupt shard stops here.
-        if _check_files(Path(shard_dir), m, checks) and _check_index(shard := open_shard(shard_dir, tokenized_shard), checks):
+        if _check_files(Path(shard_dir), m, checks) and _check_index(
+            shard := open_shard(shard_dir, tokenized_shard), checks
+        ):
             report["layer_stats"] = _check_tensors(shard.dir, m, rows, checks)
             report["reference_mode"] = "full" if reference else "off"
             picks = _sample(len(rows), sample_rows, seed) if reference else []
@@ -262,7 +266,9 @@ def validate_shard(
                 with claim_job_gpus(1 if device.startswith("cuda") and refs is None else 0):
                     refs = refs or ReferencePair(model_path, m.dtype, device, trust_remote_code)
                     report["reference_floor"] = refs.describe()
-                    report["reference"], report["reference_layers"] = _check_reference(shard, rows, refs, picks, checks)
+                    report["reference"], report["reference_layers"] = _check_reference(
+                        shard, rows, refs, picks, checks
+                    )
     report["checks"] = checks.items
     report["ok"] = not checks.failed
     faults.kill_point("validate.before_report", shard=Path(shard_dir).name)

@@ -38,7 +38,9 @@ class HFBackend(CaptureBackend):
         import transformers
 
         if self.spec.device.startswith("cuda") and not torch.cuda.is_available():
-            raise UserError(f"extract.device = {self.spec.device} but torch sees no CUDA GPU here; set extract.device: cpu")
+            raise UserError(
+                f"extract.device = {self.spec.device} but torch sees no CUDA GPU here; set extract.device: cpu"
+            )
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             self.spec.model_path, dtype=getattr(torch, self.spec.dtype), trust_remote_code=self.spec.trust_remote_code
         ).to(self.spec.device)

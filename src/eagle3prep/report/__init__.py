@@ -87,7 +87,10 @@ def _dataset_manifest(shard_dirs, manifests, summary, counts, stats, reports) ->
     return {
         "format": DATASET_FORMAT,
         "shard_format": FORMAT,
-        **{k: getattr(first, k) for k in ("layer_ids", "layer_id_convention", "num_hidden_layers", "hidden_size", "dtype")},
+        **{
+            k: getattr(first, k)
+            for k in ("layer_ids", "layer_id_convention", "num_hidden_layers", "hidden_size", "dtype")
+        },
         **{k: getattr(first, k) for k in ("model", "tokenizer", "engine")},
         "rows": int(summary["rows"].sum()),
         "tokens": int(summary["tokens"].sum()),

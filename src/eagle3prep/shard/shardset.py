@@ -94,7 +94,7 @@ def shard_checks(s: Shard) -> list[Check]:
             "the shard was captured from this tokenized shard"
             if same
             else f"{s.tokenized} is not the tokenized shard {s.dir} was captured from (sha256 differs)",
-        )
+        ),
     )
     return out
 
@@ -110,7 +110,9 @@ class ShardSet:
     @classmethod
     def open(cls, shard_dirs: list[str | os.PathLike], tokenized: list[str | os.PathLike]) -> ShardSet:
         if len(shard_dirs) != len(tokenized):
-            raise ShardSetError(f"need one tokenized shard per shard folder, got {len(tokenized)} for {len(shard_dirs)}")
+            raise ShardSetError(
+                f"need one tokenized shard per shard folder, got {len(tokenized)} for {len(shard_dirs)}"
+            )
         return cls([open_shard(d, t) for d, t in zip(shard_dirs, tokenized, strict=True)])
 
     @property
@@ -128,9 +130,14 @@ class ShardSet:
             failed = [c for c in shard_checks(s) if not c.ok]
             if failed:
                 raise ShardSetError(f"{s.dir}: {failed[0].name}: {failed[0].detail}")
-        kinds = {(s.manifest.dtype, tuple(s.manifest.layer_ids), s.manifest.hidden_size, s.manifest.num_hidden_layers) for s in self.shards}
+        kinds = {
+            (s.manifest.dtype, tuple(s.manifest.layer_ids), s.manifest.hidden_size, s.manifest.num_hidden_layers)
+            for s in self.shards
+        }
         if len(kinds) != 1:
-            raise ShardSetError(f"shards disagree on (dtype, layer ids, hidden size, N): {sorted(kinds)}; rerun the odd ones")
+            raise ShardSetError(
+                f"shards disagree on (dtype, layer ids, hidden size, N): {sorted(kinds)}; rerun the odd ones"
+            )
         n, ids = self.first.num_hidden_layers, self.layer_ids
         if final_layer and (ids[-1] != n or len(ids) < 2):
             raise ShardSetError(

@@ -129,7 +129,9 @@ class LayerSink:
         try:
             for lid in self.layer_ids:
                 path = Path(spec.layer_paths[lid])
-                self.writers[lid] = PositionalSafetensorsWriter(path, "hidden_states", spec.dtype, shape, spec.sync_bytes)
+                self.writers[lid] = PositionalSafetensorsWriter(
+                    path, "hidden_states", spec.dtype, shape, spec.sync_bytes
+                )
         except BaseException:
             for w in self.writers.values():  # no flush thread or temp file left behind
                 w.abort()

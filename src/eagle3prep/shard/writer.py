@@ -23,7 +23,9 @@ from .sink import SinkSpec
 class ShardWriter:
     """Streams a shard's token ids as batches pass; checks the layer files and writes the manifest last."""
 
-    def __init__(self, out_dir: str | os.PathLike, layer_ids: list[int], hidden_size: int, dtype: str, index: list[IndexEntry]):
+    def __init__(
+        self, out_dir: str | os.PathLike, layer_ids: list[int], hidden_size: int, dtype: str, index: list[IndexEntry]
+    ):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.layer_ids = list(layer_ids)
@@ -46,7 +48,9 @@ class ShardWriter:
             **kw,
         )
 
-    def tee(self, batches: Iterator[list[list[int]]], on_batch: Callable[[int, list[list[int]]], None] | None = None) -> Iterator[list[list[int]]]:
+    def tee(
+        self, batches: Iterator[list[list[int]]], on_batch: Callable[[int, list[list[int]]], None] | None = None
+    ) -> Iterator[list[list[int]]]:
         """Pass the batches on to the backend, writing each one's token ids first."""
         import torch
 
@@ -57,7 +61,10 @@ class ShardWriter:
                 on_batch(b, batch)
 
     def finish(
-        self, layer_entries: dict[int, dict[str, Any]], manifest: dict[str, Any], before_manifest: Callable[[], None] | None = None
+        self,
+        layer_entries: dict[int, dict[str, Any]],
+        manifest: dict[str, Any],
+        before_manifest: Callable[[], None] | None = None,
     ) -> ShardManifest:
         """Check the sink's layer files, close the token ids, write index.json, then manifest.json last."""
         files = {}
@@ -67,7 +74,11 @@ class ShardWriter:
             path, entry = self.out_dir / layer_file(lid), layer_entries[lid]
             self._placed.append(path)
             size = path.stat().st_size if path.is_file() else None
-            if size != entry["bytes"] or entry["shape"] != [self.total_tokens, self.hidden_size] or entry["dtype"] != self.dtype:
+            if (
+                size != entry["bytes"]
+                or entry["shape"] != [self.total_tokens, self.hidden_size]
+                or entry["dtype"] != self.dtype
+            ):
                 raise ValueError(
                     f"{path}: {size} bytes on disk, its entry says {entry['bytes']} bytes of {entry['shape']} "
                     f"{entry['dtype']}; expected [{self.total_tokens}, {self.hidden_size}] {self.dtype}"

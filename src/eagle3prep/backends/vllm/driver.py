@@ -162,9 +162,7 @@ class VLLMBackend(CaptureBackend):
             raise ConfigError(f"extract.capture_path = {wanted!r} is not one of ['auto', 'builtin', 'hooks']")
         if wanted == "hooks":
             return ["hooks"], None
-        blocker = compat.builtin_blocker(
-            version, model.architectures, self.spec.layer_ids, model.num_hidden_layers
-        )
+        blocker = compat.builtin_blocker(version, model.architectures, self.spec.layer_ids, model.num_hidden_layers)
         if wanted == "builtin":
             if blocker:
                 raise ConfigError(

@@ -171,7 +171,9 @@ class HooksPath:
         return {"worker_extension_cls": f"{EXT_MODULE}.HiddenStatesCapture", "enforce_eager": True}
 
     def install(self, llm: Any) -> None:
-        reply = compat.rpc_result(llm.collective_rpc("e3p_install_hooks", args=(self.layer_ids,)), version=self.version)
+        reply = compat.rpc_result(
+            llm.collective_rpc("e3p_install_hooks", args=(self.layer_ids,)), version=self.version
+        )
         log(f"hooks installed on rank 0: {reply}")
 
     def capture_shard(self, llm: Any, batches: Iterator[list[list[int]]], spec: SinkSpec) -> dict[int, dict[str, Any]]:

@@ -109,8 +109,13 @@ class HiddenStatesCapture:
         if self._e3p_sink is not None:
             self._e3p_sink.abort()
         self._e3p_sink = None
-        spec = SinkSpec(**{**spec, "layer_paths": {int(k): v for k, v in spec["layer_paths"].items()},
-                           "rows": [tuple(r) for r in spec["rows"]]})
+        spec = SinkSpec(
+            **{
+                **spec,
+                "layer_paths": {int(k): v for k, v in spec["layer_paths"].items()},
+                "rows": [tuple(r) for r in spec["rows"]],
+            }
+        )
         # The pinned slots outlive a shard: LayerSink keeps a pool of the same shape, else makes one.
         self._e3p_sink = LayerSink(spec, pool=getattr(self, "_e3p_pool", None))
         self._e3p_pool = self._e3p_sink.pool
