@@ -1,7 +1,7 @@
-"""The host side of the hooks capture path alone: how close sink.ShardSink gets to the disk.
+"""The host side of the hooks capture path alone: how close shard.sink.LayerSink gets to the disk.
 
 No GPU and no vLLM: synthetic forward steps (the 8B shape by default: 4 layers x 4096 x bf16, steps
-of 16,384 tokens, rows of 2,048 tokens, first-come first-served chunks) go through ShardSink into
+of 16,384 tokens, rows of 2,048 tokens, first-come first-served chunks) go through LayerSink into
 OUTDIR, and the same number of bytes is then written by plain threads, one file per layer with
 a background fdatasync as the worker's (bench_extract.disk_write_speed): the baseline, in the same run.
 
@@ -21,24 +21,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_extract import disk_write_speed  # noqa: E402
 
-from eagle3prep.shard import FLUSH_EVERY  # noqa: E402
-from eagle3prep.sink import RowPlacement, ShardSink  # noqa: E402
-from eagle3prep.vllm_compat import Segment  # noqa: E402
+from eagle3prep.shard.files import FLUSH_EVERY  # noqa: E402
+from eagle3prep.shard.sink import LayerSink, Segment, SinkSpec  # noqa: E402
 
 
 def run_sink(args, out: Path, sync_bytes: int) -> dict:
-    """One shard through ShardSink; seconds in all and in finish() (the tail: last writes, final fsync)."""
+    """One shard through LayerSink; seconds in all and in finish() (the tail: last writes, final fsync)."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     per_token = args.layers * args.hidden * 2  # bf16
     rows = max(1, int(args.gib * 2**30 / per_token / args.row_tokens))
     total = rows * args.row_tokens
-    tags = {f"r{i}": RowPlacement(i * args.row_tokens, args.row_tokens) for i in range(rows)}
     step = [torch.randn(args.step_tokens, args.hidden).to(torch.bfloat16) for _ in range(args.layers)]
     paths = {lid: str(out / f"layer_{lid}.safetensors") for lid in range(args.layers)}
 
     t0 = time.perf_counter()
-    sink = ShardSink(paths, args.hidden, "bfloat16", tags, total, step_tokens=args.step_tokens, sync_bytes=sync_bytes)
+    placement = [(i * args.row_tokens, args.row_tokens) for i in range(rows)]
+    spec = SinkSpec(paths, args.hidden, "bfloat16", placement, step_tokens=args.step_tokens, sync_bytes=sync_bytes)
+    sink = LayerSink(spec)
     for first in range(0, total, args.step_tokens):  # FCFS: a step is the next step_tokens tokens
         if args.pace_gbs:  # a GPU's pace: the step's rows are not there before the forward made them
             due = t0 + first * per_token / (args.pace_gbs * 1e9)
@@ -47,7 +47,7 @@ def run_sink(args, out: Path, sync_bytes: int) -> dict:
         while pos < min(first + args.step_tokens, total):
             row, at = divmod(pos, args.row_tokens)
             n = min(args.row_tokens - at, first + args.step_tokens - pos, total - pos)
-            segments.append(Segment(f"r{row}", at, start, start + n))
+            segments.append(Segment(spec.tag(row), at, start, start + n))
             start, pos = start + n, pos + n
         sink.begin_step(segments)
         for lid in range(args.layers):
@@ -87,7 +87,7 @@ def main() -> None:
     )
     for mib, r in runs.items():
         print(
-            f"ShardSink, flush every {mib} MiB (copy to slots, write, hash, flush, fsync): "
+            f"LayerSink, flush every {mib} MiB (copy to slots, write, hash, flush, fsync): "
             f"{nbytes / r['secs'] / 1e9:.2f} GB/s in {r['secs']:.2f} s, of which finish() {r['tail_s']:.2f} s; "
             f"timings (s): {r['stats']}"
         )
@@ -96,7 +96,7 @@ def main() -> None:
         f"{disk / 1e9:.2f} GB/s"
     )
     for mib, r in runs.items():
-        print(f"ShardSink every {mib} MiB / disk: {nbytes / r['secs'] / disk:.2f}")
+        print(f"LayerSink every {mib} MiB / disk: {nbytes / r['secs'] / disk:.2f}")
 
 
 if __name__ == "__main__":

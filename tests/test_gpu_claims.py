@@ -1,0 +1,89 @@
+"""Every job that uses a GPU claims it: two jobs of each kind run at once on a fake 2-GPU host and
+must see disjoint CUDA_VISIBLE_DEVICES (extract with hf on cuda, extract with vllm, validate on cuda).
+
+The engine is replaced by a fake that records the GPUs it was given and holds them for a moment, so
+the test needs no GPU; the claim itself (lock files, environment) is the production code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from shard_helpers import demo_spec, write_tokenized
+
+HOLD_S = 3.0  # long enough that the two jobs overlap
+
+EXTRACT_JOB = """
+import json, os, sys, time
+from eagle3prep import extract
+from eagle3prep.backends.base import CaptureSpec
+
+class Recorder:
+    def __init__(self, spec, options):
+        pass
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        pass
+    def probe(self):
+        json.dump({"visible": os.environ.get("CUDA_VISIBLE_DEVICES")}, open(sys.argv[2], "w"))
+        time.sleep(float(sys.argv[5]))
+        raise SystemExit(0)
+
+extract.make_backend = Recorder
+spec = CaptureSpec(backend=sys.argv[3], model_path=sys.argv[4], layer_ids=[2, 4, 5, 8], device="cuda")
+extract.extract_shard(sys.argv[1], sys.argv[2] + ".shard", spec, {}, 512, 0)
+"""
+
+VALIDATE_JOB = """
+import json, os, sys, time
+from eagle3prep import validate
+
+class Recorder:
+    def __init__(self, *args):
+        json.dump({"visible": os.environ.get("CUDA_VISIBLE_DEVICES")}, open(sys.argv[2], "w"))
+        time.sleep(float(sys.argv[5]))
+        raise SystemExit(0)
+
+validate.ReferencePair = Recorder
+validate.validate_shard(sys.argv[3], sys.argv[1], sys.argv[2] + ".json", sys.argv[4], sample_rows=1, device="cuda")
+"""
+
+
+@pytest.fixture(scope="module")
+def shard(demo_model_dir, tmp_path_factory):
+    from eagle3prep.extract import extract_shard
+
+    root = tmp_path_factory.mktemp("claims")
+    tokens = write_tokenized(root / "tokens.jsonl", [12, 9], seed=0)
+    extract_shard(str(tokens), str(root / "shard_0"), demo_spec(demo_model_dir), {}, batch_tokens=64, shard=0)
+    return tokens, root / "shard_0"
+
+
+@pytest.mark.parametrize("job", ["extract-hf", "extract-vllm", "validate"])
+def test_two_gpu_jobs_at_once_claim_disjoint_gpus(job, shard, demo_model_dir, tmp_path):
+    tokens, shard_dir = shard
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(VALIDATE_JOB if job == "validate" else EXTRACT_JOB))
+    target = str(shard_dir) if job == "validate" else job.removeprefix("extract-")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env.update(EAGLE3PREP_NUM_GPUS="2", EAGLE3PREP_GPU_LOCK_DIR=str(tmp_path / "locks"))
+    outs = [tmp_path / f"seen_{k}.json" for k in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tokens), str(out), target, str(demo_model_dir), str(HOLD_S)],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for out in outs
+    ]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    seen = [json.loads(out.read_text())["visible"] for out in outs]
+    assert sorted(seen) == ["0", "1"], (seen, errors)  # one GPU each, never the same one
