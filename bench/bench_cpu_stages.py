@@ -254,6 +254,7 @@ def main() -> None:
         "--large-vocab", type=int, default=1024,
         help="vocabulary of the 'large' tokenizer (the run prints how many characters a token holds)",
     )  # fmt: skip
+    ap.add_argument("--dry-run-only", action="store_true", help="only (2), the dry run of --shards shards")
     args = ap.parse_args()
     from eagle3prep.prepare import prepare
 
@@ -263,38 +264,45 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        model, convs, large, src = bench_inputs(tmp, args.conversations, args.large_vocab)
-        _, t_prep, _ = best_of(
-            args.repeat, lambda: prepare([str(src)], tmp / "conv.jsonl", tmp / "q.jsonl", tmp / "counts.json")
-        )
-        n = args.conversations
-        print(
-            f"eagle3prep prepare             : {n / t_prep:10.0f} conv/s ({t_prep:.2f} s), best of {args.repeat} runs"
-        )
-        bench_tokenize("demo", model, convs, tmp / "conv.jsonl", t_prep, args)
-        bench_tokenize(f"large ({args.large_vocab} tokens)", large, convs, tmp / "conv.jsonl", t_prep, args)
-
-        # (2) Dry run of a config with many shards: DAG building must stay interactive.
-        wd = tmp / "dry"
-        (wd / "config").mkdir(parents=True)
-        (wd / "resources").symlink_to(REPO / "resources")
-        cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
-        cfg["tokenize"]["num_shards"] = args.shards
-        (wd / "config/config.yaml").write_text(yaml.safe_dump(cfg))
-        snakemake = str(Path(sys.executable).with_name("snakemake"))
-        t0 = time.perf_counter()
-        proc = subprocess.run(
-            [snakemake, "--snakefile", str(REPO / "Snakefile"), "-n", "--quiet", "rules"],
-            cwd=wd,
-            capture_output=True,
-            text=True,
-        )
-        t_dry = time.perf_counter() - t0
-        if proc.returncode:
-            sys.exit(proc.stderr[-3000:])
-        print(f"snakemake -n with {args.shards} shards ({3 * args.shards + 5} jobs): {t_dry:.1f} s wall")
+        if not args.dry_run_only:
+            bench_cpu(tmp, args, prepare)
+        dry_run(tmp, args)
     # Other jobs on the machine slow the 2-worker runs most: they need every core.
     print(f"# load average (1, 5, 15 min) at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+def bench_cpu(tmp: Path, args, prepare) -> None:
+    """(1) prepare and tokenize throughput."""
+    model, convs, large, src = bench_inputs(tmp, args.conversations, args.large_vocab)
+    _, t_prep, _ = best_of(
+        args.repeat, lambda: prepare([str(src)], tmp / "conv.jsonl", tmp / "q.jsonl", tmp / "counts.json")
+    )
+    n = args.conversations
+    print(f"eagle3prep prepare             : {n / t_prep:10.0f} conv/s ({t_prep:.2f} s), best of {args.repeat} runs")
+    bench_tokenize("demo", model, convs, tmp / "conv.jsonl", t_prep, args)
+    bench_tokenize(f"large ({args.large_vocab} tokens)", large, convs, tmp / "conv.jsonl", t_prep, args)
+
+
+def dry_run(tmp: Path, args) -> None:
+    """(2) Dry run of a config with many shards: DAG building must stay interactive."""
+    wd = tmp / "dry"
+    (wd / "config").mkdir(parents=True)
+    (wd / "resources").symlink_to(REPO / "resources")
+    cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    cfg["tokenize"]["num_shards"] = args.shards
+    (wd / "config/config.yaml").write_text(yaml.safe_dump(cfg))
+    snakemake = str(Path(sys.executable).with_name("snakemake"))
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [snakemake, "--snakefile", str(REPO / "Snakefile"), "-n", "--quiet", "rules"],
+        cwd=wd,
+        capture_output=True,
+        text=True,
+    )
+    t_dry = time.perf_counter() - t0
+    if proc.returncode:
+        sys.exit(proc.stderr[-3000:])
+    print(f"snakemake -n with {args.shards} shards ({3 * args.shards + 5} jobs): {t_dry:.1f} s wall")
 
 
 if __name__ == "__main__":

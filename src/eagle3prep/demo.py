@@ -91,7 +91,7 @@ def build_model(tokenizer, seed: int = 1234):
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float().eval()
     # Norm weights of 1 + 0.2*N(0,1) instead of all ones: with unit norms every layer looks alike and
-    # a capture that is one layer off could still pass a loose check (research/arch-feas.md).
+    # a capture that is one layer off could still pass a loose check.
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
