@@ -102,11 +102,8 @@ def builtin_blocker(
     if num_hidden_layers in layer_ids and not builtin_final_layer_reachable(version, architectures):
         return f"final-layer capture on {arch} needs vLLM >= 0.25 (installed {version})"
     if 0 in layer_ids:
-        # vLLM keeps id 0 as a reference to the embedding output, which the first layer's fused
-        # add+RMSNorm overwrites in place. Seen on vLLM 0.26, H200, TP 2, eager mode, fp32 and bf16:
-        # id 0 came back as a later residual state (cosine -0.12 to the embeddings) while ids 2, 3, 6
-        # matched; compiled mode (functionalized graph) and the CPU build were right. DeepSeek's
-        # backbone crashes on id 0 instead (residual None in extract_hidden_states). The hooks copy it at once.
+        # vLLM keeps id 0 as a reference to the embedding output, which layer 0 overwrites in place
+        # (docs/gpu-validation.md, "layer id 0 on the built-in path"). The hooks copy it at once.
         return "layer id 0 (the embeddings) is not reliable on the built-in path (vLLM aliases it)"
     return None
 
