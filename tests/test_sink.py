@@ -29,6 +29,12 @@ H = 8
 LAYERS = [0, 3, 5]
 
 
+def write_rows(w: PositionalSafetensorsWriter, first_row: int, data) -> None:
+    """One range as the sink's two threads hand it over: placed on disk, then hashed in file order."""
+    w.place(first_row, data)
+    w.account(first_row, data)
+
+
 def rows_tensor(total: int, layer_id: int) -> torch.Tensor:
     """Distinct values per (layer, row): a misplaced row cannot go unnoticed."""
     base = torch.arange(total * H, dtype=torch.float32).reshape(total, H)
@@ -52,7 +58,7 @@ def test_positional_writer_out_of_order_equals_streamed(tmp_path):
     w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (total, H))
     ranges = [(0, 7), (7, 20), (20, 21), (21, 50)]
     for a, b in [ranges[2], ranges[0], ranges[3], ranges[1]]:  # two ranges arrive ahead of a gap
-        w.write_rows(a, rows[a:b].view(torch.uint8).numpy())
+        write_rows(w, a, rows[a:b].view(torch.uint8).numpy())
     entry = w.seal()
     temp_of(tmp_path / "a.safetensors").rename(tmp_path / "a.safetensors")
     ref_bytes, ref_entry = streamed(tmp_path, total, 3)
@@ -65,18 +71,18 @@ def test_positional_writer_out_of_order_equals_streamed(tmp_path):
 def test_positional_writer_refuses_a_range_twice(tmp_path, second):
     rows = rows_tensor(20, 0).view(torch.uint8).numpy()
     w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (20, H))
-    w.write_rows(0, rows[0:6])
-    w.write_rows(8, rows[8:14])  # early: rows 6..7 not there yet
+    write_rows(w, 0, rows[0:6])
+    write_rows(w, 8, rows[8:14])  # early: rows 6..7 not there yet
     with pytest.raises(ValueError, match="written twice"):
-        w.write_rows(second[0], rows[second[0] : second[1]])
+        write_rows(w, second[0], rows[second[0] : second[1]])
     w.abort()
 
 
 def test_positional_writer_with_a_hole_is_never_sealed(tmp_path):
     rows = rows_tensor(10, 0).view(torch.uint8).numpy()
     w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (10, H))
-    w.write_rows(0, rows[0:4])
-    w.write_rows(6, rows[6:10])
+    write_rows(w, 0, rows[0:4])
+    write_rows(w, 6, rows[6:10])
     with pytest.raises(ValueError, match=r"rows 4\.\. never arrived"):
         w.seal()
     assert list(tmp_path.iterdir()) == []  # the temp file is gone
@@ -86,9 +92,9 @@ def test_positional_writer_refuses_rows_outside_the_shape_and_partial_rows(tmp_p
     rows = rows_tensor(10, 0).view(torch.uint8).numpy()
     w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (10, H))
     with pytest.raises(ValueError, match="outside the 10 declared"):
-        w.write_rows(8, rows[0:4])
+        write_rows(w, 8, rows[0:4])
     with pytest.raises(ValueError, match="not a whole number"):
-        w.write_rows(0, rows[0:2].reshape(-1)[:5])
+        write_rows(w, 0, rows[0:2].reshape(-1)[:5])
     w.abort()
 
 
@@ -101,7 +107,7 @@ def test_background_flushes_run_while_rows_arrive_and_change_no_byte(tmp_path, m
     rows = rows_tensor(total, 5)
     w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (total, H), sync_bytes=32)
     for a in range(0, total, 4):
-        w.write_rows(a, rows[a : a + 4].view(torch.uint8).numpy())
+        write_rows(w, a, rows[a : a + 4].view(torch.uint8).numpy())
         time.sleep(0.001)  # let the flush thread see the bytes
     entry = w.seal()
     temp_of(tmp_path / "a.safetensors").rename(tmp_path / "a.safetensors")
@@ -140,10 +146,10 @@ def test_a_failed_background_flush_names_the_file(tmp_path, monkeypatch):
     monkeypatch.setattr(shard_files.os, "fdatasync", full)
     rows = rows_tensor(8, 0).view(torch.uint8).numpy()
     w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (8, H), sync_bytes=16)
-    w.write_rows(0, rows[0:2])  # reaches `every`: the flush thread runs, and fails
+    write_rows(w, 0, rows[0:2])  # reaches `every`: the flush thread runs, and fails
     assert failed.wait(5)
     with pytest.raises(DiskSpaceError, match=r"disk full while writing .*a\.safetensors"):
-        w.write_rows(2, rows[2:8])  # raises here if the thread's error is already recorded...
+        write_rows(w, 2, rows[2:8])  # raises here if the thread's error is already recorded...
         w.seal()  # ...else here, after the thread ended
     w.abort()  # what the sink does after any error
     assert list(tmp_path.iterdir()) == []

@@ -188,7 +188,7 @@ class BackgroundFlush:
 
 
 class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
-    """A streaming tensor file whose rows may arrive in any order: write_rows(first_row, bytes).
+    """A streaming tensor file whose rows may arrive in any order: place() then account() a range.
 
     Rows are written where they belong (pwrite); the sha256 still follows file order, so a range
     that arrives early is kept in memory until the gap before it is filled (vLLM schedules prompts
@@ -224,14 +224,9 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
         return self._flush.wait_s if self._flush is not None else 0.0
 
     def append(self, tensor: torch.Tensor) -> None:
-        raise TypeError(f"{self.path.name}: a positional writer takes write_rows(first_row, data)")
+        raise TypeError(f"{self.path.name}: a positional writer takes place() and account(first_row, data)")
 
-    def write_rows(self, first_row: int, data: memoryview | bytes) -> None:
-        """Write whole rows starting at `first_row`; `data` is their raw bytes in this file's dtype."""
-        self.place(first_row, data)
-        self.account(first_row, data)
-
-    # write_rows = place + account. They touch disjoint state, so one thread may place (pwrite,
+    # A range is written by place + account. They touch disjoint state, so one thread may place (pwrite,
     # fdatasync: waits on the disk) while another accounts (sha256: waits on a core), each in order.
     def _rows_of(self, first_row: int, data: memoryview | bytes) -> tuple[memoryview, int]:
         data = memoryview(data).cast("B")  # flat bytes, whatever the buffer's shape (C-contiguous)
