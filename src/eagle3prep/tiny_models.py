@@ -101,7 +101,6 @@ def build_model(name: str, tokenizer, seed: int = 0):
     Weights N(0, 0.1) (experts: EXPERT_STD), norm weights 1 + 0.2*N(0,1), biases and routing correction
     biases 0.05*N(0,1): far from identity and from each other, so a capture one layer off fails any check.
     """
-    import torch
     import transformers
 
     config_name, model_name, kwargs = _SPECS[name]
@@ -117,6 +116,17 @@ def build_model(name: str, tokenizer, seed: int = 0):
         **kwargs,
     )
     model = getattr(transformers, model_name)(config).float().eval()
+    randomize(model, seed, EXPERT_STD.get(name))
+    return model
+
+
+def randomize(model, seed: int, expert_std: float | None = None) -> None:
+    """Overwrite every weight of `model` in place from one generator, in sorted-name order (see build_model).
+
+    Shared with eagle3prep.tiny_kimi, so the two draw weights the same way.
+    """
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     tensors = dict(model.named_parameters())
     # Persistent buffers are saved (DeepSeek's e_score_correction_bias); rotary tables are not.
@@ -128,11 +138,10 @@ def build_model(name: str, tokenizer, seed: int = 0):
                 t.copy_(1.0 + 0.2 * noise)
             elif tensor_name.endswith((".bias", "e_score_correction_bias")):
                 t.copy_(0.05 * noise)
-            elif _is_expert(tensor_name) and name in EXPERT_STD:
-                t.copy_(EXPERT_STD[name] * noise)
+            elif _is_expert(tensor_name) and expert_std is not None:
+                t.copy_(expert_std * noise)
             else:
-                t.copy_(config.initializer_range * noise)
-    return model
+                t.copy_(model.config.initializer_range * noise)
 
 
 def layer_updates(model, input_ids: list[int]) -> list[float]:
