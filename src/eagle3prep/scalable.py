@@ -1,0 +1,227 @@
+"""Checks that need only a slice of the model, for targets too large for a full reference forward.
+
+- Window check: from the captured state at id a, decoder layers a..b-1 alone (one layer's weights in
+  memory at a time) must reproduce the captured id b, judged like the full reference (passrule.py):
+  per-token error against the fp32 run, relative to the working-precision run from the same input.
+- Logits check: the final norm and lm_head applied to the captured id N must reproduce the engine's
+  stored prompt logprobs, within what bf16 does to them.
+Layer ids follow layers.py: id k is the input of decoder layer k, id N the pre-norm final state.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .passrule import FLOOR_FACTOR, judge_layer, judge_tokens, token_errors
+from .slices import Checkpoint, raw_config
+
+HEAD_CHUNK = 256  # tokens per lm_head matmul: Kimi's logits are 0.66 MB a token in fp32
+
+
+def _ckpt(model) -> Checkpoint:
+    return model if isinstance(model, Checkpoint) else Checkpoint(model)
+
+
+def _dtype(name):
+    import torch
+
+    return getattr(torch, name) if isinstance(name, str) else name
+
+
+def _layer_forward(layer, rotary, x):
+    """One decoder layer on one row [T, H]: positions 0..T-1, causal (sdpa with no mask)."""
+    import torch
+
+    pos = torch.arange(x.shape[0])[None]
+    h = x[None]
+    out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=rotary(h, pos))
+    return (out[0] if isinstance(out, tuple) else out)[0]
+
+
+def run_window(model, states: list[Any], a: int, b: int, dtypes=("float32",)) -> dict[str, list[Any]]:
+    """{dtype: [state at id b per row]} from `states` (rows at id a), through decoder layers a..b-1.
+
+    Each layer is loaded once in the lowest precision asked, run on every row, then upcast in place
+    for the next precision, so a layer is held once (plus its upcast copy) and the int4 experts never.
+    """
+    import torch
+
+    ckpt = _ckpt(model)
+    if not 0 <= a < b <= ckpt.config.num_hidden_layers:
+        raise ValueError(f"window {a}->{b} is not within 0..{ckpt.config.num_hidden_layers}")
+    order = sorted(dtypes, key=lambda d: _dtype(d).itemsize)
+    rotary = ckpt.rotary()
+    cur = {d: [s.to(_dtype(d)) for s in states] for d in order}
+    with torch.inference_mode():
+        for k in range(a, b):
+            layer = ckpt.layer(k, _dtype(order[0])).eval()
+            for i, d in enumerate(order):
+                if i:
+                    _recast(ckpt, layer, d)
+                cur[d] = [_layer_forward(layer, rotary, x) for x in cur[d]]
+            del layer
+            ckpt.close()
+    return cur
+
+
+def _recast(ckpt: Checkpoint, layer, dtype) -> None:
+    from .slices import cast
+
+    cast(layer, _dtype(dtype), ckpt._keep_fp32())
+
+
+def check_window(
+    model, captured_a: list[Any], captured_b: list[Any], a: int, b: int, dtype: str, rows: list[int] | None = None
+) -> list[dict[str, Any]]:
+    """Verdicts (passrule.judge_tokens, then judge_layer over the rows) of captured id b against layers a..b-1.
+
+    Reference: the window in fp32 from the captured id a; floor: the window at `dtype` from the same
+    input (none for fp32 captures). A capture whose ids a and b disagree with the layers between fails.
+    """
+    runs = run_window(model, captured_a, a, b, ("float32",) if dtype == "float32" else (dtype, "float32"))
+    rows = list(range(len(captured_a))) if rows is None else rows
+    verdicts = []
+    for i, got in enumerate(captured_b):
+        ref = runs["float32"][i]
+        floor = token_errors(runs[dtype][i], ref) if dtype != "float32" else None
+        verdicts.append({"row": rows[i], "window": [a, b], **judge_tokens(token_errors(got, ref), floor, dtype)})
+    judge_layer(verdicts)
+    return verdicts
+
+
+# ---------------------------------------------------------------------------------------------- logits
+
+
+def logprobs_from_state(model, state_n, token_ids: list[int], dtype="float32", head=None):
+    """[T-1] float32: log p(token i | tokens < i) for i >= 1, from the pre-norm final state [T, H] of one row.
+
+    Only the final norm and lm_head are loaded (by name; `head` reuses a loaded pair). log_softmax runs
+    in fp32 whatever `dtype` the norm and lm_head run in, as engines compute prompt logprobs.
+    """
+    import torch
+
+    norm, lm_head = head or _ckpt(model).head(_dtype(dtype))
+    ids = torch.as_tensor(token_ids[1:], dtype=torch.long)
+    x = state_n[:-1].to(_dtype(dtype))
+    out = []
+    with torch.inference_mode():
+        for s in range(0, x.shape[0], HEAD_CHUNK):
+            logits = lm_head(norm(x[s : s + HEAD_CHUNK])).float()
+            out.append(torch.log_softmax(logits, -1).gather(-1, ids[s : s + HEAD_CHUNK, None])[:, 0])
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+# A right capture's logprobs differ from the fp32 recompute by lm_head rounding: per token up to ~1 nat
+# in bf16 where the logits are large (a single token can reach |d| ~ 1), so no bound is put on the worst
+# token. The row's mean and 90th percentile |d| are bounded by FLOOR_FACTOR x the bf16-vs-fp32 floor's
+# (or LP_MIN), and its correlation with the recompute may fall short of 1 by FLOOR_FACTOR x the floor's.
+LP_MIN = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}  # nats: fp32 summation order, half rounding
+CORR_MIN = 1e-3  # 1 - correlation always allowed
+
+
+def judge_logprobs(stored, recomputed, floor=None, dtype: str = "bfloat16") -> dict[str, Any]:
+    """Verdict for one row: stored (engine) vs recomputed (fp32 from the captured state) prompt logprobs.
+
+    `floor`: the same recompute at the working precision (None = exact). The bound scales with what that
+    precision does to the logprobs: mean and p90 of |stored - recomputed| within FLOOR_FACTOR x the
+    floor's (at least LP_MIN), and 1 - Pearson correlation within FLOOR_FACTOR x the floor's (at least
+    CORR_MIN). A wrong state (another layer, row or position) moves the mean by nats, not hundredths;
+    a state that is only scaled is invisible here (the final RMSNorm removes the scale).
+    """
+    import torch
+
+    stored, recomputed = torch.as_tensor(stored).float(), torch.as_tensor(recomputed).float()
+    if stored.numel() == recomputed.numel() + 1:
+        stored = stored[1:]  # the engine's position 0 (no logprob)
+    floor = recomputed if floor is None else torch.as_tensor(floor).float()
+
+    def stats(x):
+        d = (x - recomputed).abs()
+        c = torch.corrcoef(torch.stack([x, recomputed]))[0, 1] if x.numel() > 1 else torch.tensor(1.0)
+        return float(d.mean()), float(d.quantile(0.9)), 1.0 - float(c.nan_to_num(1.0))
+
+    (mean, p90, decorr), (fmean, fp90, fdecorr) = stats(stored), stats(floor)
+    bounds = {
+        "mean": max(FLOOR_FACTOR * fmean, LP_MIN[dtype]),
+        "p90": max(FLOOR_FACTOR * fp90, LP_MIN[dtype]),
+        "decorr": max(FLOOR_FACTOR * fdecorr, CORR_MIN),
+    }
+    values = {"mean": mean, "p90": p90, "decorr": decorr}
+    failed = [k for k in values if values[k] > bounds[k]]
+    return {
+        "tokens": int(stored.numel()),
+        **values,
+        "floor": {"mean": fmean, "p90": fp90, "decorr": fdecorr},
+        "bounds": bounds,
+        "max_abs": float((stored - recomputed).abs().max()) if stored.numel() else 0.0,
+        "ok": not failed,
+        "criterion": failed[0] if failed else "",
+    }
+
+
+def check_logprobs(model, states_n: list[Any], token_ids: list[list[int]], stored: list[Any], dtype: str):
+    """Per-row verdicts (judge_logprobs) of stored engine logprobs against the captured id N states."""
+    ckpt = _ckpt(model)
+    heads = {d: ckpt.head(_dtype(d)) for d in {"float32", dtype}}
+    out = []
+    for s, ids, st in zip(states_n, token_ids, stored, strict=True):
+        ref = logprobs_from_state(ckpt, s, ids, head=heads["float32"])
+        floor = logprobs_from_state(ckpt, s, ids, dtype, head=heads[dtype]) if dtype != "float32" else None
+        out.append(judge_logprobs(st, ref, floor, dtype))
+    return out
+
+
+def reference_logprobs_hf(model_dir, token_ids: list[int], dtype: str = "bfloat16"):
+    """What a correct engine stores: a full transformers forward at `dtype`, fp32 log_softmax, [T-1]. Tests only."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_dtype(dtype)).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([token_ids]), use_cache=False).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(token_ids[1:])[:, None])[:, 0]
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+def check_memory(model, layer_ids: list[int], windows: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+    """Bytes the two checks need, from config.json shapes alone (the module tree built on the meta device).
+
+    logits: final norm + lm_head in fp32 plus their bf16 copy and one chunk of fp32 logits.
+    window: the largest window's decoder-layer parameters at bf16 after dequantization (what it reads);
+    layer_peak: the largest single layer held at bf16 and upcast to fp32 at once (run_window's peak).
+    `windows` defaults to consecutive pairs of `layer_ids`.
+    """
+    from .slices import hf_config
+
+    if isinstance(model, Checkpoint):
+        config = model.config
+    elif isinstance(model, dict):
+        config = hf_config(model.get("text_config", model))
+    else:
+        config = hf_config(raw_config(Path(model)))
+    skel = _skeleton_only(config)
+    n = config.num_hidden_layers
+    windows = windows or list(zip(layer_ids[:-1], layer_ids[1:], strict=False))
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in skel.model.layers]
+    head = sum(p.numel() for p in skel.model.norm.parameters()) + skel.lm_head.weight.numel()
+    sizes = {(a, b): 2 * sum(per_layer[a:b]) for a, b in windows}
+    largest = max(sizes, key=sizes.get) if sizes else None
+    return {
+        "num_hidden_layers": n,
+        "logits_bytes": 6 * head + 4 * HEAD_CHUNK * config.vocab_size,
+        "window_bytes": sizes[largest] if largest else 0,
+        "largest_window": list(largest) if largest else None,
+        "layer_peak_bytes": max((6 * per_layer[k] for a, b in windows for k in range(a, b)), default=0),
+        "windows": {f"{a}->{b}": v for (a, b), v in sizes.items()},
+    }
+
+
+def _skeleton_only(config):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
