@@ -178,14 +178,15 @@ def install(version: str, venv: Path, log) -> dict:
 def first_error(texts: list[str]) -> str | None:
     """The most telling error line: a refusal of ours, else the last exception line."""
     patterns = [
-        r"^(?:eagle3prep\.\S+|\S*Error|\S*Exception)[:].*",  # Python exception line
+        r"^error: .*",  # the backend's own one-line error (vllm_errors.engine_error)
+        r"^(?:eagle3prep\.\S+|\S*Error|\S*Exception): .+",  # a Python exception line with a message
         r".*(?:refus|not supported|needs vLLM).*",
     ]
     for pat in patterns:
         hits = []
         for text in texts:
             hits += [m.group(0).strip() for m in re.finditer(pat, text, flags=re.M)]
-        hits = [h for h in hits if "Traceback" not in h and "WorkflowError" not in h]
+        hits = [h for h in hits if "Traceback" not in h and not h.startswith(("WorkflowError", "RuleException"))]
         if hits:
             return hits[-1][:400]
     return None
@@ -202,7 +203,8 @@ def run_workflow(version: str, venv: Path, args, log) -> dict:
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
     config["tokenize"]["num_shards"] = args.shards
     config["extract"].update(
-        {"backend": "vllm", "device": "cpu", "dtype": args.dtype, "enforce_eager": True, "threads": 1}
+        {"backend": "vllm", "device": "cpu", "dtype": args.dtype, "enforce_eager": True, "threads": 1,
+         "capture_path": args.capture_path}
     )
     config["validate"]["sample_rows"] = args.sample_rows
     keep = Path(tempfile.mkdtemp(prefix=f"vllm-{version}-"))
@@ -212,7 +214,7 @@ def run_workflow(version: str, venv: Path, args, log) -> dict:
     (wd / "config").mkdir()
     (wd / "config/config.yaml").write_text(yaml.safe_dump(config))
     targets = [f"results/validation/shard_{k}.json" for k in range(args.shards)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    env = {**os.environ, **dict(e.split("=", 1) for e in args.env), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PATH": f"{venv / 'bin'}:{os.environ['PATH']}"}
     env.pop("PYTHONPATH", None)
     # Targets before --resources, which takes every following word as a resource.
@@ -226,7 +228,7 @@ def run_workflow(version: str, venv: Path, args, log) -> dict:
         rc, out, err = "timeout", (e.stdout or b"").decode(errors="replace"), (e.stderr or b"").decode(errors="replace")
     wall = round(time.time() - t0, 1)
     log.write(f"$ {' '.join(cmd)}  (cwd {wd})\nrc {rc} after {wall} s\n")
-    row: dict = {"rc": rc, "workflow_s": wall, "workdir": str(wd)}
+    row: dict = {"rc": rc, "workflow_s": wall, "workdir": str(wd), "env": args.env, "capture_path_setting": args.capture_path}
     shards = []
     for k in range(args.shards):
         sh_dir = wd / f"results/hidden_states/shard_{k}"
@@ -271,7 +273,7 @@ def md_table(rows: list[dict]) -> str:
         got = inst.get("installed") or {}
         verdict = "PASS (validate ok)" if r.get("passed") else f"FAIL: `{(r.get('error') or '').replace('|', '/')}`"
         lines.append(
-            f"| {r['version']} | {inst.get('torch_pin')} → {got.get('torch')} | {inst.get('transformers_pin')} → "
+            f"| {r.get('label', r['version'])} | {inst.get('torch_pin')} → {got.get('torch')} | {inst.get('transformers_pin')} → "
             f"{got.get('transformers')} | {r.get('capture_path') or '-'} | {verdict} |"
         )
     return "\n".join(lines) + "\n"
@@ -286,6 +288,9 @@ def main() -> int:
     ap.add_argument("--run-only", action="store_true", help="refuse to install: a missing venv is an error row")
     ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--capture-path", default="auto", choices=["auto", "builtin", "hooks"],
+                    help="extract.capture_path (auto tries hooks first on Llama)")
+    ap.add_argument("--env", nargs="*", default=[], metavar="K=V", help="extra environment for the workflow run (recorded)")
     ap.add_argument("--sample-rows", default=3, type=int)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds for one version's workflow run")
     args = ap.parse_args()
@@ -294,11 +299,13 @@ def main() -> int:
     (args.out / "logs").mkdir(exist_ok=True)
     results_path = args.out / "results.json"
     old = json.loads(results_path.read_text()) if results_path.exists() else {}
-    rows = {r["version"]: r for r in old.get("rows", [])}
+    rows = {r.get("label", r["version"]): r for r in old.get("rows", [])}
     for version in versions:
         venv = args.venv_root / version
         venv.parent.mkdir(parents=True, exist_ok=True)
-        row: dict = {"version": version, "venv": str(venv)}
+        label = version + "".join(f" {k}" for k in (
+            [f"capture_path={args.capture_path}"] if args.capture_path != "auto" else []) + [e.split("=", 1)[0] for e in args.env])
+        row: dict = {"version": version, "label": label, "venv": str(venv)}
         with open(args.out / "logs" / f"{version}.install.txt", "a") as log:
             try:
                 if args.run_only and not (venv / ".installed").exists():
@@ -313,16 +320,16 @@ def main() -> int:
         if not args.install_only and "install" in row:
             with open(args.out / "logs" / f"{version}.install.txt", "a") as log:
                 row.update(run_workflow(version, venv, args, log))
-            (args.out / "logs" / f"{version}.txt").write_text(row.pop("log_tail"))
+            (args.out / "logs" / f"{label.replace(' ', '_')}.txt").write_text(row.pop("log_tail"))
             print(f"[{version}] {'PASS' if row['passed'] else 'FAIL'} path={row.get('capture_path')} "
                   f"{row.get('error') or ''}", flush=True)
         if not args.install_only:
-            rows[version] = row
-        done = [rows[v] for v in sorted(rows, key=lambda v: tuple(int(x) for x in v.split(".")))]
+            rows[label] = row
+        done = [rows[k] for k in sorted(rows, key=lambda k: (tuple(int(x) for x in k.split()[0].split(".")), k))]
         results_path.write_text(json.dumps({
             "repo_commit": subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"],
                                           capture_output=True, text=True).stdout.strip(),
-            "settings": {"shards": args.shards, "dtype": args.dtype, "sample_rows": args.sample_rows,
+            "settings": {"env": args.env, "capture_path": args.capture_path, "shards": args.shards, "dtype": args.dtype, "sample_rows": args.sample_rows,
                          "config": "config/config.yaml + backend vllm, enforce_eager"},
             "rows": done}, indent=1))
         (args.out / "table.md").write_text(
