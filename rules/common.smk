@@ -5,6 +5,7 @@ from eagle3prep.config import (
     ConfigError,
     check_model,
     extract_data_params,
+    reference_mode,
     validate_config,
 )
 from eagle3prep import heal
@@ -104,7 +105,7 @@ def get_gpus(wildcards=None):
 def get_validate_gpus(wildcards=None):
     """GPUs one validate job holds: 1 when its reference runs on cuda."""
     v = config["validate"]
-    return 1 if v["reference"] and v["device"].startswith("cuda") else 0
+    return 1 if reference_mode(v["reference"]) == "full" and v["device"].startswith("cuda") else 0
 
 
 def get_extract_data_params(wildcards=None):

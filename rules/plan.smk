@@ -17,6 +17,7 @@ rule plan:
         layers=config["layers"],
         dtype=config["extract"]["dtype"],
         plan=config["plan"],
+        windows=config["validate"]["windows"],
         gpus=get_gpus(),
     script:
         "../scripts/plan.py"

@@ -14,6 +14,7 @@ with one_line_errors():
             "layers": snakemake.params.layers,
             "extract": {"dtype": snakemake.params.dtype},
             "plan": snakemake.params.plan,
+            "validate": {"windows": snakemake.params.windows},
         },
         snakemake.params.stats,
         hidden_states_dir=snakemake.params.hidden_states,

@@ -18,5 +18,6 @@ with one_line_errors():
         seed=opts["seed"],
         device=opts["device"],
         reference=opts["reference"],
+        windows=opts["windows"],
         trust_remote_code=snakemake.params.trust_remote_code,
     )

@@ -177,6 +177,11 @@ def check_max_seq_len(max_seq_len: int, model_path: str | Path) -> None:
 SPEED_KEYS = frozenset({"batch_tokens", "threads", "gpu_memory_utilization", "max_num_batched_tokens", "staging_dir"})
 
 
+def reference_mode(value: bool | str) -> str:
+    """validate.reference as one of full | scalable | off (true and false are full and off)."""
+    return {True: "full", False: "off"}.get(value, value) if isinstance(value, bool) else str(value)
+
+
 def extract_data_params(extract: dict[str, Any]) -> dict[str, Any]:
     """The extract.* settings that decide a shard's contents: the rule's params (its rerun trigger)."""
     return {k: v for k, v in extract.items() if k not in SPEED_KEYS}

@@ -152,15 +152,15 @@ def extract_shard(
             file=sys.stderr,
         )
         check_free_space(out, needed)  # again: other jobs may have taken space meanwhile
-        job = _Job(out, spec, info, index, tokenized_shard, shard, version, t0)
+        job = _Job(out, spec, info, index, tokenized_shard, shard, version, t0, options)
         return job.write(backend, batch_tokens)
 
 
 class _Job:
     """One shard's stream through a probed backend: token ids, layer files, index, manifest."""
 
-    def __init__(self, out, spec, info, index, tokenized_shard, shard, version, t0):  # noqa: PLR0913 - plain record
-        self.out, self.spec, self.info, self.index = out, spec, info, index
+    def __init__(self, out, spec, info, index, tokenized_shard, shard, version, t0, options):  # noqa: PLR0913
+        self.out, self.spec, self.info, self.index, self.options = out, spec, info, index, options
         self.tokenized, self.shard, self.version, self.t0 = tokenized_shard, shard, version, t0
 
     def write(self, backend: CaptureBackend, batch_tokens: int) -> ShardManifest:
@@ -179,7 +179,8 @@ class _Job:
         t_loaded = time.time()
         try:
             batches = writer.tee(iter_batches(self.tokenized, batch_tokens), on_batch)
-            entries = backend.capture_shard(batches, writer.sink_spec(backend.step_tokens()))
+            spec = writer.sink_spec(backend.step_tokens(), logprob_rows=self._logprob_rows())
+            entries = backend.capture_shard(batches, spec)
             bar.close()
             elapsed = time.time() - t_loaded
 
@@ -196,7 +197,9 @@ class _Job:
                 )
                 faults.kill_point("extract.before_manifest", shard=self.shard)
 
-            manifest = writer.finish(entries, self._manifest_fields(), before_manifest=before_manifest)
+            manifest = writer.finish(
+                entries, self._manifest_fields(), before_manifest=before_manifest, logprobs=backend.capture_logprobs
+            )
         except BaseException:
             writer.abort()
             raise
@@ -209,6 +212,11 @@ class _Job:
             file=sys.stderr,
         )
         return manifest
+
+    def _logprob_rows(self) -> tuple[int, ...]:
+        """extract.logprob_rows rows of the shard, spread evenly (the same rows on every rerun)."""
+        n, k = len(self.index), min(int(self.options.get("logprob_rows", 0) or 0), len(self.index))
+        return tuple(sorted({i * n // k for i in range(k)})) if k else ()
 
     def _manifest_fields(self) -> dict[str, Any]:
         index, spec = self.index, self.spec

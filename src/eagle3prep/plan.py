@@ -153,6 +153,16 @@ def format_plan(plan: dict[str, Any], num_shards_key: str = "tokenize.num_shards
             f"for {plan['num_shards']} shards); they validate, but each extract job still starts the engine, so "
             f"set {num_shards_key} to {max(plan['rows'], 1)} or fewer"
         )
+    mem = plan.get("validation_memory")
+    if mem and "error" not in mem:
+        a, b = mem["largest_window"] or ("-", "-")
+        lines.append(
+            f"validate, reference scalable: the logits check loads {human_bytes(mem['logits_bytes'])} (final norm + "
+            f"lm_head); the largest window ({a} -> {b}) {human_bytes(mem['window_bytes'])} of layers at bf16, one "
+            f"layer at a time: peak {human_bytes(mem['layer_peak_bytes'])}"
+        )
+    elif mem:
+        lines.append(f"validate, reference scalable: memory unknown ({mem['error']})")
     if plan["tokens_per_s"]:
         rec = plan["recommended"]
         lines += [
@@ -216,7 +226,22 @@ def plan_run(
         engine_start_s=config["plan"]["engine_start_s"],
         gpus_per_job=gpus_per_job,
     )
+    plan["validation_memory"] = validation_memory(model_path, config)
     return write_plan(plan, json_path, txt_path)
+
+
+def validation_memory(model_path: str, config: dict[str, Any]) -> dict[str, Any] | None:
+    """What validate.reference scalable loads, from the model's config.json shapes: the logits check
+    (final norm + lm_head) and the largest window (its layers at bf16); None when the shapes cannot be read."""
+    from .scalable import check_memory
+
+    ids = layer_ids(config)
+    windows = (config.get("validate") or {}).get("windows") or ([ids[-2:]] if len(ids) >= 2 else [])
+    try:
+        mem = check_memory(model_path, ids, [tuple(w) for w in windows])
+    except (ValueError, KeyError, OSError) as e:  # an architecture transformers does not know
+        return {"error": str(e)[:300]}
+    return {k: mem[k] for k in ("logits_bytes", "window_bytes", "largest_window", "layer_peak_bytes")}
 
 
 def shard_sizes_from_stats(stats_path: str | os.PathLike) -> list[dict[str, int]]:

@@ -12,11 +12,12 @@ from typing import Any
 from . import faults
 from .atomic import sha256_file, write_json
 from .backends.vllm.compat import KNOWN_BUGS, NO_WORKAROUNDS_ENV, parse_version
+from .config import reference_mode
 from .errors import UserError
 from .gpus import claim_job_gpus
 from .passrule import describe_failure, judge_layer, judge_row, miss_probability, rows_to_sample
 from .reference import ReferencePair
-from .shard.format import MANIFEST, TIMINGS, TOKEN_IDS, ShardManifest, layer_file, read_manifest
+from .shard.format import LOGPROBS, MANIFEST, TIMINGS, TOKEN_IDS, ShardManifest, layer_file, read_manifest
 from .shard.shardset import Shard, open_shard, shard_checks
 
 CHUNK_TOKENS = 65536  # rows of a layer file read at once for statistics (bounds memory)
@@ -203,6 +204,65 @@ def _check_reference(
     return results, summary
 
 
+def _check_scalable(
+    shard: Shard,
+    rows: list[dict[str, Any]],
+    model_path: str,
+    picks: list[int],
+    windows: list[list[int]] | None,
+    checks: Checks,
+) -> dict[str, Any]:
+    """reference: scalable — the window checks on the sampled rows and the logits check on the rows
+    whose prompt logprobs the engine stored; each loads only its slice of the model (scalable.py)."""
+    from safetensors import safe_open
+
+    from .scalable import check_logprobs, check_window
+
+    m, ids = shard.manifest, shard.manifest.layer_ids
+    windows = windows if windows is not None else ([ids[-2:]] if len(ids) >= 2 else [])
+    out: dict[str, Any] = {"windows": {}, "logits": []}
+
+    def rows_of(lid: int, positions: list[int]) -> list[Any]:
+        with safe_open(shard.dir / layer_file(lid), framework="pt") as f:
+            sl = f.get_slice("hidden_states")
+            return [sl[shard.index[i].offset : shard.index[i].offset + shard.index[i].length] for i in positions]
+
+    for a, b in windows:
+        if a not in ids or b not in ids or a >= b:
+            checks.add(f"window:{a}-{b}", False, f"validate.windows: [{a}, {b}] needs two captured ids a < b of {ids}")
+            continue
+        global_rows = [shard.index[i].row for i in picks]
+        verdicts = check_window(model_path, rows_of(a, picks), rows_of(b, picks), a, b, m.dtype, rows=global_rows)
+        out["windows"][f"{a}-{b}"] = verdicts
+        failed = [v for v in verdicts if not v["ok"]]
+        detail = f"{len(verdicts)} rows through layers {a}..{b - 1}"
+        if failed:
+            detail = f"{len(failed)} of {len(verdicts)} rows fail; first: " + describe_failure(
+                failed[0], m.dtype, f"layers {a}..{b - 1} alone from the captured id {a}"
+            )
+        checks.add(f"window:{a}-{b}", not failed, detail)
+    if LOGPROBS not in m.files or m.num_hidden_layers not in ids:
+        checks.add("logits", True, "skipped: the shard stores no prompt logprobs or has no id N")
+        return out
+    with safe_open(shard.dir / LOGPROBS, framework="pt") as f:
+        lp_rows, offsets, stored = f.get_tensor("rows").tolist(), f.get_tensor("offsets"), f.get_tensor("logprobs")
+    states = rows_of(m.num_hidden_layers, lp_rows)
+    tokens = [rows[i]["input_ids"] for i in lp_rows]
+    stored_rows = [stored[offsets[k] : offsets[k + 1]] for k in range(len(lp_rows))]
+    verdicts = check_logprobs(model_path, states, tokens, stored_rows, m.dtype)
+    out["logits"] = [{"row": shard.index[i].row, **v} for i, v in zip(lp_rows, verdicts, strict=True)]
+    failed = [v for v in out["logits"] if not v["ok"]]
+    detail = f"{len(verdicts)} rows: final norm + lm_head on id {m.num_hidden_layers} reproduce the engine's logprobs"
+    if failed:
+        v = failed[0]
+        detail = (
+            f"{len(failed)} of {len(verdicts)} rows fail; first: row {v['row']}: {v['criterion']} "
+            f"{v[v['criterion']]:.3g} > bound {v['bounds'][v['criterion']]:.3g} (floor run: {m.dtype} lm_head)"
+        )
+    checks.add("logits", not failed, detail)
+    return out
+
+
 def known_engine_bug(manifest: ShardManifest) -> str:
     """The known engine bug (compat.KNOWN_BUGS) that fits this shard's engine and was not worked around."""
     engine = manifest.engine
@@ -229,9 +289,10 @@ def validate_shard(
     sample_rows: int | str = "auto",
     seed: int = 0,
     device: str = "cpu",
-    reference: bool = True,
+    reference: bool | str = True,
     trust_remote_code: bool = False,
     refs: ReferencePair | None = None,
+    windows: list[list[int]] | None = None,
 ) -> dict[str, Any]:
     """Run every check, write the report to `out_json`, raise ValidationError if any failed.
 
@@ -255,14 +316,17 @@ def validate_shard(
             shard := open_shard(shard_dir, tokenized_shard), checks
         ):
             report["layer_stats"] = _check_tensors(shard.dir, m, rows, checks)
-            report["reference_mode"] = "full" if reference else "off"
-            picks = _sample(len(rows), sample_rows, seed) if reference else []
+            mode = reference_mode(reference)
+            report["reference_mode"] = mode
+            picks = _sample(len(rows), sample_rows, seed) if mode != "off" else []
             report["reference_sample"] = {
                 "rows": len(picks),
                 "of": len(rows),
                 "miss_probability": miss_probability(len(rows), len(picks)) if rows else 0.0,
             }
-            if picks and not checks.failed:
+            if picks and not checks.failed and mode == "scalable":
+                report["scalable"] = _check_scalable(shard, rows, model_path, picks, windows, checks)
+            elif picks and not checks.failed:
                 with claim_job_gpus(1 if device.startswith("cuda") and refs is None else 0):
                     refs = refs or ReferencePair(model_path, m.dtype, device, trust_remote_code)
                     report["reference_floor"] = refs.describe()

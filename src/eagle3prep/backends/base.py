@@ -51,6 +51,8 @@ class CaptureBackend(ABC):
         self.spec = spec
         self.options = options
         self.capture_stats: dict[str, Any] = {}  # timings of the last capture_shard(), for timings.json
+        # {shard row: [T-1] float32} prompt logprobs of the actual tokens, for SinkSpec.logprob_rows
+        self.capture_logprobs: dict[int, Any] = {}
 
     @abstractmethod
     def probe(self) -> EngineInfo:
@@ -59,7 +61,8 @@ class CaptureBackend(ABC):
     @abstractmethod
     def capture_shard(self, batches: Iterator[list[list[int]]], sink: SinkSpec) -> dict[int, dict[str, Any]]:
         """Forward every row of `batches` (the shard's rows in order; row i is `sink.tag(i)`) and write
-        its layers through a LayerSink(sink); return LayerSink.finish()'s {layer_id: file entry}."""
+        its layers through a LayerSink(sink); return LayerSink.finish()'s {layer_id: file entry}. The
+        prompt logprobs of `sink.logprob_rows` go to `capture_logprobs`."""
 
     def step_tokens(self) -> int:
         """The largest forward step, in tokens: the size of the sink's host slots."""

@@ -82,18 +82,22 @@ class HFBackend(CaptureBackend):
 
     def capture_shard(self, batches: Iterator[list[list[int]]], sink: SinkSpec) -> dict[int, dict[str, Any]]:
         out = LayerSink(sink)
+        self.capture_logprobs = {}
         try:
             first = 0
             for batch in batches:
-                self._step(out, batch, [sink.tag(first + i) for i in range(len(batch))])
+                wanted = [i for i in range(len(batch)) if first + i in sink.logprob_rows]
+                logprobs = self._step(out, batch, [sink.tag(first + i) for i in range(len(batch))], wanted)
+                self.capture_logprobs.update({first + i: lp for i, lp in logprobs.items()})
                 first += len(batch)
             return out.finish()
         except BaseException:
             out.abort()
             raise
 
-    def _step(self, sink: LayerSink, batch: list[list[int]], tags: list[str]) -> None:
-        """One padded forward of the base model; its valid rows go to the sink as one step."""
+    def _step(self, sink: LayerSink, batch: list[list[int]], tags: list[str], wanted: list[int]) -> dict[int, Any]:
+        """One padded forward of the base model; its valid rows go to the sink as one step. Returns
+        the prompt logprobs of the `wanted` rows of the batch, from this model's own lm_head."""
         import torch
 
         lengths = [len(r) for r in batch]
@@ -105,13 +109,25 @@ class HFBackend(CaptureBackend):
         self._captured = {}
         with torch.inference_mode():
             # The base model only: the LM head's [B, T, vocab] logits are not needed.
-            self.base(input_ids=ids.to(self.spec.device), attention_mask=mask.to(self.spec.device), use_cache=False)
+            out = self.base(
+                input_ids=ids.to(self.spec.device), attention_mask=mask.to(self.spec.device), use_cache=False
+            )
+            logprobs = {i: self._logprobs(out.last_hidden_state[i, : lengths[i]], batch[i]) for i in wanted}
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         sink.begin_step([Segment(t, 0, s, s + n) for t, s, n in zip(tags, starts, lengths, strict=True)])
         for lid in sorted(self.spec.layer_ids):
             hs = self._captured[lid]  # [B, T_max, H]
             sink.add_layer(lid, torch.cat([hs[i, :n] for i, n in enumerate(lengths)]))  # [sum_T, H], a new tensor
         self._captured = {}
+        return logprobs
+
+    def _logprobs(self, normed: Any, row: list[int]) -> Any:
+        """[T-1] float32: log p(token t | tokens < t), t >= 1, from the final-norm output [T, H]."""
+        import torch
+
+        logits = self.model.get_output_embeddings()(normed[:-1]).float()  # [T-1, vocab]
+        ids = torch.tensor(row[1:], dtype=torch.long, device=logits.device)
+        return torch.log_softmax(logits, -1).gather(-1, ids[:, None])[:, 0].cpu()
 
     def close(self) -> None:
         for h in self._handles:

@@ -104,7 +104,7 @@ def reference_skipped(v: dict[str, Any]) -> bool:
     New files say so in `reference_mode` ("off"), older ones and `sample_rows: 0` by an absent or
     empty `reference`. A shard without rows has nothing to compare and does not count as skipped.
     """
-    if v.get("rows") == 0:
+    if v.get("rows") == 0 or v.get("reference_mode") == "scalable":  # slice checks ran (window, logits)
         return False
     return v.get("reference_mode") == "off" or not v.get("reference")
 
@@ -179,6 +179,8 @@ def reference_summary(reports: list[dict[str, Any]]) -> str:
     """One line: how many rows were recomputed, against what, and the chance a bad 5 % of rows slipped by."""
     sampled = [v["reference_sample"] for v in reports if v.get("reference_sample")]
     floors = sorted({str(v["reference_floor"]) for v in reports if v.get("reference_floor")})
+    if any(v.get("reference_mode") == "scalable" for v in reports):
+        floors.append("the window and logits checks (validate.reference: scalable)")
     if not sampled:
         n = sum(len({r["row"] for r in v.get("reference") or []}) for v in reports)
         return f"{n} rows recomputed in all (an older validation file: no sample summary)"

@@ -24,6 +24,7 @@ from ..records import IndexEntry
 MANIFEST = "manifest.json"
 INDEX = "index.json"
 TOKEN_IDS = "token_ids.safetensors"
+LOGPROBS = "logprobs.safetensors"  # the engine's prompt logprobs of a few rows (validate's logits check)
 TIMINGS = "timings.json"  # wall-clock facts; outside the manifest so equal data gives equal bytes
 FORMAT = "eagle3prep.hidden_states/1"
 

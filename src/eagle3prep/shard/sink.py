@@ -50,6 +50,7 @@ class SinkSpec:
     slots: int = 3
     sync_bytes: int = FLUSH_EVERY
     tag_prefix: str = "row"
+    logprob_rows: tuple[int, ...] = ()  # rows whose prompt logprobs the engine also returns (logits check)
 
     @property
     def total_tokens(self) -> int:

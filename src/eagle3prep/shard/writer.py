@@ -7,16 +7,28 @@ timings.json and, last, manifest.json. abort() removes every file of an unfinish
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from .. import faults
-from ..atomic import fsync_dir, sha256_file, write_json
+from ..atomic import atomic_open, fsync_dir, sha256_file, write_json
 from ..records import IndexEntry
 from .files import StreamingSafetensorsWriter
-from .format import INDEX, MANIFEST, TIMINGS, TOKEN_IDS, ShardManifest, disk_full_is_user_error, layer_file, temp_of
+from .format import (
+    INDEX,
+    LOGPROBS,
+    MANIFEST,
+    TIMINGS,
+    TOKEN_IDS,
+    ShardManifest,
+    disk_full_is_user_error,
+    layer_file,
+    temp_of,
+)
 from .sink import SinkSpec
 
 
@@ -65,8 +77,10 @@ class ShardWriter:
         layer_entries: dict[int, dict[str, Any]],
         manifest: dict[str, Any],
         before_manifest: Callable[[], None] | None = None,
+        logprobs: dict[int, Any] | None = None,
     ) -> ShardManifest:
-        """Check the sink's layer files, close the token ids, write index.json, then manifest.json last."""
+        """Check the sink's layer files, close the token ids, write index.json (and the engine's
+        prompt logprobs of a few rows, `logprobs` {row: [T-1]}), then manifest.json last."""
         files = {}
         if sorted(layer_entries) != self.layer_ids:
             raise ValueError(f"the backend wrote layers {sorted(layer_entries)}, expected {self.layer_ids}")
@@ -92,6 +106,8 @@ class ShardWriter:
         with disk_full_is_user_error(self.out_dir / INDEX):
             write_json(self.out_dir / INDEX, [e.to_json() for e in self.index])
         files[INDEX] = {"sha256": sha256_file(self.out_dir / INDEX), "bytes": (self.out_dir / INDEX).stat().st_size}
+        if logprobs:
+            files[LOGPROBS] = self._write_logprobs(logprobs)
         fsync_dir(self.out_dir)
         if before_manifest is not None:
             self._placed.append(self.out_dir / TIMINGS)
@@ -104,6 +120,26 @@ class ShardWriter:
             write_json(self.out_dir / MANIFEST, result.to_json())
         self._placed = []  # finished: the files now belong to the manifest
         return result
+
+    def _write_logprobs(self, logprobs: dict[int, Any]) -> dict[str, Any]:
+        """logprobs.safetensors: rows [k] (positions in the index), offsets [k+1], logprobs [sum(T-1)] f32."""
+        import torch
+        from safetensors.torch import save
+
+        rows = sorted(logprobs)
+        lengths = [int(logprobs[r].numel()) for r in rows]
+        blob = save(
+            {
+                "rows": torch.tensor(rows, dtype=torch.int64),
+                "offsets": torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64),
+                "logprobs": torch.cat([logprobs[r].float() for r in rows]),
+            }
+        )
+        path = self.out_dir / LOGPROBS
+        self._placed.append(path)
+        with disk_full_is_user_error(path), atomic_open(path, "wb") as f:
+            f.write(blob)
+        return {"sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
 
     def abort(self) -> None:
         """Remove every file of the unfinished shard: temp files, and those already renamed into place."""

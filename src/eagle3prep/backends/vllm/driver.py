@@ -249,7 +249,7 @@ class VLLMBackend(CaptureBackend):
         if isinstance(self.path, HooksPath):  # a full step always waiting, whatever the batches' size
             self.path.window_tokens = max(int(self.options.get("batch_tokens") or 0), 2 * self.step_tokens())
         entries = self.path.capture_shard(self.llm, batches, sink)
-        self.capture_stats = self.path.stats
+        self.capture_stats, self.capture_logprobs = self.path.stats, self.path.logprobs
         return entries
 
     def step_tokens(self) -> int:

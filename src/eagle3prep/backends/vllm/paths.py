@@ -43,14 +43,29 @@ class WorkerUserError(UserError):
     """A UserError raised in the vLLM worker (a full disk), passed on with its message."""
 
 
-def sampling_params(tag: str, extra: dict[str, Any] | None = None) -> Any:
+def sampling_params(tag: str, extra: dict[str, Any] | None = None, logprobs: bool = False) -> Any:
     from vllm import SamplingParams
 
     # One output token: the prompt's forward is all we need. The tag lets the worker (hooks) and
     # the file name (builtin) attribute rows to requests whatever ids vLLM assigns internally.
+    # prompt_logprobs=0: the logprob of each actual prompt token (validate's logits check).
     return SamplingParams(
-        max_tokens=1, temperature=0.0, detokenize=False, extra_args={compat.TAG_KEY: tag, **(extra or {})}
+        max_tokens=1,
+        temperature=0.0,
+        detokenize=False,
+        extra_args={compat.TAG_KEY: tag, **(extra or {})},
+        **({"prompt_logprobs": 0} if logprobs else {}),
     )
+
+
+def prompt_logprobs(out: Any, ids: list[int]) -> Any:
+    """[T-1] float32 logprobs of tokens 1.. of a finished request (vLLM's position 0 has none)."""
+    import torch
+
+    per_pos = out.prompt_logprobs or []
+    if len(per_pos) != len(ids):
+        raise CaptureError(f"request {out.request_id}: {len(per_pos)} prompt logprobs for {len(ids)} tokens")
+    return torch.tensor([per_pos[t][ids[t]].logprob for t in range(1, len(ids))], dtype=torch.float32)
 
 
 def _read_request_file(path: str) -> dict[str, torch.Tensor]:
@@ -82,6 +97,7 @@ class BuiltinPath:
         self.custom_path = compat.custom_save_path_supported(version)
         self.on_cpu = on_cpu
         self.stats: dict[str, Any] = {}
+        self.logprobs: dict[int, Any] = {}
 
     def engine_kwargs(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"shared_storage_path": str(self.staging)}
@@ -107,15 +123,23 @@ class BuiltinPath:
         from vllm import TokensPrompt
 
         sink = LayerSink(spec)
+        self.logprobs: dict[int, Any] = {}
         try:
             first = 0
             for batch in batches:
                 tags = [spec.tag(first + i) for i in range(len(batch))]
                 first += len(batch)
-                params = [sampling_params(t, self._file_params(t)) for t in tags]
+                rows = range(first - len(batch), first)
+                params = [
+                    sampling_params(t, self._file_params(t), r in spec.logprob_rows)
+                    for t, r in zip(tags, rows, strict=True)
+                ]
                 prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in batch]
-                for out, ids, tag in zip(llm.generate(prompts, params, use_tqdm=False), batch, tags, strict=True):
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                for out, ids, tag, r in zip(outs, batch, tags, rows, strict=True):
                     sink.write_rows(tag, self._rows(out, ids, tag))
+                    if r in spec.logprob_rows:
+                        self.logprobs[r] = prompt_logprobs(out, ids)
             return sink.finish()
         except BaseException:
             sink.abort()
@@ -164,6 +188,7 @@ class HooksPath:
         self.layer_ids = layer_ids
         self.version = version
         self.window_tokens = 0  # set by the driver once the engine's step size is known
+        self.logprobs: dict[int, Any] = {}
         self.stats: dict[str, Any] = {}  # the worker's sink timings of the last shard
 
     def engine_kwargs(self) -> dict[str, Any]:
@@ -185,17 +210,19 @@ class HooksPath:
         engine = llm.llm_engine
         in_flight = submitted = 0
         finished = False
+        self.logprobs, wanted = {}, {spec.tag(r): r for r in spec.logprob_rows}
         try:
             for batch in batches:
                 for ids in batch:
                     tag = spec.tag(submitted)
-                    engine.add_request(tag, TokensPrompt(prompt_token_ids=list(ids)), sampling_params(tag))
+                    params = sampling_params(tag, logprobs=tag in wanted)
+                    engine.add_request(tag, TokensPrompt(prompt_token_ids=list(ids)), params)
                     submitted += 1
                     in_flight += len(ids)
                 while in_flight > self.window_tokens:
-                    in_flight -= self._step(engine)
+                    in_flight -= self._step(engine, wanted)
             while engine.has_unfinished_requests():
-                in_flight -= self._step(engine)
+                in_flight -= self._step(engine, wanted)
             if submitted != len(spec.rows):
                 raise CaptureError(f"the shard has {len(spec.rows)} rows, {submitted} were read from its batches")
             reply = compat.rpc_result(llm.collective_rpc("e3p_finish_shard"), version=self.version)
@@ -214,11 +241,12 @@ class HooksPath:
         self.stats = {"window_tokens": self.window_tokens, **reply.get("stats", {})}
         return {int(k): v for k, v in reply["entries"].items()}
 
-    @staticmethod
-    def _step(engine: Any) -> int:
-        """One engine step; the prompt tokens of the requests it finished."""
+    def _step(self, engine: Any, wanted: dict[str, int]) -> int:
+        """One engine step; the prompt tokens of the requests it finished (their logprobs kept if wanted)."""
         done = 0
         for out in engine.step():
             if out.finished:
                 done += len(out.prompt_token_ids or ())
+                if wanted and out.request_id in wanted:
+                    self.logprobs[wanted[out.request_id]] = prompt_logprobs(out, list(out.prompt_token_ids))
         return done

@@ -1,0 +1,78 @@
+"""validate.reference: scalable through validate_shard, with the full reference off: the window check and
+the logits check (on the prompt logprobs the extract job stored) pass a right capture and fail every
+planted mistake of the validation matrix, on a dense and on a DeepSeek-V3 (MLA + MoE) target."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3prep.backends.base import CaptureSpec
+from eagle3prep.extract import extract_shard
+from eagle3prep.layers import default_layer_ids
+from eagle3prep.planted import MISTAKES, plant
+from eagle3prep.tiny_models import NUM_LAYERS, build_family
+from eagle3prep.validate import ValidationError, validate_shard
+
+ROWS = 6  # rows 1 and 3 share a length (rows_swapped); logprob rows 0, 1, 3, 4 include both
+
+
+def write_rows(path: Path, vocab: int, seed: int, first_row: int) -> Path:
+    rng = random.Random(seed)
+    lengths = [rng.randrange(16, 90) for _ in range(ROWS)]
+    lengths[3] = lengths[1]
+    with open(path, "w", encoding="utf-8") as f:
+        for i, n in enumerate(lengths):
+            ids = [rng.randrange(3, vocab) for _ in range(n)]
+            rec = {"row": first_row + i, "id": f"{seed}-{i}", "input_ids": ids, "loss_mask": [1] * n, "seq_len": n}
+            f.write(json.dumps(rec) + "\n")
+    return path
+
+
+def verdict(shard: Path, tokens: Path, model: Path, out: Path, window: list[int]) -> tuple[bool, list[str], str]:
+    try:
+        report = validate_shard(str(shard), str(tokens), str(out), str(model), reference="scalable", windows=[window])
+    except ValidationError as e:
+        return False, e.failed, str(e)
+    assert report["reference_mode"] == "scalable" and "reference" not in report  # no full forward ran
+    return True, [], ""
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_scalable_checks_pass_right_data_and_catch_every_planted_mistake(tmp_path, family):
+    import transformers
+
+    model = build_family(family, tmp_path / family)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    ids = default_layer_ids(NUM_LAYERS)  # what the planted shards claim to hold; the window is their last two
+    every = list(range(1, NUM_LAYERS + 1))  # captured: the neighbours the layer-off-by-one mistakes take
+    spec = CaptureSpec(backend="hf", model_path=str(model), layer_ids=every, dtype="bfloat16", max_seq_len=256)
+    shards, tokens = [], []
+    for k in range(2):
+        tokens.append(write_rows(tmp_path / f"tokens_{k}.jsonl", vocab, k, k * ROWS))
+        shards.append(tmp_path / f"shard_{k}")
+        extract_shard(str(tokens[k]), str(shards[k]), spec, {"logprob_rows": 4}, batch_tokens=512, shard=k)
+    assert (shards[0] / "logprobs.safetensors").is_file()
+
+    window = ids[-2:]
+    ok, failed, message = verdict(shards[0], tokens[0], model, tmp_path / "v.json", window)
+    assert ok, message
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+    def final_norm(x):
+        with torch.no_grad():
+            return hf.model.norm(x)
+
+    scale = float(getattr(hf.config, "routed_scaling_factor", 2.5) or 2.5)
+    caught = {}
+    for mistake in MISTAKES:
+        bad = plant(mistake, shards[0], tmp_path / mistake, ids, final_norm, scale, other=shards[1])
+        ok, failed, message = verdict(bad, tokens[0], model, tmp_path / f"v_{mistake}.json", window)
+        assert not ok, f"{mistake} passed the scalable checks"
+        assert set(failed) <= {"logits", f"window:{window[0]}-{window[1]}"}, (mistake, failed)
+        caught[mistake] = failed
+    print(family, caught)
