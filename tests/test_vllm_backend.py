@@ -187,9 +187,8 @@ def test_extract_shard_matches_transformers(engine, rows, reference, tmp_path):
         )
     )
     # batch_tokens 300: several batches, so rows of two batches share the engine's steps on the hooks path
-    manifest = extract_shard(
-        str(tokenized), str(tmp_path / "out"), backend.spec, backend.options, 300, 0, engine=engine
-    )
+    options = {**backend.options, "logprob_rows": 2}  # the engine's prompt logprobs of rows 0 and 3
+    manifest = extract_shard(str(tokenized), str(tmp_path / "out"), backend.spec, options, 300, 0, engine=engine)
     out = {i: load_file(tmp_path / "out" / f"layer_{i}.safetensors")["hidden_states"] for i in manifest.layer_ids}
     assert_matches(out, info, reference["float32"], reference["bfloat16"])
     for name, entry in manifest.files.items():
@@ -197,3 +196,15 @@ def test_extract_shard_matches_transformers(engine, rows, reference, tmp_path):
     ids = load_file(tmp_path / "out" / "token_ids.safetensors")["token_ids"]
     assert ids.tolist() == [t for r in rows for t in r]
     assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".")) == []  # no temp files
+    # The stored logprobs are vLLM's own, and the captured id N reproduces them (validate's logits check).
+    from eagle3prep.scalable import check_logprobs
+
+    lp = load_file(tmp_path / "out" / "logprobs.safetensors")
+    picked, offsets = lp["rows"].tolist(), lp["offsets"].tolist()
+    assert picked == [0, len(rows) // 2] and offsets[-1] == sum(len(rows[r]) - 1 for r in picked)
+    n = max(manifest.layer_ids)
+    starts = [sum(len(r) for r in rows[:i]) for i in range(len(rows))]
+    states = [out[n][starts[r] : starts[r] + len(rows[r])] for r in picked]
+    stored = [lp["logprobs"][offsets[k] : offsets[k + 1]] for k in range(len(picked))]
+    verdicts = check_logprobs(backend.spec.model_path, states, [rows[r] for r in picked], stored, info.dtype)
+    assert all(v["ok"] for v in verdicts), verdicts
