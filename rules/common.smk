@@ -105,7 +105,11 @@ def get_gpus(wildcards=None):
 def get_validate_gpus(wildcards=None):
     """GPUs one validate job holds: 1 when its reference runs on cuda."""
     v = config["validate"]
-    return 1 if reference_mode(v["reference"]) == "full" and v["device"].startswith("cuda") else 0
+    return (
+        1
+        if reference_mode(v["reference"]) == "full" and v["device"].startswith("cuda")
+        else 0
+    )
 
 
 def get_extract_data_params(wildcards=None):
