@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_export import AUX, FINAL, H, REQUANT_MAX, all_rows, finished_results, layer_rows, rel_per_token
+from test_export import AUX, FINAL, REQUANT_MAX, H, all_rows, finished_results, layer_rows, rel_per_token
 
 from eagle3prep.dataset import HiddenStatesDataset
 

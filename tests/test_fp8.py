@@ -63,7 +63,7 @@ def test_what_reads_back():
     ok = torch.ones(len(x), dtype=torch.bool)
     ok[[5, 9, 11]] = False
     err = token_errors(back[ok], x[ok])
-    assert float(err.max()) < 0.04 and 0.01 < float(err.mean())  # e4m3: 3 mantissa bits, every magnitude
+    assert float(err.max()) < 0.04 and float(err.mean()) > 0.01  # e4m3: 3 mantissa bits, every magnitude
     assert bool((q.float().abs().amax(dim=1)[ok] == 448).all())  # each token's largest value sits at FP8's max
     assert torch.equal(roundtrip_fp8(back[ok]), back[ok])  # requantizing what an FP8 file holds changes nothing
 
