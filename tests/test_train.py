@@ -4,7 +4,7 @@ from a copy export (hs files, speculators' `file` backend) and once from a direc
 
 from __future__ import annotations
 
-import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -12,12 +12,12 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from speculators_cpu import run_trainer_on_cpu
 from test_export import export_inputs, finished_results
 from workflow_helpers import REPO
 
@@ -25,84 +25,63 @@ from eagle3prep.export import export_speculators
 
 pytest.importorskip("speculators.train.cli", reason="speculators 0.9.0: make .venv/.installed")
 
-from eagle3prep.train.backend import BACKEND, Eagle3PrepBackend, ShardTransfer  # noqa: E402
-from eagle3prep.train.cli import main as train_main  # noqa: E402
+from eagle3prep.train.backend import Eagle3PrepBackend, ShardTransfer  # noqa: E402
 from eagle3prep.train.rows import ExportRows, ExportRowsError  # noqa: E402
 
 STEPS = 6
 
 
-def demo_exports(workdir: Path, out: Path) -> dict[str, Path]:
-    """Both exports of a workflow run's results/, as its export rule makes them: {"copy": dir, "direct": dir}."""
-    k = range(len(list((workdir / "results/hidden_states").glob("shard_*"))))
-    inputs = {
-        "shard_dirs": [f"results/hidden_states/shard_{i}" for i in k],
-        "validations": [f"results/validation/shard_{i}.json" for i in k],
-        "tokenized": [f"results/tokenized/shard_{i}.jsonl" for i in k],
-        "token_freq_json": "results/tokenized/token_freq.json",
-    }
-    with contextlib.chdir(workdir):  # the validations name their shards relative to the workflow's folder
-        for mode in ("copy", "direct"):
-            export_speculators(**inputs, out_dir=str(out / mode), hidden_states=mode)
-    return {mode: out / mode for mode in ("copy", "direct")}
+def load_bench():
+    """bench/train_h200.py, the GPU run of item 4, whose CPU dry path these tests run."""
+    spec = importlib.util.spec_from_file_location("train_h200", REPO / "bench" / "train_h200.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def train_both_ways(workdir: Path, model: Path, out: Path) -> dict:
+    """bench/train_h200.py --cpu on a finished workflow run: both exports, then speculators' trainer
+    (eagle3, eager loss, sdpa attention, a 1-layer draft) for STEPS steps from each; its summary."""
+    argv = [str(out), "--cpu", "--workdir", str(workdir), "--model", str(model), "--steps", str(STEPS)]
+    argv += ["--seq-len", "128", "--draft-vocab-size", "64", "--ratio", "0.97", "--num-workers", "0"]
+    assert load_bench().main(argv) == 0
+    return json.loads((out / "summary.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def demo(small_demo_run, tmp_path_factory) -> dict:
-    """The demo workflow's results (3 shards, 181 rows, bf16), exported both ways into a scratch folder."""
-    exports = demo_exports(small_demo_run, tmp_path_factory.mktemp("train_exports"))
-    return {"model": small_demo_run / "results/demo/model", "exports": exports}
+    """The demo workflow's results (3 shards, 181 rows, bf16) trained on both ways."""
+    out = tmp_path_factory.mktemp("train_bf16")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "'pin_memory' argument is set as true but no accelerator")
+        summary = train_both_ways(small_demo_run, small_demo_run / "results/demo/model", out)
+    return {"out": out, "summary": summary, "exports": {m: out / "exports" / m for m in ("copy", "direct")}}
 
 
-def train(monkeypatch, tmp: Path, model: Path, export: Path, backend: str, name: str) -> list[dict]:
-    """speculators' trainer (eagle3, eager loss, sdpa attention, a 1-layer draft) for STEPS steps on the CPU,
-    through `eagle3prep-train`; returns its metrics records (train steps, then the validation epoch)."""
-    run_trainer_on_cpu(monkeypatch)
-    target = json.loads((export / "manifest.json").read_text())["target_layer_ids"]
-    metrics = tmp / f"{name}.jsonl"
-    args = [
-        *("--verifier-name-or-path", str(model), "--data-path", str(export)),
-        *("--speculator-type", "eagle3", "--target-layer-ids", *map(str, target)),
-        *("--hidden-states-backend", backend, "--on-missing", "raise"),
-        *("--draft-vocab-size", "64", "--total-seq-len", "128", "--num-workers", "0"),
-        *("--loss-implementation", "eager", "--draft-attn-impl", "sdpa"),
-        *("--epochs", "1", "--max-steps", str(STEPS), "--seed", "0", "--train-data-ratio", "0.97"),
-        *("--save-path", str(tmp / f"{name}-ckpt"), "--log-dir", str(tmp / f"{name}-logs")),
-    ]
-    assert train_main(["--metrics-jsonl", str(metrics), "--", *args]) == 0
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
-
-
-def losses(records: list[dict]) -> tuple[list[float], dict]:
-    steps = [r["train"]["loss"] for r in records if "train" in r]
-    (val,) = [r["val"] for r in records if "val" in r]
-    return steps, val
-
-
-@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true but no accelerator")
-def test_direct_training_has_identical_losses_to_the_copy(demo, monkeypatch, tmp_path):
-    copy, direct = demo["exports"]["copy"], demo["exports"]["direct"]
-    runs = {
-        "copy": train(monkeypatch, tmp_path, demo["model"], copy, "file", "copy"),
-        "direct": train(monkeypatch, tmp_path, demo["model"], direct, BACKEND, "direct"),
-    }
-    (copy_steps, copy_val), (direct_steps, direct_val) = losses(runs["copy"]), losses(runs["direct"])
-    print(f"bf16 train losses {copy_steps}; validation {copy_val['loss_epoch']}")
-    assert len(copy_steps) == STEPS and all(math.isfinite(x) and x > 0 for x in copy_steps)
-    assert direct_steps == copy_steps  # identical floats: the same bytes went in
-    assert direct_val == copy_val and math.isfinite(copy_val["loss_epoch"])
-    # The draft checkpoint speculators saved after the run is the same too.
-    a, b = (load_file(tmp_path / f"{n}-ckpt/0/model.safetensors") for n in ("copy", "direct"))
+def assert_identical_training(out: Path, summary: dict) -> None:
+    copy, direct = summary["runs"]["copy"], summary["runs"]["direct"]
+    print(f"train losses {copy['losses']}; validation {copy['val_losses']}")
+    assert len(copy["losses"]) == STEPS and all(math.isfinite(x) and x > 0 for x in copy["losses"])
+    assert direct["losses"] == copy["losses"]  # identical floats: the same bytes went in
+    assert direct["val_losses"] == copy["val_losses"] and len(copy["val_losses"]) == 1
+    assert summary["all_identical"] and summary["ok"] and summary["identical_steps"] == STEPS
+    # The draft speculators saved after the run is the same too.
+    a, b = (load_file(out / f"{way}/checkpoints/0/model.safetensors") for way in ("copy", "direct"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_direct_training_has_identical_losses_to_the_copy(demo):
+    assert_identical_training(demo["out"], demo["summary"])
 
 
 def test_direct_export_holds_no_hidden_state_byte_and_serves_the_same_rows(demo):
     copy, direct = demo["exports"]["copy"], demo["exports"]["direct"]
-    on_disk = sorted(str(p.relative_to(direct)) for p in direct.rglob("*") if p.is_file())
+    # d2t-/t2d-{size}.npy: the vocabulary mapping speculators' trainer cached there during the run.
+    on_disk = sorted(str(p.relative_to(direct)) for p in direct.rglob("*") if p.is_file() and p.suffix != ".npy")
     manifest = json.loads((direct / "manifest.json").read_text())
     assert manifest["hidden_states"] == "direct" and not (direct / "hidden_states").exists()
-    assert not [p for p in on_disk if p.endswith(".safetensors")]
     assert on_disk == sorted([*manifest["files"], "manifest.json"])
+    assert not [p for p in on_disk if p.endswith(".safetensors")]
     hs_bytes = sum(p.stat().st_size for p in (copy / "hidden_states").iterdir())
     direct_bytes = sum((direct / p).stat().st_size for p in on_disk)
     assert direct_bytes < hs_bytes / 20  # the arrow part and token_freq.pt only

@@ -1,4 +1,4 @@
-"""`eagle3prep-train [--metrics-jsonl FILE] -- <speculators train arguments>`
+"""`eagle3prep-train [--metrics-jsonl FILE] [--deterministic] -- <speculators train arguments>`
 
 Registers the hidden-states backend `eagle3prep` (eagle3prep.train.backend), then runs speculators'
 own trainer, `speculators.train.cli.main(TrainConfig.resolve(args))`, which is what `speculators
@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,6 +66,24 @@ def _metrics_to(path: Path | None, train_cli: ModuleType) -> Iterator[None]:
         logging.getLogger(METRICS_LOGGER).removeHandler(handler)
 
 
+@contextlib.contextmanager
+def _deterministic(on: bool) -> Iterator[None]:
+    """torch's deterministic algorithms for the run, restored after it (main() may run in a test process).
+    cuBLAS needs a fixed workspace, set before CUDA starts (CUDA's documentation)."""
+    import torch
+
+    if not on:
+        yield
+        return
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
     """(ours, speculators') around the first `--`; without one, every argument is speculators'."""
     if "--" not in argv:
@@ -77,13 +96,19 @@ def main(argv: list[str] | None = None) -> int:
     ours, theirs = split_args(list(sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(
         prog="eagle3prep-train",
-        usage="eagle3prep-train [--metrics-jsonl FILE] -- <speculators train arguments>",
+        usage="eagle3prep-train [--metrics-jsonl FILE] [--deterministic] -- <speculators train arguments>",
         description="speculators' trainer with the hidden-states backend `eagle3prep` registered "
         "(--hidden-states-backend eagle3prep reads a direct export's rows from the shard folders). "
         "`eagle3prep-train -- --help` lists speculators' arguments.",
     )
     parser.add_argument(
         "--metrics-jsonl", type=Path, default=None, help="append every train/val metrics dict here (rank 0)"
+    )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="torch's deterministic algorithms (warn where none exists), so two runs on the same data can be "
+        "compared step by step; speculators' --deterministic-cuda sets cuDNN's flags only",
     )
     opts = parser.parse_args(ours)
 
@@ -95,6 +120,6 @@ def main(argv: list[str] | None = None) -> int:
     from speculators.train.config import TrainConfig
 
     cfg = TrainConfig.resolve(theirs)
-    with _metrics_to(opts.metrics_jsonl, train_cli):
+    with _deterministic(opts.deterministic), _metrics_to(opts.metrics_jsonl, train_cli):
         train_cli.main(cfg)
     return 0
