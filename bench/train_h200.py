@@ -288,6 +288,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
+    opts.out = opts.out.resolve()  # the exports are written from inside the workflow's folder
     opts.out.mkdir(parents=True, exist_ok=True)
     if opts.workdir:
         workdir, model = opts.workdir.resolve(), opts.model.resolve()
