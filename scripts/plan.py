@@ -12,7 +12,7 @@ with one_line_errors():
         {
             "model": {"path": snakemake.input.model},
             "layers": snakemake.params.layers,
-            "extract": {"dtype": snakemake.params.dtype},
+            "extract": {"dtype": snakemake.params.dtype, "storage": snakemake.params.storage},
             "plan": snakemake.params.plan,
             "validate": {"windows": snakemake.params.windows},
         },

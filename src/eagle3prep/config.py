@@ -182,14 +182,19 @@ def reference_mode(value: bool | str) -> str:
     return {True: "full", False: "off"}.get(value, value) if isinstance(value, bool) else str(value)
 
 
+# extract.* keys added after shards existed, kept out of the params at their default: Snakemake compares
+# the params as a whole, and a new key would re-queue every finished shard of a run made before it.
+LATER_KEYS = {"storage": "model_dtype"}
+
+
 def extract_data_params(extract: dict[str, Any]) -> dict[str, Any]:
     """The extract.* settings that decide a shard's contents: the rule's params (its rerun trigger)."""
-    return {k: v for k, v in extract.items() if k not in SPEED_KEYS}
+    return {k: v for k, v in extract.items() if k not in SPEED_KEYS and (k not in LATER_KEYS or v != LATER_KEYS[k])}
 
 
 def extract_options(data_params: dict[str, Any], config_extract: dict[str, Any]) -> dict[str, Any]:
     """The extract job's options: the speed keys from the config as it is now, the rest from params."""
-    return {**{k: v for k, v in config_extract.items() if k in SPEED_KEYS}, **data_params}
+    return {**LATER_KEYS, **{k: v for k, v in config_extract.items() if k in SPEED_KEYS}, **data_params}
 
 
 def capture_spec(config: dict[str, Any]) -> CaptureSpec:

@@ -6,11 +6,14 @@
     hidden_states                [T, (L-1)*H]  model dtype: the auxiliary layers, ascending ids, side by side
     input_ids                    [T]           int64
     verifier_last_hidden_states  [T, H]        model dtype: the last layer id (N, before the final norm)
+    (FP8 shards, extract.storage fp8_e4m3: both dequantized to bf16 on read, as speculators' fp8 backend
+    hands its items over)
     loss_mask                    [T]           int64
     lengths                      [1]           int64 (= T)
     position_ids                 [T]           int64 (0..T-1)
 
-Hidden states are read through safetensors' memory-mapped `get_slice`: only the row's bytes are copied.
+Hidden states are read through shard.format.LayerReader (safetensors' memory-mapped `get_slice`): only
+the row's bytes are copied.
 Loss masks come from the tokenized shard each hidden-state shard was captured from (its manifest holds
 that file's sha256, checked here). Like ArrowDataset, it exposes `approx_lengths` and
 `hidden_states_dtype`, which speculators' batch sampler and collate function read.
@@ -26,7 +29,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import Dataset
 
-from .shard.format import TOKEN_IDS, layer_file
+from .shard.format import TOKEN_IDS, LayerReader, layer_file
 from .shard.shardset import ShardSet
 
 
@@ -83,31 +86,30 @@ class HiddenStatesDataset(Dataset):
         # DataLoader workers (speculators uses spawn) get the index; each opens its own file handles.
         return {**self.__dict__, "_open": {}}
 
-    def _slices(self, shard: int) -> tuple[list[Any], Any]:
+    def _slices(self, shard: int) -> tuple[list[LayerReader], Any]:
         if shard not in self._open:
             from safetensors import safe_open
 
             d = self.shard_dirs[shard]
-            handles = [safe_open(d / layer_file(i), framework="pt") for i in self.layer_ids]
-            tokens = safe_open(d / TOKEN_IDS, framework="pt")
-            self._open[shard] = (handles, tokens, [h.get_slice("hidden_states") for h in handles])
-        handles, tokens, slices = self._open[shard]
-        return slices, tokens.get_slice("token_ids")
+            readers = [LayerReader(d / layer_file(i)) for i in self.layer_ids]
+            self._open[shard] = (readers, safe_open(d / TOKEN_IDS, framework="pt"))
+        readers, tokens = self._open[shard]
+        return readers, tokens.get_slice("token_ids")
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         shard, offset, length, pos = self._rows[index]
         with open(self._tokenized[shard], "rb") as f:
             f.seek(pos)
             rec = json.loads(f.readline())
-        slices, token_slice = self._slices(shard)
+        readers, token_slice = self._slices(shard)
         a, b = offset, offset + length
         input_ids = token_slice[a:b]  # [T] int64
         if rec["seq_len"] != length or input_ids.tolist() != rec["input_ids"]:
             raise ValueError(f"row {rec['row']}: stored token ids differ from {self._tokenized[shard]}")
         return {
-            "hidden_states": torch.cat([s[a:b] for s in slices[:-1]], dim=-1),  # [T, (L-1)*H]
+            "hidden_states": torch.cat([r.rows(a, b) for r in readers[:-1]], dim=-1),  # [T, (L-1)*H]
             "input_ids": input_ids,
-            "verifier_last_hidden_states": slices[-1][a:b],  # [T, H]
+            "verifier_last_hidden_states": readers[-1].rows(a, b),  # [T, H]
             "loss_mask": torch.tensor(rec["loss_mask"], dtype=torch.int64),  # [T]
             "lengths": torch.tensor([length], dtype=torch.long),  # [1]
             "position_ids": torch.arange(length, dtype=torch.long),  # [T]

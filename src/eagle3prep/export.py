@@ -9,6 +9,13 @@ results/export/speculators/
   manifest.json                                  written last: sha256 of every file above, and the shard
                                                  folders (with their manifests' sha256) the rows come from
 
+FP8 shards (extract.storage fp8_e4m3) export in speculators' FP8 format (hs_connectors.fp8_utils, read by
+`speculators train --hidden-states-backend fp8`): hidden_states [T, L, H] float8_e4m3fn and
+hidden_states_scales [T, 1, 1] float32, one scale per token over all L layers, as their
+FP8HiddenStatesConnector writes. Our shards keep one scale per token and layer (finer: an early layer's
+small values are not rounded on the final layer's grid), so each row is dequantized and quantized
+again with their math: a second rounding, measured in docs/runs/fp8/.
+
 speculators' ArrowDataset reads arrow row i together with hs_{i}.safetensors and uses
 hidden_states[:, :-1] as the EAGLE-3 input and hidden_states[:, -1] as the verifier's last state
 (before its final norm). Our global row ids are 0..n-1 in arrow order, so hs_{row} is hs_{i}; the
@@ -33,7 +40,8 @@ from .atomic import TMP_PREFIX, atomic_open, fsync_dir, sha256_file, write_json
 from .errors import UserError
 from .layers import CONVENTION
 from .provenance import code_version
-from .shard.format import MANIFEST, TOKEN_IDS, layer_file
+from .shard.format import FP8_E4M3, MANIFEST, TOKEN_IDS, LayerReader, layer_file
+from .shard.fp8 import SCALES_KEY, quantize_fp8
 from .shard.shardset import Shard, ShardSet, ShardSetError
 
 FORMAT = "eagle3prep.speculators_export/1"
@@ -77,10 +85,10 @@ def _write_hidden_states(out: Path, shard: Shard, layer_ids: list[int], files: d
     from safetensors.torch import save
 
     tokens = 0
+    fp8 = shard.manifest.storage_name == FP8_E4M3
     with contextlib.ExitStack() as stack:
         shard_dir, tokenized = shard.dir, shard.tokenized
-        opened = [stack.enter_context(safe_open(shard_dir / layer_file(i), framework="pt")) for i in layer_ids]
-        slices = [h.get_slice("hidden_states") for h in opened]  # each [sum_T, H], memory-mapped
+        readers = [LayerReader(shard_dir / layer_file(i)) for i in layer_ids]  # each [sum_T, H], memory-mapped
         token_slice = stack.enter_context(safe_open(shard_dir / TOKEN_IDS, framework="pt")).get_slice(
             "token_ids"
         )  # [sum_T] int64
@@ -89,8 +97,12 @@ def _write_hidden_states(out: Path, shard: Shard, layer_ids: list[int], files: d
             token_ids = token_slice[a:b]  # [T] int64
             if token_ids.tolist() != rec["input_ids"]:
                 raise ExportError(f"{shard_dir}: stored token ids of row {e.row} differ from {tokenized}")
-            hidden = torch.stack([s[a:b] for s in slices], dim=1)  # [T, L, H], ascending layer ids
-            blob = save({"token_ids": token_ids, "hidden_states": hidden})
+            if fp8:  # [T, L, H] float32, requantized with one scale per token: speculators' FP8 layout
+                values, scales = quantize_fp8(torch.stack([r.rows(a, b, torch.float32) for r in readers], dim=1))
+                blob = save({"token_ids": token_ids, "hidden_states": values, SCALES_KEY: scales})
+            else:
+                hidden = torch.stack([r.rows(a, b) for r in readers], dim=1)  # [T, L, H], ascending layer ids
+                blob = save({"token_ids": token_ids, "hidden_states": hidden})
             name = f"{HIDDEN_STATES}/{hs_file(e.row)}"
             with atomic_open(out / name, "wb") as f:
                 f.write(blob)
@@ -139,6 +151,16 @@ def _write_token_freq(out: Path, token_freq_json: str, files: dict[str, dict[str
     with atomic_open(out / TOKEN_FREQ, "wb") as f:
         torch.save({int(t): int(c) for t, c in counts.items()}, f)
     files[TOKEN_FREQ] = {"sha256": sha256_file(out / TOKEN_FREQ), "bytes": (out / TOKEN_FREQ).stat().st_size}
+
+
+def _storage_fields(first) -> dict[str, Any]:
+    """For FP8 shards: what the hs files hold and the speculators flag that reads them (nothing otherwise)."""
+    if first.storage_name != FP8_E4M3:
+        return {}
+    return {
+        "storage": {"name": FP8_E4M3, "dtype": "float8_e4m3fn", "scales": {"key": SCALES_KEY, "shape": "[T, 1, 1]"}},
+        "hidden_states_backend": "fp8",  # speculators train --hidden-states-backend fp8
+    }
 
 
 def _clear(out: Path) -> None:
@@ -230,6 +252,8 @@ def export_speculators(
         "dtype": first.dtype,
         "model": first.model,
         "tokenizer": first.tokenizer,
+        # The hs files' layout and the backend that reads them; a direct export has no hs file.
+        **(_storage_fields(first) if hidden_states == "copy" else {"hidden_states_backend": "eagle3prep"}),
         "sources": _sources(shards, out),
         "files": dict(sorted(files.items())),
         "code_version": code_version(),

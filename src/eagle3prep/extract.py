@@ -25,15 +25,17 @@ from .layers import CONVENTION, check_layer_ids, resolve_layer_ids
 from .model_facts import ModelFacts, require_hidden_size
 from .provenance import code_version, model_identity, tokenizer_identity
 from .shard.format import (
-    DTYPES,
     MANIFEST,
+    MODEL_DTYPE,
     TIMINGS,
     DiskSpaceError,
     EngineInfo,
     ShardManifest,
+    check_storage,
     human_bytes,
     index_of_tokenized,
     layer_file,
+    token_bytes,
 )
 from .shard.writer import ShardWriter
 
@@ -56,9 +58,12 @@ def iter_batches(tokenized_shard: str | os.PathLike, batch_tokens: int) -> Itera
         yield batch
 
 
-def shard_bytes(tokens: int, rows: int, num_layers: int, hidden_size: int, dtype: str) -> int:
-    """Bytes a shard will take: layer files + token ids + index/manifest (a generous 200 B per row)."""
-    return tokens * (num_layers * hidden_size * DTYPES[dtype][1] + 8) + 200 * rows + 65536
+def shard_bytes(
+    tokens: int, rows: int, num_layers: int, hidden_size: int, dtype: str, storage: str = MODEL_DTYPE
+) -> int:
+    """Bytes a shard will take: layer files (FP8: values and per-token scales) + token ids +
+    index/manifest (a generous 200 B per row)."""
+    return tokens * (num_layers * token_bytes(storage, hidden_size, dtype) + 8) + 200 * rows + 65536
 
 
 def free_space_probe(path: Path) -> Path:
@@ -131,9 +136,9 @@ def extract_shard(
     (out / MANIFEST).unlink(missing_ok=True)  # a stale manifest must never describe new files
     index = index_of_tokenized(tokenized_shard)
     tokens = sum(e.length for e in index)
-    needed = shard_bytes(
-        tokens, len(index), len(spec.layer_ids), require_hidden_size(facts, spec.model_path), spec.dtype
-    )
+    storage = check_storage(options.get("storage") or MODEL_DTYPE)
+    hidden = require_hidden_size(facts, spec.model_path)
+    needed = shard_bytes(tokens, len(index), len(spec.layer_ids), hidden, spec.dtype, storage)
     check_free_space(out, needed)  # seconds, not an engine start-up
     version = code_version()  # the code this shard starts with, before hours of capture
     t0 = time.time()
@@ -148,7 +153,7 @@ def extract_shard(
             backend, info = engine
         print(
             f"[extract] shard {shard}: {len(index)} rows, {tokens} tokens, layers {spec.layer_ids}, "
-            f"{info.engine} {info.engine_version} via {info.capture_path}, ~{needed / 2**20:.1f} MiB",
+            f"{info.engine} {info.engine_version} via {info.capture_path}, {storage} storage, ~{needed / 2**20:.1f} MiB",
             file=sys.stderr,
         )
         check_free_space(out, needed)  # again: other jobs may have taken space meanwhile
@@ -167,7 +172,10 @@ class _Job:
         from tqdm import tqdm
 
         tokens = sum(e.length for e in self.index)
-        writer = ShardWriter(self.out, self.spec.layer_ids, self.info.hidden_size, self.spec.dtype, self.index)
+        storage = self.options.get("storage") or MODEL_DTYPE
+        writer = ShardWriter(
+            self.out, self.spec.layer_ids, self.info.hidden_size, self.spec.dtype, self.index, storage=storage
+        )
         bar = tqdm(
             total=tokens, unit="tok", unit_scale=True, file=sys.stderr, mininterval=1.0, desc=f"shard {self.shard}"
         )

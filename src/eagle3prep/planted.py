@@ -2,7 +2,9 @@
 
 Each planted shard keeps a manifest whose checksums agree with its files, so only the reference check
 can catch it. Used by bench/validation_matrix.py and the tests to show that validation fails each one.
-The source shard must hold every id the mistakes borrow from (the matrix captures ids 1..N).
+The source shard must hold every id the mistakes borrow from (the matrix captures ids 1..N). A planted
+copy is stored as its source is: an FP8 shard's rows are read dequantized, made wrong, and quantized
+again the way the capture quantizes.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import sha256_file
-from .shard.format import MANIFEST, layer_file, read_index, read_manifest
+from .shard.format import MANIFEST, MODEL_DTYPE, layer_file, read_index, read_layer, read_manifest, write_layer
 
 MISTAKES = (
     "layer_plus_one",  # every id k < N holds id k + 1
@@ -28,10 +30,11 @@ MISTAKES = (
 
 
 def _load(shard: Path, lid: int):
-    from safetensors import safe_open
+    """[sum_T, H] as stored, or float32 from an FP8 file."""
+    import torch
 
-    with safe_open(shard / layer_file(lid), framework="pt") as f:
-        return f.get_tensor("hidden_states")  # [sum_T, H]
+    fp8 = read_manifest(shard).storage_name != MODEL_DTYPE
+    return read_layer(shard / layer_file(lid), dtype=torch.float32 if fp8 else None)
 
 
 def _row_slices(shard: Path) -> list[slice]:
@@ -92,7 +95,7 @@ def plant(
             hs = theirs.repeat(reps, 1)[: hs.shape[0]].clone()
         elif mistake not in MISTAKES:
             raise ValueError(f"unknown mistake {mistake!r}; one of {MISTAKES}")
-        _save(out / layer_file(lid), hs)
+        write_layer(out / layer_file(lid), hs, manifest.storage_name)
     files = {k: v for k, v in manifest.files.items() if not k.startswith("layer_")}
     for lid in layer_ids:
         path = out / layer_file(lid)
@@ -100,9 +103,3 @@ def plant(
     manifest.files, manifest.layer_ids = files, list(layer_ids)
     (out / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2, sort_keys=True))
     return out
-
-
-def _save(path: Path, hs) -> None:
-    from safetensors.torch import save_file
-
-    save_file({"hidden_states": hs.contiguous()}, str(path))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .passrule import FLOOR_FACTOR, judge_layer, judge_tokens, token_errors
+from .passrule import FLOOR_FACTOR, FP8_FACTOR, describe_failure, fp8_floor, judge_layer, judge_tokens, token_errors
 from .slices import Checkpoint, raw_config
 
 HEAD_CHUNK = 256  # tokens per lm_head matmul: Kimi's logits are 0.66 MB a token in fp32
@@ -72,12 +72,20 @@ def _recast(ckpt: Checkpoint, layer, dtype) -> None:
 
 
 def check_window(
-    model, captured_a: list[Any], captured_b: list[Any], a: int, b: int, dtype: str, rows: list[int] | None = None
+    model,
+    captured_a: list[Any],
+    captured_b: list[Any],
+    a: int,
+    b: int,
+    dtype: str,
+    rows: list[int] | None = None,
+    fp8: bool = False,
 ) -> list[dict[str, Any]]:
     """Verdicts (passrule.judge_tokens, then judge_layer over the rows) of captured id b against layers a..b-1.
 
     Reference: the window in fp32 from the captured id a; floor: the window at `dtype` from the same
-    input (none for fp32 captures). A capture whose ids a and b disagree with the layers between fails.
+    input (none for fp32 captures); `fp8`: the shard is stored as FP8, so the reference's FP8 floor is
+    added. A capture whose ids a and b disagree with the layers between fails.
     """
     runs = run_window(model, captured_a, a, b, ("float32",) if dtype == "float32" else (dtype, "float32"))
     rows = list(range(len(captured_a))) if rows is None else rows
@@ -85,7 +93,8 @@ def check_window(
     for i, got in enumerate(captured_b):
         ref = runs["float32"][i]
         floor = token_errors(runs[dtype][i], ref) if dtype != "float32" else None
-        verdicts.append({"row": rows[i], "window": [a, b], **judge_tokens(token_errors(got, ref), floor, dtype)})
+        qtok = fp8_floor(ref) if fp8 else None
+        verdicts.append({"row": rows[i], "window": [a, b], **judge_tokens(token_errors(got, ref), floor, dtype, qtok)})
     judge_layer(verdicts)
     return verdicts
 
@@ -120,7 +129,7 @@ LP_MIN = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}  # nats: fp32 summ
 CORR_MIN = 1e-3  # 1 - correlation always allowed
 
 
-def judge_logprobs(stored, recomputed, floor=None, dtype: str = "bfloat16") -> dict[str, Any]:
+def judge_logprobs(stored, recomputed, floor=None, dtype: str = "bfloat16", fp8=None) -> dict[str, Any]:
     """Verdict for one row: stored (engine) vs recomputed (fp32 from the captured state) prompt logprobs.
 
     `floor`: the same recompute at the working precision (None = exact). The bound scales with what that
@@ -128,6 +137,8 @@ def judge_logprobs(stored, recomputed, floor=None, dtype: str = "bfloat16") -> d
     floor's (at least LP_MIN), and 1 - Pearson correlation within FLOOR_FACTOR x the floor's (at least
     CORR_MIN). A wrong state (another layer, row or position) moves the mean by nats, not hundredths;
     a state that is only scaled is invisible here (the final RMSNorm removes the scale).
+    `fp8`: for a shard stored as FP8, the recompute from a state FP8 could have rounded to the captured
+    one (fp8.rounding_draw): each bound grows by FP8_FACTOR x its deviation, the FP8 floor.
     """
     import torch
 
@@ -142,10 +153,11 @@ def judge_logprobs(stored, recomputed, floor=None, dtype: str = "bfloat16") -> d
         return float(d.mean()), float(d.quantile(0.9)), 1.0 - float(c.nan_to_num(1.0))
 
     (mean, p90, decorr), (fmean, fp90, fdecorr) = stats(stored), stats(floor)
+    qmean, qp90, qdecorr = stats(torch.as_tensor(fp8).float()) if fp8 is not None else (0.0, 0.0, 0.0)
     bounds = {
-        "mean": max(FLOOR_FACTOR * fmean, LP_MIN[dtype]),
-        "p90": max(FLOOR_FACTOR * fp90, LP_MIN[dtype]),
-        "decorr": max(FLOOR_FACTOR * fdecorr, CORR_MIN),
+        "mean": max(FLOOR_FACTOR * fmean, LP_MIN[dtype]) + FP8_FACTOR * qmean,
+        "p90": max(FLOOR_FACTOR * fp90, LP_MIN[dtype]) + FP8_FACTOR * qp90,
+        "decorr": max(FLOOR_FACTOR * fdecorr, CORR_MIN) + FP8_FACTOR * qdecorr,
     }
     values = {"mean": mean, "p90": p90, "decorr": decorr}
     failed = [k for k in values if values[k] > bounds[k]]
@@ -153,6 +165,7 @@ def judge_logprobs(stored, recomputed, floor=None, dtype: str = "bfloat16") -> d
         "tokens": int(stored.numel()),
         **values,
         "floor": {"mean": fmean, "p90": fp90, "decorr": fdecorr},
+        **({"fp8_floor": {"mean": qmean, "p90": qp90, "decorr": qdecorr}} if fp8 is not None else {}),
         "bounds": bounds,
         "max_abs": float((stored - recomputed).abs().max()) if stored.numel() else 0.0,
         "ok": not failed,
@@ -160,15 +173,24 @@ def judge_logprobs(stored, recomputed, floor=None, dtype: str = "bfloat16") -> d
     }
 
 
-def check_logprobs(model, states_n: list[Any], token_ids: list[list[int]], stored: list[Any], dtype: str):
-    """Per-row verdicts (judge_logprobs) of stored engine logprobs against the captured id N states."""
+def check_logprobs(
+    model, states_n: list[Any], token_ids: list[list[int]], stored: list[Any], dtype: str, fp8: bool = False
+):
+    """Per-row verdicts (judge_logprobs) of stored engine logprobs against the captured id N states
+    (`fp8`: stored as FP8; the FP8 floor comes from a fixed-seed rounding draw of each state)."""
+    import torch
+
+    from .shard.fp8 import rounding_draw
+
     ckpt = _ckpt(model)
     heads = {d: ckpt.head(_dtype(d)) for d in {"float32", dtype}}
+    draws = torch.Generator().manual_seed(0)
     out = []
     for s, ids, st in zip(states_n, token_ids, stored, strict=True):
         ref = logprobs_from_state(ckpt, s, ids, head=heads["float32"])
         floor = logprobs_from_state(ckpt, s, ids, dtype, head=heads[dtype]) if dtype != "float32" else None
-        out.append(judge_logprobs(st, ref, floor, dtype))
+        q = logprobs_from_state(ckpt, rounding_draw(s, draws), ids, head=heads["float32"]) if fp8 else None
+        out.append(judge_logprobs(st, ref, floor, dtype, q))
     return out
 
 
@@ -181,6 +203,65 @@ def reference_logprobs_hf(model_dir, token_ids: list[int], dtype: str = "bfloat1
     with torch.inference_mode():
         logits = model(torch.tensor([token_ids]), use_cache=False).logits[0, :-1].float()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(token_ids[1:])[:, None])[:, 0]
+
+
+# ---------------------------------------------------------------------------------------------- validate
+
+
+def validate_scalable(shard, rows: list[dict[str, Any]], model_path: str, picks: list[int], windows, checks):
+    """validate.reference: scalable on one shard (shardset.Shard): the window checks on the sampled rows
+    and the logits check on the rows whose prompt logprobs the engine stored; results go to `checks`
+    (validate.Checks). FP8 shards are read dequantized and judged with their FP8 floor."""
+    import torch
+    from safetensors import safe_open
+
+    from .shard.format import FP8_E4M3, LOGPROBS, LayerReader, layer_file
+
+    m, ids = shard.manifest, shard.manifest.layer_ids
+    fp8 = m.storage_name == FP8_E4M3
+    windows = windows if windows is not None else ([ids[-2:]] if len(ids) >= 2 else [])
+    out: dict[str, Any] = {"windows": {}, "logits": []}
+
+    def rows_of(lid: int, positions: list[int]) -> list[Any]:
+        reader, index = LayerReader(shard.dir / layer_file(lid)), shard.index
+        return [reader.rows(index[i].offset, index[i].offset + index[i].length, torch.float32 if fp8 else None)
+                for i in positions]  # fmt: skip
+
+    for a, b in windows:
+        if a not in ids or b not in ids or a >= b:
+            checks.add(f"window:{a}-{b}", False, f"validate.windows: [{a}, {b}] needs two captured ids a < b of {ids}")
+            continue
+        global_rows = [shard.index[i].row for i in picks]
+        verdicts = check_window(model_path, rows_of(a, picks), rows_of(b, picks), a, b, m.dtype, global_rows, fp8)
+        out["windows"][f"{a}-{b}"] = verdicts
+        failed = [v for v in verdicts if not v["ok"]]
+        detail = f"{len(verdicts)} rows through layers {a}..{b - 1}"
+        if failed:
+            detail = f"{len(failed)} of {len(verdicts)} rows fail; first: " + describe_failure(
+                failed[0], m.dtype, f"layers {a}..{b - 1} alone from the captured id {a}" + (", FP8" if fp8 else "")
+            )
+        checks.add(f"window:{a}-{b}", not failed, detail)
+    if LOGPROBS not in m.files or m.num_hidden_layers not in ids:
+        checks.add("logits", True, "skipped: the shard stores no prompt logprobs or has no id N")
+        return out
+    with safe_open(shard.dir / LOGPROBS, framework="pt") as f:
+        lp_rows, offsets, stored = f.get_tensor("rows").tolist(), f.get_tensor("offsets"), f.get_tensor("logprobs")
+    states = rows_of(m.num_hidden_layers, lp_rows)
+    tokens = [rows[i]["input_ids"] for i in lp_rows]
+    stored_rows = [stored[offsets[k] : offsets[k + 1]] for k in range(len(lp_rows))]
+    verdicts = check_logprobs(model_path, states, tokens, stored_rows, m.dtype, fp8)
+    out["logits"] = [{"row": shard.index[i].row, **v} for i, v in zip(lp_rows, verdicts, strict=True)]
+    failed = [v for v in out["logits"] if not v["ok"]]
+    detail = f"{len(verdicts)} rows: final norm + lm_head on id {m.num_hidden_layers} reproduce the engine's logprobs"
+    if failed:
+        v = failed[0]
+        detail = (
+            f"{len(failed)} of {len(verdicts)} rows fail; first: row {v['row']}: {v['criterion']} "
+            f"{v[v['criterion']]:.3g} > bound {v['bounds'][v['criterion']]:.3g} (floor run: {m.dtype} lm_head"
+            + (f" + {FP8_FACTOR:g} x FP8 floor {v['fp8_floor'][v['criterion']]:.3g})" if fp8 else ")")
+        )
+    checks.add("logits", not failed, detail)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- memory

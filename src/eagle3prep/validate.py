@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import sys
@@ -17,7 +16,18 @@ from .errors import UserError
 from .gpus import claim_job_gpus
 from .passrule import describe_failure, judge_layer, judge_row, miss_probability, rows_to_sample
 from .reference import ReferencePair
-from .shard.format import LOGPROBS, MANIFEST, TIMINGS, TOKEN_IDS, ShardManifest, layer_file, read_manifest
+from .shard.format import (
+    DTYPES,
+    FP8_E4M3,
+    MANIFEST,
+    TIMINGS,
+    TOKEN_IDS,
+    LayerReader,
+    ShardManifest,
+    layer_file,
+    layer_tensors,
+    read_manifest,
+)
 from .shard.shardset import Shard, open_shard, shard_checks
 
 CHUNK_TOKENS = 65536  # rows of a layer file read at once for statistics (bounds memory)
@@ -97,41 +107,48 @@ def _check_tensors(shard: Path, manifest: ShardManifest, rows: list[dict[str, An
     stats = {}
     for lid in manifest.layer_ids:
         faults.kill_point("validate.mid_checks", shard=shard.name, layer=lid)
-        with safe_open(shard / layer_file(lid), framework="pt") as f:
-            sl = f.get_slice("hidden_states")
-            shape, dtype = sl.get_shape(), sl.get_dtype()
-            want_shape = [manifest.tokens, manifest.hidden_size]
-            want_dtype = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[manifest.dtype]
-            if not checks.add(
-                f"shape:layer_{lid}",
-                shape == want_shape and dtype == want_dtype,
-                f"{dtype}{shape}, expected {want_dtype}{want_shape}",
-            ):
-                continue
-            nonfinite, total, sq, norm_sum, max_abs = 0, 0.0, 0.0, 0.0, 0.0
-            bad_rows: set[int] = set()
-            for a in range(0, shape[0], CHUNK_TOKENS):
-                x = sl[a : a + CHUNK_TOKENS].float()  # [chunk, H]
-                finite = torch.isfinite(x).all(dim=-1)  # [chunk]
-                if not bool(finite.all()):
-                    nonfinite += int((~finite).sum())
-                    bad_rows.update((a + torch.nonzero(~finite).flatten()).tolist())
-                    x = x[finite]
-                total += float(x.sum())
-                sq += float((x * x).sum())
-                norm_sum += float(x.norm(dim=-1).sum())
-                max_abs = max(max_abs, float(x.abs().max()) if x.numel() else 0.0)
-            checks.add(f"finite:layer_{lid}", nonfinite == 0, f"{nonfinite} tokens with NaN/Inf" if nonfinite else "")
-            n = shape[0] * shape[1]
-            mean = total / max(n, 1)
-            stats[str(lid)] = {
-                "mean": mean,
-                "std": max(sq / max(n, 1) - mean * mean, 0.0) ** 0.5,
-                "mean_token_norm": norm_sum / max(shape[0], 1),
-                "max_abs": max_abs,
-                "nonfinite_tokens": nonfinite,
-            }
+        reader = LayerReader(shard / layer_file(lid))
+        if not checks.add(f"shape:layer_{lid}", *_layout_matches(reader, manifest)):
+            continue
+        shape = reader.shape
+        nonfinite, total, sq, norm_sum, max_abs = 0, 0.0, 0.0, 0.0, 0.0
+        bad_rows: set[int] = set()
+        for a in range(0, shape[0], CHUNK_TOKENS):
+            x = reader.rows(a, a + CHUNK_TOKENS, torch.float32)  # [chunk, H], FP8 dequantized
+            finite = torch.isfinite(x).all(dim=-1)  # [chunk]
+            if not bool(finite.all()):
+                nonfinite += int((~finite).sum())
+                bad_rows.update((a + torch.nonzero(~finite).flatten()).tolist())
+                x = x[finite]
+            total += float(x.sum())
+            sq += float((x * x).sum())
+            norm_sum += float(x.norm(dim=-1).sum())
+            max_abs = max(max_abs, float(x.abs().max()) if x.numel() else 0.0)
+        checks.add(f"finite:layer_{lid}", nonfinite == 0, f"{nonfinite} tokens with NaN/Inf" if nonfinite else "")
+        n = shape[0] * shape[1]
+        mean = total / max(n, 1)
+        stats[str(lid)] = {
+            "mean": mean,
+            "std": max(sq / max(n, 1) - mean * mean, 0.0) ** 0.5,
+            "mean_token_norm": norm_sum / max(shape[0], 1),
+            "max_abs": max_abs,
+            "nonfinite_tokens": nonfinite,
+        }
     return stats
+
+
+def _layout_matches(reader: LayerReader, manifest: ShardManifest) -> tuple[bool, str]:
+    """Every tensor of a layer file has the dtype and shape the manifest's storage gives it."""
+    from safetensors import safe_open
+
+    want = layer_tensors(manifest.storage_name, manifest.tokens, manifest.hidden_size, manifest.dtype)
+    with safe_open(reader.path, framework="pt") as f:
+        keys = sorted(f.keys())
+        got = [(n, f.get_slice(n).get_dtype(), f.get_slice(n).get_shape()) for n, _, _ in want if n in keys]
+    expected = [(n, DTYPES[d][0], list(shape)) for n, d, shape in want]
+    ok = got == expected and keys == sorted(n for n, _, _ in want)
+    describe = "; ".join(f"{n} {d}{s}" for n, d, s in got)
+    return ok, f"{describe}, expected {'; '.join(f'{n} {d}{s}' for n, d, s in expected)} ({manifest.storage_name})"
 
 
 def _sample(n_rows: int, sample_rows: int | str, seed: int) -> list[int]:
@@ -165,20 +182,19 @@ def _check_reference(
     checks: Checks,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Recompute the `picks` rows and judge every layer of each (passrule.judge_row)."""
-    from safetensors import safe_open
+    import torch
 
     index, manifest = shard.index, shard.manifest
-    dtype, lids = manifest.dtype, manifest.layer_ids
+    dtype, lids, fp8 = manifest.dtype, manifest.layer_ids, manifest.storage_name == FP8_E4M3
     results = []
-    with contextlib.ExitStack() as stack:
-        files = {lid: stack.enter_context(safe_open(shard.dir / layer_file(lid), framework="pt")) for lid in lids}
-        for i in picks:
-            e = index[i]
-            want, floor = refs.rows(rows[i]["input_ids"], lids)
-            for lid in lids:
-                got = files[lid].get_slice("hidden_states")[e.offset : e.offset + e.length]  # [T, H]
-                verdict = judge_row(got, want[lid], floor[lid] if floor else None, dtype)
-                results.append({"row": e.row, "layer_id": lid, **verdict})
+    files = {lid: LayerReader(shard.dir / layer_file(lid)) for lid in lids}
+    for i in picks:
+        e = index[i]
+        want, floor = refs.rows(rows[i]["input_ids"], lids)
+        for lid in lids:
+            got = files[lid].rows(e.offset, e.offset + e.length, torch.float32)  # [T, H], FP8 dequantized
+            verdict = judge_row(got, want[lid], floor[lid] if floor else None, dtype, fp8)
+            results.append({"row": e.row, "layer_id": lid, **verdict})
     summary = {}
     hint = known_engine_bug(manifest)
     for lid in lids:
@@ -189,9 +205,8 @@ def _check_reference(
         summary[str(lid)] = s = _layer_summary(mine)
         failed = [r for r in mine if not r["ok"]]
         if failed:
-            detail = (
-                f"{len(failed)} of {len(mine)} rows fail; first: {describe_failure(failed[0], dtype, refs.describe())}"
-            )
+            floor = refs.describe() + (", shard stored as FP8" if fp8 else "")
+            detail = f"{len(failed)} of {len(mine)} rows fail; first: {describe_failure(failed[0], dtype, floor)}"
             detail += f"; {hint}" if hint else ""
         else:
             detail = (
@@ -202,65 +217,6 @@ def _check_reference(
             )
         checks.add(f"reference:layer_{lid}", not failed, detail)
     return results, summary
-
-
-def _check_scalable(
-    shard: Shard,
-    rows: list[dict[str, Any]],
-    model_path: str,
-    picks: list[int],
-    windows: list[list[int]] | None,
-    checks: Checks,
-) -> dict[str, Any]:
-    """reference: scalable — the window checks on the sampled rows and the logits check on the rows
-    whose prompt logprobs the engine stored; each loads only its slice of the model (scalable.py)."""
-    from safetensors import safe_open
-
-    from .scalable import check_logprobs, check_window
-
-    m, ids = shard.manifest, shard.manifest.layer_ids
-    windows = windows if windows is not None else ([ids[-2:]] if len(ids) >= 2 else [])
-    out: dict[str, Any] = {"windows": {}, "logits": []}
-
-    def rows_of(lid: int, positions: list[int]) -> list[Any]:
-        with safe_open(shard.dir / layer_file(lid), framework="pt") as f:
-            sl = f.get_slice("hidden_states")
-            return [sl[shard.index[i].offset : shard.index[i].offset + shard.index[i].length] for i in positions]
-
-    for a, b in windows:
-        if a not in ids or b not in ids or a >= b:
-            checks.add(f"window:{a}-{b}", False, f"validate.windows: [{a}, {b}] needs two captured ids a < b of {ids}")
-            continue
-        global_rows = [shard.index[i].row for i in picks]
-        verdicts = check_window(model_path, rows_of(a, picks), rows_of(b, picks), a, b, m.dtype, rows=global_rows)
-        out["windows"][f"{a}-{b}"] = verdicts
-        failed = [v for v in verdicts if not v["ok"]]
-        detail = f"{len(verdicts)} rows through layers {a}..{b - 1}"
-        if failed:
-            detail = f"{len(failed)} of {len(verdicts)} rows fail; first: " + describe_failure(
-                failed[0], m.dtype, f"layers {a}..{b - 1} alone from the captured id {a}"
-            )
-        checks.add(f"window:{a}-{b}", not failed, detail)
-    if LOGPROBS not in m.files or m.num_hidden_layers not in ids:
-        checks.add("logits", True, "skipped: the shard stores no prompt logprobs or has no id N")
-        return out
-    with safe_open(shard.dir / LOGPROBS, framework="pt") as f:
-        lp_rows, offsets, stored = f.get_tensor("rows").tolist(), f.get_tensor("offsets"), f.get_tensor("logprobs")
-    states = rows_of(m.num_hidden_layers, lp_rows)
-    tokens = [rows[i]["input_ids"] for i in lp_rows]
-    stored_rows = [stored[offsets[k] : offsets[k + 1]] for k in range(len(lp_rows))]
-    verdicts = check_logprobs(model_path, states, tokens, stored_rows, m.dtype)
-    out["logits"] = [{"row": shard.index[i].row, **v} for i, v in zip(lp_rows, verdicts, strict=True)]
-    failed = [v for v in out["logits"] if not v["ok"]]
-    detail = f"{len(verdicts)} rows: final norm + lm_head on id {m.num_hidden_layers} reproduce the engine's logprobs"
-    if failed:
-        v = failed[0]
-        detail = (
-            f"{len(failed)} of {len(verdicts)} rows fail; first: row {v['row']}: {v['criterion']} "
-            f"{v[v['criterion']]:.3g} > bound {v['bounds'][v['criterion']]:.3g} (floor run: {m.dtype} lm_head)"
-        )
-    checks.add("logits", not failed, detail)
-    return out
 
 
 def known_engine_bug(manifest: ShardManifest) -> str:
@@ -325,7 +281,9 @@ def validate_shard(
                 "miss_probability": miss_probability(len(rows), len(picks)) if rows else 0.0,
             }
             if picks and not checks.failed and mode == "scalable":
-                report["scalable"] = _check_scalable(shard, rows, model_path, picks, windows, checks)
+                from .scalable import validate_scalable
+
+                report["scalable"] = validate_scalable(shard, rows, model_path, picks, windows, checks)
             elif picks and not checks.failed:
                 with claim_job_gpus(1 if device.startswith("cuda") and refs is None else 0):
                     refs = refs or ReferencePair(model_path, m.dtype, device, trust_remote_code)

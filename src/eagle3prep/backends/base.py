@@ -80,10 +80,9 @@ class CaptureBackend(ABC):
 
 def smoke_shard(backend: CaptureBackend, prompt: list[int], hidden_size: int) -> dict[int, torch.Tensor]:
     """Capture one row into a throw-away shard through capture_shard() and read it back:
-    {layer_id: [T, H]}, checked for every requested layer, the shape and finite values."""
-    from safetensors.torch import load_file
-
-    from ..shard.format import layer_file
+    {layer_id: [T, H]}, checked for every requested layer, the shape and finite values. The smoke
+    shard is stored as the real ones will be (extract.storage), so FP8 quantization is probed too."""
+    from ..shard.format import MODEL_DTYPE, layer_file, read_layer
     from ..shard.sink import SinkSpec
 
     ids = backend.spec.layer_ids
@@ -96,9 +95,10 @@ def smoke_shard(backend: CaptureBackend, prompt: list[int], hidden_size: int) ->
             step_tokens=max(len(prompt), 16),
             slots=1,
             tag_prefix="smoke",
+            storage=backend.options.get("storage") or MODEL_DTYPE,
         )
         backend.capture_shard(iter([[prompt]]), spec)
-        out = {lid: load_file(spec.layer_paths[lid])["hidden_states"] for lid in ids}
+        out = {lid: read_layer(spec.layer_paths[lid]) for lid in ids}
     bad = [i for i, t in out.items() if not bool(t.float().isfinite().all())]
     if bad:
         raise RuntimeError(f"smoke capture returned non-finite values in layers {bad}")

@@ -12,7 +12,7 @@ from typing import Any
 
 from .. import faults
 from ..atomic import atomic_open, sha256_file, write_json
-from ..shard.format import FORMAT, MANIFEST, TIMINGS
+from ..shard.format import MANIFEST, TIMINGS
 from ..shard.shardset import ShardSet
 from . import data, page, plots
 
@@ -80,13 +80,14 @@ def _export_facts(export_dir: str | None) -> dict[str, Any] | None:
 
 
 def _dataset_manifest(shard_dirs, manifests, summary, counts, stats, reports) -> dict[str, Any]:
-    mixed = {(m.dtype, tuple(m.layer_ids), m.model["weights_sha256"]) for m in manifests}
+    mixed = {(m.dtype, m.storage_name, tuple(m.layer_ids), m.model["weights_sha256"]) for m in manifests}
     if len(mixed) > 1:
-        raise ValueError(f"shards disagree on dtype/layer ids/model: {sorted(mixed)}; rerun the odd ones")
+        raise ValueError(f"shards disagree on dtype/storage/layer ids/model: {sorted(mixed)}; rerun the odd ones")
     first = manifests[0]
     return {
         "format": DATASET_FORMAT,
-        "shard_format": FORMAT,
+        "shard_format": first.format,
+        **({"storage": first.storage} if first.storage else {}),
         **{
             k: getattr(first, k)
             for k in ("layer_ids", "layer_id_convention", "num_hidden_layers", "hidden_size", "dtype")

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..shard.format import layer_file, read_index
+from ..shard.format import LayerReader, layer_file, read_index
 
 # The draft vocabulary sizes a user picks from (speculators' --draft-vocab-size).
 DRAFT_VOCAB_SIZES = (8192, 16384, 32768, 65536)
@@ -145,7 +145,6 @@ def sampled_outlier_shares(shard_dir: str | Path, validation: dict[str, Any]) ->
     so the report's cost does not grow with the shard. The mean norm comes from validation.
     """
     import torch
-    from safetensors import safe_open
 
     shard = Path(shard_dir)
     tokens = sum(e.length for e in read_index(shard))
@@ -159,18 +158,17 @@ def sampled_outlier_shares(shard_dir: str | Path, validation: dict[str, Any]) ->
         if not mean_norm or not (shard / layer_file(int(lid))).is_file():
             continue
         hit = seen = 0
-        with safe_open(shard / layer_file(int(lid)), framework="pt") as f:
-            sl = f.get_slice("hidden_states")
-            end_prev = 0
-            for a in starts:
-                a = max(a, end_prev)  # blocks of a small shard overlap: read each row once
-                b = min(a + block, tokens)
-                if a >= b:
-                    continue
-                norms = torch.linalg.vector_norm(sl[a:b].float(), dim=-1)  # [b - a]
-                hit += int((norms > OUTLIER_NORM_RATIO * mean_norm).sum())
-                seen += b - a
-                end_prev = b
+        reader = LayerReader(shard / layer_file(int(lid)))  # FP8 dequantized
+        end_prev = 0
+        for a in starts:
+            a = max(a, end_prev)  # blocks of a small shard overlap: read each row once
+            b = min(a + block, tokens)
+            if a >= b:
+                continue
+            norms = torch.linalg.vector_norm(reader.rows(a, b, torch.float32), dim=-1)  # [b - a]
+            hit += int((norms > OUTLIER_NORM_RATIO * mean_norm).sum())
+            seen += b - a
+            end_prev = b
         out[lid] = hit / seen if seen else 0.0
     return out
 

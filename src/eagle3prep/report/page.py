@@ -186,7 +186,13 @@ def provenance_table(ctx: dict[str, Any]) -> str:
                 f"TP {eng.get('tp_size', 1)}"
             ),
         ),  # fmt: skip
-        ("dtype, hidden size", esc(f"{d['dtype']}, {d['hidden_size']} ({d['num_hidden_layers']} layers)")),
+        (
+            "dtype, hidden size",
+            esc(
+                f"{d['dtype']}, {d['hidden_size']} ({d['num_hidden_layers']} layers)"
+                + (", stored as FP8 e4m3 with per-token scales" if d.get("storage") else "")
+            ),
+        ),
         ("code version", esc(", ".join(sorted(ctx["code_versions"])))),
         ("validation reference", esc(ctx["reference_line"])),
         ("speculators export", export_line),

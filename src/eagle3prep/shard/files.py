@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
-import struct
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import faults
-from .format import DTYPES, disk_full_is_user_error, temp_of
+from .format import DTYPES, disk_full_is_user_error, safetensors_header, temp_of
 
 if TYPE_CHECKING:
     import torch
@@ -38,23 +36,29 @@ class StreamingSafetensorsWriter:
     The file appears under its final name only in finish(), after every row arrived and was fsynced.
     """
 
-    def __init__(self, path: str | os.PathLike, name: str, dtype: str, shape: tuple[int, ...]):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        name: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        after: tuple[str, str, tuple[int, ...]] | None = None,
+    ):
+        """`after`: (name, dtype, shape) of a second tensor stored behind this one (FP8 scales), whose
+        rows match this tensor's; only PositionalSafetensorsWriter fills it."""
         self.path = Path(path)
         self.dtype = dtype
         self.shape = tuple(shape)
-        code, itemsize = DTYPES[dtype]
-        self.row_bytes = itemsize * int(_prod(self.shape[1:]))
+        self.after = after
+        self.row_bytes = DTYPES[dtype][1] * int(_prod(self.shape[1:]))
         self.expected_rows = self.shape[0]
         self.rows = 0
-        nbytes = self.row_bytes * self.expected_rows
-        header = {name: {"dtype": code, "shape": list(self.shape), "data_offsets": [0, nbytes]}}
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)  # the format pads the header to 8-byte alignment
+        header = safetensors_header([(name, dtype, self.shape), *([after] if after else [])])
         self.tmp = temp_of(self.path)
         self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish() or abort()
         self._sha = hashlib.sha256()
         try:
-            self._write(struct.pack("<Q", len(blob)) + blob)
+            self._write(header)
         except BaseException:
             self.abort()
             raise
@@ -74,6 +78,8 @@ class StreamingSafetensorsWriter:
             raise ValueError(f"{self.path.name}: got dtype {tensor.dtype}, expected {self.dtype}")
         if self.rows + tensor.shape[0] > self.expected_rows:
             raise ValueError(f"{self.path.name}: more than the {self.expected_rows} rows declared")
+        if self.after is not None:
+            raise TypeError(f"{self.path.name}: a file with a second tensor is written by position")
         import torch
 
         flat = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
@@ -91,7 +97,11 @@ class StreamingSafetensorsWriter:
             os.fsync(self._f.fileno())
             self._f.close()
         size = self.tmp.stat().st_size
-        return {"sha256": self._sha.hexdigest(), "bytes": size, "shape": list(self.shape), "dtype": self.dtype}
+        entry = {"sha256": self._sha.hexdigest(), "bytes": size, "shape": list(self.shape), "dtype": self.dtype}
+        if self.after is not None:
+            name, dtype, shape = self.after
+            entry[name] = {"dtype": dtype, "shape": list(shape)}
+        return entry
 
     def finish(self) -> dict[str, Any]:
         """seal(), then rename onto the final name; return the file's manifest entry."""
@@ -194,14 +204,28 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
     that arrives early is kept in memory until the gap before it is filled (vLLM schedules prompts
     first-come first-served, so that is at most a step's worth). A range written twice raises, and
     seal() raises unless every row arrived: a shard with a hole never gets a manifest.
+
+    With a second tensor (`after`, the FP8 scales), place() also writes the range's rows of it, and
+    seal() hashes that section last by reading it back: it follows every row of the first tensor in
+    file order, and keeping it in memory until then would grow with the shard (4 bytes a token).
     """
 
     def __init__(
-        self, path: str | os.PathLike, name: str, dtype: str, shape: tuple[int, ...], sync_bytes: int | None = None
+        self,
+        path: str | os.PathLike,
+        name: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        sync_bytes: int | None = None,
+        after: tuple[str, str, tuple[int, ...]] | None = None,
     ):
         """`sync_bytes`: flush to disk in the background every this many bytes (BackgroundFlush), so
         the disk works while the capture runs (None: only at seal())."""
-        super().__init__(path, name, dtype, shape)
+        super().__init__(path, name, dtype, shape, after)
+        if after is not None and after[2][0] != self.expected_rows:
+            self.abort()
+            raise ValueError(f"{self.path.name}: {after[0]} has {after[2][0]} rows, {name} {self.expected_rows}")
+        self.after_row_bytes = DTYPES[after[1]][1] * int(_prod(after[2][1:])) if after else 0
         try:
             with disk_full_is_user_error(self.path):
                 self._f.flush()  # the header; rows go through pwrite on the raw descriptor
@@ -209,6 +233,7 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
             self.abort()
             raise
         self._data_start = self._f.tell()
+        self._after_start = self._data_start + self.expected_rows * self.row_bytes
         self._early: dict[int, bytes] = {}  # first row -> bytes of a range that arrived ahead of `rows`
         self._flush = BackgroundFlush(self._f.fileno(), self.path.name, sync_bytes) if sync_bytes else None
         self.write_s = self.hash_s = 0.0  # where this writer's time went (benchmarks)
@@ -239,19 +264,32 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
             raise ValueError(f"{self.path.name}: rows {first_row}..{last} outside the {self.expected_rows} declared")
         return data, last
 
-    def place(self, first_row: int, data: memoryview | bytes) -> None:
-        """pwrite the rows where they belong (the page cache; the background flush takes them to disk)."""
-        data, _ = self._rows_of(first_row, data)
+    def place(self, first_row: int, data: memoryview | bytes, after: memoryview | bytes | None = None) -> None:
+        """pwrite the rows where they belong (the page cache; the background flush takes them to disk);
+        `after`: the same rows of the second tensor, required when the file has one."""
+        data, last = self._rows_of(first_row, data)
         faults.kill_point("shard.mid_write", file=self.path.name, rows=first_row)
-        view, offset = data, self._data_start + first_row * self.row_bytes
+        if (after is None) != (self.after is None):
+            raise ValueError(
+                f"{self.path.name}: rows of {self.after[0] if self.after else 'no second tensor'} expected"
+            )
+        parts = [(data, self._data_start + first_row * self.row_bytes)]
+        if after is not None:
+            after = memoryview(after).cast("B")
+            if len(after) != (last - first_row) * self.after_row_bytes:
+                raise ValueError(
+                    f"{self.path.name}: {len(after)} bytes of {self.after[0]} for {last - first_row} rows"
+                )
+            parts.append((after, self._after_start + first_row * self.after_row_bytes))
         t0 = time.perf_counter()
         with disk_full_is_user_error(self.path):
-            while view:  # pwrite may write less than asked
-                done = os.pwrite(self._f.fileno(), view, offset)
-                view, offset = view[done:], offset + done
+            for view, offset in parts:
+                while view:  # pwrite may write less than asked
+                    done = os.pwrite(self._f.fileno(), view, offset)
+                    view, offset = view[done:], offset + done
             self.write_s += time.perf_counter() - t0
             if self._flush is not None:
-                self._flush.wrote(len(data))
+                self._flush.wrote(sum(len(v) for v, _ in parts))
 
     def account(self, first_row: int, data: memoryview | bytes) -> None:
         """Hash the rows in file order (keeping a range that came early); refuse a range seen twice."""
@@ -283,7 +321,26 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
             except BaseException:
                 self.abort()
                 raise
+        if self.after is not None:
+            self._hash_after()
         return super().seal()
+
+    def _hash_after(self, chunk: int = 16 << 20) -> None:
+        """Hash the second tensor's section, read back from the file (every row of it was placed)."""
+        fd = os.open(self.tmp, os.O_RDONLY)
+        try:
+            pos, end = self._after_start, self._after_start + self.expected_rows * self.after_row_bytes
+            while pos < end:
+                data = os.pread(fd, min(chunk, end - pos), pos)
+                if not data:
+                    raise ValueError(f"{self.path.name}: {self.after[0]} ends at byte {pos}, expected {end}")
+                self._sha.update(data)
+                pos += len(data)
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            os.close(fd)
 
     def abort(self) -> None:
         flush = getattr(self, "_flush", None)  # None when the header's write failed in __init__

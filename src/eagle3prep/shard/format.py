@@ -3,6 +3,11 @@
 A shard folder holds one `layer_{id}.safetensors` per layer id (tensor `hidden_states`, [sum_T, H]),
 `token_ids.safetensors` (tensor `token_ids`, [sum_T] int64), `index.json` and, written last,
 `manifest.json`. A folder without a valid manifest is not finished.
+
+Storage (`extract.storage`): `model_dtype` keeps `hidden_states` in the capture dtype; `fp8_e4m3`
+stores it as float8_e4m3fn followed by `hidden_states_scales` [sum_T, 1] float32, one scale per token
+(shard/fp8.py), and marks the manifest with FORMAT_FP8 and its `storage` entry. Every reader goes
+through LayerReader / read_layer, which dequantize.
 """
 
 from __future__ import annotations
@@ -10,16 +15,22 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import shutil
+import struct
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..atomic import TMP_PREFIX
 from ..errors import UserError
 from ..records import IndexEntry
+from .fp8 import FP8_DTYPE, FP8_MAX, SCALE_MIN, SCALES_KEY, dequantize_fp8, quantize_fp8
+
+if TYPE_CHECKING:
+    import torch
 
 MANIFEST = "manifest.json"
 INDEX = "index.json"
@@ -27,6 +38,8 @@ TOKEN_IDS = "token_ids.safetensors"
 LOGPROBS = "logprobs.safetensors"  # the engine's prompt logprobs of a few rows (validate's logits check)
 TIMINGS = "timings.json"  # wall-clock facts; outside the manifest so equal data gives equal bytes
 FORMAT = "eagle3prep.hidden_states/1"
+# FP8 layer files hold a second tensor and a dtype older readers would misread: they refuse /2 by name.
+FORMAT_FP8 = "eagle3prep.hidden_states/2"
 
 # torch dtype name -> (safetensors dtype code, bytes per element)
 DTYPES = {
@@ -34,7 +47,57 @@ DTYPES = {
     "float16": ("F16", 2),
     "float32": ("F32", 4),
     "int64": ("I64", 8),
+    FP8_DTYPE: ("F8_E4M3", 1),
 }
+
+MODEL_DTYPE, FP8_E4M3 = "model_dtype", "fp8_e4m3"
+STORAGES = (MODEL_DTYPE, FP8_E4M3)
+
+
+def check_storage(storage: str) -> str:
+    if storage not in STORAGES:
+        raise ValueError(f"extract.storage = {storage!r} is not one of {list(STORAGES)}")
+    return storage
+
+
+def layer_tensors(storage: str, tokens: int, hidden_size: int, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of each tensor of a layer file, in file order: the values, then any scales."""
+    if check_storage(storage) == FP8_E4M3:
+        return [("hidden_states", FP8_DTYPE, (tokens, hidden_size)), (SCALES_KEY, "float32", (tokens, 1))]
+    return [("hidden_states", dtype, (tokens, hidden_size))]
+
+
+def token_bytes(storage: str, hidden_size: int, dtype: str) -> int:
+    """Bytes one token takes in one layer file (values and scale)."""
+    return sum(DTYPES[d][1] * math.prod(shape[1:]) for _, d, shape in layer_tensors(storage, 1, hidden_size, dtype))
+
+
+def storage_entry(storage: str) -> dict[str, Any] | None:
+    """The manifest's `storage` field: None (left out) for model-dtype shards, so their manifests stay as they were."""
+    if check_storage(storage) == MODEL_DTYPE:
+        return None
+    return {
+        "name": FP8_E4M3,
+        "dtype": FP8_DTYPE,
+        "scales": {
+            "key": SCALES_KEY,
+            "dtype": "float32",
+            "granularity": "per_token_per_layer",  # one scale per token in each layer file
+            "math": f"scale = max(amax / {FP8_MAX:g}, {SCALE_MIN:g}); value = fp8 x scale (speculators' fp8_utils)",
+        },
+    }
+
+
+def safetensors_header(tensors: list[tuple[str, str, tuple[int, ...]]]) -> bytes:
+    """The 8-byte length and the JSON header of a safetensors file holding `tensors` back to back."""
+    header, offset = {}, 0
+    for name, dtype, shape in tensors:
+        nbytes = DTYPES[dtype][1] * math.prod(shape)
+        header[name] = {"dtype": DTYPES[dtype][0], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format pads the header to 8-byte alignment
+    return struct.pack("<Q", len(blob)) + blob
 
 
 def layer_file(layer_id: int) -> str:
@@ -115,18 +178,29 @@ class ShardManifest:
     code_version: str
     files: dict[str, dict[str, Any]]  # name -> sha256, bytes (shape, dtype for tensors)
     format: str = FORMAT
+    storage: dict[str, Any] | None = None  # storage_entry(): None = hidden_states in `dtype`
+
+    @property
+    def storage_name(self) -> str:
+        return (self.storage or {}).get("name", MODEL_DTYPE)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.storage is None:
+            del out["storage"]
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any], where: str = MANIFEST) -> ShardManifest:
-        if data.get("format") != FORMAT:
-            raise ValueError(f"{where}: format {data.get('format')!r}, expected {FORMAT!r}")
+        if data.get("format") not in (FORMAT, FORMAT_FP8):
+            raise ValueError(f"{where}: format {data.get('format')!r}, expected {FORMAT!r} or {FORMAT_FP8!r}")
         try:
-            return cls(**data)
+            m = cls(**data)
         except TypeError as e:  # a key missing or unknown: a damaged or foreign manifest
             raise ValueError(f"{where}: not a shard manifest ({e})") from None
+        if (m.format == FORMAT_FP8) != (m.storage_name == FP8_E4M3):
+            raise ValueError(f"{where}: format {m.format!r} with storage {m.storage_name!r}")
+        return m
 
 
 def read_manifest(shard_dir: str | os.PathLike) -> ShardManifest:
@@ -151,3 +225,58 @@ def index_of_tokenized(tokenized_shard: str | os.PathLike) -> list[IndexEntry]:
             index.append(IndexEntry(row=rec["row"], id=rec["id"], offset=offset, length=rec["seq_len"]))
             offset += rec["seq_len"]
     return index
+
+
+class LayerReader:
+    """One layer file open for reading rows (memory-mapped); FP8 files are dequantized on read.
+
+    The file says how it is stored (a `hidden_states_scales` tensor = FP8), so any layer file reads the
+    same way: `rows(a, b)` is [b - a, H]; `dtype` None gives a model-dtype file as stored and an FP8
+    file as bfloat16 (what trainers read); validation asks for float32.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        self._f = safe_open(str(path), framework="pt")
+        self.values = self._f.get_slice("hidden_states")
+        self.scales = self._f.get_slice(SCALES_KEY) if SCALES_KEY in self._f.keys() else None  # noqa: SIM118
+
+    @property
+    def fp8(self) -> bool:
+        return self.scales is not None
+
+    @property
+    def shape(self) -> list[int]:
+        return self.values.get_shape()
+
+    def rows(self, a: int, b: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self.scales is None:
+            x = self.values[a:b]
+            return x if dtype is None else x.to(dtype)
+        import torch
+
+        return dequantize_fp8(self.values[a:b], self.scales[a:b], dtype or torch.bfloat16)
+
+
+def read_layer(path: str | os.PathLike, a: int = 0, b: int | None = None, dtype: torch.dtype | None = None):
+    """Rows a..b-1 of a layer file ([b - a, H]; all rows when b is None), dequantized (LayerReader.rows)."""
+    reader = LayerReader(path)
+    return reader.rows(a, reader.shape[0] if b is None else b, dtype)
+
+
+def write_layer(path: str | os.PathLike, hidden: torch.Tensor, storage: str = MODEL_DTYPE) -> None:
+    """A whole layer file from [T, H] states, in the streaming writers' layout (planted shards, tests).
+    fp8_e4m3 quantizes `hidden` as the capture does; model_dtype stores it as it is."""
+    import torch
+
+    tensors = {"hidden_states": hidden.detach().contiguous()}
+    if check_storage(storage) == FP8_E4M3:
+        q, s = quantize_fp8(hidden)
+        tensors = {"hidden_states": q, SCALES_KEY: s}
+    layout = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
+    with open(path, "wb") as f:
+        f.write(safetensors_header(layout))
+        for t in tensors.values():
+            f.write(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())

@@ -1,7 +1,7 @@
 """Shard folders opened with the tokenized shards they were captured from, checked once (DESIGN.md §4).
 
 Validate, the report, the export and HiddenStatesDataset all start here, so "do these files agree"
-has one answer: same dtype, layer ids, H and N; each index matches its tokenized rows and the
+has one answer: same dtype, storage, layer ids, H and N; each index matches its tokenized rows and the
 tokenized file's sha256 recorded at capture time; rows contiguous across shards; last id = N.
 """
 
@@ -131,12 +131,12 @@ class ShardSet:
             if failed:
                 raise ShardSetError(f"{s.dir}: {failed[0].name}: {failed[0].detail}")
         kinds = {
-            (s.manifest.dtype, tuple(s.manifest.layer_ids), s.manifest.hidden_size, s.manifest.num_hidden_layers)
-            for s in self.shards
+            (m.dtype, m.storage_name, tuple(m.layer_ids), m.hidden_size, m.num_hidden_layers)
+            for m in (s.manifest for s in self.shards)
         }
-        if len(kinds) != 1:
+        if len(kinds) != 1:  # storage too: one export holds one format
             raise ShardSetError(
-                f"shards disagree on (dtype, layer ids, hidden size, N): {sorted(kinds)}; rerun the odd ones"
+                f"shards disagree on (dtype, storage, layer ids, hidden size, N): {sorted(kinds)}; rerun the odd ones"
             )
         n, ids = self.first.num_hidden_layers, self.layer_ids
         if final_layer and (ids[-1] != n or len(ids) < 2):

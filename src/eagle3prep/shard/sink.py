@@ -9,7 +9,9 @@ vLLM hooks in TP rank 0's worker, vLLM's built-in path in the driver after readi
 
 Rows are copied into a pooled host slot (pinned, on a side CUDA stream, so the copy overlaps the next
 layers' compute); writer threads place them by position and hash them in file order
-(docs/performance.md has the measurements behind the thread layout and the slot count).
+(docs/performance.md has the measurements behind the thread layout and the slot count). With
+`storage: fp8_e4m3` each layer is quantized on its own device first, on the same side stream, so half
+the bytes cross to the host and reach the disk (shard/fp8.py; on a CPU it is the same code).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .files import FLUSH_EVERY, PositionalSafetensorsWriter
+from .format import FP8_E4M3, MODEL_DTYPE, check_storage, layer_tensors
+from .fp8 import QUANT_CHUNK, quantize_fp8
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +55,11 @@ class SinkSpec:
     sync_bytes: int = FLUSH_EVERY
     tag_prefix: str = "row"
     logprob_rows: tuple[int, ...] = ()  # rows whose prompt logprobs the engine also returns (logits check)
+    storage: str = MODEL_DTYPE  # format.STORAGES: the model dtype as it is, or fp8_e4m3 with per-token scales
+
+    @property
+    def fp8(self) -> bool:
+        return check_storage(self.storage) == FP8_E4M3
 
     @property
     def total_tokens(self) -> int:
@@ -63,6 +72,7 @@ class SinkSpec:
 @dataclass(slots=True)
 class _Slot:
     host: torch.Tensor  # [num_layers, capacity, H] (pinned when the rows come from a GPU)
+    scales: torch.Tensor | None = None  # [num_layers, capacity, 1] float32: FP8 storage's per-token scales
     event: Any = None  # CUDA event recorded after the step's last copy; None on CPU
     pieces: list[tuple[int, int, int]] | None = None  # (src_row, dest_row, n) of this step
     pending: int = 0  # layer threads that have not written their part of this slot yet
@@ -72,13 +82,16 @@ class SlotPool:
     """At most `size` host slots of [num_layers, >= step_tokens, H]; kept across shards by the vLLM
     worker (pinning 3 x 512 MiB takes a noticeable fraction of a second). take() waits when all are in use."""
 
-    def __init__(self, num_layers: int, hidden_size: int, dtype: torch.dtype, step_tokens: int, size: int = 3):
-        self.key = (num_layers, hidden_size, dtype, step_tokens, size)
+    def __init__(
+        self, num_layers: int, hidden_size: int, dtype: torch.dtype, step_tokens: int, size: int = 3, fp8: bool = False
+    ):
+        """`dtype`: the rows' dtype in the slot; `fp8`: the slot holds FP8 values and float32 scales instead."""
+        self.key = (num_layers, hidden_size, dtype, step_tokens, size, fp8)
         self._free: queue.Queue[_Slot] = queue.Queue()
         self._made = 0
 
     def take(self, tokens: int) -> _Slot:
-        _, _, _, step_tokens, size = self.key
+        _, _, _, step_tokens, size, _ = self.key
         if self._free.empty() and self._made < size:
             self._made += 1
             return self._new(max(tokens, step_tokens))
@@ -92,22 +105,26 @@ class SlotPool:
     def _new(self, capacity: int) -> _Slot:
         import torch
 
-        num_layers, hidden_size, dtype, _, _ = self.key
+        num_layers, hidden_size, dtype, _, _, fp8 = self.key
         pinned = torch.cuda.is_available()
-        return _Slot(torch.empty((num_layers, capacity, hidden_size), dtype=dtype, pin_memory=pinned))
+        if not fp8:
+            return _Slot(torch.empty((num_layers, capacity, hidden_size), dtype=dtype, pin_memory=pinned))
+        # Pinned as bytes and viewed as FP8: a same-dtype copy_ into it is a plain byte copy.
+        values = torch.empty((num_layers, capacity, hidden_size), dtype=torch.uint8, pin_memory=pinned)
+        scales = torch.empty((num_layers, capacity, 1), dtype=torch.float32, pin_memory=pinned)
+        return _Slot(values.view(torch.float8_e4m3fn), scales)
 
 
 def _pool_key(spec: SinkSpec) -> tuple:
     import torch
 
-    return (len(spec.layer_paths), spec.hidden_size, getattr(torch, spec.dtype), spec.step_tokens, spec.slots)
+    stored = torch.float8_e4m3fn if spec.fp8 else getattr(torch, spec.dtype)
+    return (len(spec.layer_paths), spec.hidden_size, stored, spec.step_tokens, spec.slots, spec.fp8)
 
 
 def pool_for(spec: SinkSpec) -> SlotPool:
     """A new pool sized for `spec` (a worker keeps it for the next shard of the same shape)."""
-    import torch
-
-    return SlotPool(len(spec.layer_paths), spec.hidden_size, getattr(torch, spec.dtype), spec.step_tokens, spec.slots)
+    return SlotPool(*_pool_key(spec))
 
 
 class LayerSink:
@@ -126,12 +143,12 @@ class LayerSink:
         self.total_tokens = spec.total_tokens
         self.pool = pool if pool is not None and pool.key == _pool_key(spec) else pool_for(spec)
         self.writers: dict[int, PositionalSafetensorsWriter] = {}
-        shape = (self.total_tokens, spec.hidden_size)
+        (name, dtype, shape), *after = layer_tensors(spec.storage, self.total_tokens, spec.hidden_size, spec.dtype)
         try:
             for lid in self.layer_ids:
                 path = Path(spec.layer_paths[lid])
                 self.writers[lid] = PositionalSafetensorsWriter(
-                    path, "hidden_states", spec.dtype, shape, spec.sync_bytes
+                    path, name, dtype, shape, spec.sync_bytes, after[0] if after else None
                 )
         except BaseException:
             for w in self.writers.values():  # no flush thread or temp file left behind
@@ -188,16 +205,16 @@ class LayerSink:
         import torch
 
         n = min(stream.shape[0], slot.host.shape[1])
-        dest = slot.host[self._slot_of_layer[layer_id], :n]
+        j = self._slot_of_layer[layer_id]
         if stream.is_cuda:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device=stream.device)
             self._stream.wait_stream(torch.cuda.current_stream(stream.device))  # the value is computed first
             with torch.cuda.stream(self._stream):
-                dest.copy_(stream[:n], non_blocking=True)
+                self._to_host(slot, j, stream, n)
             stream.record_stream(self._stream)  # the allocator keeps it until the copy ran
         else:
-            dest.copy_(stream[:n])
+            self._to_host(slot, j, stream, n)
         if layer_id == self.layer_ids[-1]:
             if stream.is_cuda:
                 slot.event = torch.cuda.Event()
@@ -206,6 +223,19 @@ class LayerSink:
             slot.pending = len(self.layer_ids)
             for q in self._todo.values():
                 q.put(slot)
+
+    def _to_host(self, slot: _Slot, j: int, stream: torch.Tensor, n: int) -> None:
+        """Rows 0..n-1 of `stream` into layer slot j, quantized first on their device for FP8 storage.
+        On a GPU this runs on the side stream; FP8 temporaries freed here are reused only by later work
+        on that stream, after the copies that read them."""
+        if slot.scales is None:
+            slot.host[j, :n].copy_(stream[:n], non_blocking=stream.is_cuda)
+            return
+        for a in range(0, n, QUANT_CHUNK):
+            b = min(a + QUANT_CHUNK, n)
+            q, s = quantize_fp8(stream[a:b])
+            slot.host[j, a:b].copy_(q, non_blocking=stream.is_cuda)
+            slot.scales[j, a:b].copy_(s, non_blocking=stream.is_cuda)
 
     def write_rows(self, tag: str, layers: dict[int, torch.Tensor]) -> None:
         """One whole request's rows at once ({layer_id: [T, H]}): a one-segment step (built-in path)."""
@@ -234,8 +264,10 @@ class LayerSink:
                     if slot.event is not None:
                         slot.event.synchronize()  # the step's device-to-host copies are done
                     raw = slot.host[j].view(torch.uint8)  # [capacity, H * itemsize]
+                    scales = slot.scales[j].view(torch.uint8) if slot.scales is not None else None  # [capacity, 4]
                     for src, dest, n in slot.pieces:
-                        writer.place(dest, raw[src : src + n].numpy())
+                        after = scales[src : src + n].numpy() if scales is not None else None
+                        writer.place(dest, raw[src : src + n].numpy(), after)
             except BaseException as e:  # noqa: BLE001 - reported by finish()
                 self._fail(e)
             self._to_hash[layer_id].put(slot)  # the hash thread frees the slot, error or not

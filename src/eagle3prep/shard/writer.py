@@ -19,15 +19,23 @@ from ..atomic import atomic_open, fsync_dir, sha256_file, write_json
 from ..records import IndexEntry
 from .files import StreamingSafetensorsWriter
 from .format import (
+    FORMAT,
+    FORMAT_FP8,
+    FP8_E4M3,
     INDEX,
     LOGPROBS,
     MANIFEST,
+    MODEL_DTYPE,
     TIMINGS,
     TOKEN_IDS,
     ShardManifest,
+    check_storage,
     disk_full_is_user_error,
     layer_file,
+    layer_tensors,
+    storage_entry,
     temp_of,
+    token_bytes,
 )
 from .sink import SinkSpec
 
@@ -36,9 +44,16 @@ class ShardWriter:
     """Streams a shard's token ids as batches pass; checks the layer files and writes the manifest last."""
 
     def __init__(
-        self, out_dir: str | os.PathLike, layer_ids: list[int], hidden_size: int, dtype: str, index: list[IndexEntry]
+        self,
+        out_dir: str | os.PathLike,
+        layer_ids: list[int],
+        hidden_size: int,
+        dtype: str,
+        index: list[IndexEntry],
+        storage: str = MODEL_DTYPE,
     ):
         self.out_dir = Path(out_dir)
+        self.storage = check_storage(storage)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.layer_ids = list(layer_ids)
         self.index = index
@@ -57,6 +72,7 @@ class ShardWriter:
             rows=[(e.offset, e.length) for e in self.index],
             step_tokens=step_tokens,
             tag_prefix=tag_prefix,
+            storage=self.storage,
             **kw,
         )
 
@@ -84,18 +100,19 @@ class ShardWriter:
         files = {}
         if sorted(layer_entries) != self.layer_ids:
             raise ValueError(f"the backend wrote layers {sorted(layer_entries)}, expected {self.layer_ids}")
+        (name, dtype, shape), *after = layer_tensors(self.storage, self.total_tokens, self.hidden_size, self.dtype)
+        want = {"shape": list(shape), "dtype": dtype, **{n: {"dtype": d, "shape": list(s)} for n, d, s in after}}
+        data_bytes = self.total_tokens * token_bytes(self.storage, self.hidden_size, self.dtype)
         for lid in self.layer_ids:
             path, entry = self.out_dir / layer_file(lid), layer_entries[lid]
             self._placed.append(path)
             size = path.stat().st_size if path.is_file() else None
-            if (
-                size != entry["bytes"]
-                or entry["shape"] != [self.total_tokens, self.hidden_size]
-                or entry["dtype"] != self.dtype
-            ):
+            got = {k: entry.get(k) for k in want}
+            # The header is the only part whose size the layout does not fix; data must be exactly the tensors'.
+            if size != entry["bytes"] or got != want or not 0 < entry["bytes"] - data_bytes <= 1 << 20:
                 raise ValueError(
-                    f"{path}: {size} bytes on disk, its entry says {entry['bytes']} bytes of {entry['shape']} "
-                    f"{entry['dtype']}; expected [{self.total_tokens}, {self.hidden_size}] {self.dtype}"
+                    f"{path}: {size} bytes on disk, its entry says {entry['bytes']} bytes of {got}; expected {want} "
+                    f"({data_bytes} bytes of data, {self.storage} storage)"
                 )
             files[path.name] = entry
             faults.kill_point("shard.between_files", file=path.name)
@@ -113,8 +130,15 @@ class ShardWriter:
             self._placed.append(self.out_dir / TIMINGS)
             with disk_full_is_user_error(self.out_dir / TIMINGS):
                 before_manifest()
+        fp8 = self.storage == FP8_E4M3
         result = ShardManifest(
-            **manifest, files=files, rows=len(self.index), tokens=self.total_tokens, layer_ids=self.layer_ids
+            **manifest,
+            files=files,
+            rows=len(self.index),
+            tokens=self.total_tokens,
+            layer_ids=self.layer_ids,
+            storage=storage_entry(self.storage),
+            format=FORMAT_FP8 if fp8 else FORMAT,
         )
         with disk_full_is_user_error(self.out_dir / MANIFEST):
             write_json(self.out_dir / MANIFEST, result.to_json())

@@ -7,8 +7,9 @@ FileTransfer returns for hs_{row}.safetensors of a copy export, equal tensor for
     token_ids      [T]        int64
     hidden_states  [T, L, H]  layer ids ascending, the last slot id N (before the final norm)
 
-Each layer's rows are a memory-mapped `get_slice` of its `[sum_T, H]` file, so only the row's bytes are
-read. Shards are opened lazily, per process (speculators' DataLoader workers are spawned and get this
+Each layer's rows are read through shard.format.LayerReader (a memory-mapped `get_slice` of its
+`[sum_T, H]` file, so only the row's bytes are read; FP8 files, extract.storage fp8_e4m3, dequantized to
+bf16 with their per-token, per-layer scales, as HiddenStatesDataset reads them). Shards are opened lazily, per process (speculators' DataLoader workers are spawned and get this
 object pickled without its handles), and at most `MAX_OPEN` at a time, so 10,000 shards do not hold
 50,000 file handles. A shard whose manifest changed since the export (re-extracted, healed) is refused:
 the arrow part (input_ids, loss_mask) was written from the old one.
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import UserError
-from ..shard.format import INDEX, MANIFEST, TOKEN_IDS, layer_file
+from ..shard.format import INDEX, MANIFEST, TOKEN_IDS, LayerReader, layer_file
 
 EXPORT_FORMAT = "eagle3prep.speculators_export/1"  # export.FORMAT (not imported: export pulls in datasets)
 MAX_OPEN = 16
@@ -36,14 +37,6 @@ MAX_OPEN = 16
 
 class ExportRowsError(UserError, ValueError):
     """The export and the shard folders it names do not agree; the message says what to rerun."""
-
-
-def read_layer_rows(handle: Any, a: int, b: int) -> torch.Tensor:
-    """Rows a..b-1 of one open layer file, [b - a, H] in the dtype a trainer reads.
-
-    The one place a layer file's values are read for training, so a storage format that needs
-    decoding (FP8 with per-token scales) changes this function only."""
-    return handle.get_slice("hidden_states")[a:b]
 
 
 @dataclass(slots=True)
@@ -74,12 +67,12 @@ class _OpenShard:
             raise ExportRowsError(f"{src.dir / INDEX} does not hold rows {first}..{src.row_range[1] - 1}")
         self.first = first
         self.spans = [(e["offset"], e["offset"] + e["length"]) for e in index]
-        self.layers = [safe_open(src.dir / layer_file(i), framework="pt") for i in layer_ids]
+        self.layers = [LayerReader(src.dir / layer_file(i)) for i in layer_ids]
         self.tokens = safe_open(src.dir / TOKEN_IDS, framework="pt").get_slice("token_ids")
 
     def row(self, row: int) -> dict[str, torch.Tensor]:
         a, b = self.spans[row - self.first]
-        hidden = torch.stack([read_layer_rows(h, a, b) for h in self.layers], dim=1)  # [T, L, H]
+        hidden = torch.stack([r.rows(a, b) for r in self.layers], dim=1)  # [T, L, H]
         return {"token_ids": self.tokens[a:b], "hidden_states": hidden}
 
 
