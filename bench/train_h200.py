@@ -10,8 +10,9 @@
    (the arrow part only).
 3. speculators' own trainer, `eagle3prep-train` (python -m eagle3prep.train; torchrun with --nproc > 1),
    eagle3, --steps optimizer steps (the epochs that hold them, counted with speculators' own batch
-   sampler), the same seed: from the copy with `--hidden-states-backend file` and from the direct export
-   with `--hidden-states-backend eagle3prep`, each with --deterministic. Metrics per step: OUT/<way>.jsonl.
+   sampler), the same seed: from the copy with `--hidden-states-backend file` (a copy of FP8 shards:
+   `fp8`) and from the direct export with `--hidden-states-backend eagle3prep`, each with
+   --deterministic. Metrics per step: OUT/<way>.jsonl.
 4. The last checkpoint of the direct run in vLLM (--vllm-python, e.g. after the payload recipe of
    ../shared/gpu/README.md): greedy generation on prompts of the data with the draft
    (speculative_config eagle3) and without; spec-decode counters and how many outputs agree.
@@ -39,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-WAYS = {"copy": "file", "direct": "eagle3prep"}  # export mode -> speculators --hidden-states-backend
+WAYS = ("copy", "direct")  # export.hidden_states modes
 
 
 def build_data(out: Path, cores: int) -> tuple[Path, Path]:
@@ -106,12 +107,13 @@ def epochs_for(export: Path, steps: int, seq_len: int, ratio: float, nproc: int,
 def train_args(
     model: Path, export: Path, way: str, save: Path, steps: int, epochs: int, opts: argparse.Namespace
 ) -> list[str]:
-    """speculators train arguments for one way; the same for both but the data path and the backend."""
+    """speculators train arguments for one way; the same for both but the data path and the backend (the one
+    the export's manifest names: eagle3prep for direct, fp8 for a copy of FP8 shards, else file)."""
     manifest = json.loads((export / "manifest.json").read_text())
     return [
         *("--verifier-name-or-path", str(model), "--data-path", str(export), "--speculator-type", "eagle3"),
         *("--target-layer-ids", *map(str, manifest["target_layer_ids"])),
-        *("--hidden-states-backend", WAYS[way], "--on-missing", "raise"),
+        *("--hidden-states-backend", manifest.get("hidden_states_backend", "file"), "--on-missing", "raise"),
         *("--draft-vocab-size", str(opts.draft_vocab_size), "--total-seq-len", str(opts.seq_len)),
         *("--train-data-ratio", str(opts.ratio), "--epochs", str(epochs), "--max-steps", str(steps)),
         *("--seed", str(opts.seed), "--num-workers", str(opts.num_workers)),

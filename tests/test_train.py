@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from shard_helpers import DEMO_LAYER_IDS
 from test_export import export_inputs, finished_results
 from workflow_helpers import REPO
 
@@ -29,6 +31,9 @@ from eagle3prep.train.backend import Eagle3PrepBackend, ShardTransfer  # noqa: E
 from eagle3prep.train.rows import ExportRows, ExportRowsError  # noqa: E402
 
 STEPS = 6
+# bench/train_h200.py options for a CPU run: a 1-layer draft over 64 draft tokens, 128-token batches.
+TRAIN_ARGS = ["--steps", str(STEPS), "--seq-len", "128", "--draft-vocab-size", "64", "--ratio", "0.97"]
+TRAIN_ARGS += ["--num-workers", "0"]
 
 
 def load_bench():
@@ -42,8 +47,7 @@ def load_bench():
 def train_both_ways(workdir: Path, model: Path, out: Path) -> dict:
     """bench/train_h200.py --cpu on a finished workflow run: both exports, then speculators' trainer
     (eagle3, eager loss, sdpa attention, a 1-layer draft) for STEPS steps from each; its summary."""
-    argv = [str(out), "--cpu", "--workdir", str(workdir), "--model", str(model), "--steps", str(STEPS)]
-    argv += ["--seq-len", "128", "--draft-vocab-size", "64", "--ratio", "0.97", "--num-workers", "0"]
+    argv = [str(out), "--cpu", "--workdir", str(workdir), "--model", str(model), *TRAIN_ARGS]
     assert load_bench().main(argv) == 0
     return json.loads((out / "summary.json").read_text())
 
@@ -72,6 +76,100 @@ def assert_identical_training(out: Path, summary: dict) -> None:
 
 def test_direct_training_has_identical_losses_to_the_copy(demo):
     assert_identical_training(demo["out"], demo["summary"])
+
+
+FP8_ROWS = 24  # the demo run's first rows, captured again with FP8 storage (one small shard)
+
+
+def fp8_workdir(demo_run: Path, wd: Path) -> Path:
+    """A finished run of the demo's first FP8_ROWS rows with extract.storage fp8_e4m3, made with the package
+    functions its rules call (tokenized rows and token counts taken from the demo run)."""
+    from shard_helpers import demo_spec
+
+    from eagle3prep.extract import extract_shard
+    from eagle3prep.validate import validate_shard
+
+    src, res = demo_run / "results", wd / "results"
+    (res / "tokenized").mkdir(parents=True)
+    rows = (src / "tokenized/shard_0.jsonl").read_text().splitlines(keepends=True)[:FP8_ROWS]
+    tok = res / "tokenized/shard_0.jsonl"
+    tok.write_text("".join(rows))
+    shutil.copy(src / "tokenized/token_freq.json", res / "tokenized/token_freq.json")
+    model, shard = src / "demo/model", res / "hidden_states/shard_0"
+    extract_shard(str(tok), str(shard), demo_spec(model), {"storage": "fp8_e4m3"}, batch_tokens=1024, shard=0)
+    validate_shard(str(shard), str(tok), str(res / "validation/shard_0.json"), str(model), reference=False)
+    return wd
+
+
+def fp8_bytes_copy(export: Path, shard: Path, out: Path) -> Path:
+    """The copy export with hs files that hold the shard's own FP8 bytes and scales, stacked ([T, L, H]
+    float8_e4m3fn, scales [T, L, 1]): what speculators' `fp8` backend reads without a second rounding."""
+    shutil.copytree(export, out, ignore=shutil.ignore_patterns("hidden_states"))
+    (out / "hidden_states").mkdir()
+    layers = [safe_open(shard / f"layer_{i}.safetensors", "pt") for i in DEMO_LAYER_IDS]
+    tokens = safe_open(shard / "token_ids.safetensors", "pt").get_slice("token_ids")
+    for e in json.loads((shard / "index.json").read_text()):
+        a, b = e["offset"], e["offset"] + e["length"]
+        hs = {
+            "token_ids": tokens[a:b],
+            "hidden_states": torch.stack([f.get_slice("hidden_states")[a:b] for f in layers], dim=1),
+            "hidden_states_scales": torch.stack([f.get_slice("hidden_states_scales")[a:b] for f in layers], dim=1),
+        }
+        save_file(hs, out / f"hidden_states/hs_{e['row']}.safetensors")
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp8(small_demo_run, tmp_path_factory) -> dict:
+    """FP8 shards trained on both ways: from a copy of their FP8 bytes (speculators' `fp8` backend) and
+    from the direct export (ours)."""
+    out = tmp_path_factory.mktemp("train_fp8")
+    wd = fp8_workdir(small_demo_run, out / "wd")
+    bench = load_bench()
+    exports = bench.make_exports(wd, out / "exports")
+    same_bytes = fp8_bytes_copy(exports["copy"], wd / "results/hidden_states/shard_0", out / "exports/fp8_bytes")
+    opts = bench.parse([str(out), "--cpu", *TRAIN_ARGS])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "'pin_memory' argument is set as true but no accelerator")
+        summary = bench.train_both(
+            small_demo_run / "results/demo/model",
+            {"copy": same_bytes, "direct": exports["direct"]},
+            out,
+            STEPS,
+            opts,
+            bench.cpu_runner(),
+        )
+    return {"out": out, "wd": wd, "summary": summary, "exports": {**exports, "fp8_bytes": same_bytes}}
+
+
+def test_fp8_direct_training_has_identical_losses_to_speculators_fp8_backend(fp8):
+    assert json.loads((fp8["exports"]["fp8_bytes"] / "manifest.json").read_text())["hidden_states_backend"] == "fp8"
+    assert_identical_training(fp8["out"], fp8["summary"])
+
+
+def test_fp8_direct_rows_round_once_where_the_fp8_export_rounds_twice(fp8, small_demo_run):
+    """Our rows equal speculators' fp8 backend on the shard's bytes; the FP8 copy export (one scale per token
+    over all layers, requantized) is further from the bf16 capture than they are, never closer."""
+    from hs_connectors import FP8Transfer
+
+    direct = Eagle3PrepBackend.from_train_args(_Args(), str(fp8["exports"]["direct"]))
+    same_bytes = FP8Transfer(fp8["exports"]["fp8_bytes"] / "hidden_states")
+    export = FP8Transfer(fp8["exports"]["copy"] / "hidden_states")
+    bf16_shard = small_demo_run / "results/hidden_states/shard_0"  # the same rows captured in bf16
+    truth = [load_file(bf16_shard / f"layer_{i}.safetensors")["hidden_states"] for i in DEMO_LAYER_IDS]
+    err_direct, err_export = torch.zeros(len(DEMO_LAYER_IDS)), torch.zeros(len(DEMO_LAYER_IDS))
+    offset = 0
+    for row in range(FP8_ROWS):
+        ours, want, theirs = direct.get_cached(row), same_bytes.get_cached(row), export.get_cached(row)
+        assert ours["hidden_states"].dtype == torch.bfloat16 and torch.equal(ours["token_ids"], want["token_ids"])
+        assert torch.equal(ours["hidden_states"], want["hidden_states"])
+        T = len(ours["token_ids"])
+        ref = torch.stack([t[offset : offset + T] for t in truth], dim=1).float()  # [T, L, H]
+        offset += T
+        err_direct += (ours["hidden_states"].float() - ref).pow(2).sum(dim=(0, 2))
+        err_export += (theirs["hidden_states"].float() - ref).pow(2).sum(dim=(0, 2))
+    print(f"FP8 squared error per layer {DEMO_LAYER_IDS}: direct {err_direct.tolist()}, export {err_export.tolist()}")
+    assert (err_direct > 0).all() and (err_direct <= err_export).all()
 
 
 def test_direct_export_holds_no_hidden_state_byte_and_serves_the_same_rows(demo):

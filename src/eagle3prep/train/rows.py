@@ -8,8 +8,10 @@ FileTransfer returns for hs_{row}.safetensors of a copy export, equal tensor for
     hidden_states  [T, L, H]  layer ids ascending, the last slot id N (before the final norm)
 
 Each layer's rows are read through shard.format.LayerReader (a memory-mapped `get_slice` of its
-`[sum_T, H]` file, so only the row's bytes are read; FP8 files, extract.storage fp8_e4m3, dequantized to
-bf16 with their per-token, per-layer scales, as HiddenStatesDataset reads them). Shards are opened lazily, per process (speculators' DataLoader workers are spawned and get this
+`[sum_T, H]` file, so only the row's bytes are read). FP8 layer files (extract.storage fp8_e4m3) are
+dequantized to bf16 with their per-token, per-layer scales by speculators' own function, as its `fp8`
+backend dequantizes an FP8 hs file: the direct way then equals a copy of the same FP8 bytes read by
+`--hidden-states-backend fp8`, tensor for tensor (tests/test_train.py). Shards are opened lazily, per process (speculators' DataLoader workers are spawned and get this
 object pickled without its handles), and at most `MAX_OPEN` at a time, so 10,000 shards do not hold
 50,000 file handles. A shard whose manifest changed since the export (re-extracted, healed) is refused:
 the arrow part (input_ids, loss_mask) was written from the old one.
@@ -72,8 +74,19 @@ class _OpenShard:
 
     def row(self, row: int) -> dict[str, torch.Tensor]:
         a, b = self.spans[row - self.first]
-        hidden = torch.stack([r.rows(a, b) for r in self.layers], dim=1)  # [T, L, H]
+        hidden = torch.stack([layer_rows(r, a, b) for r in self.layers], dim=1)  # [T, L, H]
         return {"token_ids": self.tokens[a:b], "hidden_states": hidden}
+
+
+def layer_rows(reader: LayerReader, a: int, b: int) -> torch.Tensor:
+    """Rows a..b-1 of one layer, [b - a, H], as speculators' trainer gets them from an hs file."""
+    if not reader.fp8:
+        return reader.rows(a, b)  # the stored dtype, as FileTransfer returns it
+    # hs_connectors' FP8Transfer math (fp8.to(bf16) * scale.to(bf16)); LayerReader's float32 product can
+    # round the last bf16 bit the other way, and the two ways would then train on different numbers.
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor
+
+    return dequantize_fp8_tensor(reader.values[a:b], reader.scales[a:b], dtype=torch.bfloat16)
 
 
 class ExportRows:
