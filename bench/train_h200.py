@@ -7,7 +7,8 @@
    on the demo conversations in OUT/wd. With --workdir: a finished workflow run (validated shards) and
    --model, its target folder.
 2. Both exports of its shards (eagle3prep.export): OUT/exports/copy (hs files) and OUT/exports/direct
-   (the arrow part only).
+   (the arrow part only). FP8 shards (--storage fp8_e4m3): the copy trained on is OUT/exports/fp8_bytes,
+   the shards' own FP8 bytes (fp8_bytes_copy says why).
 3. speculators' own trainer, `eagle3prep-train` (python -m eagle3prep.train; torchrun with --nproc > 1),
    eagle3, --steps optimizer steps (the epochs that hold them, counted with speculators' own batch
    sampler), the same seed: from the copy with `--hidden-states-backend file` (a copy of FP8 shards:
@@ -33,6 +34,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -43,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 WAYS = ("copy", "direct")  # export.hidden_states modes
 
 
-def build_data(out: Path, cores: int) -> tuple[Path, Path]:
+def build_data(out: Path, cores: int, storage: str) -> tuple[Path, Path]:
     """(workdir, target): the random Llama and a finished workflow run on the demo conversations."""
     import yaml
 
@@ -59,7 +61,7 @@ def build_data(out: Path, cores: int) -> tuple[Path, Path]:
         "data": {"sources": ["resources/demo/sharegpt.jsonl", "resources/demo/openai.jsonl"]},
         "model": {"path": str(target), "build_demo": False},
         "tokenize": {"max_seq_len": 2048, "num_shards": 2},
-        "extract": {"backend": "hf", "device": "cuda", "dtype": "bfloat16", "batch_tokens": 16384},
+        "extract": {"backend": "hf", "device": "cuda", "dtype": "bfloat16", "batch_tokens": 16384, "storage": storage},
         "validate": {"sample_rows": 8, "device": "cuda"},
     }
     (wd / "config/config.yaml").write_text(yaml.safe_dump(cfg))
@@ -84,6 +86,43 @@ def make_exports(workdir: Path, out: Path) -> dict[str, Path]:
         for mode in WAYS:
             export_speculators(**inputs, out_dir=str(out / mode), hidden_states=mode)
     return {mode: out / mode for mode in WAYS}
+
+
+def fp8_bytes_copy(export: Path, out: Path) -> Path:
+    """The copy export of FP8 shards with hs files that hold the shards' own FP8 bytes and scales, stacked
+    ([T, L, H] float8_e4m3fn, hidden_states_scales [T, L, 1]), which speculators' `fp8` backend reads by
+    broadcasting. The export itself requantizes with one scale per token over all layers (a second
+    rounding), so training from it cannot equal the direct way; from this copy it must."""
+    import hashlib
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    manifest = json.loads((export / "manifest.json").read_text())
+    shutil.copytree(export, out, ignore=shutil.ignore_patterns("hidden_states"))
+    (out / "hidden_states").mkdir()
+    for src in manifest["sources"]:
+        shard = export / src["from_export"]
+        layers = [safe_open(shard / f"layer_{i}.safetensors", "pt") for i in manifest["layer_ids"]]
+        tokens = safe_open(shard / "token_ids.safetensors", "pt").get_slice("token_ids")
+        for e in json.loads((shard / "index.json").read_text()):
+            a, b = e["offset"], e["offset"] + e["length"]
+            blob = save(
+                {
+                    "token_ids": tokens[a:b],
+                    "hidden_states": torch.stack([f.get_slice("hidden_states")[a:b] for f in layers], dim=1),
+                    "hidden_states_scales": torch.stack(
+                        [f.get_slice("hidden_states_scales")[a:b] for f in layers], dim=1
+                    ),
+                }
+            )
+            name = f"hidden_states/hs_{e['row']}.safetensors"
+            (out / name).write_bytes(blob)
+            manifest["files"][name] = {"sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
+    manifest["storage"]["scales"]["shape"] = "[T, L, 1]"  # the files now hold the shards' per-layer scales
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return out
 
 
 def epochs_for(export: Path, steps: int, seq_len: int, ratio: float, nproc: int, seed: int) -> int:
@@ -269,6 +308,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workdir", type=Path, help="a finished workflow run (default: build one in OUT/wd)")
     ap.add_argument("--model", type=Path, help="its target model folder (with --workdir)")
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--storage", default="model_dtype", help="extract.storage of the data built (fp8_e4m3: FP8)")
     ap.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun); 1: one process")
     ap.add_argument("--seq-len", type=int, default=4096, help="speculators --total-seq-len")
     ap.add_argument("--draft-vocab-size", type=int, default=256, help="the demo tokenizer has ~500 ids")
@@ -295,8 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     if opts.workdir:
         workdir, model = opts.workdir.resolve(), opts.model.resolve()
     else:
-        workdir, model = build_data(opts.out, opts.cores)
+        workdir, model = build_data(opts.out, opts.cores, opts.storage)
     exports = make_exports(workdir, opts.out / "exports")
+    if "storage" in json.loads((exports["copy"] / "manifest.json").read_text()):  # FP8 shards
+        exports["copy"] = fp8_bytes_copy(exports["copy"], opts.out / "exports/fp8_bytes")
     runner = cpu_runner() if opts.cpu else subprocess_runner(opts.nproc, timeout=6 * 3600)
     summary = {
         "workdir": str(workdir),

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+import yaml
+from safetensors.torch import load_file
 from shard_helpers import DEMO_LAYER_IDS
 from test_export import export_inputs, finished_results
-from workflow_helpers import REPO
+from workflow_helpers import REPO, snakemake
 
 from eagle3prep.export import export_speculators
 
@@ -101,24 +101,6 @@ def fp8_workdir(demo_run: Path, wd: Path) -> Path:
     return wd
 
 
-def fp8_bytes_copy(export: Path, shard: Path, out: Path) -> Path:
-    """The copy export with hs files that hold the shard's own FP8 bytes and scales, stacked ([T, L, H]
-    float8_e4m3fn, scales [T, L, 1]): what speculators' `fp8` backend reads without a second rounding."""
-    shutil.copytree(export, out, ignore=shutil.ignore_patterns("hidden_states"))
-    (out / "hidden_states").mkdir()
-    layers = [safe_open(shard / f"layer_{i}.safetensors", "pt") for i in DEMO_LAYER_IDS]
-    tokens = safe_open(shard / "token_ids.safetensors", "pt").get_slice("token_ids")
-    for e in json.loads((shard / "index.json").read_text()):
-        a, b = e["offset"], e["offset"] + e["length"]
-        hs = {
-            "token_ids": tokens[a:b],
-            "hidden_states": torch.stack([f.get_slice("hidden_states")[a:b] for f in layers], dim=1),
-            "hidden_states_scales": torch.stack([f.get_slice("hidden_states_scales")[a:b] for f in layers], dim=1),
-        }
-        save_file(hs, out / f"hidden_states/hs_{e['row']}.safetensors")
-    return out
-
-
 @pytest.fixture(scope="module")
 def fp8(small_demo_run, tmp_path_factory) -> dict:
     """FP8 shards trained on both ways: from a copy of their FP8 bytes (speculators' `fp8` backend) and
@@ -127,7 +109,7 @@ def fp8(small_demo_run, tmp_path_factory) -> dict:
     wd = fp8_workdir(small_demo_run, out / "wd")
     bench = load_bench()
     exports = bench.make_exports(wd, out / "exports")
-    same_bytes = fp8_bytes_copy(exports["copy"], wd / "results/hidden_states/shard_0", out / "exports/fp8_bytes")
+    same_bytes = bench.fp8_bytes_copy(exports["copy"], out / "exports/fp8_bytes")
     opts = bench.parse([str(out), "--cpu", *TRAIN_ARGS])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "'pin_memory' argument is set as true but no accelerator")
@@ -241,3 +223,28 @@ def test_console_script_registers_the_backend_for_speculators_parser():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--eagle3prep-shards" in out.stdout and "eagle3prep" in out.stdout.split("--hidden-states-backend")[1]
+
+
+@pytest.mark.integration
+def test_workflow_writes_the_direct_export_and_the_backend_reads_it(tmp_path, small_demo_run):
+    wd = shutil.copytree(small_demo_run, tmp_path / "wd", symlinks=True, ignore=shutil.ignore_patterns(".snakemake"))
+    config = yaml.safe_load((wd / "config/config.yaml").read_text())
+    config["export"] = {"speculators": True, "hidden_states": "direct"}
+    (wd / "config/config.yaml").write_text(yaml.safe_dump(config))
+    run = snakemake(wd)
+    log = run.stdout + run.stderr
+    assert "rule export_speculators:" in log and "rule extract_shard:" not in log
+    out = wd / "results/export/speculators"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["hidden_states"] == "direct" and manifest["hidden_states_backend"] == "eagle3prep"
+    assert (
+        not (out / "hidden_states").exists()
+        and "hidden states: direct" in (wd / "logs/export/speculators.log").read_text()
+    )
+    # The backend finds the shards relative to the export, as a trainer started anywhere would.
+    rows = ExportRows.from_export(out)
+    last = manifest["rows"] - 1
+    assert (
+        rows.get(last)["token_ids"].tolist()
+        == json.loads((wd / "results/tokenized/shard_2.jsonl").read_text().splitlines()[-1])["input_ids"]
+    )
