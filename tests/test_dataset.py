@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_export import AUX, H, all_rows, finished_results
+from test_export import AUX, FINAL, REQUANT_MAX, H, all_rows, finished_results, layer_rows, rel_per_token
 
 from eagle3prep.dataset import HiddenStatesDataset
 
@@ -104,3 +104,29 @@ def test_speculators_dataloader_gives_the_same_batches(results):
     assert len(ours) == len(want) > 1
     for a, b in zip(ours, want, strict=True):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fp8_shards_read_dequantized_to_bf16(tmp_path_factory, demo_model_dir):
+    """FP8 shards: items in bf16, the shard's values dequantized (shard.format.read_layer); close to what
+    speculators' fp8 backend reads from the FP8 export (which rounds a second time)."""
+    data = pytest.importorskip("speculators.train.data", reason="speculators 0.9.0: make .venv/.installed")
+    import argparse
+
+    from hs_connectors.transfer import FP8Backend
+
+    res = finished_results(tmp_path_factory, demo_model_dir, "fp8_e4m3")
+    ours = HiddenStatesDataset.from_results(res)
+    out = res / "export/speculators"
+    transfer = FP8Backend.from_train_args(argparse.Namespace(hidden_states_path=None), str(out))
+    theirs = data.ArrowDataset(max_len=256, datapath=str(out), on_missing="raise", transfer=transfer)
+    aux = [layer_rows(res, i, torch.bfloat16) for i in AUX]
+    final = layer_rows(res, FINAL, torch.bfloat16)
+    for i in range(len(ours)):
+        item, want = ours[i], theirs[i]
+        assert list(item) == KEYS and item["hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(item["hidden_states"], torch.cat([a[i] for a in aux], dim=-1))
+        assert torch.equal(item["verifier_last_hidden_states"], final[i])
+        for k in ("input_ids", "loss_mask", "lengths", "position_ids"):
+            assert torch.equal(item[k], want[k]), k
+        assert rel_per_token(item["verifier_last_hidden_states"], want["verifier_last_hidden_states"]) < REQUANT_MAX
+        assert rel_per_token(item["hidden_states"][:, :H], want["hidden_states"][:, :H]) < REQUANT_MAX

@@ -18,6 +18,7 @@ from workflow_helpers import snakemake, tree_digest
 from eagle3prep.atomic import sha256_file
 from eagle3prep.export import ExportError, check_shards, export_speculators
 from eagle3prep.extract import extract_shard
+from eagle3prep.shard.format import read_layer
 from eagle3prep.validate import validate_shard
 
 LENGTHS = [[9, 30, 17], [24, 5]]  # shard 0 holds rows 0..2, shard 1 rows 3..4
@@ -36,20 +37,22 @@ def export_inputs(res: Path) -> dict[str, object]:
     }
 
 
-def finished_results(tmp_path_factory, model_dir: Path) -> Path:
+def finished_results(tmp_path_factory, model_dir: Path, storage: str = "model_dtype") -> Path:
     """A `results/` folder as a finished run leaves it: two validated shards and the speculators export.
 
-    Built once per session with the package functions the rules call (test_dataset.py uses it too).
+    Built once per session and storage (extract.storage) with the package functions the rules call
+    (test_dataset.py and test_fp8.py use it too).
     """
-    if "results" not in _BUILT:
-        res = tmp_path_factory.mktemp("finished") / "results"
+    if storage not in _BUILT:
+        res = tmp_path_factory.mktemp(f"finished_{storage}") / "results"
         (res / "tokenized").mkdir(parents=True)
         freq: Counter[int] = Counter()
         first = 0
         for k, lengths in enumerate(LENGTHS):
             tok = write_tokenized(res / f"tokenized/shard_{k}.jsonl", lengths, seed=k, first_row=first)
             shard = res / f"hidden_states/shard_{k}"
-            extract_shard(str(tok), str(shard), demo_spec(model_dir), {}, batch_tokens=64, shard=k)
+            options = {"storage": storage}
+            extract_shard(str(tok), str(shard), demo_spec(model_dir), options, batch_tokens=64, shard=k)
             validate_shard(
                 str(shard), str(tok), str(res / f"validation/shard_{k}.json"), str(model_dir), reference=False
             )
@@ -58,8 +61,8 @@ def finished_results(tmp_path_factory, model_dir: Path) -> Path:
             first += len(lengths)
         (res / "tokenized/token_freq.json").write_text(json.dumps({str(t): c for t, c in sorted(freq.items())}))
         export_speculators(**export_inputs(res), out_dir=str(res / "export/speculators"))
-        _BUILT["results"] = res
-    return _BUILT["results"]
+        _BUILT[storage] = res
+    return _BUILT[storage]
 
 
 def rows_of(path: Path) -> list[dict]:
@@ -70,13 +73,17 @@ def all_rows(res: Path) -> list[dict]:
     return [r for k in range(len(LENGTHS)) for r in rows_of(res / f"tokenized/shard_{k}.jsonl")]
 
 
-def layer_rows(res: Path, layer_id: int) -> list[torch.Tensor]:
-    """Per global row, its [T, H] slice of layer_{id}.safetensors, read straight from our shards."""
+def layer_rows(res: Path, layer_id: int, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Per global row, its [T, H] slice of layer_{id}.safetensors, read straight from our shards
+    (as stored; `dtype`: FP8 shards dequantized to it)."""
     out = []
     for k in range(len(LENGTHS)):
         shard = res / f"hidden_states/shard_{k}"
-        with safe_open(shard / f"layer_{layer_id}.safetensors", framework="pt") as f:
-            hs = f.get_tensor("hidden_states")  # [sum_T, H] bf16
+        if dtype is None:
+            with safe_open(shard / f"layer_{layer_id}.safetensors", framework="pt") as f:
+                hs = f.get_tensor("hidden_states")  # [sum_T, H] bf16
+        else:
+            hs = read_layer(shard / f"layer_{layer_id}.safetensors", dtype=dtype)
         out += [hs[e["offset"] : e["offset"] + e["length"]] for e in json.loads((shard / "index.json").read_text())]
     return out
 
@@ -170,6 +177,71 @@ def test_speculators_training_loader_reads_the_export(results, demo_model_dir):
         torch.load(out / "token_freq.pt", weights_only=True), draft_vocab_size=64, target_vocab_size=512
     )
     assert d2t.shape == (64,) and int(t2d.sum()) == 64
+
+
+# ---- FP8 shards (extract.storage: fp8_e4m3): speculators' FP8 format -----------------------------------
+# The export requantizes each row with one scale per token over all layers (speculators' layout), and
+# speculators dequantizes in bf16: a second FP8 rounding on top of the shard's, measured per token.
+REQUANT_MAX = 0.08  # the demo shards: at most 0.038 per token (a fresh FP8 rounding is ~0.03)
+
+
+@pytest.fixture(scope="module")
+def fp8_results(tmp_path_factory, demo_model_dir) -> Path:
+    return finished_results(tmp_path_factory, demo_model_dir, "fp8_e4m3")
+
+
+def rel_per_token(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The worst token's |a - b| / |b| ([T, H] tensors)."""
+    return float(((a.float() - b.float()).norm(dim=-1) / b.float().norm(dim=-1).clamp_min(1e-30)).max())
+
+
+def test_fp8_export_is_speculators_fp8_layout(fp8_results):
+    fp8_utils = pytest.importorskip("hs_connectors.fp8_utils", reason="speculators 0.9.0: make .venv/.installed")
+    out = fp8_results / "export/speculators"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["hidden_states_backend"] == "fp8" and manifest["storage"]["scales"]["key"] == fp8_utils.SCALES_KEY
+    for name, entry in manifest["files"].items():
+        assert sha256_file(out / name) == entry["sha256"], name
+    layers = {i: layer_rows(fp8_results, i, torch.float32) for i in DEMO_LAYER_IDS}
+    for i, r in enumerate(all_rows(fp8_results)):
+        hs = load_file(out / f"hidden_states/hs_{i}.safetensors")
+        assert set(hs) == {"token_ids", "hidden_states", fp8_utils.SCALES_KEY}
+        T = r["seq_len"]
+        assert hs["hidden_states"].dtype == torch.float8_e4m3fn and hs["hidden_states"].shape == (T, 4, H)
+        assert hs[fp8_utils.SCALES_KEY].dtype == torch.float32 and hs[fp8_utils.SCALES_KEY].shape == (T, 1, 1)
+        assert hs["token_ids"].tolist() == r["input_ids"]
+        # Their own quantizer on the shard's rows (ascending ids, last slot N) gives these very bytes.
+        values, scales = fp8_utils.quantize_tensor_to_fp8(torch.stack([layers[lid][i] for lid in DEMO_LAYER_IDS], 1))
+        assert torch.equal(hs["hidden_states"].view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(hs[fp8_utils.SCALES_KEY], scales)
+
+
+def test_speculators_fp8_backend_reads_the_fp8_export(fp8_results):
+    data = pytest.importorskip("speculators.train.data", reason="speculators 0.9.0: make .venv/.installed")
+    import argparse
+
+    from hs_connectors.transfer import FP8Backend
+    from speculators.data_generation.offline import check_hidden_states
+    from speculators.models.eagle3.data import shift_batch
+
+    out = fp8_results / "export/speculators"
+    # What `speculators train --hidden-states-backend fp8 --data-path <export>` builds.
+    transfer = FP8Backend.from_train_args(argparse.Namespace(hidden_states_path=None), str(out))
+    ds = data.ArrowDataset(max_len=256, datapath=str(out), on_missing="raise", transfer=transfer)
+    rows = all_rows(fp8_results)
+    aux = [layer_rows(fp8_results, i, torch.float32) for i in AUX]
+    final = layer_rows(fp8_results, FINAL, torch.float32)
+    items = [ds[i] for i in range(len(ds))]
+    for i, (r, item) in enumerate(zip(rows, items, strict=True)):
+        T = r["seq_len"]
+        assert item["hidden_states"].dtype == torch.bfloat16 and item["hidden_states"].shape == (T, 3 * H)
+        for j, a in enumerate(aux):
+            assert rel_per_token(item["hidden_states"][:, j * H : (j + 1) * H], a[i]) < REQUANT_MAX, (i, j)
+        assert rel_per_token(item["verifier_last_hidden_states"], final[i]) < REQUANT_MAX, i
+        assert item["input_ids"].tolist() == r["input_ids"] and item["loss_mask"].tolist() == r["loss_mask"]
+        check_hidden_states(transfer.get_cached(i), r["input_ids"])  # their validator, on the dequantized sample
+    batch = data.CollateFn(256, H, num_target_layers=3, preprocess=shift_batch)(items)
+    assert batch["hidden_states"].shape == (1, 256, 3 * H) and batch["hidden_states"].dtype == torch.bfloat16
 
 
 def test_refuses_what_speculators_cannot_train_on(results, tmp_path):

@@ -42,8 +42,10 @@ def verdict(shard: Path, tokens: Path, model: Path, out: Path, window: list[int]
     return True, [], ""
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
-def test_scalable_checks_pass_right_data_and_catch_every_planted_mistake(tmp_path, family):
+@pytest.mark.parametrize(
+    ("family", "storage"), [("llama", "model_dtype"), ("deepseek_v3", "model_dtype"), ("llama", "fp8_e4m3")]
+)
+def test_scalable_checks_pass_right_data_and_catch_every_planted_mistake(tmp_path, family, storage):
     import transformers
 
     model = build_family(family, tmp_path / family)
@@ -55,7 +57,8 @@ def test_scalable_checks_pass_right_data_and_catch_every_planted_mistake(tmp_pat
     for k in range(2):
         tokens.append(write_rows(tmp_path / f"tokens_{k}.jsonl", vocab, k, k * ROWS))
         shards.append(tmp_path / f"shard_{k}")
-        extract_shard(str(tokens[k]), str(shards[k]), spec, {"logprob_rows": 4}, batch_tokens=512, shard=k)
+        options = {"logprob_rows": 4, "storage": storage}
+        extract_shard(str(tokens[k]), str(shards[k]), spec, options, batch_tokens=512, shard=k)
     assert (shards[0] / "logprobs.safetensors").is_file()
 
     window = ids[-2:]

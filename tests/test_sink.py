@@ -7,6 +7,7 @@ StreamingSafetensorsWriter writes from the same rows: same bytes, same sha256.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import random
@@ -21,7 +22,16 @@ from shard_helpers import manifest_fields
 from eagle3prep.records import IndexEntry
 from eagle3prep.shard import files as shard_files
 from eagle3prep.shard.files import BackgroundFlush, PositionalSafetensorsWriter, StreamingSafetensorsWriter
-from eagle3prep.shard.format import DiskSpaceError, layer_file, temp_of
+from eagle3prep.shard.format import (
+    FORMAT_FP8,
+    DiskSpaceError,
+    layer_file,
+    read_layer,
+    read_manifest,
+    temp_of,
+    write_layer,
+)
+from eagle3prep.shard.fp8 import SCALES_KEY
 from eagle3prep.shard.sink import LayerSink, Segment, SinkSpec
 from eagle3prep.shard.writer import ShardWriter
 
@@ -226,11 +236,13 @@ def simulate(sink: LayerSink, lengths: list[int], tags: list[str], budget: int, 
             sink.add_layer(lid, step)
 
 
-def make_sink(tmp_path, lengths, slots=2, step_tokens=16, sync_bytes=256 << 20):
+def make_sink(tmp_path, lengths, slots=2, step_tokens=16, sync_bytes=256 << 20, storage="model_dtype"):
     """A sink of rows with these lengths; row i's tag is sink.spec.tag(i) (see tags())."""
     rows = [(sum(lengths[:i]), n) for i, n in enumerate(lengths)]
     paths = {lid: str(tmp_path / layer_file(lid)) for lid in LAYERS}
-    spec = SinkSpec(paths, H, "bfloat16", rows, step_tokens=step_tokens, slots=slots, sync_bytes=sync_bytes)
+    spec = SinkSpec(
+        paths, H, "bfloat16", rows, step_tokens=step_tokens, slots=slots, sync_bytes=sync_bytes, storage=storage
+    )
     return LayerSink(spec)
 
 
@@ -350,3 +362,63 @@ def test_a_file_that_cannot_be_sealed_leaves_no_thread_and_no_temp_file(tmp_path
         sink.finish()
     assert list(tmp_path.iterdir()) == []
     assert not [t.name for t in threading.enumerate() if t.name.startswith("e3p-flush-")]
+
+
+# ---- FP8 storage: quantized in the sink, before the rows reach the host slot ------------------------
+@pytest.mark.parametrize("slots", [1, 3])
+def test_fp8_sink_writes_the_rows_quantized(tmp_path, slots):
+    """Chunked, shuffled steps through an FP8 sink give the file write_layer makes from the whole rows:
+    values and per-token scales in place, sha256 over both (the scales hashed last, read back)."""
+    lengths = [5, 40, 1, 17, 33, 2]
+    sink = make_sink(tmp_path, lengths, slots=slots, sync_bytes=48, storage="fp8_e4m3")
+    simulate(sink, lengths, tags(len(lengths)), budget=16, seed=slots)
+    entries = sink.finish()
+    total = sum(lengths)
+    for lid in LAYERS:
+        data = (tmp_path / layer_file(lid)).read_bytes()
+        write_layer(tmp_path / "ref.safetensors", rows_tensor(total, lid), "fp8_e4m3")
+        assert data == (tmp_path / "ref.safetensors").read_bytes(), lid
+        assert entries[lid]["sha256"] == hashlib.sha256(data).hexdigest() and entries[lid]["bytes"] == len(data)
+        assert entries[lid]["dtype"] == "float8_e4m3fn" and entries[lid][SCALES_KEY] == {
+            "dtype": "float32",
+            "shape": [total, 1],
+        }
+        assert len(data) - total * (H + 4) < 200  # values, a float32 scale per token, the header
+
+
+def test_fp8_positional_writer_needs_each_ranges_scales(tmp_path):
+    rows = rows_tensor(10, 0).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    after = ("hidden_states_scales", "float32", (10, 1))
+    w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "float8_e4m3fn", (10, H), None, after)
+    with pytest.raises(ValueError, match="rows of hidden_states_scales expected"):
+        w.place(0, rows[0:4])
+    with pytest.raises(ValueError, match="12 bytes of hidden_states_scales for 4 rows"):
+        w.place(0, rows[0:4], torch.ones(3).numpy().view("uint8"))
+    w.abort()
+
+
+def test_shard_writer_of_an_fp8_shard(tmp_path):
+    """Manifest format /2 with its storage entry; a sink that stored the model dtype instead is refused."""
+    index = [IndexEntry(row=0, id="a", offset=0, length=3), IndexEntry(row=1, id="b", offset=3, length=5)]
+    writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index, storage="fp8_e4m3")
+    spec = writer.sink_spec(step_tokens=8)
+    assert spec.storage == "fp8_e4m3"
+    sink = LayerSink(spec)
+    list(writer.tee(iter([[[1, 2, 3], [4, 5, 6, 7, 8]]])))
+    simulate(sink, [3, 5], [spec.tag(0), spec.tag(1)], budget=8, seed=1)
+    manifest = writer.finish(sink.finish(), manifest_fields(num_hidden_layers=5, hidden_size=H, dtype="bfloat16"))
+    assert manifest.format == FORMAT_FP8 and manifest.storage_name == "fp8_e4m3"
+    assert manifest.storage["scales"]["granularity"] == "per_token_per_layer"
+    assert read_manifest(tmp_path).storage == manifest.storage  # it reads back
+    x, back = rows_tensor(8, 3).float(), read_layer(tmp_path / layer_file(3), dtype=torch.float32)
+    assert float(((back - x).norm(dim=-1) / x.norm(dim=-1)).max()) < 0.04  # e4m3: 3 mantissa bits
+
+    bf16 = tmp_path / "bf16"
+    writer = ShardWriter(bf16, LAYERS, H, "bfloat16", index, storage="fp8_e4m3")
+    sink = LayerSink(dataclasses.replace(writer.sink_spec(step_tokens=8), storage="model_dtype"))
+    list(writer.tee(iter([[[1, 2, 3], [4, 5, 6, 7, 8]]])))
+    simulate(sink, [3, 5], [sink.spec.tag(0), sink.spec.tag(1)], budget=8, seed=1)
+    with pytest.raises(ValueError, match="fp8_e4m3 storage"):
+        writer.finish(sink.finish(), manifest_fields(hidden_size=H))
+    writer.abort()
+    assert list(bf16.iterdir()) == []

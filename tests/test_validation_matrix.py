@@ -31,9 +31,9 @@ def load_matrix():
     return module
 
 
-def run_cell(tmp_path, family: str, backend: str, dtype: str) -> dict:
+def run_cell(tmp_path, family: str, backend: str, dtype: str, storage: str = "model_dtype") -> dict:
     matrix = load_matrix()
-    args = argparse.Namespace(out=tmp_path, device="cpu", tp=1, dump=False)
+    args = argparse.Namespace(out=tmp_path, device="cpu", tp=1, dump=False, storage=storage)
     model = build_family(family, tmp_path / "models" / family)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     tokens = [matrix.write_rows(tmp_path / f"tokens_{k}.jsonl", ROWS, vocab, k, k * ROWS) for k in range(2)]
@@ -54,6 +54,15 @@ def assert_right_passes_and_wrong_fails(cell: dict) -> None:
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
 def test_hf_bf16_moe_with_shared_experts(tmp_path, family):
     assert_right_passes_and_wrong_fails(run_cell(tmp_path, family, "hf", "bfloat16"))
+
+
+def test_fp8_storage_right_captures_pass_and_planted_mistakes_fail(tmp_path):
+    """extract.storage fp8_e4m3: shards and planted copies stored as FP8, judged with the FP8 floor."""
+    cell = run_cell(tmp_path, "llama", "hf", "bfloat16", "fp8_e4m3")
+    assert_right_passes_and_wrong_fails(cell)
+    assert all("FP8" in p["message"] for p in cell["planted"].values())  # the message names the FP8 floor
+    worst = max(x["worst_margin"] for v in cell["correct"] for x in v["layers"].values())
+    assert worst < 0.5, worst  # right FP8 data well inside its bound (docs/runs/fp8)
 
 
 @pytest.mark.vllm

@@ -208,3 +208,45 @@ def test_extract_shard_matches_transformers(engine, rows, reference, tmp_path):
     stored = [lp["logprobs"][offsets[k] : offsets[k + 1]] for k in range(len(picked))]
     verdicts = check_logprobs(backend.spec.model_path, states, [rows[r] for r in picked], stored, info.dtype)
     assert all(v["ok"] for v in verdicts), verdicts
+
+
+def test_fp8_storage_quantizes_where_the_rows_are(engine, rows, tmp_path):
+    """extract.storage fp8_e4m3 on the same engine: the hooks path quantizes in TP rank 0's worker (the
+    SinkSpec's storage travels by RPC), the built-in path in the driver. The FP8 shard reads back as the
+    model-dtype capture within FP8 rounding, and its id N still reproduces vLLM's logprobs."""
+    import json
+
+    from eagle3prep.extract import extract_shard
+    from eagle3prep.scalable import check_logprobs
+    from eagle3prep.shard.format import FORMAT_FP8, read_layer, read_manifest
+
+    backend, info = engine
+    if info.dtype != "bfloat16":
+        pytest.skip("one dtype is enough: the storage step does not depend on it")
+    tokenized = tmp_path / "shard_0.jsonl"
+    tokenized.write_text(
+        "".join(
+            json.dumps({"row": i, "id": str(i), "input_ids": r, "loss_mask": [1] * len(r), "seq_len": len(r)}) + "\n"
+            for i, r in enumerate(rows)
+        )
+    )
+    out = {}
+    for storage in ("model_dtype", "fp8_e4m3"):
+        options = {**backend.options, "logprob_rows": 2, "storage": storage}
+        extract_shard(str(tokenized), str(tmp_path / storage), backend.spec, options, 300, 0, engine=engine)
+        out[storage] = {i: read_layer(tmp_path / storage / f"layer_{i}.safetensors", dtype=torch.float32)
+                        for i in backend.spec.layer_ids}  # fmt: skip
+    manifest = read_manifest(tmp_path / "fp8_e4m3")
+    assert manifest.format == FORMAT_FP8 and manifest.files["layer_8.safetensors"]["dtype"] == "float8_e4m3fn"
+    for i, x in out["model_dtype"].items():
+        err = (out["fp8_e4m3"][i] - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)
+        assert float(err.max()) < 0.05, (i, float(err.max()))  # e4m3 rounding (~0.03), not another row
+    from safetensors.torch import load_file
+
+    lp = load_file(tmp_path / "fp8_e4m3" / "logprobs.safetensors")
+    picked, offsets = lp["rows"].tolist(), lp["offsets"].tolist()
+    starts = [sum(len(r) for r in rows[:i]) for i in range(len(rows))]
+    states = [out["fp8_e4m3"][8][starts[r] : starts[r] + len(rows[r])] for r in picked]
+    stored = [lp["logprobs"][offsets[k] : offsets[k + 1]] for k in range(len(picked))]
+    verdicts = check_logprobs(backend.spec.model_path, states, [rows[r] for r in picked], stored, info.dtype, fp8=True)
+    assert all(v["ok"] for v in verdicts), verdicts

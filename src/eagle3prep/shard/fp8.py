@@ -57,7 +57,12 @@ def rounding_draw(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
     q, scale = quantize_fp8(x)
     v = q.float()
+    mag = v.abs()
     # e4m3 has 3 mantissa bits: the grid step is 2^(exponent - 3); subnormals (|v| < 2^-6) step 2^-9.
-    step = torch.exp2(torch.floor(torch.log2(v.abs().clamp_min(2.0**-6))) - 3)
+    # Below a power of two the grid is twice as fine, so the interval is half as wide on that side.
+    exp = torch.floor(torch.log2(mag.clamp_min(2.0**-6)))
+    step = torch.exp2(exp - 3)
+    below = torch.where((mag == torch.exp2(exp)) & (mag > 2.0**-6), step / 2, step)
     u = torch.rand(v.shape, generator=generator, dtype=torch.float32, device=v.device) - 0.5
-    return (v + u * step) * scale
+    moved = mag + torch.where(u < 0, u * below, u * step)
+    return torch.where(v < 0, -moved, moved) * scale
