@@ -70,7 +70,8 @@ class _OpenShard:
         self.first = first
         self.spans = [(e["offset"], e["offset"] + e["length"]) for e in index]
         self.layers = [LayerReader(src.dir / layer_file(i)) for i in layer_ids]
-        self.tokens = safe_open(src.dir / TOKEN_IDS, framework="pt").get_slice("token_ids")
+        self._token_file = safe_open(src.dir / TOKEN_IDS, framework="pt")
+        self.tokens = self._token_file.get_slice("token_ids")
 
     def row(self, row: int) -> dict[str, torch.Tensor]:
         a, b = self.spans[row - self.first]
