@@ -76,8 +76,8 @@ def make_exports(workdir: Path, out: Path) -> dict[str, Path]:
     from eagle3prep.export import export_speculators
 
     k = range(len(list((workdir / "results/hidden_states").glob("shard_*"))))
-    inputs = {
-        "shard_dirs": [f"results/hidden_states/shard_{i}" for i in k],
+    inputs = {  # absolute shard folders: the manifests record them, and training starts elsewhere
+        "shard_dirs": [str(workdir / f"results/hidden_states/shard_{i}") for i in k],
         "validations": [f"results/validation/shard_{i}.json" for i in k],
         "tokenized": [f"results/tokenized/shard_{i}.jsonl" for i in k],
         "token_freq_json": "results/tokenized/token_freq.json",
@@ -103,7 +103,7 @@ def fp8_bytes_copy(export: Path, out: Path) -> Path:
     shutil.copytree(export, out, ignore=shutil.ignore_patterns("hidden_states"))
     (out / "hidden_states").mkdir()
     for src in manifest["sources"]:
-        shard = export / src["from_export"]
+        shard = Path(src["shard_dir"])  # absolute: make_exports names them so
         layers = [safe_open(shard / f"layer_{i}.safetensors", "pt") for i in manifest["layer_ids"]]
         tokens = safe_open(shard / "token_ids.safetensors", "pt").get_slice("token_ids")
         for e in json.loads((shard / "index.json").read_text()):

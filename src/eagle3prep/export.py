@@ -181,13 +181,12 @@ def _clear(out: Path) -> None:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
-def _sources(shards: ShardSet, out: Path) -> list[dict[str, Any]]:
-    """Each shard folder as the export's rows depend on it; `from_export` lets a reader find the folders
-    relative to the export (results/ moved as a whole), `row_range` maps a row to its shard."""
+def _sources(shards: ShardSet) -> list[dict[str, Any]]:
+    """Each shard folder as the export's rows depend on it (as given: the manifest does not depend on where
+    the export is written), `row_range` maps a row to its shard, the manifest's sha256 pins its contents."""
     return [
         {
             "shard_dir": str(s.dir),
-            "from_export": os.path.relpath(s.dir.resolve(), out.resolve()),
             "row_range": s.manifest.row_range,
             "manifest_sha256": sha256_file(s.dir / MANIFEST),
         }
@@ -254,7 +253,7 @@ def export_speculators(
         "tokenizer": first.tokenizer,
         # The hs files' layout and the backend that reads them; a direct export has no hs file.
         **(_storage_fields(first) if hidden_states == "copy" else {"hidden_states_backend": "eagle3prep"}),
-        "sources": _sources(shards, out),
+        "sources": _sources(shards),
         "files": dict(sorted(files.items())),
         "code_version": code_version(),
     }

@@ -51,7 +51,7 @@ class Eagle3PrepBackend(HiddenStatesBackend):
             type=str,
             default=None,
             help="Folder holding the shard_{k}/ folders the export was made from, when it moved (default: "
-            "where the export's manifest.json finds them, relative to --data-path).",
+            "where its manifest.json recorded them, else results/hidden_states beside the export).",
         )
 
     @staticmethod

@@ -101,8 +101,10 @@ class ExportRows:
 
     @classmethod
     def from_export(cls, data_path: str | os.PathLike, shards_dir: str | os.PathLike | None = None) -> ExportRows:
-        """The rows behind `data_path` (an export of any `hidden_states` mode). `shards_dir`: the folder that
-        holds shard_{k}/ now, when results/hidden_states moved without the export."""
+        """The rows behind `data_path` (an export of any `hidden_states` mode). Each shard folder is looked
+        for in `shards_dir` when given (results/hidden_states moved), else where the manifest recorded it
+        (absolute, or relative to the working folder: training started in the workflow's folder), else in
+        the workflow's layout beside the export (results/export/speculators -> results/hidden_states)."""
         root = Path(data_path)
         path = root / MANIFEST
         if not path.is_file():
@@ -118,13 +120,19 @@ class ExportRows:
             )
         sources = []
         for s in manifest["sources"]:
-            d = Path(shards_dir) / Path(s["shard_dir"]).name if shards_dir else root / s["from_export"]
-            if not (d / MANIFEST).is_file():
+            name = Path(s["shard_dir"]).name
+            tried = (
+                [Path(shards_dir) / name]
+                if shards_dir
+                else [Path(s["shard_dir"]), root / "../../hidden_states" / name]
+            )
+            found = [d for d in tried if (d / MANIFEST).is_file()]
+            if not found:
                 raise ExportRowsError(
-                    f"shard folder {d} (row {s['row_range'][0]} on) is missing; the direct export reads its rows "
-                    "from there (pass --eagle3prep-shards DIR when results/hidden_states moved)"
+                    f"shard folder {name} (rows from {s['row_range'][0]}) is in none of {[str(d) for d in tried]}; "
+                    "the export reads its rows from there (pass --eagle3prep-shards DIR, the folder holding it)"
                 )
-            sources.append(Source(d, tuple(s["row_range"]), s["manifest_sha256"]))
+            sources.append(Source(found[0], tuple(s["row_range"]), s["manifest_sha256"]))
         return cls(sources, manifest["layer_ids"])
 
     def __getstate__(self) -> dict[str, Any]:
