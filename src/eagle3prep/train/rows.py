@@ -48,13 +48,17 @@ class Source:
     manifest_sha256: str
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 class _OpenShard:
     """One shard's index offsets and open safetensors handles (per process, never pickled)."""
 
     def __init__(self, src: Source, layer_ids: list[int]):
         from safetensors import safe_open
 
-        raw = (src.dir / MANIFEST).read_bytes()
+        raw = (src.dir / MANIFEST).read_bytes()  # checked again here: a shard may be redone during training
         if hashlib.sha256(raw).hexdigest() != src.manifest_sha256:
             raise ExportRowsError(
                 f"{src.dir / MANIFEST} changed since the export was written (the shard was extracted again): "
@@ -127,12 +131,14 @@ class ExportRows:
                 else [Path(s["shard_dir"]), root / "../../hidden_states" / name]
             )
             found = [d for d in tried if (d / MANIFEST).is_file()]
+            # A relative path may name another run's shard from this working folder: take the one captured.
+            same = [d for d in found if _sha256(d / MANIFEST) == s["manifest_sha256"]]
             if not found:
                 raise ExportRowsError(
                     f"shard folder {name} (rows from {s['row_range'][0]}) is in none of {[str(d) for d in tried]}; "
                     "the export reads its rows from there (pass --eagle3prep-shards DIR, the folder holding it)"
                 )
-            sources.append(Source(found[0], tuple(s["row_range"]), s["manifest_sha256"]))
+            sources.append(Source((same or found)[0], tuple(s["row_range"]), s["manifest_sha256"]))
         return cls(sources, manifest["layer_ids"])
 
     def __getstate__(self) -> dict[str, Any]:
