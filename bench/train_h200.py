@@ -17,9 +17,11 @@
 4. The last checkpoint of the direct run in vLLM (--vllm-python, e.g. after the payload recipe of
    ../shared/gpu/README.md): greedy generation on prompts of the data with the draft
    (speculative_config eagle3) and without; spec-decode counters and how many outputs agree.
-OUT/summary.json holds it all; the exit status is 0 when the losses are finite, the first step's loss is
-identical both ways, the last within 1 %, and vLLM generated with the draft (GPU kernels may be
-nondeterministic even with --deterministic: the summary says how many steps were bit-identical).
+OUT/summary.json holds it all. `--stage data|train|vllm` runs one step per call (same OUT, the
+same warm machine) when the whole outlasts a device call: the data takes minutes, the training
+minutes, each vLLM engine 1-2 min. The exit status is 0 when the losses are finite, the first step's
+loss is identical both ways, the last within 1 %, and vLLM generated with the draft (GPU kernels may
+be nondeterministic even with --deterministic: the summary says how many steps were bit-identical).
 
 Needs, beside torch/transformers: snakemake (without --workdir), speculators 0.9.0 and
 envs/speculators.txt (`pip install --no-deps`), datasets. `--cpu` is the dry path on a CPU-only host
@@ -323,6 +325,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
+    ap.add_argument(
+        "--stage",
+        choices=["all", "data", "train", "vllm"],
+        default="all",
+        help="one step at a time (each reads what the earlier wrote to OUT), when all of it outlasts a call",
+    )
     ap.add_argument("--cpu", action="store_true", help="dry path on a CPU-only host (the trainer patched in-process)")
     ap.add_argument("extra", nargs="*", help="after --: more speculators train arguments, for both ways")
     return ap.parse_args(argv)
@@ -332,23 +340,31 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
     opts.out = opts.out.resolve()  # the exports are written from inside the workflow's folder
     opts.out.mkdir(parents=True, exist_ok=True)
+    stages = {"all": ("data", "train", "vllm")}.get(opts.stage, (opts.stage,))
     if opts.workdir:
         workdir, model = opts.workdir.resolve(), opts.model.resolve()
-    else:
+    elif "data" in stages:
         workdir, model = build_data(opts.out, opts.cores, opts.storage)
-    exports = make_exports(workdir, opts.out / "exports")
-    if "storage" in json.loads((exports["copy"] / "manifest.json").read_text()):  # FP8 shards
-        exports["copy"] = fp8_bytes_copy(exports["copy"], opts.out / "exports/fp8_bytes")
-    runner = cpu_runner() if opts.cpu else subprocess_runner(opts.nproc, timeout=6 * 3600)
-    summary = {
-        "workdir": str(workdir),
-        "model": str(model),
-        **train_both(model, exports, opts.out, opts.steps, opts, runner),
-    }
-    opts.vllm_python = opts.vllm_python or ("none" if opts.cpu else sys.executable)
-    if opts.vllm_python != "none":
-        summary["vllm"] = vllm_check(opts, model, last_checkpoint(opts.out / "direct"), workdir, opts.out)
-    (opts.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    else:  # a later stage on the machine that ran `--stage data` into the same OUT
+        workdir, model = opts.out / "wd", opts.out / "target/model"
+    summary_path = opts.out / "summary.json"
+    if "train" in stages:
+        exports = make_exports(workdir, opts.out / "exports")
+        if "storage" in json.loads((exports["copy"] / "manifest.json").read_text()):  # FP8 shards
+            exports["copy"] = fp8_bytes_copy(exports["copy"], opts.out / "exports/fp8_bytes")
+        runner = cpu_runner() if opts.cpu else subprocess_runner(opts.nproc, timeout=6 * 3600)
+        summary = {"workdir": str(workdir), "model": str(model)}
+        summary.update(train_both(model, exports, opts.out, opts.steps, opts, runner))
+        summary_path.write_text(json.dumps(summary, indent=1))
+    if "vllm" in stages:
+        summary = json.loads(summary_path.read_text())
+        opts.vllm_python = opts.vllm_python or ("none" if opts.cpu else sys.executable)
+        if opts.vllm_python != "none":
+            summary["vllm"] = vllm_check(opts, model, last_checkpoint(opts.out / "direct"), workdir, opts.out)
+        summary_path.write_text(json.dumps(summary, indent=1))
+    if not summary_path.exists():
+        return 0  # --stage data alone
+    summary = json.loads(summary_path.read_text())
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=1))
     return 0 if summary["ok"] and summary.get("vllm", {"ok": True})["ok"] else 1
 
