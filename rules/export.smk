@@ -1,5 +1,6 @@
 # Opt-in (export.speculators): the layout vllm-project/speculators trains from (DESIGN.md §7).
-# It copies every hidden-state byte; HiddenStatesDataset (src/eagle3prep/dataset.py) avoids the copy.
+# export.hidden_states: copy (every hidden-state byte once more) or direct (the arrow part only; the
+# trainer reads the shard folders through `eagle3prep-train ... --hidden-states-backend eagle3prep`).
 rule export_speculators:
     input:
         validations=expand("results/validation/shard_{k}.json", k=SHARDS),
@@ -15,5 +16,6 @@ rule export_speculators:
         "../envs/base.yaml"
     params:
         tokens=get_tokenized_shards(),
+        hidden_states=config["export"]["hidden_states"],
     script:
         "../scripts/export.py"

@@ -14,4 +14,5 @@ with one_line_errors():
         tokenized=list(snakemake.params.tokens),
         token_freq_json=f"{snakemake.input.tokenized}/token_freq.json",
         out_dir=snakemake.output[0],
+        hidden_states=snakemake.params.hidden_states,
     )

@@ -5,7 +5,9 @@ results/export/speculators/
                                                  input_ids, loss_mask (int64 lists), seq_len (int64)
   token_freq.pt                                  torch.save'd {token_id: count} over loss-masked tokens
   hidden_states/hs_{row}.safetensors             token_ids [T] int64, hidden_states [T, L, H] model dtype
-  manifest.json                                  written last: sha256 of every file above
+                                                 (hidden_states="copy" only)
+  manifest.json                                  written last: sha256 of every file above, and the shard
+                                                 folders (with their manifests' sha256) the rows come from
 
 FP8 shards (extract.storage fp8_e4m3) export in speculators' FP8 format (hs_connectors.fp8_utils, read by
 `speculators train --hidden-states-backend fp8`): hidden_states [T, L, H] float8_e4m3fn and
@@ -17,7 +19,9 @@ dequantized and quantized again with their math: a second rounding on the layers
 speculators' ArrowDataset reads arrow row i together with hs_{i}.safetensors and uses
 hidden_states[:, :-1] as the EAGLE-3 input and hidden_states[:, -1] as the verifier's last state
 (before its final norm). Our global row ids are 0..n-1 in arrow order, so hs_{row} is hs_{i}; the
-export checks that. Opt-in, because it copies every hidden-state byte.
+export checks that. Opt-in, because hidden_states="copy" copies every hidden-state byte;
+hidden_states="direct" writes the small part only, and speculators' trainer reads the rows from the shard
+folders through our hidden-states backend (eagle3prep.train.backend, `--hidden-states-backend eagle3prep`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from .shard.shardset import Shard, ShardSet, ShardSetError
 FORMAT = "eagle3prep.speculators_export/1"
 HIDDEN_STATES = "hidden_states"
 TOKEN_FREQ = "token_freq.pt"
+MODES = ("copy", "direct")  # config export.hidden_states: copy the rows into hs files, or read the shards
 
 
 class ExportError(UserError, ValueError):
@@ -176,37 +181,65 @@ def _clear(out: Path) -> None:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
+def _sources(shards: ShardSet) -> list[dict[str, Any]]:
+    """Each shard folder as the export's rows depend on it (as given: the manifest does not depend on where
+    the export is written), `row_range` maps a row to its shard, the manifest's sha256 pins its contents."""
+    return [
+        {
+            "shard_dir": str(s.dir),
+            "row_range": s.manifest.row_range,
+            "manifest_sha256": sha256_file(s.dir / MANIFEST),
+        }
+        for s in shards.shards
+    ]
+
+
 def export_speculators(
-    shard_dirs: list[str], validations: list[str], tokenized: list[str], token_freq_json: str, out_dir: str
+    shard_dirs: list[str],
+    validations: list[str],
+    tokenized: list[str],
+    token_freq_json: str,
+    out_dir: str,
+    hidden_states: str = "copy",
 ) -> dict[str, Any]:
-    """Write `out_dir` in speculators' layout; manifest.json last. Shards must come in row order."""
+    """Write `out_dir` in speculators' layout; manifest.json last. Shards must come in row order.
+
+    hidden_states="direct" writes no hs files: the trainer reads every row from the shard folders."""
     from tqdm import tqdm
 
+    if hidden_states not in MODES:
+        raise ExportError(f"export.hidden_states = {hidden_states!r}; choose one of {list(MODES)}")
     shards = check_shards(shard_dirs, validations, tokenized)
     first = shards.first
     layer_ids = first.layer_ids
     out = Path(out_dir)
     _clear(out)
-    (out / HIDDEN_STATES).mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
 
     rows = sum(s.manifest.rows for s in shards.shards)
     print(
-        f"[export] {rows} rows from {len(shard_dirs)} shards, layers {layer_ids} ({CONVENTION}) -> {out}",
+        f"[export] {rows} rows from {len(shard_dirs)} shards, layers {layer_ids} ({CONVENTION}), "
+        f"hidden states: {hidden_states} -> {out}",
         file=sys.stderr,
     )
     files: dict[str, dict[str, Any]] = {}
     _write_arrow(out, shards, files)
     _write_token_freq(out, token_freq_json, files)
-    tokens = 0
-    bar = tqdm(total=rows, unit="row", file=sys.stderr, mininterval=1.0, desc="hs files")
-    for shard in shards.shards:
-        tokens += _write_hidden_states(out, shard, layer_ids, files)
-        bar.update(shard.manifest.rows)
-    bar.close()
-    fsync_dir(out / HIDDEN_STATES)
+    if hidden_states == "copy":
+        (out / HIDDEN_STATES).mkdir()
+        tokens = 0
+        bar = tqdm(total=rows, unit="row", file=sys.stderr, mininterval=1.0, desc="hs files")
+        for shard in shards.shards:
+            tokens += _write_hidden_states(out, shard, layer_ids, files)
+            bar.update(shard.manifest.rows)
+        bar.close()
+        fsync_dir(out / HIDDEN_STATES)
+    else:
+        tokens = sum(s.manifest.tokens for s in shards.shards)
 
     manifest = {
         "format": FORMAT,
+        "hidden_states": hidden_states,
         "rows": rows,
         "tokens": tokens,
         "layer_ids": layer_ids,
@@ -218,8 +251,9 @@ def export_speculators(
         "dtype": first.dtype,
         "model": first.model,
         "tokenizer": first.tokenizer,
-        **_storage_fields(first),
-        "sources": [{"shard_dir": str(d), "manifest_sha256": sha256_file(Path(d) / MANIFEST)} for d in shard_dirs],
+        # The hs files' layout and the backend that reads them; a direct export has no hs file.
+        **(_storage_fields(first) if hidden_states == "copy" else {"hidden_states_backend": "eagle3prep"}),
+        "sources": _sources(shards),
         "files": dict(sorted(files.items())),
         "code_version": code_version(),
     }
