@@ -13,6 +13,7 @@ import random
 import shutil
 import sys
 import textwrap
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +50,16 @@ def _message_text(m: dict[str, Any], max_chars: int) -> str:
     for call in m.get("tool_calls") or []:
         fn = call.get("function", {})
         parts.append(f"(tool call) {fn.get('name')}({json.dumps(fn.get('arguments'), ensure_ascii=False)})")
-    text = "\n".join(parts) if parts else "(empty)"
+    text = _printable("\n".join(parts)) if parts else "(empty)"
     if len(text) > max_chars:
         text = text[:max_chars] + f" ... (+{len(text) - max_chars} chars)"
     return f"[{m['role']}] {text}"
+
+
+def _printable(text: str) -> str:
+    """Control characters a model wrote (a random or broken target writes many) shown as escapes, not sent to
+    the terminal; newlines and tabs stay."""
+    return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else f"\\x{ord(c):02x}" for c in text)
 
 
 def _turns(messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

@@ -108,14 +108,14 @@ class Runner:
                     self._admit(conv)
                 while window and window[0].result is not None:
                     yield self._leave(window.popleft())
-                if not window and exhausted:
-                    return
-                if window[0].result is None:  # the head waits for a reply: the engine holds its request
-                    if not self.engine.has_unfinished():
-                        raise RuntimeError(
-                            f"regenerate: the engine holds no request for conversation {window[0].index}"
-                        )
-                    self._step()
+                if not window:
+                    if exhausted:
+                        return
+                    continue  # every admitted conversation has left: admit more
+                # The head waits for a reply, so the engine holds a request of it.
+                if not self.engine.has_unfinished():
+                    raise RuntimeError(f"regenerate: the engine holds no request for conversation {window[0].index}")
+                self._step()
         finally:
             if self.active:  # interrupted: the engine must not keep working on this shard's requests
                 self.engine.abort(list(self.active))
