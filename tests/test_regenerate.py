@@ -9,17 +9,21 @@ runner's ordering, not the engine's.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from regenerate_helpers import A1, A2, SYS, U1, U2, FakeEngine, conv, echo
 
 from eagle3prep.prepare import prepare, require_conversations
 from eagle3prep.prepare.errors import NoConversationsError
 from eagle3prep.records import Quarantined
 from eagle3prep.regenerate import (
-    Finished,
     PromptRenderer,
-    RequestRejected,
     Runner,
     Sampling,
     Settings,
@@ -38,9 +42,6 @@ from eagle3prep.regenerate.review import review, sample_pairs, side_by_side
 from eagle3prep.regenerate.turns import assemble, context_before
 from eagle3prep.tokenization import ChatEncoder, load_tokenizer
 
-U1, U2 = {"role": "user", "content": "How do I fix a bike chain?"}, {"role": "user", "content": "And the brakes?"}
-A1, A2 = {"role": "assistant", "content": "Dataset answer one."}, {"role": "assistant", "content": "Dataset two."}
-SYS = {"role": "system", "content": "Be brief."}
 CALL = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}  # fmt: skip
 RESULT = {"role": "tool", "content": "42"}
 
@@ -48,53 +49,6 @@ RESULT = {"role": "tool", "content": "42"}
 @pytest.fixture(scope="module")
 def renderer(demo_model_dir) -> PromptRenderer:
     return PromptRenderer.load(demo_model_dir)
-
-
-class FakeEngine:
-    """Replies with the canonical ids of script(prompt text) (+ the stop token when it says "stop"); finishes the
-    requests of each step in the reverse order they were added, at most `per_step` a step."""
-
-    def __init__(self, renderer: PromptRenderer, script, per_step: int = 3, refuse=()):
-        self.renderer, self.script, self.per_step, self.refuse = renderer, script, per_step, set(refuse)
-        self.queue: list[tuple[str, list[int], int]] = []
-        self.prompts: dict[str, str] = {}  # request id -> prompt text
-        self.seeds: dict[str, int] = {}
-        self.most_in_flight = 0
-
-    def add(self, request_id, prompt_ids, seed):
-        text = self.renderer.tokenizer.decode(prompt_ids)
-        if any(r in text for r in self.refuse):
-            raise RequestRejected("prompt refused by the fake engine")
-        self.queue.append((request_id, prompt_ids, seed))
-        self.prompts[request_id], self.seeds[request_id] = text, seed
-        self.most_in_flight = max(self.most_in_flight, len(self.queue))
-
-    def step(self):
-        done, self.queue = self.queue[-self.per_step :][::-1], self.queue[: -self.per_step]
-        out = []
-        for rid, _, _ in done:
-            reply, reason = self.script(self.prompts[rid])
-            ids = self.renderer.encode(reply)
-            if reason == "stop":
-                ids.append(self.renderer.tokenizer.eos_token_id)
-            out.append(Finished(rid, ids, reason, "boom" if reason == "error" else ""))
-        return out
-
-    def has_unfinished(self):
-        return bool(self.queue)
-
-    def abort(self, request_ids):
-        self.queue = [q for q in self.queue if q[0] not in set(request_ids)]
-
-
-def echo(prompt_text: str) -> tuple[str, str]:
-    """A reply naming the last user message, stopped normally."""
-    last = prompt_text.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
-    return f"Target on: {last}", "stop"
-
-
-def conv(messages, cid="c", source="s.jsonl:1", **extra) -> dict:
-    return {"id": cid, "messages": messages, "source": source, **extra}
 
 
 def run(renderer, convs, script=echo, settings=None, plan=None, **engine_kwargs):
@@ -423,3 +377,33 @@ def test_review_shows_regenerated_beside_original(tmp_path, renderer, demo_model
     assert "Target on: How do I fix a bike chain?" in row  # the two replies of turn 1 on one line
     assert text.count("[user] And the brakes?") == 2
     assert "3 regenerated conversations" in review(prepared, regenerated, n=3)
+
+
+def test_a_job_killed_mid_generation_leaves_no_finished_looking_shard_and_its_rerun_is_byte_identical(
+    tmp_path, renderer, demo_model_dir
+):
+    """SIGKILL in the middle of a shard's generation: its folder holds temp files only, no manifest.json (merge
+    and Snakemake's incomplete marker both refuse it); the job run again from its start writes a clean run's
+    bytes. (The workflow-level kill with vLLM: tests/test_vllm_regenerate.py.)"""
+    convs = [conv([U1, A1, U2], f"id{i}") for i in range(6)]
+    _regenerate_all(tmp_path, renderer, demo_model_dir, convs)
+    clean = tmp_path / "out" / "shard_1"
+    killed = tmp_path / "killed"
+    helper = Path(__file__).with_name("regenerate_helpers.py")
+    args = [sys.executable, str(helper), str(demo_model_dir), str(tmp_path / "prompts" / "shard_1.jsonl"), str(killed), "1"]  # fmt: skip
+    proc = subprocess.run(
+        args, env={**os.environ, "EAGLE3PREP_KILL_AT": "regenerate.step:shard=1,step=3"}, capture_output=True,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    left = sorted(p.name for p in killed.iterdir())
+    assert "manifest.json" not in left and "conversations.jsonl" not in left  # nothing under a final name
+    assert any(n.startswith(".tmp-conversations.jsonl.") for n in left), left
+    subprocess.run(args[:-1] + ["1"], check=True, capture_output=True)  # the same job again
+    assert not [p for p in killed.iterdir() if p.name.startswith(".tmp-")]
+
+    def data(d: Path) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in d.iterdir() if p.name not in ("timings.json", "manifest.json")}
+
+    assert data(killed) == data(clean)
+    shutil.rmtree(killed)

@@ -82,7 +82,6 @@ def run_regenerate_job(
     max_model_len = model_len(settings, model_path)
     version = code_version()  # the code this shard starts with, before the engine's start-up
     t0 = time.time()
-    faults.kill_point("regenerate.engine_start", shard=shard)
     with (
         claim_job_gpus(int(options.get("tp_size", 1))),  # before vLLM reads CUDA_VISIBLE_DEVICES
         VLLMEngine(
@@ -154,7 +153,6 @@ def regenerate_shard(
                 written["conversations"] += 1
             bar.update(1)
         bar.close()
-        faults.kill_point("regenerate.before_rename", shard=shard)
     elapsed = time.time() - t_start
     counts = shard_counts(tally, written)
     write_json(out / COUNTS, counts)
