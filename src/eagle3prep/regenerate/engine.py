@@ -119,9 +119,13 @@ class VLLMEngine:
     def params(self, seed: int) -> Any:
         """One request's SamplingParams. Greedy requests get no seed: it would not change them."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         s = self.sampling
         return SamplingParams(
+            # One output per request, when it finishes, as LLM.generate asks for: the default streams a growing
+            # copy of every request's tokens at every step, work in this process that grows with the reply.
+            output_kind=RequestOutputKind.FINAL_ONLY,
             temperature=s.temperature,
             top_p=s.top_p,
             **({"top_k": s.top_k} if s.top_k else {}),

@@ -9,6 +9,7 @@ leave in input order, so a rerun writes the same bytes.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +23,11 @@ from eagle3prep.regenerate.prompts import PromptRenderer
 from eagle3prep.regenerate.settings import Settings, conversation_seed
 from eagle3prep.regenerate.thinking import ThinkingPlan, is_empty, prompt_prefill, reply_message
 from eagle3prep.regenerate.turns import Rejection, TurnPlan, assemble, context_before, plan_turns
+
+# Conversations admitted (prompts rendered and added) per turn of the loop. Admitting a whole window before the
+# first step would leave the engine idle while thousands of prompts render; in chunks, the engine (its own
+# process) works on the first ones while the next render.
+ADMIT_PER_STEP = 256
 
 
 class RequestRejected(Exception):
@@ -89,6 +95,7 @@ class Runner:
         self.shard, self.tag = shard, f"{tag}{shard}"
         self.active: dict[str, _Conv] = {}  # request id -> conversation waiting for that reply
         self.steps = 0
+        self.step_s = 0.0  # time spent in engine.step(): the rest of the loop is this process's own work
 
     def run(self, lines: Iterable[tuple[int, dict[str, Any]]]) -> Iterator[Conversation | Quarantined]:
         """(line number in `source`, prepared conversation JSON) in, results out in the same order."""
@@ -97,7 +104,8 @@ class Runner:
         exhausted = False
         try:
             while True:
-                while not exhausted and len(window) < self.settings.max_in_flight:
+                room = min(self.settings.max_in_flight - len(window), ADMIT_PER_STEP)
+                for _ in range(0 if exhausted else max(room, 0)):
                     item = next(pending, None)
                     if item is None:
                         exhausted = True
@@ -163,7 +171,10 @@ class Runner:
     def _step(self) -> None:
         self.steps += 1
         faults.kill_point("regenerate.step", shard=self.shard, step=self.steps)
-        for done in self.engine.step():
+        t0 = time.perf_counter()
+        finished = self.engine.step()
+        self.step_s += time.perf_counter() - t0
+        for done in finished:
             conv = self.active.pop(done.request_id, None)
             if conv is not None:
                 self._finished(conv, done)

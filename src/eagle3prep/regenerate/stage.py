@@ -166,6 +166,7 @@ def regenerate_shard(
             "output_tokens_per_s": round(replies["output_tokens"] / elapsed, 1) if elapsed > 0 else None,
             "conversations_per_s": round(tally.rows_in / elapsed, 2) if elapsed > 0 else None,
             "engine_steps": runner.steps,
+            "engine_step_s": round(runner.step_s, 3),  # in engine.step(); the rest: prompts, replies, files
             "gpu_ids": (started or {}).get("gpu_ids"),
         },
     )
