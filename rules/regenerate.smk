@@ -66,6 +66,8 @@ if REGEN["enabled"]:
         params:
             prompts=get_regen_prompt_shard,
             regenerate=get_regen_data_params(),
+            # the default of regenerate.max_model_len: tokenize cuts rows there
+            max_seq_len=config["tokenize"]["max_seq_len"],
             trust_remote_code=config["model"]["trust_remote_code"],
         script:
             "../scripts/regenerate.py"

@@ -19,5 +19,6 @@ if __name__ == "__main__":
             options=job_options(snakemake.params.regenerate, snakemake.config["regenerate"]),
             trust_remote_code=snakemake.params.trust_remote_code,
             shard=int(snakemake.wildcards.k),
+            max_seq_len=snakemake.params.max_seq_len,
             threads=snakemake.threads,
         )

@@ -24,6 +24,7 @@ from eagle3prep.prepare.errors import NoConversationsError
 from eagle3prep.records import Quarantined
 from eagle3prep.regenerate import (
     PromptRenderer,
+    RegenerateError,
     Runner,
     Sampling,
     Settings,
@@ -33,12 +34,14 @@ from eagle3prep.regenerate import (
     data_params,
     job_options,
     merge_shards,
+    merged_counts,
     plan_turns,
     regenerate_shard,
     split_conversations,
 )
 from eagle3prep.regenerate import thinking as th
 from eagle3prep.regenerate.review import review, sample_pairs, side_by_side
+from eagle3prep.regenerate.stage import model_len
 from eagle3prep.regenerate.turns import assemble, context_before
 from eagle3prep.tokenization import ChatEncoder, load_tokenizer
 
@@ -407,3 +410,39 @@ def test_a_job_killed_mid_generation_leaves_no_finished_looking_shard_and_its_re
 
     assert data(killed) == data(clean)
     shutil.rmtree(killed)
+
+
+def test_max_model_len_defaults_to_tokenize_max_seq_len_within_the_context(demo_model_dir):
+    assert model_len(Settings(), demo_model_dir, 256) == 256  # tokenize cuts rows at 256 anyway
+    assert model_len(Settings(), demo_model_dir, 4096) == 1024  # the demo model's context
+    assert model_len(Settings(max_model_len=512), demo_model_dir, 256) == 512
+    with pytest.raises(RegenerateError, match="above the model's context of 1024 tokens"):
+        model_len(Settings(max_model_len=2048), demo_model_dir, 256)
+
+
+def test_the_report_funnel_names_what_the_stage_quarantined():
+    from eagle3prep.report import data
+
+    tally = ShardTally("p/shard_0.jsonl", rows_in=5, kept=3)
+    tally.quarantined.update(tool_turns=1, prompt_too_long=1)
+    tally.replies.update(requests=5, length=5)
+    prepared = {"sources": ["a.jsonl"], "totals": {"rows_in": 7, "duplicates": 1, "kept": 5, "files": 1,
+                                                   "quarantined": {"invalid_json": 1}}}  # fmt: skip
+    counts = merged_counts([{"files": [tally.file_json()]}], prepared, {"conversations": 3, "quarantine": 2})
+    stats = {
+        "quarantined": {},
+        "rows": 3,
+        "tokens": 90,
+        "truncated_rows": 0,
+        "truncated_tokens": 0,
+        "max_seq_len": 128,
+    }
+    steps = data.funnel(counts, stats)
+    assert steps[:6] == [
+        ("rows in the sources", 7, "1 files"),
+        ("duplicates dropped", -1, "same content as an earlier row"),
+        ("quarantined by prepare", -1, "invalid_json 1"),
+        ("conversations kept by prepare", 5, ""),
+        ("quarantined by regenerate", -2, "prompt_too_long 1, tool_turns 1"),
+        ("conversations regenerated", 3, "5 replies by the target, 5 cut by max_tokens"),
+    ]

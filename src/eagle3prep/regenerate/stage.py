@@ -43,21 +43,25 @@ class RegenerateError(UserError, ValueError):
     """A setting the model cannot honour (max_model_len); the message names the key and the fix."""
 
 
-def model_len(settings: Settings, model_path: str | os.PathLike) -> int:
-    """Tokens per request (prompt + reply): regenerate.max_model_len, else the model's context."""
+def model_len(settings: Settings, model_path: str | os.PathLike, max_seq_len: int | None = None) -> int:
+    """Tokens per request (prompt + reply): regenerate.max_model_len, else tokenize.max_seq_len (tokenize cuts a
+    row there, so a token generated past it would be thrown away), capped by the model's context."""
     limit = ModelFacts.read(model_path).max_positions
-    if settings.max_model_len is None:
+    wanted = settings.max_model_len or max_seq_len
+    if wanted is None:
         if limit is None:
             raise RegenerateError(
                 f"{model_path}/config.json gives no context length (max_position_embeddings); set regenerate.max_model_len"
             )
         return limit
-    if limit is not None and settings.max_model_len > limit:
+    if limit is not None and wanted > limit:
+        if settings.max_model_len is None:
+            return limit
         raise RegenerateError(
-            f"regenerate.max_model_len = {settings.max_model_len} is above the model's context of {limit} tokens; "
+            f"regenerate.max_model_len = {wanted} is above the model's context of {limit} tokens; "
             f"set it to {limit} or less"
         )
-    return settings.max_model_len
+    return wanted
 
 
 def run_regenerate_job(
@@ -68,9 +72,11 @@ def run_regenerate_job(
     options: dict[str, Any],
     trust_remote_code: bool,
     shard: int,
+    max_seq_len: int | None = None,
     threads: int | None = None,
 ) -> dict[str, Any]:
-    """The regenerate rule's job: claim GPUs, start vLLM, regenerate one shard; return its manifest."""
+    """The regenerate rule's job: claim GPUs, start vLLM, regenerate one shard; return its manifest.
+    `max_seq_len` (tokenize.max_seq_len) is the default of regenerate.max_model_len."""
     from eagle3prep.regenerate.engine import VLLMEngine
 
     if threads:  # the job's Snakemake threads (torch intra-op threads on a CPU engine)
@@ -79,7 +85,7 @@ def run_regenerate_job(
         torch.set_num_threads(threads)
     settings = Settings.from_config(options)
     renderer = PromptRenderer.load(model_path, trust_remote_code)
-    max_model_len = model_len(settings, model_path)
+    max_model_len = model_len(settings, model_path, max_seq_len)
     version = code_version()  # the code this shard starts with, before the engine's start-up
     t0 = time.time()
     with (
