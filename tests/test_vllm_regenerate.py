@@ -110,6 +110,9 @@ def test_greedy_replies_equal_vllm_generate_on_the_same_prompts(stage):
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams, TokensPrompt
 
+    from eagle3prep.regenerate import RequestRejected, Sampling
+    from eagle3prep.regenerate.engine import VLLMEngine
+
     wd = stage["wd"]
     model = str(wd / "results/demo/model")
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -125,6 +128,11 @@ def test_greedy_replies_equal_vllm_generate_on_the_same_prompts(stage):
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+        # The stage's engine wrapper on this engine: a request vLLM refuses is one RequestRejected line.
+        wrapper = VLLMEngine(model, {}, Sampling(max_tokens=MAX_TOKENS), [tokenizer.eos_token_id], 256)
+        wrapper.llm = llm
+        with pytest.raises(RequestRejected, match="maximum context length is 256"):
+            wrapper.add("too-long", list(range(5, 305)), seed=0)
     finally:
         llm.llm_engine.engine_core.shutdown()
     direct = []

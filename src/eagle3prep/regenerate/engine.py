@@ -23,6 +23,16 @@ def log(msg: str) -> None:
     print(f"[regenerate] {msg}", file=sys.stderr)
 
 
+def _request_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request it refuses: VLLMClientError (VLLMValidationError: a prompt longer than
+    max_model_len, ...), which is no ValueError in recent releases; ValueError in older ones."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError, TypeError)
+    return (ValueError, TypeError, VLLMClientError)
+
+
 class VLLMEngine:
     """vLLM as the runner's Engine. `options` are regenerate.* keys (config/schema.yaml); start() starts it.
 
@@ -140,7 +150,7 @@ class VLLMEngine:
 
         try:
             self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), self.params(seed))
-        except (ValueError, TypeError) as e:  # vLLM's validation errors (VLLMValidationError is a ValueError)
+        except _request_errors() as e:
             raise RequestRejected(" ".join(str(e).split())) from None
 
     def step(self) -> list[Finished]:
