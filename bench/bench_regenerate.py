@@ -194,6 +194,8 @@ def main() -> None:
                 "b_output_tokens": replies["output_tokens"],
                 "b_s": timings["generate_s"],
                 "b_tokens_per_s": timings["output_tokens_per_s"],
+                # b's time waiting in engine.step(); the rest is the stage's own work (prompts, replies, files)
+                "b_engine_step_s": timings["engine_step_s"],
                 "b_finish": {k: replies[k] for k in ("stop", "length", "error", "empty")},
             }
             row["b_over_a"] = round(row["b_tokens_per_s"] / row["a_tokens_per_s"], 3)
@@ -214,15 +216,25 @@ def main() -> None:
         f"({results['prompt_tokens']:,} prompt tokens), max_tokens {args.max_tokens}, temperature {args.temperature}"
     )
     print(f"engine start {results['engine_start_s']:.1f} s")
-    print("| round | (a) LLM.generate tok/s | (b) regenerate stage tok/s | b/a | (b) finish reasons |")
-    print("|---|---|---|---|---|")
+    print(
+        "| round | (a) LLM.generate tok/s | (b) regenerate stage tok/s | b/a | (b) own work s of total s | (b) finish reasons |"
+    )
+    print("|---|---|---|---|---|---|")
     for i, r in enumerate(results["rounds"]):
         print(
             f"| {i} | {r['a_tokens_per_s']:,.0f} | {r['b_tokens_per_s']:,.0f} | {r['b_over_a']:.3f} | "
+            f"{r['b_s'] - r['b_engine_step_s']:.2f} of {r['b_s']:.2f} | "
             f"{', '.join(f'{k} {v}' for k, v in r['b_finish'].items() if v)} |"
         )
     verdict = "meets" if results["b_over_a"] >= 0.95 else "misses"
-    print(f"mean: (a) {a:,.0f} tok/s, (b) {b:,.0f} tok/s, b/a {b / a:.3f} ({verdict} the 0.95 target)")
+    if dev == "cpu":  # a tiny model on a CPU: per-request overheads, no GPU; the ratio is not the target's
+        verdict = "a CPU smoke run: the ratio says nothing about the GPU target"
+    else:
+        verdict = f"{verdict} the 0.95 target"
+    print(f"mean: (a) {a:,.0f} tok/s, (b) {b:,.0f} tok/s, b/a {b / a:.3f} ({verdict})")
+    import os
+
+    print(f"host load average while it ran (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":
