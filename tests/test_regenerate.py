@@ -113,11 +113,12 @@ def test_prompt_ids_are_the_tokenize_rows_up_to_the_reply(demo_model_dir, render
 # ---- thinking -----------------------------------------------------------------------------------------------
 
 MARKS = ("<think>", "</think>")
-QWEN3_LIKE = (  # renders reasoning_content for the final turn, as Qwen3's template does
-    "{%- for m in messages -%}<|im_start|>{{ m.role }}\n"
-    "{%- if m.role == 'assistant' and m.reasoning_content is defined -%}<think>\n{{ m.reasoning_content }}\n</think>\n\n"
-    "{%- endif -%}{{ m.content }}<|im_end|>\n{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_start|>assistant\n<think>\n{%- endif -%}"
+QWEN3_LIKE = (  # reads reasoning_content and opens the thinking in the generation prompt, as Qwen3's templates do
+    "{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\\n' -}}"
+    "{%- if m.role == 'assistant' and m.reasoning_content is defined -%}"
+    "{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{{- m.content + '<|im_end|>\\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<think>\\n' -}}{%- endif -%}"
 )
 DROPS_THINKING = (  # renders only what follows </think>, as DeepSeek-R1's template does
     "{%- for m in messages -%}<|im_start|>{{ m.role }}\n{{ m.content.split('</think>')[-1] }}<|im_end|>\n"
@@ -171,6 +172,32 @@ def test_thinking_is_split_kept_or_stripped():
     assert th.is_empty(th.reply_message("<think>\nStill weighing", "", strip)[0])
     assert not th.is_empty(th.reply_message("<think>\nStill weighing", "", keep_field)[0])
     assert th.split_thinking("No thinking here.", MARKS).thinking is None
+
+
+def test_a_reasoning_targets_thinking_is_stored_as_its_template_reads_it(demo_model_dir):
+    """A Qwen3-like template (reads reasoning_content, opens the thinking in the generation prompt): auto keeps the
+    thinking in reasoning_content, strip drops it, and a reply cut inside its thinking is counted unterminated."""
+    import copy
+
+    tokenizer = copy.deepcopy(load_tokenizer(demo_model_dir))
+    tokenizer.chat_template = QWEN3_LIKE
+    qwen = PromptRenderer(tokenizer, demo_model_dir)
+
+    def think(prompt):  # the prompt ends inside "<think>\n": the reply starts with the thought
+        cut = "Long question" in prompt
+        return ("Weighing it" if cut else "Weighing it.\n</think>\n\nTwo wheels."), "length" if cut else "stop"
+
+    convs = [conv([U1]), conv([{"role": "user", "content": "Long question?"}], "cut")]
+    for config, expected in (
+        ("auto", {"role": "assistant", "content": "Two wheels.", "reasoning_content": "Weighing it."}),
+        ("strip", {"role": "assistant", "content": "Two wheels."}),
+    ):
+        plan = th.resolve(config, MARKS, qwen.render)
+        results, tally, engine = run(qwen, convs, think, plan=plan)
+        assert results[0].messages[-1] == expected
+        assert engine.prompts["r0-0-0"].endswith("<|im_start|>assistant\n<think>\n")
+        assert (tally.replies["with_thinking"], tally.replies["unterminated_thinking"]) == (2, 1)
+    assert results[1].reason == "empty_reply"  # stripped, the cut reply has nothing left (on_empty: quarantine)
 
 
 # ---- the runner ---------------------------------------------------------------------------------------------
