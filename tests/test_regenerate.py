@@ -473,3 +473,25 @@ def test_the_report_funnel_names_what_the_stage_quarantined():
         ("quarantined by regenerate", -2, "prompt_too_long 1, tool_turns 1"),
         ("conversations regenerated", 3, "5 replies by the target, 5 cut by max_tokens"),
     ]
+
+
+def test_the_engine_is_configured_from_regenerate_and_fails_in_one_line():
+    from eagle3prep.backends.vllm.errors import engine_error
+    from eagle3prep.regenerate.engine import VLLMEngine
+
+    options = {"dtype": "float32", "tp_size": 2, "max_num_seqs": None, "engine_args": {"max_num_seqs": 64}}
+    engine = VLLMEngine("m", options, Sampling(), [4], 512)
+    fix = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}  # a known bug's workaround wins
+    kwargs = engine.engine_kwargs(fix)
+    assert kwargs["skip_tokenizer_init"] and kwargs["tensor_parallel_size"] == 2 and kwargs["max_model_len"] == 512
+    assert kwargs["max_num_seqs"] == 64 and kwargs["compilation_config"] == fix["compilation_config"]
+    assert "quantization" not in kwargs  # None: vLLM's own default
+    children = "Traceback (most recent call last):\n  File x\ntorch.OutOfMemoryError: CUDA out of memory.\n"
+    err = engine_error(
+        RuntimeError("Engine core initialization failed. See root cause above."), children, version="0.32.0",
+        arch="LlamaForCausalLM", path="generate", doing="for generation", section="regenerate",
+    )  # fmt: skip
+    assert str(err) == (
+        "vLLM 0.32.0 could not start LlamaForCausalLM for generation: torch.OutOfMemoryError: CUDA out of memory; "
+        "lower regenerate.gpu_memory_utilization or regenerate.max_num_batched_tokens"
+    )
