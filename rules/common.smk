@@ -9,6 +9,7 @@ from eagle3prep.config import (
     validate_config,
 )
 from eagle3prep import heal
+from eagle3prep.regenerate.settings import data_params as regen_data_params
 from eagle3prep.prepare import InputError, expand_sources
 from eagle3prep.runlock import clear_stale_locks, record_owner
 
@@ -139,3 +140,28 @@ def get_final_output():
     if config["export"]["speculators"]:
         out.append("results/export/speculators")
     return out
+
+
+# ---- regenerate (opt-in, regenerate.enabled; rules/regenerate.smk) -----------------------------------------
+# Off, the rules get what they had before the stage existed: same inputs, params and script lines (a script
+# rule's `script:` line is its recorded code), so the DAG and the outputs are unchanged and no finished job of
+# an existing results/ folder is re-queued.
+REGEN = config["regenerate"]
+REGEN_SHARDS = list(range(REGEN["num_shards"]))
+REGEN_PROMPTS = "results/regenerate/prompts"
+# The conversations tokenize reads (and the counts the report starts from).
+CONVERSATIONS = "results/regenerated" if REGEN["enabled"] else "results/prepared"
+
+
+def get_regen_prompt_shard(wildcards):
+    return f"{REGEN_PROMPTS}/shard_{wildcards.k}.jsonl"
+
+
+def get_regen_gpus(wildcards=None):
+    """GPUs one regenerate job holds: its tensor-parallel size."""
+    return REGEN["tp_size"]
+
+
+def get_regen_data_params(wildcards=None):
+    """regenerate.* without the speed knobs and DAG keys: changing those re-queues no shard."""
+    return regen_data_params(REGEN)

@@ -8,7 +8,8 @@ rule report:
     input:
         validations=expand("results/validation/shard_{k}.json", k=SHARDS),
         shards=get_shard_dirs(),
-        counts="results/prepared/counts.json",
+        # prepare's counts, or the regenerate stage's (which hold prepare's totals too)
+        counts=f"{CONVERSATIONS}/counts.json",
         tokenized=TOKENIZED,
         # The speculators export when requested: the report then waits for it and records it.
         export=(

@@ -1,10 +1,11 @@
 # Chat template + assistant loss mask, global row ids, contiguous shards (DESIGN.md §3).
 rule tokenize:
     input:
-        conversations="results/prepared/conversations.jsonl",
+        # results/prepared/, or results/regenerated/ with regenerate.enabled
+        conversations=f"{CONVERSATIONS}/conversations.jsonl",
         # Read first: no conversation kept stops the run here, naming the sources and the quarantine.
-        counts="results/prepared/counts.json",
-        quarantine="results/prepared/quarantine.jsonl",
+        counts=f"{CONVERSATIONS}/counts.json",
+        quarantine=f"{CONVERSATIONS}/quarantine.jsonl",
         model=get_model(),
     output:
         # shard_{k}.jsonl for every k, stats.json, token_freq.json, quarantine.jsonl

@@ -19,11 +19,15 @@ class Conversation:
     messages: list[dict[str, Any]]  # [{"role": ..., "content": ...}], assistant turns may carry "tool_calls"
     source: str  # "path:line" of the raw record it came from
     tools: list[dict[str, Any]] | None = None  # function schemas the chat template renders; omitted when None
+    # Set by the regenerate stage: the prepared conversation's id ("from"), its seed, each reply's finish
+    # reason and token count. Omitted when None, so conversations that were not regenerated keep their bytes.
+    regenerated: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = _shallow(self)
-        if out["tools"] is None:  # conversations without tools keep their bytes
-            del out["tools"]
+        for key in ("tools", "regenerated"):
+            if out[key] is None:  # conversations without tools keep their bytes
+                del out[key]
         return out
 
 

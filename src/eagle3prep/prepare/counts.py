@@ -57,22 +57,23 @@ def counts_json(sources, max_line_bytes, per_file: list[FileCounts], duplicate_r
     }
 
 
-def check_invariant(counts: dict[str, Any], written: dict[str, int] | None = None) -> None:
-    """Raise unless rows_in == kept + duplicates + quarantined for every file and in total."""
+def check_invariant(counts: dict[str, Any], written: dict[str, int] | None = None, stage: str = "prepare") -> None:
+    """Raise unless rows_in == kept + duplicates + quarantined for every file and in total. `stage` names the
+    stage whose counts these are (the regenerate stage keeps its counts in the same shape)."""
     for c in [*counts["files"], counts["totals"]]:
         name = c.get("file", "totals")
         q = sum(c["quarantined"].values())
         if q != c["quarantined_total"] or c["rows_in"] != c["kept"] + c["duplicates"] + q:
             raise RuntimeError(
-                f"prepare: row accounting broken for {name}: rows_in={c['rows_in']} != kept={c['kept']} "
-                f"+ duplicates={c['duplicates']} + quarantined={q} (a bug in eagle3prep.prepare; please report it)"
+                f"{stage}: row accounting broken for {name}: rows_in={c['rows_in']} != kept={c['kept']} "
+                f"+ duplicates={c['duplicates']} + quarantined={q} (a bug in eagle3prep.{stage}; please report it)"
             )
     t = counts["totals"]
     if written is not None and (written["conversations"], written["quarantine"]) != (
         t["kept"],
         t["quarantined_total"],
     ):
-        raise RuntimeError(f"prepare: lines written {written} do not match counts {t} (a bug in eagle3prep.prepare)")
+        raise RuntimeError(f"{stage}: lines written {written} do not match counts {t} (a bug in eagle3prep.{stage})")
 
 
 def summarize(counts: dict[str, Any]) -> str:
@@ -98,7 +99,19 @@ def require_conversations(counts_path: str | os.PathLike, quarantine_path: str |
     with open(counts_path, encoding="utf-8") as f:
         counts = json.load(f)
     if not counts["totals"]["kept"]:
+        if counts.get("stage") == "regenerate":  # the regenerate stage's counts.json, in the same shape
+            raise NoConversationsError(_none_regenerated_message(counts, quarantine_path))
         raise NoConversationsError(_no_conversations_message(counts, quarantine_path))
+
+
+def _none_regenerated_message(counts: dict[str, Any], quarantine_path: str | os.PathLike) -> str:
+    """One line: the regenerate stage quarantined every conversation; its reasons and where they are."""
+    t = counts["totals"]
+    reasons = ", ".join(f"{r} {n}" for r, n in t["quarantined"].items() if n)
+    return (
+        f"no conversations to tokenize: regenerate quarantined all {_plural(t['rows_in'], 'conversation')} "
+        f"({reasons}); each conversation and its reason is in {quarantine_path}"
+    )
 
 
 def _no_conversations_message(counts: dict[str, Any], quarantine_path: str | os.PathLike) -> str:

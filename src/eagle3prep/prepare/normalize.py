@@ -34,13 +34,14 @@ TOOL_CALL_ROLES = ("function_call", "tool_call", "tool_calls")
 SHAPES = {"messages": ("role", "content"), "conversations": ("from", "value")}
 
 
-def normalize(record: Any) -> list[dict[str, str]]:
-    """Return the normalized messages of one raw record, or raise Rejected with a REASONS reason."""
+def normalize(record: Any, allow_prompt_only: bool = False) -> list[dict[str, str]]:
+    """Return the normalized messages of one raw record, or raise Rejected with a REASONS reason.
+    `allow_prompt_only`: keep a record without an assistant message (the regenerate stage writes the replies)."""
     key, raw_messages = _container(record)
     role_keys = (SHAPES[key][0], *(r for r, _ in SHAPES.values() if r != SHAPES[key][0]))
     content_keys = (SHAPES[key][1], *(c for _, c in SHAPES.values() if c != SHAPES[key][1]))
     messages = [_message(m, i, f"{key}[{i}]", role_keys, content_keys) for i, m in enumerate(raw_messages)]
-    if not any(m["role"] == "assistant" for m in messages):
+    if not allow_prompt_only and not any(m["role"] == "assistant" for m in messages):
         raise Rejected("no_assistant_turn", f"none of the {len(messages)} messages is from the assistant")
     return messages
 

@@ -23,6 +23,7 @@ def prepare(
     out_quarantine: str | os.PathLike,
     out_counts: str | os.PathLike,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    allow_prompt_only: bool = False,
 ) -> dict[str, Any]:
     """Read every source, write conversations / quarantine JSONL and counts JSON; return the counts.
 
@@ -32,6 +33,8 @@ def prepare(
         out_quarantine: JSONL of `Quarantined.to_json()`.
         out_counts: JSON, layout in `counts.counts_json`.
         max_line_bytes: a longer JSONL line is quarantined as "line_too_long" without being parsed.
+        allow_prompt_only: keep records without an assistant message instead of quarantining them as
+            "no_assistant_turn" (only when the regenerate stage writes the replies).
     """
     sources = [os.fspath(s) for s in sources]
     files = expand_sources(sources)
@@ -40,7 +43,7 @@ def prepare(
         atomic_open(out_conversations, "w", encoding="utf-8") as conv_f,
         atomic_open(out_quarantine, "w", encoding="utf-8") as quar_f,
     ):
-        out = _Outputs(conv_f, quar_f)
+        out = _Outputs(conv_f, quar_f, allow_prompt_only)
         per_file = [_prepare_file(path, reader, out) for path, reader in zip(files, readers, strict=True)]
         counts = counts_json(sources, max_line_bytes, per_file, out.duplicate_rows)
         check_invariant(counts, out.written)
@@ -67,6 +70,7 @@ class _Outputs:
 
     conv_f: TextIO
     quar_f: TextIO
+    allow_prompt_only: bool = False
     seen: set[bytes] = field(default_factory=set)  # sha256 digests of kept conversations (32 bytes each)
     duplicate_rows: list[dict[str, Any]] = field(default_factory=list)
     written: dict[str, int] = field(default_factory=lambda: {"conversations": 0, "quarantine": 0})
@@ -76,7 +80,7 @@ class _Outputs:
         try:
             if raw.reason is not None:
                 raise Rejected(raw.reason, raw.detail)
-            messages = normalize(raw.record)
+            messages = normalize(raw.record, self.allow_prompt_only)
             tools = normalize_tools(raw.record)
         except Rejected as r:
             fc.quarantined[r.reason] += 1

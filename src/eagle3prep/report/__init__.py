@@ -107,13 +107,19 @@ def _dataset_manifest(shard_dirs, manifests, summary, counts, stats, reports) ->
             }
             for d, m in zip(shard_dirs, manifests, strict=True)
         ],
-        "prepare": counts["totals"],
+        "prepare": data.prepared_counts(counts)["totals"],
         "tokenize": {k: stats[k] for k in sorted(stats) if k != "shards"},
         # What the config decided is recorded by the stages themselves (sources in counts.json,
         # max_seq_len in stats.json, engine and layers in the shard manifests, the reference check
         # in the validation files): the report takes no config, so no config edit reruns it.
-        "sources": counts.get("sources"),
+        "sources": data.prepared_counts(counts).get("sources"),
         "reference": data.reference_summary(reports),
+        # with regenerate.enabled: the stage's totals and each regenerated shard's manifest sha256
+        **(
+            {"regenerate": {"totals": counts["totals"], "shard_manifests": counts.get("shard_manifests")}}
+            if counts.get("stage") == "regenerate"
+            else {}
+        ),
     }
 
 

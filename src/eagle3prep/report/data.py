@@ -47,11 +47,17 @@ def funnel(counts: dict[str, Any], stats: dict[str, Any]) -> list[tuple[str, int
     Truncated rows stay in the data (cut to max_seq_len); their lost tokens are shown when
     stats.json records them (`truncated_tokens`), else the note says they were not counted.
     """
-    t = counts["totals"]
+    t = prepared_counts(counts)["totals"]
     out: list[tuple[str, int | None, str]] = [("rows in the sources", t["rows_in"], f"{t.get('files', '?')} files")]
     out.append(("duplicates dropped", -t["duplicates"], "same content as an earlier row"))
     out.append(_quarantine_step("prepare", t.get("quarantined", {})))
     out.append(("conversations kept by prepare", t["kept"], ""))
+    if counts.get("stage") == "regenerate":
+        r = counts["totals"]
+        out.append(_quarantine_step("regenerate", r["quarantined"]))
+        replies = r["replies"]
+        note = f"{replies['requests']:,} replies by the target, {replies['length']:,} cut by max_tokens"
+        out.append(("conversations regenerated", r["kept"], note))
     out.append(_quarantine_step("tokenize", stats.get("quarantined", {})))
     rows, trunc = stats["rows"], stats.get("truncated_rows", 0)
     lost = stats.get("truncated_tokens")
@@ -65,6 +71,11 @@ def funnel(counts: dict[str, Any], stats: dict[str, Any]) -> list[tuple[str, int
     )
     out.append(("rows out (tokenized, captured)", rows, f"{stats['tokens']:,} tokens"))
     return out
+
+
+def prepared_counts(counts: dict[str, Any]) -> dict[str, Any]:
+    """prepare's counts.json, also when `counts` is the regenerate stage's (which holds prepare's sources and totals)."""
+    return counts["prepared"] if counts.get("stage") == "regenerate" else counts
 
 
 def _quarantine_step(stage: str, reasons: dict[str, int]) -> tuple[str, int, str]:

@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from ..atomic import atomic_open
+from . import data
 
 # A layer whose worst sampled row reaches this share of its bound is flagged before it fails.
 NEAR_MISS = 0.8
@@ -84,7 +85,7 @@ def banners(ctx: dict[str, Any]) -> list[str]:
 
 
 def kpis(ctx: dict[str, Any]) -> str:
-    d, stats, t = ctx["dataset"], ctx["stats"], ctx["counts"]["totals"]
+    d, stats, t = ctx["dataset"], ctx["stats"], data.prepared_counts(ctx["counts"])["totals"]
     ok = sum(1 for v in ctx["reports"] if v.get("ok"))
     worst = [v for vals in ctx["margins"].values() for v in vals if v is not None]
     cov = ctx["coverage"]["at"]

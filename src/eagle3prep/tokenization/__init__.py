@@ -39,6 +39,7 @@ from eagle3prep.tokenization.template import (
     get_chat_template,
     has_tool_turns,
     load_tokenizer,
+    rust_backend,
 )
 from eagle3prep.tokenization.workers import batched, encode_chunks
 
@@ -65,6 +66,7 @@ __all__ = [
     "no_rows_error",
     "parse_conversation",
     "row_json_tail",
+    "rust_backend",
     "seq_len_summary",
     "shard_ranges",
     "tokenize_conversations",

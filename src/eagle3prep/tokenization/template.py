@@ -68,7 +68,7 @@ def get_chat_template(tokenizer, model_path: str | os.PathLike) -> str:
         ) from None
 
 
-def _rust_backend(tokenizer):
+def rust_backend(tokenizer):
     """The Rust tokenizer behind `tokenizer`, set as `tokenizer(texts, add_special_tokens=False)` sets it
     (PreTrainedTokenizerFast.set_truncation_and_padding), so that calling it directly gives the same ids."""
     backend = tokenizer.backend_tokenizer
@@ -109,7 +109,7 @@ class ChatEncoder:
         self.template = get_chat_template(tokenizer, model_path)
         # The variables apply_chat_template hands the template (bos_token, eos_token, ...).
         self.template_kwargs = dict(tokenizer.special_tokens_map)
-        self.backend = _rust_backend(tokenizer)
+        self.backend = rust_backend(tokenizer)
         # str(token id) for every id: looking it up is 3x faster than formatting it, row after row.
         self.id_str = [str(i) for i in range(max(self.backend.get_vocab(with_added_tokens=True).values()) + 1)]
         self.mask_source = choose_mask_source(self.template, template_fallback, model_path)

@@ -127,24 +127,35 @@ def fails_on_every_path(cause: str) -> bool:
     return bool(_NO_MOE_KERNEL.search(cause)) or "out of memory" in cause.lower()
 
 
-def fix_hint(path: str, wanted: str, cause: str) -> str:
+def fix_hint(path: str, wanted: str, cause: str, section: str = "extract") -> str:
+    """The fix to name after the root cause; `section` is the config section of the job's engine settings."""
     if _NO_MOE_KERNEL.search(cause):
+        where = "extract on a GPU (extract.device: cuda)" if section == "extract" else f"the {section} jobs on a GPU"
         return (
             "this vLLM has no kernel for the model's quantized MoE experts on this platform (its CPU "
-            "INT4 MoE kernel needs x86 AMX): run extract on a GPU (extract.device: cuda), or point "
-            "model.path at an unquantized copy"
+            f"INT4 MoE kernel needs x86 AMX): run {where}, or point model.path at an unquantized copy"
         )
     if path == wanted == "builtin":
         return "set extract.capture_path: hooks (or auto)"
     if "out of memory" in cause.lower():
-        return "lower extract.gpu_memory_utilization or extract.max_num_batched_tokens"
+        return f"lower {section}.gpu_memory_utilization or {section}.max_num_batched_tokens"
     return "the engine's traceback is in the log above"
 
 
 def engine_error(
-    exc: BaseException, output: str, *, version: str, arch: str, path: str, wanted: str = "auto"
+    exc: BaseException,
+    output: str,
+    *,
+    version: str,
+    arch: str,
+    path: str,
+    wanted: str = "auto",
+    doing: str | None = None,
+    section: str = "extract",
 ) -> UserError:
-    """One line for a failed engine start or smoke capture: what failed, the root cause, the fix."""
+    """One line for a failed engine start or smoke capture: what failed, the root cause, the fix. `doing` says
+    what the engine was started for (default: "with capture_path {path}"); `section` names the config section
+    whose keys the fix names (the regenerate stage starts its own engine)."""
     if isinstance(exc, UserError):
         return exc
     cause = root_cause(output)
@@ -152,7 +163,8 @@ def engine_error(
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         cause = f"{type(exc).__name__}: {first}".rstrip(": ")
     cause = re.sub(r"^(RuntimeError|Exception): ", "", cause).rstrip(".")  # the message alone says it
+    doing = doing or f"with capture_path {path}"
     return EngineError(
-        f"vLLM {version} could not start {arch} with capture_path {path}: {cause}; {fix_hint(path, wanted, cause)}",
+        f"vLLM {version} could not start {arch} {doing}: {cause}; {fix_hint(path, wanted, cause, section)}",
         any_path=fails_on_every_path(cause),
     )

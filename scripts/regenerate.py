@@ -1,0 +1,24 @@
+# vLLM may start its workers with spawn, which re-imports this file as __mp_main__, where Snakemake's
+# `snakemake` object does not exist: everything, the log redirect included, stays under the guard.
+if __name__ == "__main__":
+    import os
+    import sys
+
+    sys.stderr = open(snakemake.log[0], "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM engine, workers) log there too
+
+    from eagle3prep.errors import one_line_errors
+    from eagle3prep.regenerate import job_options, run_regenerate_job
+
+    with one_line_errors():
+        run_regenerate_job(
+            snakemake.params.prompts,
+            snakemake.output[0],
+            model_path=snakemake.input.model,
+            # speed knobs (gpu_memory_utilization, max_num_seqs, ...) are not params: regenerate.settings.SPEED_KEYS
+            options=job_options(snakemake.params.regenerate, snakemake.config["regenerate"]),
+            trust_remote_code=snakemake.params.trust_remote_code,
+            shard=int(snakemake.wildcards.k),
+            max_seq_len=snakemake.params.max_seq_len,
+            threads=snakemake.threads,
+        )

@@ -1,0 +1,178 @@
+"""The generation engine of the regenerate stage: vLLM started the way the extract backend starts it
+(backends/vllm: the children's output kept for the root cause, one `error:` line on a failed start, the known
+engine bugs' workarounds), fed token-id prompts with LLMEngine.add_request and stepped with LLMEngine.step,
+the calls the extract backend's hooks path uses from vLLM 0.16 to 0.32."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+import time
+from typing import Any
+
+from eagle3prep.backends.vllm import compat
+from eagle3prep.backends.vllm.errors import ChildOutput, EngineError, engine_error
+from eagle3prep.model_facts import ModelFacts
+from eagle3prep.regenerate.runner import Finished, RequestRejected
+from eagle3prep.regenerate.settings import Sampling
+
+
+def log(msg: str) -> None:
+    print(f"[regenerate] {msg}", file=sys.stderr)
+
+
+def _request_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request it refuses: VLLMClientError (VLLMValidationError: a prompt longer than
+    max_model_len, ...), which is no ValueError in recent releases; ValueError in older ones."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError, TypeError)
+    return (ValueError, TypeError, VLLMClientError)
+
+
+class VLLMEngine:
+    """vLLM as the runner's Engine. `options` are regenerate.* keys (config/schema.yaml); start() starts it.
+
+    Args:
+        model_path: the target's folder.
+        options: regenerate.* (dtype, tp_size, enforce_eager, quantization, engine_args, and the speed keys).
+        sampling: temperature, top_p, top_k, max_tokens; each request adds its conversation's seed.
+        stop_ids: tokens that end a reply (the engine has no tokenizer to find them itself).
+        max_model_len: prompt + reply tokens per request.
+    """
+
+    def __init__(self, model_path: str, options: dict[str, Any], sampling: Sampling, stop_ids: list[int],
+                 max_model_len: int, trust_remote_code: bool = False):  # fmt: skip
+        self.model_path, self.options, self.sampling = model_path, options, sampling
+        self.stop_ids, self.max_model_len, self.trust_remote_code = list(stop_ids), max_model_len, trust_remote_code
+        self.llm: Any = None
+        self.info: dict[str, Any] = {}
+        self.volatile: dict[str, Any] = {}  # facts of this run only (timings.json, not the manifest)
+        self._children = ChildOutput()
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def engine_kwargs(self, workarounds: dict[str, Any]) -> dict[str, Any]:
+        opt = self.options
+        kwargs: dict[str, Any] = {
+            "model": self.model_path,
+            "skip_tokenizer_init": True,  # prompts arrive as token ids; replies are decoded by the job
+            "dtype": opt.get("dtype", "bfloat16"),
+            "tensor_parallel_size": int(opt.get("tp_size", 1)),
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": opt.get("max_num_seqs"),
+            "max_num_batched_tokens": opt.get("max_num_batched_tokens"),
+            "gpu_memory_utilization": opt.get("gpu_memory_utilization", 0.9),
+            "enforce_eager": bool(opt.get("enforce_eager", False)),
+            "quantization": opt.get("quantization"),
+            "trust_remote_code": self.trust_remote_code,
+            "seed": 0,
+        }
+        kwargs.update(opt.get("engine_args") or {})
+        kwargs = compat.merge_engine_kwargs(kwargs, workarounds)  # known engine bugs: their fix wins
+        return {k: v for k, v in kwargs.items() if v is not None}
+
+    def start(self) -> dict[str, Any]:
+        """Start vLLM; return what the manifest records of it. A failed start is one EngineError line."""
+        t0 = time.time()
+        # Forked workers start sooner than spawned ones (backends/vllm/driver.py says why this setting).
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        version = compat.installed_version()
+        facts = ModelFacts.read(self.model_path)
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+        fixes = compat.engine_workarounds(version, on_cpu, facts.architectures, disabled=compat.workarounds_disabled())
+        if fixes.refusal:
+            raise EngineError(fixes.refusal)
+        for line in fixes.log_lines:
+            log(line)
+        kwargs = self.engine_kwargs(fixes.engine_kwargs)
+        log(f"starting vLLM {version}: {kwargs}")
+        self._children = ChildOutput()
+        arch = facts.architectures[0] if facts.architectures else "the model"
+        try:
+            with self._children.routed():
+                self.llm = LLM(**kwargs)
+        except Exception as e:
+            self.close()
+            raise engine_error(
+                e, self._children.text(), version=version, arch=arch, path="generate", doing="for generation",
+                section="regenerate",
+            ) from e  # fmt: skip
+        self.info = {
+            "engine": "vllm",
+            "engine_version": version,
+            "platform": "cpu" if on_cpu else "cuda",
+            "tp_size": kwargs["tensor_parallel_size"],
+            "dtype": kwargs["dtype"],
+            "max_model_len": self.max_model_len,
+            "enforce_eager": kwargs["enforce_eager"],
+            "quantization": kwargs.get("quantization"),
+            "engine_args": self.options.get("engine_args") or {},
+            "workarounds": fixes.names,
+        }
+        self.volatile = {
+            "gpu_ids": None if on_cpu else os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "engine_start_s": round(time.time() - t0, 2),
+        }
+        return self.info
+
+    def params(self, seed: int) -> Any:
+        """One request's SamplingParams. Greedy requests get no seed: it would not change them."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = self.sampling
+        return SamplingParams(
+            # One output per request, when it finishes, as LLM.generate asks for: the default streams a growing
+            # copy of every request's tokens at every step, work in this process that grows with the reply.
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            **({"top_k": s.top_k} if s.top_k else {}),
+            max_tokens=s.max_tokens,
+            **({} if s.greedy else {"seed": seed}),
+            stop_token_ids=self.stop_ids,
+            detokenize=False,  # the engine has no tokenizer; PromptRenderer.decode makes the text
+        )
+
+    def add(self, request_id: str, prompt_ids: list[int], seed: int) -> None:
+        from vllm import TokensPrompt
+
+        try:
+            self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), self.params(seed))
+        except _request_errors() as e:
+            raise RequestRejected(" ".join(str(e).split())) from None
+
+    def step(self) -> list[Finished]:
+        out = []
+        for o in self.llm.llm_engine.step():
+            if o.finished:
+                c = o.outputs[0]
+                reason = str(c.finish_reason or "error")
+                detail = "" if c.stop_reason is None else f"stop_reason {c.stop_reason}"
+                out.append(Finished(o.request_id, list(c.token_ids), reason, detail))
+        return out
+
+    def has_unfinished(self) -> bool:
+        return self.llm.llm_engine.has_unfinished_requests()
+
+    def abort(self, request_ids: list[str]) -> None:
+        with contextlib.suppress(Exception):
+            self.llm.llm_engine.abort_request(request_ids)
+
+    def close(self) -> None:
+        if self.llm is not None:
+            with contextlib.suppress(Exception):
+                self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+            gc.collect()

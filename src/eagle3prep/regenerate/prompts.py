@@ -1,0 +1,61 @@
+"""Prompts as token ids, made the way the tokenize stage makes rows: the target's chat template rendered by
+transformers' apply_chat_template, encoded by the same Rust tokenizer with no special tokens added
+(tokenization.template). The engine is given these ids (vLLM's LLM.generate with token-id prompts), not
+messages: LLM.chat would render with vLLM's own chat handling (content-format detection, its tool-call
+preprocessing), which is not guaranteed to give the bytes tokenize renders. Replies come back as token ids and
+are decoded here with the same tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from eagle3prep.tokenization.template import get_chat_template, load_tokenizer, rust_backend
+
+
+class PromptRenderer:
+    """The target's tokenizer and chat template: messages -> (prompt text, prompt ids); reply ids -> text."""
+
+    def __init__(self, tokenizer, model_path: str | os.PathLike):
+        self.tokenizer = tokenizer
+        self.model_path = str(model_path)
+        self.template = get_chat_template(tokenizer, model_path)  # a TokenizeError naming the fix when missing
+        self.backend = rust_backend(tokenizer)
+
+    @classmethod
+    def load(cls, model_path: str | os.PathLike, trust_remote_code: bool = False) -> PromptRenderer:
+        return cls(load_tokenizer(model_path, trust_remote_code), model_path)
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None = None, generation: bool = False) -> str:
+        """The template's text of `messages` (with the generation prompt when `generation`), as tokenize renders."""
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> tuple[str, list[int]]:
+        """The generation prompt after `messages`: its text and its token ids."""
+        text = self.render(messages, tools, generation=True)
+        return text, self.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        """Reply ids as text: special tokens the model wrote stay in it, and no space is cleaned up, so that
+        rendering the text again gives the model's tokens back wherever the tokenizer allows it."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def stop_token_ids(self) -> list[int]:
+        """Tokens that end a reply: the tokenizer's eos and generation_config.json's eos_token_id (one or a list).
+        The engine gets them explicitly: it starts without a tokenizer (skip_tokenizer_init)."""
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        gen = Path(self.model_path) / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+            ids.update(int(i) for i in ([eos] if isinstance(eos, int) else eos or []))
+        return sorted(ids)

@@ -1,0 +1,231 @@
+"""The regenerate loop, independent of vLLM: conversations in, regenerated conversations or quarantine records
+out, in input order, through any engine with the `Engine` interface (engine.VLLMEngine; a fake in the tests).
+
+Requests stream into the engine: a conversation's next turn is added as soon as its previous reply finishes,
+so the engine's batch stays full across turns (continuous batching), and at most regenerate.max_in_flight
+conversations are admitted and not yet written, which bounds host memory whatever the shard's size. Results
+leave in input order, so a rerun writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from eagle3prep import faults
+from eagle3prep.prepare.normalize import conversation_id
+from eagle3prep.records import Conversation, Quarantined
+from eagle3prep.regenerate.counts import ShardTally
+from eagle3prep.regenerate.prompts import PromptRenderer
+from eagle3prep.regenerate.settings import Settings, conversation_seed
+from eagle3prep.regenerate.thinking import ThinkingPlan, is_empty, prompt_prefill, reply_message
+from eagle3prep.regenerate.turns import Rejection, TurnPlan, assemble, context_before, plan_turns
+
+# Conversations admitted (prompts rendered and added) per turn of the loop. Admitting a whole window before the
+# first step would leave the engine idle while thousands of prompts render; in chunks, the engine (its own
+# process) works on the first ones while the next render.
+ADMIT_PER_STEP = 256
+
+
+class RequestRejected(Exception):
+    """The engine refused one request when it was added; the message says why."""
+
+
+@dataclass(slots=True)
+class Finished:
+    """One request the engine finished: its generated ids (a stop token included) and why it ended."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str  # stop | length | abort | error
+    detail: str = ""
+
+
+class Engine(Protocol):
+    def add(self, request_id: str, prompt_ids: list[int], seed: int) -> None: ...  # RequestRejected on refusal
+
+    def step(self) -> list[Finished]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+
+@dataclass(slots=True)
+class _Conv:
+    """One conversation in flight: its plan, the replies so far, and its result once done."""
+
+    index: int
+    line: int
+    record: dict[str, Any]
+    plan: TurnPlan | None = None
+    seed: int = 0
+    replies: list[dict[str, Any]] = field(default_factory=list)
+    meta: list[dict[str, Any]] = field(default_factory=list)
+    prefill: str = ""
+    prompt_text: str = ""
+    prompt_ids: list[int] = field(default_factory=list)
+    result: Conversation | Quarantined | None = None
+
+
+class Runner:
+    """Regenerates one shard's conversations through `engine`; `run` yields the results in input order.
+
+    Args:
+        engine: the generation engine (started).
+        renderer: the target's tokenizer and chat template.
+        settings: regenerate.* (turns, sampling, thinking, policies, max_in_flight).
+        thinking: the resolved thinking plan.
+        stop_ids: tokens that end a reply; one at the end of a stopped reply is not part of its text.
+        max_model_len: prompt + reply tokens the engine takes per request.
+        source: the file quarantine records name (the prepared conversations).
+        tally: counts, updated as results leave.
+        shard: the shard's number (kill points, request ids).
+        tag: request-id prefix, unique per engine lifetime (one engine may serve several shards).
+    """
+
+    def __init__(self, engine: Engine, renderer: PromptRenderer, settings: Settings, thinking: ThinkingPlan,
+                 stop_ids: list[int], max_model_len: int, source: str, tally: ShardTally, shard: int = 0,
+                 tag: str = "r"):  # fmt: skip
+        self.engine, self.renderer, self.settings, self.thinking = engine, renderer, settings, thinking
+        self.stop_ids, self.max_model_len, self.source, self.tally = set(stop_ids), max_model_len, source, tally
+        self.shard, self.tag = shard, f"{tag}{shard}"
+        self.active: dict[str, _Conv] = {}  # request id -> conversation waiting for that reply
+        self.steps = 0
+        self.step_s = 0.0  # time spent in engine.step(): the rest of the loop is this process's own work
+
+    def run(self, lines: Iterable[tuple[int, dict[str, Any]]]) -> Iterator[Conversation | Quarantined]:
+        """(line number in `source`, prepared conversation JSON) in, results out in the same order."""
+        pending = iter(enumerate(lines))
+        window: deque[_Conv] = deque()
+        exhausted = False
+        try:
+            while True:
+                room = min(self.settings.max_in_flight - len(window), ADMIT_PER_STEP)
+                for _ in range(0 if exhausted else max(room, 0)):
+                    item = next(pending, None)
+                    if item is None:
+                        exhausted = True
+                        break
+                    index, (line, record) = item
+                    conv = _Conv(index, line, record)
+                    window.append(conv)
+                    self._admit(conv)
+                while window and window[0].result is not None:
+                    yield self._leave(window.popleft())
+                if not window:
+                    if exhausted:
+                        return
+                    continue  # every admitted conversation has left: admit more
+                # The head waits for a reply, so the engine holds a request of it.
+                if not self.engine.has_unfinished():
+                    raise RuntimeError(f"regenerate: the engine holds no request for conversation {window[0].index}")
+                self._step()
+        finally:
+            if self.active:  # interrupted: the engine must not keep working on this shard's requests
+                self.engine.abort(list(self.active))
+
+    def _leave(self, conv: _Conv) -> Conversation | Quarantined:
+        self.tally.rows_in += 1
+        if isinstance(conv.result, Quarantined):
+            self.tally.quarantined[conv.result.reason] += 1
+        else:
+            self.tally.kept += 1
+        return conv.result
+
+    def _admit(self, conv: _Conv) -> None:
+        plan = plan_turns(conv.record["messages"], self.settings.turns)
+        if isinstance(plan, Rejection):
+            self._quarantine(conv, plan.reason, plan.detail)
+            return
+        conv.plan = plan
+        conv.seed = conversation_seed(self.settings.sampling.seed, conv.record["id"])
+        self._submit(conv)
+
+    def _submit(self, conv: _Conv) -> None:
+        """Add the request for the conversation's next reply (or quarantine it when it cannot be made)."""
+        turn = len(conv.replies)
+        messages = context_before(conv.plan, conv.replies)
+        text, ids = self.renderer.prompt(messages, conv.record.get("tools"))
+        if len(ids) >= self.max_model_len:
+            self._quarantine(
+                conv, "prompt_too_long",
+                f"reply {turn}: the prompt has {len(ids)} tokens, max_model_len is {self.max_model_len}",
+            )  # fmt: skip
+            return
+        conv.prefill, conv.prompt_text, conv.prompt_ids = prompt_prefill(text, self.thinking.markers), text, ids
+        request_id = f"{self.tag}-{conv.index}-{turn}"
+        try:
+            self.engine.add(request_id, ids, conv.seed)
+        except RequestRejected as e:
+            self.tally.replies["rejected"] += 1
+            self._quarantine(conv, "engine_error", f"reply {turn}: the engine refused the request: {e}")
+            return
+        self.tally.replies["requests"] += 1
+        self.tally.replies["prompt_tokens"] += len(ids)
+        self.active[request_id] = conv
+
+    def _step(self) -> None:
+        self.steps += 1
+        faults.kill_point("regenerate.step", shard=self.shard, step=self.steps)
+        t0 = time.perf_counter()
+        finished = self.engine.step()
+        self.step_s += time.perf_counter() - t0
+        for done in finished:
+            conv = self.active.pop(done.request_id, None)
+            if conv is not None:
+                self._finished(conv, done)
+
+    def _finished(self, conv: _Conv, done: Finished) -> None:
+        """Account for one reply and decide: next turn, done, or quarantined."""
+        replies, turn = self.tally.replies, len(conv.replies)
+        ids = list(done.token_ids)
+        replies["output_tokens"] += len(ids)
+        if done.finish_reason not in ("stop", "length"):
+            replies["error"] += 1
+            why = f": {done.detail}" if done.detail else ""
+            self._quarantine(conv, "engine_error", f"reply {turn}: finish_reason {done.finish_reason}{why}")
+            return
+        replies[done.finish_reason] += 1
+        if done.finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
+            ids = ids[:-1]  # the end-of-turn token: the template writes its own after the content
+        generated = self.renderer.decode(ids)
+        if self.renderer.encode(conv.prompt_text + generated) != conv.prompt_ids + ids:
+            replies["retokenized_differently"] += 1
+        message, split = reply_message(generated, conv.prefill, self.thinking)
+        replies["with_thinking"] += split.thinking is not None
+        replies["unterminated_thinking"] += split.thinking is not None and not split.terminated
+        empty = is_empty(message)
+        replies["empty"] += empty
+        if done.finish_reason == "length" and self.settings.on_length == "quarantine":
+            limit = self.settings.sampling.max_tokens
+            self._quarantine(
+                conv, "cut_by_max_tokens", f"reply {turn} reached max_tokens = {limit} (or max_model_len)"
+            )
+            return
+        if empty and self.settings.on_empty == "quarantine":
+            self._quarantine(conv, "empty_reply", f"reply {turn} is empty ({len(ids)} tokens before the stop token)")
+            return
+        conv.replies.append(message)
+        conv.meta.append({"finish_reason": done.finish_reason, "tokens": len(done.token_ids)})
+        if len(conv.replies) < len(conv.plan.steps):
+            self._submit(conv)
+        else:
+            self._complete(conv)
+
+    def _complete(self, conv: _Conv) -> None:
+        messages = assemble(conv.plan, conv.replies)
+        tools = conv.record.get("tools")
+        conv.result = Conversation(
+            conversation_id(messages, tools),  # the content hash of what tokenize will render
+            messages,
+            conv.record["source"],
+            tools,
+            regenerated={"from": conv.record["id"], "seed": conv.seed, "replies": conv.meta},
+        )
+
+    def _quarantine(self, conv: _Conv, reason: str, detail: str) -> None:
+        conv.result = Quarantined(self.source, conv.line, reason, detail, conv.record)

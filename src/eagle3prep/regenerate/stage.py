@@ -1,0 +1,206 @@
+"""The regenerate job: one prompt shard in, one shard folder out (results/regenerate/shard_{k}/):
+
+    conversations.jsonl  the regenerated conversations (Conversation JSON, `regenerated` set), in input order
+    quarantine.jsonl     the conversations that could not be regenerated, each with its reason (counts.REASONS)
+    counts.json          rows in = kept + quarantined (checked), replies by how they ended
+    timings.json         engine start, generation time, tokens/s (wall-clock facts, not in the manifest)
+    manifest.json        written last, atomically: model, tokenizer and template hashes, engine, sampling and
+                         seed rule, turn mode, thinking plan, counts, sha256 of every file
+
+A folder without manifest.json is not finished: Snakemake's incomplete marker redoes it, from its start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from eagle3prep import faults
+from eagle3prep.atomic import atomic_open, remove_stale_temps, sha256_file, write_json
+from eagle3prep.errors import UserError
+from eagle3prep.gpus import claim_job_gpus
+from eagle3prep.model_facts import ModelFacts
+from eagle3prep.prepare.stage import quarantine_line
+from eagle3prep.provenance import code_version, model_identity, tokenizer_identity
+from eagle3prep.records import Quarantined
+from eagle3prep.regenerate.counts import ShardTally, shard_counts, summarize
+from eagle3prep.regenerate.prompts import PromptRenderer
+from eagle3prep.regenerate.runner import Engine, Runner
+from eagle3prep.regenerate.settings import Settings
+from eagle3prep.regenerate.split import shard_entry
+from eagle3prep.regenerate.thinking import resolve
+
+CONVERSATIONS, QUARANTINE, COUNTS = "conversations.jsonl", "quarantine.jsonl", "counts.json"
+TIMINGS, MANIFEST = "timings.json", "manifest.json"
+
+
+class RegenerateError(UserError, ValueError):
+    """A setting the model cannot honour (max_model_len); the message names the key and the fix."""
+
+
+def model_len(settings: Settings, model_path: str | os.PathLike, max_seq_len: int | None = None) -> int:
+    """Tokens per request (prompt + reply): regenerate.max_model_len, else tokenize.max_seq_len (tokenize cuts a
+    row there, so a token generated past it would be thrown away), capped by the model's context."""
+    limit = ModelFacts.read(model_path).max_positions
+    wanted = settings.max_model_len or max_seq_len
+    if wanted is None:
+        if limit is None:
+            raise RegenerateError(
+                f"{model_path}/config.json gives no context length (max_position_embeddings); set regenerate.max_model_len"
+            )
+        return limit
+    if limit is not None and wanted > limit:
+        if settings.max_model_len is None:
+            return limit
+        raise RegenerateError(
+            f"regenerate.max_model_len = {wanted} is above the model's context of {limit} tokens; "
+            f"set it to {limit} or less"
+        )
+    return wanted
+
+
+def run_regenerate_job(
+    prompts_shard: str,
+    out_dir: str,
+    *,
+    model_path: str,
+    options: dict[str, Any],
+    trust_remote_code: bool,
+    shard: int,
+    max_seq_len: int | None = None,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """The regenerate rule's job: claim GPUs, start vLLM, regenerate one shard; return its manifest.
+    `max_seq_len` (tokenize.max_seq_len) is the default of regenerate.max_model_len."""
+    from eagle3prep.regenerate.engine import VLLMEngine
+
+    if threads:  # the job's Snakemake threads (torch intra-op threads on a CPU engine)
+        import torch
+
+        torch.set_num_threads(threads)
+    settings = Settings.from_config(options)
+    renderer = PromptRenderer.load(model_path, trust_remote_code)
+    max_model_len = model_len(settings, model_path, max_seq_len)
+    version = code_version()  # the code this shard starts with, before the engine's start-up
+    t0 = time.time()
+    with (
+        claim_job_gpus(int(options.get("tp_size", 1))),  # before vLLM reads CUDA_VISIBLE_DEVICES
+        VLLMEngine(
+            model_path, options, settings.sampling, renderer.stop_token_ids(), max_model_len, trust_remote_code
+        ) as engine,
+    ):
+        info = engine.start()
+        return regenerate_shard(
+            prompts_shard, out_dir, engine, renderer, settings,
+            max_model_len=max_model_len, engine_info=info, model_path=model_path,
+            trust_remote_code=trust_remote_code, shard=shard, code=version,
+            started={"t0": t0, **engine.volatile},
+        )  # fmt: skip
+
+
+def read_shard(path: str | os.PathLike, first_line: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number in the prepared file, conversation JSON) of each line of a prompt shard."""
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            yield first_line + i, json.loads(line)
+
+
+def regenerate_shard(
+    prompts_shard: str,
+    out_dir: str,
+    engine: Engine,
+    renderer: PromptRenderer,
+    settings: Settings,
+    *,
+    max_model_len: int,
+    engine_info: dict[str, Any],
+    model_path: str,
+    trust_remote_code: bool,
+    shard: int,
+    code: str | None = None,
+    started: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Regenerate one prompt shard through a started `engine` into `out_dir`; return the manifest."""
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out)
+    (out / MANIFEST).unlink(missing_ok=True)  # a stale manifest must never describe new files
+    entry = shard_entry(prompts_shard)
+    thinking = resolve(settings.thinking, settings.thinking_markers, renderer.render)
+    stop_ids = renderer.stop_token_ids()
+    print(
+        f"[regenerate] shard {shard}: {entry['rows']} conversations (lines {entry['first_line']}.. of "
+        f"{entry['source']}), turns {settings.turns}, sampling {settings.sampling.to_json()}, thinking {thinking.mode} "
+        f"({thinking.form}: {thinking.why}), max_model_len {max_model_len}",
+        file=sys.stderr,
+    )
+    tally = ShardTally(str(prompts_shard))
+    written = {"conversations": 0, "quarantine": 0}
+    t_start = time.time()
+    runner = Runner(engine, renderer, settings, thinking, stop_ids, max_model_len, entry["source"], tally, shard)
+    bar = tqdm(total=entry["rows"], unit="conv", file=sys.stderr, mininterval=1.0, desc=f"shard {shard}")
+    with (
+        atomic_open(out / CONVERSATIONS, "w", encoding="utf-8") as conv_f,
+        atomic_open(out / QUARANTINE, "w", encoding="utf-8") as quar_f,
+    ):
+        for result in runner.run(read_shard(prompts_shard, entry["first_line"])):
+            if isinstance(result, Quarantined):
+                quar_f.write(quarantine_line(result))
+                written["quarantine"] += 1
+            else:
+                conv_f.write(json.dumps(result.to_json(), ensure_ascii=False, separators=(",", ":")) + "\n")
+                written["conversations"] += 1
+            bar.update(1)
+        bar.close()
+    elapsed = time.time() - t_start
+    counts = shard_counts(tally, written)
+    write_json(out / COUNTS, counts)
+    replies = counts["totals"]["replies"]
+    write_json(
+        out / TIMINGS,
+        {
+            "engine_start_s": (started or {}).get("engine_start_s"),
+            "job_start_to_generate_s": round(t_start - started["t0"], 3) if started and "t0" in started else None,
+            "generate_s": round(elapsed, 3),
+            "output_tokens_per_s": round(replies["output_tokens"] / elapsed, 1) if elapsed > 0 else None,
+            "conversations_per_s": round(tally.rows_in / elapsed, 2) if elapsed > 0 else None,
+            "engine_steps": runner.steps,
+            "engine_step_s": round(runner.step_s, 3),  # in engine.step(); the rest: prompts, replies, files
+            "gpu_ids": (started or {}).get("gpu_ids"),
+        },
+    )
+    print(summarize(counts), file=sys.stderr)
+    faults.kill_point("regenerate.before_manifest", shard=shard)
+    manifest = {
+        "stage": "regenerate",
+        "shard": shard,
+        "prompts": {
+            "path": str(prompts_shard),
+            "sha256": sha256_file(prompts_shard),
+            "first_line": entry["first_line"],
+            "rows": entry["rows"],
+            "source": entry["source"],
+        },
+        "files": {
+            name: {"sha256": sha256_file(out / name), "bytes": (out / name).stat().st_size}
+            for name in (CONVERSATIONS, QUARANTINE, COUNTS)
+        },
+        "counts": counts["totals"],
+        "model": model_identity(model_path, trust_remote_code),
+        "tokenizer": tokenizer_identity(model_path),  # tokenizer.json and chat-template hashes
+        "engine": engine_info,
+        "sampling": {**settings.sampling.to_json(), "stop_token_ids": stop_ids, "max_model_len": max_model_len},
+        "policy": settings.policy_json(),
+        "thinking": thinking.to_json(),
+        "code_version": code or code_version(),
+    }
+    write_json(out / MANIFEST, manifest)
+    print(f"[regenerate] shard {shard}: done in {elapsed:.1f} s", file=sys.stderr)
+    return manifest
