@@ -67,6 +67,12 @@ def test_plan_run_reads_layers_and_hidden_size_from_the_model(tmp_path, demo_mod
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert (plan["num_layers"], plan["hidden_size"], plan["dtype"]) == (4, 128, "bfloat16")  # [2, 4, 5, 8]
     assert (tmp_path / "plan.txt").read_text() == text and "3,000 tokens" in text
+    # extract.storage fp8_e4m3 (what scripts/plan.py passes from the rule's params): about half the bytes.
+    config["extract"]["storage"] = "fp8_e4m3"
+    text = plan_run(config, stats, tmp_path / "hs", tmp_path / "fp8.json", tmp_path / "fp8.txt")
+    fp8 = json.loads((tmp_path / "fp8.json").read_text())
+    assert fp8["storage"] == "fp8_e4m3" and "FP8 e4m3 with a float32 scale per layer" in text
+    assert 0.5 < fp8["bytes_total"] / plan["bytes_total"] < 0.56  # (128 + 4) / 256 per value, fixed costs aside
 
 
 def test_a_throughput_of_zero_is_a_config_error():
