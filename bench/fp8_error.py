@@ -13,8 +13,10 @@ transformers (reference.Reference). Per layer id, over every token (per-token re
   fp8 vs bf16         FP8 storage alone: our layer files (one scale per token and layer)
   fp8 vs fp32         both together: what validate judges
   joint vs bf16       speculators' own connector: one scale per token over all layers ([T, L, H])
-  export vs bf16      what speculators reads from our FP8 export: the shard requantized jointly, then
-                      dequantized their way (fp8.to(bf16) * scale.to(bf16))
+  export vs bf16      the FP8 shard requantized jointly ([T, 1, 1] scales, their connector's layout),
+                      dequantized their way (fp8.to(bf16) * scale.to(bf16)): what an export in that
+                      layout would cost. Our export keeps the shards' per-layer scales ([T, L, 1]), so
+                      what speculators reads from it is "fp8 vs bf16" plus bf16 rounding.
 
 The "grown" lines repeat joint and per-layer storage after scaling the layer slots by 1, 4, 16, 64
 (synthetic: a residual stream that grows with depth, as trained models' do); the tiny random models

@@ -7,15 +7,15 @@
    on the demo conversations in OUT/wd. With --workdir: a finished workflow run (validated shards) and
    --model, its target folder.
 2. Both exports of its shards (eagle3prep.export): OUT/exports/copy (hs files) and OUT/exports/direct
-   (the arrow part only). FP8 shards (--storage fp8_e4m3): the copy trained on is OUT/exports/fp8_bytes,
-   the shards' own FP8 bytes (fp8_bytes_copy says why).
+   (the arrow part only). FP8 shards (--storage fp8_e4m3): the copy holds the shards' own FP8 bytes and
+   per-layer scales, read by speculators' `fp8` backend.
 3. speculators' own trainer, `eagle3prep-train` (python -m eagle3prep.train; torchrun with --nproc > 1),
    eagle3, --steps optimizer steps (the epochs that hold them, counted with speculators' own batch
    sampler), the same seed: from the copy with `--hidden-states-backend file` (a copy of FP8 shards:
    `fp8`) and from the direct export with `--hidden-states-backend eagle3prep`, each with
    --deterministic. Metrics per step: OUT/<way>.jsonl.
-4. The last checkpoint of the direct run in vLLM (--vllm-python, e.g. after the payload recipe of
-   ../shared/gpu/README.md): greedy generation on prompts of the data with the draft
+4. The last checkpoint of the direct run in vLLM (--vllm-python: a Python with vLLM, e.g. the one the GPU
+   runs of docs/gpu-validation.md set up): greedy generation on prompts of the data with the draft
    (speculative_config eagle3) and without; spec-decode counters and how many outputs agree.
 OUT/summary.json holds it all. `--stage data|train|vllm` runs one step per call (same OUT, the
 same warm machine) when the whole outlasts a device call: the data takes minutes, the training
@@ -36,7 +36,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -88,43 +87,6 @@ def make_exports(workdir: Path, out: Path) -> dict[str, Path]:
         for mode in WAYS:
             export_speculators(**inputs, out_dir=str(out / mode), hidden_states=mode)
     return {mode: out / mode for mode in WAYS}
-
-
-def fp8_bytes_copy(export: Path, out: Path) -> Path:
-    """The copy export of FP8 shards with hs files that hold the shards' own FP8 bytes and scales, stacked
-    ([T, L, H] float8_e4m3fn, hidden_states_scales [T, L, 1]), which speculators' `fp8` backend reads by
-    broadcasting. The export itself requantizes with one scale per token over all layers (a second
-    rounding), so training from it cannot equal the direct way; from this copy it must."""
-    import hashlib
-
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import save
-
-    manifest = json.loads((export / "manifest.json").read_text())
-    shutil.copytree(export, out, ignore=shutil.ignore_patterns("hidden_states"))
-    (out / "hidden_states").mkdir()
-    for src in manifest["sources"]:
-        shard = Path(src["shard_dir"])  # absolute: make_exports names them so
-        layers = [safe_open(shard / f"layer_{i}.safetensors", "pt") for i in manifest["layer_ids"]]
-        tokens = safe_open(shard / "token_ids.safetensors", "pt").get_slice("token_ids")
-        for e in json.loads((shard / "index.json").read_text()):
-            a, b = e["offset"], e["offset"] + e["length"]
-            blob = save(
-                {
-                    "token_ids": tokens[a:b],
-                    "hidden_states": torch.stack([f.get_slice("hidden_states")[a:b] for f in layers], dim=1),
-                    "hidden_states_scales": torch.stack(
-                        [f.get_slice("hidden_states_scales")[a:b] for f in layers], dim=1
-                    ),
-                }
-            )
-            name = f"hidden_states/hs_{e['row']}.safetensors"
-            (out / name).write_bytes(blob)
-            manifest["files"][name] = {"sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
-    manifest["storage"]["scales"]["shape"] = "[T, L, 1]"  # the files now hold the shards' per-layer scales
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    return out
 
 
 def epochs_for(export: Path, steps: int, seq_len: int, ratio: float, nproc: int, seed: int) -> int:
@@ -350,8 +312,6 @@ def main(argv: list[str] | None = None) -> int:
     summary_path = opts.out / "summary.json"
     if "train" in stages:
         exports = make_exports(workdir, opts.out / "exports")
-        if "storage" in json.loads((exports["copy"] / "manifest.json").read_text()):  # FP8 shards
-            exports["copy"] = fp8_bytes_copy(exports["copy"], opts.out / "exports/fp8_bytes")
         runner = cpu_runner() if opts.cpu else subprocess_runner(opts.nproc, timeout=6 * 3600)
         summary = {"workdir": str(workdir), "model": str(model)}
         summary.update(train_both(model, exports, opts.out, opts.steps, opts, runner))

@@ -11,10 +11,11 @@ results/export/speculators/
 
 FP8 shards (extract.storage fp8_e4m3) export in speculators' FP8 format (hs_connectors.fp8_utils, read by
 `speculators train --hidden-states-backend fp8`): hidden_states [T, L, H] float8_e4m3fn and
-hidden_states_scales [T, 1, 1] float32, one scale per token over all L layers, as their
-FP8HiddenStatesConnector writes. Our layer files each carry their own per-token scales, so every row is
-dequantized and quantized again with their math: a second rounding on the layers whose scale changes
-(mean per-token error 0.026 -> 0.037 on the tiny models, docs/runs/fp8/).
+hidden_states_scales float32. Their own connector writes one scale per token over all layers, [T, 1, 1];
+ours are the shards' own bytes and per-layer scales, [T, L, 1], which their backend's dequantization
+(values * scales) broadcasts the same way. Requantizing to [T, 1, 1] would round a second time (mean
+per-token error 0.026 -> 0.037 on the tiny models, docs/runs/fp8/), and training from the copy would no
+longer equal training from the shards directly (tests/test_train.py).
 
 speculators' ArrowDataset reads arrow row i together with hs_{i}.safetensors and uses
 hidden_states[:, :-1] as the EAGLE-3 input and hidden_states[:, -1] as the verifier's last state
@@ -41,7 +42,7 @@ from .errors import UserError
 from .layers import CONVENTION
 from .provenance import code_version
 from .shard.format import FP8_E4M3, MANIFEST, TOKEN_IDS, LayerReader, layer_file
-from .shard.fp8 import SCALES_KEY, quantize_fp8
+from .shard.fp8 import SCALES_KEY
 from .shard.shardset import Shard, ShardSet, ShardSetError
 
 FORMAT = "eagle3prep.speculators_export/1"
@@ -97,8 +98,9 @@ def _write_hidden_states(out: Path, shard: Shard, layer_ids: list[int], files: d
             token_ids = token_slice[a:b]  # [T] int64
             if token_ids.tolist() != rec["input_ids"]:
                 raise ExportError(f"{shard_dir}: stored token ids of row {e.row} differ from {tokenized}")
-            if fp8:  # [T, L, H] float32, requantized with one scale per token: speculators' FP8 layout
-                values, scales = quantize_fp8(torch.stack([r.rows(a, b, torch.float32) for r in readers], dim=1))
+            if fp8:  # the shards' FP8 bytes [T, L, H] and their per-layer scales [T, L, 1], not rounded again
+                values = torch.stack([r.values[a:b] for r in readers], dim=1)
+                scales = torch.stack([r.scales[a:b] for r in readers], dim=1)
                 blob = save({"token_ids": token_ids, "hidden_states": values, SCALES_KEY: scales})
             else:
                 hidden = torch.stack([r.rows(a, b) for r in readers], dim=1)  # [T, L, H], ascending layer ids
@@ -158,7 +160,7 @@ def _storage_fields(first) -> dict[str, Any]:
     if first.storage_name != FP8_E4M3:
         return {}
     return {
-        "storage": {"name": FP8_E4M3, "dtype": "float8_e4m3fn", "scales": {"key": SCALES_KEY, "shape": "[T, 1, 1]"}},
+        "storage": {"name": FP8_E4M3, "dtype": "float8_e4m3fn", "scales": {"key": SCALES_KEY, "shape": "[T, L, 1]"}},
         "hidden_states_backend": "fp8",  # speculators train --hidden-states-backend fp8
     }
 
