@@ -3,8 +3,8 @@
 quantize_fp8 is hs_connectors.fp8_utils.quantize_tensor_to_fp8 (speculators 0.9), re-stated so the
 capture needs no speculators install (tests/test_fp8.py checks the two agree bit for bit):
 scale = max(amax / 448, 1e-12) over every non-token dimension; fp8 = (x / scale) cast to e4m3fn.
-A shard's layer file quantizes each layer on its own (a [T, H] tensor: scale [T, 1]); the
-speculators export requantizes the [T, L, H] stack, as their connector does (scale [T, 1, 1]).
+A shard's layer file quantizes each layer on its own (a [T, H] tensor: scale [T, 1]); the speculators
+export stacks those bytes and scales ([T, L, H], [T, L, 1]) without rounding them again.
 """
 
 from __future__ import annotations
