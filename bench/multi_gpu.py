@@ -522,17 +522,25 @@ class Run:
         if rc:
             raise SystemExit(f"{self.name}: tokenize failed (rc {rc}):\n{log_tail(self.wd, 'snakemake_tokenize.log')}")
 
-    def check_space(self, shards: list[int] | None = None) -> None:
-        """Stop before any engine starts when the shards cannot all fit where results/ is: the jobs each
-        check their own shard, but jobs that start together all see the same free space."""
+    def stats(self) -> dict:
+        return json.loads((self.wd / "results/tokenized/stats.json").read_text())
+
+    def layer_bytes(self) -> dict[int, int]:
+        """Bytes of each shard's layer files: tokens x captured layers x hidden x 2 (bf16)."""
         from eagle3prep.layers import default_layer_ids
         from eagle3prep.model_facts import ModelFacts
 
-        stats = json.loads((self.wd / "results/tokenized/stats.json").read_text())
-        picked = set(self.shards if shards is None else shards)
-        tokens = sum(s["tokens"] for s in stats["shards"] if s["shard"] in picked)
+        stats = self.stats()
         facts = ModelFacts.read(stats["model_path"])
-        needed = tokens * len(default_layer_ids(facts.num_hidden_layers)) * facts.hidden_size * 2
+        per_token = len(default_layer_ids(facts.num_hidden_layers)) * facts.hidden_size * 2
+        return {s["shard"]: s["tokens"] * per_token for s in stats["shards"]}
+
+    def check_space(self, shards: list[int] | None = None) -> None:
+        """Stop before any engine starts when the shards cannot all fit where results/ is: the jobs each
+        check their own shard, but jobs that start together all see the same free space."""
+        picked = set(self.shards if shards is None else shards)
+        needed = sum(b for k, b in self.layer_bytes().items() if k in picked)
+        tokens = sum(s["tokens"] for s in self.stats()["shards"] if s["shard"] in picked)
         free = shutil.disk_usage(self.wd / "results").free
         if needed > 0.95 * free:
             raise SystemExit(
@@ -901,6 +909,22 @@ def alive(rows: list[dict]) -> list[dict]:
     return out
 
 
+def unfinished_bytes(shard_dir: Path) -> int:
+    """Bytes on disk in a shard's unfinished layer files (allocated blocks: the writer fills them by
+    offset, so the size alone can run ahead of the data)."""
+    total = 0
+    for f in shard_dir.glob(".tmp-layer_*"):
+        with contextlib.suppress(FileNotFoundError):  # renamed to its final name meanwhile
+            total += f.stat().st_blocks * 512
+    return total
+
+
+def shm_segments() -> set[str]:
+    """Shared-memory segments in /dev/shm (Python's psm_*, which vLLM's message queues use)."""
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("psm_*")} if shm.is_dir() else set()
+
+
 def compute_apps() -> list[dict] | None:
     """Processes holding GPU memory (nvidia-smi --query-compute-apps); None without nvidia-smi."""
     smi = shutil.which("nvidia-smi")
@@ -932,10 +956,12 @@ def scenario_kill(args, lines: list[str]) -> None:
     run.prepare(model, sources)
     run.tokenize()
     env, targets = run.env(), run.validation_targets()
+    shm_before = shm_segments()
     proc = start_snakemake(run.wd, targets, g, env, "snakemake_killed.log")
     result: dict[str, Any] = {"run": run.name, "scenario": "kill", "gpus_resource": g, "tp_size": args.tp}
     victim = None
     deadline = time.time() + args.kill_timeout
+    expected = run.layer_bytes()
     while proc.poll() is None and time.time() < deadline:
         done = [k for k in run.shards if (run.wd / f"results/hidden_states/shard_{k}/manifest.json").exists()]
         if len(done) >= args.finished_first:
@@ -943,18 +969,23 @@ def scenario_kill(args, lines: list[str]) -> None:
                 log = run.wd / f"logs/extract/shard_{k}.log"
                 if k in done or not log.exists():
                     continue
-                pct = tqdm_percent(log.read_text(errors="replace"))
-                if pct is not None and args.kill_at * 100 <= pct < 100:
-                    victim = (k, pct)
+                # How far the shard is: its progress bar (rows handed to the engine; printed at most once a
+                # second) or the bytes its unfinished layer files hold on disk, whichever is further.
+                pct = tqdm_percent(log.read_text(errors="replace")) or 0
+                held = unfinished_bytes(run.wd / f"results/hidden_states/shard_{k}")
+                full = expected.get(k) or 0
+                part = max(pct / 100, held / full if full else 0.0)
+                if part >= args.kill_at and held < 0.98 * full:  # past kill_at, its layer data not all written
+                    victim = (k, round(100 * part))
                     break
         if victim:
             break
-        time.sleep(0.2)
+        time.sleep(0.1)
     if victim is None:
         proc.kill()
         finish(proc)
         raise SystemExit(
-            f"kill: no extract job was seen between {args.kill_at:.0%} and 100 % with {args.finished_first} shard(s) "
+            f"kill: no extract job was seen between {args.kill_at:.0%} and 100% with {args.finished_first} shard(s) "
             f"finished before it (rc {proc.returncode}); use larger shards (--tokens-per-shard) or --finished-first 0\n"
             + log_tail(run.wd, "snakemake_killed.log")
         )
@@ -992,6 +1023,8 @@ def scenario_kill(args, lines: list[str]) -> None:
         survivors_after_grace=survivors,
         compute_apps_after_kill=apps,
         gpus_free_after_kill=None if apps is None else not apps,
+        # vLLM's message queues live in /dev/shm; a killed engine cannot unlink its own (reported, kept).
+        shm_segments_left=sorted(shm_segments() - shm_before),
         compute_apps_of_killed_tree=holding,
         grace_s=args.grace,
         seconds_to_checks=round(time.time() - t_kill, 1),
@@ -1049,7 +1082,8 @@ def scenario_kill(args, lines: list[str]) -> None:
             if apps is None
             else f"GPU compute apps on the host: {apps or 'none'} (of the killed tree by pid: {holding or 'none'})"
         )
-        + f"; GPU locks free: {result['gpu_locks_free_after_kill']}"
+        + f"; GPU locks free: {result['gpu_locks_free_after_kill']}; /dev/shm psm_* segments new since the run began "
+        f"(any process's): {result['shm_segments_left'] or 'none'}"
     )
     lines.append(f"- files left in the killed shard's folder: {result['killed_shard_files']}")
     lines.append(
