@@ -149,6 +149,7 @@ def engine_kwargs(args, model: Path) -> dict:
         max_model_len=args.max_len + 1,
         max_num_batched_tokens=args.batched_tokens,
         gpu_memory_utilization=args.gpu_mem,
+        tensor_parallel_size=getattr(args, "tp", 1),  # bench/multi_gpu.py moe-prefill runs (a) and (b) at TP 8
         seed=0,
     )
     return kw
@@ -221,7 +222,7 @@ def phase_b(args, model: Path, work: dict) -> dict:
         model_path=str(model),
         layer_ids=layer_ids(args.shape),
         dtype=args.dtype,
-        tp_size=1,
+        tp_size=getattr(args, "tp", 1),
         max_seq_len=args.max_len,
     )
     options = {

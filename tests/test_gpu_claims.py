@@ -87,3 +87,28 @@ def test_two_gpu_jobs_at_once_claim_disjoint_gpus(job, shard, demo_model_dir, tm
     assert [p.returncode for p in procs] == [0, 0], errors
     seen = [json.loads(out.read_text())["visible"] for out in outs]
     assert sorted(seen) == ["0", "1"], (seen, errors)  # one GPU each, never the same one
+
+
+def test_timings_record_the_claimed_gpus_and_when(shard, demo_model_dir, tmp_path, monkeypatch):
+    """timings.json names the GPUs a job claimed and its wall-clock times, so a bench can check that jobs
+    running at once held different GPUs (bench/multi_gpu.py). The hf backend runs on the CPU here; the
+    spec asks for cuda so that the job claims one GPU of the fake 2-GPU host."""
+    import dataclasses
+
+    from eagle3prep import extract
+    from eagle3prep.backends import make_backend
+
+    tokens, _ = shard
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("EAGLE3PREP_NUM_GPUS", "2")
+    monkeypatch.setenv("EAGLE3PREP_GPU_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.setattr(
+        extract, "make_backend", lambda spec, opts: make_backend(dataclasses.replace(spec, device="cpu"), opts)
+    )
+    spec = dataclasses.replace(demo_spec(demo_model_dir), device="cuda")
+    extract.extract_shard(str(tokens), str(tmp_path / "shard_0"), spec, {}, batch_tokens=64, shard=0)
+    timings = json.loads((tmp_path / "shard_0" / "timings.json").read_text())
+    claim = timings["gpu_claim"]
+    assert claim["ids"] == [0] and claim["source"] == "locks" and claim["cuda_visible_devices"] == "0"
+    assert timings["started_at"] <= claim["claimed_at"] <= timings["capture_started_at"] <= timings["capture_ended_at"]
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ  # released with the claim

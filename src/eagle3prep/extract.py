@@ -143,9 +143,11 @@ def extract_shard(
     version = code_version()  # the code this shard starts with, before hours of capture
     t0 = time.time()
     faults.kill_point("extract.model_load", shard=shard)
+    claim_record = None
     with contextlib.ExitStack() as stack:
         if engine is None:
-            stack.enter_context(claim_job_gpus(spec.gpus()))  # before the engine reads CUDA_VISIBLE_DEVICES
+            claim = stack.enter_context(claim_job_gpus(spec.gpus()))  # before the engine reads CUDA_VISIBLE_DEVICES
+            claim_record = claim.record()
             spec.extra["output_dir"] = str(out)  # vLLM's built-in path stages per-request files here
             backend = stack.enter_context(make_backend(spec, options))
             info = backend.probe()
@@ -157,16 +159,17 @@ def extract_shard(
             file=sys.stderr,
         )
         check_free_space(out, needed)  # again: other jobs may have taken space meanwhile
-        job = _Job(out, spec, info, index, tokenized_shard, shard, version, t0, options)
+        job = _Job(out, spec, info, index, tokenized_shard, shard, version, t0, options, claim_record)
         return job.write(backend, batch_tokens)
 
 
 class _Job:
     """One shard's stream through a probed backend: token ids, layer files, index, manifest."""
 
-    def __init__(self, out, spec, info, index, tokenized_shard, shard, version, t0, options):  # noqa: PLR0913
+    def __init__(self, out, spec, info, index, tokenized_shard, shard, version, t0, options, claim=None):  # noqa: PLR0913
         self.out, self.spec, self.info, self.index, self.options = out, spec, info, index, options
         self.tokenized, self.shard, self.version, self.t0 = tokenized_shard, shard, version, t0
+        self.claim = claim  # GpuClaim.record() of this job's claim; None when the engine came from the caller
 
     def write(self, backend: CaptureBackend, batch_tokens: int) -> ShardManifest:
         from tqdm import tqdm
@@ -199,6 +202,11 @@ class _Job:
                         "engine_start_s": round(t_loaded - self.t0, 3),
                         "capture_s": round(elapsed, 3),
                         "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
+                        # Wall-clock (Unix) times: jobs that ran at once can be told apart by their overlap.
+                        "started_at": round(self.t0, 3),
+                        "capture_started_at": round(t_loaded, 3),
+                        "capture_ended_at": round(t_loaded + elapsed, 3),
+                        **({"gpu_claim": self.claim} if self.claim is not None else {}),
                         **self.info.volatile,
                         **({"writer": backend.capture_stats} if backend.capture_stats else {}),
                     },

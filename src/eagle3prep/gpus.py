@@ -58,6 +58,16 @@ class GpuClaim:
         self._fds = []
         self._env_before = {}
 
+    def record(self) -> dict:
+        """What timings.json keeps of this claim: the ids, how they were chosen, the CUDA_VISIBLE_DEVICES
+        the job ran with (host GPU indices, in nvidia-smi's order, when claimed by locks) and when."""
+        return {
+            "ids": list(self.ids),
+            "source": self.source,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES") if self.source != "none" else None,
+            "claimed_at": round(time.time(), 3),
+        }
+
     def __enter__(self) -> GpuClaim:
         return self
 
