@@ -550,7 +550,7 @@ def test_missing_moe_kernel_is_not_retried_on_the_other_path_and_says_what_to_do
         ENGINE_CORE_FAILED, WNA16_ON_CPU_OUTPUT, version="0.32.0", arch="DeepseekV3ForCausalLM", path="builtin"
     )
     assert err.any_path  # the driver raises it instead of starting the hooks path
-    assert "NotImplementedError: No WNA16 MoE backend supports the deployment configuration." in str(err)
+    assert "NotImplementedError: No WNA16 MoE backend supports the deployment configuration; " in str(err)
     assert "run extract on a GPU" in str(err) and "\n" not in str(err)
     other = engine_error(ENGINE_CORE_FAILED, QWEN2_MOE_BUILTIN_OUTPUT, version="0.32.0", arch="X", path="builtin")
     assert not other.any_path  # a path-specific failure: auto falls back to hooks
