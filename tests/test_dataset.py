@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_export import AUX, FINAL, REQUANT_MAX, H, all_rows, finished_results, layer_rows, rel_per_token
+from test_export import AUX, BF16_READ_MAX, FINAL, H, all_rows, finished_results, layer_rows, rel_per_token
 
 from eagle3prep.dataset import HiddenStatesDataset
 
@@ -108,7 +108,7 @@ def test_speculators_dataloader_gives_the_same_batches(results):
 
 def test_fp8_shards_read_dequantized_to_bf16(tmp_path_factory, demo_model_dir):
     """FP8 shards: items in bf16, the shard's values dequantized (shard.format.read_layer); close to what
-    speculators' fp8 backend reads from the FP8 export (which rounds a second time)."""
+    speculators' fp8 backend reads from the FP8 export (the same FP8 values, dequantized in bf16 there)."""
     data = pytest.importorskip("speculators.train.data", reason="speculators 0.9.0: make .venv/.installed")
     import argparse
 
@@ -128,5 +128,5 @@ def test_fp8_shards_read_dequantized_to_bf16(tmp_path_factory, demo_model_dir):
         assert torch.equal(item["verifier_last_hidden_states"], final[i])
         for k in ("input_ids", "loss_mask", "lengths", "position_ids"):
             assert torch.equal(item[k], want[k]), k
-        assert rel_per_token(item["verifier_last_hidden_states"], want["verifier_last_hidden_states"]) < REQUANT_MAX
-        assert rel_per_token(item["hidden_states"][:, :H], want["hidden_states"][:, :H]) < REQUANT_MAX
+        assert rel_per_token(item["verifier_last_hidden_states"], want["verifier_last_hidden_states"]) < BF16_READ_MAX
+        assert rel_per_token(item["hidden_states"][:, :H], want["hidden_states"][:, :H]) < BF16_READ_MAX
