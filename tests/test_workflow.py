@@ -7,7 +7,16 @@ import signal
 
 import pytest
 import yaml
-from workflow_helpers import REPO, SMALL_CONFIG, SNAKEMAKE, make_workdir, snakemake, stat_files, tree_digest
+from workflow_helpers import (
+    REPO,
+    SMALL_CONFIG,
+    SMALL_CONFIG_JOBS,
+    SNAKEMAKE,
+    make_workdir,
+    snakemake,
+    stat_files,
+    tree_digest,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -22,16 +31,7 @@ def test_dry_run_lists_every_job_before_anything_runs(tmp_path):
     wd = make_workdir(tmp_path)
     out = snakemake(wd, "-n").stdout
     counts = dict(re.findall(r"^(\w+)\s+(\d+)$", out, re.M))
-    assert counts == {
-        "build_demo_model": "1",
-        "prepare": "1",
-        "tokenize": "1",
-        "extract_hidden_states": "3",
-        "validate_shard": "3",
-        "report": "1",
-        "all": "1",
-        "total": "11",
-    }
+    assert counts == SMALL_CONFIG_JOBS
     for k in range(3):
         assert f"results/hidden_states/shard_{k}" in out
     assert not (wd / "results").exists()

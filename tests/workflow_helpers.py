@@ -77,3 +77,16 @@ def stat_files(root: Path) -> dict[str, tuple[int, str]]:
         for p in sorted(root.rglob("*"))
         if p.is_file()
     }
+
+
+# What `snakemake -n` lists for the small config (test_workflow.py; test_regenerate_workflow.py: with the stage off).
+SMALL_CONFIG_JOBS = {
+    "build_demo_model": "1",
+    "prepare": "1",
+    "tokenize": "1",
+    "extract_hidden_states": "3",
+    "validate_shard": "3",
+    "report": "1",
+    "all": "1",
+    "total": "11",
+}
