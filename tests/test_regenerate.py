@@ -133,6 +133,22 @@ def _render_with(template: str):
     return lambda messages: env.from_string(template).render(messages=messages, add_generation_prompt=False)
 
 
+def test_batched_reply_texts_are_transformers_decode_and_encode_of_each(renderer):
+    """The runner decodes and re-encodes a step's replies in one batch; each text and each id list must be what
+    transformers' decode (special tokens kept, no clean-up) and the per-text encode give, special tokens,
+    ids that split a multi-byte character, and empty replies included."""
+    import random
+
+    tok = renderer.tokenizer
+    rnd = random.Random(0)
+    batch = [[rnd.randrange(len(tok)) for _ in range(rnd.randint(1, 60))] for _ in range(40)]
+    batch += [[], [tok.eos_token_id], renderer.encode("naïve café — ünïcödé"), renderer.encode("ü")[:1]]
+    texts = renderer.decode_batch(batch)
+    assert texts == [tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) for ids in batch]
+    assert renderer.encode_batch(texts) == [renderer.encode(t) for t in texts]
+    assert renderer.decode_batch([]) == [] and renderer.encode_batch([]) == []
+
+
 @pytest.mark.parametrize(
     ("config", "template", "mode", "form"),
     [

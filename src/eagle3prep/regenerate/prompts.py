@@ -43,10 +43,16 @@ class PromptRenderer:
         text = self.render(messages, tools, generation=True)
         return text, self.encode(text)
 
-    def decode(self, ids: list[int]) -> str:
-        """Reply ids as text: special tokens the model wrote stay in it, and no space is cleaned up, so that
-        rendering the text again gives the model's tokens back wherever the tokenizer allows it."""
-        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    def decode_batch(self, batch: list[list[int]]) -> list[str]:
+        """Replies' ids as text, in one call of the Rust tokenizer (its threads). Special tokens the model wrote
+        stay in the text and no space is cleaned up (transformers' decode with skip_special_tokens=False,
+        clean_up_tokenization_spaces=False), so that rendering the text again gives the model's tokens back
+        wherever the tokenizer allows it."""
+        return self.backend.decode_batch(batch, skip_special_tokens=False) if batch else []
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of many texts in one call of the Rust tokenizer (its threads)."""
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)] if texts else []
 
     def stop_token_ids(self) -> list[int]:
         """Tokens that end a reply: the tokenizer's eos and generation_config.json's eos_token_id (one or a list).

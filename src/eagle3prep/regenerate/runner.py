@@ -55,6 +55,15 @@ class Engine(Protocol):
 
 
 @dataclass(slots=True)
+class _Reply:
+    """A finished reply as text: its ids without the stop token, their text, and whether they re-encode alike."""
+
+    ids: list[int]
+    text: str
+    same_ids: bool
+
+
+@dataclass(slots=True)
 class _Conv:
     """One conversation in flight: its plan, the replies so far, and its result once done."""
 
@@ -174,26 +183,40 @@ class Runner:
         t0 = time.perf_counter()
         finished = self.engine.step()
         self.step_s += time.perf_counter() - t0
-        for done in finished:
-            conv = self.active.pop(done.request_id, None)
-            if conv is not None:
-                self._finished(conv, done)
+        arrived = [(conv, done) for done in finished if (conv := self.active.pop(done.request_id, None)) is not None]
+        for (conv, done), reply in zip(arrived, self._texts(arrived), strict=True):
+            self._finished(conv, done, reply)
 
-    def _finished(self, conv: _Conv, done: Finished) -> None:
+    def _texts(self, arrived: list[tuple[_Conv, Finished]]) -> list[_Reply | None]:
+        """Each finished reply's ids (its stop token cut), text, and whether prompt + text encode back to the
+        same ids; None for an engine error. One batch per step: the Rust tokenizer spreads it over the cores,
+        where one call per reply ran serially after the step in which the replies ended."""
+        ids: list[list[int] | None] = []
+        for _, done in arrived:
+            reply = list(done.token_ids) if done.finish_reason in ("stop", "length") else None
+            if reply and done.finish_reason == "stop" and reply[-1] in self.stop_ids:
+                reply = reply[:-1]  # the end-of-turn token: the template writes its own after the content
+            ids.append(reply)
+        kept = [i for i, reply in enumerate(ids) if reply is not None]
+        texts = self.renderer.decode_batch([ids[i] for i in kept])
+        again = self.renderer.encode_batch([arrived[i][0].prompt_text + t for i, t in zip(kept, texts, strict=True)])
+        out: list[_Reply | None] = [None] * len(arrived)
+        for i, text, enc in zip(kept, texts, again, strict=True):
+            out[i] = _Reply(ids[i], text, enc == arrived[i][0].prompt_ids + ids[i])
+        return out
+
+    def _finished(self, conv: _Conv, done: Finished, reply: _Reply | None) -> None:
         """Account for one reply and decide: next turn, done, or quarantined."""
         replies, turn = self.tally.replies, len(conv.replies)
-        ids = list(done.token_ids)
-        replies["output_tokens"] += len(ids)
-        if done.finish_reason not in ("stop", "length"):
+        replies["output_tokens"] += len(done.token_ids)
+        if reply is None:
             replies["error"] += 1
             why = f": {done.detail}" if done.detail else ""
             self._quarantine(conv, "engine_error", f"reply {turn}: finish_reason {done.finish_reason}{why}")
             return
         replies[done.finish_reason] += 1
-        if done.finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
-            ids = ids[:-1]  # the end-of-turn token: the template writes its own after the content
-        generated = self.renderer.decode(ids)
-        if self.renderer.encode(conv.prompt_text + generated) != conv.prompt_ids + ids:
+        ids, generated = reply.ids, reply.text
+        if not reply.same_ids:
             replies["retokenized_differently"] += 1
         message, split = reply_message(generated, conv.prefill, self.thinking)
         replies["with_thinking"] += split.thinking is not None
