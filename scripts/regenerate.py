@@ -6,6 +6,7 @@ if __name__ == "__main__":
 
     sys.stderr = open(snakemake.log[0], "w", buffering=1)
     os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM engine, workers) log there too
+    os.dup2(sys.stderr.fileno(), 1)  # and vLLM's logger writes to stdout: its lines belong to this job
 
     from eagle3prep.errors import one_line_errors
     from eagle3prep.regenerate import job_options, run_regenerate_job

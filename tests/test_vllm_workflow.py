@@ -7,6 +7,7 @@ that vLLM's spawned engine re-imported without Snakemake's `snakemake` object.
 """
 
 import json
+import re
 import signal
 
 import pytest
@@ -48,7 +49,7 @@ def test_workflow_with_vllm_backend(tmp_path):
     tokenized = {p: p.stat().st_mtime_ns for p in (wd / "results/tokenized").iterdir()}
     # Then the same command again (up to validation: the report rule runs in the base env, and
     # .venv-vllm has no matplotlib).
-    snakemake(wd, *target, env=env)
+    healed = snakemake(wd, *target, env=env)
     assert {p: p.stat().st_mtime_ns for p in (wd / "results/tokenized").iterdir()} == tokenized
     assert sorted(p.name for p in shard.iterdir() if p.name.startswith(".tmp-")) == []  # no temp file left
     manifest = json.loads((shard / "manifest.json").read_text())
@@ -58,4 +59,9 @@ def test_workflow_with_vllm_backend(tmp_path):
     assert report["ok"]
     worst = {r["layer_id"]: r["rel"] for r in report["reference"]}
     assert set(worst) == {2, 4, 5, 8} and max(worst.values()) < 1e-5
-    assert "tok/s" in (wd / "logs/extract/shard_0.log").read_text()
+    job_log = (wd / "logs/extract/shard_0.log").read_text()
+    assert "tok/s" in job_log
+    # vLLM's own log lines ("INFO 12-01 05:37:16 [core.py:1313] ...", on stdout) go to the job's log, not to
+    # Snakemake's output, where parallel jobs would interleave them
+    vllm_line = re.compile(r"(INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+\.py:\d+\]")
+    assert vllm_line.search(job_log) and not vllm_line.search(healed.stdout + healed.stderr)
