@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import os
 import platform
 import random
@@ -302,7 +303,9 @@ def dry_run(tmp: Path, args) -> None:
     t_dry = time.perf_counter() - t0
     if proc.returncode:
         sys.exit(proc.stderr[-3000:])
-    print(f"snakemake -n with {args.shards} shards ({3 * args.shards + 5} jobs): {t_dry:.1f} s wall")
+    total = re.search(r"^total\s+(\d+)", proc.stdout + proc.stderr, re.M)  # Snakemake's own job count
+    jobs = f"{int(total.group(1))} jobs" if total else "job count not printed"
+    print(f"snakemake -n with {args.shards} shards ({jobs}): {t_dry:.1f} s wall")
 
 
 if __name__ == "__main__":
