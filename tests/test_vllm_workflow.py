@@ -9,6 +9,7 @@ that vLLM's spawned engine re-imported without Snakemake's `snakemake` object.
 import json
 import re
 import signal
+from pathlib import Path
 
 import pytest
 from workflow_helpers import SMALL_CONFIG, make_workdir, snakemake
@@ -32,7 +33,8 @@ def test_workflow_with_vllm_backend(tmp_path):
     }
     wd = make_workdir(tmp_path, config)
     target = ("results/validation/shard_0.json", "--resources", "gpu=0")
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    records = tmp_path / "locks" / "shm"  # where the job records its engine's shared memory (shm.py)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "EAGLE3PREP_GPU_LOCK_DIR": str(tmp_path / "locks")}
     # First a node crash in the middle of the shard: SIGKILL to Snakemake, the job and vLLM's engine
     # processes, while the worker holds half-written layer files.
     killed = snakemake(
@@ -47,11 +49,18 @@ def test_workflow_with_vllm_backend(tmp_path):
     assert not (shard / "manifest.json").exists()
     assert any(p.name.startswith(".tmp-layer_") for p in shard.iterdir()), sorted(shard.iterdir())  # half-written
     tokenized = {p: p.stat().st_mtime_ns for p in (wd / "results/tokenized").iterdir()}
+    # The kill left the engine's message queues in /dev/shm (vLLM unlinks them only on shutdown)...
+    (record,) = records.glob("*.json")
+    leaked = [n for n in json.loads(record.read_text())["segments"] if (Path("/dev/shm") / n).exists()]
+    assert leaked, record.read_text()
     # Then the same command again (up to validation: the report rule runs in the base env, and
     # .venv-vllm has no matplotlib).
     healed = snakemake(wd, *target, env=env)
     assert {p: p.stat().st_mtime_ns for p in (wd / "results/tokenized").iterdir()} == tokenized
     assert sorted(p.name for p in shard.iterdir() if p.name.startswith(".tmp-")) == []  # no temp file left
+    # ...and the next job removed them, in a line of its log; its own engine shut down cleanly.
+    assert not [n for n in leaked if (Path("/dev/shm") / n).exists()] and not list(records.glob("*.json"))
+    assert f"removed {len(leaked)} shared-memory segment(s)" in (wd / "logs/extract/shard_0.log").read_text()
     manifest = json.loads((shard / "manifest.json").read_text())
     assert manifest["engine"]["engine"] == "vllm" and manifest["engine"]["capture_path"] == "hooks"  # auto
     assert manifest["engine"]["final_layer_reachable"] and manifest["layer_ids"] == [2, 4, 5, 8]

@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+from eagle3prep import shm
 from eagle3prep.backends.vllm import compat
 from eagle3prep.backends.vllm.errors import ChildOutput, EngineError, engine_error
 from eagle3prep.model_facts import ModelFacts
@@ -99,6 +100,7 @@ class VLLMEngine:
         log(f"starting vLLM {version}: {kwargs}")
         self._children = ChildOutput()
         arch = facts.architectures[0] if facts.architectures else "the model"
+        shm.sweep(log)  # what a killed engine of an earlier job left in /dev/shm
         try:
             with self._children.routed():
                 self.llm = LLM(**kwargs)
@@ -108,6 +110,7 @@ class VLLMEngine:
                 e, self._children.text(), version=version, arch=arch, path="generate", doing="for generation",
                 section="regenerate",
             ) from e  # fmt: skip
+        shm.record_engine()
         self.info = {
             "engine": "vllm",
             "engine_version": version,
@@ -176,3 +179,4 @@ class VLLMEngine:
                 self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
             gc.collect()
+            shm.forget_engine()

@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ... import shm
 from ...config import ConfigError
 from ...layers import check_layer_ids
 from ...model_facts import ModelFacts, require_hidden_size
@@ -221,8 +222,10 @@ class VLLMBackend(CaptureBackend):
             self.path = HooksPath(self.spec.layer_ids, version)
         kwargs = self._engine_kwargs(self.path)
         log(f"starting vLLM {version} ({name} path): {kwargs}")
+        shm.sweep(log)  # what a killed engine of an earlier job left in /dev/shm
         with self._children.routed():
             self.llm = LLM(**kwargs)
+        shm.record_engine()
         self.path.install(self.llm)
 
     def _smoke(self, version: str, model: ModelFacts) -> None:
@@ -267,6 +270,7 @@ class VLLMBackend(CaptureBackend):
             import gc
 
             gc.collect()
+            shm.forget_engine()
 
     def close(self) -> None:
         self._shutdown_engine()
