@@ -161,7 +161,6 @@ def test_the_same_command_heals_deleted_damaged_interrupted_and_failed_shards(tm
     import os
     import shutil
     import subprocess
-    import time
 
     wd = tmp_path / "run"
     shutil.copytree(full_run, wd, symlinks=True)
@@ -182,20 +181,15 @@ def test_the_same_command_heals_deleted_damaged_interrupted_and_failed_shards(tm
     )
     assert re.search(r"^extract_hidden_states\s+1$", dry.stdout, re.M), dry.stdout
 
-    # Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while shard_2 is being extracted.
+    # Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while shard_2 is being extracted:
+    # sent by the job itself after its first batch (faults.py), where a timed signal could miss a fast job.
     cmd = [SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "--cores", "1"]
-    proc = subprocess.Popen(cmd, cwd=wd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    env = {**os.environ, "EAGLE3PREP_KILL_AT": "extract.between_batches:shard=2,batch=0",
+           "EAGLE3PREP_KILL_SCOPE": "interrupt"}  # fmt: skip
     log = wd / "logs/extract/shard_2.log"
     log.unlink()  # the copied run's
-    # Its "[extract] shard 2: N rows ..." line says the job is inside one_line_errors with its engine
-    # loaded (an import-time warning can reach the log before that, where Ctrl-C is a plain traceback).
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if log.exists() and "[extract] shard 2:" in log.read_text(errors="replace"):
-            break
-        time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGINT)
+    proc = subprocess.Popen(cmd, cwd=wd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode != 0 and "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
     # The job prints its line into its log; Snakemake echoes a failed job's log only when it is still

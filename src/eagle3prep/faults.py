@@ -6,8 +6,9 @@ SIGKILLs itself there, e.g.
     EAGLE3PREP_KILL_AT="extract.between_batches:shard=1,batch=2"
 
 By default the whole process group dies (the Snakemake run and all its jobs, like a node crash);
-EAGLE3PREP_KILL_SCOPE=process kills only the job's own process. Unset, kill_point() costs one
-dictionary lookup.
+EAGLE3PREP_KILL_SCOPE=process kills only the job's own process, and EAGLE3PREP_KILL_SCOPE=interrupt
+sends SIGINT to the group, as a terminal's Ctrl-C does, at that exact point (no race with a fast job).
+Unset, kill_point() costs one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def kill_point(name: str, **ctx: object) -> None:
     spec = os.environ.get(KILL_ENV)
     if not spec or not _matches(spec, name, ctx):
         return
-    if os.environ.get(SCOPE_ENV, "group") == "process":
+    scope = os.environ.get(SCOPE_ENV, "group")
+    if scope == "process":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif scope == "interrupt":
+        os.killpg(os.getpgid(0), signal.SIGINT)  # KeyboardInterrupt here, and Snakemake sees its Ctrl-C
+        return
     os.killpg(os.getpgid(0), signal.SIGKILL)
