@@ -9,17 +9,16 @@ from eagle3prep.plan import plan_run
 
 with one_line_errors():
     text = plan_run(
-        {
-            "model": {"path": snakemake.input.model},
-            "layers": snakemake.params.layers,
-            "extract": {"dtype": snakemake.params.dtype, "storage": snakemake.params.storage},
-            "plan": snakemake.params.plan,
-            "validate": {"windows": snakemake.params.windows},
-        },
         snakemake.params.stats,
-        hidden_states_dir=snakemake.params.hidden_states,
-        json_path=snakemake.output.json,
-        txt_path=snakemake.output.txt,
+        snakemake.params.hidden_states,
+        snakemake.output.json,
+        snakemake.output.txt,
+        model_path=snakemake.input.model,
+        layers=snakemake.params.layers,
+        dtype=snakemake.params.dtype,
+        storage=snakemake.params.storage,
+        plan=snakemake.params.plan,
+        windows=snakemake.params.windows,
         gpus_per_job=snakemake.params.gpus,
     )
     print(text, file=sys.stderr)

@@ -63,13 +63,14 @@ def test_plan_run_reads_layers_and_hidden_size_from_the_model(tmp_path, demo_mod
     stats.write_text(json.dumps({"shards": [{"shard": 0, "path": "x", "first_row": 0, **SIZES[0]}]}))
     config = validate_config({"data": {"sources": ["x"]}, "model": {"path": str(demo_model_dir)}})
     assert config["plan"] == {"tokens_per_s": None, "engine_start_s": 60}
-    text = plan_run(config, stats, tmp_path / "hs", tmp_path / "plan.json", tmp_path / "plan.txt")
+    args = {k: config[k] for k in ("layers", "plan")} | {"model_path": str(demo_model_dir)}
+    args |= {"dtype": config["extract"]["dtype"], "windows": config["validate"]["windows"]}
+    text = plan_run(stats, tmp_path / "hs", tmp_path / "plan.json", tmp_path / "plan.txt", storage=None, **args)
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert (plan["num_layers"], plan["hidden_size"], plan["dtype"]) == (4, 128, "bfloat16")  # [2, 4, 5, 8]
     assert (tmp_path / "plan.txt").read_text() == text and "3,000 tokens" in text
     # extract.storage fp8_e4m3 (what scripts/plan.py passes from the rule's params): about half the bytes.
-    config["extract"]["storage"] = "fp8_e4m3"
-    text = plan_run(config, stats, tmp_path / "hs", tmp_path / "fp8.json", tmp_path / "fp8.txt")
+    text = plan_run(stats, tmp_path / "hs", tmp_path / "fp8.json", tmp_path / "fp8.txt", storage="fp8_e4m3", **args)
     fp8 = json.loads((tmp_path / "fp8.json").read_text())
     assert fp8["storage"] == "fp8_e4m3" and "FP8 e4m3 with a float32 scale per layer" in text
     assert 0.5 < fp8["bytes_total"] / plan["bytes_total"] < 0.56  # (128 + 4) / 256 per value, fixed costs aside

@@ -110,9 +110,14 @@ def validate_config(config: dict[str, Any], schema_path: str | Path = SCHEMA) ->
 
 def layer_ids(config: dict[str, Any]) -> list[int]:
     """The validated layer ids in our convention; needs the model folder (for N)."""
-    n = ModelFacts.read(config["model"]["path"]).num_hidden_layers
+    return model_layer_ids(config["model"]["path"], config["layers"])
+
+
+def model_layer_ids(model_path: str, layers: dict[str, Any]) -> list[int]:
+    """The config's `layers` section resolved against the model's N, or a one-line ConfigError."""
+    n = ModelFacts.read(model_path).num_hidden_layers
     try:
-        return resolve_layer_ids(config["layers"]["ids"], config["layers"]["convention"], n)
+        return resolve_layer_ids(layers["ids"], layers["convention"], n)
     except ValueError as e:
         raise ConfigError(f"config error: {e}") from None
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import atomic_open, write_json
-from .config import ConfigError, layer_ids
+from .config import ConfigError, model_layer_ids
 from .extract import free_space_probe, shard_bytes
 from .model_facts import ModelFacts, require_hidden_size
 from .shard.format import MANIFEST, human_bytes
@@ -207,41 +207,48 @@ def write_plan(plan: dict[str, Any], json_path: str | os.PathLike, txt_path: str
 
 
 def plan_run(
-    config: dict[str, Any],
     stats_path: str | os.PathLike,
     hidden_states_dir: str | os.PathLike,
     json_path: str | os.PathLike,
     txt_path: str | os.PathLike,
+    *,
+    model_path: str,
+    layers: dict[str, Any],
+    dtype: str,
+    storage: str | None,
+    plan: dict[str, Any],
+    windows: list[list[int]] | None = None,
     gpus_per_job: int = 1,
 ) -> str:
-    """The `plan` rule: plan the run `config` describes (validated, defaults filled), write it, return the text."""
-    model_path = config["model"]["path"]
+    """The `plan` rule: plan the extract jobs of these config values (validated), write the plan, return its text.
+
+    layers: the config's `layers` section; plan: its `plan` section; windows: validate.windows."""
+    ids = model_layer_ids(model_path, layers)
     try:
         hidden_size = require_hidden_size(ModelFacts.read(model_path), model_path)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    plan = make_plan(
+    result = make_plan(
         shard_sizes_from_stats(stats_path),
-        num_layers=len(layer_ids(config)),
+        num_layers=len(ids),
         hidden_size=hidden_size,
-        dtype=config["extract"]["dtype"],
-        storage=config["extract"].get("storage") or "model_dtype",
+        dtype=dtype,
+        storage=storage or "model_dtype",
         hidden_states_dir=hidden_states_dir,
-        tokens_per_s=config["plan"]["tokens_per_s"],
-        engine_start_s=config["plan"]["engine_start_s"],
+        tokens_per_s=plan["tokens_per_s"],
+        engine_start_s=plan["engine_start_s"],
         gpus_per_job=gpus_per_job,
     )
-    plan["validation_memory"] = validation_memory(model_path, config)
-    return write_plan(plan, json_path, txt_path)
+    result["validation_memory"] = validation_memory(model_path, ids, windows)
+    return write_plan(result, json_path, txt_path)
 
 
-def validation_memory(model_path: str, config: dict[str, Any]) -> dict[str, Any] | None:
+def validation_memory(model_path: str, ids: list[int], windows: list[list[int]] | None) -> dict[str, Any] | None:
     """What validate.reference scalable loads, from the model's config.json shapes: the logits check
     (final norm + lm_head) and the largest window (its layers at bf16); None when the shapes cannot be read."""
     from .scalable import check_memory
 
-    ids = layer_ids(config)
-    windows = (config.get("validate") or {}).get("windows") or ([ids[-2:]] if len(ids) >= 2 else [])
+    windows = windows or ([ids[-2:]] if len(ids) >= 2 else [])
     try:
         mem = check_memory(model_path, ids, [tuple(w) for w in windows])
     except (ValueError, KeyError, OSError) as e:  # an architecture transformers does not know
