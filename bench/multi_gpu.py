@@ -79,7 +79,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
-if str(BENCH) not in sys.path:  # bench_extract and bench_cpu_stages are imported, not copied
+if str(BENCH) not in sys.path:  # extractbench and bench_cpu_stages are imported, not copied
     sys.path.insert(0, str(BENCH))
 
 CORPUS = REPO / "resources/demo/tokenizer_corpus.txt"
@@ -271,13 +271,13 @@ def _build(folder: Path, target: str, layers: int, device: str) -> None:
     if target == "demo":
         build_demo_model(folder, CORPUS)
         return
-    import bench_extract
+    from extractbench.workload import LLAMA_8B
 
     def write(tmp: Path) -> None:
         tok = build_tokenizer(CORPUS)
         special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         if target == "llama8b":
-            shape = bench_extract.LLAMA_8B
+            shape = LLAMA_8B
             cfg = transformers.LlamaConfig(
                 **shape,
                 head_dim=shape["hidden_size"] // shape["num_attention_heads"],
@@ -815,11 +815,11 @@ def disk_probe(args) -> float | None:
     """The disk's own write + fsync speed where the shards go, as many files at once as the run writes."""
     if not args.disk_probe_gb:
         return None
-    import bench_extract
+    from extractbench.disk import disk_write_speed
 
     where = Path(args.results_on) if args.results_on else args.out
     streams = 4 * max(1, max(args.gpus) // args.tp)  # four layer files per job
-    return bench_extract.disk_write_speed(where, int(args.disk_probe_gb * 2**30), streams=streams)
+    return disk_write_speed(where, int(args.disk_probe_gb * 2**30), streams=streams)
 
 
 def scenario_jobs(args, lines: list[str]) -> None:
@@ -1097,7 +1097,7 @@ def scenario_kill(args, lines: list[str]) -> None:
 
 def scenario_moe_prefill(args, lines: list[str]) -> None:
     """bench_extract's phases (a) and (b), each in its own process, on a DeepSeek-V3-shaped config (dummy weights)."""
-    import bench_extract
+    from extractbench.workload import layer_ids
 
     folder = args.out / f"moe-model-l{args.layers}"
     if args.device == "cpu":
@@ -1131,7 +1131,7 @@ def scenario_moe_prefill(args, lines: list[str]) -> None:
     (args.out / "moe_prefill.json").write_text(
         json.dumps({"config": cfg, "tp": args.tp, "results": results}, indent=1)
     )
-    ids = bench_extract.layer_ids(cfg)
+    ids = layer_ids(cfg)
     lines.append(
         f"\n### moe-prefill: {cfg['architectures'][0]} hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers "
         f"({cfg.get('first_k_dense_replace')} dense), {cfg['n_routed_experts']} experts x {cfg['moe_intermediate_size']}, "
@@ -1153,7 +1153,7 @@ def scenario_moe_prefill(args, lines: list[str]) -> None:
 
 def moe_phase(args) -> None:
     """One bench_extract phase, with bench_extract's own argument names, at tensor parallel --tp."""
-    import bench_extract
+    from extractbench import phases, workload
 
     folder = args.out / f"moe-model-l{args.layers}"
     cfg = json.loads((folder / "config.json").read_text())
@@ -1174,8 +1174,8 @@ def moe_phase(args) -> None:
         tp=args.tp,
     )
     ns.out.mkdir(parents=True, exist_ok=True)
-    work = bench_extract.workloads(ns)  # token ids below the vocabulary of either shape
-    phase = {"a": bench_extract.phase_a, "b": bench_extract.phase_b}[args.phase]
+    work = workload.workloads(ns)  # token ids below the vocabulary of either shape
+    phase = {"a": phases.phase_a, "b": phases.phase_b}[args.phase]
     print("RESULT " + json.dumps(phase(ns, folder, work)), flush=True)
 
 
