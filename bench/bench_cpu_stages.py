@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import os
 import platform
 import random
+import re
 import resource
 import subprocess
 import sys
