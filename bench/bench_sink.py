@@ -3,7 +3,7 @@
 No GPU and no vLLM: synthetic forward steps (the 8B shape by default: 4 layers x 4096 x bf16, steps
 of 16,384 tokens, rows of 2,048 tokens, first-come first-served chunks) go through LayerSink into
 OUTDIR, and the same number of bytes is then written by plain threads, one file per layer with
-a background fdatasync as the worker's (bench_extract.disk_write_speed): the baseline, in the same run.
+a background fdatasync as the worker's (bench/extractbench/disk.py, disk_write_speed): the baseline, in the same run.
 
     python bench/bench_sink.py OUTDIR [--gib 4]
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_extract import disk_write_speed  # noqa: E402
+from extractbench.disk import disk_write_speed  # noqa: E402
 
 from eagle3prep.shard.files import FLUSH_EVERY  # noqa: E402
 from eagle3prep.shard.sink import LayerSink, Segment, SinkSpec  # noqa: E402

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_extract import disk_cost  # noqa: E402
+from extractbench.disk import disk_cost  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DISK = re.compile(r"before / after the phases: ([\d.]+) / ([\d.]+) GB/s one file, ([\d.]+) / ([\d.]+) GB/s")

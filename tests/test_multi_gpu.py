@@ -1,5 +1,6 @@
-"""The pure helpers of bench/multi_gpu.py that decide issue 17's checks: which jobs ran at once, whether
-they shared a GPU, the aggregate rate, how many GPUs nvidia-smi saw busy, and the kill trigger."""
+"""The pure helpers of bench/multi_gpu.py (in bench/multigpu/checks.py) that decide issue 17's checks: which
+jobs ran at once, whether they shared a GPU, the aggregate rate, how many GPUs nvidia-smi saw busy, and the
+kill trigger."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def mg():
-    spec = importlib.util.spec_from_file_location("multi_gpu", REPO / "bench" / "multi_gpu.py")
+    spec = importlib.util.spec_from_file_location("multigpu_checks", REPO / "bench" / "multigpu" / "checks.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

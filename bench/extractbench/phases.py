@@ -1,0 +1,275 @@
+"""bench_extract's phases, each run in its own process: (a) plain vLLM prefill, (b) our vllm backend
+writing shards, (c) transformers' hidden states written as the same files, (d) vLLM's own connector."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from extractbench.workload import layer_ids, write_tokenized
+
+
+class PeakRSS:
+    """Samples the RSS of this process (and, optionally, its children) every 50 ms."""
+
+    def __init__(self, children: bool = False):
+        import psutil
+
+        self.proc, self.children, self.peak, self._stop = psutil.Process(), children, 0, False
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _rss(self) -> int:
+        total = self.proc.memory_info().rss
+        if self.children:
+            for c in self.proc.children(recursive=True):
+                with contextlib.suppress(Exception):  # a child may exit while we look
+                    total += c.memory_info().rss
+        return total
+
+    def _run(self):
+        while not self._stop:
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.05)
+
+    def reset(self) -> int:
+        self.peak = self._rss()
+        return self.peak
+
+    def stop(self) -> int:
+        self._stop = True
+        self._t.join()
+        return self.peak
+
+
+def engine_kwargs(args, model: Path) -> dict:
+    """vLLM's LLM() arguments of (a) and (d): dummy weights, no prefix caching, eager, at --tp."""
+    kw = dict(
+        model=str(model),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype=args.dtype,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        max_model_len=args.max_len + 1,
+        max_num_batched_tokens=args.batched_tokens,
+        gpu_memory_utilization=args.gpu_mem,
+        tensor_parallel_size=getattr(args, "tp", 1),  # bench/multi_gpu.py moe-prefill runs (a) and (b) at TP 8
+        seed=0,
+    )
+    return kw
+
+
+def timed_generate(llm, rows: list[list[int]]) -> float:
+    """Seconds for one prefill (max_tokens=1) of `rows`, after a two-row warm-up."""
+    from vllm import SamplingParams, TokensPrompt
+
+    sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows[:2]], sp, use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], sp, use_tqdm=False)
+    return time.perf_counter() - t0
+
+
+def phase_a(args, model: Path, work: dict) -> dict:
+    """(a) plain vLLM prefill, no capture: the engine start and tokens/s per workload."""
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(args, model))
+    start = time.perf_counter() - t0
+    out = {"engine_start_s": start}
+    for name in ("uniform", "mixed"):
+        tokens = sum(map(len, work[name]))
+        out[name] = {"tokens": tokens, "tokens_per_s": tokens / timed_generate(llm, work[name])}
+    return out
+
+
+def phase_d(args, model: Path, work: dict) -> dict:
+    """(d) vLLM's extract_hidden_states with its example connector as shipped, files to /dev/shm; the
+    time runs until every file's writer has let go of its lock."""
+    from vllm import LLM
+
+    shm = Path("/dev/shm" if Path("/dev/shm").is_dir() else args.out) / "e3p-bench-connector"
+    shutil.rmtree(shm, ignore_errors=True)
+    kw = engine_kwargs(args, model)
+    kw["speculative_config"] = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids(args.shape)}},
+    }
+    on_cpu = args.device == "cpu"
+    kw["kv_transfer_config"] = {
+        "kv_connector": "CPUHiddenStatesConnector" if on_cpu else "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(shm)},
+        **({"kv_connector_module_path": "eagle3prep.backends.vllm.worker"} if on_cpu else {}),
+    }
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    out = {"engine_start_s": time.perf_counter() - t0}
+    for name in ("uniform", "mixed"):
+        tokens = sum(map(len, work[name]))
+        secs = timed_generate(llm, work[name])
+        t1 = time.perf_counter()
+        for lock in shm.rglob("*.lock"):  # vLLM >= 0.22: writer threads hold LOCK_EX until a file is whole
+            with open(lock) as lf:
+                fcntl.flock(lf, fcntl.LOCK_SH)
+        secs += time.perf_counter() - t1
+        out[name] = {"tokens": tokens, "tokens_per_s": tokens / secs}
+        shutil.rmtree(shm, ignore_errors=True)
+    return out
+
+
+def phase_b(args, model: Path, work: dict) -> dict:
+    """(b) our vllm backend through extract_shard: each workload written as a shard (uniform to
+    /dev/shm as well), with its bytes/s, host RSS growth and the writer's waits."""
+    from eagle3prep.backends import make_backend
+    from eagle3prep.backends.base import CaptureSpec
+    from eagle3prep.extract import extract_shard
+
+    spec = CaptureSpec(
+        backend="vllm",
+        model_path=str(model),
+        layer_ids=layer_ids(args.shape),
+        dtype=args.dtype,
+        tp_size=getattr(args, "tp", 1),
+        max_seq_len=args.max_len,
+    )
+    options = {
+        "capture_path": args.capture_path,
+        "gpu_memory_utilization": args.gpu_mem,
+        "max_num_batched_tokens": args.batched_tokens,
+        "enforce_eager": True,
+        "engine_args": {"load_format": "dummy"},
+        "storage": getattr(args, "storage", "model_dtype"),  # fp8_e4m3: half the bytes (extract.storage)
+    }
+    shards = args.out / "shards"
+    shm = Path("/dev/shm")
+    spec.extra["output_dir"] = str(shards)
+    t0 = time.perf_counter()
+    backend = make_backend(spec, options)
+    info = backend.probe()
+    out = {
+        "engine_start_s": time.perf_counter() - t0,
+        "engine_init_s": info.volatile.get("engine_init_s"),  # LLM() alone; the rest is the probe's smoke capture
+        "smoke_s": info.volatile.get("smoke_s"),
+        "capture_path": info.capture_path,
+        "vllm": info.engine_version,
+    }
+    rss = PeakRSS(children=True)  # the engine's processes too: on the hooks path the worker holds the slots
+    try:
+        # the same shard written to /dev/shm (memory) as well: what the pipeline does without the disk,
+        # and the like-for-like comparison with (d), whose files go to /dev/shm
+        runs = [("uniform_half", shards), ("uniform", shards), ("mixed", shards)]
+        runs += [("uniform_shm", shm / "e3p-bench")] if shm.is_dir() else []
+        for name, where in runs:
+            tok = write_tokenized(args.out / f"{name}.jsonl", work[name.removesuffix("_shm")])
+            base = rss.reset()
+            m = extract_shard(
+                str(tok),
+                str(where / name),
+                spec,
+                options,
+                batch_tokens=args.batch_tokens,
+                shard=0,
+                engine=(backend, info),
+            )
+            timings = json.loads((where / name / "timings.json").read_text())
+            nbytes = sum(f["bytes"] for f in m.files.values())
+            out[name] = {
+                "tokens": m.tokens,
+                "tokens_per_s": timings["tokens_per_s"],
+                "bytes": nbytes,
+                "bytes_per_s": nbytes / timings["capture_s"],
+                "rss_growth_mib": (rss.peak - base) / 2**20,
+                "writer": timings.get(
+                    "writer"
+                ),  # worker: forward stalled for a slot; busiest file's write/hash/sync s
+            }
+            shutil.rmtree(where / name)
+    finally:
+        out["peak_rss_mib"] = rss.stop() / 2**20
+        backend.close()
+    return out
+
+
+def phase_c(args, model: Path, work: dict) -> dict:
+    """(c) transformers' output_hidden_states, the same layers copied to the host through LayerSink
+    and written by ShardWriter as the same files."""
+    import torch
+    import transformers
+
+    from eagle3prep.extract import iter_batches, read_index
+    from eagle3prep.shard.sink import LayerSink, Segment
+    from eagle3prep.shard.writer import ShardWriter
+
+    dev = "cuda" if args.device == "cuda" else "cpu"
+    cfg = transformers.AutoConfig.from_pretrained(model)
+    t0 = time.perf_counter()
+    with torch.device(dev):
+        hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, args.dtype)).eval()
+    out = {"engine_start_s": time.perf_counter() - t0}
+    ids = layer_ids(args.shape)
+    n = cfg.num_hidden_layers
+    final = {}
+    hf.model.norm.register_forward_pre_hook(lambda m, a: final.__setitem__("x", a[0]))  # pre-norm id N
+    for name in ("uniform", "mixed"):
+        tok = write_tokenized(args.out / f"hf_{name}.jsonl", work[name])
+        index = read_index(tok)
+        writer = ShardWriter(args.out / f"hf_{name}", ids, cfg.hidden_size, args.dtype, index)
+        sink = LayerSink(writer.sink_spec(args.hf_batch_tokens))
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        first = 0
+        for batch in writer.tee(iter_batches(tok, args.hf_batch_tokens)):
+            lens = [len(r) for r in batch]
+            x = torch.zeros(len(batch), max(lens), dtype=torch.long)
+            mask = torch.zeros_like(x)
+            for i, r in enumerate(batch):
+                x[i, : len(r)] = torch.tensor(r)
+                mask[i, : len(r)] = 1
+            with torch.inference_mode():
+                hs = hf.model(
+                    input_ids=x.to(dev), attention_mask=mask.to(dev), output_hidden_states=True
+                ).hidden_states
+            starts = [sum(lens[:i]) for i in range(len(lens))]
+            sink.begin_step(
+                [
+                    Segment(sink.spec.tag(first + i), 0, a, a + m)
+                    for i, (a, m) in enumerate(zip(starts, lens, strict=True))
+                ]
+            )
+            first += len(batch)
+            for k in ids:  # [sum_T, H] per layer; the sink copies it to the host off the forward's path
+                sink.add_layer(k, torch.cat([(final["x"] if k == n else hs[k])[i, :m] for i, m in enumerate(lens)]))
+        placeholders = {
+            "shard": 0,
+            "layer_id_convention": "input_of_layer",
+            "num_hidden_layers": n,
+            "hidden_size": cfg.hidden_size,
+            "dtype": args.dtype,
+            "row_range": [0, 0],
+            "tokenized": {},
+            "model": {},
+            "tokenizer": {},
+            "engine": {},
+            "code_version": "",
+        }  # a baseline: no provenance
+        writer.finish(sink.finish(), placeholders)
+        secs = time.perf_counter() - t1
+        out[name] = {
+            "tokens": sum(lens for lens in map(len, work[name])),
+            "tokens_per_s": sum(map(len, work[name])) / secs,
+        }
+        shutil.rmtree(args.out / f"hf_{name}")
+    return out
+
+
+PHASES = {"a": phase_a, "b": phase_b, "c": phase_c, "d": phase_d}

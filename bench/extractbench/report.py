@@ -1,0 +1,152 @@
+"""bench_extract's closing report: the tokens/s table with the ratios b/a, b/c, b/d, the model-FLOP
+utilisation, (b)'s bytes, host RSS and writer waits, whether the disk is the limit, and the engine starts."""
+
+from __future__ import annotations
+
+import time
+
+from extractbench.disk import disk_cost
+from extractbench.workload import PEAK_TFLOPS, flops_per_token, layer_ids
+
+
+def print_report(args, results: dict, disk_before: tuple, disk_after: tuple, streams: int) -> None:
+    """Every part of the report in order, from the phases' results and the disk speeds measured before
+    and after them (one file, then `streams` files at once)."""
+    print_table(args, results)
+    b = results.get("b")
+    if b and "uniform_shm" in b:
+        print_shm_row(results, b)
+    if b:
+        print_phase_b(args, b)
+        print_disk(results, b, disk_before, disk_after, streams)
+        print_writers(b)
+    for p in "abcd":
+        if p in results:
+            print(f"engine start ({p}): {results[p]['engine_start_s']:.1f} s")
+    if b:
+        print_shard_size(b)
+
+
+def print_table(args, results: dict) -> None:
+    """The header line, the tokens/s of each phase per workload with (b)'s ratios, and (a)'s MFU."""
+    import torch
+
+    dev = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    shape = args.shape
+    print(
+        f"\n# {time.strftime('%Y-%m-%d')} {dev}, torch {torch.__version__}, "
+        f"vLLM {results.get('b', {}).get('vllm', '?')}, shape {shape}, dtype {args.dtype}, eager, layers {layer_ids(shape)}"
+    )
+    print(
+        "| workload | (a) vLLM prefill | (b) eagle3prep vllm | (c) transformers | (d) vLLM connector | b/a | b/c | b/d |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for w in ("uniform", "mixed"):
+        v = {p: results.get(p, {}).get(w, {}).get("tokens_per_s") for p in "abcd"}
+
+        def ratio(x, y):
+            return f"{x / y:.2f}" if x and y else "-"
+
+        print(
+            f"| {w} ({results.get('b', results.get('a', {})).get(w, {}).get('tokens', '?')} tok) | "
+            + " | ".join(f"{v[p]:,.0f}" if v[p] else "-" for p in "abcd")
+            + f" | {ratio(v['b'], v['a'])} | {ratio(v['b'], v['c'])} | {ratio(v['b'], v['d'])} |"
+        )
+    for p, w, seq in (("a", "uniform", args.seq), ("a", "mixed", (args.min_len + args.max_len) / 2)):
+        if p in results:
+            tflops = results[p][w]["tokens_per_s"] * flops_per_token(shape, seq) / 1e12
+            print(f"({p}) {w}: {tflops:.0f} TFLOP/s = {100 * tflops / PEAK_TFLOPS:.0f} % MFU of {PEAK_TFLOPS:.0f}")
+
+
+def print_shm_row(results: dict, b: dict) -> None:
+    """The table's row of (b) writing its uniform shard to /dev/shm: the like-for-like with (d)."""
+    v = {p: results.get(p, {}).get("uniform", {}).get("tokens_per_s") for p in "acd"}
+    shm_rate = b["uniform_shm"]["tokens_per_s"]
+    print(
+        f"| uniform, (b) to /dev/shm | {v['a'] or 0:,.0f} | {shm_rate:,.0f} | {v['c'] or 0:,.0f} | {v['d'] or 0:,.0f} | "
+        + " | ".join(f"{shm_rate / v[p]:.2f}" if v[p] else "-" for p in "acd")
+        + " |"
+    )
+
+
+def print_phase_b(args, b: dict) -> None:
+    """(b)'s MFU, write rate and host RSS growth per workload; RSS must not grow with the shard."""
+    shape = args.shape
+    for w, seq in (("uniform", args.seq), ("mixed", (args.min_len + args.max_len) / 2)):
+        tflops = b[w]["tokens_per_s"] * flops_per_token(shape, seq) / 1e12
+        print(
+            f"(b) {w}: {tflops:.0f} TFLOP/s = {100 * tflops / PEAK_TFLOPS:.0f} % MFU of {PEAK_TFLOPS:.0f}; "
+            f"writes {b[w]['bytes_per_s'] / 1e9:.2f} GB/s; host RSS growth during the shard "
+            f"{b[w]['rss_growth_mib']:.0f} MiB"
+        )
+    print(
+        f"(b) host RSS growth: half shard {b['uniform_half']['rss_growth_mib']:.0f} MiB "
+        f"({b['uniform_half']['tokens']} tok), full shard {b['uniform']['rss_growth_mib']:.0f} MiB "
+        f"({b['uniform']['tokens']} tok); peak RSS of the capture process {b['peak_rss_mib']:.0f} MiB; "
+        f"capture path {b['capture_path']}"
+    )
+
+
+def print_disk(results: dict, b: dict, disk_before: tuple, disk_after: tuple, streams: int) -> None:
+    """The disk's speeds against what (b) wrote and what (a)'s rate would need, then what the disk costs
+    (b) against /dev/shm: whether the disk or the capture keeps (b) under 0.95 x (a)."""
+    disk, disk_par = max(disk_before[0], disk_after[0]), max(disk_before[1], disk_after[1])
+    per_token = b["uniform"]["bytes"] / b["uniform"]["tokens"]
+    need = results["a"]["uniform"]["tokens_per_s"] * per_token if "a" in results else None
+    best = max(disk, disk_par)
+    print(
+        f"disk write + fsync, same folder, before / after the phases: {disk_before[0] / 1e9:.2f} / "
+        f"{disk_after[0] / 1e9:.2f} GB/s one file, {disk_before[1] / 1e9:.2f} / {disk_after[1] / 1e9:.2f} GB/s "
+        f"{streams} files at once; (b) wrote {b['uniform']['bytes_per_s'] / 1e9:.2f} GB/s "
+        f"({100 * b['uniform']['bytes_per_s'] / best:.0f} % of the fastest)"
+        + (
+            f"; at (a)'s rate the shard needs {need / 1e9:.2f} GB/s -> "
+            + (
+                f"the disk is the limit: it caps (b) at {best / per_token:,.0f} tok/s = "
+                f"{best / per_token / results['a']['uniform']['tokens_per_s']:.2f} x (a)"
+                if need > 0.95 * best
+                else "the disk is not the limit"
+            )
+            if need
+            else ""
+        )
+    )
+    if "uniform_shm" in b:  # what writing to the disk costs a shard: a steady rate, or a tail?
+        print(f"(b) uniform: {disk_cost(b)}")
+        a_rate = results.get("a", {}).get("uniform", {}).get("tokens_per_s")
+        if a_rate:
+            shm_ratio, disk_ratio = (
+                b["uniform_shm"]["tokens_per_s"] / a_rate,
+                b["uniform"]["tokens_per_s"] / a_rate,
+            )
+            print(
+                f"(b) uniform b/a: {disk_ratio:.2f} to disk, {shm_ratio:.2f} to /dev/shm -> "
+                + (
+                    "the disk is what keeps (b) under 0.95 x (a) on this shard"
+                    if shm_ratio >= 0.95 > disk_ratio
+                    else "the capture itself, not only the disk, keeps (b) under 0.95 x (a)"
+                    if shm_ratio < 0.95
+                    else "at or above 0.95 x (a) to disk"
+                )
+            )
+
+
+def print_writers(b: dict) -> None:
+    """The worker's writer seconds per workload and (b)'s engine start, split into LLM() and smoke capture."""
+    for w in ("uniform_half", "uniform", "mixed", "uniform_shm"):
+        if b.get(w, {}).get("writer"):
+            print(f"(b) {w} worker writer, seconds: {b[w]['writer']}")
+    print(
+        f"(b) engine start {b['engine_start_s']:.1f} s = LLM() {b['engine_init_s']} s + smoke capture {b['smoke_s']} s + rest"
+    )
+
+
+def print_shard_size(b: dict) -> None:
+    """The shard size at which (b)'s engine start stays under plan's START_SHARE of a job."""
+    from eagle3prep.plan import START_SHARE, min_tokens_per_shard
+
+    rate, start = b["uniform"]["tokens_per_s"], b["engine_start_s"]
+    print(
+        f"shard size that keeps (b)'s engine start under {100 * START_SHARE:.0f} % of a job: "
+        f">= {min_tokens_per_shard(rate, start):,} tokens ({start:.0f} s start at {rate:,.0f} tok/s)"
+    )
