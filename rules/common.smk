@@ -6,6 +6,7 @@ from eagle3prep.config import (
     check_model,
     extract_data_params,
     reference_mode,
+    template_kwargs_params,
     validate_config,
 )
 from eagle3prep import heal
@@ -84,6 +85,11 @@ onstart:
 def get_model(wildcards=None):
     """The model folder; built by build_demo_model when model.build_demo is set."""
     return MODEL
+
+
+def get_template_kwargs_params(wildcards=None):
+    """tokenize.chat_template_kwargs as params, none at its default {} (config.template_kwargs_params)."""
+    return template_kwargs_params(config["tokenize"])
 
 
 def get_tokenized_shard(wildcards):
