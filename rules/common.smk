@@ -169,5 +169,6 @@ def get_regen_gpus(wildcards=None):
 
 
 def get_regen_data_params(wildcards=None):
-    """regenerate.* without the speed knobs and DAG keys: changing those re-queues no shard."""
-    return regen_data_params(REGEN)
+    """regenerate.* without the speed knobs and DAG keys: changing those re-queues no shard.
+    With tokenize.chat_template_kwargs when set: the prompts render with them."""
+    return regen_data_params(REGEN, config["tokenize"]["chat_template_kwargs"])

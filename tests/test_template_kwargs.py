@@ -8,9 +8,20 @@ import shutil
 from pathlib import Path
 
 import pytest
+from regenerate_helpers import A1, U1, U2, FakeEngine, echo
+from regenerate_helpers import conv as regen_conv
 
 from eagle3prep.config import ConfigError, template_kwargs_params, validate_config
 from eagle3prep.records import Conversation
+from eagle3prep.regenerate import (
+    PromptRenderer,
+    ShardError,
+    data_params,
+    job_options,
+    run_regenerate_job,
+    split_conversations,
+)
+from eagle3prep.regenerate.merge import _check_same_settings
 from eagle3prep.tokenization import ChatEncoder, TokenizeError, tokenize_conversations
 
 
@@ -223,3 +234,72 @@ def test_the_stage_renders_with_the_kwargs_in_worker_processes_too_and_records_t
     assert default[0]["chat_template_kwargs"] == {} and default[1] != one[1]
     assert default[0]["chat_template_sha256"] == stats["chat_template_sha256"]
     assert tokenize(tmp_path, folder, "empty", chat_template_kwargs={})[1] == default[1]
+
+
+# ---- regenerate: its prompts are rendered as tokenize renders the rows ---------------------------------------
+
+
+def test_regenerate_prompts_are_the_tokenize_rows_up_to_the_reply_with_the_kwargs(thinking_models):
+    folder = thinking_models["generation_markers"]
+    renderer = PromptRenderer.load(folder, chat_template_kwargs=NO_THINKING)
+    encoder = ChatEncoder(tokenizer(folder), folder, True, NO_THINKING)
+    for messages in CONVS[:2]:
+        ids, mask = encoder.encode([messages])[0]
+        first_reply = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        text, prompt = renderer.prompt(messages[:first_reply])
+        assert prompt == ids[: mask.index(1)] and text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert renderer.render(CONVS[1]) == encoder._render([CONVS[1]], add_generation_prompt=False)[0]
+    assert PromptRenderer.load(folder).prompt(CONVS[0][:1])[0].endswith("<|im_start|>assistant\n")  # the default
+    with pytest.raises(TokenizeError, match=r"tokenize.chat_template_kwargs.eos_token: the encoder passes"):
+        PromptRenderer.load(folder, chat_template_kwargs={"eos_token": "x"})
+
+
+def test_the_regenerate_job_takes_the_kwargs_from_its_params_to_the_engine_and_the_manifest(
+    tmp_path, thinking_models, demo_model_dir, monkeypatch
+):
+    import eagle3prep.regenerate.engine as engine_module
+
+    folder = thinking_models["generation_markers"]
+    shutil.copy(demo_model_dir / "config.json", folder / "config.json")  # the job reads the model's context
+    config = validate_config(base(tokenize={"chat_template_kwargs": NO_THINKING}))
+    params = data_params(config["regenerate"], config["tokenize"]["chat_template_kwargs"])
+    assert params["chat_template_kwargs"] == NO_THINKING
+    assert data_params(config["regenerate"], {}) == data_params(config["regenerate"])  # {}: the params as before
+
+    engines = []
+
+    class FakeVLLM(FakeEngine):
+        """VLLMEngine's constructor and context, FakeEngine's requests (decoded with the target's tokenizer)."""
+
+        def __init__(self, model_path, options, sampling, stop_ids, max_model_len, trust_remote_code):
+            super().__init__(PromptRenderer.load(model_path), echo)
+            self.volatile = {}
+            engines.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def start(self):
+            return {"engine": "fake"}
+
+    monkeypatch.setattr(engine_module, "VLLMEngine", FakeVLLM)
+    prepared = tmp_path / "prepared.jsonl"
+    prepared.write_text("".join(json.dumps(c) + "\n" for c in [regen_conv([U1, A1, U2], "a"), regen_conv([U2], "b")]))
+    split_conversations(prepared, [tmp_path / "prompts" / "shard_0.jsonl"])
+    manifest = run_regenerate_job(
+        str(tmp_path / "prompts" / "shard_0.jsonl"), str(tmp_path / "shard_0"), model_path=str(folder),
+        options=job_options(params, config["regenerate"]), trust_remote_code=False, shard=0, max_seq_len=256,
+    )  # fmt: skip
+    prompts = list(engines[0].prompts.values())
+    assert len(prompts) == 3 and all(p.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") for p in prompts)
+    assert manifest["chat_template_kwargs"] == NO_THINKING
+
+
+def test_merge_refuses_shards_rendered_with_other_kwargs():
+    made_before = {"model": {}, "tokenizer": {}}  # a manifest written before the key: rendered with none
+    _check_same_settings(["s0", "s1"], [{**made_before, "chat_template_kwargs": {}}, made_before])
+    with pytest.raises(ShardError, match=r"s1 was regenerated with another chat_template_kwargs than s0"):
+        _check_same_settings(["s0", "s1"], [{**made_before, "chat_template_kwargs": NO_THINKING}, made_before])
