@@ -303,3 +303,11 @@ def test_merge_refuses_shards_rendered_with_other_kwargs():
     _check_same_settings(["s0", "s1"], [{**made_before, "chat_template_kwargs": {}}, made_before])
     with pytest.raises(ShardError, match=r"s1 was regenerated with another chat_template_kwargs than s0"):
         _check_same_settings(["s0", "s1"], [{**made_before, "chat_template_kwargs": NO_THINKING}, made_before])
+
+
+def test_the_report_shows_the_kwargs_tokenize_recorded():
+    from eagle3prep.report.page import template_kwargs_cell
+
+    assert template_kwargs_cell({"enable_thinking": False}) == "<code>{&quot;enable_thinking&quot;: false}</code>"
+    assert template_kwargs_cell({}) == "none (the template's defaults)"
+    assert template_kwargs_cell(None) == "not recorded"  # stats.json of a run made before the key
