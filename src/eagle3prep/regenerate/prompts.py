@@ -1,9 +1,9 @@
 """Prompts as token ids, made the way the tokenize stage makes rows: the target's chat template rendered by
-transformers' apply_chat_template, encoded by the same Rust tokenizer with no special tokens added
-(tokenization.template), with the same tokenize.chat_template_kwargs. The engine is given these ids (vLLM's LLM.generate with token-id prompts), not
-messages: LLM.chat would render with vLLM's own chat handling (content-format detection, its tool-call
-preprocessing), which is not guaranteed to give the bytes tokenize renders. Replies come back as token ids and
-are decoded here with the same tokenizer.
+transformers' apply_chat_template with the same tokenize.chat_template_kwargs, encoded by the same Rust tokenizer
+with no special tokens added (tokenization.template). The engine is given these ids (vLLM's LLM.generate with
+token-id prompts), not messages: LLM.chat would render with vLLM's own chat handling (content-format detection,
+its tool-call preprocessing), which is not guaranteed to give the bytes tokenize renders. Replies come back as
+token ids and are decoded here with the same tokenizer.
 """
 
 from __future__ import annotations
