@@ -6,6 +6,7 @@ from eagle3prep.config import (
     check_model,
     extract_data_params,
     reference_mode,
+    template_kwargs_params,
     validate_config,
 )
 from eagle3prep import heal
@@ -86,6 +87,11 @@ def get_model(wildcards=None):
     return MODEL
 
 
+def get_template_kwargs_params(wildcards=None):
+    """tokenize.chat_template_kwargs as params, none at its default {} (config.template_kwargs_params)."""
+    return template_kwargs_params(config["tokenize"])
+
+
 def get_tokenized_shard(wildcards):
     """The tokenized rows of shard {k} (a file inside the tokenize job's folder)."""
     return f"{TOKENIZED}/shard_{wildcards.k}.jsonl"
@@ -163,5 +169,6 @@ def get_regen_gpus(wildcards=None):
 
 
 def get_regen_data_params(wildcards=None):
-    """regenerate.* without the speed knobs and DAG keys: changing those re-queues no shard."""
-    return regen_data_params(REGEN)
+    """regenerate.* without the speed knobs and DAG keys: changing those re-queues no shard.
+    With tokenize.chat_template_kwargs when set: the prompts render with them."""
+    return regen_data_params(REGEN, config["tokenize"]["chat_template_kwargs"])

@@ -19,6 +19,8 @@ rule tokenize:
     # Worker processes that render the chat template (capped by --cores).
     threads: config["tokenize"]["workers"]
     params:
+        # tokenize.chat_template_kwargs, when set: a template change, it re-runs the job
+        **get_template_kwargs_params(),
         shards=get_tokenized_shards(),
         max_seq_len=config["tokenize"]["max_seq_len"],
         template_fallback=config["tokenize"]["template_fallback"],

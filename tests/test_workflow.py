@@ -108,6 +108,19 @@ def test_speed_knobs_requeue_no_finished_shard_but_data_keys_do(tmp_path, full_r
     assert "Params have changed since last execution" in out
 
 
+def test_chat_template_kwargs_requeue_tokenize_and_their_default_adds_no_param(full_run):
+    """tokenize.chat_template_kwargs changes the rendered text, as a template edit would: set, it re-queues
+    tokenize and what follows. At its default {} the rule has the params it had before the key existed."""
+    assert "Nothing to be done" in snakemake(full_run, "-n").stdout
+    kwargs = "tokenize={chat_template_kwargs: {enable_thinking: false}}"
+    out = snakemake(full_run, "-n", "--config", kwargs).stdout
+    assert re.search(r"^tokenize\s+1$", out, re.M) and re.search(r"^extract_hidden_states\s+3$", out, re.M), out
+    assert "Params have changed since last execution" in out
+    bad = snakemake(full_run, "-n", "--config", "tokenize={chat_template_kwargs: {eos_token: x}}", check=False)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "config error: tokenize.chat_template_kwargs.eos_token: the encoder passes eos_token" in bad.stderr
+
+
 def test_sigkill_during_extract_then_rerun_resumes_at_shard_granularity(tmp_path, full_run):
     wd = make_workdir(tmp_path)
     # Shard 0 finishes first; then the run is SIGKILLed (whole process group) inside another shard.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -90,16 +91,85 @@ def _coerce_strings(instance: Any, schema: dict[str, Any]) -> Any:
     return instance
 
 
+def _coerce_template_kwargs(config: dict[str, Any]) -> None:
+    """tokenize.chat_template_kwargs with every string that reads as true/false/null or a number taken as that:
+    the command line gives each nested value as a string, and a template reads the string "false" as true."""
+
+    def coerce(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: coerce(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [coerce(v) for v in value]
+        if not isinstance(value, str):
+            return value
+        low = value.strip().lower()
+        if low in ("true", "false"):
+            return low == "true"
+        if low in ("null", "~"):
+            return None
+        if re.fullmatch(r"[-+]?\d+", low):
+            return int(low)
+        if re.fullmatch(r"[-+]?(\d+\.\d*|\.\d+|\d+)(e[-+]?\d+)?", low):
+            return float(low)
+        return value
+
+    tokenize = config.get("tokenize")
+    if isinstance(tokenize, dict) and isinstance(tokenize.get("chat_template_kwargs"), dict):
+        tokenize["chat_template_kwargs"] = coerce(tokenize["chat_template_kwargs"])
+
+
+# What the encoder hands the chat template itself (the messages, tools, the generation prompt, the special
+# tokens, transformers' template helpers) and apply_chat_template's own arguments: a chat_template_kwargs key
+# among them would override the encoder's value or change how the template is called.
+TEMPLATE_ARGUMENTS = frozenset(
+    {"conversation", "conversations", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "return_assistant_tokens_mask", "tokenize", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "tokenizer_kwargs", "raise_exception", "strftime_now"}
+)  # fmt: skip
+SPECIAL_TOKEN_NAMES = frozenset(
+    {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+     "additional_special_tokens"}
+)  # fmt: skip
+
+
+def template_kwarg_clash(key: str, special_tokens: Collection[str] = ()) -> str | None:
+    """What the encoder passes the chat template under the name `key` (then it cannot be a
+    tokenize.chat_template_kwargs key), or None. `special_tokens`: the tokenizer's own, beyond the usual names."""
+    if key in TEMPLATE_ARGUMENTS:
+        return "an apply_chat_template argument"
+    if key in SPECIAL_TOKEN_NAMES or key in special_tokens:
+        return "a special token of the tokenizer"
+    return None
+
+
+def template_kwargs_error(key: str, what: str) -> str:
+    """The one line that refuses tokenize.chat_template_kwargs.`key`, `what` the encoder passes under it."""
+    return (
+        f"tokenize.chat_template_kwargs.{key}: the encoder passes {key} to the chat template itself ({what}); "
+        "remove it (the mapping is for the template's own variables, such as enable_thinking)"
+    )
+
+
+def check_template_kwargs(kwargs: dict[str, Any]) -> None:
+    """Raise ConfigError, naming the key, when tokenize.chat_template_kwargs holds a name the encoder sets."""
+    for key in kwargs:
+        what = template_kwarg_clash(key)
+        if what:
+            raise ConfigError(f"config error: {template_kwargs_error(key, what)}")
+
+
 def validate_config(config: dict[str, Any], schema_path: str | Path = SCHEMA) -> dict[str, Any]:
     """Validate `config` in place (defaults filled in) and return it; raise ConfigError on the first error."""
     import jsonschema
 
     schema = yaml.safe_load(Path(schema_path).read_text(encoding="utf-8"))
     _coerce_strings(config, schema)
+    _coerce_template_kwargs(config)
     validator = _with_defaults(jsonschema.Draft202012Validator)(schema)
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if errors:
         raise ConfigError(_one_line(errors[0]))
+    check_template_kwargs(config["tokenize"]["chat_template_kwargs"])
     if config["layers"]["ids"] is not None:
         try:  # fails early on a bad convention; the range check needs the model (layer_ids below)
             convert_layer_ids(config["layers"]["ids"], config["layers"]["convention"])
@@ -200,6 +270,13 @@ def extract_data_params(extract: dict[str, Any]) -> dict[str, Any]:
 def extract_options(data_params: dict[str, Any], config_extract: dict[str, Any]) -> dict[str, Any]:
     """The extract job's options: the speed keys from the config as it is now, the rest from params."""
     return {**LATER_KEYS, **{k: v for k, v in config_extract.items() if k in SPEED_KEYS}, **data_params}
+
+
+def template_kwargs_params(tokenize: dict[str, Any]) -> dict[str, Any]:
+    """tokenize.chat_template_kwargs as rule params, only when set: a key added after runs existed, kept out of
+    the params at its default like LATER_KEYS, so that a run made before it is not re-queued."""
+    kwargs = tokenize.get("chat_template_kwargs") or {}
+    return {"chat_template_kwargs": kwargs} if kwargs else {}
 
 
 def capture_spec(config: dict[str, Any]) -> CaptureSpec:

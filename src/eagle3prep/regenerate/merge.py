@@ -72,14 +72,17 @@ def merge_shards(
 
 
 # What every shard of one dataset must share: a merge of shards made with other settings would mix two datasets.
-SAME_IN_EVERY_SHARD = ("model", "tokenizer", "sampling", "policy", "thinking")
+SAME_IN_EVERY_SHARD = ("model", "tokenizer", "chat_template_kwargs", "sampling", "policy", "thinking")
+# A manifest written before a key existed: what the shard was made with.
+BEFORE_THE_KEY = {"chat_template_kwargs": {}}
 
 
 def _check_same_settings(shard_dirs: list, manifests: list[dict[str, Any]]) -> None:
     for d, m in zip(shard_dirs[1:], manifests[1:], strict=True):
         for key in SAME_IN_EVERY_SHARD:
-            if m.get(key) != manifests[0].get(key):
+            mine, first = (x.get(key, BEFORE_THE_KEY.get(key)) for x in (m, manifests[0]))
+            if mine != first:
                 raise ShardError(
-                    f"{d} was regenerated with another {key} than {shard_dirs[0]} ({m.get(key)} != "
-                    f"{manifests[0].get(key)}); run with -R regenerate to regenerate every shard with one setting"
+                    f"{d} was regenerated with another {key} than {shard_dirs[0]} ({mine} != {first}); "
+                    "run with -R regenerate to regenerate every shard with one setting"
                 )

@@ -1,9 +1,9 @@
 """Prompts as token ids, made the way the tokenize stage makes rows: the target's chat template rendered by
-transformers' apply_chat_template, encoded by the same Rust tokenizer with no special tokens added
-(tokenization.template). The engine is given these ids (vLLM's LLM.generate with token-id prompts), not
-messages: LLM.chat would render with vLLM's own chat handling (content-format detection, its tool-call
-preprocessing), which is not guaranteed to give the bytes tokenize renders. Replies come back as token ids and
-are decoded here with the same tokenizer.
+transformers' apply_chat_template with the same tokenize.chat_template_kwargs, encoded by the same Rust tokenizer
+with no special tokens added (tokenization.template). The engine is given these ids (vLLM's LLM.generate with
+token-id prompts), not messages: LLM.chat would render with vLLM's own chat handling (content-format detection,
+its tool-call preprocessing), which is not guaranteed to give the bytes tokenize renders. Replies come back as
+token ids and are decoded here with the same tokenizer.
 """
 
 from __future__ import annotations
@@ -13,26 +13,30 @@ import os
 from pathlib import Path
 from typing import Any
 
-from eagle3prep.tokenization.template import get_chat_template, load_tokenizer, rust_backend
+from eagle3prep.tokenization.template import get_chat_template, load_tokenizer, rust_backend, template_kwargs
 
 
 class PromptRenderer:
-    """The target's tokenizer and chat template: messages -> (prompt text, prompt ids); reply ids -> text."""
+    """The target's tokenizer and chat template: messages -> (prompt text, prompt ids); reply ids -> text.
+    `chat_template_kwargs` (tokenize.chat_template_kwargs) go to every render, as tokenize's ChatEncoder gives them."""
 
-    def __init__(self, tokenizer, model_path: str | os.PathLike):
+    def __init__(self, tokenizer, model_path: str | os.PathLike, chat_template_kwargs: dict[str, Any] | None = None):
         self.tokenizer = tokenizer
         self.model_path = str(model_path)
         self.template = get_chat_template(tokenizer, model_path)  # a TokenizeError naming the fix when missing
+        self.chat_template_kwargs = template_kwargs(tokenizer, chat_template_kwargs, model_path)
         self.backend = rust_backend(tokenizer)
 
     @classmethod
-    def load(cls, model_path: str | os.PathLike, trust_remote_code: bool = False) -> PromptRenderer:
-        return cls(load_tokenizer(model_path, trust_remote_code), model_path)
+    def load(
+        cls, model_path: str | os.PathLike, trust_remote_code: bool = False, chat_template_kwargs: dict | None = None
+    ) -> PromptRenderer:
+        return cls(load_tokenizer(model_path, trust_remote_code), model_path, chat_template_kwargs)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict] | None = None, generation: bool = False) -> str:
         """The template's text of `messages` (with the generation prompt when `generation`), as tokenize renders."""
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=generation
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation, **self.chat_template_kwargs
         )
 
     def encode(self, text: str) -> list[int]:

@@ -24,9 +24,12 @@ EMPTY_POLICIES = ("quarantine", "keep")
 SEED_RULE = "int(sha256(f'{seed}:{conversation id}')[:8], 16) & 0x7fffffff (the prepared conversation's id)"
 
 
-def data_params(section: dict[str, Any]) -> dict[str, Any]:
-    """The regenerate.* settings that decide a shard's contents: the regenerate rule's params."""
-    return {k: v for k, v in section.items() if k not in NOT_PARAMS}
+def data_params(section: dict[str, Any], chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The regenerate.* settings that decide a shard's contents: the regenerate rule's params. With them, when set,
+    tokenize.chat_template_kwargs (the prompts are rendered with them); left out at {}, so that a shard made before
+    the key existed is not re-queued (Snakemake compares params as a whole)."""
+    params = {k: v for k, v in section.items() if k not in NOT_PARAMS}
+    return {**params, "chat_template_kwargs": chat_template_kwargs} if chat_template_kwargs else params
 
 
 def job_options(params: dict[str, Any], config_section: dict[str, Any]) -> dict[str, Any]:

@@ -4,8 +4,8 @@
     quarantine.jsonl     the conversations that could not be regenerated, each with its reason (counts.REASONS)
     counts.json          rows in = kept + quarantined (checked), replies by how they ended
     timings.json         engine start, generation time, tokens/s (wall-clock facts, not in the manifest)
-    manifest.json        written last, atomically: model, tokenizer and template hashes, engine, sampling and
-                         seed rule, turn mode, thinking plan, counts, sha256 of every file
+    manifest.json        written last, atomically: model, tokenizer and template hashes, the template kwargs,
+                         engine, sampling and seed rule, turn mode, thinking plan, counts, sha256 of every file
 
 A folder without manifest.json is not finished: Snakemake's incomplete marker redoes it, from its start.
 """
@@ -84,7 +84,8 @@ def run_regenerate_job(
 
         torch.set_num_threads(threads)
     settings = Settings.from_config(options)
-    renderer = PromptRenderer.load(model_path, trust_remote_code)
+    # tokenize.chat_template_kwargs, in the options when set (settings.data_params): prompts render as tokenize does
+    renderer = PromptRenderer.load(model_path, trust_remote_code, options.get("chat_template_kwargs"))
     max_model_len = model_len(settings, model_path, max_seq_len)
     version = code_version()  # the code this shard starts with, before the engine's start-up
     t0 = time.time()
@@ -195,6 +196,7 @@ def regenerate_shard(
         "counts": counts["totals"],
         "model": model_identity(model_path, trust_remote_code),
         "tokenizer": tokenizer_identity(model_path),  # tokenizer.json and chat-template hashes
+        "chat_template_kwargs": renderer.chat_template_kwargs,  # the prompts were rendered with these too
         "engine": engine_info,
         "sampling": {**settings.sampling.to_json(), "stop_token_ids": stop_ids, "max_model_len": max_model_len},
         "policy": settings.policy_json(),

@@ -5,6 +5,7 @@ self-contained file (figures inlined), laid out for a 1,000-pixel-wide window.""
 from __future__ import annotations
 
 import html
+import json
 import math
 from typing import Any
 
@@ -165,6 +166,15 @@ def shard_table(summary) -> str:
     return _table(header, rows, text=(10,))
 
 
+def template_kwargs_cell(kwargs: dict[str, Any] | None) -> str:
+    """stats.json's chat_template_kwargs for the provenance table; None: a run made before the key existed."""
+    if kwargs is None:
+        return "not recorded"
+    if not kwargs:
+        return "none (the template's defaults)"
+    return f"<code>{esc(json.dumps(kwargs, ensure_ascii=False))}</code>"
+
+
 def provenance_table(ctx: dict[str, Any]) -> str:
     d = ctx["dataset"]
     m, tok, eng = d["model"], d["tokenizer"], d["engine"]
@@ -179,6 +189,7 @@ def provenance_table(ctx: dict[str, Any]) -> str:
         ("weights sha256", f"<code>{esc(str(m.get('weights_sha256')))}</code>"),
         ("tokenizer sha256", f"<code>{esc(str(tok.get('tokenizer_sha256')))}</code>"),
         ("chat template sha256", f"<code>{esc(str(tok.get('chat_template_sha256')))}</code>"),
+        ("chat template kwargs", template_kwargs_cell(ctx["stats"].get("chat_template_kwargs"))),
         ("loss mask from", esc(str(ctx["stats"].get("mask_source")))),
         (
             "engine",

@@ -36,6 +36,7 @@ def tokenize_conversations(
     trust_remote_code: bool = False,
     batch_size: int = BATCH_SIZE,
     workers: int = 1,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Tokenize every conversation with the target's chat template into len(out_shards) contiguous shards.
 
@@ -48,13 +49,14 @@ def tokenize_conversations(
         quarantine_path: JSONL of `Quarantined` records (reasons: no_assistant_tokens,
             template_not_prefix_stable, template_error, tool_turns_unsupported_by_template).
         max_seq_len: rows longer than this are truncated (and counted).
+        chat_template_kwargs: extra template variables for every render (tokenize.chat_template_kwargs).
 
     Returns:
         The stats dict also written to `stats_path`.
     """
     if not out_shards:
         raise TokenizeError("out_shards is empty; tokenize.num_shards must be at least 1")
-    encoder = _load_encoder(model_path, max_seq_len, template_fallback, trust_remote_code)
+    encoder = _load_encoder(model_path, max_seq_len, template_fallback, trust_remote_code, chat_template_kwargs)
     identity = tokenizer_identity(str(model_path))
 
     # Rows go to a spill file first: how many rows each shard gets is known only at the end, and
@@ -65,7 +67,7 @@ def tokenize_conversations(
     spill = spill_dir / f"{TMP_PREFIX}tokenize-spill.jsonl"
     tally = _Tally(len(encoder.id_str))
     try:
-        load_args = (model_path, template_fallback, trust_remote_code)
+        load_args = (model_path, template_fallback, trust_remote_code, encoder.chat_template_kwargs)
         _spill_rows(spill, conversations_path, encoder, max_seq_len, batch_size, workers, load_args, tally)
         shards = _write_shards(spill, out_shards, tally.seq_lens)
     finally:
@@ -77,7 +79,7 @@ def tokenize_conversations(
         raise no_rows_error(tally.quarantined, max_seq_len)
     write_jsonl(quarantine_path, (q.to_json() for q in tally.quarantined))
     write_json(token_freq_path, tally.token_freq_json())
-    stats = _stats(tally, conversations_path, model_path, max_seq_len, shards, encoder.mask_source, identity)
+    stats = _stats(tally, conversations_path, model_path, max_seq_len, shards, encoder, identity)
     faults.kill_point("tokenize.before_stats")
     write_json(stats_path, stats)
     print(
@@ -89,12 +91,14 @@ def tokenize_conversations(
     return stats
 
 
-def _load_encoder(model_path, max_seq_len: int, template_fallback: bool, trust_remote_code: bool) -> ChatEncoder:
+def _load_encoder(
+    model_path, max_seq_len: int, template_fallback: bool, trust_remote_code: bool, chat_template_kwargs=None
+) -> ChatEncoder:
     """The target's ChatEncoder, after checking max_seq_len against the model's config (an error) and the
     tokenizer's model_max_length (a warning)."""
     tokenizer = load_tokenizer(model_path, trust_remote_code)
     check_max_seq_len(max_seq_len, model_path)
-    encoder = ChatEncoder(tokenizer, model_path, template_fallback)
+    encoder = ChatEncoder(tokenizer, model_path, template_fallback, chat_template_kwargs)
     if max_seq_len > tokenizer.model_max_length:
         print(
             f"tokenize: warning: max_seq_len {max_seq_len} is above the tokenizer's model_max_length "
@@ -168,8 +172,9 @@ def _write_shards(spill: Path, out_shards: list, seq_lens: array) -> list[dict[s
     return shards
 
 
-def _stats(tally: _Tally, conversations_path, model_path, max_seq_len, shards, mask_source, identity) -> dict:
-    """stats.json: row and token counts, truncation, quarantine reasons, shards, lengths, tokenizer hashes."""
+def _stats(tally: _Tally, conversations_path, model_path, max_seq_len, shards, encoder, identity) -> dict:
+    """stats.json: row and token counts, truncation, quarantine reasons, shards, lengths, what the rows were
+    rendered with (mask source, tokenizer and template hashes, template kwargs)."""
     n_tokens, n_assistant = sum(tally.seq_lens), int(tally.token_freq.sum())
     return {
         "conversations_path": str(conversations_path),
@@ -186,10 +191,12 @@ def _stats(tally: _Tally, conversations_path, model_path, max_seq_len, shards, m
         "quarantined_total": len(tally.quarantined),
         "shards": shards,
         "seq_len": seq_len_summary(tally.seq_lens),
-        "mask_source": mask_source,
+        "mask_source": encoder.mask_source,
         # the same hashes every manifest records (provenance.tokenizer_identity), so they can be compared
         "chat_template_sha256": identity.get("chat_template_sha256"),
         "tokenizer_sha256": identity.get("tokenizer_sha256"),
+        # the template renders with these too: its hash alone does not say what was rendered
+        "chat_template_kwargs": encoder.chat_template_kwargs,
     }
 
 

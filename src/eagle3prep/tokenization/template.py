@@ -5,6 +5,9 @@ The mask is 1 exactly on assistant tokens. It comes from the chat template's `{%
 the template has them, else (tokenize.template_fallback) from the render boundary: for assistant turn i, the
 text between render(messages[:i], add_generation_prompt=True) and render(messages[:i+1]), less trailing
 whitespace (template glue such as the "\\n" after <|im_end|>). On the demo tokenizer both give the same mask.
+
+Every render gets tokenize.chat_template_kwargs (template variables such as Qwen3's enable_thinking) the way
+apply_chat_template gets keyword arguments; names the encoder passes itself are refused (template_kwargs).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3prep.config import template_kwarg_clash, template_kwargs_error
 from eagle3prep.errors import UserError
 
 # The test transformers itself uses to decide whether a template tracks generation spans.
@@ -78,6 +82,17 @@ def rust_backend(tokenizer):
     return backend
 
 
+def template_kwargs(tokenizer, kwargs: dict[str, Any] | None, model_path: str | os.PathLike) -> dict[str, Any]:
+    """tokenize.chat_template_kwargs as a new dict, or TokenizeError naming a key the encoder passes the template
+    itself: an apply_chat_template argument, or a special token of this tokenizer (some name their own)."""
+    kwargs = dict(kwargs or {})
+    for key in kwargs:
+        what = template_kwarg_clash(key, tokenizer.special_tokens_map)
+        if what:
+            raise TokenizeError(f"{model_path}: {template_kwargs_error(key, what)}")
+    return kwargs
+
+
 def choose_mask_source(template: str, template_fallback: bool, model_path: str | os.PathLike) -> str:
     """Where the loss mask comes from: "generation_markers" when the template has them, else
     "render_boundary" if tokenize.template_fallback allows it; TokenizeError otherwise."""
@@ -101,14 +116,23 @@ class ChatEncoder:
         tokenizer: a fast transformers tokenizer with a chat template.
         model_path: only for error messages.
         template_fallback: without `{% generation %}` markers, derive the mask from the render boundary.
+        chat_template_kwargs: extra template variables (tokenize.chat_template_kwargs), given to every render.
     """
 
-    def __init__(self, tokenizer, model_path: str | os.PathLike, template_fallback: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        model_path: str | os.PathLike,
+        template_fallback: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ):
         """Set up the template, the Rust tokenizer and the mask source; raise TokenizeError if no mask comes out."""
         self.tokenizer = tokenizer
         self.template = get_chat_template(tokenizer, model_path)
-        # The variables apply_chat_template hands the template (bos_token, eos_token, ...).
-        self.template_kwargs = dict(tokenizer.special_tokens_map)
+        self.chat_template_kwargs = template_kwargs(tokenizer, chat_template_kwargs, model_path)
+        # The variables apply_chat_template hands the template: the special tokens (bos_token, eos_token, ...),
+        # then its keyword arguments (none of which is a special token's name: template_kwargs refuses those).
+        self.template_kwargs = {**tokenizer.special_tokens_map, **self.chat_template_kwargs}
         self.backend = rust_backend(tokenizer)
         # str(token id) for every id: looking it up is 3x faster than formatting it, row after row.
         self.id_str = [str(i) for i in range(max(self.backend.get_vocab(with_added_tokens=True).values()) + 1)]
@@ -212,7 +236,11 @@ class ChatEncoder:
             return []
         # A batched call also renders an empty history (the prompt before an opening assistant turn).
         return self.tokenizer.apply_chat_template(
-            conversations, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversations,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **self.chat_template_kwargs,
         )
 
     def _encode_boundary(self, batch, tools: list[dict] | None = None):

@@ -14,7 +14,12 @@ _WORKER: tuple[ChatEncoder, str, int] | None = None  # a worker process's (encod
 
 
 def _init_worker(
-    conversations_path: str, max_seq_len: int, model_path, template_fallback: bool, trust_remote_code: bool
+    conversations_path: str,
+    max_seq_len: int,
+    model_path,
+    template_fallback: bool,
+    trust_remote_code: bool,
+    chat_template_kwargs: dict,
 ):
     """Set up one worker process: its own encoder, and the process settings that keep it quiet and lean."""
     global _WORKER
@@ -24,7 +29,8 @@ def _init_worker(
     # One Rust thread per worker process (unless set otherwise): the workers already fill the cores
     # (tokenize.workers is about one per core), and rayon threads on top would only contend with them.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    encoder = ChatEncoder(load_tokenizer(model_path, trust_remote_code), model_path, template_fallback)
+    tokenizer = load_tokenizer(model_path, trust_remote_code)
+    encoder = ChatEncoder(tokenizer, model_path, template_fallback, chat_template_kwargs)
     _WORKER = (encoder, conversations_path, max_seq_len)
 
 
@@ -44,7 +50,8 @@ def encode_chunks(
 ) -> Iterator[EncodedChunk]:
     """Encoded chunks in input order; with workers > 1 in worker processes, at most 2 x workers chunks in
     flight so that memory follows the chunk, not the dataset (DESIGN.md §3 says why processes).
-    `load_args` are (model_path, template_fallback, trust_remote_code), for each worker to build its encoder."""
+    `load_args` are (model_path, template_fallback, trust_remote_code, chat_template_kwargs), for each worker to
+    build its encoder."""
     if workers <= 1:
         for lines in chunks:
             yield encode_lines(encoder, conversations_path, lines, max_seq_len)
