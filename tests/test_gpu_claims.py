@@ -1,5 +1,6 @@
 """Every job that uses a GPU claims it: two jobs of each kind run at once on a fake 2-GPU host and
-must see disjoint CUDA_VISIBLE_DEVICES (extract with hf on cuda, extract with vllm, validate on cuda).
+must see disjoint CUDA_VISIBLE_DEVICES (extract with hf on cuda, extract with vllm, validate on cuda,
+regenerate).
 
 The engine is replaced by a fake that records the GPUs it was given and holds them for a moment, so
 the test needs no GPU; the claim itself (lock files, environment) is the production code.
@@ -54,6 +55,28 @@ validate.ReferencePair = Recorder
 validate.validate_shard(sys.argv[3], sys.argv[1], sys.argv[2] + ".json", sys.argv[4], sample_rows=1, device="cuda")
 """
 
+REGENERATE_JOB = """
+import json, os, sys, time
+from eagle3prep.regenerate import engine, stage
+
+class Recorder:
+    def __init__(self, *args):
+        pass
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        pass
+    def start(self):
+        json.dump({"visible": os.environ.get("CUDA_VISIBLE_DEVICES")}, open(sys.argv[2], "w"))
+        time.sleep(float(sys.argv[5]))
+        raise SystemExit(0)
+
+engine.VLLMEngine = Recorder  # run_regenerate_job imports it from there when it runs
+stage.run_regenerate_job(sys.argv[1], sys.argv[2] + ".shard", model_path=sys.argv[4], options={"tp_size": 1},
+                         trust_remote_code=False, shard=0, max_seq_len=256)
+"""
+JOBS = {"validate": VALIDATE_JOB, "regenerate": REGENERATE_JOB}
+
 
 @pytest.fixture(scope="module")
 def shard(demo_model_dir, tmp_path_factory):
@@ -65,11 +88,11 @@ def shard(demo_model_dir, tmp_path_factory):
     return tokens, root / "shard_0"
 
 
-@pytest.mark.parametrize("job", ["extract-hf", "extract-vllm", "validate"])
+@pytest.mark.parametrize("job", ["extract-hf", "extract-vllm", "validate", "regenerate"])
 def test_two_gpu_jobs_at_once_claim_disjoint_gpus(job, shard, demo_model_dir, tmp_path):
     tokens, shard_dir = shard
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(VALIDATE_JOB if job == "validate" else EXTRACT_JOB))
+    script.write_text(textwrap.dedent(JOBS.get(job, EXTRACT_JOB)))
     target = str(shard_dir) if job == "validate" else job.removeprefix("extract-")
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     env.update(EAGLE3PREP_NUM_GPUS="2", EAGLE3PREP_GPU_LOCK_DIR=str(tmp_path / "locks"))
