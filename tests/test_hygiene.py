@@ -34,3 +34,32 @@ def test_trust_remote_code_defaults_to_false_and_reaches_every_model_loading_rul
         text = (REPO / "rules" / f"{rule}.smk").read_text(encoding="utf-8")
         assert 'trust_remote_code=config["model"]["trust_remote_code"]' in text, rule
     # That it is recorded in each shard manifest: test_corruption.py::test_good_shard_passes_every_check.
+
+
+def test_no_module_of_the_package_scripts_or_benches_is_over_400_lines():
+    """One concern a module (DESIGN.md §1): a file past 400 lines is split, not grown."""
+    long = {
+        str(p.relative_to(REPO)): n
+        for folder in ("src", "scripts", "bench")
+        for p in (REPO / folder).rglob("*.py")
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > 400
+    }
+    assert not long, long
+
+
+def test_nothing_cites_a_file_outside_the_repository():
+    """Facts from outside are copied in with their public source; a path beside the checkout means nothing
+    to a reader of this repository."""
+    outside = re.compile(r"\.\./shared/|\bresearch/[\w-]+\.md")
+    cited = [
+        f"{p.relative_to(REPO)}:{i}"
+        for folder in ("src", "scripts", "bench", "rules", "tests", "docs", "config", "envs")
+        for p in (REPO / folder).rglob("*")
+        if p.is_file() and p.suffix in {".py", ".smk", ".md", ".yaml", ".txt", ".sh"} and "runs" not in p.parts
+        for i, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+        if outside.search(line) and p.name != "test_hygiene.py"
+    ]
+    cited += [f"{name}:{i}" for name in ("README.md", "Makefile", "Snakefile")
+              for i, line in enumerate((REPO / name).read_text(encoding="utf-8").splitlines(), 1)
+              if outside.search(line)]  # fmt: skip
+    assert not cited, cited
