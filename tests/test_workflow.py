@@ -201,8 +201,11 @@ def test_the_same_command_heals_deleted_damaged_interrupted_and_failed_shards(tm
            "EAGLE3PREP_KILL_SCOPE": "interrupt"}  # fmt: skip
     log = wd / "logs/extract/shard_2.log"
     log.unlink()  # the copied run's
+    # SIGINT at its default, as under a terminal: a shell without job control (a background `cmd &` in a script)
+    # starts its children with SIGINT ignored, and then neither Snakemake nor the job would see this Ctrl-C.
     proc = subprocess.Popen(cmd, cwd=wd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode != 0 and "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
     # The job prints its line into its log; Snakemake echoes a failed job's log only when it is still
