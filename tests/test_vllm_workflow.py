@@ -33,8 +33,10 @@ def test_workflow_with_vllm_backend(tmp_path):
     }
     wd = make_workdir(tmp_path, config)
     target = ("results/validation/shard_0.json", "--resources", "gpu=0")
-    records = tmp_path / "locks" / "shm"  # where the job records its engine's shared memory (shm.py)
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "EAGLE3PREP_GPU_LOCK_DIR": str(tmp_path / "locks")}
+    locks = tmp_path.parent / f"{tmp_path.name}-locks"  # beside the workdir: no stray folder in it
+    records = locks / "shm"  # where the job records its engine's shared memory (shm.py)
+    # vLLM's default multiprocess engine, as users run it: its message queues are what a SIGKILL leaves in /dev/shm.
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "EAGLE3PREP_GPU_LOCK_DIR": str(locks)}
     # First a node crash in the middle of the shard: SIGKILL to Snakemake, the job and vLLM's engine
     # processes, while the worker holds half-written layer files.
     killed = snakemake(

@@ -91,7 +91,10 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
-        fixes = compat.engine_workarounds(version, on_cpu, facts.architectures, disabled=compat.workarounds_disabled())
+        fixes = compat.engine_workarounds(
+            version, on_cpu, facts.architectures, disabled=compat.workarounds_disabled(),
+            dtype=self.options.get("dtype", "bfloat16"),
+        )  # fmt: skip
         if fixes.refusal:
             raise EngineError(fixes.refusal)
         for line in fixes.log_lines:

