@@ -92,26 +92,16 @@ def _coerce_strings(instance: Any, schema: dict[str, Any]) -> Any:
 
 
 def _coerce_template_kwargs(config: dict[str, Any]) -> None:
-    """tokenize.chat_template_kwargs with every string that reads as true/false/null or a number taken as that:
-    the command line gives each nested value as a string, and a template reads the string "false" as true."""
+    """tokenize.chat_template_kwargs with each string read as the null, boolean or number it spells, by the rule
+    every other command-line value follows (_coerce_scalar): the command line gives nested values as strings, and
+    a template reads the string "false" as true."""
 
     def coerce(value: Any) -> Any:
         if isinstance(value, dict):
             return {k: coerce(v) for k, v in value.items()}
         if isinstance(value, list):
             return [coerce(v) for v in value]
-        if not isinstance(value, str):
-            return value
-        low = value.strip().lower()
-        if low in ("true", "false"):
-            return low == "true"
-        if low in ("null", "~"):
-            return None
-        if re.fullmatch(r"[-+]?\d+", low):
-            return int(low)
-        if re.fullmatch(r"[-+]?(\d+\.\d*|\.\d+|\d+)(e[-+]?\d+)?", low):
-            return float(low)
-        return value
+        return _coerce_scalar(value, ["null", "boolean", "number"]) if isinstance(value, str) else value
 
     tokenize = config.get("tokenize")
     if isinstance(tokenize, dict) and isinstance(tokenize.get("chat_template_kwargs"), dict):
