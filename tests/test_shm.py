@@ -117,3 +117,10 @@ def test_forget_after_a_clean_shutdown_and_no_record_without_segments(holders, r
     assert not path.exists()
     kill(proc)
     unlink(name)
+
+
+def test_a_damaged_record_is_dropped_without_an_error(records):
+    records.mkdir(parents=True)
+    for i, text in enumerate(["{not json", '{"segments": ["psm_x"]}', '{"pid": "x", "segments": []}', "[1]"]):
+        (records / f"{i}.json").write_text(text)
+    assert shm.sweep() == [] and not list(records.glob("*.json"))

@@ -84,7 +84,7 @@ def forget_engine(pid: int | None = None) -> None:
 
 
 def _record_alive(record: dict) -> bool:
-    started = _start_time(int(record["pid"]))
+    started = _start_time(record["pid"])
     return started is not None and (record.get("started") is None or abs(started - record["started"]) < 1.0)
 
 
@@ -97,16 +97,17 @@ def sweep(log: Callable[[str], None] | None = None) -> list[str]:
     for path in records:
         try:
             record = json.loads(path.read_text())
-        except (OSError, ValueError):
+            record["pid"], record["segments"] = int(record["pid"]), [str(n) for n in record.get("segments", [])]
+        except (OSError, ValueError, TypeError, KeyError):
             with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)  # unreadable: it cannot say what to remove
+                path.unlink(missing_ok=True)  # unreadable or not a record: it cannot say what to remove
             continue
         if _record_alive(record):
             continue
         if in_use is None:
             in_use = mapped_segments(_all_pids())
         freed, count, kept = 0, 0, []
-        for name in record.get("segments", []):
+        for name in record["segments"]:
             segment = SHM_DIR / name
             if not name.startswith(PREFIX) or "/" in name or not segment.exists():
                 continue
