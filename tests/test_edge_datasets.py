@@ -3,7 +3,7 @@ record quarantined, an empty file, a file of blank lines), and fewer conversatio
 
 Nothing kept stops the run in the tokenize job with one line naming the sources and prepare's quarantine file,
 which stays on disk (a failed prepare job would lose it). Fewer rows than shards gives empty shards that are
-captured, validated, reported, exported and loaded like the others.
+written without an engine, validated, reported, exported and loaded like the others.
 """
 
 from __future__ import annotations
@@ -133,6 +133,7 @@ def test_fewer_rows_than_shards_makes_empty_shards_that_validate(few_rows_run):
     manifests = [json.loads((res / f"hidden_states/shard_{k}/manifest.json").read_text()) for k in range(3)]
     assert [(m["rows"], m["row_range"]) for m in manifests] == [(1, [0, 1]), (1, [1, 2]), (0, [0, 0])]
     assert [m["tokens"] for m in manifests] == [rows[0]["seq_len"] for rows in tokenized[:2]] + [0]
+    assert [m["engine"]["capture_path"] for m in manifests] == ["hf_hooks", "hf_hooks", "none (no rows)"]
     empty = res / "hidden_states/shard_2"
     assert load_file(empty / "layer_8.safetensors")["hidden_states"].shape == (0, H)
     assert load_file(empty / "token_ids.safetensors")["token_ids"].shape == (0,)
@@ -147,6 +148,7 @@ def test_fewer_rows_than_shards_makes_empty_shards_that_validate(few_rows_run):
 
     dataset = json.loads((res / "report/dataset_manifest.json").read_text())
     assert dataset["rows"] == 2 and [s["rows"] for s in dataset["shards"]] == [1, 1, 0]
+    assert dataset["engine"] == manifests[0]["engine"]  # the engine that captured rows
     assert dataset["prepare"]["kept"] == 2 and dataset["tokenize"]["rows"] == 2
     summary = list(csv.DictReader((res / "report/summary.csv").read_text().splitlines()))
     assert [(r["shard"], r["rows"], r["validation_ok"]) for r in summary] == [
@@ -182,6 +184,6 @@ def test_plan_names_the_empty_shards(few_rows_run, tmp_path):
     wd = shutil.copytree(few_rows_run, tmp_path / "wd", symlinks=True, ignore=shutil.ignore_patterns(".snakemake"))
     snakemake(wd, "plan")
     assert (
-        "empty shards: 1 of 3 hold no rows (2 rows for 3 shards); they validate, but each extract job still "
-        "starts the engine, so set tokenize.num_shards to 2 or fewer"
+        "empty shards: 1 of 3 hold no rows (2 rows for 3 shards); they start no engine and validate, but each "
+        "is still a job; set tokenize.num_shards to 2 or fewer to avoid them"
     ) in (wd / "results/plan/plan.txt").read_text()

@@ -36,8 +36,8 @@ def test_empty_shards_are_named_with_the_shard_count_that_avoids_them(tmp_path):
     plan = make_plan(sizes, 4, 128, "bfloat16", tmp_path)
     assert plan["empty_shards"] == [2, 3]
     assert (
-        "empty shards: 2 of 4 hold no rows (2 rows for 4 shards); they validate, but each extract job still "
-        "starts the engine, so set tokenize.num_shards to 2 or fewer"
+        "empty shards: 2 of 4 hold no rows (2 rows for 4 shards); they start no engine and validate, but each "
+        "is still a job; set tokenize.num_shards to 2 or fewer to avoid them"
     ) in format_plan(plan)
     assert make_plan(SIZES, 4, 128, "bfloat16", tmp_path)["empty_shards"] == []
     assert "empty shards" not in format_plan(make_plan(SIZES, 4, 128, "bfloat16", tmp_path))

@@ -20,6 +20,7 @@ from . import faults
 from .atomic import remove_stale_temps, sha256_file, write_json
 from .backends import make_backend
 from .backends.base import CaptureBackend, CaptureSpec
+from .backends.empty import EmptyShardBackend
 from .gpus import claim_job_gpus
 from .layers import CONVENTION, check_layer_ids, resolve_layer_ids
 from .model_facts import ModelFacts, require_hidden_size
@@ -123,7 +124,8 @@ def extract_shard(
     engine: tuple[CaptureBackend, EngineInfo] | None = None,
 ) -> ShardManifest:
     """Capture one shard: refuse early (layer ids, disk), claim GPUs, start the engine, stream the
-    rows. `engine` = (backend, probe info) already running: left open, no GPUs claimed here."""
+    rows. `engine` = (backend, probe info) already running: left open, no GPUs claimed here. A shard
+    without rows starts no engine."""
     import torch
 
     if threads:  # the job's Snakemake `threads`; also keeps CPU results independent of the host's core count
@@ -145,7 +147,10 @@ def extract_shard(
     faults.kill_point("extract.model_load", shard=shard)
     claim_record = None
     with contextlib.ExitStack() as stack:
-        if engine is None:
+        if engine is None and not index:  # more shards than rows: files of shape [0, H], no engine, no GPU
+            backend = EmptyShardBackend(spec, options, facts, hidden)
+            info = backend.probe()
+        elif engine is None:
             claim = stack.enter_context(claim_job_gpus(spec.gpus()))  # before the engine reads CUDA_VISIBLE_DEVICES
             claim_record = claim.record()
             spec.extra["output_dir"] = str(out)  # vLLM's built-in path stages per-request files here

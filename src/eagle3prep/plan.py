@@ -154,8 +154,8 @@ def format_plan(plan: dict[str, Any], num_shards_key: str = "tokenize.num_shards
     if plan["empty_shards"]:
         lines.append(
             f"empty shards: {len(plan['empty_shards'])} of {plan['num_shards']} hold no rows ({plan['rows']:,} rows "
-            f"for {plan['num_shards']} shards); they validate, but each extract job still starts the engine, so "
-            f"set {num_shards_key} to {max(plan['rows'], 1)} or fewer"
+            f"for {plan['num_shards']} shards); they start no engine and validate, but each is still a job; "
+            f"set {num_shards_key} to {max(plan['rows'], 1)} or fewer to avoid them"
         )
     mem = plan.get("validation_memory")
     if mem and "error" not in mem:

@@ -22,6 +22,7 @@ from typing import Any
 
 from eagle3prep import faults
 from eagle3prep.atomic import atomic_open, remove_stale_temps, sha256_file, write_json
+from eagle3prep.backends.empty import engine_version
 from eagle3prep.errors import UserError
 from eagle3prep.gpus import claim_job_gpus
 from eagle3prep.model_facts import ModelFacts
@@ -89,6 +90,12 @@ def run_regenerate_job(
     max_model_len = model_len(settings, model_path, max_seq_len)
     version = code_version()  # the code this shard starts with, before the engine's start-up
     t0 = time.time()
+    if shard_entry(prompts_shard)["rows"] == 0:  # more shards than conversations: no engine for no request
+        return regenerate_shard(
+            prompts_shard, out_dir, _NoRequests(), renderer, settings,
+            max_model_len=max_model_len, engine_info={**NO_ENGINE, "engine_version": engine_version("vllm")},
+            model_path=model_path, trust_remote_code=trust_remote_code, shard=shard, code=version, started={"t0": t0},
+        )  # fmt: skip
     with (
         claim_job_gpus(int(options.get("tp_size", 1))),  # before vLLM reads CUDA_VISIBLE_DEVICES
         VLLMEngine(
@@ -102,6 +109,25 @@ def run_regenerate_job(
             trust_remote_code=trust_remote_code, shard=shard, code=version,
             started={"t0": t0, **engine.volatile},
         )  # fmt: skip
+
+
+NO_ENGINE = {"engine": "vllm", "engine_started": False}  # an empty shard's manifest entry (+ the version)
+
+
+class _NoRequests:
+    """The engine of a shard without conversations: the runner never calls it."""
+
+    def add(self, request_id: str, prompt_ids: list[int], seed: int) -> None:
+        raise RuntimeError("regenerate: a shard without conversations sent a request")
+
+    def step(self) -> list:
+        raise RuntimeError("regenerate: a shard without conversations stepped the engine")
+
+    def has_unfinished(self) -> bool:
+        return False
+
+    def abort(self, request_ids: list[str]) -> None:
+        pass
 
 
 def read_shard(path: str | os.PathLike, first_line: int) -> Iterator[tuple[int, dict[str, Any]]]:

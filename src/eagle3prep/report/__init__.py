@@ -92,7 +92,9 @@ def _dataset_manifest(shard_dirs, manifests, summary, counts, stats, reports) ->
             k: getattr(first, k)
             for k in ("layer_ids", "layer_id_convention", "num_hidden_layers", "hidden_size", "dtype")
         },
-        **{k: getattr(first, k) for k in ("model", "tokenizer", "engine")},
+        **{k: getattr(first, k) for k in ("model", "tokenizer")},
+        # The engine that captured rows: an empty shard (more shards than rows) starts none.
+        "engine": next((m.engine for m in manifests if m.rows), first.engine),
         "rows": int(summary["rows"].sum()),
         "tokens": int(summary["tokens"].sum()),
         "bytes": int(summary["bytes"].sum()),

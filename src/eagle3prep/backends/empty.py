@@ -1,0 +1,67 @@
+"""The backend of a shard without rows (more shards than rows): the same files, shape [0, H], no engine.
+
+Starting vLLM or transformers for zero rows costs minutes of a GPU job and proves nothing; the shard's
+shape comes from the model's config.json, which the extract job has read already.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..shard.format import EngineInfo
+from ..shard.sink import LayerSink
+from .base import CaptureBackend, CaptureSpec
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from ..model_facts import ModelFacts
+    from ..shard.sink import SinkSpec
+
+CAPTURE_PATH = "none (no rows)"
+
+
+def engine_version(backend: str) -> str:
+    """The installed version of the engine `backend` would have started, without starting it: an empty
+    shard's manifest names the same engine as its neighbours'."""
+    if backend == "vllm":
+        from .vllm.compat import installed_version
+
+        try:
+            return installed_version()
+        except ImportError:
+            return "not installed"
+    import transformers
+
+    return transformers.__version__
+
+
+class EmptyShardBackend(CaptureBackend):
+    name = "empty"
+
+    def __init__(self, spec: CaptureSpec, options: dict[str, Any], facts: ModelFacts, hidden_size: int):
+        super().__init__(spec, options)
+        self.facts, self.hidden_size = facts, hidden_size
+
+    def probe(self) -> EngineInfo:
+        return EngineInfo(
+            engine="transformers" if self.spec.backend == "hf" else self.spec.backend,
+            engine_version=engine_version(self.spec.backend),
+            capture_path=CAPTURE_PATH,
+            tp_size=self.spec.tp_size if self.spec.backend == "vllm" else 1,
+            dtype=self.spec.dtype,
+            num_hidden_layers=self.facts.num_hidden_layers,
+            hidden_size=self.hidden_size,
+            final_layer_reachable=True,  # nothing was captured: no layer was out of reach
+            details={"engine_started": False},
+        )
+
+    def capture_shard(self, batches: Iterator[list[list[int]]], sink: SinkSpec) -> dict[int, dict[str, Any]]:
+        if next(batches, None) is not None:
+            raise RuntimeError("EmptyShardBackend was given rows; it only writes shards without rows")
+        out = LayerSink(sink)
+        try:
+            return out.finish()
+        except BaseException:
+            out.abort()
+            raise
