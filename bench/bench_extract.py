@@ -12,7 +12,9 @@ Each phase runs in its own process (one engine at a time, clean GPU memory, its 
       shard format: a uniform workload at two sizes (half, full: host RSS must not grow with the
       shard) and a mixed-length workload (200-4096 tokens);
   (c) transformers `output_hidden_states`, the same layers copied to host and written as the same files;
-  (d) vLLM's built-in extract_hidden_states + ExampleHiddenStatesConnector as is, files to /dev/shm.
+  (d) vLLM's built-in extract_hidden_states + ExampleHiddenStatesConnector as is, files to /dev/shm;
+  (e) (a) as vLLM starts by default, torch.compile and CUDA graphs on (not in the default --phases):
+      (a) and (b) are eager, since the hooks path is; a/e and b/e say what that costs.
 Then the ratios b/a, b/c, b/d, b's model-FLOP utilisation against 790 TFLOP/s (bf16 dense peak of
 an H200 as measured on the lent machine), bytes written per second, peak host RSS, and the disk's
 own sequential write speed measured in the same run.

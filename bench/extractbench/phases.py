@@ -90,6 +90,20 @@ def phase_a(args, model: Path, work: dict) -> dict:
     return out
 
 
+def phase_e(args, model: Path, work: dict) -> dict:
+    """(e) plain vLLM prefill as vLLM starts by default: (a) with torch.compile and CUDA graphs on. (a) is
+    eager because (b)'s hooks path is; (e) says what eager costs against what a user's own prefill runs."""
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(**{**engine_kwargs(args, model), "enforce_eager": False})
+    out = {"engine_start_s": time.perf_counter() - t0}
+    for name in ("uniform", "mixed"):
+        tokens = sum(map(len, work[name]))
+        out[name] = {"tokens": tokens, "tokens_per_s": tokens / timed_generate(llm, work[name])}
+    return out
+
+
 def phase_d(args, model: Path, work: dict) -> dict:
     """(d) vLLM's extract_hidden_states with its example connector as shipped, files to /dev/shm; the
     time runs until every file's writer has let go of its lock."""
@@ -272,4 +286,4 @@ def phase_c(args, model: Path, work: dict) -> dict:
     return out
 
 
-PHASES = {"a": phase_a, "b": phase_b, "c": phase_c, "d": phase_d}
+PHASES = {"a": phase_a, "b": phase_b, "c": phase_c, "d": phase_d, "e": phase_e}

@@ -20,11 +20,23 @@ def print_report(args, results: dict, disk_before: tuple, disk_after: tuple, str
         print_phase_b(args, b)
         print_disk(results, b, disk_before, disk_after, streams)
         print_writers(b)
-    for p in "abcd":
+    print_compiled(results)
+    for p in "abcde":
         if p in results:
             print(f"engine start ({p}): {results[p]['engine_start_s']:.1f} s")
     if b:
         print_shard_size(b)
+
+
+def print_compiled(results: dict) -> None:
+    """(e), vLLM's default compiled prefill, against the eager (a) and (b)."""
+    if "e" not in results:
+        return
+    for w in ("uniform", "mixed"):
+        e = results["e"][w]["tokens_per_s"]
+        parts = [f"(e) compiled {e:,.0f} tok/s"]
+        parts += [f"{p}/e {results[p][w]['tokens_per_s'] / e:.2f}" for p in "ab" if p in results]
+        print(f"{w}, against vLLM's default (compiled, CUDA graphs): " + ", ".join(parts))
 
 
 def print_table(args, results: dict) -> None:
