@@ -90,7 +90,7 @@ def run_regenerate_job(
     max_model_len = model_len(settings, model_path, max_seq_len)
     version = code_version()  # the code this shard starts with, before the engine's start-up
     t0 = time.time()
-    if shard_entry(prompts_shard)["rows"] == 0:  # more shards than conversations: no engine for no request
+    if os.path.getsize(prompts_shard) == 0:  # more shards than conversations: no engine for no request
         return regenerate_shard(
             prompts_shard, out_dir, _NoRequests(), renderer, settings,
             max_model_len=max_model_len, engine_info={**NO_ENGINE, "engine_version": engine_version("vllm")},
