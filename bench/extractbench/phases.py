@@ -76,12 +76,13 @@ def timed_generate(llm, rows: list[list[int]]) -> float:
     return time.perf_counter() - t0
 
 
-def phase_a(args, model: Path, work: dict) -> dict:
-    """(a) plain vLLM prefill, no capture: the engine start and tokens/s per workload."""
+def phase_a(args, model: Path, work: dict, **engine) -> dict:
+    """(a) plain vLLM prefill, no capture: the engine start and tokens/s per workload. `engine`: LLM()
+    arguments over engine_kwargs (phase (e))."""
     from vllm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(args, model))
+    llm = LLM(**{**engine_kwargs(args, model), **engine})
     start = time.perf_counter() - t0
     out = {"engine_start_s": start}
     for name in ("uniform", "mixed"):
@@ -93,15 +94,7 @@ def phase_a(args, model: Path, work: dict) -> dict:
 def phase_e(args, model: Path, work: dict) -> dict:
     """(e) plain vLLM prefill as vLLM starts by default: (a) with torch.compile and CUDA graphs on. (a) is
     eager because (b)'s hooks path is; (e) says what eager costs against what a user's own prefill runs."""
-    from vllm import LLM
-
-    t0 = time.perf_counter()
-    llm = LLM(**{**engine_kwargs(args, model), "enforce_eager": False})
-    out = {"engine_start_s": time.perf_counter() - t0}
-    for name in ("uniform", "mixed"):
-        tokens = sum(map(len, work[name]))
-        out[name] = {"tokens": tokens, "tokens_per_s": tokens / timed_generate(llm, work[name])}
-    return out
+    return phase_a(args, model, work, enforce_eager=False)
 
 
 def phase_d(args, model: Path, work: dict) -> dict:

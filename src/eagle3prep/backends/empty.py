@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..provenance import engine_version
 from ..shard.format import EngineInfo
 from ..shard.sink import LayerSink
 from .base import CaptureBackend, CaptureSpec
@@ -19,21 +20,6 @@ if TYPE_CHECKING:
     from ..shard.sink import SinkSpec
 
 CAPTURE_PATH = "none (no rows)"
-
-
-def engine_version(backend: str) -> str:
-    """The installed version of the engine `backend` would have started, without starting it: an empty
-    shard's manifest names the same engine as its neighbours'."""
-    if backend == "vllm":
-        from .vllm.compat import installed_version
-
-        try:
-            return installed_version()
-        except ImportError:
-            return "not installed"
-    import transformers
-
-    return transformers.__version__
 
 
 class EmptyShardBackend(CaptureBackend):
