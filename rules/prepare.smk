@@ -15,5 +15,8 @@ rule prepare:
     params:
         sources=config["data"]["sources"],
         max_line_bytes=config["data"]["max_line_bytes"],
+        # data.allow_no_user_turn only when true: a key added after runs existed, so a run made before it is
+        # not re-queued (config.LATER_KEYS says why)
+        **({"allow_no_user_turn": True} if config["data"]["allow_no_user_turn"] else {}),
     script:
         "../scripts/prepare.py"

@@ -14,5 +14,6 @@ with one_line_errors():
         snakemake.output.quarantine,
         snakemake.output.counts,
         max_line_bytes=int(snakemake.params.max_line_bytes),
+        allow_no_user_turn=bool(getattr(snakemake.params, "allow_no_user_turn", False)),  # a param only when true
     )
     print(summarize(counts), file=sys.stderr)

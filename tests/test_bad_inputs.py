@@ -332,3 +332,25 @@ def test_cli_what_the_model_config_decides_fails_the_dry_run_in_one_line(overrid
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert error_lines(proc.stderr) == [message.format(model=demo_model_dir)]
     assert not (wd / "results").exists()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("allow", [False, True], ids=["default", "allow_no_user_turn"])
+def test_cli_a_conversation_without_a_user_turn(tmp_path, allow):
+    # Issue #24: prepare kept it ("3 rows in, 3 kept"), and tokenize made a row of an assistant turn answering
+    # nobody. data.allow_no_user_turn (completion-style data) reaches the prepare job as a rule param.
+    data = {"sources": ["no_user_turn.jsonl"], **({"allow_no_user_turn": True} if allow else {})}
+    wd = make_workdir(tmp_path, cli_config(data=data))
+    no_user = json.dumps({"messages": [{"role": "assistant", "content": "I start."}]})
+    (wd / "no_user_turn.jsonl").write_text("\n".join([good_line(1), no_user, good_line(3)]) + "\n")
+    snakemake(wd, "results/prepared/counts.json")
+    totals = json.loads((wd / "results" / "prepared" / "counts.json").read_text())["totals"]
+    log = (wd / "logs" / "prepare.log").read_text()
+    if allow:
+        assert (totals["kept"], totals["quarantined_total"]) == (3, 0)
+        assert "3 rows in, 3 kept, 0 duplicates, 0 quarantined" in log
+    else:
+        assert (totals["kept"], totals["quarantined"]["no_user_turn"]) == (2, 1)
+        assert "3 rows in, 2 kept, 0 duplicates, 1 quarantined (no_user_turn 1)" in log
+        quarantine = (wd / "results" / "prepared" / "quarantine.jsonl").read_text().splitlines()
+        assert [(q["line"], q["reason"]) for q in map(json.loads, quarantine)] == [(2, "no_user_turn")]

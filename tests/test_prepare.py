@@ -165,6 +165,10 @@ BAD_RECORDS = {
         {"messages": [{"role": "system", "content": "a"}, *openai(system="b")["messages"]]},
     ],
     "no_assistant_turn": [{"messages": [{"role": "user", "content": "q"}]}, {"messages": []}],
+    "no_user_turn": [
+        {"messages": [{"role": "assistant", "content": "I start."}]},
+        {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "gpt", "value": "I start."}]},
+    ],
 }
 
 
@@ -230,6 +234,50 @@ def test_sharegpt_function_call_and_observation_turns_match_the_openai_shape():
     # The tools are part of the conversation's identity; a record without tools keeps its old id.
     plain = normalize(openai())
     assert conversation_id(plain, None) == conversation_id(plain) != conversation_id(plain, [{"name": "x"}])
+
+
+# An assistant turn that answers nobody (issue #24): prepare kept it, and tokenize made it a training row.
+GREETING_FIRST = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "assistant", "content": "Hello! Ask me anything."},
+        {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": "Hi."},
+    ]
+}
+TOOLS_ONLY = {
+    "messages": [
+        {"role": "assistant", "content": "", "tool_calls": [WEATHER_CALL]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+}
+
+
+def test_a_conversation_without_a_user_turn_is_quarantined_as_no_user_turn(tmp_path, run):
+    rows = [openai(), *BAD_RECORDS["no_user_turn"], TOOLS_ONLY, GREETING_FIRST]
+    src = write_jsonl(tmp_path / "a.jsonl", rows)
+    counts, convs, quar = run([src])
+    assert [(q["line"], q["reason"]) for q in quar] == [(2, "no_user_turn"), (3, "no_user_turn"), (4, "no_user_turn")]
+    assert quar[0]["detail"] == (
+        "none of the 1 messages is from the user (roles: assistant); "
+        "set data.allow_no_user_turn: true if the dataset is completion-style"
+    )
+    assert quar[1]["detail"].startswith("none of the 2 messages is from the user (roles: assistant, system)")
+    # A greeting before the user's first message answers the system prompt, as a served model may: kept.
+    assert [c["source"] for c in convs] == [f"{src}:1", f"{src}:5"]
+    assert "5 rows in, 2 kept, 0 duplicates, 3 quarantined (no_user_turn 3)" in summarize(counts)
+
+
+def test_allow_no_user_turn_keeps_completion_style_records_and_nothing_else(tmp_path, run):
+    no_assistant = BAD_RECORDS["no_assistant_turn"][0]
+    src = write_jsonl(tmp_path / "a.jsonl", [openai(), *BAD_RECORDS["no_user_turn"], no_assistant])
+    counts, convs, quar = run([src], allow_no_user_turn=True)
+    assert len(convs) == 3 and [(q["line"], q["reason"]) for q in quar] == [(4, "no_assistant_turn")]
+    assert convs[1]["messages"] == [{"role": "assistant", "content": "I start."}]
+    # Prompt-only records (regenerate on): the regenerate stage quarantines them as no_user_turn itself.
+    counts, convs, quar = run([src], allow_prompt_only=True)
+    assert len(convs) == 4 and quar == []
 
 
 # ------------------------------------------------------------------------------------ stage, JSONL
@@ -514,3 +562,27 @@ def test_snakemake_script(tmp_path, monkeypatch):
     assert len(read_jsonl(out / "c.jsonl")) == 1 and len(read_jsonl(out / "q.jsonl")) == 1
     log = (tmp_path / "prepare.log").read_text()
     assert "2 rows in, 1 kept, 0 duplicates, 1 quarantined (invalid_json 1)" in log
+
+
+@pytest.mark.parametrize("allow", [None, True], ids=["param_absent", "allow_no_user_turn"])
+def test_snakemake_script_passes_allow_no_user_turn(tmp_path, monkeypatch, allow):
+    # The rule passes the param only when it is true (rules/prepare.smk): absent means false.
+    src = write_jsonl(tmp_path / "a.jsonl", [openai(), BAD_RECORDS["no_user_turn"][0]])
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
+    params = {"sources": [str(src)], "max_line_bytes": 1 << 20}
+    smk = SimpleNamespace(
+        input=[str(src)],
+        output=SimpleNamespace(
+            conversations=str(out / "c.jsonl"), quarantine=str(out / "q.jsonl"), counts=str(out / "n.json")
+        ),
+        params=SimpleNamespace(**params, **({"allow_no_user_turn": allow} if allow else {})),
+        log=[str(tmp_path / "prepare.log")],
+    )
+    runpy.run_path(str(ROOT / "scripts" / "prepare.py"), init_globals={"snakemake": smk})
+    sys.stderr.close()
+    log = (tmp_path / "prepare.log").read_text()
+    if allow:
+        assert "2 rows in, 2 kept, 0 duplicates, 0 quarantined" in log
+    else:
+        assert "2 rows in, 1 kept, 0 duplicates, 1 quarantined (no_user_turn 1)" in log

@@ -19,6 +19,7 @@ REASONS = (
     "non_text_content",  # a list of parts with a non-text part (image, audio, ...)
     "misplaced_system",  # a system message anywhere but first
     "no_assistant_turn",  # no assistant message at all
+    "no_user_turn",  # no user message at all: the replies answer nobody (kept with data.allow_no_user_turn)
 )
 
 

@@ -34,15 +34,26 @@ TOOL_CALL_ROLES = ("function_call", "tool_call", "tool_calls")
 SHAPES = {"messages": ("role", "content"), "conversations": ("from", "value")}
 
 
-def normalize(record: Any, allow_prompt_only: bool = False) -> list[dict[str, str]]:
+def normalize(record: Any, allow_prompt_only: bool = False, allow_no_user_turn: bool = False) -> list[dict[str, str]]:
     """Return the normalized messages of one raw record, or raise Rejected with a REASONS reason.
-    `allow_prompt_only`: keep a record without an assistant message (the regenerate stage writes the replies)."""
+    `allow_prompt_only`: keep a record without an assistant message (the regenerate stage writes the replies),
+    or without a user message (that stage quarantines it as no_user_turn itself).
+    `allow_no_user_turn`: keep a record without a user message (completion-style data, data.allow_no_user_turn)."""
     key, raw_messages = _container(record)
     role_keys = (SHAPES[key][0], *(r for r, _ in SHAPES.values() if r != SHAPES[key][0]))
     content_keys = (SHAPES[key][1], *(c for _, c in SHAPES.values() if c != SHAPES[key][1]))
     messages = [_message(m, i, f"{key}[{i}]", role_keys, content_keys) for i, m in enumerate(raw_messages)]
     if not allow_prompt_only and not any(m["role"] == "assistant" for m in messages):
         raise Rejected("no_assistant_turn", f"none of the {len(messages)} messages is from the assistant")
+    # Only a conversation with no user message at all: a greeting before the first one answers the system
+    # prompt, as a served model may open (the regenerate stage draws the same line).
+    if not (allow_prompt_only or allow_no_user_turn) and not any(m["role"] == "user" for m in messages):
+        roles = ", ".join(sorted({m["role"] for m in messages}))
+        raise Rejected(
+            "no_user_turn",
+            f"none of the {len(messages)} messages is from the user (roles: {roles}); "
+            "set data.allow_no_user_turn: true if the dataset is completion-style",
+        )
     return messages
 
 

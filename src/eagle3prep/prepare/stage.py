@@ -24,6 +24,7 @@ def prepare(
     out_counts: str | os.PathLike,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     allow_prompt_only: bool = False,
+    allow_no_user_turn: bool = False,
 ) -> dict[str, Any]:
     """Read every source, write conversations / quarantine JSONL and counts JSON; return the counts.
 
@@ -35,6 +36,8 @@ def prepare(
         max_line_bytes: a longer JSONL line is quarantined as "line_too_long" without being parsed.
         allow_prompt_only: keep records without an assistant message instead of quarantining them as
             "no_assistant_turn" (only when the regenerate stage writes the replies).
+        allow_no_user_turn: keep records without a user message instead of quarantining them as
+            "no_user_turn" (data.allow_no_user_turn: completion-style data).
     """
     sources = [os.fspath(s) for s in sources]
     files = expand_sources(sources)
@@ -43,7 +46,7 @@ def prepare(
         atomic_open(out_conversations, "w", encoding="utf-8") as conv_f,
         atomic_open(out_quarantine, "w", encoding="utf-8") as quar_f,
     ):
-        out = _Outputs(conv_f, quar_f, allow_prompt_only)
+        out = _Outputs(conv_f, quar_f, allow_prompt_only, allow_no_user_turn)
         per_file = [_prepare_file(path, reader, out) for path, reader in zip(files, readers, strict=True)]
         counts = counts_json(sources, max_line_bytes, per_file, out.duplicate_rows)
         check_invariant(counts, out.written)
@@ -71,6 +74,7 @@ class _Outputs:
     conv_f: TextIO
     quar_f: TextIO
     allow_prompt_only: bool = False
+    allow_no_user_turn: bool = False
     seen: set[bytes] = field(default_factory=set)  # sha256 digests of kept conversations (32 bytes each)
     duplicate_rows: list[dict[str, Any]] = field(default_factory=list)
     written: dict[str, int] = field(default_factory=lambda: {"conversations": 0, "quarantine": 0})
@@ -80,7 +84,7 @@ class _Outputs:
         try:
             if raw.reason is not None:
                 raise Rejected(raw.reason, raw.detail)
-            messages = normalize(raw.record, self.allow_prompt_only)
+            messages = normalize(raw.record, self.allow_prompt_only, self.allow_no_user_turn)
             tools = normalize_tools(raw.record)
         except Rejected as r:
             fc.quarantined[r.reason] += 1
