@@ -15,12 +15,14 @@ from eagle3prep.provenance import tokenizer_identity
 from eagle3prep.records import Conversation, TokenizedRow
 from eagle3prep.tokenization import (
     ChatEncoder,
+    Rejected,
     TokenizeError,
     copy_lines,
     mask_runs,
     row_json_tail,
     shard_ranges,
     tokenize_conversations,
+    tool_probe,
 )
 
 SYSTEM = {"role": "system", "content": "You are a patient teacher."}
@@ -450,5 +452,119 @@ def test_a_template_that_cannot_render_tools_quarantines_with_a_reason_naming_to
     assert quarantine[0]["reason"] == "tool_turns_unsupported_by_template"
     assert quarantine[0]["detail"] == (
         "the chat template does not render tool turns: messages[1] calls 'get_weather', "
-        "but 'get_weather' is not in the rendered text"
+        "but the call's name is not in the rendered text"
     )
+
+
+# Issue #24: whether the template rendered a call was a substring test, and a call named `w` "was rendered" since
+# `w` occurs in "weather". The user's question below holds every name tried, the argument's name and the tool
+# reply, so a substring test finds them all whatever the template drops; only the render itself can tell.
+TOOL_NAMES = ["w", "f", "run", "search", "get_weather"]
+QUESTION = "Can you search the weather for my city and run the numbers? I heard: sunny, 21 C."
+
+
+def call_conversation(name: str) -> tuple[list[dict], list[dict]]:
+    """A user question, a call of tool `name` (as prepare normalizes it), the tool's reply, the answer; its tools."""
+    messages = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": name, "arguments": {"city": "Paris"}}}
+        ]},
+        {"role": "tool", "content": "sunny, 21 C"},
+        {"role": "assistant", "content": "It is sunny in Paris."},
+    ]  # fmt: skip
+    return messages, [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}]
+
+
+def without(template: str, part: str, instead: str = "") -> str:
+    assert part in template
+    return template.replace(part, instead)
+
+
+# What each template leaves out, and the quarantine detail that says so (None: the template renders it all).
+CALL_TEMPLATES = {
+    "renders_calls": (TOOLS_TEMPLATE, None),
+    "no_calls": (None, "messages[1] calls {name!r}, but the call's name is not in the rendered text"),
+    "name_not_arguments": (
+        without(TOOLS_TEMPLATE, " + ' ' + (c['function']['arguments'] | tojson)"),
+        "messages[1] calls {name!r}, but its argument 'city' is not in the rendered text",
+    ),
+    "no_tool_replies": (
+        without(
+            TOOLS_TEMPLATE,
+            "{%- else -%}{{- '<|im_start|>' + message['role']",
+            "{%- elif message['role'] != 'tool' -%}{{- '<|im_start|>' + message['role']",
+        ),
+        "the tool reply of messages[2] is not in the rendered text",
+    ),
+    "no_tool_schemas": (
+        without(TOOLS_TEMPLATE, "{{- ' ' + t['function']['name'] -}}"),
+        "tool 0 ({name!r}) of the record's tools is not in the rendered text",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def call_encoders(demo_model_dir, tmp_path_factory) -> dict[str, ChatEncoder]:
+    """A ChatEncoder per CALL_TEMPLATES entry: the demo tokenizer with that template (None: the demo's own)."""
+    from transformers import AutoTokenizer
+
+    encoders = {}
+    for key, (template, _) in CALL_TEMPLATES.items():
+        folder = demo_model_dir
+        if template is not None:
+            folder = tokenizer_variant(tmp_path_factory.mktemp(key), demo_model_dir, template)
+        encoders[key] = ChatEncoder(AutoTokenizer.from_pretrained(folder), folder)
+    return encoders
+
+
+@pytest.mark.parametrize("name", TOOL_NAMES)
+@pytest.mark.parametrize("template", list(CALL_TEMPLATES))
+def test_a_tool_call_is_kept_only_when_the_template_renders_its_name_arguments_and_reply(
+    call_encoders, tokenizer, template, name
+):
+    messages, tools = call_conversation(name)
+    result = call_encoders[template].encode([messages], [tools])[0]
+    detail = CALL_TEMPLATES[template][1]
+    if detail is None:
+        ids, mask = result
+        masked = [tokenizer.decode(r) for r in masked_runs({"input_ids": ids, "loss_mask": mask})]
+        call = f'<tool_call>{name} {{"city": "Paris"}}</tool_call><|im_end|>'
+        assert masked == [call, "It is sunny in Paris.<|im_end|>"]
+    else:
+        assert isinstance(result, Rejected), f"kept a row whose template drops part of the call: {result}"
+        assert (result.reason, result.detail) == (
+            "tool_turns_unsupported_by_template",
+            "the chat template does not render tool turns: " + detail.format(name=name),
+        )
+
+
+def test_the_render_check_costs_no_render_for_a_conversation_without_tool_parts(call_encoders, monkeypatch):
+    encoder = call_encoders["renders_calls"]
+    rendered: list[int] = []
+    render = encoder._render
+
+    def counting_render(conversations, *args, **kwargs):
+        rendered.append(len(conversations))
+        return render(conversations, *args, **kwargs)
+
+    monkeypatch.setattr(encoder, "_render", counting_render)
+    plain = conv(("Hi", "Hello."), ("More?", "Yes."))
+    encoder.encode([plain, plain])
+    assert rendered == []  # generation markers: plain conversations get no apply_chat_template render
+    messages, tools = call_conversation("w")
+    encoder.encode([messages], [tools])
+    assert rendered == [1]  # one render, with sentinels; the mask comes from the marker renderer
+
+
+def test_tool_probe_sentinels_are_new_words_and_text_arguments_are_probed_whole():
+    messages, tools = call_conversation("w")
+    messages[0]["content"] += " zqxtoolpart0z"  # the text holds what would be the first sentinel
+    messages[1]["tool_calls"][0]["function"]["arguments"] = "not a JSON object"
+    probe, probe_tools, parts = tool_probe(messages, tools)
+    words = [word for word, _ in parts]
+    assert len(set(words)) == len(words) == 4  # the call's name, its arguments, the tool reply, the schema's name
+    assert not any(word in json.dumps([messages, tools]) for word in words)
+    call = probe[1]["tool_calls"][0]["function"]
+    assert (call["name"], call["arguments"], probe[2]["content"], probe_tools[0]["function"]["name"]) == tuple(words)
+    assert messages[1]["tool_calls"][0]["function"]["name"] == "w"  # the conversation itself is left as it was

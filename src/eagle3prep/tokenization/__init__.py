@@ -7,8 +7,10 @@ sharding, so shard k is a contiguous row range.
 
 Tool calling (assistant `tool_calls`, `tool` replies, the record's `tools`) is rendered by the template
 like any turn: the mask covers the assistant's text and tool calls, not the tool results. A template
-that fails on tool turns, or renders them without a call's name, a reply or a tool schema, quarantines
-the conversation as `tool_turns_unsupported_by_template`: its hidden states would not be what is served.
+that fails on tool turns, or renders them without a call's name or arguments, a reply or a tool schema,
+quarantines the conversation as `tool_turns_unsupported_by_template`: its hidden states would not be what is
+served. What the template rendered is told by rendering the conversation once with each of these parts
+swapped for a sentinel word (template.tool_probe), only for conversations with tool turns or schemas.
 
 Modules, in the order a conversation meets them:
     template  the tokenizer and chat template; ChatEncoder: conversation -> (input_ids, loss_mask)
@@ -40,6 +42,7 @@ from eagle3prep.tokenization.template import (
     has_tool_turns,
     load_tokenizer,
     rust_backend,
+    tool_probe,
 )
 from eagle3prep.tokenization.workers import batched, encode_chunks
 
@@ -70,4 +73,5 @@ __all__ = [
     "seq_len_summary",
     "shard_ranges",
     "tokenize_conversations",
+    "tool_probe",
 ]

@@ -12,6 +12,7 @@ apply_chat_template gets keyword arguments; names the encoder passes itself are 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from eagle3prep.errors import UserError
 GENERATION_RE = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
 PROBE = [{"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello, how can I help?"}]
 TOOL_REASON = "tool_turns_unsupported_by_template"
+SENTINEL = "zqxtoolpart"  # tool_probe's sentinel words start with it
 
 
 @dataclass(slots=True)
@@ -176,8 +178,9 @@ class ChatEncoder:
         """One conversation with tool turns or schemas, or Rejected(TOOL_REASON) when the template fails on them
         or drops part of them: its hidden states would not be what is served."""
         try:
-            text = self._render([messages], add_generation_prompt=False, tools=tools)[0]
-            missing = dropped_tool_part(text, messages, tools)
+            probe, probe_tools, parts = tool_probe(messages, tools)
+            text = self._render([probe], add_generation_prompt=False, tools=probe_tools)[0]
+            missing = dropped_tool_part(text, parts)
             if missing:
                 return Rejected(TOOL_REASON, f"the chat template does not render tool turns: {missing}")
             if self.mask_source == "generation_markers":
@@ -296,19 +299,66 @@ def has_tool_turns(messages: list[dict[str, Any]]) -> bool:
     return any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
 
 
-def dropped_tool_part(text: str, messages: list[dict[str, Any]], tools: list[dict] | None) -> str | None:
-    """What of the tool turns the rendered `text` lacks (a call's name or argument names, a tool reply, a tool
-    schema's name), said in a few words; None when everything is there."""
+def tool_probe(
+    messages: list[dict[str, Any]], tools: list[dict] | None
+) -> tuple[list[dict[str, Any]], list[dict] | None, list[tuple[str, str]]]:
+    """The conversation and tools with every tool part (a call's name, each argument's name and value, a tool
+    reply, a schema's name) swapped for its own sentinel word, and (sentinel, what is missing if the render
+    lacks it) per part. The render shows whether the template wrote a part: a substring test does not, since
+    a tool named `w` "is" in any text holding a w."""
+    blob = json.dumps([messages, tools], ensure_ascii=False, default=str)
+    base = SENTINEL
+    while base in blob:  # a sentinel must not be found in the conversation's own text
+        base += "q"
+    parts: list[tuple[str, str]] = []
+
+    def mark(missing: str) -> str:
+        word = f"{base}{len(parts)}z"  # letters and digits: tojson, trim and escaping leave it whole
+        parts.append((word, missing))
+        return word
+
+    probe = []
     for i, m in enumerate(messages):
-        for call in m.get("tool_calls") or []:
-            fn = call["function"]
-            args = fn["arguments"] if isinstance(fn["arguments"], dict) else {}
-            for part in (fn["name"], *map(str, args)):
-                if part not in text:
-                    return f"messages[{i}] calls {fn['name']!r}, but {part!r} is not in the rendered text"
-        if m["role"] == "tool" and m["content"].strip() not in text:
-            return f"the tool reply of messages[{i}] is not in the rendered text"
-    for j, tool in enumerate(tools or []):
-        name = (tool.get("function") if isinstance(tool.get("function"), dict) else tool).get("name")
-        if isinstance(name, str) and name not in text:
-            return f"tool {j} ({name!r}) of the record's tools is not in the rendered text"
+        if m["role"] == "tool":
+            m = {**m, "content": mark(f"the tool reply of messages[{i}] is not in the rendered text")}
+        elif m.get("tool_calls"):
+            m = {**m, "tool_calls": [_probe_call(call, f"messages[{i}] calls", mark) for call in m["tool_calls"]]}
+        probe.append(m)
+    return probe, [_probe_tool(t, j, mark) for j, t in enumerate(tools)] if tools else tools, parts
+
+
+def _probe_call(call: dict[str, Any], where: str, mark) -> dict[str, Any]:
+    """One tool call with its name and arguments replaced by sentinels from `mark`."""
+    fn = call["function"]
+    said = f"{where} {fn['name']!r}, but"
+    name = mark(f"{said} the call's name is not in the rendered text")
+    args = fn["arguments"]
+    if isinstance(args, dict):
+        probe_args = {}
+        for key in args:
+            word = mark(f"{said} its argument {key!r} is not in the rendered text")
+            probe_args[word] = mark(f"{said} the value of its argument {key!r} is not in the rendered text")
+        args = probe_args
+    elif isinstance(args, str) and args.strip():  # arguments that are not a JSON object stay text
+        args = mark(f"{said} its arguments are not in the rendered text")
+    return {**call, "function": {**fn, "name": name, "arguments": args}}
+
+
+def _probe_tool(tool: dict, j: int, mark) -> dict:
+    """One tool schema with its name replaced by a sentinel (not the calls' one: a schema list that names the
+    tool must not stand in for a call that the template dropped)."""
+    nested = isinstance(tool.get("function"), dict)
+    schema = tool["function"] if nested else tool
+    if not isinstance(schema.get("name"), str):
+        return tool
+    renamed = {
+        **schema,
+        "name": mark(f"tool {j} ({schema['name']!r}) of the record's tools is not in the rendered text"),
+    }
+    return {**tool, "function": renamed} if nested else renamed
+
+
+def dropped_tool_part(text: str, parts: list[tuple[str, str]]) -> str | None:
+    """What of the tool turns the probe's rendered `text` lacks (the first part of `tool_probe` whose sentinel is
+    not in it), said in a few words; None when every part is there."""
+    return next((missing for word, missing in parts if word not in text), None)
