@@ -1,0 +1,213 @@
+"""Issue #23's bench: drafts trained on this workflow's data, served by vLLM against their target.
+
+    python bench/quality/run.py OUT --stage target|data|train|serve|summary [--variants ours ...]
+                                [--seeds 0 1] [--size h200|toy] [--device cuda|cpu]
+
+One stage per device call (each reads what the earlier wrote to OUT, on the same warm machine):
+  target   bench/quality/target.py: the Llama trained on the stdlib, its conversations (OUT/target)
+  data     the workflow as a user runs it, one folder per variant under OUT/wd/<variant>:
+           ours:      prepare -> regenerate (greedy) -> tokenize -> extract (vLLM, bf16) -> validate -> export
+           fp8:       the same rows (ours' regenerated conversations), extract.storage fp8_e4m3
+           offpolicy: the conversations' own replies (regenerate off)
+  train    speculators' trainer (eagle3prep-train, eagle3, the direct backend) on each variant's export,
+           a fixed recipe (RECIPE), one draft per seed: OUT/drafts/<variant>_s<seed>
+  serve    vLLM, the target alone and with each draft (k = 3, greedy) on held-out prompts
+           (bench/quality/serve.py, one engine per process): OUT/serve/*.json
+  summary  OUT/summary.json and the table (acceptance length, per position, tokens/s, validation verdict)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+from train_h200 import epochs_for  # noqa: E402
+
+# The training recipe every row of the table shares; only the data and the seed change.
+RECIPE = {"steps": 600, "lr": 1e-3, "draft_vocab_size": 2048, "seq_len": 4096, "ratio": 0.95, "attn": "sdpa"}
+TOY_RECIPE = {"steps": 20, "lr": 1e-3, "draft_vocab_size": 256, "seq_len": 512, "ratio": 0.9, "attn": "sdpa"}
+ROWS = {"h200": 1024, "toy": 24}  # training conversations per variant
+PROMPTS = {"h200": 64, "toy": 4}  # held-out prompts served
+
+
+def workflow_config(opts: argparse.Namespace, variant: str, sources: list[str]) -> dict:
+    gpu = opts.device == "cuda"
+    cfg = {
+        "data": {"sources": sources},
+        "model": {"path": str(opts.out / "target/model"), "build_demo": False},
+        "tokenize": {"max_seq_len": 2048 if gpu else 512, "num_shards": 2, "workers": 2},
+        "extract": {"backend": "vllm" if gpu else "hf", "device": opts.device, "dtype": "bfloat16"},
+        "validate": {"sample_rows": "auto", "device": opts.device},
+        "export": {"speculators": True, "hidden_states": "direct"},
+        "regenerate": {"enabled": False},
+    }
+    if variant == "ours":
+        cfg["regenerate"] = {"enabled": True, "turns": "last", "sampling": {"temperature": 0, "max_tokens": 512}}
+    if variant == "fp8":
+        cfg["extract"]["storage"] = "fp8_e4m3"
+    return cfg
+
+
+def run_workflow(wd: Path, cfg: dict, cores: int) -> dict:
+    """`snakemake --cores N --resources gpus=1` in the variant's folder, with its own config file."""
+    (wd / "config").mkdir(parents=True, exist_ok=True)
+    (wd / "config/config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    snakemake = Path(sys.executable).with_name("snakemake")
+    cmd = [str(snakemake) if snakemake.exists() else "snakemake", "--snakefile", str(REPO / "Snakefile")]
+    t0 = time.time()
+    with open(wd / "snakemake.log", "w") as log:
+        # The export is the target (the report rule's plotting stack is not on the GPU machine; nor is pulp).
+        argv = [*cmd, "results/export/speculators", "--cores", str(cores), "--resources", "gpus=1", "--scheduler", "greedy"]
+        proc = subprocess.run(argv, cwd=wd, stdout=log, stderr=log)
+    return {"rc": proc.returncode, "wall_s": round(time.time() - t0, 1), "verdict": verdicts(wd)}
+
+
+def verdicts(wd: Path) -> dict:
+    """Each shard's validation verdict, as the workflow wrote it."""
+    out = {}
+    for path in sorted((wd / "results/validation").glob("shard_*.json")):
+        v = json.loads(path.read_text())
+        out[path.stem] = "PASS" if v["ok"] else "FAIL"
+    return out
+
+
+def stage_data(opts: argparse.Namespace) -> dict:
+    train = opts.out / "target/conversations/train.jsonl"
+    rows = train.read_text().splitlines()[: ROWS[opts.size]]
+    src = opts.out / "rows.jsonl"
+    src.write_text("\n".join(rows) + "\n")
+    regenerated = opts.out / "wd/ours/results/regenerated/conversations.jsonl"
+    out = {}
+    for variant in opts.variants:
+        sources = [str(regenerated)] if variant == "fp8" else [str(src)]
+        out[variant] = run_workflow(opts.out / "wd" / variant, workflow_config(opts, variant, sources), opts.cores)
+    return out
+
+
+def train_args(opts: argparse.Namespace, export: Path, save: Path, seed: int) -> list[str]:
+    recipe = RECIPE if opts.size == "h200" else TOY_RECIPE
+    manifest = json.loads((export / "manifest.json").read_text())
+    # The epochs that hold the steps (speculators' own sampler), so its linear schedule ends at the last step.
+    epochs = epochs_for(export, recipe["steps"], recipe["seq_len"], recipe["ratio"], 1, seed)
+    return [
+        *("--verifier-name-or-path", str(opts.out / "target/model"), "--data-path", str(export)),
+        *("--speculator-type", "eagle3", "--target-layer-ids", *map(str, manifest["target_layer_ids"])),
+        *("--hidden-states-backend", manifest.get("hidden_states_backend") or "file", "--on-missing", "raise"),
+        *("--draft-vocab-size", str(recipe["draft_vocab_size"]), "--total-seq-len", str(recipe["seq_len"])),
+        *("--train-data-ratio", str(recipe["ratio"]), "--max-steps", str(recipe["steps"]), "--epochs", str(epochs)),
+        *("--lr", str(recipe["lr"])),
+        *("--seed", str(seed), "--num-workers", "2", "--loss-implementation", "eager"),
+        *("--draft-attn-impl", recipe["attn"], "--save-path", str(save / "checkpoints")),
+        *("--log-dir", str(save / "logs"), "--checkpoint-freq", "1000"),
+    ]
+
+
+def stage_train(opts: argparse.Namespace) -> dict:
+    out = {}
+    for variant in opts.variants:
+        export = opts.out / "wd" / variant / "results/export/speculators"
+        for seed in opts.seeds:
+            save = opts.out / "drafts" / f"{variant}_s{seed}"
+            metrics = save / "metrics.jsonl"
+            metrics.unlink(missing_ok=True)
+            argv = ["--metrics-jsonl", str(metrics), "--", *train_args(opts, export, save, seed)]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+            t0 = time.time()
+            with open(save.parent / f"{save.name}.log", "w") as log:
+                rc = subprocess.run([sys.executable, "-m", "eagle3prep.train", *argv], env=env, stdout=log, stderr=log)
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            losses = [json.loads(x)["train"]["loss"] for x in lines if '"train"' in x]
+            out[save.name] = {
+                "rc": rc.returncode,
+                "wall_s": round(time.time() - t0, 1),
+                "loss_first_last": losses[:1] + losses[-1:],
+            }
+    return out
+
+
+def heldout_prompts(opts: argparse.Namespace) -> Path:
+    """The held-out modules' user turns, rendered with the generation prompt: what the served target sees."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(opts.out / "target/model")
+    lines = (opts.out / "target/conversations/heldout.jsonl").read_text().splitlines()
+    prompts = []
+    for line in lines[: PROMPTS[opts.size]]:
+        user = json.loads(line)["messages"][:1]
+        prompts.append(
+            tok.apply_chat_template(user, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        )
+    path = opts.out / "serve/prompts.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(prompts))
+    return path
+
+
+def last_checkpoint(save: Path) -> Path:
+    return max((p for p in (save / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+
+
+def stage_serve(opts: argparse.Namespace) -> dict:
+    prompts = heldout_prompts(opts)
+    runs = {"target_only": None}
+    drafts = {d.name: last_checkpoint_or_none(d) for d in sorted((opts.out / "drafts").iterdir()) if d.is_dir()}
+    runs.update({name: ckpt for name, ckpt in drafts.items() if ckpt is not None})
+    out = {}
+    for name, draft in runs.items():
+        res = opts.out / "serve" / f"{name}.json"
+        if res.exists() or (draft is not None and not (draft / "config.json").exists()):
+            continue  # served in an earlier call, or a draft still training
+        cmd = [opts.vllm_python, str(HERE / "serve.py"), str(opts.out / "target/model"), str(prompts), str(res)]
+        cmd += ["--draft", str(draft)] if draft else []
+        with open(opts.out / "serve" / f"{name}.log", "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=log).returncode
+        out[name] = {k: v for k, v in json.loads(res.read_text()).items() if k != "outputs"} if rc == 0 else {"rc": rc}
+    return out
+
+
+def last_checkpoint_or_none(save: Path) -> Path | None:
+    ckpts = save / "checkpoints"
+    return last_checkpoint(save) if ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir()) else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--stage", choices=["target", "data", "train", "serve"], required=True)
+    ap.add_argument("--variants", nargs="+", default=["ours"])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    ap.add_argument("--size", choices=["h200", "toy"], default="h200")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--vllm-python", default=sys.executable)
+    ap.add_argument("--expect-weights", help="with --stage target: the sha256 a rebuild must give")
+    opts = ap.parse_args(argv)
+    opts.out = opts.out.resolve()
+    if opts.stage == "target":
+        from target import main as target_main
+
+        extra = ["--expect-weights", opts.expect_weights] if opts.expect_weights else []
+        return target_main([str(opts.out / "target"), "--size", opts.size, "--device", opts.device, *extra])
+    result = {"data": stage_data, "train": stage_train, "serve": stage_serve}[opts.stage](opts)
+    summary_path = opts.out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary.setdefault(opts.stage, {}).update(result)
+    summary_path.write_text(json.dumps(summary, indent=1))
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
