@@ -68,7 +68,16 @@ def run_workflow(wd: Path, cfg: dict, cores: int) -> dict:
     t0 = time.time()
     with open(wd / "snakemake.log", "w") as log:
         # The export is the target (the report rule's plotting stack is not on the GPU machine; nor is pulp).
-        argv = [*cmd, "results/export/speculators", "--cores", str(cores), "--resources", "gpus=1", "--scheduler", "greedy"]
+        argv = [
+            *cmd,
+            "results/export/speculators",
+            "--cores",
+            str(cores),
+            "--resources",
+            "gpus=1",
+            "--scheduler",
+            "greedy",
+        ]
         proc = subprocess.run(argv, cwd=wd, stdout=log, stderr=log)
     return {"rc": proc.returncode, "wall_s": round(time.time() - t0, 1), "verdict": verdicts(wd)}
 
@@ -179,7 +188,6 @@ def stage_serve(opts: argparse.Namespace) -> dict:
 def last_checkpoint_or_none(save: Path) -> Path | None:
     ckpts = save / "checkpoints"
     return last_checkpoint(save) if ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir()) else None
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
