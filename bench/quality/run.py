@@ -128,6 +128,7 @@ def stage_train(opts: argparse.Namespace) -> dict:
         export = opts.out / "wd" / variant / "results/export/speculators"
         for seed in opts.seeds:
             save = opts.out / "drafts" / f"{variant}_s{seed}"
+            save.mkdir(parents=True, exist_ok=True)
             metrics = save / "metrics.jsonl"
             metrics.unlink(missing_ok=True)
             argv = ["--metrics-jsonl", str(metrics), "--", *train_args(opts, export, save, seed)]
