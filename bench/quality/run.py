@@ -37,7 +37,7 @@ from train_h200 import epochs_for  # noqa: E402
 # The training recipe every row of the table shares; only the data and the seed change.
 RECIPE = {"steps": 600, "lr": 1e-3, "draft_vocab_size": 2048, "seq_len": 4096, "ratio": 0.95, "attn": "sdpa"}
 TOY_RECIPE = {"steps": 20, "lr": 1e-3, "draft_vocab_size": 256, "seq_len": 512, "ratio": 0.9, "attn": "sdpa"}
-ROWS = {"h200": 1024, "toy": 24}  # training conversations per variant
+ROWS = {"h200": 512, "toy": 24}  # training conversations per variant
 PROMPTS = {"h200": 64, "toy": 4}  # held-out prompts served
 
 
@@ -46,7 +46,7 @@ def workflow_config(opts: argparse.Namespace, variant: str, sources: list[str]) 
     cfg = {
         "data": {"sources": sources},
         "model": {"path": str(opts.out / "target/model"), "build_demo": False},
-        "tokenize": {"max_seq_len": 2048 if gpu else 512, "num_shards": 2, "workers": 2},
+        "tokenize": {"max_seq_len": 2048 if gpu else 512, "num_shards": 1, "workers": 2},
         "extract": {"backend": "vllm" if gpu else "hf", "device": opts.device, "dtype": "bfloat16"},
         "validate": {"sample_rows": "auto", "device": opts.device},
         "export": {"speculators": True, "hidden_states": "direct"},
