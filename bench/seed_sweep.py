@@ -28,6 +28,9 @@ from eagle3prep.tiny_models import FAMILIES, build_family
 
 HERE = Path(__file__).resolve().parent
 FP32_EPS = 2.0**-23
+# A captured router input further than this from the reference's was re-routed earlier (or follows such a
+# token in a cascade): not rounding. fp32 captures of clean tokens are at ~1e-5.
+CLEAN = 1e-3
 # (tiny_models family, config overrides, expert_scale) per variant.
 VARIANTS = {name: (name, None, 1.0) for name in FAMILIES}
 VARIANTS["deepseek_v3_g2"] = ("deepseek_v3", dict(n_group=2, topk_group=1, first_k_dense_replace=2), 2.5)
@@ -47,7 +50,7 @@ def build_variant(variant: str, out: Path, seed: int) -> Path:
 
 def margin_moves(model, input_ids: list[int], captured: dict[int, object]) -> list[float]:
     """Per MoE layer l and token: |gap(captured id l) - gap(reference)| / (eps * |k-th score|), the top-k gap
-    of the reference's choice; tokens whose captured id l is off by over 1 % (re-routed earlier) left out."""
+    of the reference's choice, on the tokens before the row's first one off by over CLEAN at any captured id."""
     import torch
 
     from eagle3prep.passrule import token_errors
@@ -74,6 +77,13 @@ def margin_moves(model, input_ids: list[int], captured: dict[int, object]) -> li
         return dict(seen), out.hidden_states
 
     ref_logits, ref_states = run(None)
+    # Rounding alone: tokens before the row's first re-route (attention carries one to every later token).
+    onset = len(input_ids)
+    for lid, x in captured.items():
+        if lid >= len(ref_states) - 1:  # hidden_states[N] is after the final norm, captured id N before it
+            continue
+        off = torch.nonzero(token_errors(x, ref_states[lid][0]) > CLEAN)
+        onset = min(onset, int(off[0]) if len(off) else onset)
     moves = []
     for layer, gate in gates.items():
         if layer not in captured:  # id 0 (Qwen-MoE's layer 0 input) is not captured: the embedding, exact
@@ -85,8 +95,7 @@ def margin_moves(model, input_ids: list[int], captured: dict[int, object]) -> li
         gap_ref = (s_ref.gather(1, a) - s_ref.gather(1, b)).squeeze(1)
         gap_cap = (s_cap.gather(1, a) - s_cap.gather(1, b)).squeeze(1)
         move = (gap_cap - gap_ref).abs() / (FP32_EPS * s_ref.gather(1, a).squeeze(1).abs())
-        clean = token_errors(captured[layer], ref_states[layer][0]) < 0.01
-        moves.extend(move[clean].tolist())
+        moves.extend(move[:onset].tolist())
     return moves
 
 
