@@ -2,6 +2,7 @@
 
     python bench/seed_sweep.py OUT [--variants ...] [--seeds 0 1 2 3 4] [--backends hf vllm]
                                    [--dtypes float32 bfloat16] [--rows 6] [--shards 2]
+    python bench/seed_sweep.py - --summarize RUN/sweep.json ...
 
 The validation matrix's cells (bench/validation_matrix.run_cell: capture ids 1..N of `--shards` shards,
 validate every row, then each planted mistake) for each variant and seed: the model's weights and the
@@ -174,6 +175,30 @@ def summary_row(c: dict) -> str:
     return f"{head} {verdict} ({rows} rows) | {worst:.2f} | {cascades} / {ties} | {moved} | {caught} |"
 
 
+def summarize(paths: list[Path]) -> None:
+    """One line per variant, backend and dtype over every seed of the sweep.json files given."""
+    cells = [c for p in paths for c in json.loads(p.read_text())]
+    groups: dict[tuple, list[dict]] = {}
+    for c in cells:
+        groups.setdefault((c["variant"], c["backend"], c["dtype"]), []).append(c)
+    print(
+        "| variant | backend | dtype | seeds | correct capture passes | planted caught | near-tie rows | margin moved, max eps |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for (variant, backend, dtype), group in sorted(groups.items()):
+        ok = [c for c in group if "error" not in c]
+        passed = sum(c["correct_ok"] for c in ok)
+        planted = [(m, c["seed"]) for c in ok for m, p in c["planted"].items() if not p["caught"]]
+        caught = sum(len(c["planted"]) for c in ok) - len(planted)
+        ties = sum(r["tie"] for c in ok for r in c.get("divergent_rows", []))
+        moved = max((c["margin_moved"]["max"] for c in ok if "margin_moved" in c), default=None)
+        missed = f" (missed: {', '.join(f'{m} seed {s}' for m, s in planted)})" if planted else ""
+        print(
+            f"| {variant} | {backend} | {dtype} | {sorted(c['seed'] for c in group)} | {passed}/{len(group)} | "
+            f"{caught}/{caught + len(planted)}{missed} | {ties} | {'-' if moved is None else f'{moved:.0f}'} |"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
@@ -183,7 +208,10 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--rows", type=int, default=6, help="rows per shard (every row is validated)")
     ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--summarize", nargs="+", type=Path, help="sweep.json files: print one table over them")
     args = ap.parse_args()
+    if args.summarize:
+        return summarize(args.summarize)
     args.out.mkdir(parents=True, exist_ok=True)
     args.device, args.tp, args.dump, args.storage = "cpu", 1, False, "model_dtype"
     matrix = load_matrix()

@@ -126,3 +126,26 @@ def test_vllm_cpu_fp32_reroutes_at_a_natural_near_tie_and_passes(tmp_path):
     ties = [r for r in report["reference"] if r["tie"]]
     assert ties and {(r["row"], r["worst_pos"]) for r in ties} == {(0, 92)}, ties
     assert all(r["margin_at_first"] < TIE_BAND["float32"] and r["ok"] for r in ties)
+
+
+def test_router_margins_fail_loudly_when_transformers_routes_otherwise(tie_case):
+    """The recomputed choice is checked against the router's own indices: a change in transformers' routing
+    (here: a correction bias the recomputation does not see) stops the reference with one line."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle3prep.routing import MarginRecorder, RoutingChanged
+
+    model = AutoModelForCausalLM.from_pretrained(tie_case["tmp"] / "model", dtype=torch.float32).eval()
+    MarginRecorder(model)
+    gate = routers(model)[LAYER]
+    real, bias, forward = gate.e_score_correction_bias.clone(), gate.e_score_correction_bias, gate.forward
+
+    def routed_with_real_bias(x):  # the hook, after it, sees no bias: as if transformers ranked otherwise
+        bias.copy_(real)
+        out = forward(x)
+        bias.zero_()
+        return out
+
+    gate.forward = routed_with_real_bias
+    with pytest.raises(RoutingChanged, match="transformers changed how it routes"), torch.inference_mode():
+        model(torch.tensor([tie_case["ids"]]))

@@ -22,18 +22,25 @@ class RoutingChanged(RuntimeError):
     """transformers' router no longer routes as this module recomputes it."""
 
 
-def routers(model) -> dict[int, Any]:
-    """{decoder layer index: router module} of a transformers MoE ({} for a dense model).
+# transformers model types whose routers this module recomputes (and checks); other MoEs (remote code too)
+# get no margins, so the pass rule judges them as before (no near-tie clause).
+KNOWN = ("deepseek_v3", "qwen2_moe", "qwen3_moe")
 
-    Raises RoutingChanged when the config says MoE and no router is where this module looks.
+
+def routers(model) -> dict[int, Any]:
+    """{decoder layer index: router module} of a KNOWN transformers MoE ({} for a dense or other model).
+
+    Raises RoutingChanged when a KNOWN MoE's router is not where this module looks.
     """
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(cfg, "model_type", "") not in KNOWN:
+        return {}
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     found = {
         i: layer.mlp.gate
         for i, layer in enumerate(base.layers)
         if hasattr(getattr(layer, "mlp", None), "gate") and hasattr(layer.mlp.gate, "top_k")
     }
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     moe = any(getattr(cfg, k, 0) for k in ("num_experts", "n_routed_experts", "num_local_experts"))
     if moe and not found:
         raise RoutingChanged(
