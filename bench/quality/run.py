@@ -118,7 +118,9 @@ def train_args(opts: argparse.Namespace, export: Path, save: Path, seed: int) ->
         *("--lr", str(recipe["lr"])),
         *("--seed", str(seed), "--num-workers", "2", "--loss-implementation", "eager"),
         *("--draft-attn-impl", recipe["attn"], "--save-path", str(save / "checkpoints")),
-        *("--log-dir", str(save / "logs"), "--checkpoint-freq", "1000"),
+        # speculators saves epoch 0 and every epoch e with (e + 1) % freq == 0: freq = epochs keeps the first
+        # and the last (a larger freq keeps epoch 0 only, which the first H200 run of 2026-12-01 served).
+        *("--log-dir", str(save / "logs"), "--checkpoint-freq", str(epochs)),
     ]
 
 
@@ -131,7 +133,10 @@ def stage_train(opts: argparse.Namespace) -> dict:
             save.mkdir(parents=True, exist_ok=True)
             metrics = save / "metrics.jsonl"
             metrics.unlink(missing_ok=True)
-            argv = ["--metrics-jsonl", str(metrics), "--", *train_args(opts, export, save, seed)]
+            args = train_args(opts, export, save, seed)
+            epochs = int(args[args.index("--epochs") + 1])
+            (save / "recipe.json").write_text(json.dumps({"epochs": epochs, "seed": seed, "argv": args}, indent=1))
+            argv = ["--metrics-jsonl", str(metrics), "--", *args]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
             t0 = time.time()
             with open(save.parent / f"{save.name}.log", "w") as log:
@@ -165,7 +170,12 @@ def heldout_prompts(opts: argparse.Namespace) -> Path:
 
 
 def last_checkpoint(save: Path) -> Path:
-    return max((p for p in (save / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    """The draft of the last epoch; refuses a folder whose last checkpoint is not the run's last epoch."""
+    ckpt = max((p for p in (save / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    epochs = json.loads((save / "recipe.json").read_text())["epochs"] if (save / "recipe.json").exists() else None
+    if epochs is not None and int(ckpt.name) != epochs - 1:
+        raise SystemExit(f"error: {save}: last checkpoint is epoch {ckpt.name}, the run had {epochs} epochs")
+    return ckpt
 
 
 def stage_serve(opts: argparse.Namespace) -> dict:
