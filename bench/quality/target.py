@@ -53,7 +53,7 @@ SIZES = {
     "h200": Size(8192, 512, 8, 8, 4, 1536, 1024, 32, 600, 1.5e-3, None, 400_000),
     # CI: seconds on two cores; the same code path, a vocabulary still above the byte alphabet.
     # head_dim 32: vLLM's CPU attention takes head_dim in {32, 64, 80, ...}.
-    "toy": Size(1024, 64, 2, 2, 1, 128, 128, 8, 30, 3e-3, 60, 20_000),
+    "toy": Size(1024, 64, 2, 2, 1, 128, 128, 4, 20, 3e-3, 40, 20_000),
 }
 SEED = 0
 
