@@ -182,7 +182,7 @@ def summarize(paths: list[Path]) -> None:
     for c in cells:
         groups.setdefault((c["variant"], c["backend"], c["dtype"]), []).append(c)
     print(
-        "| variant | backend | dtype | seeds | correct capture passes | planted caught | near-tie rows | margin moved, max eps |"
+        "| variant | backend | dtype | seeds | correct capture passes | planted caught | near-tie cascades (row x layer) | margin moved, max eps |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for (variant, backend, dtype), group in sorted(groups.items()):
