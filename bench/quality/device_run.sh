@@ -1,7 +1,9 @@
 #!/bin/bash
 # The quality bench on the H200 after the payloads (bench/device/README.md), in the background of a warm
-# machine: target, then per phase the workflow's data, two drafts trained side by side, and vLLM serving.
-# Usage: setsid nohup bash bench/quality/device_run.sh /tmp/q "ours" "offpolicy fp8" > /tmp/q/run.log 2>&1 &
+# machine: the target, then each phase's data, its drafts (seeds 0 and 1 side by side on the one GPU), and
+# vLLM serving every draft not served yet. A phase is a list of variants, or "planted" (all_ids' rows,
+# then the planted mistakes, one draft each: seed 0).
+# Usage: setsid nohup bash bench/quality/device_run.sh /tmp/q "ours" "offpolicy fp8" planted > /tmp/q/run.log 2>&1 &
 set -u
 Q=$1; shift
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
@@ -9,12 +11,22 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 R="python3 bench/quality/run.py $Q"
 [ -f "$Q/target/target.json" ] || $R --stage target > "$Q/target.log" 2>&1 || exit 1
 for phase in "$@"; do
+  tag=${phase// /_}
   echo "phase $phase: data $(date +%T)"
-  $R --stage data --variants $phase > "$Q/data_${phase// /_}.log" 2>&1
+  if [ "$phase" = planted ]; then
+    $R --stage data --variants all_ids > "$Q/data_all_ids.log" 2>&1
+    $R --stage plant > "$Q/plant.log" 2>&1
+    variants="planted_layer_plus_one planted_post_norm_final planted_tokens_shifted"; seeds=0
+  else
+    $R --stage data --variants $phase > "$Q/data_$tag.log" 2>&1
+    variants=$phase; seeds="0 1"
+  fi
   echo "phase $phase: train $(date +%T)"
-  for s in 0 1; do $R --stage train --variants $phase --seeds $s > "$Q/train_${phase// /_}_s$s.log" 2>&1 & done
+  for v in $variants; do for s in $seeds; do
+    $R --stage train --variants $v --seeds $s > "$Q/train_${v}_s$s.log" 2>&1 &
+  done; done
   wait
   echo "phase $phase: serve $(date +%T)"
-  $R --stage serve > "$Q/serve_${phase// /_}.log" 2>&1
+  $R --stage serve > "$Q/serve_$tag.log" 2>&1
 done
 echo "all done $(date +%T)"

@@ -9,6 +9,8 @@ One stage per device call (each reads what the earlier wrote to OUT, on the same
            ours:      prepare -> regenerate (greedy) -> tokenize -> extract (vLLM, bf16) -> validate -> export
            fp8:       the same rows (ours' regenerated conversations), extract.storage fp8_e4m3
            offpolicy: the conversations' own replies (regenerate off)
+           all_ids:   ours' rows with every id 1..N captured (the planted rows' source)
+  plant    planted mistakes on all_ids' rows (bench/quality/planted_rows.py), validated and exported carelessly
   train    speculators' trainer (eagle3prep-train, eagle3, the direct backend) on each variant's export,
            a fixed recipe (RECIPE), one draft per seed: OUT/drafts/<variant>_s<seed>
   serve    vLLM, the target alone and with each draft (k = 3, greedy) on held-out prompts
@@ -56,6 +58,9 @@ def workflow_config(opts: argparse.Namespace, variant: str, sources: list[str]) 
         cfg["regenerate"] = {"enabled": True, "turns": "last", "sampling": {"temperature": 0, "max_tokens": 512}}
     if variant == "fp8":
         cfg["extract"]["storage"] = "fp8_e4m3"
+    if variant == "all_ids":  # the planted rows' source: every id, so a mistake can borrow a neighbour
+        n = json.loads((opts.out / "target/model/config.json").read_text())["num_hidden_layers"]
+        cfg["layers"] = {"ids": list(range(1, n + 1))}
     return cfg
 
 
@@ -99,9 +104,17 @@ def stage_data(opts: argparse.Namespace) -> dict:
     regenerated = opts.out / "wd/ours/results/regenerated/conversations.jsonl"
     out = {}
     for variant in opts.variants:
-        sources = [str(regenerated)] if variant == "fp8" else [str(src)]
+        # fp8 and all_ids hold ours' rows: the replies the target wrote in ours' regenerate stage.
+        sources = [str(regenerated)] if variant in ("fp8", "all_ids") else [str(src)]
         out[variant] = run_workflow(opts.out / "wd" / variant, workflow_config(opts, variant, sources), opts.cores)
     return out
+
+
+def stage_plant(opts: argparse.Namespace) -> dict:
+    from planted_rows import MISTAKES, plant_variant
+
+    names = [v for v in opts.variants if v in MISTAKES] or list(MISTAKES)  # default: every mistake
+    return {v: plant_variant(opts.out, v, opts.device) for v in names}
 
 
 def train_args(opts: argparse.Namespace, export: Path, save: Path, seed: int) -> list[str]:
@@ -148,6 +161,8 @@ def stage_train(opts: argparse.Namespace) -> dict:
                 "wall_s": round(time.time() - t0, 1),
                 "loss_first_last": losses[:1] + losses[-1:],
             }
+            # Drafts train side by side (device_run.sh), so summary.json may miss one; this file does not.
+            (save / "result.json").write_text(json.dumps(out[save.name], indent=1))
     return out
 
 
@@ -204,7 +219,7 @@ def last_checkpoint_or_none(save: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--stage", choices=["target", "data", "train", "serve"], required=True)
+    ap.add_argument("--stage", choices=["target", "data", "plant", "train", "serve"], required=True)
     ap.add_argument("--variants", nargs="+", default=["ours"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--size", choices=["h200", "toy"], default="h200")
@@ -219,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
         extra = ["--expect-weights", opts.expect_weights] if opts.expect_weights else []
         return target_main([str(opts.out / "target"), "--size", opts.size, "--device", opts.device, *extra])
-    result = {"data": stage_data, "train": stage_train, "serve": stage_serve}[opts.stage](opts)
+    result = {"data": stage_data, "plant": stage_plant, "train": stage_train, "serve": stage_serve}[opts.stage](opts)
     summary_path = opts.out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary.setdefault(opts.stage, {}).update(result)
