@@ -11,6 +11,7 @@ One stage per device call (each reads what the earlier wrote to OUT, on the same
            offpolicy: the conversations' own replies (regenerate off)
            all_ids:   ours' rows with every id 1..N captured (the planted rows' source)
   plant    planted mistakes on all_ids' rows (bench/quality/planted_rows.py), validated and exported carelessly
+  peer     ours' rows with hidden states from speculators' generate-offline-data (bench/quality/peer.py)
   train    speculators' trainer (eagle3prep-train, eagle3, the direct backend) on each variant's export,
            a fixed recipe (RECIPE), one draft per seed: OUT/drafts/<variant>_s<seed>
   serve    vLLM, the target alone and with each draft (k = 3, greedy) on held-out prompts
@@ -117,6 +118,12 @@ def stage_plant(opts: argparse.Namespace) -> dict:
     return {v: plant_variant(opts.out, v, opts.device) for v in names}
 
 
+def stage_peer(opts: argparse.Namespace) -> dict:
+    from peer import make_peer
+
+    return {"peer": make_peer(opts.out)}
+
+
 def train_args(opts: argparse.Namespace, export: Path, save: Path, seed: int) -> list[str]:
     recipe = RECIPE if opts.size == "h200" else TOY_RECIPE
     manifest = json.loads((export / "manifest.json").read_text())
@@ -219,7 +226,7 @@ def last_checkpoint_or_none(save: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--stage", choices=["target", "data", "plant", "train", "serve"], required=True)
+    ap.add_argument("--stage", choices=["target", "data", "plant", "peer", "train", "serve"], required=True)
     ap.add_argument("--variants", nargs="+", default=["ours"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--size", choices=["h200", "toy"], default="h200")
@@ -234,7 +241,13 @@ def main(argv: list[str] | None = None) -> int:
 
         extra = ["--expect-weights", opts.expect_weights] if opts.expect_weights else []
         return target_main([str(opts.out / "target"), "--size", opts.size, "--device", opts.device, *extra])
-    result = {"data": stage_data, "plant": stage_plant, "train": stage_train, "serve": stage_serve}[opts.stage](opts)
+    result = {
+        "data": stage_data,
+        "plant": stage_plant,
+        "peer": stage_peer,
+        "train": stage_train,
+        "serve": stage_serve,
+    }[opts.stage](opts)
     summary_path = opts.out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary.setdefault(opts.stage, {}).update(result)
