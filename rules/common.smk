@@ -54,8 +54,11 @@ if workflow.is_main_process and not workflow.dryrun:
 # as with --forcerun. The command line's settings exist only after the Snakefile is parsed, so the check
 # runs just before Snakemake makes its DAG (Workflow._prepare_dag), in the main process, for a run or dry
 # run of the whole workflow.
+# A Snakemake without that internal stops here in one line rather than turning healing off in silence.
 HEALS = []
-if workflow.is_main_process and hasattr(workflow, "_prepare_dag"):
+if workflow.is_main_process and (_hook_error := heal.snakemake_hook_error(workflow)):
+    sys.exit(_hook_error)
+if workflow.is_main_process:
     _prepare_dag = workflow._prepare_dag
 
     def _prepare_dag_healed(*args, **kwargs):

@@ -120,3 +120,32 @@ def test_summary_is_one_line_per_shard_then_a_count():
     heals = [heal.Heal(k, f"shard {k}") for k in range(25)]
     lines = heal.summary(heals)
     assert len(lines) == 11 and lines[-1] == "... and 15 more shards (the first 10 are listed above)"
+
+
+def test_healing_stops_the_parse_when_snakemake_lacks_the_internal_it_wraps():
+    """Pinned: the installed Snakemake has what rules/common.smk wraps; one without it gets one line."""
+    import snakemake.api  # noqa: F401  (snakemake.workflow imports itself through the api first)
+    from snakemake.workflow import Workflow
+
+    assert heal.snakemake_hook_error(Workflow) is None, "Snakemake renamed Workflow._prepare_dag or dag_settings"
+    line = heal.snakemake_hook_error(object())
+    assert line.startswith("error: this Snakemake") and "_prepare_dag" in line and "\n" not in line
+
+
+def test_a_snakemake_without_the_internal_stops_the_dry_run_in_one_line(tmp_path):
+    """The workflow's parse, with Workflow._prepare_dag removed as a later release could: one line, exit != 0
+    (before the check, healing switched itself off and the run went on)."""
+    import subprocess
+    import sys
+
+    from workflow_helpers import REPO
+
+    code = (
+        "import sys, snakemake.api, snakemake.workflow as w; del w.Workflow._prepare_dag; "
+        "from snakemake.cli import main; sys.argv = ['snakemake', '-n', '--snakefile', sys.argv[1]]; main()"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(REPO / "Snakefile")], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode != 0
+    assert "has no Workflow._prepare_dag, which eagle3prep's healing wraps" in proc.stderr, proc.stderr[-2000:]

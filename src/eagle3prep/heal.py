@@ -37,6 +37,26 @@ class Heal:
     set_aside: bool = False  # move the shard folder to results/failed/ before the run starts
 
 
+# The one Snakemake internal healing relies on (Snakemake has no public hook between parsing the command
+# line and building the DAG): the method wrapped in rules/common.smk and the settings it edits.
+SNAKEMAKE_INTERNALS = ("_prepare_dag", "dag_settings")
+
+
+def snakemake_hook_error(workflow: object) -> str | None:
+    """One line when this Snakemake lacks what healing wraps (a release renamed it), else None: without the
+    check, healing would switch itself off in silence."""
+    missing = [name for name in SNAKEMAKE_INTERNALS if not hasattr(workflow, name)]
+    if not missing:
+        return None
+    import snakemake
+
+    return (
+        f"error: this Snakemake ({getattr(snakemake, '__version__', '?')}) has no Workflow."
+        f"{', Workflow.'.join(missing)}, which eagle3prep's healing wraps (rules/common.smk); "
+        "use the pinned release in envs/base.txt"
+    )
+
+
 def shard_dir(k: int) -> str:
     return f"{HIDDEN_STATES}/shard_{k}"
 
