@@ -19,6 +19,7 @@ include: "rules/tokenize.smk"
 include: "rules/extract.smk"
 include: "rules/validate.smk"
 include: "rules/report.smk"
+include: "rules/overfit_gate.smk"
 include: "rules/export.smk"
 include: "rules/plan.smk"
 

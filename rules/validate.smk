@@ -23,7 +23,8 @@ rule validate_shard:
         gpu=get_validate_gpus(),
     params:
         tokens=get_tokenized_shard,
-        validate=config["validate"],
+        # without overfit_gate (its own rule's): the key must not re-queue every shard's validation
+        validate={k: v for k, v in config["validate"].items() if k != "overfit_gate"},
         trust_remote_code=config["model"]["trust_remote_code"],
     script:
         "../scripts/validate_shard.py"

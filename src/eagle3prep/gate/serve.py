@@ -1,0 +1,115 @@
+"""vLLM for the gate: greedy replies of the target alone, then the same prompts served with the draft.
+
+Both engines are the regenerate stage's (regenerate.engine.VLLMEngine: the run's regenerate.* engine
+settings, its one-line start errors and known-bug workarounds); the second adds speculative_config
+(method eagle3) and turns vLLM's stats on, whose spec-decode counters `LLM.get_metrics()` returns.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from ..backends.vllm.errors import EngineError
+from ..model_facts import ModelFacts
+from ..regenerate.settings import Sampling
+from . import acceptance
+
+# What vLLM 0.32 raises when the target's model class has no SupportsEagle3 (gpu_model_runner.py).
+NO_EAGLE3 = "does not support EAGLE3"
+
+
+class NotServable(Exception):
+    """vLLM cannot serve this target with an EAGLE-3 draft: the gate is skipped, with this reason."""
+
+
+def log(msg: str) -> None:
+    print(f"[overfit_gate] {msg}", file=sys.stderr)
+
+
+def eagle3_blocker(model_path: str, trust_remote_code: bool = False) -> str | None:
+    """Why vLLM cannot serve this target with an EAGLE-3 draft (None: it can, or it cannot be told
+    before an engine starts). Asked of vLLM's model registry before any engine or training, so an
+    unsupported target costs seconds. The registry calls are vLLM's own, not a list of ours."""
+    archs = ModelFacts.read(model_path).architectures
+    try:
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.model_executor.models.interfaces import supports_eagle3
+    except ImportError as e:
+        return f"vLLM is not installed here ({e}); the gate needs it to serve the draft"
+    if not archs:
+        return None
+    try:
+        cls = ModelRegistry._try_load_model_cls(archs[0])  # noqa: SLF001 - the class vLLM would build
+    except Exception:  # an API that moved, or a model vLLM loads only from its folder: decide at start
+        return None
+    if cls is None:
+        return None if trust_remote_code else f"vLLM has no model class for {archs[0]}"
+    if not supports_eagle3(cls):
+        return (
+            f"vLLM {_version()} cannot serve {archs[0]} with an EAGLE-3 draft (its model class has no SupportsEagle3)"
+        )
+    return None
+
+
+def _version() -> str:
+    from ..backends.vllm import compat
+
+    return compat.installed_version()
+
+
+@dataclass
+class Generated:
+    outputs: list[list[int]]
+    spec: list[dict[str, Any]]  # spec-decode counters per prompt (none without a draft)
+    engine: dict[str, Any]
+
+
+def generate(
+    model_path: str,
+    options: dict[str, Any],
+    prompts: list[list[int]],
+    max_tokens: int,
+    stop_ids: list[int],
+    max_model_len: int,
+    trust_remote_code: bool,
+    draft: str | None = None,
+    k: int = 3,
+) -> Generated:
+    """Greedy replies to `prompts` in one engine (with the EAGLE-3 draft at `draft` when given)."""
+    from ..regenerate.engine import VLLMEngine
+
+    opts = dict(options)
+    if draft:
+        extra = {"speculative_config": {"method": "eagle3", "model": draft, "num_speculative_tokens": k}}
+        opts["engine_args"] = {**(opts.get("engine_args") or {}), **extra, "disable_log_stats": False}
+    sampling = Sampling(temperature=0.0, max_tokens=max_tokens)
+    with VLLMEngine(model_path, opts, sampling, stop_ids, max_model_len, trust_remote_code) as engine:
+        try:
+            info = engine.start()
+        except EngineError as e:
+            if draft and NO_EAGLE3 in str(e):
+                raise NotServable(f"vLLM cannot serve this target with an EAGLE-3 draft: {e}") from None
+            raise
+        if not draft:
+            return Generated(_run(engine, list(enumerate(prompts))), [], {**info, **engine.volatile})
+        # One prompt at a time with the draft: vLLM's counters are per engine, and the gate judges the
+        # prompts whose served reply is the one trained on (stage.py), so it needs them per prompt.
+        outputs, spec = [], []
+        for i, p in enumerate(prompts):
+            before = acceptance.counters(engine.llm.get_metrics())
+            outputs += _run(engine, [(i, p)])
+            spec.append(acceptance.difference(acceptance.counters(engine.llm.get_metrics()), before))
+        return Generated(outputs, spec, {**info, **engine.volatile})
+
+
+def _run(engine: Any, prompts: list[tuple[int, list[int]]]) -> list[list[int]]:
+    """The replies to `prompts`, in their order, the engine run until it has no request left."""
+    for i, p in prompts:
+        engine.add(str(i), p, seed=0)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for f in engine.step():
+            done[f.request_id] = f.token_ids
+    return [done[str(i)] for i, _ in prompts]

@@ -1,0 +1,201 @@
+"""The overfit gate job (`validate.overfit_gate`): a draft overfit on the target's own greedy replies to a
+few prompts must, served by vLLM on the same prompts, accept nearly every drafted token.
+
+Steps, in `work` (results/overfit_gate/): pick prompts of the first tokenized shard -> vLLM writes greedy
+replies (the target alone) -> rows prompt + reply -> their hidden states through the run's own extract
+path (extract.run_extract_job: the run's backend, layer ids and dtype) -> checksums (validate_shard,
+reference off: shard 0's validation already compared this capture path with transformers) -> export
+(direct) and speculators' trainer through eagle3prep-train, many steps -> vLLM serves the prompts with
+the draft (eagle3, k drafted tokens, greedy) -> acceptance from its spec-decode counters (acceptance.py).
+What a mistake in the target, the layer ids or the capture does to the draft's inputs shows up as drafted
+tokens the target rejects, before any other shard's GPU hours depend on it.
+
+Skipped, not failed (verdict "skipped: <reason>", one line): a target vLLM cannot serve with an EAGLE-3
+draft, no vLLM or no trainer here, no prompt in the first shard.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..atomic import write_json
+from ..errors import UserError
+from ..layers import resolve_layer_ids
+from ..model_facts import ModelFacts
+from ..provenance import code_version
+from . import acceptance, rows, serve, train
+
+FORMAT = "eagle3prep.overfit_gate/1"
+
+
+class GateFailed(UserError):
+    """The draft did not accept nearly every drafted token; the message has the numbers."""
+
+
+@dataclass(frozen=True, slots=True)
+class GateSettings:
+    """The gate's size: small enough for a CPU test, and on a GPU a minute or two."""
+
+    prompts: int = 4
+    max_tokens: int = 32  # reply tokens measured per prompt when served with the draft
+    k: int = 3  # num_speculative_tokens
+    steps: int = 40  # optimizer steps, each a batch of about one copy of the rows
+    copies: int = 5  # of each row in the training split: epochs of `copies` steps
+    lr: float = 1e-2
+    loss_fn: str = "ce"  # cross-entropy against the target's argmax: what greedy acceptance asks of the draft
+
+
+def _first_difference(served: list[int], regenerated: list[int]) -> int | None:
+    """The first reply position where the served reply leaves the regenerated one (None: it never does)."""
+    return next((i for i, (a, b) in enumerate(zip(served, regenerated, strict=False)) if a != b), None)
+
+
+def log(msg: str) -> None:
+    print(f"[overfit_gate] {msg}", file=sys.stderr)
+
+
+def _skip(out_json: str, record: dict[str, Any], reason: str) -> dict[str, Any]:
+    record.update(verdict=f"skipped: {reason}", ok=True, skipped=True)
+    log(record["verdict"])
+    write_json(out_json, record)
+    return record
+
+
+def run_overfit_gate(
+    tokenized_shard: str,
+    out_json: str,
+    work: str,
+    *,
+    model_path: str,
+    layers: dict[str, Any],
+    extract: dict[str, Any],
+    regenerate: dict[str, Any],
+    trust_remote_code: bool = False,
+    threads: int | None = None,
+    settings: GateSettings | None = None,
+    plant: Callable[[Path], Path] | None = None,
+) -> dict[str, Any]:
+    """The gate; writes `out_json` on a pass or a skip and raises GateFailed on a fail (the record then
+    stays in `work`/overfit_gate.json). `plant` (bench/overfit_gate.py) turns the captured shard into a
+    wrong one before training."""
+    s = settings or GateSettings()
+    t0 = time.time()
+    work_dir = Path(work)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    facts = ModelFacts.read(model_path)
+    ids = resolve_layer_ids(layers["ids"], layers["convention"], facts.num_hidden_layers)
+    record: dict[str, Any] = {
+        "format": FORMAT,
+        "model": model_path,
+        "layer_ids": ids,
+        "settings": asdict(s),
+        "bound": acceptance.bound(s.k),
+        "code_version": code_version(),
+    }
+    blocker = serve.eagle3_blocker(model_path, trust_remote_code)
+    if blocker:
+        return _skip(out_json, record, blocker)
+    python, how = train.train_python()
+    if python is None:
+        return _skip(out_json, record, f"no trainer: {how}")
+    record["trainer_python"] = how
+
+    from ..regenerate.prompts import PromptRenderer
+
+    stop_ids = PromptRenderer.load(
+        model_path, trust_remote_code, regenerate.get("chat_template_kwargs")
+    ).stop_token_ids()
+    budget = s.max_tokens + s.k + 1  # trained on: serving drafts up to k tokens past the last one measured
+    context = facts.max_positions or 4096
+    prompts = rows.pick_prompts(tokenized_shard, s.prompts, context - budget - s.k)
+    if not prompts:
+        return _skip(out_json, record, f"no row of {tokenized_shard} has a prompt that leaves {budget} tokens")
+    max_model_len = max(len(p.ids) for p in prompts) + budget + s.k
+    record["prompts"] = [{"row": p.row, "tokens": len(p.ids), "ids": p.ids} for p in prompts]
+
+    log(f"{len(prompts)} prompts of {tokenized_shard}: the target's greedy replies ({budget} tokens each)")
+    regen = serve.generate(model_path, regenerate, [p.ids for p in prompts], budget, stop_ids, max_model_len,
+                           trust_remote_code)  # fmt: skip
+    record["regenerate_engine"] = regen.engine
+    gate_rows = rows.training_rows(prompts, regen.outputs, s.copies)
+    tokenized, freq = work_dir / "rows/shard_0.jsonl", work_dir / "rows/token_freq.json"
+    rows.write_rows(gate_rows, tokenized, freq)
+
+    from ..extract import run_extract_job
+    from ..validate import validate_shard
+
+    shard = work_dir / "hidden_states/shard_0"
+    longest = max(r["seq_len"] for r in gate_rows)
+    run_extract_job(str(tokenized), str(shard), model_path=model_path, layers=layers, extract=extract,
+                    max_seq_len=longest, trust_remote_code=trust_remote_code, shard=0, threads=threads)  # fmt: skip
+    if plant is not None:
+        shard = plant(shard)
+        record["planted"] = str(shard)
+    validation = work_dir / "validation/shard_0.json"
+    validate_shard(str(shard), str(tokenized), str(validation), model_path, reference=False)
+
+    import torch
+
+    job = {
+        "model": str(Path(model_path).resolve()), "shard": str(shard), "validation": str(validation),
+        "tokenized": str(tokenized), "token_freq": str(freq), "export": str(work_dir / "export"),
+        "out": str(work_dir / "train"), "layer_ids": ids, "steps": s.steps, "lr": s.lr, "loss_fn": s.loss_fn,
+        "draft_vocab_size": min(facts.vocab_size or train.MAX_DRAFT_VOCAB, train.MAX_DRAFT_VOCAB),
+        "total_seq_len": sum(r["seq_len"] for r in gate_rows[: len(prompts)]), "train_rows": len(gate_rows) - 1,
+        "cpu": not torch.accelerator.is_available(),
+    }  # fmt: skip
+    t_train = time.time()
+    log(
+        f"training the draft: {s.steps} steps, {s.copies} copies of {len(prompts)} rows ({job['total_seq_len']} tokens a batch)"
+    )
+    record["training"] = {**train.run(job, python, work_dir / "train.log"), "wall_s": round(time.time() - t_train, 1)}
+
+    log(f"serving the prompts with the draft (eagle3, k = {s.k}, greedy, {s.max_tokens} tokens each)")
+    try:
+        served = serve.generate(model_path, regenerate, [p.ids for p in prompts], s.max_tokens, stop_ids,
+                                max_model_len, trust_remote_code, draft=record["training"]["draft"], k=s.k)  # fmt: skip
+    except serve.NotServable as e:
+        return _skip(out_json, record, str(e))
+    first_diff = [_first_difference(o, r) for o, r in zip(served.outputs, regen.outputs, strict=True)]
+    # Greedy decoding with a draft writes what the target alone writes, up to numerics (a near-tie decided
+    # otherwise when k + 1 tokens are verified at once); past such a token the draft is off its training
+    # rows, whatever the data. The draft cannot move the target's choice, so judging the other prompts
+    # hides no mistake of the data.
+    judged = [i for i, d in enumerate(first_diff) if d is None]
+    acc = acceptance.acceptance(acceptance.total([served.spec[i] for i in judged]) or acceptance.zero(s.k), s.k)
+    verdict, line = acceptance.verdict(acc, len(judged), len(prompts))
+    record.update(
+        acceptance=acc.to_json(),
+        acceptance_all_prompts=acceptance.acceptance(acceptance.total(served.spec), s.k).to_json(),
+        per_prompt=[
+            {
+                "mean_acceptance_length": round(acceptance.acceptance(sp, s.k).mean_acceptance_length, 4),
+                "first_difference": d,
+                "spec_decode": sp,
+            }
+            for sp, d in zip(served.spec, first_diff, strict=True)
+        ],  # fmt: skip
+        served_equal_to_regenerated=f"{len(judged)}/{len(prompts)}",
+        replies={"regenerated": regen.outputs, "served": served.outputs},
+        serve_engine=served.engine,
+        verdict=verdict,
+        detail=line,
+        ok=verdict == "pass",
+        wall_s=round(time.time() - t0, 1),
+    )
+    write_json(work_dir / "overfit_gate.json", record)
+    log(f"{verdict.upper()}: {line}")
+    if verdict != "pass":
+        print(json.dumps(record.get("acceptance"), indent=1), file=sys.stderr)
+        raise GateFailed(
+            f"overfit gate failed: {line} (bound {acceptance.MIN_ACCEPTANCE_PER_POSITION} per position); the "
+            f"record is {work_dir / 'overfit_gate.json'}: check layers.ids and the capture (README, overfit gate)"
+        )
+    write_json(out_json, record)
+    return record
