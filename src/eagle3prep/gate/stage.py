@@ -195,7 +195,7 @@ def run_overfit_gate(
         print(json.dumps(record.get("acceptance"), indent=1), file=sys.stderr)
         raise GateFailed(
             f"overfit gate failed: {line} (bound {acceptance.MIN_ACCEPTANCE_PER_POSITION} per position); the "
-            f"record is {work_dir / 'overfit_gate.json'}: check layers.ids and the capture (README, overfit gate)"
+            f"record is {work_dir / 'overfit_gate.json'}: check layers.ids and the capture (docs/DESIGN.md §6a)"
         )
     write_json(out_json, record)
     return record
