@@ -21,9 +21,10 @@ if config["validate"]["overfit_gate"]:
         conda:
             "../envs/vllm.yaml"
         threads: config["extract"]["threads"]
+        # its engines' tensor-parallel size, or the capture's when larger (gate.stage.job_gpus)
         resources:
-            gpus=get_regen_gpus(),
-            gpu=get_regen_gpus(),
+            gpus=max(get_regen_gpus(), get_gpus()),
+            gpu=max(get_regen_gpus(), get_gpus()),
         params:
             tokens=f"{TOKENIZED}/shard_0.jsonl",
             work="results/overfit_gate",

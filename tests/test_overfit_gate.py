@@ -253,3 +253,11 @@ def test_overfit_gate_passes_on_correct_data_with_vllm_cpu(tmp_path):
     assert os.path.isdir(wd / "results/overfit_gate/train/checkpoints")
     again = snakemake(wd, "overfit_gate", "-n", env=env)
     assert "Nothing to be done" in again.stdout + again.stderr
+
+
+def test_gate_holds_the_engines_or_the_captures_gpus():
+    from eagle3prep.gate.stage import job_gpus
+
+    assert job_gpus({"tp_size": 2}, {"backend": "hf", "device": "cpu"}) == 2
+    assert job_gpus({"tp_size": 1}, {"backend": "vllm", "tp_size": 4}) == 4
+    assert job_gpus({}, {"backend": "hf", "device": "cuda"}) == 1

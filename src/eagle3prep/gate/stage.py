@@ -26,6 +26,7 @@ from typing import Any
 
 from ..atomic import write_json
 from ..errors import UserError
+from ..gpus import claim_job_gpus
 from ..layers import resolve_layer_ids
 from ..model_facts import ModelFacts
 from ..provenance import code_version
@@ -49,6 +50,16 @@ class GateSettings:
     copies: int = 5  # of each row in the training split: epochs of `copies` steps
     lr: float = 1e-2
     loss_fn: str = "ce"  # cross-entropy against the target's argmax: what greedy acceptance asks of the draft
+
+
+def job_gpus(regenerate: dict[str, Any], extract: dict[str, Any]) -> int:
+    """GPUs the gate holds: the engines' tensor-parallel size, or the capture's when it needs more
+    (rules/overfit_gate.smk declares the same)."""
+    if extract.get("backend") == "vllm":
+        capture = int(extract.get("tp_size", 1))
+    else:
+        capture = 1 if str(extract.get("device", "cpu")).startswith("cuda") else 0
+    return max(int(regenerate.get("tp_size", 1)), capture)
 
 
 def _first_difference(served: list[int], regenerated: list[int]) -> int | None:
@@ -119,83 +130,89 @@ def run_overfit_gate(
     max_model_len = max(len(p.ids) for p in prompts) + budget + s.k
     record["prompts"] = [{"row": p.row, "tokens": len(p.ids), "ids": p.ids} for p in prompts]
 
-    log(f"{len(prompts)} prompts of {tokenized_shard}: the target's greedy replies ({budget} tokens each)")
-    regen = serve.generate(model_path, regenerate, [p.ids for p in prompts], budget, stop_ids, max_model_len,
-                           trust_remote_code)  # fmt: skip
-    record["regenerate_engine"] = regen.engine
-    gate_rows = rows.training_rows(prompts, regen.outputs, s.copies)
-    tokenized, freq = work_dir / "rows/shard_0.jsonl", work_dir / "rows/token_freq.json"
-    rows.write_rows(gate_rows, tokenized, freq)
+    # The job's GPUs, claimed once before any engine reads CUDA_VISIBLE_DEVICES (extract_shard's own claim
+    # then respects it); none on a host without NVIDIA GPUs.
+    with claim_job_gpus(job_gpus(regenerate, extract)):
+        log(f"{len(prompts)} prompts of {tokenized_shard}: the target's greedy replies ({budget} tokens each)")
+        regen = serve.generate(model_path, regenerate, [p.ids for p in prompts], budget, stop_ids, max_model_len,
+                               trust_remote_code)  # fmt: skip
+        record["regenerate_engine"] = regen.engine
+        gate_rows = rows.training_rows(prompts, regen.outputs, s.copies)
+        tokenized, freq = work_dir / "rows/shard_0.jsonl", work_dir / "rows/token_freq.json"
+        rows.write_rows(gate_rows, tokenized, freq)
 
-    from ..extract import run_extract_job
-    from ..validate import validate_shard
+        from ..extract import run_extract_job
+        from ..validate import validate_shard
 
-    shard = work_dir / "hidden_states/shard_0"
-    longest = max(r["seq_len"] for r in gate_rows)
-    run_extract_job(str(tokenized), str(shard), model_path=model_path, layers=layers, extract=extract,
-                    max_seq_len=longest, trust_remote_code=trust_remote_code, shard=0, threads=threads)  # fmt: skip
-    if plant is not None:
-        shard = plant(shard)
-        record["planted"] = str(shard)
-    validation = work_dir / "validation/shard_0.json"
-    validate_shard(str(shard), str(tokenized), str(validation), model_path, reference=False)
+        shard = work_dir / "hidden_states/shard_0"
+        longest = max(r["seq_len"] for r in gate_rows)
+        run_extract_job(str(tokenized), str(shard), model_path=model_path, layers=layers, extract=extract,
+                        max_seq_len=longest, trust_remote_code=trust_remote_code, shard=0, threads=threads)  # fmt: skip
+        if plant is not None:
+            shard = plant(shard)
+            record["planted"] = str(shard)
+        validation = work_dir / "validation/shard_0.json"
+        validate_shard(str(shard), str(tokenized), str(validation), model_path, reference=False)
 
-    import torch
+        import torch
 
-    job = {
-        "model": str(Path(model_path).resolve()), "shard": str(shard), "validation": str(validation),
-        "tokenized": str(tokenized), "token_freq": str(freq), "export": str(work_dir / "export"),
-        "out": str(work_dir / "train"), "layer_ids": ids, "steps": s.steps, "lr": s.lr, "loss_fn": s.loss_fn,
-        "draft_vocab_size": min(facts.vocab_size or train.MAX_DRAFT_VOCAB, train.MAX_DRAFT_VOCAB),
-        "total_seq_len": sum(r["seq_len"] for r in gate_rows[: len(prompts)]), "train_rows": len(gate_rows) - 1,
-        "cpu": not torch.accelerator.is_available(),
-    }  # fmt: skip
-    t_train = time.time()
-    log(
-        f"training the draft: {s.steps} steps, {s.copies} copies of {len(prompts)} rows ({job['total_seq_len']} tokens a batch)"
-    )
-    record["training"] = {**train.run(job, python, work_dir / "train.log"), "wall_s": round(time.time() - t_train, 1)}
-
-    log(f"serving the prompts with the draft (eagle3, k = {s.k}, greedy, {s.max_tokens} tokens each)")
-    try:
-        served = serve.generate(model_path, regenerate, [p.ids for p in prompts], s.max_tokens, stop_ids,
-                                max_model_len, trust_remote_code, draft=record["training"]["draft"], k=s.k)  # fmt: skip
-    except serve.NotServable as e:
-        return _skip(out_json, record, str(e))
-    first_diff = [_first_difference(o, r) for o, r in zip(served.outputs, regen.outputs, strict=True)]
-    # Greedy decoding with a draft writes what the target alone writes, up to numerics (a near-tie decided
-    # otherwise when k + 1 tokens are verified at once); past such a token the draft is off its training
-    # rows, whatever the data. The draft cannot move the target's choice, so judging the other prompts
-    # hides no mistake of the data.
-    judged = [i for i, d in enumerate(first_diff) if d is None]
-    acc = acceptance.acceptance(acceptance.total([served.spec[i] for i in judged]) or acceptance.zero(s.k), s.k)
-    verdict, line = acceptance.verdict(acc, len(judged), len(prompts))
-    record.update(
-        acceptance=acc.to_json(),
-        acceptance_all_prompts=acceptance.acceptance(acceptance.total(served.spec), s.k).to_json(),
-        per_prompt=[
-            {
-                "mean_acceptance_length": round(acceptance.acceptance(sp, s.k).mean_acceptance_length, 4),
-                "first_difference": d,
-                "spec_decode": sp,
-            }
-            for sp, d in zip(served.spec, first_diff, strict=True)
-        ],  # fmt: skip
-        served_equal_to_regenerated=f"{len(judged)}/{len(prompts)}",
-        replies={"regenerated": regen.outputs, "served": served.outputs},
-        serve_engine=served.engine,
-        verdict=verdict,
-        detail=line,
-        ok=verdict == "pass",
-        wall_s=round(time.time() - t0, 1),
-    )
-    write_json(work_dir / "overfit_gate.json", record)
-    log(f"{verdict.upper()}: {line}")
-    if verdict != "pass":
-        print(json.dumps(record.get("acceptance"), indent=1), file=sys.stderr)
-        raise GateFailed(
-            f"overfit gate failed: {line} (bound {acceptance.MIN_ACCEPTANCE_PER_POSITION} per position); the "
-            f"record is {work_dir / 'overfit_gate.json'}: check layers.ids and the capture (docs/DESIGN.md §6a)"
+        job = {
+            "model": str(Path(model_path).resolve()), "shard": str(shard), "validation": str(validation),
+            "tokenized": str(tokenized), "token_freq": str(freq), "export": str(work_dir / "export"),
+            "out": str(work_dir / "train"), "layer_ids": ids, "steps": s.steps, "lr": s.lr, "loss_fn": s.loss_fn,
+            "draft_vocab_size": min(facts.vocab_size or train.MAX_DRAFT_VOCAB, train.MAX_DRAFT_VOCAB),
+            "total_seq_len": sum(r["seq_len"] for r in gate_rows[: len(prompts)]), "train_rows": len(gate_rows) - 1,
+            "cpu": not torch.accelerator.is_available(),
+        }  # fmt: skip
+        t_train = time.time()
+        log(
+            f"training the draft: {s.steps} steps, {s.copies} copies of {len(prompts)} rows ({job['total_seq_len']} tokens a batch)"
         )
-    write_json(out_json, record)
-    return record
+        record["training"] = {
+            **train.run(job, python, work_dir / "train.log"),
+            "wall_s": round(time.time() - t_train, 1),
+        }
+
+        log(f"serving the prompts with the draft (eagle3, k = {s.k}, greedy, {s.max_tokens} tokens each)")
+        try:
+            served = serve.generate(model_path, regenerate, [p.ids for p in prompts], s.max_tokens, stop_ids,
+                                    max_model_len, trust_remote_code, draft=record["training"]["draft"], k=s.k)  # fmt: skip
+        except serve.NotServable as e:
+            return _skip(out_json, record, str(e))
+        first_diff = [_first_difference(o, r) for o, r in zip(served.outputs, regen.outputs, strict=True)]
+        # Greedy decoding with a draft writes what the target alone writes, up to numerics (a near-tie decided
+        # otherwise when k + 1 tokens are verified at once); past such a token the draft is off its training
+        # rows, whatever the data. The draft cannot move the target's choice, so judging the other prompts
+        # hides no mistake of the data.
+        judged = [i for i, d in enumerate(first_diff) if d is None]
+        acc = acceptance.acceptance(acceptance.total([served.spec[i] for i in judged]) or acceptance.zero(s.k), s.k)
+        verdict, line = acceptance.verdict(acc, len(judged), len(prompts))
+        record.update(
+            acceptance=acc.to_json(),
+            acceptance_all_prompts=acceptance.acceptance(acceptance.total(served.spec), s.k).to_json(),
+            per_prompt=[
+                {
+                    "mean_acceptance_length": round(acceptance.acceptance(sp, s.k).mean_acceptance_length, 4),
+                    "first_difference": d,
+                    "spec_decode": sp,
+                }
+                for sp, d in zip(served.spec, first_diff, strict=True)
+            ],  # fmt: skip
+            served_equal_to_regenerated=f"{len(judged)}/{len(prompts)}",
+            replies={"regenerated": regen.outputs, "served": served.outputs},
+            serve_engine=served.engine,
+            verdict=verdict,
+            detail=line,
+            ok=verdict == "pass",
+            wall_s=round(time.time() - t0, 1),
+        )
+        write_json(work_dir / "overfit_gate.json", record)
+        log(f"{verdict.upper()}: {line}")
+        if verdict != "pass":
+            print(json.dumps(record.get("acceptance"), indent=1), file=sys.stderr)
+            raise GateFailed(
+                f"overfit gate failed: {line} (bound {acceptance.MIN_ACCEPTANCE_PER_POSITION} per position); the "
+                f"record is {work_dir / 'overfit_gate.json'}: check layers.ids and the capture (docs/DESIGN.md §6a)"
+            )
+        write_json(out_json, record)
+        return record
