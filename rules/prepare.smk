@@ -13,10 +13,10 @@ rule prepare:
     conda:
         "../envs/base.yaml"
     params:
-        sources=config["data"]["sources"],
-        max_line_bytes=config["data"]["max_line_bytes"],
         # data.allow_no_user_turn only when true: a key added after runs existed, so a run made before it is
         # not re-queued (config.LATER_KEYS says why)
         **({"allow_no_user_turn": True} if config["data"]["allow_no_user_turn"] else {}),
+        sources=config["data"]["sources"],
+        max_line_bytes=config["data"]["max_line_bytes"],
     script:
         "../scripts/prepare.py"
