@@ -56,4 +56,4 @@ if config["validate"]["overfit_gate"]:
         params:
             **rules.report.params,
         script:
-            "../scripts/report_with_gate.py"
+            "../scripts/report.py"

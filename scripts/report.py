@@ -20,4 +20,6 @@ with one_line_errors():
         out_csv=snakemake.output.summary,
         out_manifest=snakemake.output.manifest,
         export_dir=snakemake.input.export[0] if snakemake.input.export else None,
+        # Only rule report_with_gate (rules/overfit_gate.smk) has this input.
+        overfit_gate=snakemake.input.get("gate"),
     )
