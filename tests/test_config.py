@@ -99,3 +99,13 @@ def test_default_layer_ids_that_collapse_on_a_small_model_are_named_in_one_line(
     assert "the default [2, N//2, N-3, N] is [2, 3, 3, 6] for this N = 6" in notes[0]
     assert "3 distinct ids [2, 3, 6] are captured, not 4" in notes[0]
     assert check_model(validate_config(base(model={"path": model_folder(tmp_path, {"num_hidden_layers": 32})}))) == []
+
+
+def test_layer_ids_that_cannot_feed_speculators_are_refused_at_parse_time(tmp_path):
+    # Was found only by the export, after every extract and validate job (issue #27 item 3).
+    path = model_folder(tmp_path, {"num_hidden_layers": 8})
+    ok = base(model={"path": path}, layers={"ids": [2, 4, 5]})
+    assert check_model(validate_config(ok)) == []
+    bad = base(model={"path": path}, layers={"ids": [2, 4, 5]}, export={"speculators": True})
+    with pytest.raises(ConfigError, match=r"^config error: layer ids \[2, 4, 5\] cannot feed speculators"):
+        check_model(validate_config(bad))

@@ -212,7 +212,12 @@ def check_model(config: dict[str, Any]) -> list[str]:
                 f"{len(ids)} distinct ids {ids} are captured, not 4; set layers.ids to choose others"
             )
     else:
-        layer_ids(config)  # raises ConfigError in one line
+        ids = layer_ids(config)  # raises ConfigError in one line
+        if config["export"]["speculators"]:
+            from .shard.shardset import speculators_layer_error
+
+            if error := speculators_layer_error(ids, n):
+                raise ConfigError(f"config error: {error}")
     check_max_seq_len(config["tokenize"]["max_seq_len"], path)
     return notes
 

@@ -18,6 +18,17 @@ from ..records import IndexEntry
 from .format import ShardManifest, read_index, read_manifest
 
 
+def speculators_layer_error(ids: list[int], n: int) -> str | None:
+    """Why layer ids `ids` (our convention, model depth `n`) cannot feed speculators, or None: the last slot
+    must be the pre-norm final state N after at least one auxiliary layer. Checked at parse time too."""
+    if ids[-1] != n or len(ids) < 2:
+        return (
+            f"layer ids {ids} cannot feed speculators: its last slot must be the pre-norm final state "
+            f"(id {n}) after at least one auxiliary layer; add {n} to layers.ids and rerun extract"
+        )
+    return None
+
+
 class ShardSetError(UserError, ValueError):
     """The shards and their tokenized files do not agree; the message names the file and the fix."""
 
@@ -139,11 +150,8 @@ class ShardSet:
                 f"shards disagree on (dtype, storage, layer ids, hidden size, N): {sorted(kinds)}; rerun the odd ones"
             )
         n, ids = self.first.num_hidden_layers, self.layer_ids
-        if final_layer and (ids[-1] != n or len(ids) < 2):
-            raise ShardSetError(
-                f"layer ids {ids} cannot feed speculators: its last slot must be the pre-norm final state "
-                f"(id {n}) after at least one auxiliary layer; add {n} to layers.ids and rerun extract"
-            )
+        if final_layer and (error := speculators_layer_error(ids, n)):
+            raise ShardSetError(error)
         expected = 0
         for s in self.shards:
             m = s.manifest
