@@ -90,21 +90,10 @@ def make_exports(workdir: Path, out: Path) -> dict[str, Path]:
 
 
 def epochs_for(export: Path, steps: int, seq_len: int, ratio: float, nproc: int, seed: int) -> int:
-    """Epochs that hold `steps` optimizer steps, counted by speculators' own batch sampler (batches per
-    epoch vary with the shuffle). speculators starts one more step in every epoch after --max-steps, so
-    asking for exactly these epochs stops at `steps`."""
-    from datasets import load_from_disk
-    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    """Epochs that hold `steps` optimizer steps (eagle3prep.gate.train.epochs_for: speculators' own sampler)."""
+    from eagle3prep.gate.train import epochs_for as count
 
-    lengths = list(load_from_disk(str(export)).with_format(None)["seq_len"])
-    lengths = lengths[: int(len(lengths) * ratio)]  # ArrowDataset's train split
-    sampler = MultipackDistributedBatchSamplerV2(seq_len, lengths, num_replicas=nproc, rank=0, seed=seed)
-    total, epoch = 0, 0
-    while total < steps:
-        sampler.set_epoch(epoch)
-        total += len(sampler)
-        epoch += 1
-    return epoch
+    return count(str(export), steps, seq_len, ratio, nproc, seed)
 
 
 def train_args(

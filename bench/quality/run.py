@@ -34,8 +34,6 @@ import yaml
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-from train_h200 import epochs_for  # noqa: E402
 
 # The training recipe every row of the table shares; only the data and the seed change.
 RECIPE = {"steps": 600, "lr": 1e-3, "draft_vocab_size": 2048, "seq_len": 4096, "ratio": 0.95, "attn": "sdpa"}
@@ -128,7 +126,9 @@ def train_args(opts: argparse.Namespace, export: Path, save: Path, seed: int) ->
     recipe = RECIPE if opts.size == "h200" else TOY_RECIPE
     manifest = json.loads((export / "manifest.json").read_text())
     # The epochs that hold the steps (speculators' own sampler), so its linear schedule ends at the last step.
-    epochs = epochs_for(export, recipe["steps"], recipe["seq_len"], recipe["ratio"], 1, seed)
+    from eagle3prep.gate.train import epochs_for
+
+    epochs = epochs_for(str(export), recipe["steps"], recipe["seq_len"], recipe["ratio"], 1, seed)
     return [
         *("--verifier-name-or-path", str(opts.out / "target/model"), "--data-path", str(export)),
         *("--speculator-type", "eagle3", "--target-layer-ids", *map(str, manifest["target_layer_ids"])),

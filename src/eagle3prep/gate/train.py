@@ -44,16 +44,16 @@ def ratio_for(train_rows: int) -> float:
     return (train_rows + 0.5) / (train_rows + 1)
 
 
-def epochs_for(export: str, steps: int, seq_len: int, ratio: float) -> int:
+def epochs_for(export: str, steps: int, seq_len: int, ratio: float, nproc: int = 1, seed: int = 0) -> int:
     """Epochs that hold `steps` optimizer steps, counted by speculators' own batch sampler on the training
-    split (as bench/train_h200.py counts them): with more epochs than that, speculators starts one more
+    split (bench/train_h200.py and bench/quality count them here too): with more epochs than that, speculators starts one more
     step in every epoch after --max-steps."""
     from datasets import load_from_disk
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
-    lengths = list(load_from_disk(export).with_format(None)["seq_len"])
+    lengths = list(load_from_disk(str(export)).with_format(None)["seq_len"])
     lengths = lengths[: int(len(lengths) * ratio)]
-    sampler = MultipackDistributedBatchSamplerV2(seq_len, lengths, num_replicas=1, rank=0, seed=0)
+    sampler = MultipackDistributedBatchSamplerV2(seq_len, lengths, num_replicas=nproc, rank=0, seed=seed)
     total, epoch = 0, 0
     while total < steps:
         sampler.set_epoch(epoch)
