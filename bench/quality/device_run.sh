@@ -1,35 +1,40 @@
 #!/bin/bash
 # The quality bench on the H200 after the payloads (bench/device/README.md), in the background of a warm
-# machine: the target, then each phase's data, its drafts (seeds 0 and 1 side by side on the one GPU), and
-# vLLM serving every draft not served yet. A phase is a list of variants, or "planted" (all_ids' rows,
-# then the planted mistakes, one draft each: seed 0), or "peer" (ours' rows, speculators' own hidden states).
-# Usage: setsid nohup bash bench/quality/device_run.sh /tmp/q "ours" peer planted "offpolicy fp8" > /tmp/q/run.log 2>&1 &
+# machine. Independent branches share the one GPU (every engine gets a fixed KV cache: run.py ENGINE_SHARE):
+#   ours' data, then: its drafts | fp8 | all_ids -> planted | peer       offpolicy's data from the start
+# each branch trains its drafts (seeds 0 and 1; planted: seed 0) and serves them as soon as they exist.
+# Acceptance does not depend on what else runs; tokens/s does, so the last step serves the target alone
+# and ours_s0 again on an idle GPU (serve/speed_*.json).
+# Usage: setsid nohup bash bench/quality/device_run.sh /tmp/q > /tmp/q/run.log 2>&1 &
 set -u
-Q=$1; shift
+Q=$1
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 . /tmp/site/env.sh && . /tmp/tools/env.sh
 R="python3 bench/quality/run.py $Q"
-[ -f "$Q/target/target.json" ] || $R --stage target > "$Q/target.log" 2>&1 || exit 1
-for phase in "$@"; do
-  tag=${phase// /_}
-  echo "phase $phase: data $(date +%T)"
-  if [ "$phase" = planted ]; then
-    $R --stage data --variants all_ids > "$Q/data_all_ids.log" 2>&1
-    $R --stage plant > "$Q/plant.log" 2>&1
-    variants="planted_layer_plus_one planted_post_norm_final planted_tokens_shifted"; seeds=0
-  elif [ "$phase" = peer ]; then
-    $R --stage peer > "$Q/peer.log" 2>&1
-    variants=peer; seeds="0 1"
-  else
-    $R --stage data --variants $phase > "$Q/data_$tag.log" 2>&1
-    variants=$phase; seeds="0 1"
-  fi
-  echo "phase $phase: train $(date +%T)"
-  for v in $variants; do for s in $seeds; do
-    $R --stage train --variants $v --seeds $s > "$Q/train_${v}_s$s.log" 2>&1 &
-  done; done
+log() { echo "$(date +%T) $*"; }
+
+train_serve() {  # variant seeds...: train side by side, then serve each draft
+  local v=$1; shift
+  log "train $v ($*)"
+  for s in "$@"; do $R --stage train --variants "$v" --seeds "$s" > "$Q/train_${v}_s$s.log" 2>&1 & done
   wait
-  echo "phase $phase: serve $(date +%T)"
-  $R --stage serve > "$Q/serve_$tag.log" 2>&1
-done
-echo "all done $(date +%T)"
+  log "serve $v"
+  $R --stage serve --only $(for s in "$@"; do echo "${v}_s$s"; done) > "$Q/serve_$v.log" 2>&1
+  log "done $v"
+}
+
+[ -f "$Q/target/target.json" ] || $R --stage target > "$Q/target.log" 2>&1 || exit 1
+log "data ours, offpolicy"
+($R --stage data --variants offpolicy > "$Q/data_offpolicy.log" 2>&1; train_serve offpolicy 0 1) &
+$R --stage data --variants ours > "$Q/data_ours.log" 2>&1 || { log "ours' data failed"; wait; exit 1; }
+log "ours' data done"
+$R --stage serve --only target_only > "$Q/serve_target_only.log" 2>&1 &
+train_serve ours 0 1 &
+($R --stage data --variants fp8 > "$Q/data_fp8.log" 2>&1; train_serve fp8 0 1) &
+($R --stage data --variants all_ids > "$Q/data_all_ids.log" 2>&1 && $R --stage plant > "$Q/plant.log" 2>&1 &&
+  for v in planted_layer_plus_one planted_post_norm_final planted_tokens_shifted; do train_serve $v 0 & done; wait) &
+($R --stage peer > "$Q/peer.log" 2>&1 && train_serve peer 0 1) &
+wait
+log "speed: target alone and ours_s0 on an idle GPU"
+$R --stage serve --tag speed_ --only target_only ours_s0 > "$Q/serve_speed.log" 2>&1
+log "all done"

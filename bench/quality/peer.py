@@ -51,7 +51,8 @@ def serve_command(model: Path, layer_ids: list[int], staging: Path) -> list[str]
     return [
         *(sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--port", str(PORT)),
         *("--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)),
-        *("--gpu-memory-utilization", "0.3", "--max-model-len", "4096", "--no-enable-prefix-caching"),
+        *("--gpu-memory-utilization", "0.1", "--kv-cache-memory-bytes", str(4 << 30)),  # shares the GPU
+        *("--max-model-len", "4096", "--no-enable-prefix-caching"),
     ]
 
 

@@ -22,6 +22,7 @@ One stage per device call (each reads what the earlier wrote to OUT, on the same
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import subprocess
@@ -39,7 +40,10 @@ sys.path.insert(0, str(HERE))
 RECIPE = {"steps": 600, "lr": 1e-3, "draft_vocab_size": 2048, "seq_len": 4096, "ratio": 0.95, "attn": "sdpa"}
 TOY_RECIPE = {"steps": 20, "lr": 1e-3, "draft_vocab_size": 256, "seq_len": 512, "ratio": 0.9, "attn": "sdpa"}
 ROWS = {"h200": 512, "toy": 24}  # training conversations per variant
-PROMPTS = {"h200": 256, "toy": 4}  # held-out prompts served (64 gave 1.5 s of decode: too short for tok/s)
+PROMPTS = {"h200": 256, "toy": 4}
+# A fixed KV cache skips vLLM's memory profiling, which fails when another process on the GPU frees memory
+# meanwhile; the utilization is then only the free memory a start needs (14 GiB of the H200's 141).
+ENGINE_SHARE = {"gpu_memory_utilization": 0.1, "engine_args": {"kv_cache_memory_bytes": 4 << 30}}  # held-out prompts served (64 gave 1.5 s of decode: too short for tok/s)
 
 
 def workflow_config(opts: argparse.Namespace, variant: str, sources: list[str]) -> dict:
@@ -53,6 +57,9 @@ def workflow_config(opts: argparse.Namespace, variant: str, sources: list[str]) 
         "export": {"speculators": True, "hidden_states": "direct"},
         "regenerate": {"enabled": False},
     }
+    if gpu:  # several variants' engines share the one GPU (device_run.sh): each gets a fixed KV cache
+        for section in ("extract", "regenerate"):
+            cfg[section].update(ENGINE_SHARE)
     if variant == "ours":
         cfg["regenerate"] = {"enabled": True, "turns": "last", "sampling": {"temperature": 0, "max_tokens": 512}}
     if variant == "fp8":
@@ -99,7 +106,11 @@ def stage_data(opts: argparse.Namespace) -> dict:
     train = opts.out / "target/conversations/train.jsonl"
     rows = train.read_text().splitlines()[: ROWS[opts.size]]
     src = opts.out / "rows.jsonl"
-    src.write_text("\n".join(rows) + "\n")
+    text = "\n".join(rows) + "\n"
+    if not src.exists() or src.read_text() != text:  # variants' data stages run side by side: write once, atomically
+        tmp = src.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.replace(src)
     regenerated = opts.out / "wd/ours/results/regenerated/conversations.jsonl"
     out = {}
     for variant in opts.variants:
@@ -205,16 +216,19 @@ def stage_serve(opts: argparse.Namespace) -> dict:
     runs = {"target_only": None}
     drafts = {d.name: last_checkpoint_or_none(d) for d in sorted((opts.out / "drafts").iterdir()) if d.is_dir()}
     runs.update({name: ckpt for name, ckpt in drafts.items() if ckpt is not None})
+    if opts.only:
+        runs = {name: ckpt for name, ckpt in runs.items() if name in opts.only}
     out = {}
     for name, draft in runs.items():
-        res = opts.out / "serve" / f"{name}.json"
+        # --tag speed: a second serve of the same draft on an otherwise idle GPU, for tokens/s
+        res = opts.out / "serve" / f"{opts.tag}{name}.json"
         if res.exists() or (draft is not None and not (draft / "config.json").exists()):
             continue  # served in an earlier call, or a draft still training
         cmd = [opts.vllm_python, str(HERE / "serve.py"), str(opts.out / "target/model"), str(prompts), str(res)]
         cmd += ["--draft", str(draft)] if draft else []
-        with open(opts.out / "serve" / f"{name}.log", "w") as log:
+        with open(opts.out / "serve" / f"{opts.tag}{name}.log", "w") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=log).returncode
-        out[name] = {k: v for k, v in json.loads(res.read_text()).items() if k != "outputs"} if rc == 0 else {"rc": rc}
+        out[opts.tag + name] = {k: v for k, v in json.loads(res.read_text()).items() if k != "outputs"} if rc == 0 else {"rc": rc}
     return out
 
 
@@ -233,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--vllm-python", default=sys.executable)
+    ap.add_argument("--only", nargs="+", help="with --stage serve: these runs (target_only, <variant>_s<seed>)")
+    ap.add_argument("--tag", default="", help="with --stage serve: prefix of the result files (speed_)")
     ap.add_argument("--expect-weights", help="with --stage target: the sha256 a rebuild must give")
     opts = ap.parse_args(argv)
     opts.out = opts.out.resolve()
@@ -249,9 +265,11 @@ def main(argv: list[str] | None = None) -> int:
         "serve": stage_serve,
     }[opts.stage](opts)
     summary_path = opts.out / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    summary.setdefault(opts.stage, {}).update(result)
-    summary_path.write_text(json.dumps(summary, indent=1))
+    with open(opts.out / "summary.lock", "w") as lock:  # stages run side by side (device_run.sh)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        summary.setdefault(opts.stage, {}).update(result)
+        summary_path.write_text(json.dumps(summary, indent=1))
     print(json.dumps(result, indent=1))
     return 0
 

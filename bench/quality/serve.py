@@ -42,7 +42,10 @@ def serve(model: str, prompts: list[list[int]], draft: str | None, k: int, max_t
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not in the H200 payload
     from vllm import LLM, SamplingParams
 
-    kwargs = {"model": model, "dtype": "bfloat16", "gpu_memory_utilization": 0.3, "disable_log_stats": False}
+    # Engines share the GPU (device_run.sh serves drafts side by side): a fixed KV cache skips vLLM's memory
+    # profiling, which fails when another process frees memory meanwhile.
+    kwargs = {"model": model, "dtype": "bfloat16", "gpu_memory_utilization": 0.1, "disable_log_stats": False}
+    kwargs["kv_cache_memory_bytes"] = 2 << 30
     kwargs["seed"] = 0
     if draft:
         kwargs["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
