@@ -59,9 +59,12 @@ def serve_command(model: Path, layer_ids: list[int], staging: Path) -> list[str]
 def make_peer(out: Path) -> dict:
     ours = out / "wd/ours/results/export/speculators"
     manifest = json.loads((ours / "manifest.json").read_text())
-    layer_ids = manifest["target_layer_ids"]
+    # Every id the trainer reads, the final state's N included (speculators' launch_vllm.py
+    # --include-last-layer): with the auxiliary ids alone vLLM writes 3 of 4 layers, --validate-outputs
+    # passes them, and the trainer stops on a shape mismatch (H200, 2026-12-02).
+    layer_ids = manifest["layer_ids"]
     dest = out / "wd/peer/results/export/speculators"
-    shutil.rmtree(dest.parent, ignore_errors=True)
+    shutil.rmtree(out / "wd/peer", ignore_errors=True)  # a rerun starts over: staging, logs, export
     shutil.copytree(ours, dest, ignore=shutil.ignore_patterns("manifest.json", "hidden_states"))
     staging = out / "wd/peer/staging"
     staging.mkdir(parents=True)
@@ -85,7 +88,7 @@ def make_peer(out: Path) -> dict:
     peer_manifest = {
         "format": "eagle3prep.quality_peer/1",
         "made_by": "speculators generate-offline-data + vllm serve extract_hidden_states",
-        "target_layer_ids": layer_ids,
+        "target_layer_ids": manifest["target_layer_ids"],
         "hidden_states_backend": "file",
         "rows_from": str(ours),
         "files": len(files),
