@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 import re
 from collections.abc import Collection
@@ -46,7 +47,17 @@ def _one_line(error) -> str:
         return f"config error: {key} = {error.instance!r} is not allowed; choose one of {sub['enum']}"
     if error.validator == "additionalProperties":
         allowed = sorted(sub.get("properties", {}))
+        extra = [k for k in error.instance if k not in allowed] if isinstance(error.instance, dict) else []
+        near = difflib.get_close_matches(str(extra[0]), allowed, n=1) if extra else []
+        if near:  # a typo: the key the user meant says more than the whole list
+            where = f"{key}.{extra[0]}" if error.absolute_path else str(extra[0])
+            return f"config error: {where}: unknown key; did you mean {near[0]!r}? (allowed keys are {allowed})"
         return f"config error: {key}: {error.message}; allowed keys are {allowed}"
+    if error.validator == "required":
+        missing = next((m for m in sub.get("required", []) if m not in error.instance), None)
+        where = f"{key}.{missing}" if error.absolute_path else str(missing)
+        desc = sub.get("properties", {}).get(missing, {}).get("description", "")
+        return f"config error: {where} is required and missing" + (f" ({desc})" if desc else "")
     if error.validator in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minItems"):
         return f"config error: {key} = {error.instance!r}: {error.message}"
     desc = f" ({sub['description']})" if "description" in sub else ""
@@ -148,6 +159,67 @@ def check_template_kwargs(kwargs: dict[str, Any]) -> None:
             raise ConfigError(f"config error: {template_kwargs_error(key, what)}")
 
 
+DEMO_CONFIG = "config/config.yaml"
+# The key of the file named `plan` at the repository root. `snakemake --configfile my.yaml plan` reads `plan` as
+# a second config file (Snakemake's --configfile takes several, and loads them before the Snakefile runs), so
+# that file exists to be read and to stop the run with one line saying how to write the command.
+TARGET_MARKER = "eagle3prep_target_after_configfile"
+
+
+def cli_configfiles(workflow: object) -> list[str]:
+    """The config files of the command line (--configfile, absolute), [] when none was given. Read from
+    `workflow.config_settings.configfiles`, the settings object of Snakemake's API (the Snakefile has no public
+    way to ask); a release without it stops the parse here rather than laying the demo's config under yours."""
+    try:
+        return [str(p) for p in workflow.config_settings.configfiles]  # type: ignore[attr-defined]
+    except AttributeError:
+        import snakemake
+
+        raise ConfigError(
+            f"error: this Snakemake ({getattr(snakemake, '__version__', '?')}) has no "
+            "Workflow.config_settings.configfiles, which eagle3prep reads to tell a --configfile from the demo's "
+            f"{DEMO_CONFIG} (Snakefile); use the pinned release in envs/base.txt"
+        ) from None
+
+
+def demo_config_error(cwd: str | os.PathLike) -> str | None:
+    """Without --configfile the demo's config/config.yaml is read from the working directory: one line when it
+    is not there (a run folder given with --directory holds none), else None."""
+    if (Path(cwd) / DEMO_CONFIG).is_file():
+        return None
+    return (
+        f"config error: no --configfile given and no {DEMO_CONFIG} in the working directory {cwd}; "
+        "pass your config with --configfile my-run.yaml"
+    )
+
+
+def config_source_line(configfiles: list[str], overrides: bool, cwd: str | os.PathLike) -> str:
+    """The one line that says which config is in force, and where results go."""
+    if configfiles:
+        shown = " + ".join(_shown_path(f, cwd) for f in configfiles)
+        source = f"config {shown} over the schema's defaults (config/schema.yaml; the demo's {DEMO_CONFIG} is not read)"
+    else:
+        source = f"config {DEMO_CONFIG} (the demo's; pass --configfile for your own)"
+    extra = " + --config" if overrides else ""
+    return f"{source}{extra}; results in {Path(cwd).resolve() / 'results'}"
+
+
+def _shown_path(path: str, cwd: str | os.PathLike) -> str:
+    rel = os.path.relpath(path, cwd)
+    return path if rel.startswith("..") else rel
+
+
+def check_target_marker(config: dict[str, Any], configfiles: list[str], cwd: str | os.PathLike) -> None:
+    """One line for `snakemake --configfile my.yaml plan`, where Snakemake took `plan` for a config file."""
+    if TARGET_MARKER in config:
+        target = config[TARGET_MARKER]
+        files = [_shown_path(f, cwd) for f in configfiles if Path(f).name != target] or ["my-run.yaml"]
+        raise ConfigError(
+            f"config error: `{target}` after --configfile was read as a config file (--configfile takes several); "
+            f"put the target first: snakemake {target} --configfile {' '.join(files)}"
+        )
+
+
 def validate_config(config: dict[str, Any], schema_path: str | Path = SCHEMA) -> dict[str, Any]:
     """Validate `config` in place (defaults filled in) and return it; raise ConfigError on the first error."""
     import jsonschema
@@ -216,10 +288,43 @@ def check_model(config: dict[str, Any]) -> list[str]:
         if config["export"]["speculators"]:
             from .shard.shardset import speculators_layer_error
 
-            if error := speculators_layer_error(ids, n):
+            if error := speculators_layer_error(ids, n, config["layers"]["convention"]):
                 raise ConfigError(f"config error: {error}")
     check_max_seq_len(config["tokenize"]["max_seq_len"], path)
     return notes
+
+
+def config_sources(config: dict[str, Any]) -> list[str]:
+    """data.sources expanded (globs, repeats dropped), or a one-line ConfigError naming the source."""
+    from .prepare import InputError, expand_sources
+
+    try:
+        return expand_sources(config["data"]["sources"])
+    except InputError as e:
+        raise ConfigError(f"config error: {e}") from None
+
+
+def check_tokenizer(config: dict[str, Any]) -> None:
+    """The tokenize job's start-up checks, at parse time: the model folder's tokenizer loads as the job loads it
+    (a fast tokenizer, from local files), has a chat template, and a user/assistant probe gets a loss mask with
+    tokenize.template_fallback and chat_template_kwargs. Skipped while model.build_demo has yet to build it."""
+    path = Path(config["model"]["path"])
+    if not path.is_dir():
+        return  # check_model has refused a missing folder unless build_demo will make it
+    from .tokenization.template import ChatEncoder, TokenizeError, load_tokenizer
+
+    tok = config["tokenize"]
+    try:
+        tokenizer = load_tokenizer(path, config["model"]["trust_remote_code"])
+        ChatEncoder(tokenizer, path, tok["template_fallback"], tok["chat_template_kwargs"])
+    except TokenizeError as e:
+        raise ConfigError(f"config error: model.path = {e}") from None
+    except Exception as e:  # transformers' own (OSError, ValueError, ...), as the tokenize job would print them
+        why = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ConfigError(
+            f"config error: model.path = '{path}' has no tokenizer that loads ({why}); copy the model's tokenizer "
+            "files (tokenizer.json, tokenizer_config.json) into the folder"
+        ) from None
 
 
 def model_max_positions(model_path: str | Path) -> int | None:
