@@ -17,7 +17,7 @@ import pytest
 import yaml
 from workflow_helpers import REPO, make_workdir, snakemake
 
-from eagle3prep.config import capture_spec, check_model, validate_config
+from eagle3prep.config import capture_spec, check_model, check_tokenizer, config_sources, validate_config
 from eagle3prep.errors import UserError
 from eagle3prep.prepare import expand_sources, prepare
 from eagle3prep.tokenization import tokenize_conversations
@@ -189,13 +189,16 @@ def test_whole_corpus_in_one_run_counts_every_row(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def model_variants(demo_model_dir, tmp_path_factory) -> dict[str, Path]:
-    """The demo model, and copies whose tokenizer has no chat template / no generation markers."""
+    """The demo model, and copies whose tokenizer has no chat template / no generation markers / no files."""
     root = tmp_path_factory.mktemp("model_variants")
     variants = {"demo": demo_model_dir}
-    for variant in ("no_chat_template", "no_generation_markers"):
+    for variant in ("no_chat_template", "no_generation_markers", "no_tokenizer"):
         folder = shutil.copytree(demo_model_dir, root / variant)
         template = folder / "chat_template.jinja"
-        if variant == "no_chat_template":
+        if variant == "no_tokenizer":
+            for f in folder.glob("tokenizer*"):
+                f.unlink()
+        elif variant == "no_chat_template":
             template.unlink()
         else:
             template.write_text(
@@ -206,22 +209,15 @@ def model_variants(demo_model_dir, tmp_path_factory) -> dict[str, Path]:
 
 
 def check_config(case: dict, tmp_path: Path, request) -> None:
-    """What the workflow checks, in its order: parse time (common.smk), the tokenize job, the extract job."""
+    """What rules/common.smk checks at parse time, in its order: the schema, the sources, what the model folder's
+    config.json decides, then its tokenizer (as the tokenize job loads it); the extract job's spec last."""
     model = str(request.getfixturevalue("model_variants")[case.get("model", "demo")])
     base = {"data": {"sources": [GOOD_SOURCE]}, "model": {"path": model}, "tokenize": {"max_seq_len": 128}}
     config = validate_config(merged(base, case.get("config", {})))
-    expand_sources(config["data"]["sources"])
+    config_sources(config)
     check_model(config)
-    if case["at"] == "model":
-        conversations = tmp_path / "conversations.jsonl"
-        conversations.write_text(json.dumps({"id": "x", "messages": json.loads(good_line(1))["messages"]}) + "\n")
-        tok = tmp_path / "tokenized"
-        tokenize_conversations(
-            conversations, config["model"]["path"], [tok / "shard_0.jsonl"], tok / "stats.json", tok / "freq.json",
-            tok / "quarantine.jsonl", max_seq_len=config["tokenize"]["max_seq_len"],
-            template_fallback=config["tokenize"]["template_fallback"],
-        )  # fmt: skip
-        capture_spec(config)
+    check_tokenizer(config, stamp=None)
+    capture_spec(config)
 
 
 @pytest.mark.parametrize("case", [c for c in CONFIG_CASES if c["at"] != "gpus"], ids=case_id)

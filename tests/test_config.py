@@ -216,12 +216,14 @@ def test_a_model_folder_without_a_loadable_tokenizer_is_refused_at_parse_time(tm
 
     model = tmp_path / "model"
     shutil.copytree(demo_model_dir, model)
-    check_tokenizer(validate_config(base(model={"path": str(model)})))  # the demo's tokenizer passes
+    config, stamp = validate_config(base(model={"path": str(model)})), tmp_path / "stamp"
+    check_tokenizer(config, stamp)  # the demo's tokenizer passes, and the pass is recorded
+    assert stamp.is_file()
     for f in model.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             f.unlink()
-    with pytest.raises(ConfigError) as e:
-        check_tokenizer(validate_config(base(model={"path": str(model)})))
+    with pytest.raises(ConfigError) as e:  # other files than the recorded pass: checked again
+        check_tokenizer(config, stamp)
     assert str(e.value).startswith(f"config error: model.path = '{model}' has no tokenizer that loads (")
     assert "\n" not in str(e.value)
 
@@ -234,4 +236,4 @@ def test_a_chat_template_without_a_loss_mask_is_refused_at_parse_time(tmp_path, 
     (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     cfg = base(model={"path": str(model)}, tokenize={"template_fallback": False})
     with pytest.raises(ConfigError, match=r"^config error: model.path = .*no \{% generation %\} markers"):
-        check_tokenizer(validate_config(cfg))
+        check_tokenizer(validate_config(cfg), stamp=None)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import difflib
+import hashlib
+import json
 import os
 import re
 from collections.abc import Collection
@@ -57,7 +59,7 @@ def _one_line(error) -> str:
         missing = next((m for m in sub.get("required", []) if m not in error.instance), None)
         where = f"{key}.{missing}" if error.absolute_path else str(missing)
         desc = sub.get("properties", {}).get(missing, {}).get("description", "")
-        return f"config error: {where} is required and missing" + (f" ({desc})" if desc else "")
+        return f"config error: {where} is required and missing" + (f" ({desc.rstrip('.')})" if desc else "")
     if error.validator in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minItems"):
         return f"config error: {key} = {error.instance!r}: {error.message}"
     desc = f" ({sub['description']})" if "description" in sub else ""
@@ -205,6 +207,8 @@ def config_source_line(configfiles: list[str], overrides: bool, cwd: str | os.Pa
 
 
 def _shown_path(path: str, cwd: str | os.PathLike) -> str:
+    """`path` relative to the working directory when it lies under it, else absolute (normalized)."""
+    path = os.path.normpath(path)
     rel = os.path.relpath(path, cwd)
     return path if rel.startswith("..") else rel
 
@@ -304,13 +308,48 @@ def config_sources(config: dict[str, Any]) -> list[str]:
         raise ConfigError(f"config error: {e}") from None
 
 
-def check_tokenizer(config: dict[str, Any]) -> None:
+# The last tokenizer check that passed: importing transformers costs seconds (more on a busy login node), and
+# every `snakemake -n` parses the Snakefile; the same folder, files and settings are not checked twice.
+TOKENIZER_STAMP = ".snakemake/eagle3prep/tokenizer-check.json"
+WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")  # never read by the check: their stats change nothing
+
+
+def _tokenizer_key(path: Path, config: dict[str, Any]) -> str:
+    """What the tokenizer check depends on: the folder's non-weight files (name, size, mtime), the settings it
+    reads, and the transformers and eagle3prep versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    files = sorted(
+        (e.name, e.stat().st_size, e.stat().st_mtime_ns)
+        for e in os.scandir(path)
+        if e.is_file() and not e.name.endswith(WEIGHTS)
+    )
+    try:
+        transformers_version = version("transformers")
+    except PackageNotFoundError:
+        transformers_version = None
+    tok = config["tokenize"]
+    settings = [config["model"]["trust_remote_code"], tok["template_fallback"], tok["chat_template_kwargs"]]
+    code = Path(__file__).with_name("tokenization") / "template.py"
+    blob = [str(path.resolve()), files, settings, transformers_version, code.stat().st_mtime_ns]
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def check_tokenizer(config: dict[str, Any], stamp: str | os.PathLike | None = TOKENIZER_STAMP) -> None:
     """The tokenize job's start-up checks, at parse time: the model folder's tokenizer loads as the job loads it
     (a fast tokenizer, from local files), has a chat template, and a user/assistant probe gets a loss mask with
-    tokenize.template_fallback and chat_template_kwargs. Skipped while model.build_demo has yet to build it."""
+    tokenize.template_fallback and chat_template_kwargs. Skipped while model.build_demo has yet to build the
+    folder, and when `stamp` records a pass on the same files and settings."""
     path = Path(config["model"]["path"])
     if not path.is_dir():
         return  # check_model has refused a missing folder unless build_demo will make it
+    key = _tokenizer_key(path, config)
+    if stamp is not None:
+        try:
+            if Path(stamp).read_text(encoding="utf-8") == key:
+                return
+        except OSError:
+            pass
     from .tokenization.template import ChatEncoder, TokenizeError, load_tokenizer
 
     tok = config["tokenize"]
@@ -325,6 +364,12 @@ def check_tokenizer(config: dict[str, Any]) -> None:
             f"config error: model.path = '{path}' has no tokenizer that loads ({why}); copy the model's tokenizer "
             "files (tokenizer.json, tokenizer_config.json) into the folder"
         ) from None
+    if stamp is not None:
+        from .atomic import atomic_open
+
+        Path(stamp).parent.mkdir(parents=True, exist_ok=True)
+        with atomic_open(stamp, "w", encoding="utf-8") as f:
+            f.write(key)
 
 
 def model_max_positions(model_path: str | Path) -> int | None:
