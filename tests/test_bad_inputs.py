@@ -9,7 +9,10 @@ import contextlib
 import copy
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -350,3 +353,73 @@ def test_cli_a_conversation_without_a_user_turn(tmp_path, allow):
         assert "3 rows in, 2 kept, 0 duplicates, 1 quarantined (no_user_turn 1)" in log
         quarantine = (wd / "results" / "prepared" / "quarantine.jsonl").read_text().splitlines()
         assert [(q["line"], q["reason"]) for q in map(json.loads, quarantine)] == [(2, "no_user_turn")]
+
+
+# ------------------------------------------------------------------------------ issue #27: configs of one's own
+
+
+def config_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("eagle3prep: config ")]
+
+
+@pytest.mark.integration
+def test_cli_a_configfile_is_the_whole_config_not_laid_over_the_demos(tmp_path, demo_model_dir):
+    """A config file without data.sources ran on the demo's files and inherited num_shards and build_demo."""
+    wd = make_workdir(tmp_path / "wd")  # its config/config.yaml: the small demo (3 shards, build_demo: true)
+    mine = tmp_path / "my-run.yaml"
+    mine.write_text(yaml.safe_dump({"model": {"path": str(demo_model_dir)}, "tokenize": {"max_seq_len": 128}}))
+    proc = snakemake(wd, "-n", "--configfile", str(mine), check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert error_lines(proc.stderr) == [
+        "config error: data.sources is required and missing (Raw conversation files or HF save_to_disk folders, "
+        "read in this order (row ids follow it))"
+    ]
+    assert config_lines(proc.stderr) == [
+        f"eagle3prep: config {mine} over the schema's defaults (config/schema.yaml; the demo's config/config.yaml "
+        f"is not read); results in {wd}/results"
+    ]
+    mine.write_text(mine.read_text() + "data: {sources: [resources/demo/openai.jsonl]}\n")
+    out = snakemake(wd, "-n", "--configfile", str(mine)).stdout
+    assert re.search(r"^extract_hidden_states\s+1$", out, re.M), out  # the schema's num_shards: 1, not 3
+    assert "build_demo_model" not in out
+    # Without --configfile the demo's config is in force, and said so.
+    proc = snakemake(wd, "-n")
+    assert re.search(r"^extract_hidden_states\s+3$", proc.stdout, re.M)
+    assert config_lines(proc.stderr)[0].startswith("eagle3prep: config config/config.yaml (the demo's;")
+
+
+@pytest.mark.integration
+def test_cli_a_model_folder_without_a_tokenizer_fails_the_dry_run_in_one_line(tmp_path, model_variants):
+    """It passed `-n`; the tokenize job then died with a 28-line traceback."""
+    model = model_variants["no_tokenizer"]
+    wd = make_workdir(tmp_path, cli_config(model={"path": str(model), "build_demo": False}, tokenize={"max_seq_len": 128}))
+    proc = snakemake(wd, "-n", check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    [line] = error_lines(proc.stderr)
+    assert line.startswith(f"config error: model.path = '{model}' has no tokenizer that loads (")
+
+
+@pytest.mark.integration
+def test_cli_plan_after_configfile_and_a_results_folder_elsewhere(tmp_path, demo_model_dir):
+    """`snakemake --configfile config/my-run.yaml plan` was Snakemake's `FileNotFoundError: ... 'plan'`. Results
+    go where --directory says; the config names relative paths from there, so this one is absolute."""
+    mine = tmp_path / "my-run.yaml"
+    sources = [str(REPO / "resources/demo/sharegpt.jsonl")]
+    config = {"data": {"sources": sources}, "model": {"path": str(demo_model_dir)}, "tokenize": {"max_seq_len": 128}}
+    mine.write_text(yaml.safe_dump(config))
+    run = tmp_path / "big-disk" / "run1"
+
+    def from_the_repo(*args: str) -> subprocess.CompletedProcess:
+        cmd = [str(Path(sys.executable).with_name("snakemake")), *args, "--directory", str(run), "-n"]
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    proc = from_the_repo("--configfile", str(mine), "plan")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert error_lines(proc.stderr) == [
+        "config error: `plan` after --configfile was read as a config file (--configfile takes several); "
+        f"put the target first: snakemake plan --configfile {mine}"
+    ]
+    proc = from_the_repo("plan", "--configfile", str(mine))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"^plan\s+1$", proc.stdout, re.M)
+    assert config_lines(proc.stderr)[0].endswith(f"results in {run}/results")
