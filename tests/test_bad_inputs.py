@@ -392,7 +392,9 @@ def test_cli_a_configfile_is_the_whole_config_not_laid_over_the_demos(tmp_path, 
 def test_cli_a_model_folder_without_a_tokenizer_fails_the_dry_run_in_one_line(tmp_path, model_variants):
     """It passed `-n`; the tokenize job then died with a 28-line traceback."""
     model = model_variants["no_tokenizer"]
-    wd = make_workdir(tmp_path, cli_config(model={"path": str(model), "build_demo": False}, tokenize={"max_seq_len": 128}))
+    wd = make_workdir(
+        tmp_path, cli_config(model={"path": str(model), "build_demo": False}, tokenize={"max_seq_len": 128})
+    )
     proc = snakemake(wd, "-n", check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     [line] = error_lines(proc.stderr)

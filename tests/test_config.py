@@ -187,7 +187,9 @@ def test_snakemake_still_exposes_the_command_line_config_files():
     class Renamed:
         config_settings = object()
 
-    with pytest.raises(ConfigError, match=r"^error: this Snakemake \(.*\) has no Workflow.config_settings.configfiles"):
+    with pytest.raises(
+        ConfigError, match=r"^error: this Snakemake \(.*\) has no Workflow.config_settings.configfiles"
+    ):
         cli_configfiles(Renamed())
 
 

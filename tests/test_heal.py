@@ -164,7 +164,10 @@ def test_shards_the_report_was_not_made_from_are_not_extracted_yet_rather_than_m
     Path(heal.validation_json(3)).unlink()
     heals = {h.shard: h for h in heal.find(range(6))}
     assert sorted(heals) == [3, 4, 5] and {h.force for h in heals.values()} == {heal.shard_dir(k) for k in (3, 4, 5)}
-    assert heals[4].why == "results/hidden_states/shard_4: not extracted yet (not in results/report/dataset_manifest.json)"
+    assert (
+        heals[4].why
+        == "results/hidden_states/shard_4: not extracted yet (not in results/report/dataset_manifest.json)"
+    )
     assert heals[3].why == (
         "results/hidden_states/shard_3 is missing but results/report/dataset_manifest.json exists: extracting it again"
     )

@@ -199,7 +199,9 @@ def config_source_line(configfiles: list[str], overrides: bool, cwd: str | os.Pa
     """The one line that says which config is in force, and where results go."""
     if configfiles:
         shown = " + ".join(_shown_path(f, cwd) for f in configfiles)
-        source = f"config {shown} over the schema's defaults (config/schema.yaml; the demo's {DEMO_CONFIG} is not read)"
+        source = (
+            f"config {shown} over the schema's defaults (config/schema.yaml; the demo's {DEMO_CONFIG} is not read)"
+        )
     else:
         source = f"config {DEMO_CONFIG} (the demo's; pass --configfile for your own)"
     extra = " + --config" if overrides else ""
