@@ -4,9 +4,6 @@ import sys
 from eagle3prep.config import (
     ConfigError,
     check_model,
-    check_target_marker,
-    check_tokenizer,
-    config_source_line,
     config_sources,
     extract_data_params,
     reference_mode,
@@ -14,6 +11,7 @@ from eagle3prep.config import (
     validate_config,
 )
 from eagle3prep import heal
+from eagle3prep.parse import check_target_marker, check_tokenizer, config_source_line
 from eagle3prep.regenerate.settings import data_params as regen_data_params
 from eagle3prep.runlock import clear_stale_locks, record_owner
 

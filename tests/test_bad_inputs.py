@@ -20,8 +20,9 @@ import pytest
 import yaml
 from workflow_helpers import REPO, make_workdir, snakemake
 
-from eagle3prep.config import capture_spec, check_model, check_tokenizer, config_sources, validate_config
+from eagle3prep.config import capture_spec, check_model, config_sources, validate_config
 from eagle3prep.errors import UserError
+from eagle3prep.parse import check_tokenizer
 from eagle3prep.prepare import expand_sources, prepare
 from eagle3prep.tokenization import tokenize_conversations
 

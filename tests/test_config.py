@@ -6,15 +6,17 @@ from eagle3prep.config import (
     SPEED_KEYS,
     ConfigError,
     check_model,
+    config_sources,
+    extract_data_params,
+    extract_options,
+    validate_config,
+)
+from eagle3prep.parse import (
     check_target_marker,
     check_tokenizer,
     cli_configfiles,
     config_source_line,
-    config_sources,
     demo_config_error,
-    extract_data_params,
-    extract_options,
-    validate_config,
 )
 
 
