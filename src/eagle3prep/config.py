@@ -171,6 +171,13 @@ def validate_config(config: dict[str, Any], schema_path: str | Path = SCHEMA) ->
     if errors:
         raise ConfigError(_one_line(errors[0]))
     check_template_kwargs(config["tokenize"]["chat_template_kwargs"])
+    caching = config["extract"]["engine_args"].get("enable_prefix_caching")
+    if _coerce_scalar(caching, ["boolean"]) if isinstance(caching, str) else caching:
+        # The vLLM driver refuses it at engine start, after the GPU job was queued: the config alone decides it.
+        raise ConfigError(
+            "config error: extract.engine_args.enable_prefix_caching must stay false: a prefix-cache hit skips the "
+            "forward of the cached tokens, whose hidden states would then be missing"
+        )
     if config["layers"]["ids"] is not None:
         try:  # fails early on a bad convention; the range check needs the model (layer_ids below)
             convert_layer_ids(config["layers"]["ids"], config["layers"]["convention"])
