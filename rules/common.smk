@@ -4,14 +4,15 @@ import sys
 from eagle3prep.config import (
     ConfigError,
     check_model,
+    config_sources,
     extract_data_params,
     reference_mode,
     template_kwargs_params,
     validate_config,
 )
 from eagle3prep import heal
+from eagle3prep.parse import check_target_marker, check_tokenizer, config_source_line
 from eagle3prep.regenerate.settings import data_params as regen_data_params
-from eagle3prep.prepare import InputError, expand_sources
 from eagle3prep.runlock import clear_stale_locks, record_owner
 
 # Nothing reaches the network at run time: models, tokenizers and datasets come from local folders.
@@ -19,12 +20,21 @@ for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
     os.environ[_var] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+if workflow.is_main_process:
+    _overrides = bool(getattr(workflow.config_settings, "config", None))
+    print(
+        f"eagle3prep: {config_source_line(CONFIGFILES, _overrides, os.getcwd())}",
+        file=sys.stderr,
+    )
 try:
+    check_target_marker(config, CONFIGFILES, os.getcwd())
     validate_config(config, workflow.source_path("../config/schema.yaml"))
-    SOURCES = expand_sources(config["data"]["sources"])
-    # Whatever the model's config.json decides (layer ids, max_seq_len) fails here, before any job.
+    SOURCES = config_sources(config)
+    # Whatever the model folder decides (layer ids, max_seq_len, the tokenizer) fails here, before any job.
     MODEL_NOTES = check_model(config)
-except (ConfigError, InputError) as e:
+    if workflow.is_main_process:  # loads the tokenizer: once, not in every spawned job
+        check_tokenizer(config)
+except ConfigError as e:
     sys.exit(str(e))
 if workflow.is_main_process:
     for _note in MODEL_NOTES:

@@ -18,6 +18,7 @@ rule plan:
         dtype=config["extract"]["dtype"],
         storage=config["extract"]["storage"],
         plan=config["plan"],
+        reference=config["validate"]["reference"],
         windows=config["validate"]["windows"],
         gpus=get_gpus(),
     script:

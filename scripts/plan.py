@@ -18,6 +18,7 @@ with one_line_errors():
         dtype=snakemake.params.dtype,
         storage=snakemake.params.storage,
         plan=snakemake.params.plan,
+        reference=snakemake.params.reference,
         windows=snakemake.params.windows,
         gpus_per_job=snakemake.params.gpus,
     )

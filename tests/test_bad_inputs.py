@@ -9,7 +9,10 @@ import contextlib
 import copy
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -17,8 +20,9 @@ import pytest
 import yaml
 from workflow_helpers import REPO, make_workdir, snakemake
 
-from eagle3prep.config import capture_spec, check_model, validate_config
+from eagle3prep.config import capture_spec, check_model, config_sources, validate_config
 from eagle3prep.errors import UserError
+from eagle3prep.parse import check_tokenizer
 from eagle3prep.prepare import expand_sources, prepare
 from eagle3prep.tokenization import tokenize_conversations
 
@@ -189,13 +193,16 @@ def test_whole_corpus_in_one_run_counts_every_row(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def model_variants(demo_model_dir, tmp_path_factory) -> dict[str, Path]:
-    """The demo model, and copies whose tokenizer has no chat template / no generation markers."""
+    """The demo model, and copies whose tokenizer has no chat template / no generation markers / no files."""
     root = tmp_path_factory.mktemp("model_variants")
     variants = {"demo": demo_model_dir}
-    for variant in ("no_chat_template", "no_generation_markers"):
+    for variant in ("no_chat_template", "no_generation_markers", "no_tokenizer"):
         folder = shutil.copytree(demo_model_dir, root / variant)
         template = folder / "chat_template.jinja"
-        if variant == "no_chat_template":
+        if variant == "no_tokenizer":
+            for f in folder.glob("tokenizer*"):
+                f.unlink()
+        elif variant == "no_chat_template":
             template.unlink()
         else:
             template.write_text(
@@ -206,22 +213,15 @@ def model_variants(demo_model_dir, tmp_path_factory) -> dict[str, Path]:
 
 
 def check_config(case: dict, tmp_path: Path, request) -> None:
-    """What the workflow checks, in its order: parse time (common.smk), the tokenize job, the extract job."""
+    """What rules/common.smk checks at parse time, in its order: the schema, the sources, what the model folder's
+    config.json decides, then its tokenizer (as the tokenize job loads it); the extract job's spec last."""
     model = str(request.getfixturevalue("model_variants")[case.get("model", "demo")])
     base = {"data": {"sources": [GOOD_SOURCE]}, "model": {"path": model}, "tokenize": {"max_seq_len": 128}}
     config = validate_config(merged(base, case.get("config", {})))
-    expand_sources(config["data"]["sources"])
+    config_sources(config)
     check_model(config)
-    if case["at"] == "model":
-        conversations = tmp_path / "conversations.jsonl"
-        conversations.write_text(json.dumps({"id": "x", "messages": json.loads(good_line(1))["messages"]}) + "\n")
-        tok = tmp_path / "tokenized"
-        tokenize_conversations(
-            conversations, config["model"]["path"], [tok / "shard_0.jsonl"], tok / "stats.json", tok / "freq.json",
-            tok / "quarantine.jsonl", max_seq_len=config["tokenize"]["max_seq_len"],
-            template_fallback=config["tokenize"]["template_fallback"],
-        )  # fmt: skip
-        capture_spec(config)
+    check_tokenizer(config, stamp=None)
+    capture_spec(config)
 
 
 @pytest.mark.parametrize("case", [c for c in CONFIG_CASES if c["at"] != "gpus"], ids=case_id)
@@ -354,3 +354,75 @@ def test_cli_a_conversation_without_a_user_turn(tmp_path, allow):
         assert "3 rows in, 2 kept, 0 duplicates, 1 quarantined (no_user_turn 1)" in log
         quarantine = (wd / "results" / "prepared" / "quarantine.jsonl").read_text().splitlines()
         assert [(q["line"], q["reason"]) for q in map(json.loads, quarantine)] == [(2, "no_user_turn")]
+
+
+# ------------------------------------------------------------------------------ issue #27: configs of one's own
+
+
+def config_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("eagle3prep: config ")]
+
+
+@pytest.mark.integration
+def test_cli_a_configfile_is_the_whole_config_not_laid_over_the_demos(tmp_path, demo_model_dir):
+    """A config file without data.sources ran on the demo's files and inherited num_shards and build_demo."""
+    wd = make_workdir(tmp_path / "wd")  # its config/config.yaml: the small demo (3 shards, build_demo: true)
+    mine = tmp_path / "my-run.yaml"
+    mine.write_text(yaml.safe_dump({"model": {"path": str(demo_model_dir)}, "tokenize": {"max_seq_len": 128}}))
+    proc = snakemake(wd, "-n", "--configfile", str(mine), check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert error_lines(proc.stderr) == [
+        "config error: data.sources is required and missing (Raw conversation files or HF save_to_disk folders, "
+        "read in this order (row ids follow it))"
+    ]
+    assert config_lines(proc.stderr) == [
+        f"eagle3prep: config {mine} over the schema's defaults (config/schema.yaml; the demo's config/config.yaml "
+        f"is not read); results in {wd}/results"
+    ]
+    mine.write_text(mine.read_text() + "data: {sources: [resources/demo/openai.jsonl]}\n")
+    out = snakemake(wd, "-n", "--configfile", str(mine)).stdout
+    assert re.search(r"^extract_hidden_states\s+1$", out, re.M), out  # the schema's num_shards: 1, not 3
+    assert "build_demo_model" not in out
+    # Without --configfile the demo's config is in force, and said so.
+    proc = snakemake(wd, "-n")
+    assert re.search(r"^extract_hidden_states\s+3$", proc.stdout, re.M)
+    assert config_lines(proc.stderr)[0].startswith("eagle3prep: config config/config.yaml (the demo's;")
+
+
+@pytest.mark.integration
+def test_cli_a_model_folder_without_a_tokenizer_fails_the_dry_run_in_one_line(tmp_path, model_variants):
+    """It passed `-n`; the tokenize job then died with a 28-line traceback."""
+    model = model_variants["no_tokenizer"]
+    wd = make_workdir(
+        tmp_path, cli_config(model={"path": str(model), "build_demo": False}, tokenize={"max_seq_len": 128})
+    )
+    proc = snakemake(wd, "-n", check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    [line] = error_lines(proc.stderr)
+    assert line.startswith(f"config error: model.path = '{model}' has no tokenizer that loads (")
+
+
+@pytest.mark.integration
+def test_cli_plan_after_configfile_and_a_results_folder_elsewhere(tmp_path, demo_model_dir):
+    """`snakemake --configfile config/my-run.yaml plan` was Snakemake's `FileNotFoundError: ... 'plan'`. Results
+    go where --directory says; the config names relative paths from there, so this one is absolute."""
+    mine = tmp_path / "my-run.yaml"
+    sources = [str(REPO / "resources/demo/sharegpt.jsonl")]
+    config = {"data": {"sources": sources}, "model": {"path": str(demo_model_dir)}, "tokenize": {"max_seq_len": 128}}
+    mine.write_text(yaml.safe_dump(config))
+    run = tmp_path / "big-disk" / "run1"
+
+    def from_the_repo(*args: str) -> subprocess.CompletedProcess:
+        cmd = [str(Path(sys.executable).with_name("snakemake")), *args, "--directory", str(run), "-n"]
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    proc = from_the_repo("--configfile", str(mine), "plan")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert error_lines(proc.stderr) == [
+        "config error: `plan` after --configfile was read as a config file (--configfile takes several); "
+        f"put the target first: snakemake plan --configfile {mine}"
+    ]
+    proc = from_the_repo("plan", "--configfile", str(mine))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"^plan\s+1$", proc.stdout, re.M)
+    assert config_lines(proc.stderr)[0].endswith(f"results in {run}/results")

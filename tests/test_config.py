@@ -6,9 +6,17 @@ from eagle3prep.config import (
     SPEED_KEYS,
     ConfigError,
     check_model,
+    config_sources,
     extract_data_params,
     extract_options,
     validate_config,
+)
+from eagle3prep.parse import (
+    check_target_marker,
+    check_tokenizer,
+    cli_configfiles,
+    config_source_line,
+    demo_config_error,
 )
 
 
@@ -109,3 +117,126 @@ def test_layer_ids_that_cannot_feed_speculators_are_refused_at_parse_time(tmp_pa
     bad = base(model={"path": path}, layers={"ids": [2, 4, 5]}, export={"speculators": True})
     with pytest.raises(ConfigError, match=r"^config error: layer ids \[2, 4, 5\] cannot feed speculators"):
         check_model(validate_config(bad))
+
+
+# ---- issue #27 ----------------------------------------------------------------------------------------------
+
+
+def test_layer_id_errors_speak_the_users_convention(tmp_path):
+    """The Kimi example's ids on a small model said `layers.ids = [3, 31, 59, 61] has ids [31, 59, 61] outside
+    0..8`: ids converted to ours, which the user never wrote."""
+    path = model_folder(tmp_path, {"num_hidden_layers": 8})
+    kimi = {"ids": [2, 30, 58, 60], "convention": "output_of_layer"}
+    with pytest.raises(ConfigError) as e:
+        check_model(validate_config(base(model={"path": path}, layers=kimi)))
+    assert str(e.value).startswith(
+        "config error: layers.ids = [2, 30, 58, 60] (output_of_layer) has ids [30, 58, 60] outside -1..7 "
+        "(the model has N = 8 decoder layers; id 7 is the output of the last decoder layer, before the final norm)"
+    )
+    short = base(model={"path": path}, layers={"ids": [1, 3, 4], "convention": "output_of_layer"})
+    with pytest.raises(ConfigError, match=r"^config error: layer ids \[1, 3, 4\] \(output_of_layer\) cannot feed "):
+        check_model(validate_config(short | {"export": {"speculators": True}}))
+    with pytest.raises(ConfigError, match=r"final state \(id 7\) after at least one auxiliary layer; add 7 to"):
+        check_model(validate_config(short | {"export": {"speculators": True}}))
+
+
+def test_a_key_typo_names_the_nearest_allowed_key():
+    with pytest.raises(ConfigError) as e:
+        validate_config(base(extract={"bakend": "hf"}))
+    assert str(e.value).startswith("config error: extract.bakend: unknown key; did you mean 'backend'?")
+    with pytest.raises(ConfigError, match=r"^config error: tokenise: unknown key; did you mean 'tokenize'\?"):
+        validate_config(base(tokenise={"num_shards": 2}))
+
+
+def test_a_missing_required_key_is_named():
+    """A config file without data.sources ran on the demo's files; now it is a config error naming the key."""
+    with pytest.raises(ConfigError, match=r"^config error: data.sources is required and missing \(Raw conversation"):
+        validate_config({"model": {"path": "m"}})
+    with pytest.raises(ConfigError, match=r"^config error: model.path is required and missing"):
+        validate_config({"data": {"sources": ["a.jsonl"]}, "model": {}})
+
+
+def test_a_missing_source_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"^config error: data.sources: 'a.jsonl' does not exist"):
+        config_sources(validate_config(base()))
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    assert config_sources(validate_config(base())) == ["a.jsonl"]
+
+
+def test_the_config_in_force_is_named_in_one_line(tmp_path):
+    mine = str(tmp_path / "config" / "my-run.yaml")
+    line = config_source_line([mine], overrides=True, cwd=tmp_path)
+    assert line.startswith("config config/my-run.yaml over the schema's defaults")
+    assert "the demo's config/config.yaml is not read" in line and "+ --config" in line
+    assert line.endswith(f"results in {tmp_path.resolve() / 'results'}")
+    assert config_source_line([], overrides=False, cwd=tmp_path).startswith("config config/config.yaml (the demo's")
+    assert demo_config_error(tmp_path).startswith("config error: no --configfile given and no config/config.yaml")
+
+
+def test_snakemake_still_exposes_the_command_line_config_files():
+    """The Snakefile reads Workflow.config_settings.configfiles to tell a --configfile from the demo's config;
+    a Snakemake without it must stop the parse in one line, not merge the demo's values under the user's."""
+    import dataclasses
+
+    import snakemake.api  # noqa: F401 (snakemake.workflow is importable only after it: a circular import)
+    from snakemake.settings.types import ConfigSettings
+    from snakemake.workflow import Workflow
+
+    assert "configfiles" in {f.name for f in dataclasses.fields(ConfigSettings)}
+    assert "config_settings" in Workflow.__annotations__
+
+    class Renamed:
+        config_settings = object()
+
+    with pytest.raises(
+        ConfigError, match=r"^error: this Snakemake \(.*\) has no Workflow.config_settings.configfiles"
+    ):
+        cli_configfiles(Renamed())
+
+
+def test_a_target_read_as_a_config_file_says_how_to_write_the_command(tmp_path):
+    """`snakemake --configfile config/my-run.yaml plan`: Snakemake reads `plan` as a second config file; the
+    repository's file of that name carries the marker this check turns into one line."""
+    import yaml
+    from workflow_helpers import REPO
+
+    marker = yaml.safe_load((REPO / "plan").read_text())
+    files = [str(tmp_path / "config/my-run.yaml"), str(REPO / "plan")]
+    with pytest.raises(ConfigError) as e:
+        check_target_marker(base(**marker), files, tmp_path)
+    assert str(e.value) == (
+        "config error: `plan` after --configfile was read as a config file (--configfile takes several); "
+        "put the target first: snakemake plan --configfile config/my-run.yaml"
+    )
+    check_target_marker(base(), files[:1], tmp_path)  # no marker: nothing to say
+
+
+def test_a_model_folder_without_a_loadable_tokenizer_is_refused_at_parse_time(tmp_path, demo_model_dir):
+    """It passed `-n`; tokenize then died with a 28-line traceback ending `Couldn't instantiate the backend
+    tokenizer`."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(demo_model_dir, model)
+    config, stamp = validate_config(base(model={"path": str(model)})), tmp_path / "stamp"
+    check_tokenizer(config, stamp)  # the demo's tokenizer passes, and the pass is recorded
+    assert stamp.is_file()
+    for f in model.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            f.unlink()
+    with pytest.raises(ConfigError) as e:  # other files than the recorded pass: checked again
+        check_tokenizer(config, stamp)
+    assert str(e.value).startswith(f"config error: model.path = '{model}' has no tokenizer that loads (")
+    assert "\n" not in str(e.value)
+
+
+def test_a_chat_template_without_a_loss_mask_is_refused_at_parse_time(tmp_path, demo_model_dir):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(demo_model_dir, model)
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    cfg = base(model={"path": str(model)}, tokenize={"template_fallback": False})
+    with pytest.raises(ConfigError, match=r"^config error: model.path = .*no \{% generation %\} markers"):
+        check_tokenizer(validate_config(cfg), stamp=None)

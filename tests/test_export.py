@@ -102,6 +102,7 @@ def test_export_files_checksums_and_contents(results):
         assert sha256_file(out / name) == entry["sha256"] and (out / name).stat().st_size == entry["bytes"], name
     assert manifest["layer_ids"] == DEMO_LAYER_IDS and manifest["target_layer_ids"] == AUX
     assert manifest["layer_id_convention"] == "input_of_layer" and manifest["rows"] == 5
+    assert manifest["hidden_states_backend"] == "file"  # was absent (issue #27: "null"): how to read the hs files
 
     from datasets import load_from_disk
 

@@ -1,5 +1,6 @@
 """eagle3prep.heal on a fake results folder: which shards the same command redoes, and why (one line each)."""
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -149,3 +150,34 @@ def test_a_snakemake_without_the_internal_stops_the_dry_run_in_one_line(tmp_path
     )
     assert proc.returncode != 0
     assert "has no Workflow._prepare_dag, which eagle3prep's healing wraps" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_shards_the_report_was_not_made_from_are_not_extracted_yet_rather_than_missing():
+    """Issue #27 item 5: a second config with more shards in the same folder said `shard_4 is missing but
+    results/report/dataset_manifest.json exists: extracting it again`, which reads like data loss."""
+    for k in range(4):
+        finished(k)
+    Path("results/report").mkdir(parents=True)
+    shards = [{"shard": k, "dir": heal.shard_dir(k)} for k in range(4)]
+    Path("results/report/dataset_manifest.json").write_text(json.dumps({"shards": shards}))
+    shutil.rmtree(heal.shard_dir(3))  # shard 3 was made, then lost with its validation
+    Path(heal.validation_json(3)).unlink()
+    heals = {h.shard: h for h in heal.find(range(6))}
+    assert sorted(heals) == [3, 4, 5] and {h.force for h in heals.values()} == {heal.shard_dir(k) for k in (3, 4, 5)}
+    assert (
+        heals[4].why
+        == "results/hidden_states/shard_4: not extracted yet (not in results/report/dataset_manifest.json)"
+    )
+    assert heals[3].why == (
+        "results/hidden_states/shard_3 is missing but results/report/dataset_manifest.json exists: extracting it again"
+    )
+
+
+def test_an_export_manifest_lists_its_shards_too():
+    finished(0)
+    Path(heal.validation_json(0)).unlink()
+    export = Path("results/export/speculators")
+    export.mkdir(parents=True)
+    (export / "manifest.json").write_text(json.dumps({"sources": [{"shard_dir": heal.shard_dir(0)}]}))
+    assert heal.shards_made_into(str(export)) == {os.path.normpath(heal.shard_dir(0))}
+    assert heal.shards_made_into("results/nothing.json") is None

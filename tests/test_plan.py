@@ -65,8 +65,11 @@ def test_plan_run_reads_layers_and_hidden_size_from_the_model(tmp_path, demo_mod
     assert config["plan"] == {"tokens_per_s": None, "engine_start_s": 60}
     args = {k: config[k] for k in ("layers", "plan")} | {"model_path": str(demo_model_dir)}
     args |= {"dtype": config["extract"]["dtype"], "windows": config["validate"]["windows"]}
+    args |= {"reference": config["validate"]["reference"]}
     text = plan_run(stats, tmp_path / "hs", tmp_path / "plan.json", tmp_path / "plan.txt", storage=None, **args)
     plan = json.loads((tmp_path / "plan.json").read_text())
+    # Issue #27 item 7: the default (full) reference loads the whole model; the scalable one's line is not its own.
+    assert "reference scalable" not in text and "validation_memory" not in plan
     assert (plan["num_layers"], plan["hidden_size"], plan["dtype"]) == (4, 128, "bfloat16")  # [2, 4, 5, 8]
     assert (tmp_path / "plan.txt").read_text() == text and "3,000 tokens" in text
     # extract.storage fp8_e4m3 (what scripts/plan.py passes from the rule's params): about half the bytes.
@@ -74,6 +77,9 @@ def test_plan_run_reads_layers_and_hidden_size_from_the_model(tmp_path, demo_mod
     fp8 = json.loads((tmp_path / "fp8.json").read_text())
     assert fp8["storage"] == "fp8_e4m3" and "FP8 e4m3 with a float32 scale per layer" in text
     assert 0.5 < fp8["bytes_total"] / plan["bytes_total"] < 0.56  # (128 + 4) / 256 per value, fixed costs aside
+    scalable = args | {"reference": "scalable", "storage": None}
+    text = plan_run(stats, tmp_path / "hs", tmp_path / "s.json", tmp_path / "s.txt", **scalable)
+    assert "validate, reference scalable: the logits check loads" in text
 
 
 def test_a_throughput_of_zero_is_a_config_error():

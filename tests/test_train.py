@@ -245,3 +245,17 @@ def test_workflow_writes_the_direct_export_and_the_backend_reads_it(tmp_path, sm
         rows.get(last)["token_ids"].tolist()
         == json.loads((wd / "results/tokenized/shard_2.jsonl").read_text().splitlines()[-1])["input_ids"]
     )
+
+
+def test_train_help_shows_our_options_first_without_importing_speculators():
+    """Issue #27 item 4: `eagle3prep-train --help` printed speculators' help (our options needed `--help --`)
+    after ~20 s of imports. Now it prints ours at once; `-- --help` prints ours, then speculators'."""
+    code = (
+        "import sys; from eagle3prep.train.cli import main; rc = main(['--help']); "
+        "print('IMPORTED', sorted(m for m in ('torch', 'speculators') if m in sys.modules)); sys.exit(rc)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: eagle3prep-train [--metrics-jsonl FILE]")
+    assert "--deterministic" in proc.stdout and "--cpu" in proc.stdout and "-- --help" in proc.stdout
+    assert "IMPORTED []" in proc.stdout  # nothing of the slow imports

@@ -97,9 +97,9 @@ def test_speed_knobs_requeue_no_finished_shard_but_data_keys_do(tmp_path, full_r
     the finished shards stay finished. A key that changes the data (dtype) re-queues every shard."""
 
     def dry_run(extract: dict) -> str:
-        override = tmp_path / "override.yaml"  # --configfile: merged over config/config.yaml
+        override = tmp_path / "override.yaml"  # merged over config/config.yaml, named first (issue #27 item 2)
         override.write_text(yaml.safe_dump({"extract": {**SMALL_CONFIG["extract"], **extract}}))
-        return snakemake(full_run, "-n", "--configfile", str(override)).stdout
+        return snakemake(full_run, "-n", "--configfile", "config/config.yaml", str(override)).stdout
 
     speed = {"batch_tokens": 512, "threads": 2, "gpu_memory_utilization": 0.5, "max_num_batched_tokens": 4096}
     assert "extract_hidden_states" not in dry_run(speed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 import re
 from collections.abc import Collection
@@ -46,7 +47,17 @@ def _one_line(error) -> str:
         return f"config error: {key} = {error.instance!r} is not allowed; choose one of {sub['enum']}"
     if error.validator == "additionalProperties":
         allowed = sorted(sub.get("properties", {}))
+        extra = [k for k in error.instance if k not in allowed] if isinstance(error.instance, dict) else []
+        near = difflib.get_close_matches(str(extra[0]), allowed, n=1) if extra else []
+        if near:  # a typo: the key the user meant says more than the whole list
+            where = f"{key}.{extra[0]}" if error.absolute_path else str(extra[0])
+            return f"config error: {where}: unknown key; did you mean {near[0]!r}? (allowed keys are {allowed})"
         return f"config error: {key}: {error.message}; allowed keys are {allowed}"
+    if error.validator == "required":
+        missing = next((m for m in sub.get("required", []) if m not in error.instance), None)
+        where = f"{key}.{missing}" if error.absolute_path else str(missing)
+        desc = sub.get("properties", {}).get(missing, {}).get("description", "")
+        return f"config error: {where} is required and missing" + (f" ({desc.rstrip('.')})" if desc else "")
     if error.validator in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minItems"):
         return f"config error: {key} = {error.instance!r}: {error.message}"
     desc = f" ({sub['description']})" if "description" in sub else ""
@@ -160,6 +171,13 @@ def validate_config(config: dict[str, Any], schema_path: str | Path = SCHEMA) ->
     if errors:
         raise ConfigError(_one_line(errors[0]))
     check_template_kwargs(config["tokenize"]["chat_template_kwargs"])
+    caching = config["extract"]["engine_args"].get("enable_prefix_caching")
+    if _coerce_scalar(caching, ["boolean"]) if isinstance(caching, str) else caching:
+        # The vLLM driver refuses it at engine start, after the GPU job was queued: the config alone decides it.
+        raise ConfigError(
+            "config error: extract.engine_args.enable_prefix_caching must stay false: a prefix-cache hit skips the "
+            "forward of the cached tokens, whose hidden states would then be missing"
+        )
     if config["layers"]["ids"] is not None:
         try:  # fails early on a bad convention; the range check needs the model (layer_ids below)
             convert_layer_ids(config["layers"]["ids"], config["layers"]["convention"])
@@ -216,10 +234,20 @@ def check_model(config: dict[str, Any]) -> list[str]:
         if config["export"]["speculators"]:
             from .shard.shardset import speculators_layer_error
 
-            if error := speculators_layer_error(ids, n):
+            if error := speculators_layer_error(ids, n, config["layers"]["convention"]):
                 raise ConfigError(f"config error: {error}")
     check_max_seq_len(config["tokenize"]["max_seq_len"], path)
     return notes
+
+
+def config_sources(config: dict[str, Any]) -> list[str]:
+    """data.sources expanded (globs, repeats dropped), or a one-line ConfigError naming the source."""
+    from .prepare import InputError, expand_sources
+
+    try:
+        return expand_sources(config["data"]["sources"])
+    except InputError as e:
+        raise ConfigError(f"config error: {e}") from None
 
 
 def model_max_positions(model_path: str | Path) -> int | None:

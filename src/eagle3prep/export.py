@@ -156,9 +156,10 @@ def _write_token_freq(out: Path, token_freq_json: str, files: dict[str, dict[str
 
 
 def _storage_fields(first) -> dict[str, Any]:
-    """For FP8 shards: what the hs files hold and the speculators flag that reads them (nothing otherwise)."""
+    """What the hs files hold, for FP8 shards, and the speculators backend that reads them: its default `file`
+    for the model's dtype (named, so the manifest says how to train from it), `fp8` for FP8."""
     if first.storage_name != FP8_E4M3:
-        return {}
+        return {"hidden_states_backend": "file"}  # speculators train --hidden-states-backend file (its default)
     return {
         "storage": {"name": FP8_E4M3, "dtype": "float8_e4m3fn", "scales": {"key": SCALES_KEY, "shape": "[T, L, 1]"}},
         "hidden_states_backend": "fp8",  # speculators train --hidden-states-backend fp8

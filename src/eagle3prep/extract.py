@@ -134,6 +134,17 @@ def extract_shard(
     check_layer_ids(spec.layer_ids, facts.num_hidden_layers)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _extract_into(out, tokenized_shard, spec, options, batch_tokens, shard, facts, engine)
+    except KeyboardInterrupt:
+        # Ctrl-C: a folder without a manifest is no shard, and an empty shard_k/ left behind read like one.
+        # Any other failure keeps its files for study (Snakemake removes a failed job's output itself).
+        if not (out / MANIFEST).exists():
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _extract_into(out, tokenized_shard, spec, options, batch_tokens, shard, facts, engine) -> ShardManifest:  # noqa: PLR0913
     remove_stale_temps(out)
     (out / MANIFEST).unlink(missing_ok=True)  # a stale manifest must never describe new files
     index = index_of_tokenized(tokenized_shard)

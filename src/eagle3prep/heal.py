@@ -10,6 +10,7 @@ change on disk, moving a failed shard to results/failed/, happens in `onstart`, 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterable
@@ -110,14 +111,23 @@ def find(shards: Iterable[int], keep_failed: bool = False) -> list[Heal]:
     if not present and not validated:
         return []  # a fresh folder: nothing to heal, no cost
     downstream = next((p for p in DOWNSTREAM if os.path.exists(p)), None)
+    made_from: set[str] | None = None  # the shard folders `downstream` was made from, read when first needed
     heals = []
     for k in shards:
         folder, val = shard_dir(k), validation_json(k)
         val_ns = validated.get(f"shard_{k}.json")
         if f"shard_{k}" not in present:
-            made_from_it = val if val_ns is not None else downstream
-            if made_from_it:
-                heals.append(Heal(k, f"{folder} is missing but {made_from_it} exists: extracting it again", folder))
+            if val_ns is not None:
+                heals.append(Heal(k, f"{folder} is missing but {val} exists: extracting it again", folder))
+            elif downstream:
+                if made_from is None:
+                    made_from = shards_made_into(downstream)
+                if made_from is not None and os.path.normpath(folder) not in made_from:
+                    # More shards than the run that wrote `downstream` had (another num_shards or config):
+                    # nothing was lost, the shard is new.
+                    heals.append(Heal(k, f"{folder}: not extracted yet (not in {downstream})", folder))
+                else:
+                    heals.append(Heal(k, f"{folder} is missing but {downstream} exists: extracting it again", folder))
             continue
         try:
             manifest_ns = os.stat(f"{folder}/{MANIFEST}").st_mtime_ns
@@ -136,6 +146,19 @@ def find(shards: Iterable[int], keep_failed: bool = False) -> list[Heal]:
         elif downstream:
             heals.append(Heal(k, f"{val} is missing but {downstream} exists: validating {folder} again", val))
     return heals
+
+
+def shards_made_into(downstream: str) -> set[str] | None:
+    """The shard folders a downstream output was made from (the report's dataset_manifest.json lists them as
+    `dir`, the export's manifest.json as `shard_dir`), normalized; None when that cannot be read."""
+    path = os.path.join(downstream, MANIFEST) if os.path.isdir(downstream) else downstream
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        entries = data["shards"] if "shards" in data else data["sources"]
+        return {os.path.normpath(e.get("dir") or e["shard_dir"]) for e in entries}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _failed(k: int, failure: str, keep_failed: bool) -> Heal:

@@ -33,22 +33,30 @@ def convert_layer_ids(ids: list[int], convention: str) -> list[int]:
     return [int(i) + CONVENTIONS[convention] for i in ids]
 
 
-def check_layer_ids(ids: list[int], num_hidden_layers: int, where: str = "layers.ids") -> list[int]:
-    """Validate ids (our convention) against the model depth N; return them unchanged."""
+def check_layer_ids(
+    ids: list[int], num_hidden_layers: int, where: str = "layers.ids", convention: str = CONVENTION
+) -> list[int]:
+    """Validate ids (our convention) against the model depth N; return them unchanged. Messages show the ids
+    in `convention`, the one the user wrote them in: ids they never typed would not point at the mistake."""
     n = num_hidden_layers
+    off = CONVENTIONS[convention]
+    shown = to_convention(list(ids), convention)
+    lo, hi = -off, n - off  # our 0..N in the user's convention
+    named = "" if convention == CONVENTION else f" ({convention})"
     if not ids:
-        raise ValueError(f"{where} is empty; give at least one layer id in 0..{n}")
+        raise ValueError(f"{where} is empty; give at least one layer id in {lo}..{hi}{named}")
     if len(set(ids)) != len(ids):
-        dup = sorted({i for i in ids if ids.count(i) > 1})
+        dup = sorted({i for i in shown if shown.count(i) > 1})
         raise ValueError(f"{where} has duplicate layer ids {dup}; each id may appear once")
-    bad = [i for i in ids if not 0 <= i <= n]
+    bad = [s for s, i in zip(shown, ids, strict=True) if not 0 <= i <= n]
     if bad:
+        final = "the output of the last decoder layer, before the final norm" if off else "the pre-norm final state"
         raise ValueError(
-            f"{where} = {ids} has ids {bad} outside 0..{n} (the model has N = {n} decoder layers; "
-            f"id {n} is the pre-norm final state)"
+            f"{where} = {shown}{named} has ids {bad} outside {lo}..{hi} (the model has N = {n} decoder layers; "
+            f"id {hi} is {final})"
         )
     if list(ids) != sorted(ids):
-        raise ValueError(f"{where} = {ids} must be in ascending order (layer files and exports follow it)")
+        raise ValueError(f"{where} = {shown} must be in ascending order (layer files and exports follow it)")
     return list(ids)
 
 
@@ -56,7 +64,7 @@ def resolve_layer_ids(configured: list[int] | None, convention: str, num_hidden_
     """The layer ids to capture, in our convention, validated against the model."""
     if configured is None:
         return default_layer_ids(num_hidden_layers)
-    return check_layer_ids(convert_layer_ids(configured, convention), num_hidden_layers)
+    return check_layer_ids(convert_layer_ids(configured, convention), num_hidden_layers, convention=convention)
 
 
 def to_convention(ids: list[int], convention: str) -> list[int]:

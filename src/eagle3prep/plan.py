@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import atomic_open, write_json
-from .config import ConfigError, model_layer_ids
+from .config import ConfigError, model_layer_ids, reference_mode
 from .extract import free_space_probe, shard_bytes
 from .model_facts import ModelFacts, require_hidden_size
 from .shard.format import MANIFEST, human_bytes
@@ -217,12 +217,14 @@ def plan_run(
     dtype: str,
     storage: str | None,
     plan: dict[str, Any],
+    reference: bool | str,
     windows: list[list[int]] | None = None,
     gpus_per_job: int = 1,
 ) -> str:
     """The `plan` rule: plan the extract jobs of these config values (validated), write the plan, return its text.
 
-    layers: the config's `layers` section; plan: its `plan` section; windows: validate.windows."""
+    layers: the config's `layers` section; plan: its `plan` section; windows, reference: validate.windows and
+    validate.reference (what the scalable reference loads is planned only when it is the one that runs)."""
     ids = model_layer_ids(model_path, layers)
     try:
         hidden_size = require_hidden_size(ModelFacts.read(model_path), model_path)
@@ -239,7 +241,8 @@ def plan_run(
         engine_start_s=plan["engine_start_s"],
         gpus_per_job=gpus_per_job,
     )
-    result["validation_memory"] = validation_memory(model_path, ids, windows)
+    if reference_mode(reference) == "scalable":
+        result["validation_memory"] = validation_memory(model_path, ids, windows)
     return write_plan(result, json_path, txt_path)
 
 

@@ -14,17 +14,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
+from ..layers import CONVENTION, to_convention
 from ..records import IndexEntry
 from .format import ShardManifest, read_index, read_manifest
 
 
-def speculators_layer_error(ids: list[int], n: int) -> str | None:
+def speculators_layer_error(ids: list[int], n: int, convention: str = CONVENTION) -> str | None:
     """Why layer ids `ids` (our convention, model depth `n`) cannot feed speculators, or None: the last slot
-    must be the pre-norm final state N after at least one auxiliary layer. Checked at parse time too."""
+    must be the pre-norm final state N after at least one auxiliary layer. Checked at parse time too, where
+    the message shows the ids in `convention`, the one layers.ids is written in."""
     if ids[-1] != n or len(ids) < 2:
+        shown, final = to_convention(ids, convention), to_convention([n], convention)[0]
+        named = "" if convention == CONVENTION else f" ({convention})"
         return (
-            f"layer ids {ids} cannot feed speculators: its last slot must be the pre-norm final state "
-            f"(id {n}) after at least one auxiliary layer; add {n} to layers.ids and rerun extract"
+            f"layer ids {shown}{named} cannot feed speculators: its last slot must be the pre-norm final state "
+            f"(id {final}) after at least one auxiliary layer; add {final} to layers.ids and rerun extract"
         )
     return None
 

