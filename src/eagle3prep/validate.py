@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from . import faults
-from .atomic import sha256_file, write_json
+from .atomic import write_json
 from .backends.vllm.compat import KNOWN_BUGS, NO_WORKAROUNDS_ENV, parse_version
 from .config import reference_mode
 from .errors import UserError
@@ -19,14 +19,14 @@ from .reference import ReferencePair
 from .shard.format import (
     DTYPES,
     FP8_E4M3,
-    MANIFEST,
-    TIMINGS,
     TOKEN_IDS,
     LayerReader,
     ShardManifest,
+    check_listed_file,
     layer_file,
     layer_tensors,
     read_manifest,
+    stray_files,
 )
 from .shard.shardset import Shard, open_shard, shard_checks
 
@@ -60,27 +60,10 @@ def _read_tokenized(path: str) -> list[dict[str, Any]]:
 def _check_files(shard: Path, manifest: ShardManifest, checks: Checks) -> bool:
     ok = True
     for name, entry in sorted(manifest.files.items()):
-        path = shard / name
-        if not path.is_file():
-            ok &= checks.add(f"file:{name}", False, "listed in the manifest but missing")
-            continue
-        size = path.stat().st_size
-        if size != entry["bytes"]:
-            ok &= checks.add(f"file:{name}", False, f"{size} bytes, manifest says {entry['bytes']} (truncated?)")
-            continue
-        digest = sha256_file(path)
-        ok &= checks.add(
-            f"file:{name}",
-            digest == entry["sha256"],
-            "sha256 matches" if digest == entry["sha256"] else f"sha256 {digest[:12]} != {entry['sha256'][:12]}",
-        )
-    # .snakemake_timestamp: Snakemake's marker in directory() outputs.
-    expected = set(manifest.files) | {MANIFEST, TIMINGS, ".snakemake_timestamp"}
-    stray = sorted(p.name for p in shard.iterdir() if p.name not in expected)
+        ok &= checks.add(f"file:{name}", *check_listed_file(shard / name, entry))
+    stray = stray_files(shard, set(manifest.files))
     ok &= checks.add("no_stray_files", not stray, f"unexpected files: {stray}" if stray else "")
-    layers = sorted(n for n in manifest.files if n.startswith("layer_"))
-    want = sorted(layer_file(i) for i in manifest.layer_ids)
-    ok &= checks.add("layer_files", layers == want, f"{layers} vs layer ids {manifest.layer_ids}")
+    ok &= checks.add("layer_files", *manifest.layer_files_match())
     return ok
 
 
