@@ -89,6 +89,7 @@ def _report_inputs(wd, out, reports: list[dict]) -> dict:
         out_html=str(out / "report.html"),
         out_csv=str(out / "summary.csv"),
         out_manifest=str(out / "dataset_manifest.json"),
+        model_dir=str(wd / "results/demo/model"),
     )
 
 
@@ -118,6 +119,7 @@ def test_page_flags_a_skipped_reference_and_a_near_miss(small_demo_run, tmp_path
     assert dataset["sources"] == ["resources/demo/sharegpt.jsonl", "resources/demo/openai.parquet"]
     assert dataset["reference"].startswith(f"{sum(v['reference_sample']['rows'] for v in near)} of ")
     assert "src='data:image/png;base64," in page  # self-contained: the figures are inlined
+    assert page.count("<div class='row'>") == 3 and "&lt;|im_start|&gt;" in page  # sample rows, template tokens
 
 
 # ---- issue #27 item 8: figures that add up, say what passes, stay visible; sample rows ---------------------

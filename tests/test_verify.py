@@ -122,3 +122,27 @@ def test_a_results_folder_that_is_not_one_is_one_line(tmp_path, capsys):
     assert e.value.code == 1
     err = capsys.readouterr().err.strip()
     assert err == f"error: {tmp_path}: no hidden_states/ folder; give the results folder of a run"
+
+
+def test_the_cli_counts_a_removed_shard_that_tokenize_made(results):
+    (results / "tokenized").mkdir()
+    for k in range(5):
+        (results / "tokenized" / f"shard_{k}.jsonl").write_text("")
+    verdict = verify(results)  # no shard list: the folders and the tokenized shards
+    assert verdict.damaged == ["shard_4: missing (not extracted yet, or removed)"]
+    assert verdict.summary(results).endswith("to make them again: snakemake")
+
+
+@pytest.mark.integration
+def test_snakemake_verify_runs_only_itself_and_fails_on_a_flipped_byte(small_demo_run, tmp_path):
+    from workflow_helpers import snakemake
+
+    wd = shutil.copytree(small_demo_run, tmp_path / "wd", symlinks=True)
+    ok = snakemake(wd, "verify")
+    assert "verify: ok: 21 files of 3 shards" in ok.stderr
+    flip_byte(wd / "results/hidden_states/shard_1/layer_5.safetensors")
+    bad = snakemake(wd, "verify", check=False)
+    lines = [x for x in bad.stderr.splitlines() if x.startswith("shard_")]
+    assert bad.returncode != 0 and len(lines) == 1 and lines[0].startswith("shard_1/layer_5.safetensors: sha256 ")
+    jobs = re.findall(r"^(?:local)?rule (\w+):", ok.stderr + bad.stderr, re.M)
+    assert set(jobs) == {"verify"}  # no extract, validate or report job was queued

@@ -52,10 +52,11 @@ class Verdict:
         if self.ok:
             return f"verify: ok: {checked} match their manifests"
         places = sorted(self.bad_places, key=_natural)
-        again = " ".join(str(Path(results) / p) for p in places)
+        # heal (rules/common.smk) makes a removed shard folder again; a missing one needs no rm
+        again = " ".join(str(Path(results) / p) for p in places if (Path(results) / p).exists())
         return (
             f"verify: {len(self.damaged)} damaged of {checked}, in {', '.join(places)}; "
-            f"to make them again: rm -r {again} && snakemake"
+            f"to make them again: {f'rm -r {again} && ' if again else ''}snakemake"
         )
 
 
@@ -139,11 +140,13 @@ def _export_jobs(export: Path, verdict: Verdict) -> Iterator[tuple[str, Path, di
 
 
 def verify(results: str | Path = "results", shards: list[int] | None = None, threads: int = THREADS) -> Verdict:
-    """Check the shards `shards` (None: every shard_* folder) under `results`, and the export if it exists."""
+    """Check the shards `shards` (None: every shard_* folder or tokenized shard) under `results`, and the
+    export if it exists."""
     results = Path(results)
     hs = results / HIDDEN_STATES
-    if shards is None:
-        names = sorted((p.name for p in hs.glob("shard_*") if re.fullmatch(r"shard_\d+", p.name)), key=_natural)
+    if shards is None:  # the folders there, and one per tokenized shard (a removed folder is missing, not gone)
+        found = [p.name for p in hs.glob("shard_*")] + [p.stem for p in (results / "tokenized").glob("shard_*.jsonl")]
+        names = sorted({n for n in found if re.fullmatch(r"shard_\d+", n)}, key=_natural)
     else:
         names = [f"shard_{k}" for k in shards]
     verdict = Verdict()
