@@ -11,6 +11,8 @@ rule report:
         # prepare's counts, or the regenerate stage's (which hold prepare's totals too)
         counts=f"{CONVERSATIONS}/counts.json",
         tokenized=TOKENIZED,
+        # its tokenizer renders the report's sample rows
+        model=get_model(),
         # The speculators export when requested: the report then waits for it and records it.
         export=(
             ["results/export/speculators"] if config["export"]["speculators"] else []

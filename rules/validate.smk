@@ -28,3 +28,19 @@ rule validate_shard:
         trust_remote_code=config["model"]["trust_remote_code"],
     script:
         "../scripts/validate_shard.py"
+
+
+# Checksums only (`snakemake verify`): every shard's files, and the export's, against their manifests;
+# one line per damaged file, then a summary; the job fails when one is damaged (eagle3prep.verify).
+# No input or output: Snakemake makes nothing first and re-queues no job, and always runs this one.
+rule verify:
+    log:
+        "logs/verify.log",
+    localrule: True
+    conda:
+        "../envs/base.yaml"
+    threads: 4
+    params:
+        shards=SHARDS,
+    script:
+        "../scripts/verify.py"

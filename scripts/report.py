@@ -22,4 +22,5 @@ with one_line_errors():
         export_dir=snakemake.input.export[0] if snakemake.input.export else None,
         # Only rule report_with_gate (rules/overfit_gate.smk) has this input.
         overfit_gate=snakemake.input.get("gate"),
+        model_dir=snakemake.input.model,
     )

@@ -1,7 +1,7 @@
 """Render a report.html in headless Chromium at a 1,000-pixel-wide window and save a PNG screenshot.
 
 Look at the page as a person would (docs/report.png is made this way from the demo's report):
-    .venv/bin/python scripts/screenshot_report.py results/report/report.html docs/report.png [--height 2600]
+    .venv/bin/python scripts/screenshot_report.py results/report/report.html docs/report.png [--height 3500]
 Needs Debian's `chromium` (apt-get install -y chromium); runs offline (the report inlines its figures).
 """
 
@@ -47,7 +47,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("html", type=Path)
     ap.add_argument("png", type=Path)
-    ap.add_argument("--height", type=int, default=2600, help="window height in pixels (the page is cut there)")
+    ap.add_argument("--height", type=int, default=3500, help="window height in pixels (the page is cut there)")
     args = ap.parse_args()
     screenshot(args.html, args.png, args.height)
     print(f"{args.png}: {WIDTH}x{args.height} screenshot of {args.html}")

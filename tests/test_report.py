@@ -89,6 +89,7 @@ def _report_inputs(wd, out, reports: list[dict]) -> dict:
         out_html=str(out / "report.html"),
         out_csv=str(out / "summary.csv"),
         out_manifest=str(out / "dataset_manifest.json"),
+        model_dir=str(wd / "results/demo/model"),
     )
 
 
@@ -118,3 +119,166 @@ def test_page_flags_a_skipped_reference_and_a_near_miss(small_demo_run, tmp_path
     assert dataset["sources"] == ["resources/demo/sharegpt.jsonl", "resources/demo/openai.parquet"]
     assert dataset["reference"].startswith(f"{sum(v['reference_sample']['rows'] for v in near)} of ")
     assert "src='data:image/png;base64," in page  # self-contained: the figures are inlined
+    assert page.count("<div class='row'>") == 3 and "&lt;|im_start|&gt;" in page  # sample rows, template tokens
+
+
+# ---- issue #27 item 8: figures that add up, say what passes, stay visible; sample rows ---------------------
+# (run before the fix, each of these failed: see the commit message)
+
+
+@pytest.fixture(scope="module")
+def demo_shard(tmp_path_factory, demo_model_dir):
+    """One demo-sized shard (3 rows) and its tokenized file, captured by the hf backend."""
+    from shard_helpers import demo_spec, write_tokenized
+
+    from eagle3prep.extract import extract_shard
+
+    root = tmp_path_factory.mktemp("report_shard")
+    tokens = write_tokenized(root / "tokens.jsonl", [23, 41, 17], seed=0)
+    extract_shard(str(tokens), str(root / "shard"), demo_spec(demo_model_dir), {}, 128, shard=0)
+    return root / "shard", tokens
+
+
+class _Refs:
+    """A reference that recomputes nothing: the verdicts come from the patched judge_row."""
+
+    def rows(self, input_ids, lids):
+        return {lid: None for lid in lids}, None
+
+    def margins(self, input_ids, lid):
+        return None
+
+    def describe(self):
+        return "none"
+
+
+def test_validation_detail_figures_add_up(demo_shard, monkeypatch):
+    """Row 0 has the largest error, row 1 is nearest its (narrower) bound: the line quoting
+    'error ... x its bound ...' must quote one row's error, ratio and bound (the issue's 0.0199 / 0.0657 != 0.25)."""
+    import re
+
+    from eagle3prep import validate
+    from eagle3prep.passrule import judge_tokens
+    from eagle3prep.shard.shardset import open_shard
+
+    figures = {0: (0.0199, 0.1), 1: (0.0164, 0.0657), 2: (0.001, 0.01)}  # row: (rel, bound_rel)
+    calls = iter(r for r in (0, 1, 2) for _ in range(4))  # judge_row runs row by row, layer by layer
+
+    def judge_row(*args, **kwargs):
+        rel, bound = figures[next(calls)]
+        return {**judge_tokens([0.0] * 5, None, "bfloat16"), "rel": rel, "bound_rel": bound, "min_cos": 1.0}
+
+    monkeypatch.setattr(validate, "judge_row", judge_row)
+    shard_dir, tokens = demo_shard
+    shard = open_shard(shard_dir, tokens)
+    rows = validate._read_tokenized(str(tokens))
+    checks = validate.Checks()
+    validate._check_reference(shard, rows, _Refs(), [0, 1, 2], checks)
+    details = [c["detail"] for c in checks.items if c["check"].startswith("reference:")]
+    assert len(details) == 4
+    for d in details:
+        quoted = re.search(r"([0-9.]+)\D{0,12}?\(?\s*=?\s*([0-9.]+) (?:of|x) its bound ([0-9.]+)", d)
+        assert quoted, d
+        rel, ratio, bound = map(float, quoted.groups())
+        assert rel / bound == pytest.approx(ratio, abs=0.006), d  # the three figures are one row's
+        assert "row 1" in d and "largest error of any row 0.0199 (row 0" in d
+        assert "RMS over the row's tokens" in d and "passes below 1" in d
+
+
+def test_kpi_tile_says_below_one_passes():
+    from eagle3prep.report import page
+
+    ctx = {
+        "dataset": {"rows": 2, "tokens": 10, "bytes": 0, "layer_ids": [2]},
+        "stats": {},
+        "counts": {"totals": {"rows_in": 2}},
+        "reports": [{"ok": True}],
+        "margins": {"2": [0.25]},
+        "coverage": {"at": {}},
+    }
+    assert "worst reference error / bound (below 1 passes)<b>0.25</b>" in page.kpis(ctx)
+
+
+def _figures(monkeypatch):
+    """Capture the matplotlib figures the plots module makes instead of encoding them."""
+    from eagle3prep.report import plots
+
+    figs = []
+    monkeypatch.setattr(plots, "_png", lambda fig: figs.append(fig) or "")
+    return plots, figs
+
+
+def test_layers_with_equal_values_draw_apart_and_say_so(monkeypatch):
+    plots, figs = _figures(monkeypatch)
+    margins = {lid: [0.25, 0.25, 0.25] for lid in ("2", "4", "5", "8")}  # the demo: captured == floor run
+    plots.reference_margin(margins, 3)
+    ax = figs[0].axes[0]
+    layer_lines = [line for line in ax.lines if line.get_label().startswith("layer ")]
+    assert len({tuple(line.get_xdata()) for line in layer_lines}) == 4  # four lines, none hidden behind another
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any("layers 2, 4, 5, 8: equal" in t for t in labels) and "bound (passes below 1)" in labels
+
+
+def test_length_histogram_marks_the_truncation_cap(monkeypatch):
+    import pandas as pd
+
+    plots, figs = _figures(monkeypatch)
+    rows = pd.DataFrame({"seq_len": [40, 60, 90, 127, 128, 128, 128], "mask_share": [0.5] * 7})
+    plots.distributions(rows, 128, 3)
+    ax = figs[0].axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "max_seq_len 128" in labels and "at max_seq_len (3 rows cut to it)" in labels
+    cap_bars = [p for p in ax.patches if p.get_height() > 0 and p.get_x() >= 128]
+    assert [p.get_height() for p in cap_bars] == [3]  # the cap's rows are one bar of their own, not mixed with 127
+
+
+def test_figures_hold_their_labels_when_saved(monkeypatch):
+    """A label outside the canvas (a squeezed layout) is kept in the PNG, not cut at its edge."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from eagle3prep.report import plots
+
+    plt = plots._pyplot()
+    fig, ax = plt.subplots(figsize=(plots.WIDTH_IN, 1.0))  # no layout engine: the x label falls off
+    ax.set_xlabel("a label below the canvas")
+    fig.canvas.draw()
+    below = fig.get_tightbbox(fig.canvas.get_renderer()).y0 < 0
+    height = Image.open(io.BytesIO(base64.b64decode(plots._png(fig)))).size[1]
+    assert below and height > 1.0 * plots.DPI
+
+
+def test_sample_rows_show_trained_tokens_and_template_tokens(demo_model_dir, tmp_path):
+    """Rows from different shards; trained runs are exactly the loss-masked tokens; template tokens boxed."""
+    import re
+
+    from eagle3prep.report import page, samples
+    from eagle3prep.tokenization.template import load_tokenizer
+
+    tok = load_tokenizer(demo_model_dir)
+    chat = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello, friend."}]
+    paths = []
+    for k in range(4):
+        ids = tok.apply_chat_template(chat, tokenize=True, return_dict=False)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        split = len(tok.apply_chat_template(chat[:1], tokenize=True, add_generation_prompt=True, return_dict=False))
+        mask = [0] * split + [1] * (len(ids) - split)
+        p = tmp_path / f"shard_{k}.jsonl"
+        rows = [{"row": 10 * k + i, "id": f"r{k}{i}", "input_ids": ids, "loss_mask": mask, "seq_len": len(ids)}
+                for i in range(2)]  # fmt: skip
+        p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        paths.append(str(p))
+    got = samples.samples(paths, tok)
+    assert [s.shard for s in got] == [0, 2, 3]  # spread over the run
+    s = got[0]
+    trained = "".join(text for text, t, _ in s.segments if t)
+    assert trained == tok.decode(ids[split:], skip_special_tokens=False)
+    special = [text for text, _, sp in s.segments if sp]
+    assert special and all(
+        x in {tok.convert_ids_to_tokens(i) for i in samples.template_token_ids(tok)} for x in special
+    )
+    html = page.sample_rows(got, "")
+    assert html.count("<div class='row'>") == 3 and "shard 2, row 20" in html
+    assert re.search(r"<span class='sp [tu]'>", html) and "<span class='t'>" in html and "<span class='u'>" in html

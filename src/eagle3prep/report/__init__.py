@@ -14,7 +14,7 @@ from .. import faults
 from ..atomic import atomic_open, sha256_file, write_json
 from ..shard.format import MANIFEST, TIMINGS
 from ..shard.shardset import ShardSet
-from . import data, page, plots
+from . import data, page, plots, samples
 
 DATASET_FORMAT = "eagle3prep.dataset/1"
 
@@ -138,11 +138,13 @@ def build_report(
     out_manifest: str,
     export_dir: str | None = None,
     overfit_gate: str | None = None,
+    model_dir: str | None = None,
 ) -> dict[str, Any]:
     """Write summary.csv, dataset_manifest.json and report.html (in that order); return the manifest.
 
     `export_dir` is the speculators export when it was requested (the report then records it);
-    `overfit_gate` the gate's JSON when validate.overfit_gate is on (its verdict is a banner).
+    `overfit_gate` the gate's JSON when validate.overfit_gate is on (its verdict is a banner);
+    `model_dir` the model folder whose tokenizer renders the sample rows (None: they show token ids).
     """
     counts, stats = data.load_json(counts_path), data.load_json(stats_path)
     manifests = [s.manifest for s in ShardSet.open(shard_dirs, tokenized).check(final_layer=False).shards]
@@ -186,13 +188,20 @@ def build_report(
         "export": _export_facts(export_dir),
         "overfit_gate": data.load_json(overfit_gate) if overfit_gate else None,
     }
+    # The tokenizer the rows were made with (trust_remote_code as the shards recorded it).
+    tokenizer, ctx["samples_note"] = samples.load_tokenizer_or_reason(
+        model_dir, bool(dataset["model"].get("trust_remote_code"))
+    )
+    ctx["samples"] = samples.samples(tokenized, tokenizer, max_seq_len=stats.get("max_seq_len"))
     n = len(reports)
     figs = {
         "margin": plots.reference_margin(margins, n) if margins else None,
         "layer_stats": plots.layer_stats(series, n),
         "coverage": plots.vocab_coverage(coverage),
         "throughput": plots.throughput_and_disk(summary),
-        "distributions": plots.distributions(_row_stats(tokenized)),
+        "distributions": plots.distributions(
+            _row_stats(tokenized), stats.get("max_seq_len"), stats.get("truncated_rows", 0)
+        ),
     }
     faults.kill_point("report.before_html")
     page.write_page(out_html, ctx, figs)

@@ -31,6 +31,12 @@ th{background:#f3f3f3}td.l,th.l{text-align:left;white-space:normal}
 .kpi{display:grid;grid-template-columns:repeat(4,1fr);gap:6px;margin:8px 0}
 .kpi div{border:1px solid #ddd;border-radius:4px;padding:4px 8px}.kpi b{display:block;font-size:17px}
 img{max-width:100%}details{margin:6px 0}code{font-size:12px;word-break:break-all}
+.row,.key{font-family:ui-monospace,monospace;font-size:12px}
+.row{white-space:pre-wrap;word-break:break-word;border:1px solid #ddd;border-radius:4px;padding:6px;
+margin:4px 0 10px;line-height:1.6}
+.u{color:#666}.t{background:#c9f0cf;color:#000}
+.sp{border:1px solid #7a5cc2;border-radius:3px;padding:0 2px;color:#5b3aa8;background:#f1ecfb;font-weight:600}
+.sp.t{background:#c9f0cf}
 """
 
 
@@ -111,7 +117,7 @@ def kpis(ctx: dict[str, Any]) -> str:
         ("rows in → rows out", f"{t['rows_in']:,} → {d['rows']:,}"),
         ("tokens (loss-masked share)", f"{d['tokens']:,} ({stats.get('assistant_token_share', 0):.1%})"),
         ("shards validated", f"{ok} / {len(ctx['reports'])}"),
-        ("worst reference error / bound", f"{max(worst):.2f}" if worst else "not checked"),
+        ("worst reference error / bound (below 1 passes)", f"{max(worst):.2f}" if worst else "not checked"),
         ("hidden states on disk", mib(d["bytes"])),
         ("layer ids (vLLM convention)", esc(str(d["layer_ids"]))),
         ("truncated rows", f"{stats.get('truncated_rows', 0):,} of {d['rows']:,}"),
@@ -246,6 +252,48 @@ def all_checks(reports: list[dict[str, Any]]) -> str:
     return "<details><summary>Every check of every shard, with its detail</summary>" + "".join(parts) + "</details>"
 
 
+def margin_note(margins: dict[str, list[float | None]]) -> str:
+    """What the margin figure's numbers are, in one paragraph under it."""
+    from ..passrule import FLOOR_FACTOR
+
+    return (
+        "<p>Per layer and shard, the sampled row nearest its bound: its error (RMS over the row's tokens of "
+        "|captured − reference| / |reference|, the reference recomputed in fp32) divided by that row's own "
+        f"bound (at least {FLOOR_FACTOR:g}× the error of transformers at the capture's precision on the same row). "
+        f"Below 1 passes; {1 / FLOOR_FACTOR:g} means the capture equals that floor run exactly. Each shard's "
+        "validation detail (at the bottom) names the row and both figures.</p>"
+    )
+
+
+def sample_rows(items: list, note: str) -> str:
+    """Sample rows as text: trained tokens (loss_mask 1) green, the rest grey, template tokens boxed."""
+    if not items:
+        return "<p>No row with both trained and untrained tokens among the first rows of the shards.</p>"
+    parts = [
+        "<p>A few rows from different shards, as the trainer sees them: <span class='key t'>trained on "
+        "(loss_mask 1)</span> · <span class='key u'>context only (loss_mask 0)</span> "
+        "· <span class='key sp'>special / template token</span>."
+        + (f" Shown as token ids: {esc(note)}." if note else "")
+        + "</p>"
+    ]
+    for s in items:
+        cut = ""
+        if s.start or s.end < s.seq_len:
+            cut = f"; tokens {s.start:,}–{s.end - 1:,} shown"
+        if s.at_cap:
+            cut += "; as long as max_seq_len (its end may be cut)"
+        head = (
+            f"shard {s.shard}, row {s.row:,} (id <code>{esc(s.id[:16])}</code>): {s.seq_len:,} tokens, "
+            f"{s.trained:,} trained{cut}"
+        )
+        spans = "".join(
+            f"<span class='{'sp ' if special else ''}{'t' if trained else 'u'}'>{esc(text)}</span>"
+            for text, trained, special in s.segments
+        )
+        parts.append(f"<p>{head}</p><div class='row'>{spans}</div>")
+    return "".join(parts)
+
+
 def img(title: str, png: str) -> str:
     return f"<img alt='{esc(title)}' src='data:image/png;base64,{png}'>"
 
@@ -272,6 +320,9 @@ def write_page(path: str, ctx: dict[str, Any], figs: dict[str, str]) -> None:
         "<h2>Validation: every check per shard (hover a cell for its detail)</h2>",
         check_grid_table(cols, grid),
         img("reference margin", figs["margin"]) if figs.get("margin") else "<p>No reference comparison ran.</p>",
+        margin_note(ctx["margins"]) if figs.get("margin") else "",
+        "<h2>Sample rows: what is trained on</h2>",
+        sample_rows(ctx.get("samples", []), ctx.get("samples_note", "")),
         "<h2>Hidden-state statistics per layer and shard</h2>",
         img("layer statistics", figs["layer_stats"]),
         f"<p>{esc(ctx['outlier_note'])}</p>",

@@ -22,7 +22,8 @@ def _pyplot():
 
 def _png(fig) -> str:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=DPI)
+    # tight: the image grows to hold every label and legend, so none is cut at the canvas's edge.
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight", pad_inches=0.06)
     _pyplot().close(fig)
     return base64.b64encode(buf.getvalue()).decode()
 
@@ -43,27 +44,51 @@ def _legend_outside(ax) -> None:
 MARKERS = "os^Dv<>p"
 
 
-def _series(ax, series: dict[str, list[float | None]], label: str) -> None:
-    """One line per layer; each its own marker, so equal values on several layers stay visible."""
+def coinciding(series: dict[str, list[float | None]], digits: int = 3) -> list[list[str]]:
+    """Groups of layers whose values agree on every shard (to `digits` significant digits): their lines
+    would draw as one."""
+    groups: dict[tuple, list[str]] = {}
+    for lid, values in series.items():
+        key = tuple(None if v is None else float(f"{v:.{digits}g}") for v in values)
+        groups.setdefault(key, []).append(lid)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+DODGE = 0.07  # shards apart: layers with equal values drawn side by side, within one shard's slot
+
+
+def _series(ax, series: dict[str, list[float | None]], label: str) -> list[list[str]]:
+    """One line per layer, each its own marker; layers with equal values are moved apart along x
+    (by DODGE) so each stays visible. Returns those groups, for a note in the legend."""
+    groups = coinciding(series)
+    shift = {lid: (j - (len(g) - 1) / 2) * DODGE for g in groups for j, lid in enumerate(g)}
     for i, (lid, values) in enumerate(series.items()):
         xs = [k for k, v in enumerate(values) if v is not None]
         ax.plot(
-            xs,
+            [k + shift.get(lid, 0.0) for k in xs],
             [values[k] for k in xs],
             marker=MARKERS[i % len(MARKERS)],
             ms=7 - i % 4,
             alpha=0.85,
             label=f"{label} {lid}",
         )
+    return groups
+
+
+def _equal_note(ax, groups: list[list[str]]) -> None:
+    """A legend line per group of equal layers: they are drawn side by side, not hidden behind each other."""
+    for g in groups:
+        ax.plot([], [], " ", label=f"layers {', '.join(g)}: equal,\ndrawn side by side")
 
 
 def reference_margin(margins: dict[str, list[float | None]], n_shards: int) -> str:
     """Per layer: the worst row's error / bound per shard; the check fails above the 1.0 line."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(WIDTH_IN, 2.4), layout="constrained")
-    _series(ax, margins, "layer")
+    groups = _series(ax, margins, "layer")
     top = max([1.2] + [v * 1.1 for vals in margins.values() for v in vals if v is not None and v < 1e9])
-    ax.axhline(1.0, color="crimson", lw=1.5, ls="--", label="bound (fails above)")
+    ax.axhline(1.0, color="crimson", lw=1.5, ls="--", label="bound (passes below 1)")
+    _equal_note(ax, groups)
     ax.set_ylim(0, top)
     ax.set(ylabel="worst error / bound", title="Reference check: worst sampled row per layer, against its bound")
     _shard_axis(ax, n_shards)
@@ -82,7 +107,8 @@ def layer_stats(series: dict[str, dict[str, list[float | None]]], n_shards: int)
         "outlier_share": "outlier tokens",
     }
     for ax, (stat, title) in zip(axes, titles.items(), strict=True):
-        _series(ax, series.get(stat, {}), "layer")
+        if groups := _series(ax, series.get(stat, {}), "layer"):
+            title += f"\n(layers {'; '.join(', '.join(g) for g in groups)} equal)"
         ax.set_title(title, fontsize=9)
         ax.tick_params(labelsize=8)
         _shard_axis(ax, n_shards)
@@ -113,15 +139,38 @@ def vocab_coverage(cov: dict[str, Any]) -> str:
     return _png(fig)
 
 
-def distributions(rows) -> str:
-    """Tokens per row and share of loss-masked tokens per row, side by side."""
+def distributions(rows, max_seq_len: int | None = None, truncated_rows: int = 0) -> str:
+    """Tokens per row and share of loss-masked tokens per row, side by side. Rows cut to max_seq_len pile
+    up in the last bin: they are drawn in their own colour and the cap is a marked line."""
     plt = _pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(WIDTH_IN, 2.6), layout="constrained")
-    a.hist(rows["seq_len"], bins=40)
+    lengths = rows["seq_len"]
+    if max_seq_len and len(lengths) and int(lengths.max()) <= max_seq_len:
+        edges = _length_bins(min(int(lengths.min()), max_seq_len - 1), max_seq_len)
+        at_cap = lengths >= max_seq_len
+        a.hist(
+            [lengths[~at_cap], lengths[at_cap]],
+            bins=edges,
+            stacked=True,
+            color=["tab:blue", "crimson"],
+            label=["rows", f"at max_seq_len ({truncated_rows:,} rows cut to it)"],
+        )
+        a.axvline(max_seq_len, color="crimson", ls="--", lw=1, label=f"max_seq_len {max_seq_len:,}")
+        a.legend(fontsize=8, loc="upper left", frameon=False)
+    else:
+        a.hist(lengths, bins=40)
     a.set(xlabel="tokens per row", ylabel="rows", title="Sequence lengths")
     b.hist(rows["mask_share"], bins=40, range=(0, 1))
     b.set(xlabel="share of the row's tokens with loss_mask = 1", ylabel="rows", title="Loss-mask share per row")
     return _png(fig)
+
+
+def _length_bins(low: int, cap: int, n: int = 40) -> list[float]:
+    """Up to n equal bins from `low` to the cap, then the cap's own bin: the spike of cut rows is one
+    bar, not mixed with the rows just below it."""
+    n = max(min(n, cap - low), 1)
+    width = (cap - low) / n
+    return [low + i * width for i in range(n)] + [float(cap), cap + max(width, 1.0)]
 
 
 def throughput_and_disk(summary) -> str:

@@ -184,6 +184,12 @@ class ShardManifest:
     def storage_name(self) -> str:
         return (self.storage or {}).get("name", MODEL_DTYPE)
 
+    def layer_files_match(self) -> tuple[bool, str]:
+        """The manifest lists one layer file per layer id, and no other: (ok, detail)."""
+        layers = sorted(n for n in self.files if n.startswith("layer_"))
+        want = sorted(layer_file(i) for i in self.layer_ids)
+        return layers == want, f"{layers} vs layer ids {self.layer_ids}"
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         if self.storage is None:
@@ -201,6 +207,33 @@ class ShardManifest:
         if (m.format == FORMAT_FP8) != (m.storage_name == FP8_E4M3):
             raise ValueError(f"{where}: format {m.format!r} with storage {m.storage_name!r}")
         return m
+
+
+def check_listed_file(path: Path, entry: dict[str, Any]) -> tuple[bool, str]:
+    """One file against its manifest entry ({"sha256", "bytes"}, as shard and export manifests list them):
+    (ok, detail). Size first: a truncated file is named as such without reading it."""
+    from ..atomic import sha256_file
+
+    if not path.is_file():
+        return False, "listed in the manifest but missing"
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        return False, f"{size} bytes, manifest says {entry['bytes']} (truncated?)"
+    digest = sha256_file(path)
+    if digest != entry["sha256"]:
+        return False, f"sha256 {digest[:12]} != {entry['sha256'][:12]}"
+    return True, "sha256 matches"
+
+
+# Files a finished shard folder may hold besides those its manifest lists (.snakemake_timestamp:
+# Snakemake's marker in directory() outputs).
+SHARD_EXTRAS = frozenset({MANIFEST, TIMINGS, ".snakemake_timestamp"})
+
+
+def stray_files(folder: Path, listed: set[str], extras: frozenset[str] = SHARD_EXTRAS) -> list[str]:
+    """Files under `folder` (paths relative to it) that are neither listed nor expected extras."""
+    on_disk = (str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    return sorted(name for name in on_disk if name not in listed and name not in extras)
 
 
 def read_manifest(shard_dir: str | os.PathLike) -> ShardManifest:

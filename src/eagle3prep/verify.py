@@ -1,0 +1,196 @@
+"""Checksums only: every shard folder, and the export, against its own manifest (`snakemake verify`).
+
+No reference recomputation and no job: each listed file's size and sha256 against the manifest
+(shard.format.check_listed_file, the reader validate uses), the set of files, the layer files against
+the layer ids, and each shard manifest's own sha256 where the dataset manifest or the export recorded
+it. One line per damaged file, one summary line; damaged or missing means a non-zero exit.
+
+    snakemake verify                          # the config's shards, in the working directory
+    python -m eagle3prep.verify [RESULTS]     # every shard_* folder under RESULTS/hidden_states
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .atomic import sha256_file
+from .shard.format import MANIFEST, check_listed_file, human_bytes, read_manifest, stray_files
+
+HIDDEN_STATES = "hidden_states"  # under the results folder, as heal.HIDDEN_STATES
+DATASET_MANIFEST = "report/dataset_manifest.json"
+EXPORT = "export/speculators"
+# hashlib and file reads release the GIL: a few threads keep several disks (or one NVMe) busy.
+THREADS = 4
+
+
+@dataclass
+class Verdict:
+    """What verify found: `damaged` holds one line per damaged or missing file."""
+
+    damaged: list[str] = field(default_factory=list)
+    shards: int = 0
+    files: int = 0
+    bytes: int = 0
+    export_files: int | None = None  # None: no export to check
+    bad_places: set[str] = field(default_factory=set)  # shard folders / the export that need redoing
+
+    @property
+    def ok(self) -> bool:
+        return not self.damaged
+
+    def summary(self, results: str | Path) -> str:
+        export = "" if self.export_files is None else f" and the export's {self.export_files}"
+        checked = f"{self.files} files of {self.shards} shards{export} ({human_bytes(self.bytes)})"
+        if self.ok:
+            return f"verify: ok: {checked} match their manifests"
+        places = sorted(self.bad_places, key=_natural)
+        # heal (rules/common.smk) makes a removed shard folder again; a missing one needs no rm
+        again = " ".join(str(Path(results) / p) for p in places if (Path(results) / p).exists())
+        return (
+            f"verify: {len(self.damaged)} damaged of {checked}, in {', '.join(places)}; "
+            f"to make them again: {f'rm -r {again} && ' if again else ''}snakemake"
+        )
+
+
+def _natural(name: str) -> tuple:
+    """shard_2 before shard_10."""
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+
+
+def _recorded_manifest_sha(results: Path) -> dict[str, tuple[str, str]]:
+    """{shard folder name: (sha256 of its manifest.json, where it is recorded)} from the dataset manifest and
+    the export's sources; the report and the export pinned the shards they read this way."""
+    out: dict[str, tuple[str, str]] = {}
+    for rel, key, dir_key in (
+        (DATASET_MANIFEST, "shards", "dir"),
+        (f"{EXPORT}/{MANIFEST}", "sources", "shard_dir"),
+    ):
+        path = results / rel
+        if not path.is_file():
+            continue
+        data = _load_json(path)
+        for s in data.get(key) or []:
+            if isinstance(s, dict) and s.get("manifest_sha256") and s.get(dir_key):
+                out.setdefault(Path(s[dir_key]).name, (s["manifest_sha256"], str(path)))
+    return out
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    from .errors import UserError
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: not readable JSON ({e}); rebuild it (rm it and run snakemake)") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: not a manifest (a JSON object expected)")
+    return data
+
+
+def _shard_jobs(folder: Path, name: str, recorded: dict, verdict: Verdict) -> Iterator[tuple[str, Path, dict, str]]:
+    """Problems found without reading data go straight to `verdict`; the files to hash are yielded."""
+    if not folder.is_dir():
+        verdict.damaged.append(f"{name}: missing (not extracted yet, or removed)")
+        verdict.bad_places.add(f"{HIDDEN_STATES}/{name}")
+        return
+    try:
+        m = read_manifest(folder)
+    except (FileNotFoundError, ValueError, AttributeError) as e:  # AttributeError: JSON that is not an object
+        what = "missing: the capture did not finish" if isinstance(e, FileNotFoundError) else str(e)
+        verdict.damaged.append(f"{name}/{MANIFEST}: {what}")
+        verdict.bad_places.add(f"{HIDDEN_STATES}/{name}")
+        return
+    verdict.shards += 1
+    problems = []
+    ok, detail = m.layer_files_match()
+    if not ok:
+        problems.append(f"{name}/{MANIFEST}: layer files {detail}")
+    if name in recorded and (sha := sha256_file(folder / MANIFEST)) != recorded[name][0]:
+        problems.append(f"{name}/{MANIFEST}: sha256 {sha[:12]} != {recorded[name][0][:12]} ({recorded[name][1]})")
+    problems += [f"{name}/{stray}: not in the manifest" for stray in stray_files(folder, set(m.files))]
+    if problems:
+        verdict.damaged += problems
+        verdict.bad_places.add(f"{HIDDEN_STATES}/{name}")
+    for file, entry in sorted(m.files.items()):
+        yield f"{name}/{file}", folder / file, entry, f"{HIDDEN_STATES}/{name}"
+
+
+def _export_jobs(export: Path, verdict: Verdict) -> Iterator[tuple[str, Path, dict, str]]:
+    m = _load_json(export / MANIFEST)
+    files = m.get("files")
+    if not isinstance(files, dict):
+        verdict.damaged.append(f"{EXPORT}/{MANIFEST}: no `files` listing")
+        verdict.bad_places.add(EXPORT)
+        return
+    verdict.export_files = len(files)
+    stray = stray_files(export, set(files), frozenset({MANIFEST}))
+    if stray:
+        verdict.damaged += [f"{EXPORT}/{s}: not in the manifest" for s in stray]
+        verdict.bad_places.add(EXPORT)
+    for file, entry in sorted(files.items()):
+        yield f"{EXPORT}/{file}", export / file, entry, EXPORT
+
+
+def verify(results: str | Path = "results", shards: list[int] | None = None, threads: int = THREADS) -> Verdict:
+    """Check the shards `shards` (None: every shard_* folder or tokenized shard) under `results`, and the
+    export if it exists."""
+    results = Path(results)
+    hs = results / HIDDEN_STATES
+    if shards is None:  # the folders there, and one per tokenized shard (a removed folder is missing, not gone)
+        found = [p.name for p in hs.glob("shard_*")] + [p.stem for p in (results / "tokenized").glob("shard_*.jsonl")]
+        names = sorted({n for n in found if re.fullmatch(r"shard_\d+", n)}, key=_natural)
+    else:
+        names = [f"shard_{k}" for k in shards]
+    verdict = Verdict()
+    recorded = _recorded_manifest_sha(results)
+    jobs = [j for name in names for j in _shard_jobs(hs / name, name, recorded, verdict)]
+    verdict.files = len(jobs)
+    if (results / EXPORT / MANIFEST).is_file():
+        jobs += _export_jobs(results / EXPORT, verdict)
+
+    def check(job: tuple[str, Path, dict, str]) -> tuple[bool, str]:
+        return check_listed_file(job[1], job[2])
+
+    with ThreadPoolExecutor(max_workers=max(threads, 1)) as pool:
+        for (label, _, entry, place), (ok, detail) in zip(jobs, pool.map(check, jobs), strict=True):
+            verdict.bytes += entry.get("bytes", 0)
+            if not ok:
+                verdict.damaged.append(f"{label}: {detail}")
+                verdict.bad_places.add(place)
+    return verdict
+
+
+def report(verdict: Verdict, results: str | Path, out=sys.stderr) -> None:
+    """The damaged lines, then the summary line."""
+    for line in verdict.damaged:
+        print(line, file=out)
+    print(verdict.summary(Path(results)), file=out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="?", default="results", help="the results folder (default: results)")
+    ap.add_argument("--threads", type=int, default=THREADS, help=f"files hashed at once (default {THREADS})")
+    args = ap.parse_args(argv)
+    from .errors import one_line_errors
+
+    with one_line_errors():
+        if not (Path(args.results) / HIDDEN_STATES).is_dir():
+            from .errors import UserError
+
+            raise UserError(f"{args.results}: no {HIDDEN_STATES}/ folder; give the results folder of a run")
+        verdict = verify(args.results, threads=args.threads)
+        report(verdict, args.results, sys.stdout)
+    return 0 if verdict.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
