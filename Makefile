@@ -1,16 +1,18 @@
-# The two commands of the README:
-#   make demo   set up .venv and run the whole workflow on the embedded demo
-#   make test   set up .venv, .venv-vllm and .venv-vllm016 and run every test (unit, workflow, vLLM
-#               0.32 and 0.16 on CPU, lint, and the demo on a one-node Slurm cluster: needs root,
-#               installs Debian's Slurm)
+# The commands of the README:
+#   make demo     set up .venv and run the whole workflow on the embedded demo
+#   make test     set up .venv, .venv-vllm and .venv-vllm016 and run every test (unit, workflow, vLLM
+#                 0.32 and 0.16 on CPU, lint, and the demo on a one-node Slurm cluster: needs root,
+#                 installs Debian's Slurm)
+#   make gpu-env  on a GPU host: .venv-gpu, one environment with CUDA vLLM and every rule's dependencies
 PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
 # The oldest vLLM we support (users run 0.16: the engine's two-phase execute_model/sample_tokens).
 VLLM016_VENV := .venv-vllm016
+GPU_VENV := .venv-gpu
 PIP_FLAGS ?= -q --disable-pip-version-check
 
-.PHONY: demo test test-base test-vllm test-vllm016 test-slurm lint clean
+.PHONY: demo test test-base test-vllm test-vllm016 test-slurm gpu-env lint clean
 
 $(VENV)/.installed: envs/base.txt envs/speculators.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,9 +22,12 @@ $(VENV)/.installed: envs/base.txt envs/speculators.txt pyproject.toml
 	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	touch $@
 
-$(VLLM_VENV)/.installed: envs/vllm.txt pyproject.toml
+# Every rule runs in it (tests/test_vllm_workflow.py goes through the report), the overfit gate's
+# speculators trainer included.
+$(VLLM_VENV)/.installed: envs/vllm.txt envs/speculators.txt pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) -r envs/vllm.txt
+	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r envs/speculators.txt
 	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` beside the
 	# CPU torch, and triton has no CPU backend: `import vllm` then fails on a CPU-only host.
 	$(VLLM_VENV)/bin/pip uninstall $(PIP_FLAGS) -y torchvision torchaudio torchcodec triton
@@ -39,9 +44,21 @@ $(VLLM016_VENV)/.installed: envs/vllm-0.16.txt pyproject.toml
 	$(VLLM016_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	touch $@
 
+# The GPU host's one environment: CUDA vLLM (envs/gpu.txt names the version), every rule's dependencies and
+# speculators' trainer; not part of `make test` (CI has no GPU), tests/test_envs.py checks what it pins.
+$(GPU_VENV)/.installed: envs/gpu.txt envs/speculators.txt pyproject.toml
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install $(PIP_FLAGS) -r envs/gpu.txt
+	$(GPU_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r envs/speculators.txt
+	$(GPU_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
+	touch $@
+
+gpu-env: $(GPU_VENV)/.installed
+	@echo "make gpu-env: done; run the workflow with $(GPU_VENV)/bin/snakemake (docs/guides/install.md)"
+
 demo: $(VENV)/.installed
 	$(VENV)/bin/snakemake --cores all
-	@echo "make demo: done; open results/report/report.html (dataset in results/, README 'Output layout')"
+	@echo "make demo: done; open results/report/report.html (dataset in results/: docs/guides/storage.md)"
 
 test: test-base test-vllm test-vllm016 test-slurm
 

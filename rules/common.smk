@@ -60,7 +60,7 @@ if workflow.is_main_process and not workflow.dryrun:
 
 
 # Shards that are missing, unfinished, changed after validation or failed it are redone by the same
-# command, each named in one line (eagle3prep.heal; README "Reruns after a failure"). They are forced
+# command, each named in one line (eagle3prep.heal; docs/guides/reruns.md). They are forced
 # as with --forcerun. The command line's settings exist only after the Snakefile is parsed, so the check
 # runs just before Snakemake makes its DAG (Workflow._prepare_dag), in the main process, for a run or dry
 # run of the whole workflow.
@@ -135,15 +135,6 @@ def get_validate_gpus(wildcards=None):
 def get_extract_data_params(wildcards=None):
     """extract.* without the speed knobs (config.SPEED_KEYS): changing those re-queues no shard."""
     return extract_data_params(config["extract"])
-
-
-def get_extract_env():
-    """The extract rule's conda env: vLLM's own for the vllm backend (its torch pin differs)."""
-    return (
-        "../envs/vllm.yaml"
-        if config["extract"]["backend"] == "vllm"
-        else "../envs/base.yaml"
-    )
 
 
 def get_shard_dirs(wildcards=None):

@@ -10,7 +10,5 @@ if config["model"]["build_demo"]:
             "logs/build_demo_model.log",
         benchmark:
             "benchmarks/build_demo_model.tsv"
-        conda:
-            "../envs/base.yaml"
         script:
             "../scripts/build_demo_model.py"

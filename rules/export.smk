@@ -12,8 +12,6 @@ rule export_speculators:
         "logs/export/speculators.log",
     benchmark:
         "benchmarks/export/speculators.tsv"
-    conda:
-        "../envs/base.yaml"
     params:
         tokens=get_tokenized_shards(),
         hidden_states=config["export"]["hidden_states"],

@@ -9,8 +9,6 @@ rule plan:
         txt="results/plan/plan.txt",
     log:
         "logs/plan.log",
-    conda:
-        "../envs/base.yaml"
     params:
         stats=f"{TOKENIZED}/stats.json",
         hidden_states="results/hidden_states",

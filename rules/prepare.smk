@@ -10,8 +10,6 @@ rule prepare:
         "logs/prepare.log",
     benchmark:
         "benchmarks/prepare.tsv"
-    conda:
-        "../envs/base.yaml"
     params:
         # data.allow_no_user_turn only when true: a key added after runs existed, so a run made before it is
         # not re-queued (config.LATER_KEYS says why)

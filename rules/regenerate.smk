@@ -17,8 +17,6 @@ if REGEN["enabled"]:
             "logs/prepare.log",
         benchmark:
             "benchmarks/prepare.tsv"
-        conda:
-            "../envs/base.yaml"
         params:
             sources=config["data"]["sources"],
             max_line_bytes=config["data"]["max_line_bytes"],
@@ -39,8 +37,6 @@ if REGEN["enabled"]:
             "logs/regenerate/split.log",
         benchmark:
             "benchmarks/regenerate/split.tsv"
-        conda:
-            "../envs/base.yaml"
         params:
             shards=expand(f"{REGEN_PROMPTS}/shard_{{k}}.jsonl", k=REGEN_SHARDS),
         script:
@@ -57,8 +53,6 @@ if REGEN["enabled"]:
             "logs/regenerate/shard_{k}.log",
         benchmark:
             "benchmarks/regenerate/shard_{k}.tsv"
-        conda:
-            "../envs/vllm.yaml"
         threads: REGEN["threads"]
         resources:
             gpus=get_regen_gpus(),
@@ -85,8 +79,6 @@ if REGEN["enabled"]:
             "logs/regenerate/merge.log",
         benchmark:
             "benchmarks/regenerate/merge.tsv"
-        conda:
-            "../envs/base.yaml"
         script:
             "../scripts/regenerate_merge.py"
 
@@ -101,8 +93,6 @@ if REGEN["enabled"]:
             "results/regenerated/review.txt",
         log:
             "logs/regenerate/review.log",
-        conda:
-            "../envs/base.yaml"
         params:
             n=REGEN["review_samples"],
         script:

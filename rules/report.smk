@@ -39,8 +39,6 @@ rule report:
         "logs/report.log",
     benchmark:
         "benchmarks/report.tsv"
-    conda:
-        "../envs/base.yaml"
     params:
         stats=f"{TOKENIZED}/stats.json",
         token_freq=f"{TOKENIZED}/token_freq.json",

@@ -14,8 +14,6 @@ rule tokenize:
         "logs/tokenize.log",
     benchmark:
         "benchmarks/tokenize.tsv"
-    conda:
-        "../envs/base.yaml"
     # Worker processes that render the chat template (capped by --cores).
     threads: config["tokenize"]["workers"]
     params:

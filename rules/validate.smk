@@ -16,8 +16,6 @@ rule validate_shard:
         "logs/validate/shard_{k}.log",
     benchmark:
         "benchmarks/validate/shard_{k}.tsv"
-    conda:
-        "../envs/base.yaml"
     resources:
         gpus=get_validate_gpus(),
         gpu=get_validate_gpus(),

