@@ -35,8 +35,6 @@ rule verify:
     log:
         "logs/verify.log",
     localrule: True
-    conda:
-        "../envs/base.yaml"
     threads: 4
     params:
         shards=SHARDS,
