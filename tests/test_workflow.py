@@ -145,8 +145,10 @@ def test_sigkill_during_extract_then_rerun_resumes_at_shard_granularity(tmp_path
     assert tree_digest(wd / "results") == tree_digest(full_run / "results")
 
 
-def test_example_configs_dry_run(tmp_path):
+def test_example_configs_dry_run(tmp_path, demo_model_dir):
     """config/examples/*.yaml: valid, and the Kimi-K2.5 GPU jobs take the whole node (TP 8)."""
+    import shutil
+
     import yaml
 
     layers = {"kimi-k2.5-int4.yaml": {"text_config": {"num_hidden_layers": 61}}, "llama-3.1-8b.yaml": {}}
@@ -160,6 +162,9 @@ def test_example_configs_dry_run(tmp_path):
         cfg["model"]["path"] = str(wd / "model")
         (wd / "model").mkdir()  # the layer ids and max_seq_len are checked against its config.json
         (wd / "model/config.json").write_text(json.dumps(layers[name] or {"num_hidden_layers": 32}))
+        for f in demo_model_dir.iterdir():  # the parse loads the tokenizer as tokenize would: the demo's stands in
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy(f, wd / "model" / f.name)
         (wd / "config/config.yaml").write_text(yaml.safe_dump(cfg))
         out = snakemake(wd, "-n", "--resources", f"gpu={gpus}").stdout
         assert re.search(rf"rule extract_hidden_states:.*?resources: [^\n]*gpus={gpus}, gpu={gpus}", out, re.S), out
