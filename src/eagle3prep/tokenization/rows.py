@@ -94,6 +94,7 @@ def encode_lines(
 
 def parse_conversation(path: str, line_no: int, line: str) -> dict[str, Any]:
     """The Conversation JSON of one line of the prepare stage's output."""
+    conv = None
     try:
         conv = json.loads(line)
         ok = isinstance(conv["id"], str) and all(
@@ -101,9 +102,25 @@ def parse_conversation(path: str, line_no: int, line: str) -> dict[str, Any]:
         )
     except (json.JSONDecodeError, KeyError, TypeError):
         ok = False
+    if not ok and _has_images(conv):  # prepare kept images (issue #28 item 1); encoding them is item 2
+        raise TokenizeError(
+            f"{path}:{line_no}: conversation has images; tokenizing images with the target's processor is not "
+            "implemented yet (issue #28), so list text-only sources in data.sources for now"
+        )
     if not ok:
         raise TokenizeError(
             f"{path}:{line_no}: not a normalized conversation ({{id, messages: [{{role, content}}], source}}); "
             "re-run the prepare stage"
         )
     return conv
+
+
+def _has_images(conv: Any) -> bool:
+    """Whether a parsed line is a conversation with image parts (prepare's shape for images)."""
+    try:
+        return any(
+            isinstance(m["content"], list) and any(p.get("type") == "image" for p in m["content"])
+            for m in conv["messages"]
+        )
+    except (KeyError, TypeError, AttributeError):
+        return False
