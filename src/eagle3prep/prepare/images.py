@@ -51,7 +51,7 @@ class ImageOptions:
         if not isinstance(ref, str) or not ref.strip():
             raise Rejected("image_unreadable", f"{where} is a {type(ref).__name__}, expected a path, URL or data: URI")
         if ref.startswith("data:"):
-            return self._decode(_data_uri_bytes(ref, where), ref, where, "data: URI")
+            return self._decode(data_uri_bytes(ref, where), ref, where, "data: URI")
         scheme = _SCHEME.match(ref)
         if scheme and len(scheme.group(1)) > 1 and scheme.group(1).lower() != "file":  # "C:" is a drive
             raise Rejected(
@@ -150,7 +150,7 @@ class ImageOptions:
         }
 
 
-def _data_uri_bytes(uri: str, where: str) -> bytes:
+def data_uri_bytes(uri: str, where: str) -> bytes:
     """The bytes of a `data:[<mediatype>][;base64],<data>` URI; the media type must be an image's."""
     head, comma, payload = uri.partition(",")
     if not comma:
