@@ -146,10 +146,11 @@ def cut_images(ids: list[int], record: dict[str, Any], max_seq_len: int, encoder
     if start is not None:
         runs.append((start, len(ids)))
     for k, (s, e) in enumerate(runs):
-        if s < max_seq_len < e:
+        # the image with the <|vision_start|> / <|vision_end|> around it: a cut between them and the image too
+        if s - 1 < max_seq_len < e + 1:
             return (
                 f"max_seq_len {max_seq_len} falls inside image {k} (its vision tokens {s}..{e - 1} of "
                 f"{len(ids)}); raise tokenize.max_seq_len or shorten the conversation"
             )
-    keep = sum(e <= max_seq_len for _, e in runs)
+    keep = sum(e + 1 <= max_seq_len for _, e in runs)
     return {"images": record["images"][:keep], "image_grid_thw": record["image_grid_thw"][:keep]}
