@@ -325,11 +325,13 @@ def test_snakemake_script_reads_images_under_image_root(tmp_path, monkeypatch, i
     assert "2 rows in, 0 kept, 0 duplicates, 2 quarantined (image_too_large 2)" in log  # 16x12 > 100 pixels
 
 
-def test_tokenize_refuses_image_conversations_in_one_line(imgdir):
+def test_tokenize_reads_image_parts_and_refuses_malformed_ones_in_one_line():
+    image = {"type": "image", "image": "red.png", "sha256": "0" * 64}
     conv = {"id": "x", "source": "a:1", "messages": [
-        {"role": "user", "content": [{"type": "image", "image": "red.png", "sha256": "0"}]},
-        {"role": "assistant", "content": "a"}]}  # fmt: skip
-    with pytest.raises(TokenizeError, match=r"c\.jsonl:3: conversation has images; .* not implemented yet"):
+        {"role": "user", "content": [image]}, {"role": "assistant", "content": "a"}]}  # fmt: skip
+    assert parse_conversation("c.jsonl", 3, json.dumps(conv)) == conv
+    del image["sha256"]  # an image part prepare did not write
+    with pytest.raises(TokenizeError, match=r"c\.jsonl:3: not a normalized conversation"):
         parse_conversation("c.jsonl", 3, json.dumps(conv))
 
 
