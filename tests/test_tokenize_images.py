@@ -143,3 +143,13 @@ def test_text_only_demo_tokenizes_to_the_bytes_it_gave_before_images(tmp_path, m
     assert {
         n: hashlib.sha256((t / n).read_bytes()).hexdigest() for n in DEMO_TOKENIZED_SHA256
     } == DEMO_TOKENIZED_SHA256
+
+
+def test_extract_refuses_rows_with_images_in_one_line(tmp_path, monkeypatch, vl_model):
+    from eagle3prep.errors import UserError
+    from eagle3prep.shard import index_of_tokenized
+
+    _, rows, _ = tokenize(prepared(tmp_path, monkeypatch), vl_model)
+    shard = tmp_path / "tok/s0.jsonl"
+    with pytest.raises(UserError, match=r"s0\.jsonl: row 0 has images; .* not implemented yet \(issue #28 item 3\)"):
+        index_of_tokenized(shard)
