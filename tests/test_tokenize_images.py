@@ -59,6 +59,8 @@ def test_image_rows_get_vision_tokens_a_reply_mask_and_their_images(tmp_path, mo
 
     stats, rows, quarantine = tokenize(prepared(tmp_path, monkeypatch), vl_model)
     assert stats["rows"] == 5 and not quarantine
+    # 4 + 6 + 4 + 12 + (4 + 6) vision tokens in 6 images of 5 rows
+    assert (stats["image_rows"], stats["images"], stats["image_tokens"]) == (5, 6, 36)
     tok = AutoTokenizer.from_pretrained(vl_model)
     pad = tok.convert_tokens_to_ids("<|image_pad|>")
     conversations = [json.loads(x) for x in (tmp_path / "prepared/c.jsonl").read_text().splitlines()]
@@ -128,6 +130,7 @@ def test_a_text_only_target_quarantines_image_rows_and_keeps_text_rows(tmp_path,
     stats, rows, quarantine = tokenize(prepared(tmp_path, monkeypatch, [text, with_image]), model)
     assert stats["rows"] == 1 and [q["reason"] for q in quarantine] == ["images_unsupported_by_target"]
     assert "has no vision tower" in quarantine[0]["detail"] and "images" not in rows[0]
+    assert "image_rows" not in stats
 
 
 def test_text_only_demo_tokenizes_to_the_bytes_it_gave_before_images(tmp_path, monkeypatch):

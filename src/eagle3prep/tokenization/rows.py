@@ -22,6 +22,7 @@ class EncodedChunk:
     token_freq: tuple[Any, Any]
     n_truncated: int
     truncated_tokens: int = 0  # tokens cut from the truncated rows (what training loses)
+    images: tuple[int, int, int] = (0, 0, 0)  # kept rows with images, their images, their vision tokens
 
 
 def mask_runs(mask: bytearray) -> list[tuple[int, int]]:
@@ -63,6 +64,7 @@ def encode_lines(
     rows: list[tuple[str, int] | Quarantined] = []
     masked: list[int] = []  # the loss-masked token ids of the chunk's kept rows, counted once at the end
     n_truncated = truncated_tokens = 0
+    image_rows = n_images = image_tokens = 0
     for (line_no, _), conv, result in zip(lines, convs, results, strict=True):
         if isinstance(result, Rejected):
             rows.append(Quarantined(conversations_path, line_no, result.reason, result.detail, conv))
@@ -93,13 +95,18 @@ def encode_lines(
             masked += ids[start:end]
         tail = row_json_tail(conv["id"], ids, runs, encoder.id_str)
         if images:  # after seq_len, so that text rows keep their bytes
+            image_rows += 1
+            n_images += len(images[0]["images"])
+            image_tokens += ids.count(encoder._vision.image_token_id)
             extra = json.dumps(images[0], ensure_ascii=False, separators=(",", ":"))
             tail = tail[: -len("}\n")] + "," + extra[1:] + "\n"
         rows.append((tail, len(ids)))
     # One bincount instead of a Counter.update per row: half the time (Counter hashes every token).
     counts = np.bincount(np.fromiter(masked, dtype=np.int64, count=len(masked)))
     distinct = np.flatnonzero(counts)
-    return EncodedChunk(rows, (distinct, counts[distinct]), n_truncated, truncated_tokens)
+    return EncodedChunk(
+        rows, (distinct, counts[distinct]), n_truncated, truncated_tokens, (image_rows, n_images, image_tokens)
+    )
 
 
 def parse_conversation(path: str, line_no: int, line: str) -> dict[str, Any]:
