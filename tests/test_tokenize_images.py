@@ -156,3 +156,16 @@ def test_extract_refuses_rows_with_images_in_one_line(tmp_path, monkeypatch, vl_
     shard = tmp_path / "tok/s0.jsonl"
     with pytest.raises(UserError, match=r"s0\.jsonl: row 0 has images; .* not implemented yet \(issue #28 item 3\)"):
         index_of_tokenized(shard)
+
+
+def test_worker_processes_give_the_same_rows(tmp_path, monkeypatch, vl_model):
+    conversations = prepared(tmp_path, monkeypatch)
+    out = {}
+    for workers in (1, 2):  # images are decoded and processed in the workers
+        t = tmp_path / f"w{workers}"
+        tokenize_conversations(
+            conversations, vl_model, [t / "s0.jsonl"], t / "stats.json", t / "tf.json", t / "q.jsonl", 256,
+            batch_size=2, workers=workers,
+        )  # fmt: skip
+        out[workers] = (t / "s0.jsonl").read_bytes()
+    assert out[1] == out[2]
