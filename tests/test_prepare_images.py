@@ -337,3 +337,15 @@ def test_tokenize_reads_image_parts_and_refuses_malformed_ones_in_one_line():
 
 def test_image_reasons_are_distinct_from_text_reasons():
     assert not set(IMAGE_REASONS) & set(REASONS)
+
+
+def test_an_image_root_that_is_not_a_folder_stops_prepare_in_one_line(tmp_path):
+    from eagle3prep.prepare import InputError
+
+    with pytest.raises(InputError, match=r"^data\.image_root: '.*nowhere' is not a folder"):
+        ImageOptions(str(tmp_path / "nowhere"))
+
+
+def test_an_image_part_in_a_user_message_without_image_options_names_no_role():
+    with pytest.raises(Exception, match=r"content part 0 is of type 'image_url', not 'text'$"):
+        normalize(oai(("red.png",)))

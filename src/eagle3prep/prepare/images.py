@@ -23,7 +23,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from eagle3prep.prepare.errors import Rejected
+from eagle3prep.prepare.errors import InputError, Rejected
 
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096  # config/schema.yaml data.max_image_pixels
 # What the OpenAI API accepts (PNG, JPEG, WEBP, non-animated GIF): the formats servers and processors agree on.
@@ -41,6 +41,11 @@ class ImageOptions:
     root: str | None = None
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     cache: dict[tuple, dict[str, Any]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        """A data.image_root that is not a folder stops prepare in one line: every image under it would be missing."""
+        if self.root is not None and not os.path.isdir(self.root):
+            raise InputError(f"data.image_root: '{self.root}' is not a folder (cwd: {os.getcwd()})")
 
     def read(self, ref: Any, where: str) -> dict[str, Any]:
         """The normalized image part for one reference, or Rejected with an image_* reason."""

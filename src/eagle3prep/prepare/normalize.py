@@ -185,7 +185,11 @@ def _content(content: Any, where: str, images: ImageOptions | None = None, role:
                 parts.append(images.read(_image_ref(part, kind), f"{where} content part {j}"))
                 continue
             if kind != "text":
-                why = f"; images are read in user messages only, this is {role}" if kind in IMAGE_PART_TYPES else ""
+                why = (
+                    f"; images are read in user messages only, this is {role}"
+                    if kind in IMAGE_PART_TYPES and role != "user"
+                    else ""
+                )
                 raise Rejected("non_text_content", f"{where} content part {j} is of type {kind!r}, not 'text'{why}")
             if not isinstance(part.get("text"), str):
                 raise Rejected(
