@@ -169,3 +169,23 @@ def test_worker_processes_give_the_same_rows(tmp_path, monkeypatch, vl_model):
         )  # fmt: skip
         out[workers] = (t / "s0.jsonl").read_bytes()
     assert out[1] == out[2]
+
+
+def test_the_workflow_prepares_and_tokenizes_images_and_extract_stops_in_one_line(tmp_path, vl_model):
+    from workflow_helpers import make_workdir, snakemake
+
+    config = {
+        "data": {"sources": ["resources/demo/vision.jsonl"], "image_root": "resources/demo/images"},
+        "model": {"path": str(vl_model)},
+        "tokenize": {"max_seq_len": 128, "num_shards": 1},
+    }
+    work = make_workdir(tmp_path / "work", config)
+    snakemake(work, "--cores", "1", "results/tokenized")
+    counts = json.loads((work / "results/prepared/counts.json").read_text())
+    stats = json.loads((work / "results/tokenized/stats.json").read_text())
+    assert (counts["totals"]["kept"], counts["totals"]["images"]) == (5, 6)
+    assert (stats["rows"], stats["image_rows"], stats["images"]) == (5, 5, 6)
+    proc = snakemake(work, "--cores", "1", check=False)
+    logs = "".join(p.read_text() for p in (work / "logs" / "extract").rglob("*.log"))
+    assert proc.returncode != 0 and "has images; extracting hidden states with the vision encoder" in logs
+    assert "Traceback" not in logs and len(logs.strip().splitlines()) == 1
