@@ -189,3 +189,23 @@ def test_the_workflow_prepares_and_tokenizes_images_and_extract_stops_in_one_lin
     logs = "".join(p.read_text() for p in (work / "logs" / "extract").rglob("*.log"))
     assert proc.returncode != 0 and "has images; extracting hidden states with the vision encoder" in logs
     assert "Traceback" not in logs and len(logs.strip().splitlines()) == 1
+
+
+def test_the_render_boundary_mask_moves_with_the_expansion_too(tmp_path, monkeypatch, vl_model):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    # the same target with a template without {% generation %}: the mask comes from the render boundary
+    model = tmp_path / "no_markers"
+    shutil.copytree(vl_model, model)
+    template = (model / "chat_template.jinja").read_text()
+    template = template.replace("{%- generation -%}", "").replace("{%- endgeneration -%}", "")
+    (model / "chat_template.jinja").write_text(template)
+    stats, rows, quarantine = tokenize(prepared(tmp_path, monkeypatch), model)
+    assert stats["mask_source"] == "render_boundary" and stats["rows"] == 5 and not quarantine
+    tok = AutoTokenizer.from_pretrained(model)
+    conversations = [json.loads(x) for x in (tmp_path / "prepared/c.jsonl").read_text().splitlines()]
+    for row, conv in zip(rows, conversations, strict=True):
+        masked = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
+        assert tok.decode(masked).startswith(conv["messages"][-1]["content"])
