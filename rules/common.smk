@@ -20,6 +20,8 @@ from eagle3prep.runlock import clear_stale_locks, record_owner
 for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
     os.environ[_var] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# envs/*.post-deploy.sh install this checkout's package into a rule's conda env (--sdm conda).
+os.environ.update(EAGLE3PREP_ROOT=str(workflow.basedir))
 
 if workflow.is_main_process:
     _overrides = bool(getattr(workflow.config_settings, "config", None))
@@ -113,6 +115,15 @@ def get_tokenized_shard(wildcards):
 
 def get_tokenized_shards():
     return expand(f"{TOKENIZED}/shard_{{k}}.jsonl", k=SHARDS)
+
+
+def get_extract_env():
+    """The extract rule's conda env: the GPU one (vLLM) for the vllm backend."""
+    return (
+        "../envs/gpu.yaml"
+        if config["extract"]["backend"] == "vllm"
+        else "../envs/cpu.yaml"
+    )
 
 
 def get_gpus(wildcards=None):

@@ -10,5 +10,7 @@ if config["model"]["build_demo"]:
             "logs/build_demo_model.log",
         benchmark:
             "benchmarks/build_demo_model.tsv"
+        conda:
+            "../envs/cpu.yaml"
         script:
             "../scripts/build_demo_model.py"

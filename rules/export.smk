@@ -12,6 +12,8 @@ rule export_speculators:
         "logs/export/speculators.log",
     benchmark:
         "benchmarks/export/speculators.tsv"
+    conda:
+        "../envs/cpu.yaml"
     params:
         tokens=get_tokenized_shards(),
         hidden_states=config["export"]["hidden_states"],

@@ -11,6 +11,8 @@ rule extract_hidden_states:
         "logs/extract/shard_{k}.log",
     benchmark:
         "benchmarks/extract/shard_{k}.tsv"
+    conda:
+        get_extract_env()
     threads: config["extract"]["threads"]
     resources:
         gpus=get_gpus(),

@@ -18,6 +18,8 @@ if config["validate"]["overfit_gate"]:
             "benchmarks/validate/overfit_gate.tsv"
         # Its engines and training before the other shards' extract jobs when they compete for GPUs.
         priority: 10
+        conda:
+            "../envs/gpu.yaml"
         threads: config["extract"]["threads"]
         # its engines' tensor-parallel size, or the capture's when larger (gate.stage.job_gpus)
         resources:
@@ -49,6 +51,8 @@ if config["validate"]["overfit_gate"]:
             "logs/report.log",
         benchmark:
             "benchmarks/report.tsv"
+        conda:
+            "../envs/cpu.yaml"
         params:
             **rules.report.params,
         script:

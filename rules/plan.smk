@@ -9,6 +9,8 @@ rule plan:
         txt="results/plan/plan.txt",
     log:
         "logs/plan.log",
+    conda:
+        "../envs/cpu.yaml"
     params:
         stats=f"{TOKENIZED}/stats.json",
         hidden_states="results/hidden_states",

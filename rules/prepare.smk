@@ -10,6 +10,8 @@ rule prepare:
         "logs/prepare.log",
     benchmark:
         "benchmarks/prepare.tsv"
+    conda:
+        "../envs/cpu.yaml"
     params:
         # data.allow_no_user_turn only when true: a key added after runs existed, so a run made before it is
         # not re-queued (config.LATER_KEYS says why)

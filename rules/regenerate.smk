@@ -17,6 +17,8 @@ if REGEN["enabled"]:
             "logs/prepare.log",
         benchmark:
             "benchmarks/prepare.tsv"
+        conda:
+            "../envs/cpu.yaml"
         params:
             sources=config["data"]["sources"],
             max_line_bytes=config["data"]["max_line_bytes"],
@@ -37,6 +39,8 @@ if REGEN["enabled"]:
             "logs/regenerate/split.log",
         benchmark:
             "benchmarks/regenerate/split.tsv"
+        conda:
+            "../envs/cpu.yaml"
         params:
             shards=expand(f"{REGEN_PROMPTS}/shard_{{k}}.jsonl", k=REGEN_SHARDS),
         script:
@@ -53,6 +57,8 @@ if REGEN["enabled"]:
             "logs/regenerate/shard_{k}.log",
         benchmark:
             "benchmarks/regenerate/shard_{k}.tsv"
+        conda:
+            "../envs/gpu.yaml"
         threads: REGEN["threads"]
         resources:
             gpus=get_regen_gpus(),
@@ -79,6 +85,8 @@ if REGEN["enabled"]:
             "logs/regenerate/merge.log",
         benchmark:
             "benchmarks/regenerate/merge.tsv"
+        conda:
+            "../envs/cpu.yaml"
         script:
             "../scripts/regenerate_merge.py"
 
@@ -93,6 +101,8 @@ if REGEN["enabled"]:
             "results/regenerated/review.txt",
         log:
             "logs/regenerate/review.log",
+        conda:
+            "../envs/cpu.yaml"
         params:
             n=REGEN["review_samples"],
         script:

@@ -39,6 +39,8 @@ rule report:
         "logs/report.log",
     benchmark:
         "benchmarks/report.tsv"
+    conda:
+        "../envs/cpu.yaml"
     params:
         stats=f"{TOKENIZED}/stats.json",
         token_freq=f"{TOKENIZED}/token_freq.json",

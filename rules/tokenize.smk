@@ -14,6 +14,8 @@ rule tokenize:
         "logs/tokenize.log",
     benchmark:
         "benchmarks/tokenize.tsv"
+    conda:
+        "../envs/cpu.yaml"
     # Worker processes that render the chat template (capped by --cores).
     threads: config["tokenize"]["workers"]
     params:

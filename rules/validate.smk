@@ -16,6 +16,8 @@ rule validate_shard:
         "logs/validate/shard_{k}.log",
     benchmark:
         "benchmarks/validate/shard_{k}.tsv"
+    conda:
+        "../envs/cpu.yaml"
     resources:
         gpus=get_validate_gpus(),
         gpu=get_validate_gpus(),
@@ -35,6 +37,8 @@ rule verify:
     log:
         "logs/verify.log",
     localrule: True
+    conda:
+        "../envs/cpu.yaml"
     threads: 4
     params:
         shards=SHARDS,

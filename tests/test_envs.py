@@ -6,6 +6,7 @@ import ast
 import re
 import sys
 
+import yaml
 from workflow_helpers import REPO
 
 # Top-level module -> the distribution that provides it (a new import with no entry here fails the test).
@@ -156,8 +157,21 @@ def test_make_gpu_env_installs_the_gpu_requirements_and_speculators():
     assert "--no-deps -r envs/speculators.txt" in vllm  # the overfit gate's trainer, in the same environment
 
 
-def test_no_rule_names_a_conda_env_that_cannot_be_built():
-    """The per-rule conda envs went (envs/*.yaml listed `--no-deps -e ..`, which pip refuses in a requirements
-    list); one environment per host runs every rule."""
-    assert not [p.name for p in (REPO / "rules").glob("*.smk") if re.search(r"^\s*conda:", p.read_text(), re.M)]
-    assert not list((REPO / "envs").glob("*.yaml"))
+def test_every_rule_names_a_conda_env_that_pip_can_read():
+    """`snakemake --lint` asks each rule for its software: every rule names envs/cpu.yaml or envs/gpu.yaml. Snakemake
+    builds them from a copy, so their pins are inline: only `name==version` lines (pip refuses `--no-deps` in a
+    requirements list, which the envs of before this check held), equal to envs/base.txt's and envs/gpu.txt's."""
+    rules = {p.name: p.read_text() for p in (REPO / "rules").glob("*.smk")}
+    for name, text in rules.items():
+        for rule in re.split(r"^\s*(?:rule|checkpoint) ", text, flags=re.M)[1:]:
+            assert re.search(r'conda:\s*\n\s*(?:"\.\./envs/(?:cpu|gpu)\.yaml"|get_extract_env\(\))', rule), (
+                f"{name}: rule {rule.split(':')[0]} names no conda env"
+            )
+    for env, src in (("cpu.yaml", "base.txt"), ("gpu.yaml", "gpu.txt")):
+        spec = yaml.safe_load((REPO / "envs" / env).read_text())
+        lines = next(d["pip"] for d in spec["dependencies"] if isinstance(d, dict))
+        assert all(re.fullmatch(r"[A-Za-z0-9_.-]+==[^\s]+", line) for line in lines), f"envs/{env}: {lines}"
+        wanted = pins(src)
+        got = dict(line.split("==") for line in lines)
+        assert got and all(wanted.get(name) == version for name, version in got.items()), f"envs/{env} != envs/{src}"
+        assert (REPO / "envs" / env.replace(".yaml", ".post-deploy.sh")).is_file()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 
@@ -282,3 +283,13 @@ def test_sample_rows_show_trained_tokens_and_template_tokens(demo_model_dir, tmp
     html = page.sample_rows(got, "")
     assert html.count("<div class='row'>") == 3 and "shard 2, row 20" in html
     assert re.search(r"<span class='sp [tu]'>", html) and "<span class='t'>" in html and "<span class='u'>" in html
+
+
+def test_page_links_the_quality_measurement(tmp_path):
+    from eagle3prep.report.page import quality_note
+
+    doc = tmp_path / "quality.md"
+    assert "docs/quality.md" in quality_note(doc) and "href" not in quality_note(doc)  # absent: named, not linked
+    doc.write_text("x")
+    assert f"href='{doc.as_uri()}'" in quality_note(doc)
+    assert (Path(__file__).parents[1] / "docs/quality.md").as_uri() in quality_note()  # the repository's own

@@ -10,14 +10,28 @@ wall, and how many greedy outputs equal the target's alone).
 
 from __future__ import annotations
 
+import gzip
 import json
+import re
 import sys
 from pathlib import Path
 
 
+def _text(path: Path) -> str:
+    """A file of the run folder, or its .gz (docs/runs keeps the large logs compressed)."""
+    gz = path.with_name(path.name + ".gz")
+    return path.read_text() if path.exists() else gzip.decompress(gz.read_bytes()).decode()
+
+
+def _glob(folder: Path, pattern: str) -> list[Path]:
+    """Files matching pattern, plain or gzipped, by their plain name."""
+    names = {p.with_name(p.name.removesuffix(".gz")) for p in folder.glob(pattern + "*")}
+    return sorted(p for p in names if p.match(pattern))
+
+
 def _val_epochs(metrics: Path) -> list[tuple[int, list[float]]]:
     out = []
-    for line in metrics.read_text().splitlines():
+    for line in _text(metrics).splitlines():
         r = json.loads(line)
         if "val" in r:
             accs = [r["val"][f"full_acc_{i}_epoch"] for i in range(3) if f"full_acc_{i}_epoch" in r["val"]]
@@ -43,29 +57,82 @@ def main(run: Path) -> None:
                 f"length {rep['length']}, retokenized differently {rep['retokenized_differently']}"
             )
         val = run / "wd" / name / "results/validation/shard_0.json"
-        if val.exists():
-            v = json.loads(val.read_text())
+        if _glob(val.parent, val.name):
+            v = json.loads(_text(val))
             print(f"  validation: ok {v['ok']}, {v['rows']} rows, {v['tokens']} tokens, {v['reference_floor']}")
     for name, d in summary.get("train", {}).items():
         print(f"train {name}: rc {d['rc']}, {d['wall_s']} s, loss {d['loss_first_last']}")
-    for metrics in sorted((run / "drafts").glob("*/metrics.jsonl")):
+    for metrics in _glob(run / "drafts", "*/metrics.jsonl"):
         epochs = _val_epochs(metrics)
         for epoch, accs in (epochs[0], epochs[-1]) if epochs else ():
             print(
                 f"  {metrics.parent.name} val epoch {epoch}: full_acc {[round(a, 3) for a in accs]}, "
                 f"1 + sum {1 + sum(accs):.2f}"
             )
-    target_out = json.loads((run / "serve/target_only.json").read_text())["outputs"]
-    for res in sorted((run / "serve").glob("*.json")):
+    target_out = json.loads(_text(run / "serve/target_only.json"))["outputs"]
+    for res in _glob(run / "serve", "*.json"):
         if res.name == "prompts.json":
             continue
-        s = json.loads(res.read_text())
+        s = json.loads(_text(res))
         same = sum(a == b for a, b in zip(s["outputs"], target_out, strict=True))
         print(
             f"serve {res.stem}: draft {s['draft']}, mean acceptance length {s.get('mean_acceptance_length')}, "
             f"per position {s.get('acceptance_per_position')}, {s['output_tokens_per_s']} tok/s "
             f"({s['output_tokens']} tokens in {s['wall_s']} s), engine start {s['engine_start_s']} s, "
             f"outputs equal to the target's alone {same}/{len(target_out)}"
+        )
+    table(run, summary)
+
+
+def verdict(run: Path, summary: dict, variant: str) -> str:
+    """The workflow's validation verdict on a variant's data (planted: validate_shard on every row)."""
+    if variant in summary.get("plant", {}):
+        return summary["plant"][variant]["validation"].split(":")[0]
+    if variant in summary.get("data", {}):
+        return "/".join(sorted(set(summary["data"][variant]["verdict"].values()))) or "none"
+    return "not run"  # the peer's files are speculators' own: the workflow did not validate them
+
+
+def table(run: Path, summary: dict) -> None:
+    """Each variant's acceptance per seed, the noise band (the largest gap between two seeds of one
+    variant) and each variant's distance from ours in bands; then tokens/s on an idle GPU."""
+    serve = {}
+    for res in _glob(run / "serve", "*_s[0-9].json"):
+        if res.name.startswith("speed_"):
+            continue
+        variant, seed = re.fullmatch(r"(.+)_s(\d+)", res.stem).groups()
+        serve.setdefault(variant, {})[int(seed)] = json.loads(_text(res))
+    if len(serve.get("ours", {})) < 2:
+        return  # no band without two seeds of ours
+    mean = {v: sum(r["mean_acceptance_length"] for r in runs.values()) / len(runs) for v, runs in serve.items()}
+    spreads = {
+        v: max(r["mean_acceptance_length"] for r in runs.values())
+        - min(r["mean_acceptance_length"] for r in runs.values())
+        for v, runs in serve.items()
+        if len(runs) > 1
+    }
+    band = max(spreads.values())
+    print(
+        f"\nnoise band {band:.4f} (largest seed spread: {max(spreads, key=spreads.get)}); spreads "
+        + ", ".join(f"{v} {x:.4f}" for v, x in spreads.items())
+    )
+    print("variant | seeds: mean acceptance length | mean | vs ours (bands) | per position (mean) | validation")
+    for v, runs in serve.items():
+        per_pos = [sum(r["acceptance_per_position"][i] for r in runs.values()) / len(runs) for i in range(3)]
+        delta = mean[v] - mean["ours"]
+        print(
+            f"{v} | "
+            + " ".join(f"s{s} {r['mean_acceptance_length']:.4f}" for s, r in sorted(runs.items()))
+            + f" | {mean[v]:.4f} | {delta:+.4f} ({delta / band:+.1f}) | {[round(x, 3) for x in per_pos]} | "
+            + verdict(run, summary, v)
+        )
+    alone, ours = (run / "serve/speed_target_only.json"), (run / "serve/speed_ours_s0.json")
+    if _glob(alone.parent, alone.name) and _glob(ours.parent, ours.name):
+        a, o = json.loads(_text(alone)), json.loads(_text(ours))
+        print(
+            f"idle GPU, {a['prompts']} prompts at once: target alone {a['output_tokens_per_s']} tok/s, with ours_s0 "
+            f"{o['output_tokens_per_s']} tok/s ({o['output_tokens_per_s'] / a['output_tokens_per_s']:.2f}x), "
+            f"acceptance length {o['mean_acceptance_length']}"
         )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_open
@@ -265,6 +266,18 @@ def margin_note(margins: dict[str, list[float | None]]) -> str:
     )
 
 
+def quality_note(doc: Path | None = None) -> str:
+    """What a validation pass has been shown to mean for a draft, linked to the measurement."""
+    doc = doc or Path(__file__).resolve().parents[3] / "docs/quality.md"  # the repository's, when run from it
+    name = f"<a href='{esc(doc.as_uri())}'>docs/quality.md</a>" if doc.exists() else "docs/quality.md"
+    return (
+        "<p class='note'>What a pass means for a draft: on the quality bench, EAGLE-3 drafts trained on "
+        "validated rows were accepted by their target when vLLM served them, as often as drafts trained on "
+        "the peer pipeline's rows, and each planted mistake that validation fails lowered acceptance. "
+        f"The measurement: {name} in the eagle3prep repository.</p>"
+    )
+
+
 def sample_rows(items: list, note: str) -> str:
     """Sample rows as text: trained tokens (loss_mask 1) green, the rest grey, template tokens boxed."""
     if not items:
@@ -321,6 +334,7 @@ def write_page(path: str, ctx: dict[str, Any], figs: dict[str, str]) -> None:
         check_grid_table(cols, grid),
         img("reference margin", figs["margin"]) if figs.get("margin") else "<p>No reference comparison ran.</p>",
         margin_note(ctx["margins"]) if figs.get("margin") else "",
+        quality_note(),
         "<h2>Sample rows: what is trained on</h2>",
         sample_rows(ctx.get("samples", []), ctx.get("samples_note", "")),
         "<h2>Hidden-state statistics per layer and shard</h2>",
