@@ -349,3 +349,31 @@ def test_an_image_root_that_is_not_a_folder_stops_prepare_in_one_line(tmp_path):
 def test_an_image_part_in_a_user_message_without_image_options_names_no_role():
     with pytest.raises(Exception, match=r"content part 0 is of type 'image_url', not 'text'$"):
         normalize(oai(("red.png",)))
+
+
+def test_a_parquet_of_hf_image_features_is_read(tmp_path):
+    # datasets' Image feature in parquet: a struct {bytes, path} per image (LLaVA-style sets on the Hub)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    red, blue = png(), png((30, 30, 200))
+    table = pa.table({
+        "conversations": [[{"from": "human", "value": "<image>What?"}, {"from": "gpt", "value": "A box."}]] * 2,
+        "images": [[{"bytes": red, "path": "red.png"}], [{"bytes": blue, "path": "blue.png"}]],
+    })  # fmt: skip
+    pq.write_table(table, tmp_path / "llava.parquet")
+    out = tmp_path / "out"
+    counts = prepare([str(tmp_path / "llava.parquet")], out / "c.jsonl", out / "q.jsonl", out / "n.json",
+                     images=ImageOptions())  # fmt: skip
+    kept = [json.loads(x) for x in (out / "c.jsonl").read_text().splitlines()]
+    assert counts["totals"]["kept"] == 2 and counts["totals"]["images"] == 2
+    assert [c["messages"][0]["content"][0]["sha256"] for c in kept] == [sha(red), sha(blue)]
+    assert kept[0]["messages"][0]["content"][0]["image"] == data_uri(red)
+
+
+def test_a_percent_encoded_data_uri_is_read():
+    from urllib.parse import quote_from_bytes
+
+    data = png()
+    messages = normalize(oai((f"data:image/png,{quote_from_bytes(data)}",)), images=ImageOptions())
+    assert messages[0]["content"][0]["sha256"] == sha(data)
