@@ -6,6 +6,7 @@ from eagle3prep.config import (
     check_model,
     config_sources,
     extract_data_params,
+    image_params,
     reference_mode,
     template_kwargs_params,
     validate_config,

@@ -6,6 +6,7 @@ os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM workers, tokenizers) lo
 
 from eagle3prep.errors import one_line_errors
 from eagle3prep.prepare import prepare, summarize
+from eagle3prep.prepare.images import DEFAULT_MAX_IMAGE_PIXELS, ImageOptions
 
 with one_line_errors():
     counts = prepare(
@@ -15,5 +16,10 @@ with one_line_errors():
         snakemake.output.counts,
         max_line_bytes=int(snakemake.params.max_line_bytes),
         allow_no_user_turn=bool(getattr(snakemake.params, "allow_no_user_turn", False)),  # a param only when true
+        # the image keys are params only when set (not at their defaults), like allow_no_user_turn
+        images=ImageOptions(
+            getattr(snakemake.params, "image_root", None),
+            int(getattr(snakemake.params, "max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS)),
+        ),
     )
     print(summarize(counts), file=sys.stderr)

@@ -19,6 +19,7 @@ DISTRIBUTIONS = {
     "matplotlib": "matplotlib",
     "numpy": None,  # torch's, pandas' and matplotlib's own dependency; each of them pins it
     "pandas": "pandas",
+    "PIL": "pillow",  # prepare reads images (issue #28)
     "psutil": "psutil",
     "pyarrow": "pyarrow",
     "safetensors": "safetensors",

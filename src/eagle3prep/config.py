@@ -295,6 +295,15 @@ def extract_options(data_params: dict[str, Any], config_extract: dict[str, Any])
     return {**LATER_KEYS, **{k: v for k, v in config_extract.items() if k in SPEED_KEYS}, **data_params}
 
 
+IMAGE_DEFAULTS = {"image_root": None, "max_image_pixels": 4096 * 4096}  # data.* keys of issue #28
+
+
+def image_params(data: dict[str, Any]) -> dict[str, Any]:
+    """The prepare rule's image params: data.image_root and data.max_image_pixels, only away from their defaults
+    (keys added after runs existed, so that a run made before them is not re-queued; LATER_KEYS says why)."""
+    return {k: data[k] for k, default in IMAGE_DEFAULTS.items() if data.get(k, default) != default}
+
+
 def template_kwargs_params(tokenize: dict[str, Any]) -> dict[str, Any]:
     """tokenize.chat_template_kwargs as rule params, only when set: a key added after runs existed, kept out of
     the params at its default like LATER_KEYS, so that a run made before it is not re-queued."""

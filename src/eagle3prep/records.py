@@ -38,11 +38,19 @@ class TokenizedRow:
     row: int  # global, stable index assigned before sharding
     id: str  # the conversation's content hash
     input_ids: list[int]
-    loss_mask: list[int]  # 1 exactly on assistant tokens
+    loss_mask: list[int]  # 1 exactly on assistant tokens (0 on every image token)
     seq_len: int
+    # A row with images (issue #28): each image's {"image": path, or None for a data: URI kept in the
+    # conversation, "sha256"} and the processor's (t, h, w) patch grid. Omitted when None: text rows keep their bytes.
+    images: list[dict[str, Any]] | None = None
+    image_grid_thw: list[list[int]] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return _shallow(self)
+        out = _shallow(self)
+        for key in ("images", "image_grid_thw"):
+            if out[key] is None:
+                del out[key]
+        return out
 
 
 @dataclass(slots=True)

@@ -124,11 +124,13 @@ def build_model(name: str, tokenizer, seed: int = 0, overrides: dict | None = No
     return model
 
 
-def randomize(model, seed: int, expert_std: float | None = None) -> None:
+def randomize(model, seed: int, expert_std: float | None = None, std: float | None = None) -> None:
     """Overwrite every weight of `model` in place from one generator, in sorted-name order (see build_model).
 
-    Shared with eagle3prep.tiny_kimi, so the two draw weights the same way.
+    Shared with eagle3prep.tiny_kimi and tiny_vl, so they draw weights the same way. `std`: the weights' scale,
+    by default the config's initializer_range (a composite config such as Qwen2.5-VL's has none of its own).
     """
+    std = model.config.initializer_range if std is None else std
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -145,7 +147,7 @@ def randomize(model, seed: int, expert_std: float | None = None) -> None:
             elif _is_expert(tensor_name) and expert_std is not None:
                 t.copy_(expert_std * noise)
             else:
-                t.copy_(model.config.initializer_range * noise)
+                t.copy_(std * noise)
 
 
 def layer_updates(model, input_ids: list[int]) -> list[float]:

@@ -19,7 +19,8 @@ Modules, in the order a row meets them:
     normalize  a record -> normalized messages and tools, or Rejected; conversation ids
     counts     per-file counts, counts.json, the row-accounting check, the log summary
     stage      the `prepare` driver that ties them together and writes the outputs
-    errors     InputError, NoConversationsError, Rejected and the quarantine REASONS
+    images     image references (data: URIs, paths, file:// URLs) read with Pillow -> image parts, or Rejected
+    errors     InputError, NoConversationsError, Rejected and the quarantine REASONS (and IMAGE_REASONS)
 """
 
 from eagle3prep.prepare.counts import (
@@ -31,7 +32,7 @@ from eagle3prep.prepare.counts import (
     require_conversations,
     summarize,
 )
-from eagle3prep.prepare.errors import REASONS, InputError, NoConversationsError, Rejected
+from eagle3prep.prepare.errors import IMAGE_REASONS, REASONS, InputError, NoConversationsError, Rejected
 from eagle3prep.prepare.normalize import (
     ROLE_MAP,
     SHAPES,
@@ -59,6 +60,7 @@ from eagle3prep.prepare.stage import prepare, quarantine_line
 __all__ = [
     "BATCH_ROWS",
     "DEFAULT_MAX_LINE_BYTES",
+    "IMAGE_REASONS",
     "MAX_LISTED_DUPLICATES",
     "MAX_NAMED_FILES",
     "PREFIX_BYTES",

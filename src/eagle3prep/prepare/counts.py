@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from eagle3prep.prepare.errors import REASONS, NoConversationsError
+from eagle3prep.prepare.errors import IMAGE_REASONS, REASONS, NoConversationsError
 
 MAX_LISTED_DUPLICATES = 1000  # counts.json lists at most this many duplicate rows (all are counted)
 MAX_NAMED_FILES = 5  # require_conversations names at most this many source files
@@ -25,27 +25,37 @@ class FileCounts:
     duplicates: int = 0
     blank_lines: int = 0  # JSONL only; not rows
     quarantined: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
+    images: int = 0  # image parts in the kept conversations
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, with_images: bool = False) -> dict[str, Any]:
+        """Its counts.json entry; `with_images` (a run that met an image): the image reasons and image count too."""
+        reasons = (*REASONS, *IMAGE_REASONS) if with_images else REASONS
         return {
             "file": self.file,
             "format": self.format,
             "rows_in": self.rows_in,
             "kept": self.kept,
             "duplicates": self.duplicates,
-            "quarantined": dict(self.quarantined),
+            **({"images": self.images} if with_images else {}),
+            "quarantined": {r: self.quarantined.get(r, 0) for r in reasons},
             "quarantined_total": sum(self.quarantined.values()),
             "blank_lines": self.blank_lines,
         }
 
 
-def counts_json(sources, max_line_bytes, per_file: list[FileCounts], duplicate_rows) -> dict[str, Any]:
-    """counts.json: {sources, max_line_bytes, files: [per file], totals, duplicate_rows[, _truncated]}."""
-    files = [fc.to_json() for fc in per_file]
-    totals: dict[str, Any] = {
-        k: sum(f[k] for f in files) for k in ("rows_in", "kept", "duplicates", "quarantined_total", "blank_lines")
-    }
-    totals["quarantined"] = {r: sum(f["quarantined"][r] for f in files) for r in REASONS}
+def counts_json(
+    sources, max_line_bytes, per_file: list[FileCounts], duplicate_rows, with_images: bool = False
+) -> dict[str, Any]:
+    """counts.json: {sources, max_line_bytes, files: [per file], totals, duplicate_rows[, _truncated]}.
+    `with_images`: the run met an image, so each entry also counts images and lists the image reasons."""
+    files = [fc.to_json(with_images) for fc in per_file]
+    keys = ("rows_in", "kept", "duplicates", *(["images"] if with_images else []), "quarantined_total", "blank_lines")
+    totals: dict[str, Any] = {k: sum(f[k] for f in files) for k in keys}
+    totals["quarantined"] = (
+        {r: sum(f["quarantined"][r] for f in files) for r in files[0]["quarantined"]}
+        if files
+        else {r: 0 for r in REASONS}
+    )
     totals["files"] = len(files)
     return {
         "sources": list(sources),
@@ -132,7 +142,7 @@ def _no_conversations_message(counts: dict[str, Any], quarantine_path: str | os.
             f"no conversations to tokenize: data.sources hold no records: {named}; "
             "list files that contain conversations in data.sources"
         )
-    reasons = ", ".join(f"{r} {t['quarantined'][r]}" for r in REASONS if t["quarantined"].get(r))  # check order
+    reasons = ", ".join(f"{r} {n}" for r, n in t["quarantined"].items() if n)  # check order (REASONS, IMAGE_REASONS)
     return (
         f"no conversations to tokenize: prepare quarantined all {_plural(t['rows_in'], 'record')} ({reasons}) "
         f"of {files[0]['file'] if len(files) == 1 else named}; each record and its reason is in {quarantine_path}"

@@ -16,10 +16,20 @@ REASONS = (
     "invalid_tool_call",  # a tool call without a function name, or tool calls / `tools` that are not JSON
     "empty_content",  # content missing, null, "" or whitespace only (and no tool call), or an empty list of parts
     "non_string_content",  # content neither a string nor a list of text parts
-    "non_text_content",  # a list of parts with a non-text part (image, audio, ...)
+    "non_text_content",  # a part that is neither text nor image (audio, ...), or an image outside a user message
     "misplaced_system",  # a system message anywhere but first
     "no_assistant_turn",  # no assistant message at all
     "no_user_turn",  # no user message at all: the replies answer nobody (kept with data.allow_no_user_turn)
+)
+# Quarantine reasons of images (read by the prepare rule: data.image_root, data.max_image_pixels), checked as
+# each image is met. counts.json lists them only in a run that met an image, so text-only runs keep their bytes.
+IMAGE_REASONS = (
+    "image_remote_url",  # an http(s) (or other remote) URL: prepare has no network
+    "image_missing",  # a local path or file:// URL that does not exist or cannot be read
+    "image_unsupported_format",  # not PNG, JPEG, WEBP or single-frame GIF (SVG, TIFF, a data: URI of text, ...)
+    "image_unreadable",  # not an image Pillow can read, truncated or corrupt, or a data: URI that is not base64
+    "image_too_large",  # width x height over data.max_image_pixels
+    "image_count_mismatch",  # <image> markers in the text != images in the record's `images` / `image` field
 )
 
 

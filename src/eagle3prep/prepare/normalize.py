@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from eagle3prep.prepare.errors import Rejected, keys_preview
+from eagle3prep.prepare.images import IMAGE_MARKER, ImageOptions, image_key
 
 ROLE_MAP = {
     "system": "system",
@@ -34,15 +35,21 @@ TOOL_CALL_ROLES = ("function_call", "tool_call", "tool_calls")
 SHAPES = {"messages": ("role", "content"), "conversations": ("from", "value")}
 
 
-def normalize(record: Any, allow_prompt_only: bool = False, allow_no_user_turn: bool = False) -> list[dict[str, str]]:
+def normalize(
+    record: Any, allow_prompt_only: bool = False, allow_no_user_turn: bool = False, images: ImageOptions | None = None
+) -> list[dict[str, Any]]:
     """Return the normalized messages of one raw record, or raise Rejected with a REASONS reason.
     `allow_prompt_only`: keep a record without an assistant message (the regenerate stage writes the replies),
     or without a user message (that stage quarantines it as no_user_turn itself).
-    `allow_no_user_turn`: keep a record without a user message (completion-style data, data.allow_no_user_turn)."""
+    `allow_no_user_turn`: keep a record without a user message (completion-style data, data.allow_no_user_turn).
+    `images`: read images (OpenAI image parts, `<image>` markers with an `image` / `images` field); a user
+    message with images gets a list of text and image parts as content. None: quarantined as non_text_content."""
     key, raw_messages = _container(record)
     role_keys = (SHAPES[key][0], *(r for r, _ in SHAPES.values() if r != SHAPES[key][0]))
     content_keys = (SHAPES[key][1], *(c for _, c in SHAPES.values() if c != SHAPES[key][1]))
-    messages = [_message(m, i, f"{key}[{i}]", role_keys, content_keys) for i, m in enumerate(raw_messages)]
+    messages = [_message(m, i, f"{key}[{i}]", role_keys, content_keys, images) for i, m in enumerate(raw_messages)]
+    if images is not None and (record.get("images") is not None or record.get("image") is not None):
+        messages = _place_marked_images(record, key, messages, images)
     if not allow_prompt_only and not any(m["role"] == "assistant" for m in messages):
         raise Rejected("no_assistant_turn", f"none of the {len(messages)} messages is from the assistant")
     # Only a conversation with no user message at all: a greeting before the first one answers the system
@@ -76,7 +83,9 @@ def _container(record: Any) -> tuple[str, list]:
     return key, raw_messages
 
 
-def _message(m: Any, i: int, where: str, role_keys: tuple, content_keys: tuple) -> dict[str, Any]:
+def _message(
+    m: Any, i: int, where: str, role_keys: tuple, content_keys: tuple, images: ImageOptions | None = None
+) -> dict[str, Any]:
     """Message `i` of a record normalized (role mapped, content checked, tool calls reshaped), or Rejected.
     `role_keys` / `content_keys`: the keys tried in order, the container's native pair first."""
     if not isinstance(m, dict):
@@ -98,7 +107,7 @@ def _message(m: Any, i: int, where: str, role_keys: tuple, content_keys: tuple) 
         blank = raw_content is None or (isinstance(raw_content, str) and not raw_content.strip())
         content = "" if blank else _content(raw_content, where)
         return {"role": role, "content": content, "tool_calls": calls}
-    content = _content(raw_content, where)
+    content = _content(raw_content, where, images if role == "user" else None, role)
     if role == "system" and i > 0:
         raise Rejected("misplaced_system", f"{where} is a system message; only the first message may be")
     message = {"role": role, "content": content}
@@ -160,34 +169,109 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _content(content: Any, where: str) -> str:
-    """The message text, verbatim; a list of {"type": "text", "text": ...} parts is joined with ""."""
+IMAGE_PART_TYPES = ("image_url", "image")  # OpenAI's, and the one transformers' processors take
+
+
+def _content(content: Any, where: str, images: ImageOptions | None = None, role: str = "user") -> str | list:
+    """The message text, verbatim; a list of {"type": "text", "text": ...} parts is joined with "".
+    With `images` (user messages only), image parts are read: the content is then a list of text and image parts."""
     if isinstance(content, list):
         if not content:
             raise Rejected("empty_content", f"{where} has an empty list of content parts")
-        texts = []
+        parts: list[Any] = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind in IMAGE_PART_TYPES and images is not None:
+                parts.append(images.read(_image_ref(part, kind), f"{where} content part {j}"))
+                continue
             if kind != "text":
-                raise Rejected("non_text_content", f"{where} content part {j} is of type {kind!r}, not 'text'")
+                why = (
+                    f"; images are read in user messages only, this is {role}"
+                    if kind in IMAGE_PART_TYPES and role != "user"
+                    else ""
+                )
+                raise Rejected("non_text_content", f"{where} content part {j} is of type {kind!r}, not 'text'{why}")
             if not isinstance(part.get("text"), str):
                 raise Rejected(
                     "non_string_content",
                     f"{where} content part {j} has 'text' of type {type(part.get('text')).__name__}",
                 )
-            texts.append(part["text"])
-        content = "".join(texts)  # HF chat templates concatenate text parts with no separator
+            parts.append(part["text"])
+        if any(isinstance(p, dict) for p in parts):
+            return _check_text(_parts(parts), where)
+        content = "".join(parts)  # HF chat templates concatenate text parts with no separator
     if content is None:
         raise Rejected("empty_content", f"{where} has no content")
     if not isinstance(content, str):
         raise Rejected("non_string_content", f"{where} content is a {type(content).__name__}, expected a string")
     if not content.strip():
         raise Rejected("empty_content", f"{where} content is empty or whitespace only")
-    try:  # JSON may escape a lone surrogate ("\\ud800"): valid JSON, but no UTF-8 can hold it
-        content.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise Rejected("invalid_utf8", f"{where} content has a lone surrogate at character {e.start}") from None
+    return _check_text(content, where)
+
+
+def _check_text(content: str | list, where: str) -> str | list:
+    """`content` unchanged, or Rejected("invalid_utf8") for text that no UTF-8 can hold."""
+    for text in [content] if isinstance(content, str) else [p["text"] for p in content if p["type"] == "text"]:
+        try:  # JSON may escape a lone surrogate ("\\ud800"): valid JSON, but no UTF-8 can hold it
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise Rejected("invalid_utf8", f"{where} content has a lone surrogate at character {e.start}") from None
     return content
+
+
+def _parts(items: list[str | dict]) -> list[dict[str, Any]]:
+    """Texts and image parts in order as content parts; adjacent texts joined (as chat templates render them),
+    empty ones dropped."""
+    parts: list[dict[str, Any]] = []
+    for item in items:
+        if isinstance(item, dict):
+            parts.append(item)
+        elif item and parts and parts[-1]["type"] == "text":
+            parts[-1] = {"type": "text", "text": parts[-1]["text"] + item}
+        elif item:
+            parts.append({"type": "text", "text": item})
+    return parts
+
+
+def _image_ref(part: dict, kind: str) -> Any:
+    """The image an image part names: OpenAI {"image_url": {"url"}} (or a bare string), or transformers'
+    {"image"} / {"url"} / {"path"}."""
+    value = part.get(kind) if part.get(kind) is not None else part.get("url", part.get("path"))
+    return value.get("url") if isinstance(value, dict) and "bytes" not in value else value
+
+
+def _place_marked_images(record: dict, key: str, messages: list[dict], images: ImageOptions) -> list[dict]:
+    """LLaVA / ShareGPT: each `<image>` marker in the text is replaced by the next image of the record's `images`
+    (or `image`) field, in message order; as many markers as images, in user messages only."""
+    field_name = "images" if record.get("images") is not None else "image"
+    refs = record[field_name]
+    refs = list(refs) if isinstance(refs, list | tuple) else [refs]
+    texts = [m["content"] if isinstance(m["content"], str) else "" for m in messages]
+    n_markers = sum(t.count(IMAGE_MARKER) for t in texts)
+    if n_markers != len(refs):
+        raise Rejected(
+            "image_count_mismatch",
+            f"{n_markers} {IMAGE_MARKER} marker{'s' * (n_markers != 1)} in the text, "
+            f"{len(refs)} image{'s' * (len(refs) != 1)} in '{field_name}'",
+        )
+    out, k = [], 0
+    for i, (m, text) in enumerate(zip(messages, texts, strict=True)):
+        if IMAGE_MARKER not in text:
+            out.append(m)
+            continue
+        if m["role"] != "user":
+            raise Rejected(
+                "non_text_content",
+                f"{key}[{i}] has {IMAGE_MARKER} but is {m['role']}; images are read in user messages only",
+            )
+        items: list[str | dict] = []
+        for j, piece in enumerate(text.split(IMAGE_MARKER)):
+            if j:
+                items.append(images.read(refs[k], f"{field_name}[{k}]"))
+                k += 1
+            items.append(piece)
+        out.append({**m, "content": _parts(items)})
+    return out
 
 
 def conversation_id(messages: list[dict[str, Any]], tools: list[dict] | None = None) -> str:
@@ -203,5 +287,11 @@ def conversation_digest(messages: list[dict[str, Any]], tools: list[dict] | None
 
 def _canonical(messages: list[dict[str, Any]], tools: list[dict] | None = None) -> bytes:
     """The bytes `conversation_id` hashes: sorted keys, no spaces, UTF-8, so that equal content gives one id."""
+    if any(isinstance(m.get("content"), list) for m in messages):  # images count by their bytes, not their path
+        messages = [
+            {**m, "content": [image_key(p) if p["type"] == "image" else p for p in m["content"]]}
+            if isinstance(m.get("content"), list) else m
+            for m in messages
+        ]  # fmt: skip
     value = {"messages": messages, "tools": tools} if tools else messages  # ids without tools are unchanged
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")

@@ -11,7 +11,8 @@ from typing import Any, TextIO
 from eagle3prep import faults
 from eagle3prep.atomic import atomic_open, write_json
 from eagle3prep.prepare.counts import MAX_LISTED_DUPLICATES, FileCounts, check_invariant, counts_json
-from eagle3prep.prepare.errors import Rejected
+from eagle3prep.prepare.errors import IMAGE_REASONS, Rejected
+from eagle3prep.prepare.images import ImageOptions
 from eagle3prep.prepare.normalize import conversation_digest, normalize, normalize_tools
 from eagle3prep.prepare.readers import DEFAULT_MAX_LINE_BYTES, RawRecord, expand_sources, reader_for
 from eagle3prep.records import Conversation, Quarantined
@@ -25,6 +26,7 @@ def prepare(
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     allow_prompt_only: bool = False,
     allow_no_user_turn: bool = False,
+    images: ImageOptions | None = None,
 ) -> dict[str, Any]:
     """Read every source, write conversations / quarantine JSONL and counts JSON; return the counts.
 
@@ -38,6 +40,8 @@ def prepare(
             "no_assistant_turn" (only when the regenerate stage writes the replies).
         allow_no_user_turn: keep records without a user message instead of quarantining them as
             "no_user_turn" (data.allow_no_user_turn: completion-style data).
+        images: read images in user messages (data.image_root, data.max_image_pixels); None: a record with an
+            image is quarantined as "non_text_content" (the prompt-only prepare of the regenerate stage).
     """
     sources = [os.fspath(s) for s in sources]
     files = expand_sources(sources)
@@ -46,9 +50,9 @@ def prepare(
         atomic_open(out_conversations, "w", encoding="utf-8") as conv_f,
         atomic_open(out_quarantine, "w", encoding="utf-8") as quar_f,
     ):
-        out = _Outputs(conv_f, quar_f, allow_prompt_only, allow_no_user_turn)
+        out = _Outputs(conv_f, quar_f, allow_prompt_only, allow_no_user_turn, images)
         per_file = [_prepare_file(path, reader, out) for path, reader in zip(files, readers, strict=True)]
-        counts = counts_json(sources, max_line_bytes, per_file, out.duplicate_rows)
+        counts = counts_json(sources, max_line_bytes, per_file, out.duplicate_rows, out.met_images)
         check_invariant(counts, out.written)
         faults.kill_point("prepare.before_rename")
     write_json(out_counts, counts)
@@ -75,6 +79,8 @@ class _Outputs:
     quar_f: TextIO
     allow_prompt_only: bool = False
     allow_no_user_turn: bool = False
+    images: ImageOptions | None = None
+    met_images: bool = False  # a kept image or an image quarantine: counts.json then lists the image counts
     seen: set[bytes] = field(default_factory=set)  # sha256 digests of kept conversations (32 bytes each)
     duplicate_rows: list[dict[str, Any]] = field(default_factory=list)
     written: dict[str, int] = field(default_factory=lambda: {"conversations": 0, "quarantine": 0})
@@ -84,10 +90,11 @@ class _Outputs:
         try:
             if raw.reason is not None:
                 raise Rejected(raw.reason, raw.detail)
-            messages = normalize(raw.record, self.allow_prompt_only, self.allow_no_user_turn)
+            messages = normalize(raw.record, self.allow_prompt_only, self.allow_no_user_turn, self.images)
             tools = normalize_tools(raw.record)
         except Rejected as r:
-            fc.quarantined[r.reason] += 1
+            fc.quarantined[r.reason] = fc.quarantined.get(r.reason, 0) + 1
+            self.met_images |= r.reason in IMAGE_REASONS
             self.quar_f.write(quarantine_line(Quarantined(path, raw.line, r.reason, r.detail, raw.record)))
             self.written["quarantine"] += 1
             return
@@ -99,6 +106,11 @@ class _Outputs:
             return
         self.seen.add(digest)
         fc.kept += 1
+        n_images = sum(
+            isinstance(m["content"], list) and sum(p["type"] == "image" for p in m["content"]) for m in messages
+        )
+        fc.images += n_images
+        self.met_images |= n_images > 0
         conv = Conversation(digest.hex(), messages, f"{path}:{raw.line}", tools)
         self.conv_f.write(json.dumps(conv.to_json(), ensure_ascii=False, separators=(",", ":")) + "\n")
         self.written["conversations"] += 1

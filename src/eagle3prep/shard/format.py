@@ -255,6 +255,11 @@ def index_of_tokenized(tokenized_shard: str | os.PathLike) -> list[IndexEntry]:
     with open(tokenized_shard, encoding="utf-8") as f:
         for line in f:
             rec = json.loads(line)
+            if "images" in rec:  # capturing its input_ids alone would embed the image tokens as text, silently
+                raise UserError(
+                    f"{tokenized_shard}: row {rec['row']} has images; extracting hidden states with the vision "
+                    "encoder is not implemented yet (issue #28 item 3): list text-only sources in data.sources"
+                )
             index.append(IndexEntry(row=rec["row"], id=rec["id"], offset=offset, length=rec["seq_len"]))
             offset += rec["seq_len"]
     return index

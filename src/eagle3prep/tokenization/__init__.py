@@ -12,8 +12,15 @@ quarantines the conversation as `tool_turns_unsupported_by_template`: its hidden
 served. What the template rendered is told by rendering the conversation once with each of these parts
 swapped for a sentinel word (template.tool_probe), only for conversations with tool turns or schemas.
 
+Images (issue #28): a conversation with image parts is rendered the same way, then each image's placeholder
+is expanded to the vision tokens the target's image processor gives it (module `vision`); the mask is 0 on
+them, the row records its images and `image_grid_thw`, and a cut inside an image quarantines the row
+(`image_cut_by_max_seq_len`). A target that cannot take images quarantines such rows as
+`images_unsupported_by_target`; an image gone or changed since prepare as `image_missing` / `image_changed`.
+
 Modules, in the order a conversation meets them:
     template  the tokenizer and chat template; ChatEncoder: conversation -> (input_ids, loss_mask)
+    vision    images: loaded, checked against prepare's sha256, processed, placeholders expanded
     rows      a chunk of lines -> truncated, serialized rows or quarantine records, token counts
     workers   chunks encoded in this process or in worker processes, in input order
     stage     the `tokenize_conversations` driver: spill, shards, quarantine, token_freq, stats

@@ -22,6 +22,7 @@ class EncodedChunk:
     token_freq: tuple[Any, Any]
     n_truncated: int
     truncated_tokens: int = 0  # tokens cut from the truncated rows (what training loses)
+    images: tuple[int, int, int] = (0, 0, 0)  # kept rows with images, their images, their vision tokens
 
 
 def mask_runs(mask: bytearray) -> list[tuple[int, int]]:
@@ -63,12 +64,19 @@ def encode_lines(
     rows: list[tuple[str, int] | Quarantined] = []
     masked: list[int] = []  # the loss-masked token ids of the chunk's kept rows, counted once at the end
     n_truncated = truncated_tokens = 0
+    image_rows = n_images = image_tokens = 0
     for (line_no, _), conv, result in zip(lines, convs, results, strict=True):
         if isinstance(result, Rejected):
             rows.append(Quarantined(conversations_path, line_no, result.reason, result.detail, conv))
             continue
-        ids, mask = result
+        ids, mask, *images = result  # a row with images also has its image record (tokenization.vision)
         full_len = len(ids)
+        if images and full_len > max_seq_len:
+            cut = cut_images(ids, images[0], max_seq_len, encoder)
+            if isinstance(cut, str):
+                rows.append(Quarantined(conversations_path, line_no, "image_cut_by_max_seq_len", cut, conv))
+                continue
+            images = [cut]
         if full_len > max_seq_len:
             ids, mask = ids[:max_seq_len], mask[:max_seq_len]
         runs = mask_runs(mask)
@@ -85,11 +93,20 @@ def encode_lines(
         truncated_tokens += max(full_len - max_seq_len, 0)
         for start, end in runs:
             masked += ids[start:end]
-        rows.append((row_json_tail(conv["id"], ids, runs, encoder.id_str), len(ids)))
+        tail = row_json_tail(conv["id"], ids, runs, encoder.id_str)
+        if images:  # after seq_len, so that text rows keep their bytes
+            image_rows += 1
+            n_images += len(images[0]["images"])
+            image_tokens += ids.count(encoder._vision.image_token_id)
+            extra = json.dumps(images[0], ensure_ascii=False, separators=(",", ":"))
+            tail = tail[: -len("}\n")] + "," + extra[1:] + "\n"
+        rows.append((tail, len(ids)))
     # One bincount instead of a Counter.update per row: half the time (Counter hashes every token).
     counts = np.bincount(np.fromiter(masked, dtype=np.int64, count=len(masked)))
     distinct = np.flatnonzero(counts)
-    return EncodedChunk(rows, (distinct, counts[distinct]), n_truncated, truncated_tokens)
+    return EncodedChunk(
+        rows, (distinct, counts[distinct]), n_truncated, truncated_tokens, (image_rows, n_images, image_tokens)
+    )
 
 
 def parse_conversation(path: str, line_no: int, line: str) -> dict[str, Any]:
@@ -97,7 +114,8 @@ def parse_conversation(path: str, line_no: int, line: str) -> dict[str, Any]:
     try:
         conv = json.loads(line)
         ok = isinstance(conv["id"], str) and all(
-            isinstance(m["role"], str) and isinstance(m["content"], str) for m in conv["messages"]
+            isinstance(m["role"], str) and (isinstance(m["content"], str) or _parts_ok(m["content"]))
+            for m in conv["messages"]
         )
     except (json.JSONDecodeError, KeyError, TypeError):
         ok = False
@@ -107,3 +125,39 @@ def parse_conversation(path: str, line_no: int, line: str) -> dict[str, Any]:
             "re-run the prepare stage"
         )
     return conv
+
+
+def _parts_ok(content: Any) -> bool:
+    """Whether message content is prepare's list of text and image parts."""
+    return isinstance(content, list) and all(
+        isinstance(p, dict)
+        and (
+            (p.get("type") == "text" and isinstance(p.get("text"), str))
+            or (p.get("type") == "image" and isinstance(p.get("image"), str) and isinstance(p.get("sha256"), str))
+        )
+        for p in content
+    )
+
+
+def cut_images(ids: list[int], record: dict[str, Any], max_seq_len: int, encoder) -> dict[str, Any] | str:
+    """The image record of a row cut to max_seq_len (the images wholly inside it), or why the cut is refused:
+    it falls inside an image's vision tokens (a partial image is nothing the target is ever served)."""
+    image_id = encoder._vision.image_token_id
+    runs, start = [], None
+    for i, token in enumerate(ids):
+        if token == image_id and start is None:
+            start = i
+        elif token != image_id and start is not None:
+            runs.append((start, i))
+            start = None
+    if start is not None:
+        runs.append((start, len(ids)))
+    for k, (s, e) in enumerate(runs):
+        # the image with the <|vision_start|> / <|vision_end|> around it: a cut between them and the image too
+        if s - 1 < max_seq_len < e + 1:
+            return (
+                f"max_seq_len {max_seq_len} falls inside image {k} (its vision tokens {s}..{e - 1} of "
+                f"{len(ids)}); raise tokenize.max_seq_len or shorten the conversation"
+            )
+    keep = sum(e + 1 <= max_seq_len for _, e in runs)
+    return {"images": record["images"][:keep], "image_grid_thw": record["image_grid_thw"][:keep]}

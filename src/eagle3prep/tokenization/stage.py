@@ -47,7 +47,8 @@ def tokenize_conversations(
         stats_path: JSON summary (row/token counts, truncation, quarantine reasons, per-shard sizes, hashes).
         token_freq_path: JSON {token_id: count} over loss-masked tokens (speculators' token_freq.pt semantics).
         quarantine_path: JSONL of `Quarantined` records (reasons: no_assistant_tokens,
-            template_not_prefix_stable, template_error, tool_turns_unsupported_by_template).
+            template_not_prefix_stable, template_error, tool_turns_unsupported_by_template; for rows with
+            images: images_unsupported_by_target, image_missing, image_changed, image_cut_by_max_seq_len).
         max_seq_len: rows longer than this are truncated (and counted).
         chat_template_kwargs: extra template variables for every render (tokenize.chat_template_kwargs).
 
@@ -119,6 +120,7 @@ class _Tally:
     n_in: int = 0
     n_truncated: int = 0
     truncated_tokens: int = 0
+    images: list[int] = field(default_factory=lambda: [0, 0, 0])  # rows with images, images, vision tokens
     token_freq: Any = None  # [vocab] int64 count of each token id, loss-masked
 
     def __post_init__(self):
@@ -154,6 +156,7 @@ def _spill_rows(spill: Path, conversations_path, encoder, max_seq_len, batch_siz
             tally.token_freq[distinct] += counts
             tally.n_truncated += chunk.n_truncated
             tally.truncated_tokens += chunk.truncated_tokens
+            tally.images = [a + b for a, b in zip(tally.images, chunk.images, strict=True)]
 
 
 def _write_shards(spill: Path, out_shards: list, seq_lens: array) -> list[dict[str, Any]]:
@@ -176,6 +179,12 @@ def _stats(tally: _Tally, conversations_path, model_path, max_seq_len, shards, e
     """stats.json: row and token counts, truncation, quarantine reasons, shards, lengths, what the rows were
     rendered with (mask source, tokenizer and template hashes, template kwargs)."""
     n_tokens, n_assistant = sum(tally.seq_lens), int(tally.token_freq.sum())
+    image_rows, n_images, image_tokens = tally.images
+    # Only where rows have images (issue #28): text-only runs keep their stats.json bytes.
+    images = {
+        "image_rows": image_rows, "images": n_images, "image_tokens": image_tokens,
+        "image_token_share": round(image_tokens / n_tokens, 6) if n_tokens else 0.0,
+    } if image_rows else {}  # fmt: skip
     return {
         "conversations_path": str(conversations_path),
         "model_path": str(model_path),
@@ -187,6 +196,7 @@ def _stats(tally: _Tally, conversations_path, model_path, max_seq_len, shards, e
         "max_seq_len": max_seq_len,
         "truncated_rows": tally.n_truncated,
         "truncated_tokens": tally.truncated_tokens,
+        **images,
         "quarantined": dict(sorted(Counter(q.reason for q in tally.quarantined).items())),
         "quarantined_total": len(tally.quarantined),
         "shards": shards,

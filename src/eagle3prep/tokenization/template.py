@@ -130,6 +130,8 @@ class ChatEncoder:
     ):
         """Set up the template, the Rust tokenizer and the mask source; raise TokenizeError if no mask comes out."""
         self.tokenizer = tokenizer
+        self.model_path = model_path
+        self._vision = None  # the target's image side (tokenization.vision), loaded at the first image row
         self.template = get_chat_template(tokenizer, model_path)
         self.chat_template_kwargs = template_kwargs(tokenizer, chat_template_kwargs, model_path)
         # The variables apply_chat_template hands the template: the special tokens (bos_token, eos_token, ...),
@@ -163,16 +165,29 @@ class ChatEncoder:
         """One result per conversation: (input_ids, loss_mask as bytes 0/1), not truncated, or Rejected.
         `tools`: each conversation's tool schemas (or None), rendered by the template with its tool turns."""
         tools = tools or [None] * len(batch)
-        agentic = [i for i, (m, t) in enumerate(zip(batch, tools, strict=True)) if t or has_tool_turns(m)]
-        if not agentic:
+        with_images = [i for i, m in enumerate(batch) if has_images(m)]
+        agentic = [
+            i
+            for i, (m, t) in enumerate(zip(batch, tools, strict=True))
+            if (t or has_tool_turns(m)) and not has_images(m)
+        ]
+        if not agentic and not with_images:
             return self._encode_plain(batch)
         results: list = [None] * len(batch)
-        plain = sorted(set(range(len(batch))) - set(agentic))
+        plain = sorted(set(range(len(batch))) - set(agentic) - set(with_images))
         for i, result in zip(plain, self._encode_plain([batch[i] for i in plain]), strict=True):
             results[i] = result
         for i in agentic:  # one at a time: the template gets each conversation's own tools
             results[i] = self._encode_agentic(batch[i], tools[i])
+        for i in with_images:  # one at a time: (ids, mask, the row's image record)
+            results[i] = self._encode_images(batch[i], tools[i])
         return results
+
+    def _encode_images(self, messages: list[dict[str, Any]], tools: list[dict] | None):
+        """A conversation with images: (ids, mask, the row's image record) or Rejected (tokenization.vision)."""
+        from eagle3prep.tokenization.vision import encode_with_images
+
+        return encode_with_images(self, messages, tools)
 
     def _encode_agentic(self, messages: list[dict[str, Any]], tools: list[dict] | None):
         """One conversation with tool turns or schemas, or Rejected(TOOL_REASON) when the template fails on them
@@ -217,21 +232,8 @@ class ChatEncoder:
             return_assistant_tokens_mask=True,
             **self.template_kwargs,
         )
-        results = []
-        for enc, span in zip(self.backend.encode_batch(texts, add_special_tokens=False), spans, strict=True):
-            ids = enc.ids
-            mask = bytearray(len(ids))
-            # apply_chat_template's rule, kept exactly: from the token holding the block's first
-            # character to the one holding its last (to the end when that one is not found).
-            for start_char, end_char in span:
-                start = enc.char_to_token(start_char)
-                if start is None:
-                    break
-                end = enc.char_to_token(end_char - 1)
-                end = end + 1 if end else len(ids)
-                mask[start:end] = b"\x01" * (end - start)
-            results.append((ids, mask))
-        return results
+        encs = self.backend.encode_batch(texts, add_special_tokens=False)
+        return [(enc.ids, marker_mask(enc, span)) for enc, span in zip(encs, spans, strict=True)]
 
     def _render(self, conversations: list[list[dict[str, Any]]], add_generation_prompt: bool, tools=None) -> list[str]:
         """The conversations rendered as text, one call for the batch."""
@@ -249,20 +251,12 @@ class ChatEncoder:
     def _encode_boundary(self, batch, tools: list[dict] | None = None):
         """The render-boundary mask: a token is an assistant token when its characters overlap an assistant
         span; a conversation whose spans cannot be found stays Rejected."""
-        import numpy as np
-
         full, spans = self._boundary_spans(batch, tools)
-        results = []
-        for enc, span in zip(self.backend.encode_batch(full, add_special_tokens=False), spans, strict=True):
-            if isinstance(span, Rejected):
-                results.append(span)
-                continue
-            offsets = np.array(enc.offsets, dtype=np.int64).reshape(-1, 2)  # [T, 2] character [start, end)
-            mask = np.zeros(len(offsets), dtype=bool)
-            for s, e in span:
-                mask |= (offsets[:, 0] < e) & (offsets[:, 1] > s)
-            results.append((enc.ids, bytearray(mask.view(np.uint8))))
-        return results
+        encs = self.backend.encode_batch(full, add_special_tokens=False)
+        return [
+            span if isinstance(span, Rejected) else (enc.ids, boundary_mask(enc, span))
+            for enc, span in zip(encs, spans, strict=True)
+        ]
 
     def _boundary_spans(self, batch, tools: list[dict] | None = None):
         """Each conversation rendered whole, and the character span of every assistant reply in it: the text
@@ -292,6 +286,38 @@ class ChatEncoder:
                 reply = turn[len(prompt) :].rstrip()
                 spans[b].append((len(prompt), len(prompt) + len(reply)))
         return full, spans
+
+
+def marker_mask(enc, span: list[tuple[int, int]]) -> bytearray:
+    """The loss mask of an encoding from its {% generation %} character spans: apply_chat_template's rule, kept
+    exactly: from the token holding the block's first character to the one holding its last (to the end when
+    that one is not found)."""
+    mask = bytearray(len(enc.ids))
+    for start_char, end_char in span:
+        start = enc.char_to_token(start_char)
+        if start is None:
+            break
+        end = enc.char_to_token(end_char - 1)
+        end = end + 1 if end else len(enc.ids)
+        mask[start:end] = b"\x01" * (end - start)
+    return mask
+
+
+def boundary_mask(enc, span: list[tuple[int, int]]) -> bytearray:
+    """The loss mask of an encoding from its assistant character spans: a token is masked when its characters
+    overlap one."""
+    import numpy as np
+
+    offsets = np.array(enc.offsets, dtype=np.int64).reshape(-1, 2)  # [T, 2] character [start, end)
+    mask = np.zeros(len(offsets), dtype=bool)
+    for s, e in span:
+        mask |= (offsets[:, 0] < e) & (offsets[:, 1] > s)
+    return bytearray(mask.view(np.uint8))
+
+
+def has_images(messages: list[dict[str, Any]]) -> bool:
+    """Whether a conversation holds an image part (prepare's shape for images: content is a list of parts)."""
+    return any(isinstance(m["content"], list) for m in messages)
 
 
 def has_tool_turns(messages: list[dict[str, Any]]) -> bool:

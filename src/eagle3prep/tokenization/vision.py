@@ -1,0 +1,154 @@
+"""Images in tokenize (issue #28 item 2): each image of a conversation is loaded (its sha256 checked against
+prepare's), run through the target's image processor, and its placeholder in the rendered text expanded to
+as many vision tokens as the processor gives it at that resolution; the loss mask is 0 on them.
+
+The expansion is the one Qwen2-VL / Qwen2.5-VL's processor does (`<|image_pad|>` repeated
+t*h*w / merge_size**2 times for an image of patch grid (t, h, w)). It is done here, with
+AutoImageProcessor and the tokenizer, because transformers 5.19 cannot construct Qwen2_5_VLProcessor without
+torchvision (its video_processor check), and neither venv has a torchvision that loads with CPU torch.
+Other families are refused per row, in one line, until their expansion rule is added.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3prep.prepare.errors import Rejected as PrepareRejected
+from eagle3prep.prepare.images import data_uri_bytes
+from eagle3prep.tokenization.template import Rejected
+
+# model_type -> how its processor writes an image into the text (the placeholder the chat template renders)
+EXPANDS = {"qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>"}
+UNSUPPORTED = "images_unsupported_by_target"  # quarantine reason: the target cannot take this row's images
+
+
+def image_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation's image parts, in the order the chat template renders them."""
+    return [p for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
+
+
+@dataclass
+class Vision:
+    """The target's image side: its image processor, placeholder token and merge size."""
+
+    image_processor: Any
+    placeholder: str
+    image_token_id: int
+    merge: int
+
+    def expand(self, text: str, spans: list[tuple[int, int]], images: list[dict[str, Any]]):
+        """(text with every placeholder expanded, the character spans moved with it, the row's image record),
+        or Rejected when an image cannot be read as prepare read it."""
+        pils = []
+        for k, part in enumerate(images):
+            got = load_image(part, k)
+            if isinstance(got, Rejected):
+                return got
+            pils.append(got)
+        out = self.image_processor(images=pils)
+        grids = [[int(x) for x in g] for g in out["image_grid_thw"]]
+        pieces = text.split(self.placeholder)
+        if len(pieces) - 1 != len(images):
+            return Rejected(
+                UNSUPPORTED,
+                f"the chat template rendered {len(pieces) - 1} {self.placeholder} for {len(images)} images",
+            )
+        counts = [t * h * w // self.merge**2 for t, h, w in grids]
+        starts = [sum(map(len, pieces[: k + 1])) + k * len(self.placeholder) for k in range(len(images))]
+
+        def moved(c: int) -> int:  # a character position of the rendered text, in the expanded text
+            return c + sum(len(self.placeholder) * (n - 1) for s, n in zip(starts, counts, strict=True) if s < c)
+
+        new = [pieces[0]]
+        for n, piece in zip(counts, pieces[1:], strict=True):
+            new += [self.placeholder * n, piece]
+        record = {
+            "images": [{"image": p["image"] if not p["image"].startswith("data:") else None, "sha256": p["sha256"]}
+                       for p in images],
+            "image_grid_thw": grids,
+        }  # fmt: skip
+        return "".join(new), [(moved(s), moved(e)) for s, e in spans], record
+
+
+def encode_with_images(encoder, messages: list[dict[str, Any]], tools: list[dict] | None):
+    """ChatEncoder's path for a conversation with images: rendered as a text row is (the same mask source),
+    each placeholder expanded, encoded; the loss mask then 0 on every image token. (ids, mask, record) or
+    Rejected."""
+    import jinja2
+
+    from eagle3prep.tokenization.template import boundary_mask, marker_mask
+
+    if encoder._vision is None:
+        encoder._vision = load_vision(encoder.model_path, encoder.tokenizer)
+    vision = encoder._vision
+    if isinstance(vision, str):
+        return Rejected(UNSUPPORTED, vision)
+    markers = encoder.mask_source == "generation_markers"
+    try:
+        if markers:
+            from transformers.utils.chat_template_utils import render_jinja_template
+
+            texts, spans = render_jinja_template(
+                conversations=[messages], tools=tools, chat_template=encoder.template,
+                return_assistant_tokens_mask=True, **encoder.template_kwargs,
+            )  # fmt: skip
+        else:
+            texts, spans = encoder._boundary_spans([messages], tools)
+            if isinstance(spans[0], Rejected):
+                return spans[0]
+    except jinja2.TemplateError as e:
+        return Rejected("template_error", f"the chat template raised: {e}")
+    got = vision.expand(texts[0], spans[0], image_parts(messages))
+    if isinstance(got, Rejected):
+        return got
+    text, span, record = got
+    enc = encoder.backend.encode(text, add_special_tokens=False)
+    mask = marker_mask(enc, span) if markers else boundary_mask(enc, span)
+    for i, token in enumerate(enc.ids):
+        if token == vision.image_token_id:
+            mask[i] = 0
+    return enc.ids, mask, record
+
+
+def load_vision(model_path: str | os.PathLike, tokenizer) -> Vision | str:
+    """The target's Vision, or why it cannot take images (one line, the quarantine detail)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return f"cannot read {model_path}/config.json ({e})"
+    kind = config.get("model_type")
+    if "image_token_id" not in config and "vision_config" not in config:
+        return f"the target ({kind}) has no vision tower; list text-only sources, or a vision-language model.path"
+    if kind not in EXPANDS:
+        return f"tokenizing images for model_type {kind!r} is not implemented (issue #28); known: {', '.join(EXPANDS)}"
+    from transformers import AutoImageProcessor
+
+    image_processor = AutoImageProcessor.from_pretrained(model_path)
+    placeholder = EXPANDS[kind]
+    return Vision(
+        image_processor, placeholder, tokenizer.convert_tokens_to_ids(placeholder),
+        int(getattr(image_processor, "merge_size", 2)),
+    )  # fmt: skip
+
+
+def load_image(part: dict[str, Any], k: int):
+    """The k-th image as an RGB PIL image, or Rejected when it is gone or is not the image prepare hashed."""
+    from PIL import Image
+
+    ref = part["image"]
+    try:
+        data = data_uri_bytes(ref, f"image {k}") if ref.startswith("data:") else Path(ref).read_bytes()
+    except OSError as e:
+        return Rejected("image_missing", f"image {k}: {ref} cannot be read ({e.strerror}); re-run prepare")
+    except PrepareRejected as e:
+        return Rejected(e.reason, e.detail)
+    if hashlib.sha256(data).hexdigest() != part["sha256"]:
+        return Rejected("image_changed", f"image {k}: {ref} is not the image prepare read (sha256 differs)")
+    img = Image.open(io.BytesIO(data))
+    return img.convert("RGB")
