@@ -122,9 +122,17 @@ def test_chat_template_kwargs_requeue_tokenize_and_their_default_adds_no_param(f
 
 
 def test_sigkill_during_extract_then_rerun_resumes_at_shard_granularity(tmp_path, full_run):
-    wd = make_workdir(tmp_path)
-    # Shard 0 finishes first; then the run is SIGKILLed (whole process group) inside another shard.
-    snakemake(wd, "results/hidden_states/shard_0")
+    # Shard 0 finished, shards 1 and 2 not yet extracted: the uninterrupted run's folder (results/, logs/ and
+    # .snakemake/ with their mtimes) without what a run stopped after shard 0 would not have made yet. (It was
+    # a run of its own up to shard 0: the demo model, prepare and tokenize again, a second time per session.)
+    import shutil
+
+    wd = shutil.copytree(full_run, tmp_path / "run", symlinks=True)
+    for k in (1, 2):
+        shutil.rmtree(wd / f"results/hidden_states/shard_{k}")
+        (wd / f"results/validation/shard_{k}.json").unlink()
+    shutil.rmtree(wd / "results/report")
+    # Then the run is SIGKILLed (whole process group) inside another shard.
     before = stat_files(wd / "results/hidden_states/shard_0")
     killed = snakemake(
         wd,
