@@ -12,7 +12,12 @@ from eagle3prep.config import (
     validate_config,
 )
 from eagle3prep import heal
-from eagle3prep.parse import check_target_marker, check_tokenizer, config_source_line
+from eagle3prep.parse import (
+    check_model_files,
+    check_target_marker,
+    check_tokenizer,
+    config_source_line,
+)
 from eagle3prep.regenerate.settings import data_params as regen_data_params
 from eagle3prep.runlock import clear_stale_locks, record_owner
 
@@ -35,6 +40,7 @@ try:
     SOURCES = config_sources(config)
     # Whatever the model folder decides (layer ids, max_seq_len, the tokenizer) fails here, before any job.
     MODEL_NOTES = check_model(config)
+    check_model_files(config)
     if workflow.is_main_process:  # loads the tokenizer: once, not in every spawned job
         check_tokenizer(config)
 except ConfigError as e:

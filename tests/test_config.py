@@ -240,3 +240,27 @@ def test_a_chat_template_without_a_loss_mask_is_refused_at_parse_time(tmp_path, 
     cfg = base(model={"path": str(model)}, tokenize={"template_fallback": False})
     with pytest.raises(ConfigError, match=r"^config error: model.path = .*no \{% generation %\} markers"):
         check_tokenizer(validate_config(cfg), stamp=None)
+
+
+def test_a_model_folder_without_hidden_size_or_weights_is_refused_at_parse_time(tmp_path, demo_model_dir):
+    """Issue #27 item 3: both passed `-n` and stopped the first extract job, after prepare and tokenize."""
+    import shutil
+
+    from eagle3prep.parse import check_model_files
+
+    model = tmp_path / "model"
+    shutil.copytree(demo_model_dir, model)
+    config = validate_config(base(model={"path": str(model)}))
+    check_model_files(config)  # the demo's folder passes
+    for weights in model.glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(ConfigError, match=r"^config error: model.path = '.*model' holds no weight files \(\*\.safe"):
+        check_model_files(config)
+    (model / "pytorch_model.bin").write_bytes(b"")
+    check_model_files(config)
+    facts = json.loads((model / "config.json").read_text())
+    del facts["hidden_size"]
+    (model / "config.json").write_text(json.dumps(facts))
+    with pytest.raises(ConfigError, match="config.json has no hidden_size"):
+        check_model_files(config)
+    check_model_files(validate_config(base(model={"path": str(tmp_path / "nope"), "build_demo": True})))

@@ -159,7 +159,11 @@ def test_example_configs_dry_run(tmp_path, demo_model_dir):
 
     import yaml
 
-    layers = {"kimi-k2.5-int4.yaml": {"text_config": {"num_hidden_layers": 61}}, "llama-3.1-8b.yaml": {}}
+    # A multimodal wrapper keeps the language model's facts in text_config, as Kimi-K2.5's config.json does.
+    facts = {
+        "kimi-k2.5-int4.yaml": {"text_config": {"num_hidden_layers": 61, "hidden_size": 64}},
+        "llama-3.1-8b.yaml": {"num_hidden_layers": 32, "hidden_size": 64},
+    }
     for name, gpus in (("kimi-k2.5-int4.yaml", 8), ("llama-3.1-8b.yaml", 1)):
         cfg = yaml.safe_load((REPO / "config/examples" / name).read_text())
         wd = make_workdir(tmp_path / name, cfg)
@@ -169,7 +173,8 @@ def test_example_configs_dry_run(tmp_path, demo_model_dir):
         (wd / "data/conversations.jsonl").write_text("")
         cfg["model"]["path"] = str(wd / "model")
         (wd / "model").mkdir()  # the layer ids and max_seq_len are checked against its config.json
-        (wd / "model/config.json").write_text(json.dumps(layers[name] or {"num_hidden_layers": 32}))
+        (wd / "model/config.json").write_text(json.dumps(facts[name]))
+        (wd / "model/model.safetensors").write_bytes(b"")  # the parse asks for weight files, not their contents
         for f in demo_model_dir.iterdir():  # the parse loads the tokenizer as tokenize would: the demo's stands in
             if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
                 shutil.copy(f, wd / "model" / f.name)

@@ -11,6 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from .config import ConfigError
+from .model_facts import ModelFacts
+
+# What extract loads its weights from (transformers and vLLM read these; *.pt and *.pth are older checkpoints).
+WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 DEMO_CONFIG = "config/config.yaml"
 # The key of the file named `plan` at the repository root. `snakemake --configfile my.yaml plan` reads `plan` as
@@ -139,3 +143,22 @@ def check_tokenizer(config: dict[str, Any], stamp: str | os.PathLike | None = TO
         Path(stamp).parent.mkdir(parents=True, exist_ok=True)
         with atomic_open(stamp, "w", encoding="utf-8") as f:
             f.write(key)
+
+
+def check_model_files(config: dict[str, Any]) -> None:
+    """What extract needs of the model folder beyond its depth: a hidden size (the shard's width) and weight files.
+    Both stopped the extract job before (after prepare and tokenize had run); skipped while model.build_demo
+    has yet to build the folder."""
+    path = Path(config["model"]["path"])
+    if not path.is_dir():
+        return  # check_model has refused a missing folder unless build_demo will make it
+    if ModelFacts.read(path).hidden_size is None:
+        raise ConfigError(
+            f"config error: model.path = '{path}': config.json has no hidden_size (nor text_config.hidden_size); "
+            "point model.path at a causal language model's folder"
+        )
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_GLOBS):
+        raise ConfigError(
+            f"config error: model.path = '{path}' holds no weight files ({', '.join(WEIGHT_GLOBS)}); "
+            "copy the model's weights into that folder"
+        )
