@@ -142,7 +142,8 @@ def _no_conversations_message(counts: dict[str, Any], quarantine_path: str | os.
             f"no conversations to tokenize: data.sources hold no records: {named}; "
             "list files that contain conversations in data.sources"
         )
-    reasons = ", ".join(f"{r} {n}" for r, n in t["quarantined"].items() if n)  # check order (REASONS, IMAGE_REASONS)
+    # In the order prepare checks them (counts.json's keys are sorted).
+    reasons = ", ".join(f"{r} {n}" for r in (*REASONS, *IMAGE_REASONS) if (n := t["quarantined"].get(r)))
     return (
         f"no conversations to tokenize: prepare quarantined all {_plural(t['rows_in'], 'record')} ({reasons}) "
         f"of {files[0]['file'] if len(files) == 1 else named}; each record and its reason is in {quarantine_path}"
