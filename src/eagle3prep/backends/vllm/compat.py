@@ -295,7 +295,7 @@ def step_layout(runner: Any) -> list[Segment]:
         raise internals.missing("input_batch", runner, internals.V1_FIX)
     for name in internals.INPUT_BATCH_FIELDS:
         if not hasattr(batch, name):
-            raise internals.missing(name, batch, internals.V1_FIX)
+            raise internals.missing(name, batch)
     num_reqs = int(batch.num_reqs)
     if num_reqs == 0:
         return []

@@ -35,7 +35,9 @@ INPUT_BATCH_FIELDS = ("req_ids", "num_reqs", "num_computed_tokens_cpu")  # read 
 # Marks the one line; errors.engine_error finds it inside vLLM's wrappers ("Worker failed with error '...'").
 PHRASE = "an internal the hooks capture path reads"
 FIX = "install the vLLM pinned in envs/vllm.txt, or set extract.capture_path: builtin"
-V1_FIX = "the hooks need vLLM's V1 model runner (set VLLM_USE_V2_MODEL_RUNNER=0), or set extract.capture_path: builtin"
+V1_FIX = (
+    "the hooks need the V1 model runner of vLLM (set VLLM_USE_V2_MODEL_RUNNER=0), or set extract.capture_path: builtin"
+)
 
 
 class VLLMInternalError(UserError, RuntimeError):
@@ -57,8 +59,9 @@ def vllm_version() -> str:
 
 def missing(name: str, owner: Any = None, fix: str = FIX) -> VLLMInternalError:
     """The one line for internal `name` (a HOOKS_INTERNALS key) missing on `owner`."""
-    on = f" (on {type(owner).__name__})" if owner is not None else ""
-    line = f"vLLM {vllm_version()} has no {HOOKS_INTERNALS[name]}{on}, {PHRASE}: {fix}"
+    what = HOOKS_INTERNALS[name]
+    on = f" (on {type(owner).__name__})" if owner is not None and not what.startswith(type(owner).__name__) else ""
+    line = f"vLLM {vllm_version()} has no {what}{on}, {PHRASE}: {fix}"
     return VLLMInternalError(line.replace("\n", " ").replace("'", ""))
 
 
