@@ -2,7 +2,7 @@
 
     python bench/fp8_error.py OUT [--models demo llama qwen3_moe deepseek_v3] [--rows 8]
 
-For each model (the demo Llama of eagle3prep.demo, tiny random families of eagle3prep.tiny_models) it
+For each model (the demo Llama of eagle3prep.demo, tiny random families of eagle3prep.testing.tiny_models) it
 captures the same synthetic rows twice through extract_shard with the hf backend in bf16, once stored as
 bf16 and once as FP8, at the default ids [2, N//2, N-3, N], and recomputes them in fp32 with
 transformers (reference.Reference). Per layer id, over every token (per-token relative error
@@ -42,7 +42,7 @@ from eagle3prep.layers import default_layer_ids
 from eagle3prep.reference import Reference
 from eagle3prep.shard.format import layer_file, read_layer, token_bytes
 from eagle3prep.shard.fp8 import quantize_fp8, roundtrip_fp8
-from eagle3prep.tiny_models import FAMILIES, build_family
+from eagle3prep.testing.tiny_models import FAMILIES, build_family
 
 REPO = Path(__file__).resolve().parents[1]
 GROWTH = (1.0, 4.0, 16.0, 64.0)  # synthetic per-slot scale for the "grown" lines

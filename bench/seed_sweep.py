@@ -25,7 +25,7 @@ import traceback
 from pathlib import Path
 
 from eagle3prep.reference import ReferencePair
-from eagle3prep.tiny_models import FAMILIES, build_family
+from eagle3prep.testing.tiny_models import FAMILIES, build_family
 
 HERE = Path(__file__).resolve().parent
 FP32_EPS = 2.0**-23

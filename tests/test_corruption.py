@@ -18,8 +18,9 @@ from shard_helpers import demo_spec, write_tokenized
 from eagle3prep.atomic import sha256_file
 from eagle3prep.extract import extract_shard
 from eagle3prep.shard import INDEX, MANIFEST, TOKEN_IDS
-from eagle3prep.shard.format import read_layer, read_manifest, write_layer
+from eagle3prep.shard.format import read_layer, read_manifest
 from eagle3prep.shard.fp8 import SCALES_KEY
+from eagle3prep.testing.writers import write_layer
 from eagle3prep.validate import ValidationError, validate_shard
 
 LENGTHS = [23, 41, 17, 60, 35, 28]  # 204 tokens; shard 1 has the same lengths, other tokens

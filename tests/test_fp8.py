@@ -27,9 +27,9 @@ from eagle3prep.shard.format import (
     layer_file,
     read_layer,
     read_manifest,
-    write_layer,
 )
 from eagle3prep.shard.fp8 import SCALES_KEY, dequantize_fp8, quantize_fp8, rounding_draw, roundtrip_fp8
+from eagle3prep.testing.writers import write_layer
 
 
 def states(tokens: int = 64, hidden: int = 96, seed: int = 0) -> torch.Tensor:

@@ -1,5 +1,7 @@
-"""Project hygiene that no single module owns: no pickle for data, offline model access, no remote code by default."""
+"""Project hygiene that no single module owns: no pickle for data, offline model access, no remote code by default,
+no test fixture in the stages."""
 
+import ast
 import re
 
 from workflow_helpers import REPO
@@ -63,3 +65,51 @@ def test_nothing_cites_a_file_outside_the_repository():
               for i, line in enumerate((REPO / name).read_text(encoding="utf-8").splitlines(), 1)
               if outside.search(line)]  # fmt: skip
     assert not cited, cited
+
+
+def _imported_modules(path, package):
+    """Every module a Python file imports, relative imports resolved against `package` (its own package)."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            yield base
+            yield from (f"{base}.{alias.name}" for alias in node.names)  # from . import testing
+
+
+def test_no_stage_imports_the_test_fixtures():
+    """Issue #26: the tiny model builders, planted mistakes and test-only writers live in eagle3prep.testing,
+    for the tests and benches; a module of the package outside it, a script or a rule that imported them would
+    put fixtures back on the data's path."""
+    src, fixtures = REPO / "src", "eagle3prep.testing"
+    hits = []
+    for path in sorted([*(src / "eagle3prep").rglob("*.py"), *(REPO / "scripts").rglob("*.py")]):
+        parts = path.relative_to(src).with_suffix("").parts if path.is_relative_to(src) else ("scripts", path.stem)
+        if parts[:2] == ("eagle3prep", "testing"):
+            continue
+        package = ".".join(parts if path.name == "__init__.py" else parts[:-1]).removesuffix(".__init__")
+        hits += [f"{path.relative_to(REPO)}: {m}" for m in _imported_modules(path, package)
+                 if m == fixtures or m.startswith(fixtures + ".")]  # fmt: skip
+    for rule in sorted([*(REPO / "rules").glob("*.smk"), REPO / "Snakefile"]):
+        hits += [f"{rule.relative_to(REPO)}: {fixtures}" for line in rule.read_text(encoding="utf-8").splitlines()
+                 if re.search(rf"\b{re.escape(fixtures)}\b", line)]  # fmt: skip
+    assert not hits, f"a stage imports the test fixtures of {fixtures}: {hits}"
+
+
+def test_the_fixture_check_sees_relative_and_absolute_imports(tmp_path):
+    """The walk above would pass in silence if it missed an import form: each form a stage could use."""
+    for code in (
+        "from .testing import planted",
+        "from . import testing",
+        "import eagle3prep.testing.tiny_models",
+        "from eagle3prep.testing.writers import write_layer",
+        "from ..testing.planted import plant",
+    ):
+        path = tmp_path / "m.py"
+        path.write_text(code + "\n")
+        package = "eagle3prep.shard" if code.startswith("from ..") else "eagle3prep"
+        assert any(m.startswith("eagle3prep.testing") for m in _imported_modules(path, package)), code

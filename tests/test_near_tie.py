@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from eagle3prep.passrule import TIE_BAND, token_errors
-from eagle3prep.planted import rerouted
 from eagle3prep.routing import force_reroute, margins, ranked, routers
+from eagle3prep.testing.planted import rerouted
 from eagle3prep.validate import ValidationError, validate_shard
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,11 +15,12 @@ import pytest
 from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
-from eagle3prep.planted import MISTAKES, plant
-from eagle3prep.scalable import check_logprobs, check_memory, check_window, reference_logprobs_hf
+from eagle3prep.scalable import check_logprobs, check_memory, check_window
 from eagle3prep.shard import layer_file, read_index
 from eagle3prep.slices import Checkpoint, raw_config
-from eagle3prep.tiny_models import NUM_LAYERS, build_family
+from eagle3prep.testing.planted import MISTAKES, plant
+from eagle3prep.testing.tiny_models import NUM_LAYERS, build_family
+from eagle3prep.testing.writers import reference_logprobs_hf
 
 LENGTHS = [(24, 40, 31, 40), (33, 20, 27, 38)]  # per shard; rows 1 and 3 of shard 0 can be swapped
 N = NUM_LAYERS

@@ -14,8 +14,8 @@ import torch
 from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
-from eagle3prep.planted import MISTAKES, plant
-from eagle3prep.tiny_models import NUM_LAYERS, build_family
+from eagle3prep.testing.planted import MISTAKES, plant
+from eagle3prep.testing.tiny_models import NUM_LAYERS, build_family
 from eagle3prep.validate import ValidationError, validate_shard
 
 ROWS = 6  # rows 1 and 3 share a length (rows_swapped); logprob rows 0, 1, 3, 4 include both

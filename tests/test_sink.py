@@ -29,11 +29,11 @@ from eagle3prep.shard.format import (
     read_layer,
     read_manifest,
     temp_of,
-    write_layer,
 )
 from eagle3prep.shard.fp8 import SCALES_KEY
 from eagle3prep.shard.sink import LayerSink, Segment, SinkSpec
 from eagle3prep.shard.writer import ShardWriter
+from eagle3prep.testing.writers import write_layer
 
 H = 8
 LAYERS = [0, 3, 5]

@@ -13,7 +13,7 @@ import pytest
 from eagle3prep.demo import build_demo_model
 from eagle3prep.prepare import prepare
 from eagle3prep.prepare.images import ImageOptions
-from eagle3prep.tiny_vl import build_tiny_vl
+from eagle3prep.testing.tiny_vl import build_tiny_vl
 from eagle3prep.tokenization import tokenize_conversations
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3prep.planted import MISTAKES
 from eagle3prep.reference import ReferencePair
-from eagle3prep.tiny_models import build_family
+from eagle3prep.testing.planted import MISTAKES
+from eagle3prep.testing.tiny_models import build_family
 from eagle3prep.validate import ValidationError, validate_shard
 
 REPO = Path(__file__).resolve().parents[1]

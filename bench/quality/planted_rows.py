@@ -1,7 +1,7 @@
 """The quality bench's planted rows: ours' data made wrong as a careless pipeline writes it (issue #23 item 3).
 
 Source: the variant `all_ids` (the same rows as `ours`, every id 1..N captured, validated). For each
-mistake, `eagle3prep.planted` writes a shard with the default ids [2, N/2, N-3, N] whose manifest
+mistake, `eagle3prep.testing.planted` writes a shard with the default ids [2, N/2, N-3, N] whose manifest
 checksums agree with its files (so only the reference check can tell), and:
   1. the workflow's own validation judges it (`validate_shard`, the reference on every row): its verdict
      is a column of the table;
@@ -42,8 +42,8 @@ def final_norm(model_path: Path):
 def plant_variant(out: Path, variant: str, device: str) -> dict:
     """Write the planted variant's shard, its validation verdict and its careless export."""
     from eagle3prep.export import export_speculators
-    from eagle3prep.planted import plant
     from eagle3prep.shard.format import read_manifest
+    from eagle3prep.testing.planted import plant
     from eagle3prep.validate import ValidationError, validate_shard
 
     src_wd, wd = out / "wd/all_ids", out / "wd" / variant

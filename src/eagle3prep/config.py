@@ -12,7 +12,6 @@ from typing import Any
 
 import yaml
 
-from .backends.base import CaptureSpec
 from .errors import UserError
 from .layers import convert_layer_ids, default_layer_ids, resolve_layer_ids
 from .model_facts import ModelFacts
@@ -309,17 +308,3 @@ def template_kwargs_params(tokenize: dict[str, Any]) -> dict[str, Any]:
     the params at its default like LATER_KEYS, so that a run made before it is not re-queued."""
     kwargs = tokenize.get("chat_template_kwargs") or {}
     return {"chat_template_kwargs": kwargs} if kwargs else {}
-
-
-def capture_spec(config: dict[str, Any]) -> CaptureSpec:
-    ex = config["extract"]
-    return CaptureSpec(
-        backend=ex["backend"],
-        model_path=config["model"]["path"],
-        layer_ids=layer_ids(config),
-        dtype=ex["dtype"],
-        device=ex["device"],
-        tp_size=ex["tp_size"],
-        max_seq_len=config["tokenize"]["max_seq_len"],
-        trust_remote_code=config["model"]["trust_remote_code"],
-    )

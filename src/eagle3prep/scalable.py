@@ -194,17 +194,6 @@ def check_logprobs(
     return out
 
 
-def reference_logprobs_hf(model_dir, token_ids: list[int], dtype: str = "bfloat16"):
-    """What a correct engine stores: a full transformers forward at `dtype`, fp32 log_softmax, [T-1]. Tests only."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_dtype(dtype)).eval()
-    with torch.inference_mode():
-        logits = model(torch.tensor([token_ids]), use_cache=False).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(token_ids[1:])[:, None])[:, 0]
-
-
 # ---------------------------------------------------------------------------------------------- validate
 
 

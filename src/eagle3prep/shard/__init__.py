@@ -21,7 +21,6 @@ from .format import (
     read_index,
     read_layer,
     read_manifest,
-    write_layer,
 )
 
 __all__ = [
@@ -43,5 +42,4 @@ __all__ = [
     "read_index",
     "read_layer",
     "read_manifest",
-    "write_layer",
 ]

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ..atomic import TMP_PREFIX
 from ..errors import UserError
 from ..records import IndexEntry
-from .fp8 import FP8_DTYPE, FP8_MAX, SCALE_MIN, SCALES_KEY, dequantize_fp8, quantize_fp8
+from .fp8 import FP8_DTYPE, FP8_MAX, SCALE_MIN, SCALES_KEY, dequantize_fp8
 
 if TYPE_CHECKING:
     import torch
@@ -302,19 +302,3 @@ def read_layer(path: str | os.PathLike, a: int = 0, b: int | None = None, dtype:
     """Rows a..b-1 of a layer file ([b - a, H]; all rows when b is None), dequantized (LayerReader.rows)."""
     reader = LayerReader(path)
     return reader.rows(a, reader.shape[0] if b is None else b, dtype)
-
-
-def write_layer(path: str | os.PathLike, hidden: torch.Tensor, storage: str = MODEL_DTYPE) -> None:
-    """A whole layer file from [T, H] states, in the streaming writers' layout (planted shards, tests).
-    fp8_e4m3 quantizes `hidden` as the capture does; model_dtype stores it as it is."""
-    import torch
-
-    tensors = {"hidden_states": hidden.detach().contiguous()}
-    if check_storage(storage) == FP8_E4M3:
-        q, s = quantize_fp8(hidden)
-        tensors = {"hidden_states": q, SCALES_KEY: s}
-    layout = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
-    with open(path, "wb") as f:
-        f.write(safetensors_header(layout))
-        for t in tensors.values():
-            f.write(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())

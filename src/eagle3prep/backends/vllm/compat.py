@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...shard.sink import Segment
+from . import internals
 
 # SamplingParams.extra_args key that carries our own request tag to the worker. vLLM >= 0.11 rewrites
 # LLM.generate's request ids inside the engine ("<id>-<8 random chars>"), so the driver cannot know
@@ -268,17 +269,17 @@ def _query_start_loc(runner: Any) -> Any:
         host = getattr(buf, attr, None)
         if host is not None:
             return host
-    raise RuntimeError(
-        f"{type(runner).__name__} has no host query_start_loc; the hooks capture path needs vLLM's "
-        "V1 model runner (set VLLM_USE_V2_MODEL_RUNNER=0)"
-    )
+    raise internals.missing("query_start_loc", runner, internals.V1_FIX)
 
 
 def request_tag(runner: Any, req_id: str) -> str:
-    """Our tag of a request inside the worker (falls back to vLLM's own id)."""
-    state = runner.requests.get(req_id)
-    params = getattr(state, "sampling_params", None)
-    extra = getattr(params, "extra_args", None) or {}
+    """Our tag of a request inside the worker; vLLM's own id for a request sent without one (the sink then
+    names it). A runner without the request's state, or a state without its params, stops in one line."""
+    state = internals.require(runner, "requests").get(req_id)
+    if state is None:
+        raise internals.missing("requests", runner)
+    params = internals.require(state, "sampling_params")
+    extra = (internals.require(params, "extra_args") if params is not None else None) or {}
     return str(extra.get(TAG_KEY, req_id))
 
 
@@ -287,13 +288,14 @@ def step_layout(runner: Any) -> list[Segment]:
 
     Valid during the forward (the runner has already ordered `input_batch` and filled
     query_start_loc for this step). Returns [] when no request is scheduled (warm-up, dummy runs).
+    Each internal it reads is checked (internals.py): a vLLM without one stops in one line.
     """
     batch = getattr(runner, "input_batch", None)
-    if batch is None or not hasattr(batch, "req_ids"):
-        raise RuntimeError(
-            f"{type(runner).__name__} has no V1 input_batch; the hooks capture path needs vLLM's "
-            "V1 model runner (set VLLM_USE_V2_MODEL_RUNNER=0)"
-        )
+    if batch is None:  # vLLM's V2 model runner builds its batch per step
+        raise internals.missing("input_batch", runner, internals.V1_FIX)
+    for name in internals.INPUT_BATCH_FIELDS:
+        if not hasattr(batch, name):
+            raise internals.missing(name, batch)
     num_reqs = int(batch.num_reqs)
     if num_reqs == 0:
         return []

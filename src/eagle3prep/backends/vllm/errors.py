@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 
 from ...errors import UserError
+from .internals import PHRASE
 
 KEEP_BYTES = 1 << 18  # tail of the children's output kept for the root cause
 
@@ -123,6 +124,17 @@ def root_cause(output: str) -> str | None:
 _NO_MOE_KERNEL = re.compile(r"No \w+ MoE backend supports")
 
 
+# A vLLM internal the hooks read is missing (internals.py): its one line, wherever vLLM wrapped it (in-process,
+# in the worker's traceback, or quoted in "Worker failed with error '...'").
+_MISSING_INTERNAL = re.compile(rf"vLLM \S+ has no [^'\n]*?, {re.escape(PHRASE)}: [^'\n]*")
+
+
+def missing_internal(exc: BaseException, output: str) -> str | None:
+    """The one line of internals.VLLMInternalError in the exception or the children's output, or None."""
+    m = _MISSING_INTERNAL.search(str(exc)) or _MISSING_INTERNAL.search(_ANSI.sub("", output))
+    return m.group(0).rstrip() if m else None
+
+
 def fails_on_every_path(cause: str) -> bool:
     return bool(_NO_MOE_KERNEL.search(cause)) or "out of memory" in cause.lower()
 
@@ -158,6 +170,8 @@ def engine_error(
     whose keys the fix names (the regenerate stage starts its own engine)."""
     if isinstance(exc, UserError):
         return exc
+    if line := missing_internal(exc, output):  # stops here: no fallback to the other path behind the user's back
+        return EngineError(line, any_path=True)
     cause = root_cause(output)
     if cause is None:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

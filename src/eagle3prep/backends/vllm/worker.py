@@ -64,10 +64,16 @@ class HiddenStatesCapture:
 
     def e3p_install_hooks(self, layer_ids: list[int]) -> dict[str, Any]:
         """Register the hooks once; only TP rank 0 keeps rows (all ranks hold the same stream)."""
+        from . import internals  # each vLLM internal read here is checked: one line when one is missing
+
         self._e3p_rank = _tp_rank()
         self._e3p_step: list = []  # this forward's segments, read when layer 0 starts
         self._e3p_sink: LayerSink | None = None  # set between e3p_open_shard and e3p_finish_shard
-        stack = decoder_stack(self.model_runner.model)
+        model = internals.require(internals.require(self, "model_runner"), "model")
+        try:
+            stack = decoder_stack(model)
+        except ValueError:
+            raise internals.missing("layers", model, "no decoder layers the hooks know; " + internals.FIX) from None
         num_layers = len(stack.layers)
         if self._e3p_rank != 0:
             return {"rank": self._e3p_rank, "num_hidden_layers": num_layers, "hooks": 0}
@@ -77,6 +83,7 @@ class HiddenStatesCapture:
         for layer_id in layer_ids:
             layer, side = hook_point(layer_id, num_layers)
             if side == "input":
+                internals.check_layer_input(stack.layers[layer])
                 hook = functools.partial(self._e3p_on_layer_input, layer_id)
                 handles.append(stack.layers[layer].register_forward_pre_hook(hook, with_kwargs=True))
             else:

