@@ -123,7 +123,11 @@ class _Done:
 def _connector_class() -> type:
     import importlib
 
-    module = importlib.import_module(VLLM_MODULE)
+    return build_connector(importlib.import_module(VLLM_MODULE))
+
+
+def build_connector(module: Any) -> type:
+    """Our connector on top of `module`'s ExampleHiddenStatesConnector (vLLM's, or a test's fake)."""
     problem = check_internals(module)
     if problem:
         raise RuntimeError(problem)
