@@ -72,7 +72,7 @@ def print_table(args, results: dict) -> None:
     shape = args.shape
     print(
         f"\n# {time.strftime('%Y-%m-%d')} {dev}, torch {torch.__version__}, "
-        f"vLLM {results.get('b', {}).get('vllm', '?')}, shape {shape}, dtype {args.dtype}, eager, layers {layer_ids(shape)}"
+        f"vLLM {next((results[p]['vllm'] for p in 'bfg' if p in results), '?')}, shape {shape}, dtype {args.dtype}, eager, layers {layer_ids(shape)}"
     )
     print(
         "| workload | (a) vLLM prefill | (b) eagle3prep vllm | (c) transformers | (d) vLLM connector | b/a | b/c | b/d |"

@@ -109,8 +109,8 @@ def steps_of(spans: list[tuple[str, int, int]], cap: int) -> list[tuple[int, int
 
 
 class _Done:
-    """The parent's copy event, already complete: the gather below runs on the forward's own stream,
-    so a later forward cannot reuse the blocks before it; the sink's copy keeps the gathered tensor."""
+    """A copy event already complete: on a CPU the gather is done when it returns (and with no sink
+    open nothing is gathered). On a GPU a CUDA event after the gather stands in its place."""
 
     def query(self) -> bool:
         return True
@@ -156,27 +156,29 @@ def build_connector(module: Any) -> type:
                 meta = self._get_connector_metadata()
                 saves, meta.pending_saves = list(getattr(meta, "pending_saves", None) or []), []
                 if saves and self._is_tp_rank_zero:
-                    for p in saves:  # reported sent by the parent's get_finished below
-                        self._req_copy_events[p.req_id] = _Done()
-                    self._e3p_write(saves)
+                    gathered = self._e3p_write(saves)
+                    for p in saves:  # reported sent by the parent's get_finished once the gather ran
+                        self._req_copy_events[p.req_id] = gathered
             return super().get_finished(finished_req_ids)
 
-        def _e3p_write(self, saves: list[Any]) -> None:
+        def _e3p_write(self, saves: list[Any]) -> Any:
+            """The saves' rows into the open sink; an event that completes when their blocks may be reused."""
             sink = PORT.sink
             if sink is None:
-                return  # no shard open: aborted requests of a failed shard
+                return _Done()  # no shard open: aborted requests of a failed shard
             try:
-                self._e3p_gather_into(sink, [p for p in saves if getattr(p, "e3p_tag", None) in sink.rows])
+                return self._e3p_gather_into(sink, [p for p in saves if getattr(p, "e3p_tag", None) in sink.rows])
             except Exception as e:  # a raise here would kill the engine: finish() reports it
                 sink._fail(e)
+                return _Done()
 
-        def _e3p_gather_into(self, sink: LayerSink, saves: list[Any]) -> None:
+        def _e3p_gather_into(self, sink: LayerSink, saves: list[Any]) -> Any:
             import torch
 
             from ...shard.sink import Segment
 
             if not saves:
-                return
+                return _Done()
             spans, slots, at = [], [], 0
             for p in saves:
                 n = int(p.token_ids.shape[0])
@@ -193,12 +195,17 @@ def build_connector(module: Any) -> type:
                     f"vLLM's hidden-states cache gave {tuple(hs.shape)}, expected [{at}, {len(sink.layer_ids)}, H] "
                     "(did the buffer's layout change?)"
                 )
+            gathered: Any = _Done()
+            if hs.is_cuda:  # the blocks are free once the gather ran, whichever stream reuses them
+                gathered = torch.cuda.Event()
+                gathered.record()
             for a, b, segs in steps_of(spans, sink.spec.step_tokens):
                 sink.begin_step([Segment(*s) for s in segs])
                 part = hs[a:b]
                 for j, lid in enumerate(sink.layer_ids):  # layers in the buffer follow the ascending ids
                     sink.add_layer(lid, part[:, j])
                 PORT.tokens += b - a
+            return gathered
 
     E3PHiddenStatesConnector.__qualname__ = CONNECTOR
     E3PHiddenStatesConnector.__module__ = __name__
