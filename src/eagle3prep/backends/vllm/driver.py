@@ -11,8 +11,10 @@ import contextlib
 import dataclasses
 import itertools
 import os
+import shutil
 import time
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ... import shm
@@ -79,6 +81,9 @@ class VLLMBackend(CaptureBackend):
             raise EngineError(self._workarounds.refusal)
         for line in self._workarounds.log_lines:
             log(line)
+        out_dir = self.spec.extra.get("output_dir") or self.options.get("output_dir")
+        if out_dir:  # the per-request files of a killed run from before issue 25 (no code writes there now)
+            shutil.rmtree(Path(out_dir) / ".vllm-staging", ignore_errors=True)
 
         candidates, fallback_reason = self._candidate_paths(version, model)
         arch = model.architectures[0] if model.architectures else "the model"
