@@ -79,7 +79,7 @@ def run_cell(args, family: str, model: Path, backend: str, dtype: str, tokens: l
     options = {
         "enforce_eager": True,
         "gpu_memory_utilization": 0.3,
-        "capture_path": args.capture_path,
+        "capture_path": getattr(args, "capture_path", "auto"),  # callers building their own Namespace: auto
         "storage": storage,
     }
     t0 = time.time()
