@@ -47,6 +47,10 @@ def fake_module(layout: str):
         def __init__(self, kv_cache):
             self._kv_cache, self._block_size, self._is_tp_rank_zero = kv_cache, BLOCK, True
             self._req_copy_events, self._pending_saves, self._meta = {}, {}, None
+            self._request_filenames = {}  # set for each scheduled request by build_connector_meta
+
+        def schedule(self, req_id):  # what build_connector_meta records of a newly scheduled request
+            self._request_filenames[req_id] = "unused"
 
         def has_connector_metadata(self):
             return self._meta is not None
@@ -58,6 +62,7 @@ def fake_module(layout: str):
             pass
 
         def request_finished(self, request, block_ids):
+            self._request_filenames.pop(request.request_id)  # vLLM 0.26: KeyError if never scheduled
             ids = torch.tensor(request.prompt_token_ids)
             self._pending_saves[request.request_id] = PendingSave(request.request_id, "unused", ids, block_ids)
             return True, {"hidden_states_path": "unused"}
@@ -122,6 +127,7 @@ def test_finished_requests_reach_the_shard_in_row_order(layout, tmp_path):
                 request_id=f"{tag}-rnd", prompt_token_ids=[5] * lengths.get(req, 3),
                 sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: tag}),
             )  # fmt: skip
+            conn.schedule(request.request_id)
             conn.request_finished(request, blocks.get(req, [15]))
             return request.request_id
 
@@ -162,6 +168,7 @@ def test_a_length_mismatch_fails_the_shard_not_the_engine(tmp_path):
             prompt_token_ids=[1] * 4,
             sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"}),
         )
+        conn.schedule("r")
         conn.request_finished(request, [1])
         conn._meta = Metadata([conn._pending_saves.pop("r")])
         conn.get_finished(set())
@@ -267,6 +274,7 @@ def test_a_changed_buffer_layout_fails_the_shard_by_name(tmp_path):
             prompt_token_ids=[1] * 4,
             sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"}),
         )
+        conn.schedule("r")
         conn.request_finished(request, [1])
         conn._meta = Metadata([conn._pending_saves.pop("r")])
         conn.get_finished(set())
@@ -274,3 +282,14 @@ def test_a_changed_buffer_layout_fails_the_shard_by_name(tmp_path):
             sink.finish()
     finally:
         connector.PORT.close()
+
+
+def test_a_request_aborted_before_it_was_scheduled_is_no_save_and_no_crash():
+    """The driver aborts a failed shard's requests, some still waiting: vLLM 0.26's request_finished
+    raises KeyError for those (in the scheduler, killing the engine); ours answers "nothing to save"."""
+    conn = connector.build_connector(fake_module("0.26"))(torch.zeros(1))
+    request = SimpleNamespace(
+        request_id="w", prompt_token_ids=[1, 2], sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"})
+    )
+    assert conn.request_finished(request, []) == (False, None)
+    assert conn._pending_saves == {}

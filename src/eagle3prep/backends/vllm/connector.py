@@ -44,7 +44,9 @@ INTERNALS = {
     "PendingSave": ("req_id", "token_ids", "block_ids"),
 }
 # Set by the parent's __init__; checked right after it, so a changed vLLM fails the engine start.
-INSTANCE_INTERNALS = ("_kv_cache", "_block_size", "_is_tp_rank_zero", "_req_copy_events", "_pending_saves")
+INSTANCE_INTERNALS = (
+    "_kv_cache", "_block_size", "_is_tp_rank_zero", "_req_copy_events", "_pending_saves", "_request_filenames"
+)  # fmt: skip
 
 
 class ShardPort:
@@ -143,6 +145,8 @@ def build_connector(module: Any) -> type:
 
         # ---- scheduler side: the request's tag travels with its pending save ----
         def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+            if request.request_id not in self._request_filenames:
+                return False, None  # aborted before it was scheduled: nothing to save (0.26's parent raises)
             delay, params = super().request_finished(request, block_ids)
             pending = self._pending_saves.get(request.request_id)
             if pending is not None:
