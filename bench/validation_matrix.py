@@ -2,7 +2,7 @@
 
     python bench/validation_matrix.py OUT [--families ...] [--backends hf vllm] [--dtypes float32 bfloat16]
                                           [--device cpu|cuda] [--tp 1] [--rows 24] [--shards 2]
-                                          [--storage model_dtype|fp8_e4m3]
+                                          [--storage model_dtype|fp8_e4m3] [--capture-path auto|builtin|hooks]
 
 For each family (eagle3prep.testing.tiny_models: tiny random targets built offline), backend and dtype it
 captures every id 1..N of `--shards` shards of synthetic rows through `extract_shard` (one engine per
@@ -76,7 +76,12 @@ def run_cell(args, family: str, model: Path, backend: str, dtype: str, tokens: l
         tp_size=args.tp,
         max_seq_len=256,
     )
-    options = {"enforce_eager": True, "gpu_memory_utilization": 0.3, "capture_path": "auto", "storage": storage}
+    options = {
+        "enforce_eager": True,
+        "gpu_memory_utilization": 0.3,
+        "capture_path": getattr(args, "capture_path", "auto"),  # callers building their own Namespace: auto
+        "storage": storage,
+    }
     t0 = time.time()
     engine = make_backend(spec, options)
     try:
@@ -257,6 +262,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=24, help="rows per shard")
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--dump", action="store_true", help="save per-token errors of the correct captures")
+    ap.add_argument("--capture-path", default="auto", choices=["auto", "builtin", "hooks"], help="vllm cells' path")
     ap.add_argument("--storage", default="model_dtype", choices=["model_dtype", "fp8_e4m3"], help="extract.storage")
     ap.add_argument("--rejudge", action="store_true", help="OUT is a finished run with dumps: judge it again")
     args = ap.parse_args()

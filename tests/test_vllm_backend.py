@@ -87,7 +87,6 @@ def engine(request, model_path, tmp_path_factory):
         "capture_path": path,
         "max_num_batched_tokens": BATCH_TOKENS,
         "enforce_eager": True,  # torch.compile warm-up would add ~35 s per engine on 2 cores
-        "staging_dir": str(tmp_path_factory.mktemp(f"staging-{path}-{dtype}")),
     }
     backend = VLLMBackend(spec, options)
     info = backend.probe()
@@ -162,15 +161,24 @@ def test_rows_follow_their_request(engine, rows, reference):
     assert_matches(out, info, rows_of(reference["float32"], rows, order), rows_of(reference["bfloat16"], rows, order))
 
 
-def test_staging_is_emptied(engine, rows):
+def test_the_worker_writes_the_layer_files(engine, rows):
+    """Both paths write from TP rank 0's worker (its sink's timings come back by RPC); the built-in one
+    through our connector, with no lock file or per-request file anywhere (no staging folder at all)."""
+    from eagle3prep.backends.vllm.paths import CONNECTOR_MODULE
+
     backend, info = engine
     capture_rows(backend, rows[:2])
-    assert os.listdir(info.volatile["staging_dir"]) == []
+    assert {"stall_s", "write_s", "window_tokens"} <= set(backend.capture_stats), backend.capture_stats
+    assert "staging_dir" not in info.volatile
+    if info.capture_path == "builtin":
+        kv = backend.llm.llm_engine.vllm_config.kv_transfer_config
+        assert (kv.kv_connector, kv.kv_connector_module_path) == ("E3PHiddenStatesConnector", CONNECTOR_MODULE)
+        assert kv.kv_connector_extra_config["use_synchronization_lock"] is False
 
 
 def test_extract_shard_matches_transformers(engine, rows, reference, tmp_path):
-    """A whole shard through extract_shard: on the hooks path the worker's LayerSink writes the layer
-    files; on the built-in path the driver's, from the per-request files."""
+    """A whole shard through extract_shard: on both paths TP rank 0's worker's LayerSink writes the layer
+    files (the built-in path's rows come through our connector from vLLM's hidden-states cache)."""
     import hashlib
     import json
 
@@ -211,8 +219,8 @@ def test_extract_shard_matches_transformers(engine, rows, reference, tmp_path):
 
 
 def test_fp8_storage_quantizes_where_the_rows_are(engine, rows, tmp_path):
-    """extract.storage fp8_e4m3 on the same engine: the hooks path quantizes in TP rank 0's worker (the
-    SinkSpec's storage travels by RPC), the built-in path in the driver. The FP8 shard reads back as the
+    """extract.storage fp8_e4m3 on the same engine: both paths quantize in TP rank 0's worker (the
+    SinkSpec's storage travels by RPC), where the rows are. The FP8 shard reads back as the
     model-dtype capture within FP8 rounding, and its id N still reproduces vLLM's logprobs."""
     import json
 

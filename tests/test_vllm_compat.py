@@ -292,32 +292,30 @@ def test_explicit_builtin_path_refuses_layer_id_0_vllm_0_26():
 
 
 class ShortLLM:
-    """LLM.generate of a built-in path that, like deepseek_v2.py before vLLM 0.25, drops layer id N:
-    each request's connector file holds 3 layers where 4 were asked for."""
+    """The built-in path's engine where, like deepseek_v2.py before vLLM 0.25, vLLM's hidden-states cache
+    holds 3 layers where 4 were asked for: the worker's connector fails the sink, finish reports it."""
 
-    def __init__(self, folder):
-        self.folder = folder
+    def __init__(self):
+        self.llm_engine = FakeEngine()
 
-    def generate(self, prompts, params, use_tqdm=False):
-        from safetensors.torch import save_file
-
-        outs = []
-        for k, prompt in enumerate(prompts):
-            ids = prompt["prompt_token_ids"]
-            path = str(self.folder / f"req-{k}.safetensors")
-            save_file({"hidden_states": torch.zeros(len(ids), 3, 16), "token_ids": torch.tensor(ids)}, path)
-            outs.append(SimpleNamespace(kv_transfer_params={"hidden_states_path": path}))
-        return outs
+    def collective_rpc(self, name, args=()):
+        if name == "e3p_shard_progress":
+            return [{"rank": 0, "tokens": sum(len(q.prompt_token_ids) for q in self.llm_engine.done)}]
+        if name == "e3p_finish_shard":
+            return [
+                {"rank": 0, "error": "RuntimeError: vLLM's hidden-states cache gave (16, 3, 16), expected [16, 4, H]"}
+            ]
+        return [{"rank": 0}]
 
 
-def test_smoke_capture_names_version_and_fix_deepseek_vllm_0_24(tmp_path, monkeypatch):
+def test_smoke_capture_names_version_and_fix_deepseek_vllm_0_24(monkeypatch):
     import sys
 
     from eagle3prep.backends.vllm.paths import BuiltinPath
 
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(TokensPrompt=dict, SamplingParams=lambda **kw: kw))
     backend = make_backend()
-    backend.llm, backend.path = ShortLLM(tmp_path), BuiltinPath([2, 4, 5, 8], tmp_path, "0.24.0", on_cpu=True)
+    backend.llm, backend.path = ShortLLM(), BuiltinPath([2, 4, 5, 8], "0.24.0")
     backend.spec.dtype = "float32"
     with pytest.raises(
         CaptureError, match=r"vLLM 0\.24\.0.*final-layer capture on DeepseekV3ForCausalLM needs vLLM >= 0\.25"
@@ -329,10 +327,12 @@ def test_smoke_capture_names_version_and_fix_deepseek_vllm_0_24(tmp_path, monkey
 
 
 class FakeEngine:
-    """LLMEngine's add_request/step/has_unfinished_requests: every request finishes in one step."""
+    """LLMEngine's add_request/step/has_unfinished_requests: every request finishes in one step.
+    `engine_core`: a multiprocess engine's client unless `client` says otherwise (compat.engine_in_process)."""
 
-    def __init__(self):
-        self.queued, self.aborted, self.added = [], [], []
+    def __init__(self, client="SyncMPClient"):
+        self.queued, self.aborted, self.added, self.done, self.steps = [], [], [], [], 0
+        self.engine_core = type(client, (), {})()
 
     def add_request(self, request_id, prompt, params):
         self.added.append(request_id)
@@ -340,6 +340,8 @@ class FakeEngine:
 
     def step(self):
         out, self.queued = self.queued, []
+        self.done += out
+        self.steps += 1
         return out
 
     def has_unfinished_requests(self):
@@ -350,34 +352,68 @@ class FakeEngine:
 
 
 class FakeLLM:
-    def __init__(self, finish_reply):
-        self.llm_engine, self.calls, self.finish_reply = FakeEngine(), [], finish_reply
+    """LLM.collective_rpc of TP rank 0's worker: e3p_shard_progress answers `progress(engine)` rows."""
+
+    def __init__(self, finish_reply, client="SyncMPClient", progress=None):
+        self.llm_engine, self.calls, self.finish_reply = FakeEngine(client), [], finish_reply
+        self.progress = progress or (lambda engine: sum(len(q.prompt_token_ids) for q in engine.done))
 
     def collective_rpc(self, name, args=()):
         self.calls.append(name)
+        if name == "e3p_shard_progress":
+            return [{"rank": 0, "tokens": self.progress(self.llm_engine)}]
         return [self.finish_reply if name == "e3p_finish_shard" else {"rank": 0}]  # one reply per worker
 
 
-def run_capture_shard(monkeypatch, finish_reply):
+def run_capture_shard(monkeypatch, finish_reply, path_name="hooks", **llm_kw):
     import sys
 
-    from eagle3prep.backends.vllm.paths import HooksPath
+    from eagle3prep.backends.vllm.paths import BuiltinPath, HooksPath
     from eagle3prep.shard.sink import SinkSpec
 
     fake_vllm = SimpleNamespace(TokensPrompt=dict, SamplingParams=lambda **kw: kw)
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
-    path = HooksPath([2, 4], version="0.26.0")
+    path = (HooksPath if path_name == "hooks" else BuiltinPath)([2, 4], version="0.26.0")
     path.window_tokens = 4
     spec = SinkSpec({2: "/x/layer_2", 4: "/x/layer_4"}, 16, "bfloat16", [(0, 3), (3, 2)], tag_prefix="p")
-    llm = FakeLLM(finish_reply)
+    llm = FakeLLM(finish_reply, **llm_kw)
     entries = path.capture_shard(llm, iter([[[5, 6, 7]], [[8, 9]]]), spec)
     return entries, llm, llm.llm_engine.added
 
 
+ENTRY = {"sha256": "x", "bytes": 1, "shape": [5, 16], "dtype": "bfloat16"}
+
+
+def test_builtin_path_waits_for_the_worker_to_hold_every_row_before_finishing(monkeypatch):
+    """The connector gets a request's rows a step after the driver sees it end: the driver polls the
+    worker until all 5 rows arrived, stepping an in-process engine itself, then finishes the shard."""
+    from eagle3prep.backends.vllm import paths
+
+    monkeypatch.setattr(paths, "DRAIN_S", 5.0)  # an engine nobody steps fails in seconds, not minutes
+    seen = []
+
+    def lagging(engine):  # one engine step behind the requests the driver saw finish
+        seen.append(engine.steps)
+        return 0 if engine.steps < 4 else 5
+
+    reply = {"rank": 0, "entries": {"2": ENTRY, "4": ENTRY}}
+    entries, llm, _ = run_capture_shard(monkeypatch, reply, "builtin", client="InprocClient", progress=lagging)
+    assert entries == {2: ENTRY, 4: ENTRY}
+    assert llm.calls[0] == "e3p_open_shard" and llm.calls[-1] == "e3p_finish_shard"
+    assert seen == [1, 2, 3, 4]  # polled after the one step that ended both requests, stepping in between
+
+
+def test_builtin_path_that_never_gets_its_rows_fails_and_aborts(monkeypatch):
+    from eagle3prep.backends.vllm import paths
+
+    monkeypatch.setattr(paths, "DRAIN_S", 0.05)
+    with pytest.raises(CaptureError, match=r"4 of the shard's 5 rows reached the worker's sink in 0\.05 s"):
+        run_capture_shard(monkeypatch, {"rank": 0, "entries": {}}, "builtin", progress=lambda engine: 4)
+
+
 def test_capture_shard_feeds_every_row_and_returns_the_worker_entries(monkeypatch):
-    entry = {"sha256": "x", "bytes": 1, "shape": [5, 16], "dtype": "bfloat16"}
-    entries, llm, added = run_capture_shard(monkeypatch, {"rank": 0, "entries": {"2": entry, "4": entry}})
-    assert entries == {2: entry, 4: entry} and added == ["p-0", "p-1"]
+    entries, llm, added = run_capture_shard(monkeypatch, {"rank": 0, "entries": {"2": ENTRY, "4": ENTRY}})
+    assert entries == {2: ENTRY, 4: ENTRY} and added == ["p-0", "p-1"]
     assert llm.calls == ["e3p_open_shard", "e3p_finish_shard"]
 
 
@@ -580,7 +616,7 @@ def probe_with_fakes(monkeypatch, tmp_path, arch, start, options=None):
     monkeypatch.setattr(compat, "installed_version", lambda: "0.32.0")
     monkeypatch.delenv(compat.NO_WORKAROUNDS_ENV, raising=False)
     spec = CaptureSpec(backend="vllm", model_path="unused", layer_ids=[2, 4, 8], dtype="float32")
-    backend = VLLMBackend(spec, {"capture_path": "auto", "staging_dir": str(tmp_path), **(options or {})})
+    backend = VLLMBackend(spec, {"capture_path": "auto", **(options or {})})
     monkeypatch.setattr(backend_mod.ModelFacts, "read", staticmethod(lambda path: model_facts(arch)))
     monkeypatch.setattr(backend, "_on_cpu", lambda: True)
     monkeypatch.setattr(backend, "_smoke", lambda version, model: None)
@@ -595,9 +631,7 @@ def test_auto_falls_back_to_hooks_with_the_builtin_root_cause_and_keeps_the_work
     kwargs = {}
 
     def start(backend, name):
-        backend.path = (
-            BuiltinPath([2, 4, 8], tmp_path, "0.32.0", True) if name == "builtin" else HooksPath([2, 4, 8], "0.32.0")
-        )
+        backend.path = BuiltinPath([2, 4, 8], "0.32.0") if name == "builtin" else HooksPath([2, 4, 8], "0.32.0")
         kwargs[name] = backend._engine_kwargs(backend.path)
         if name == "builtin":
             backend._children.text = lambda: QWEN2_MOE_BUILTIN_OUTPUT
@@ -622,3 +656,22 @@ def test_probe_refuses_a_bug_without_workaround_before_any_engine_start(monkeypa
     with pytest.raises(EngineError, match="no workaround is known: kernel X"):
         backend.probe()
     assert starts == []
+
+
+def test_probe_removes_what_the_earlier_built_in_path_staged_in_the_shard_folder(monkeypatch, tmp_path):
+    """A shard killed under the earlier built-in path left <shard>/.vllm-staging with request files;
+    nothing writes there now, so the probe of the rerun removes it (and leaves the rest of the folder)."""
+    from eagle3prep.backends.vllm.paths import HooksPath
+
+    shard = tmp_path / "shard_0"
+    (shard / ".vllm-staging").mkdir(parents=True)
+    (shard / ".vllm-staging" / "e3p-1-0-3.safetensors").write_bytes(b"x")
+    (shard / ".tmp-layer_2.safetensors").write_bytes(b"y")
+
+    def start(backend, name):
+        backend.path = HooksPath([2, 4, 8], "0.32.0")
+
+    backend, _ = probe_with_fakes(monkeypatch, tmp_path, "LlamaForCausalLM", start)
+    backend.spec.extra["output_dir"] = str(shard)
+    backend.probe()
+    assert sorted(p.name for p in shard.iterdir()) == [".tmp-layer_2.safetensors"]

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 
-def test_workflow_with_vllm_backend(tmp_path):
+@pytest.mark.parametrize("capture_path", ["auto", "builtin"])
+def test_workflow_with_vllm_backend(tmp_path, capture_path):
+    """auto picks the hooks on Llama; builtin runs vLLM's extract_hidden_states through our connector."""
     config = {
         **SMALL_CONFIG,
         "tokenize": {"max_seq_len": 128, "num_shards": 1},
@@ -28,6 +30,7 @@ def test_workflow_with_vllm_backend(tmp_path):
             "enforce_eager": True,
             "batch_tokens": 2048,
             "max_num_batched_tokens": 256,
+            "capture_path": capture_path,
         },
         "validate": {"sample_rows": 3},
     }
@@ -51,6 +54,11 @@ def test_workflow_with_vllm_backend(tmp_path):
     shard = wd / "results/hidden_states/shard_0"
     assert not (shard / "manifest.json").exists()
     assert any(p.name.startswith(".tmp-layer_") for p in shard.iterdir()), sorted(shard.iterdir())  # half-written
+    # Only the shard's own temp files: no staging folder, no per-request file or lock anywhere.
+    stray = [p for p in (wd / "results").rglob("*") if p.name.endswith(".lock") or "staging" in p.name]
+    assert not stray and sorted(p.name for p in shard.iterdir() if not p.name.startswith(".tmp-layer_")) == [
+        ".tmp-token_ids.safetensors"
+    ], (stray, sorted(shard.iterdir()))
     tokenized = {p: p.stat().st_mtime_ns for p in (wd / "results/tokenized").iterdir()}
     # The kill left the engine's message queues in /dev/shm (vLLM unlinks them only on shutdown)...
     (record,) = records.glob("*.json")
@@ -65,7 +73,8 @@ def test_workflow_with_vllm_backend(tmp_path):
     assert not [n for n in leaked if (Path("/dev/shm") / n).exists()] and not list(records.glob("*.json"))
     assert f"removed {len(leaked)} shared-memory segment(s)" in (wd / "logs/extract/shard_0.log").read_text()
     manifest = json.loads((shard / "manifest.json").read_text())
-    assert manifest["engine"]["engine"] == "vllm" and manifest["engine"]["capture_path"] == "hooks"  # auto
+    want = "hooks" if capture_path == "auto" else capture_path
+    assert manifest["engine"]["engine"] == "vllm" and manifest["engine"]["capture_path"] == want
     assert manifest["engine"]["final_layer_reachable"] and manifest["layer_ids"] == [2, 4, 5, 8]
     report = json.loads((wd / "results/validation/shard_0.json").read_text())
     assert report["ok"]

@@ -1,5 +1,6 @@
 """bench_extract's phases, each run in its own process: (a) plain vLLM prefill, (b) our vllm backend
-writing shards, (c) transformers' hidden states written as the same files, (d) vLLM's own connector."""
+writing shards, (c) transformers' hidden states written as the same files, (d) vLLM's own connector,
+(e) (a) compiled, (f) (b) on the built-in path compiled, (g) (f) writing FP8."""
 
 from __future__ import annotations
 
@@ -133,9 +134,10 @@ def phase_d(args, model: Path, work: dict) -> dict:
     return out
 
 
-def phase_b(args, model: Path, work: dict) -> dict:
+def phase_b(args, model: Path, work: dict, **over) -> dict:
     """(b) our vllm backend through extract_shard: each workload written as a shard (uniform to
-    /dev/shm as well), with its bytes/s, host RSS growth and the writer's waits."""
+    /dev/shm as well), with its bytes/s, host RSS growth and the writer's waits. `over`: extract
+    options over (b)'s (phases f and g)."""
     from eagle3prep.backends import make_backend
     from eagle3prep.backends.base import CaptureSpec
     from eagle3prep.extract import extract_shard
@@ -155,6 +157,7 @@ def phase_b(args, model: Path, work: dict) -> dict:
         "enforce_eager": True,
         "engine_args": {"load_format": "dummy"},
         "storage": getattr(args, "storage", "model_dtype"),  # fp8_e4m3: half the bytes (extract.storage)
+        **over,
     }
     shards = args.out / "shards"
     shm = Path("/dev/shm")
@@ -279,4 +282,15 @@ def phase_c(args, model: Path, work: dict) -> dict:
     return out
 
 
-PHASES = {"a": phase_a, "b": phase_b, "c": phase_c, "d": phase_d, "e": phase_e}
+def phase_f(args, model: Path, work: dict) -> dict:
+    """(f) (b) on the built-in path (extract_hidden_states + our connector writing from the worker), the
+    engine compiled as vLLM starts by default: nothing there needs eager mode, unlike the hooks."""
+    return phase_b(args, model, work, capture_path="builtin", enforce_eager=False)
+
+
+def phase_g(args, model: Path, work: dict) -> dict:
+    """(g) (f) writing FP8 shards (extract.storage fp8_e4m3, quantized in the worker): half the bytes."""
+    return phase_b(args, model, work, capture_path="builtin", enforce_eager=False, storage="fp8_e4m3")
+
+
+PHASES = {"a": phase_a, "b": phase_b, "c": phase_c, "d": phase_d, "e": phase_e, "f": phase_f, "g": phase_g}

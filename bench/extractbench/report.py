@@ -21,11 +21,36 @@ def print_report(args, results: dict, disk_before: tuple, disk_after: tuple, str
         print_disk(results, b, disk_before, disk_after, streams)
         print_writers(b)
     print_compiled(results)
-    for p in "abcde":
+    print_builtin(results)
+    for p in "abcdefg":
         if p in results:
             print(f"engine start ({p}): {results[p]['engine_start_s']:.1f} s")
     if b:
         print_shard_size(b)
+
+
+def print_builtin(results: dict) -> None:
+    """(f) and (g), the built-in path through our connector (compiled; g: FP8), against (a) and (b): the
+    issue #25 targets are f/a and g/a >= 0.95, g at half f's bytes, RSS growth after the first shard < 64 MiB."""
+    for p, what in (("f", "built-in, compiled"), ("g", "built-in, compiled, FP8")):
+        r = results.get(p)
+        if not r:
+            continue
+        for w in ("uniform", "mixed"):
+            parts = [f"({p}) {what} {w}: {r[w]['tokens_per_s']:,.0f} tok/s"]
+            parts += [
+                f"{p}/{q} {r[w]['tokens_per_s'] / results[q][w]['tokens_per_s']:.2f}" for q in "ab" if q in results
+            ]
+            parts.append(
+                f"writes {r[w]['bytes_per_s'] / 1e9:.2f} GB/s ({r[w]['bytes'] / r[w]['tokens']:,.0f} B/token)"
+            )
+            print(", ".join(parts))
+        print(
+            f"({p}) host RSS growth: first (half) shard {r['uniform_half']['rss_growth_mib']:.0f} MiB, then "
+            f"{r['uniform']['rss_growth_mib']:.0f} MiB (full) and {r['mixed']['rss_growth_mib']:.0f} MiB (mixed); "
+            f"peak RSS {r['peak_rss_mib']:.0f} MiB; capture path {r['capture_path']}; engine start "
+            f"{r['engine_start_s']:.1f} s; worker writer, seconds: {r['uniform'].get('writer')}"
+        )
 
 
 def print_compiled(results: dict) -> None:
@@ -47,7 +72,7 @@ def print_table(args, results: dict) -> None:
     shape = args.shape
     print(
         f"\n# {time.strftime('%Y-%m-%d')} {dev}, torch {torch.__version__}, "
-        f"vLLM {results.get('b', {}).get('vllm', '?')}, shape {shape}, dtype {args.dtype}, eager, layers {layer_ids(shape)}"
+        f"vLLM {next((results[p]['vllm'] for p in 'bfg' if p in results), '?')}, shape {shape}, dtype {args.dtype}, eager, layers {layer_ids(shape)}"
     )
     print(
         "| workload | (a) vLLM prefill | (b) eagle3prep vllm | (c) transformers | (d) vLLM connector | b/a | b/c | b/d |"

@@ -1,5 +1,6 @@
-"""The `moe-prefill` scenario of bench/multi_gpu.py: bench_extract's phases (a) plain vLLM prefill and (b)
-our vllm backend, each in its own process at --tp, on a DeepSeek-V3-shaped MoE with random weights."""
+"""The `moe-prefill` scenario of bench/multi_gpu.py: bench_extract's phases (a) plain vLLM prefill, (b)
+our vllm backend (--capture-path) and (f) its built-in path compiled, each in its own process at --tp,
+on a DeepSeek-V3-shaped MoE with random weights."""
 
 from __future__ import annotations
 
@@ -56,18 +57,28 @@ def scenario_moe_prefill(args, lines: list[str]) -> None:
         f"({cfg.get('first_k_dense_replace')} dense), {cfg['n_routed_experts']} experts x {cfg['moe_intermediate_size']}, "
         f"top {cfg['num_experts_per_tok']}; TP {args.tp}, random weights (load_format dummy), layers {ids}"
     )
-    lines.append("| workload | (a) vLLM prefill tok/s | (b) eagle3prep vllm tok/s | b/a | (b) capture path |")
-    lines.append("|---|---|---|---|---|")
-    a, b = results.get("a", {}), results.get("b", {})
+    lines.append(
+        "| workload | (a) vLLM prefill tok/s | (b) eagle3prep vllm tok/s | b/a | (b) capture path "
+        "| (f) built-in, compiled tok/s | f/a | (f) bytes/s |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|")
+    a, b, f = results.get("a", {}), results.get("b", {}), results.get("f", {})
     for w in ("uniform", "mixed", "uniform_shm"):
-        ra, rb = a.get(w.removesuffix("_shm"), {}).get("tokens_per_s"), b.get(w, {}).get("tokens_per_s")
-        ratio = f"{rb / ra:.2f}" if ra and rb else "-"
-        lines.append(f"| {w} | {fmt(ra)} | {fmt(rb)} | {ratio} | {b.get('capture_path', '-')} |")
+        ra = a.get(w.removesuffix("_shm"), {}).get("tokens_per_s")
+        rb, rf = b.get(w, {}).get("tokens_per_s"), f.get(w, {}).get("tokens_per_s")
+        lines.append(
+            f"| {w} | {fmt(ra)} | {fmt(rb)} | {ratio(rb, ra)} | {b.get('capture_path', '-')} | {fmt(rf)} | "
+            f"{ratio(rf, ra)} | {fmt(f.get(w, {}).get('bytes_per_s'))} |"
+        )
     if b:
         lines.append(
             f"- (b) engine start {b['engine_start_s']:.1f} s, peak RSS of the capture processes {b['peak_rss_mib']:.0f} MiB, "
             f"vLLM {b.get('vllm')}; (a) engine start {a.get('engine_start_s', float('nan')):.1f} s"
         )
+
+
+def ratio(x: float | None, y: float | None) -> str:
+    return f"{x / y:.2f}" if x and y else "-"
 
 
 def moe_phase(args) -> None:
@@ -94,5 +105,5 @@ def moe_phase(args) -> None:
     )
     ns.out.mkdir(parents=True, exist_ok=True)
     work = workload.workloads(ns)  # token ids below the vocabulary of either shape
-    phase = {"a": phases.phase_a, "b": phases.phase_b}[args.phase]
+    phase = {"a": phases.phase_a, "b": phases.phase_b, "f": phases.phase_f}[args.phase]
     print("RESULT " + json.dumps(phase(ns, folder, work)), flush=True)

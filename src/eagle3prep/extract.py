@@ -164,7 +164,7 @@ def _extract_into(out, tokenized_shard, spec, options, batch_tokens, shard, fact
         elif engine is None:
             claim = stack.enter_context(claim_job_gpus(spec.gpus()))  # before the engine reads CUDA_VISIBLE_DEVICES
             claim_record = claim.record()
-            spec.extra["output_dir"] = str(out)  # vLLM's built-in path stages per-request files here
+            spec.extra["output_dir"] = str(out)  # the vllm probe removes what a pre-issue-25 killed run staged here
             backend = stack.enter_context(make_backend(spec, options))
             info = backend.probe()
         else:

@@ -1,7 +1,8 @@
 """The one way hidden states reach a shard's layer files: forward steps into a LayerSink (DESIGN.md §5).
 
-Every backend speaks it, in the process that holds the rows: the hf backend in its own process, the
-vLLM hooks in TP rank 0's worker, vLLM's built-in path in the driver after reading its files.
+Every backend speaks it, in the process that holds the rows: the hf backend in its own process, both
+vLLM capture paths in TP rank 0's worker (the hooks per forward step, the built-in path's connector
+per step's finished requests).
 
     sink.begin_step(segments)        # which rows of the step belong to which request, at which position
     sink.add_layer(layer_id, stream) # per requested layer: [step_tokens, H] on the GPU (or CPU)

@@ -71,6 +71,15 @@ def rpc_result(reply: Any, *, version: str, unique_reply_rank: int | None = None
     return reply[0]
 
 
+def engine_in_process(engine: Any) -> bool:
+    """LLMEngine's engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so nothing steps
+    it unless the driver does. Its client is InprocClient in vLLM's V1 engine (0.8 through 0.32)."""
+    client = getattr(engine, "engine_core", None)
+    if client is None:
+        raise RuntimeError(f"{type(engine).__name__} has no engine_core: vLLM's V1 LLMEngine changed")
+    return type(client).__name__ == "InprocClient"
+
+
 def builtin_supported(version: str) -> bool:
     """vLLM ships extract_hidden_states + ExampleHiddenStatesConnector with id N reachable."""
     return parse_version(version) >= BUILTIN_EXTRACT

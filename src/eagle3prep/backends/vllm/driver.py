@@ -12,7 +12,6 @@ import dataclasses
 import itertools
 import os
 import shutil
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -40,8 +39,8 @@ HOST_SLOTS = 3
 
 
 class VLLMBackend(CaptureBackend):
-    """Capture with vLLM. Options are config `extract:` keys (schema.yaml); spec.extra may carry
-    `output_dir`, the shard folder, under which the built-in path stages its files by default."""
+    """Capture with vLLM. Options are config `extract:` keys (schema.yaml). Both capture paths write the
+    layer files from TP rank 0's worker; nothing is staged per request."""
 
     name = "vllm"
 
@@ -50,8 +49,7 @@ class VLLMBackend(CaptureBackend):
         self.llm: Any = None
         self.path: BuiltinPath | HooksPath | None = None
         self.info: EngineInfo | None = None
-        self._staging: Path | None = None
-        self._run = uuid.uuid4().hex[:8]  # keeps tags unique if two jobs share a staging folder
+        self._run = uuid.uuid4().hex[:8]  # part of every request tag: unique for the engine's lifetime
         self._shards = itertools.count()
         self._workarounds = compat.Workarounds()
         self._children = ChildOutput()
@@ -61,7 +59,7 @@ class VLLMBackend(CaptureBackend):
         try:
             return self._probe()
         except BaseException:
-            self.close()  # free the engine, the GPU locks and the staging folder
+            self.close()  # free the engine and the GPU locks
             raise
 
     def _probe(self) -> EngineInfo:
@@ -83,7 +81,9 @@ class VLLMBackend(CaptureBackend):
             raise EngineError(self._workarounds.refusal)
         for line in self._workarounds.log_lines:
             log(line)
-        self._staging = self._make_staging()
+        out_dir = self.spec.extra.get("output_dir") or self.options.get("output_dir")
+        if out_dir:  # the per-request files of a killed run from before issue 25 (no code writes there now)
+            shutil.rmtree(Path(out_dir) / ".vllm-staging", ignore_errors=True)
 
         candidates, fallback_reason = self._candidate_paths(version, model)
         arch = model.architectures[0] if model.architectures else "the model"
@@ -129,7 +129,6 @@ class VLLMBackend(CaptureBackend):
             },
             volatile={
                 "gpu_ids": os.environ.get("CUDA_VISIBLE_DEVICES") if not on_cpu else None,
-                "staging_dir": str(self._staging),
                 "probe_s": round(time.time() - t0, 2),
                 **timings,
             },
@@ -141,20 +140,6 @@ class VLLMBackend(CaptureBackend):
         from vllm.platforms import current_platform
 
         return current_platform.is_cpu()
-
-    def _make_staging(self) -> Path:
-        """extract.staging_dir, else <output_dir>/.vllm-staging (same filesystem), else a temp folder."""
-        configured = self.options.get("staging_dir") or None
-        out_dir = self.spec.extra.get("output_dir") or self.options.get("output_dir")
-        if configured:
-            path = Path(configured) / f"eagle3prep-{self._run}"
-        elif out_dir:
-            path = Path(out_dir) / ".vllm-staging"
-            shutil.rmtree(path, ignore_errors=True)  # left by a killed run of this shard
-        else:
-            return Path(tempfile.mkdtemp(prefix="eagle3prep-vllm-"))
-        path.mkdir(parents=True, exist_ok=True)
-        return path
 
     def _candidate_paths(self, version: str, model: ModelFacts) -> tuple[list[str], str | None]:
         """The capture paths to try in order, and why the built-in one was left out (if it was)."""
@@ -178,8 +163,8 @@ class VLLMBackend(CaptureBackend):
             # MoE on the DeepSeek backbone (Kimi, GLM-5): the hooks path has not been checked on the
             # GPU there (expert/data parallel layouts); vLLM's own path is the one its authors test.
             return ["builtin", "hooks"], None
-        # hooks first: only it writes the layer files from the worker (pinned slots, no per-request
-        # files; docs/performance.md); the built-in path is the fallback where the hooks fail their probe.
+        # hooks first: measured at 0.96x plain prefill on Llama (docs/performance.md); the built-in path,
+        # now writing from the worker too, is the fallback until its H200 run says otherwise.
         return ["hooks", "builtin"], None
 
     def _engine_kwargs(self, path: BuiltinPath | HooksPath) -> dict[str, Any]:
@@ -215,7 +200,7 @@ class VLLMBackend(CaptureBackend):
 
         self._children = ChildOutput()  # the engine's processes print the root cause of a failed start
         if name == "builtin":
-            self.path = BuiltinPath(self.spec.layer_ids, self._staging, version, on_cpu)
+            self.path = BuiltinPath(self.spec.layer_ids, version)
         else:
             # The hooks read the V1 model runner's input batch (compat.step_layout).
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -249,8 +234,8 @@ class VLLMBackend(CaptureBackend):
             raise RuntimeError("capture_shard() before probe(): call probe() first")
         # Request ids must be unique for the engine's lifetime: one prefix per shard.
         sink = dataclasses.replace(sink, tag_prefix=f"e3p-{self._run}-{next(self._shards)}", slots=HOST_SLOTS)
-        if isinstance(self.path, HooksPath):  # a full step always waiting, whatever the batches' size
-            self.path.window_tokens = max(int(self.options.get("batch_tokens") or 0), 2 * self.step_tokens())
+        # a full step always waiting, whatever the batches' size
+        self.path.window_tokens = max(int(self.options.get("batch_tokens") or 0), 2 * self.step_tokens())
         entries = self.path.capture_shard(self.llm, batches, sink)
         self.capture_stats, self.capture_logprobs = self.path.stats, self.path.logprobs
         return entries
@@ -274,6 +259,3 @@ class VLLMBackend(CaptureBackend):
 
     def close(self) -> None:
         self._shutdown_engine()
-        if self._staging is not None:
-            shutil.rmtree(self._staging, ignore_errors=True)
-            self._staging = None

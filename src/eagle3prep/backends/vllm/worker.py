@@ -3,6 +3,8 @@
 - `HiddenStatesCapture`: the `worker_extension_cls` of the hooks path. Hooks sit where
   layers.hook_point puts each id; while a shard is open, every forward step goes to its LayerSink
   (TP rank 0 only: all ranks hold the same residual stream), which writes the layer files.
+- for the built-in path, the same extension opens and finishes the shard's LayerSink, which
+  connector.py's E3PHiddenStatesConnector fills (through connector.PORT, in the same process).
 - `CPUHiddenStatesConnector`: vLLM's ExampleHiddenStatesConnector without pinned memory and CUDA
   streams, so the built-in `extract_hidden_states` path runs on vLLM's CPU build.
 
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...layers import decoder_stack, hook_point
 from .compat import TAG_KEY, step_layout
+from .connector import PORT
 
 if TYPE_CHECKING:
     import torch
@@ -92,6 +95,16 @@ class HiddenStatesCapture:
         self._e3p_handles = handles
         return {"rank": 0, "num_hidden_layers": num_layers, "hooks": len(handles)}
 
+    def e3p_attach(self) -> dict[str, Any]:
+        """The built-in path's install: no hooks; e3p_open_shard's sink goes to the connector (connector.PORT)."""
+        self._e3p_rank = _tp_rank()
+        self._e3p_sink = None
+        return {"rank": self._e3p_rank}
+
+    def e3p_shard_progress(self) -> dict[str, Any]:
+        """Rows the connector has handed to the open shard's sink (the driver waits for all of them)."""
+        return {"rank": self._e3p_rank, "tokens": PORT.tokens}
+
     def _e3p_on_step_start(self, module: Any, args: tuple) -> None:
         self._e3p_step = step_layout(self.model_runner)  # [] for vLLM's dummy/warm-up runs
         if self._e3p_sink is not None and self._e3p_step:
@@ -116,6 +129,7 @@ class HiddenStatesCapture:
         if self._e3p_sink is not None:
             self._e3p_sink.abort()
         self._e3p_sink = None
+        PORT.close()
         spec = SinkSpec(
             **{
                 **spec,
@@ -126,6 +140,7 @@ class HiddenStatesCapture:
         # The pinned slots outlive a shard: LayerSink keeps a pool of the same shape, else makes one.
         self._e3p_sink = LayerSink(spec, pool=getattr(self, "_e3p_pool", None))
         self._e3p_pool = self._e3p_sink.pool
+        PORT.open(self._e3p_sink)  # the built-in path's connector writes into it (unused by the hooks)
         return {"rank": 0, "files": len(spec.layer_paths)}
 
     def e3p_finish_shard(self) -> dict[str, Any]:
@@ -133,6 +148,7 @@ class HiddenStatesCapture:
         if self._e3p_rank != 0:
             return {"rank": self._e3p_rank}
         sink, self._e3p_sink = self._e3p_sink, None
+        PORT.close()
         if sink is None:
             return {"rank": 0, "error": "no shard is open in the worker"}
         try:
@@ -148,6 +164,7 @@ class HiddenStatesCapture:
         if getattr(self, "_e3p_rank", 1) != 0 or self._e3p_sink is None:
             return {"rank": getattr(self, "_e3p_rank", None)}
         sink, self._e3p_sink = self._e3p_sink, None
+        PORT.close()
         sink.abort()
         return {"rank": 0, "aborted": True}
 

