@@ -40,10 +40,10 @@ sys.path.insert(0, str(HERE))
 RECIPE = {"steps": 600, "lr": 1e-3, "draft_vocab_size": 2048, "seq_len": 4096, "ratio": 0.95, "attn": "sdpa"}
 TOY_RECIPE = {"steps": 20, "lr": 1e-3, "draft_vocab_size": 256, "seq_len": 512, "ratio": 0.9, "attn": "sdpa"}
 ROWS = {"h200": 512, "toy": 24}  # training conversations per variant
-PROMPTS = {"h200": 256, "toy": 4}
+PROMPTS = {"h200": 256, "toy": 4}  # held-out prompts served (64 gave 1.5 s of decode: too short for tok/s)
 # A fixed KV cache skips vLLM's memory profiling, which fails when another process on the GPU frees memory
 # meanwhile; the utilization is then only the free memory a start needs (14 GiB of the H200's 141).
-ENGINE_SHARE = {"gpu_memory_utilization": 0.1, "engine_args": {"kv_cache_memory_bytes": 4 << 30}}  # held-out prompts served (64 gave 1.5 s of decode: too short for tok/s)
+ENGINE_SHARE = {"gpu_memory_utilization": 0.1, "engine_args": {"kv_cache_memory_bytes": 4 << 30}}
 
 
 def workflow_config(opts: argparse.Namespace, variant: str, sources: list[str]) -> dict:
@@ -228,7 +228,9 @@ def stage_serve(opts: argparse.Namespace) -> dict:
         cmd += ["--draft", str(draft)] if draft else []
         with open(opts.out / "serve" / f"{opts.tag}{name}.log", "w") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=log).returncode
-        out[opts.tag + name] = {k: v for k, v in json.loads(res.read_text()).items() if k != "outputs"} if rc == 0 else {"rc": rc}
+        out[opts.tag + name] = (
+            {k: v for k, v in json.loads(res.read_text()).items() if k != "outputs"} if rc == 0 else {"rc": rc}
+        )
     return out
 
 
