@@ -148,6 +148,19 @@ def test_finished_requests_reach_the_shard_in_row_order(layout, tmp_path):
         assert torch.equal(got, want), lid
 
 
+def finish_one_request(conn) -> None:
+    """Request "r" (tag t-0, 4 prompt tokens in block 1) scheduled, finished and gathered by the connector."""
+    request = SimpleNamespace(
+        request_id="r",
+        prompt_token_ids=[1] * 4,
+        sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"}),
+    )
+    conn.schedule("r")
+    conn.request_finished(request, [1])
+    conn._meta = Metadata([conn._pending_saves.pop("r")])
+    conn.get_finished(set())
+
+
 def test_a_length_mismatch_fails_the_shard_not_the_engine(tmp_path):
     """vLLM saving fewer tokens than the row has: get_finished returns normally (a raise would kill the
     engine) and the sink's finish() names the request."""
@@ -163,15 +176,7 @@ def test_a_length_mismatch_fails_the_shard_not_the_engine(tmp_path):
     sink = LayerSink(spec)
     connector.PORT.open(sink)
     try:
-        request = SimpleNamespace(
-            request_id="r",
-            prompt_token_ids=[1] * 4,
-            sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"}),
-        )
-        conn.schedule("r")
-        conn.request_finished(request, [1])
-        conn._meta = Metadata([conn._pending_saves.pop("r")])
-        conn.get_finished(set())
+        finish_one_request(conn)
         with pytest.raises(RuntimeError, match="request t-0: vLLM saved 4 tokens, the row has 5"):
             sink.finish()
     finally:
@@ -269,15 +274,7 @@ def test_a_changed_buffer_layout_fails_the_shard_by_name(tmp_path):
     sink = LayerSink(spec)
     connector.PORT.open(sink)
     try:
-        request = SimpleNamespace(
-            request_id="r",
-            prompt_token_ids=[1] * 4,
-            sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"}),
-        )
-        conn.schedule("r")
-        conn.request_finished(request, [1])
-        conn._meta = Metadata([conn._pending_saves.pop("r")])
-        conn.get_finished(set())
+        finish_one_request(conn)
         with pytest.raises(RuntimeError, match=r"gave \(4, 8, 3\), expected \[4, 3, H\]"):
             sink.finish()
     finally:
