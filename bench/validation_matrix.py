@@ -4,7 +4,8 @@
                                           [--device cpu|cuda] [--tp 1] [--rows 24] [--shards 2]
                                           [--storage model_dtype|fp8_e4m3] [--capture-path auto|builtin|hooks]
 
-For each family (eagle3prep.testing.tiny_models: tiny random targets built offline), backend and dtype it
+For each family (eagle3prep.testing.tiny_models: tiny random targets built offline; `kimi_int4`: the tiny
+Kimi-K2.5-shaped target of eagle3prep.testing.tiny_kimi, INT4 routed experts), backend and dtype it
 captures every id 1..N of `--shards` shards of synthetic rows through `extract_shard` (one engine per
 cell), then runs `validate_shard` on **every row**: first on the shards as captured (must pass), then on
 each planted mistake of eagle3prep.testing.planted, restricted to the default ids [2, N//2, N-3, N] (must fail).
@@ -34,6 +35,15 @@ from eagle3prep.testing.tiny_models import FAMILIES, build_family
 from eagle3prep.validate import ValidationError, validate_shard
 
 SEED = 0
+KIMI = "kimi_int4"  # the tiny Kimi-K2.5-shaped target, routed experts INT4 (eagle3prep.testing.tiny_kimi)
+
+
+def build_model(family: str, folder: Path) -> Path:
+    if family == KIMI:
+        from eagle3prep.testing.tiny_kimi import build_tiny_kimi
+
+        return folder if (folder / "config.json").exists() else build_tiny_kimi(folder, "int4")
+    return build_family(family, folder)
 
 
 def write_rows(path: Path, rows: int, vocab: int, seed: int, first_row: int) -> Path:
@@ -76,9 +86,12 @@ def run_cell(args, family: str, model: Path, backend: str, dtype: str, tokens: l
         tp_size=args.tp,
         max_seq_len=256,
     )
+    share = getattr(args, "share_gpu", False)
     options = {
         "enforce_eager": True,
-        "gpu_memory_utilization": 0.3,
+        # --share-gpu: a fixed KV cache, so no memory profiling races the other processes on the GPU
+        "gpu_memory_utilization": 0.1 if share else 0.3,
+        **({"engine_args": {"kv_cache_memory_bytes": 2 << 30}} if share else {}),
         "capture_path": getattr(args, "capture_path", "auto"),  # callers building their own Namespace: auto
         "storage": storage,
     }
@@ -254,7 +267,7 @@ def summary_row(c: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=[*FAMILIES, KIMI])
     ap.add_argument("--backends", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -264,6 +277,7 @@ def main() -> None:
     ap.add_argument("--dump", action="store_true", help="save per-token errors of the correct captures")
     ap.add_argument("--capture-path", default="auto", choices=["auto", "builtin", "hooks"], help="vllm cells' path")
     ap.add_argument("--storage", default="model_dtype", choices=["model_dtype", "fp8_e4m3"], help="extract.storage")
+    ap.add_argument("--share-gpu", action="store_true", help="engines with a fixed 2 GiB KV cache (GPU shared)")
     ap.add_argument("--rejudge", action="store_true", help="OUT is a finished run with dumps: judge it again")
     args = ap.parse_args()
     if args.rejudge:
@@ -292,7 +306,7 @@ def main() -> None:
     emit("|---|---|---|---|---|---|---|---|---|---|")
     cells = []
     for family in args.families:
-        model = build_family(family, args.out / "models" / family)
+        model = build_model(family, args.out / "models" / family)
         vocab = json.loads((model / "config.json").read_text()).get("vocab_size", 512)
         tokens = [
             write_rows(args.out / f"tokens_{family}_{k}.jsonl", args.rows, vocab, SEED + k, k * args.rows)

@@ -11,7 +11,8 @@ One stage per device call (each reads what the earlier wrote to OUT, on the same
            offpolicy: the conversations' own replies (regenerate off)
            all_ids:   ours' rows with every id 1..N captured (the planted rows' source)
   plant    planted mistakes on all_ids' rows (bench/quality/planted_rows.py), validated and exported carelessly
-  peer     ours' rows with hidden states from speculators' generate-offline-data (bench/quality/peer.py)
+  peer     ours' rows with hidden states from speculators' generate-offline-data (bench/quality/peer.py),
+           then the workflow's validation on them
   train    speculators' trainer (eagle3prep-train, eagle3, the direct backend) on each variant's export,
            a fixed recipe (RECIPE), one draft per seed: OUT/drafts/<variant>_s<seed>
   serve    vLLM, the target alone and with each draft (k = 3, greedy) on held-out prompts
@@ -128,9 +129,11 @@ def stage_plant(opts: argparse.Namespace) -> dict:
 
 
 def stage_peer(opts: argparse.Namespace) -> dict:
-    from peer import make_peer
+    """The peer's files, then the workflow's validation verdict on them (every row, as for the planted rows)."""
+    from peer import make_peer, peer_verdict
 
-    return {"peer": make_peer(opts.out)}
+    made = make_peer(opts.out)
+    return {"peer": {**made, "validation": peer_verdict(opts.out, opts.device) if made["rc"] == 0 else "not run"}}
 
 
 def train_args(opts: argparse.Namespace, export: Path, save: Path, seed: int) -> list[str]:

@@ -1,6 +1,9 @@
 """Print every figure docs/quality.md quotes from one quality-bench run folder (OUT of run.py).
 
-    python bench/quality/summarize.py docs/runs/quality/h200_2026-12-01
+    python bench/quality/summarize.py docs/runs/quality/h200_2026-12-01 [LATER_RUN ...]
+
+Later runs (device_more.sh: the same target rebuilt bit-identically) add cells to the first run's table:
+each section is printed per run, and the table pools every (variant, seed) of all runs.
 
 The target (target.json), the workflow stages (summary.json, the regenerate counts, the validation), each
 draft's training (first and last loss, the trainer's validation of its first and last epoch: full_acc per
@@ -39,14 +42,32 @@ def _val_epochs(metrics: Path) -> list[tuple[int, list[float]]]:
     return out
 
 
-def main(run: Path) -> None:
+def main(runs: list[Path]) -> None:
+    first = runs[0]
+    target_out = json.loads(_text(first / "serve/target_only.json"))["outputs"]
+    cells, summaries = {}, []
+    for run in runs:
+        print(f"# run {run}")
+        summaries.append(json.loads((run / "summary.json").read_text()))
+        sections(run, summaries[-1], target_out)
+        for res in _glob(run / "serve", "*_s[0-9].json"):
+            if res.name.startswith("speed_"):
+                continue
+            variant, seed = re.fullmatch(r"(.+)_s(\d+)", res.stem).groups()
+            if int(seed) in cells.get(variant, {}):
+                raise SystemExit(f"error: {variant} seed {seed} served in two runs ({res})")
+            cells.setdefault(variant, {})[int(seed)] = json.loads(_text(res))
+    table(cells, summaries, runs)
+
+
+def sections(run: Path, summary: dict, target_out: list) -> None:
+    """The target, the workflow stages, each draft's training and each served engine of one run folder."""
     t = json.loads((run / "target/target.json").read_text())
     print(
         f"target: {t['parameters']:,} parameters, {t['wall_s']} s, loss {t['loss_first_last']}, "
         f"held-out loss {t['heldout_loss']}, top-1 {t['heldout_top1']} ({t['tokens']} tokens), "
         f"modules {t['modules']}, conversations {t['conversations']}, weights {t['sha256']['weights']}"
     )
-    summary = json.loads((run / "summary.json").read_text())
     for name, d in summary.get("data", {}).items():
         print(f"data {name}: rc {d['rc']}, {d['wall_s']} s, verdicts {d['verdict']}")
         counts = run / "wd" / name / "results/regenerated/counts.json"
@@ -69,7 +90,7 @@ def main(run: Path) -> None:
                 f"  {metrics.parent.name} val epoch {epoch}: full_acc {[round(a, 3) for a in accs]}, "
                 f"1 + sum {1 + sum(accs):.2f}"
             )
-    target_out = json.loads(_text(run / "serve/target_only.json"))["outputs"]
+    # A later run serves no target alone: the first run's outputs (same weights, same prompts) stand in.
     for res in _glob(run / "serve", "*.json"):
         if res.name == "prompts.json":
             continue
@@ -81,27 +102,28 @@ def main(run: Path) -> None:
             f"({s['output_tokens']} tokens in {s['wall_s']} s), engine start {s['engine_start_s']} s, "
             f"outputs equal to the target's alone {same}/{len(target_out)}"
         )
-    table(run, summary)
+    peer = summary.get("peer", {}).get("peer", {})
+    if "validation" in peer:
+        print(f"peer validation (validate_shard, every row): {peer['validation']}")
 
 
-def verdict(run: Path, summary: dict, variant: str) -> str:
-    """The workflow's validation verdict on a variant's data (planted: validate_shard on every row)."""
-    if variant in summary.get("plant", {}):
-        return summary["plant"][variant]["validation"].split(":")[0]
-    if variant in summary.get("data", {}):
-        return "/".join(sorted(set(summary["data"][variant]["verdict"].values()))) or "none"
-    return "not run"  # the peer's files are speculators' own: the workflow did not validate them
+def verdict(summaries: list[dict], variant: str) -> str:
+    """The workflow's validation verdicts on a variant's data in every run that made it (planted and peer:
+    validate_shard on every row)."""
+    found = []
+    for summary in summaries:
+        if variant in summary.get("plant", {}):
+            found.append(summary["plant"][variant]["validation"].split(":")[0])
+        elif variant in summary.get("data", {}):
+            found.append("/".join(sorted(set(summary["data"][variant]["verdict"].values()))) or "none")
+        elif variant == "peer" and isinstance(summary.get("peer", {}).get("peer", {}).get("validation"), dict):
+            found.append("/".join(sorted({v.split(":")[0] for v in summary["peer"]["peer"]["validation"].values()})))
+    return ", ".join(found) or "not run"
 
 
-def table(run: Path, summary: dict) -> None:
+def table(serve: dict, summaries: list[dict], folders: list[Path]) -> None:
     """Each variant's acceptance per seed, the noise band (the largest gap between two seeds of one
     variant) and each variant's distance from ours in bands; then tokens/s on an idle GPU."""
-    serve = {}
-    for res in _glob(run / "serve", "*_s[0-9].json"):
-        if res.name.startswith("speed_"):
-            continue
-        variant, seed = re.fullmatch(r"(.+)_s(\d+)", res.stem).groups()
-        serve.setdefault(variant, {})[int(seed)] = json.loads(_text(res))
     if len(serve.get("ours", {})) < 2:
         return  # no band without two seeds of ours
     mean = {v: sum(r["mean_acceptance_length"] for r in runs.values()) / len(runs) for v, runs in serve.items()}
@@ -124,9 +146,9 @@ def table(run: Path, summary: dict) -> None:
             f"{v} | "
             + " ".join(f"s{s} {r['mean_acceptance_length']:.4f}" for s, r in sorted(runs.items()))
             + f" | {mean[v]:.4f} | {delta:+.4f} ({delta / band:+.1f}) | {[round(x, 3) for x in per_pos]} | "
-            + verdict(run, summary, v)
+            + verdict(summaries, v)
         )
-    alone, ours = (run / "serve/speed_target_only.json"), (run / "serve/speed_ours_s0.json")
+    alone, ours = (folders[0] / "serve/speed_target_only.json"), (folders[0] / "serve/speed_ours_s0.json")
     if _glob(alone.parent, alone.name) and _glob(ours.parent, ours.name):
         a, o = json.loads(_text(alone)), json.loads(_text(ours))
         print(
@@ -137,4 +159,4 @@ def table(run: Path, summary: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main([Path(a) for a in sys.argv[1:]])

@@ -97,10 +97,10 @@ def plant(
         elif mistake not in MISTAKES:
             raise ValueError(f"unknown mistake {mistake!r}; one of {MISTAKES}")
         write_layer(out / layer_file(lid), hs, manifest.storage_name)
-    return _write_manifest(out, manifest, layer_ids)
+    return rewrite_manifest(out, manifest, layer_ids)
 
 
-def _write_manifest(out: Path, manifest, layer_ids: list[int]) -> Path:
+def rewrite_manifest(out: Path, manifest, layer_ids: list[int]) -> Path:
     """The source's manifest with the checksums of `out`'s layer files, so only the reference check can tell."""
     files = {k: v for k, v in manifest.files.items() if not k.startswith("layer_")}
     for lid in layer_ids:
@@ -132,4 +132,4 @@ def rerouted(source: Path, out: Path, input_ids: list[int], row: int, token: int
         hs = _load(source, lid).clone()
         hs[where] = states[lid].to(hs.dtype)
         write_layer(out / layer_file(lid), hs, manifest.storage_name)
-    return _write_manifest(out, manifest, manifest.layer_ids)
+    return rewrite_manifest(out, manifest, manifest.layer_ids)
