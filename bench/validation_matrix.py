@@ -40,10 +40,19 @@ KIMI = "kimi_int4"  # the tiny Kimi-K2.5-shaped target, routed experts INT4 (eag
 
 def build_model(family: str, folder: Path) -> Path:
     if family == KIMI:
-        from eagle3prep.testing.tiny_kimi import build_tiny_kimi
+        from eagle3prep.testing.tiny_kimi import build_variants
 
-        return folder if (folder / "config.json").exists() else build_tiny_kimi(folder, "int4")
+        if not (folder / "config.json").exists():
+            build_variants({"int4": folder, "bf16": reference_model(family, folder)})
+        return folder
     return build_family(family, folder)
+
+
+def reference_model(family: str, model: Path) -> Path:
+    """The folder transformers recomputes from. kimi_int4: its bf16 twin, the same checkpoint with the INT4
+    experts dequantized (the weights transformers computes with when it loads the INT4 folder). Loading
+    the INT4 folder on the GPU stopped on tensors left on the CPU (H200, transformers 5.17, 2026-12-02)."""
+    return model.with_name(model.name + "_bf16_twin") if family == KIMI else model
 
 
 def write_rows(path: Path, rows: int, vocab: int, seed: int, first_row: int) -> Path:
@@ -313,7 +322,9 @@ def main() -> None:
             for k in range(args.shards)
         ]
         for dtype in args.dtypes:
-            refs = ReferencePair(str(model), dtype, args.device, cache_rows=args.rows * args.shards)
+            refs = ReferencePair(
+                str(reference_model(family, model)), dtype, args.device, cache_rows=args.rows * args.shards
+            )
             for backend in args.backends:
                 try:
                     cell = run_cell(args, family, model, backend, dtype, tokens, refs)

@@ -62,7 +62,9 @@ def workflow_config(opts: argparse.Namespace, variant: str, sources: list[str]) 
         for section in ("extract", "regenerate"):
             cfg[section].update(ENGINE_SHARE)
     if variant == "ours":
-        cfg["regenerate"] = {"enabled": True, "turns": "last", "sampling": {"temperature": 0, "max_tokens": 512}}
+        # update, not replace: the regenerate engine keeps ENGINE_SHARE (replaced, it took vLLM's default 0.9
+        # of the GPU, and every engine started beside it was refused; H200, 2026-12-02, second session)
+        cfg["regenerate"].update(enabled=True, turns="last", sampling={"temperature": 0, "max_tokens": 512})
     if variant == "fp8":
         cfg["extract"]["storage"] = "fp8_e4m3"
     if variant == "all_ids":  # the planted rows' source: every id, so a mistake can borrow a neighbour
