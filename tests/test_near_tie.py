@@ -152,3 +152,14 @@ def test_router_margins_fail_loudly_when_transformers_routes_otherwise(tie_case)
     gate.forward = routed_with_real_bias
     with pytest.raises(RoutingChanged, match="transformers changed how it routes"), torch.inference_mode():
         model(torch.tensor([tie_case["ids"]]))
+
+
+def test_one_expert_group_keeps_the_margin_on_the_routers_device():
+    # Kimi-K2.5 routes with n_group 1, so the group gap is "no runner-up": that tensor was made on the CPU
+    # and torch.minimum with the GPU's expert gap stopped validation on the H200 (2026-12-02). "meta"
+    # stands in for the GPU: a tensor made elsewhere shows as another device the same way.
+    from eagle3prep.routing import _gap
+
+    groups = torch.zeros(5, 1, device="meta")  # [T, G] with G = 1
+    gap = _gap(groups, 1)
+    assert gap.device == groups.device and gap.shape == (5,)

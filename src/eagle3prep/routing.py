@@ -69,8 +69,8 @@ def _gap(values, k: int):
     """(v_k - v_{k+1}) / |v_k| of each row's sorted values; inf when there is no (k+1)-th."""
     import torch
 
-    if values.shape[-1] <= k:
-        return torch.full(values.shape[:-1], float("inf"))
+    if values.shape[-1] <= k:  # e.g. one expert group (Kimi-K2.5's n_group 1); on values' device, for torch.minimum
+        return torch.full(values.shape[:-1], float("inf"), device=values.device)
     top = values.topk(k + 1, dim=-1)[0]
     last, nxt = top[..., k - 1], top[..., k]
     gap = (last - nxt) / last.abs().clamp_min(1e-30)
