@@ -29,6 +29,7 @@ from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
 from eagle3prep.reference import ReferencePair
+from eagle3prep.settings import ExtractSettings
 from eagle3prep.testing.planted import MISTAKES, plant
 from eagle3prep.testing.tiny_models import FAMILIES, build_family
 from eagle3prep.validate import ValidationError, validate_shard
@@ -76,20 +77,21 @@ def run_cell(args, family: str, model: Path, backend: str, dtype: str, tokens: l
         tp_size=args.tp,
         max_seq_len=256,
     )
-    options = {
-        "enforce_eager": True,
-        "gpu_memory_utilization": 0.3,
-        "capture_path": getattr(args, "capture_path", "auto"),  # callers building their own Namespace: auto
-        "storage": storage,
-    }
+    settings = ExtractSettings.defaults(
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        capture_path=getattr(args, "capture_path", "auto"),  # callers building their own Namespace: auto
+        storage=storage,
+        batch_tokens=2048,
+    )
     t0 = time.time()
-    engine = make_backend(spec, options)
+    engine = make_backend(spec, settings)
     try:
         info = engine.probe()
         shards = []
         for k, tok in enumerate(tokens):
             shard = wd / f"shard_{k}"
-            extract_shard(str(tok), str(shard), spec, options, batch_tokens=2048, shard=k, engine=(engine, info))
+            extract_shard(str(tok), str(shard), spec, settings, shard=k, engine=(engine, info))
             shards.append(shard)
     finally:
         engine.close()

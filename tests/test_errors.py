@@ -3,6 +3,7 @@
 import pytest
 
 from eagle3prep.errors import UserError, one_line_errors
+from eagle3prep.settings import ExtractSettings
 
 
 def test_user_error_is_one_line_and_exit_1(capsys):
@@ -38,10 +39,10 @@ def test_ctrl_c_in_an_extract_job_leaves_no_empty_shard_folder(tmp_path, monkeyp
     monkeypatch.setattr(extract, "index_of_tokenized", interrupted)
     out = tmp_path / "hidden_states" / "shard_0"
     with pytest.raises(KeyboardInterrupt):
-        extract.extract_shard("tokens.jsonl", str(out), spec, {}, 1024, shard=0)
+        extract.extract_shard("tokens.jsonl", str(out), spec, ExtractSettings.defaults(batch_tokens=1024), shard=0)
     assert not out.exists() and out.parent.is_dir()
     # Another failure keeps what the job wrote, for study (Snakemake removes a failed job's outputs itself).
     monkeypatch.setattr(extract, "index_of_tokenized", lambda *a: (_ for _ in ()).throw(OSError("disk")))
     with pytest.raises(OSError, match="disk"):
-        extract.extract_shard("tokens.jsonl", str(out), spec, {}, 1024, shard=0)
+        extract.extract_shard("tokens.jsonl", str(out), spec, ExtractSettings.defaults(batch_tokens=1024), shard=0)
     assert out.is_dir()

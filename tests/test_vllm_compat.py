@@ -19,6 +19,7 @@ from eagle3prep.backends.vllm.driver import VLLMBackend
 from eagle3prep.backends.vllm.paths import CaptureError
 from eagle3prep.backends.vllm.worker import HiddenStatesCapture
 from eagle3prep.model_facts import ModelFacts
+from eagle3prep.settings import ExtractSettings
 
 # ---- versions and collective_rpc -----------------------------------------------------------------
 
@@ -249,7 +250,7 @@ def test_cpu_connector_is_lazy_without_vllm():
 
 def make_backend(layer_ids=(2, 4, 5, 8), capture_path="auto"):
     spec = CaptureSpec(backend="vllm", model_path="unused", layer_ids=list(layer_ids), dtype="bfloat16")
-    return VLLMBackend(spec, {"capture_path": capture_path})
+    return VLLMBackend(spec, ExtractSettings.defaults(capture_path=capture_path))
 
 
 def model_facts(arch, n=8, h=16):
@@ -616,7 +617,7 @@ def probe_with_fakes(monkeypatch, tmp_path, arch, start, options=None):
     monkeypatch.setattr(compat, "installed_version", lambda: "0.32.0")
     monkeypatch.delenv(compat.NO_WORKAROUNDS_ENV, raising=False)
     spec = CaptureSpec(backend="vllm", model_path="unused", layer_ids=[2, 4, 8], dtype="float32")
-    backend = VLLMBackend(spec, {"capture_path": "auto", **(options or {})})
+    backend = VLLMBackend(spec, ExtractSettings.defaults(capture_path="auto", **(options or {})))
     monkeypatch.setattr(backend_mod.ModelFacts, "read", staticmethod(lambda path: model_facts(arch)))
     monkeypatch.setattr(backend, "_on_cpu", lambda: True)
     monkeypatch.setattr(backend, "_smoke", lambda version, model: None)
