@@ -657,22 +657,3 @@ def test_probe_refuses_a_bug_without_workaround_before_any_engine_start(monkeypa
     with pytest.raises(EngineError, match="no workaround is known: kernel X"):
         backend.probe()
     assert starts == []
-
-
-def test_probe_removes_what_the_earlier_built_in_path_staged_in_the_shard_folder(monkeypatch, tmp_path):
-    """A shard killed under the earlier built-in path left <shard>/.vllm-staging with request files;
-    nothing writes there now, so the probe of the rerun removes it (and leaves the rest of the folder)."""
-    from eagle3prep.backends.vllm.paths import HooksPath
-
-    shard = tmp_path / "shard_0"
-    (shard / ".vllm-staging").mkdir(parents=True)
-    (shard / ".vllm-staging" / "e3p-1-0-3.safetensors").write_bytes(b"x")
-    (shard / ".tmp-layer_2.safetensors").write_bytes(b"y")
-
-    def start(backend, name):
-        backend.path = HooksPath([2, 4, 8], "0.32.0")
-
-    backend, _ = probe_with_fakes(monkeypatch, tmp_path, "LlamaForCausalLM", start)
-    backend.spec.extra["output_dir"] = str(shard)
-    backend.probe()
-    assert sorted(p.name for p in shard.iterdir()) == [".tmp-layer_2.safetensors"]
