@@ -6,6 +6,7 @@ behaviour the fake mimics.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -317,7 +318,7 @@ def test_smoke_capture_names_version_and_fix_deepseek_vllm_0_24(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(TokensPrompt=dict, SamplingParams=lambda **kw: kw))
     backend = make_backend()
     backend.llm, backend.path = ShortLLM(), BuiltinPath([2, 4, 5, 8], "0.24.0")
-    backend.spec.dtype = "float32"
+    backend.spec = dataclasses.replace(backend.spec, dtype="float32")
     with pytest.raises(
         CaptureError, match=r"vLLM 0\.24\.0.*final-layer capture on DeepseekV3ForCausalLM needs vLLM >= 0\.25"
     ):
