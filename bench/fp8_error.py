@@ -40,6 +40,7 @@ from eagle3prep.demo import build_demo_model
 from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
 from eagle3prep.reference import Reference
+from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard.format import layer_file, read_layer, token_bytes
 from eagle3prep.shard.fp8 import quantize_fp8, roundtrip_fp8
 from eagle3prep.testing.tiny_models import FAMILIES, build_family
@@ -95,7 +96,9 @@ def run_model(name: str, out: Path, rows: int) -> dict:
     shards = {}
     for storage in ("model_dtype", "fp8_e4m3"):
         t0 = time.time()
-        extract_shard(str(tokens), str(wd / storage), spec, {"storage": storage}, batch_tokens=2048, shard=0)
+        extract_shard(
+            str(tokens), str(wd / storage), spec, ExtractSettings.defaults(storage=storage, batch_tokens=2048), shard=0
+        )
         shards[storage] = time.time() - t0
     bf16 = {i: read_layer(wd / "model_dtype" / layer_file(i), dtype=torch.float32) for i in ids}
     fp8 = {i: read_layer(wd / "fp8_e4m3" / layer_file(i), dtype=torch.float32) for i in ids}

@@ -30,6 +30,7 @@ from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
 from eagle3prep.reference import ReferencePair
+from eagle3prep.settings import ExtractSettings
 from eagle3prep.testing.planted import MISTAKES, plant
 from eagle3prep.testing.tiny_models import FAMILIES, build_family
 from eagle3prep.validate import ValidationError, validate_shard
@@ -96,22 +97,23 @@ def run_cell(args, family: str, model: Path, backend: str, dtype: str, tokens: l
         max_seq_len=256,
     )
     share = getattr(args, "share_gpu", False)
-    options = {
-        "enforce_eager": True,
+    settings = ExtractSettings.defaults(
+        enforce_eager=True,
         # --share-gpu: a fixed KV cache, so no memory profiling races the other processes on the GPU
-        "gpu_memory_utilization": 0.1 if share else 0.3,
+        gpu_memory_utilization=0.1 if share else 0.3,
         **({"engine_args": {"kv_cache_memory_bytes": 2 << 30}} if share else {}),
-        "capture_path": getattr(args, "capture_path", "auto"),  # callers building their own Namespace: auto
-        "storage": storage,
-    }
+        capture_path=getattr(args, "capture_path", "auto"),  # callers building their own Namespace: auto
+        storage=storage,
+        batch_tokens=2048,
+    )
     t0 = time.time()
-    engine = make_backend(spec, options)
+    engine = make_backend(spec, settings)
     try:
         info = engine.probe()
         shards = []
         for k, tok in enumerate(tokens):
             shard = wd / f"shard_{k}"
-            extract_shard(str(tok), str(shard), spec, options, batch_tokens=2048, shard=k, engine=(engine, info))
+            extract_shard(str(tok), str(shard), spec, settings, shard=k, engine=(engine, info))
             shards.append(shard)
     finally:
         engine.close()

@@ -5,13 +5,13 @@ from eagle3prep.config import (
     ConfigError,
     check_model,
     config_sources,
-    extract_data_params,
     image_params,
     reference_mode,
     template_kwargs_params,
     validate_config,
 )
 from eagle3prep import heal
+from eagle3prep.settings import ExtractSettings
 from eagle3prep.parse import (
     check_model_files,
     check_target_marker,
@@ -151,8 +151,8 @@ def get_validate_gpus(wildcards=None):
 
 
 def get_extract_data_params(wildcards=None):
-    """extract.* without the speed knobs (config.SPEED_KEYS): changing those re-queues no shard."""
-    return extract_data_params(config["extract"])
+    """extract.* that decides a shard's bytes (settings.ExtractContent): changing a speed knob re-queues no shard."""
+    return ExtractSettings.params(config)
 
 
 def get_shard_dirs(wildcards=None):

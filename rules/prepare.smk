@@ -14,7 +14,7 @@ rule prepare:
         "../envs/cpu.yaml"
     params:
         # data.allow_no_user_turn only when true: a key added after runs existed, so a run made before it is
-        # not re-queued (config.LATER_KEYS says why)
+        # not re-queued (settings.LATER says why)
         **({"allow_no_user_turn": True} if config["data"]["allow_no_user_turn"] else {}),
         # the image keys likewise only when set, away from their defaults (issue #28)
         **image_params(config["data"]),

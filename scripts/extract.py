@@ -9,9 +9,9 @@ if __name__ == "__main__":
     os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM engine, workers) log there too
     os.dup2(sys.stderr.fileno(), 1)  # and vLLM's logger writes to stdout: its lines belong to this job
 
-    from eagle3prep.config import extract_options
     from eagle3prep.errors import one_line_errors
     from eagle3prep.extract import run_extract_job
+    from eagle3prep.settings import ExtractSettings
 
     with one_line_errors():
         run_extract_job(
@@ -19,8 +19,8 @@ if __name__ == "__main__":
             snakemake.output[0],
             model_path=snakemake.input.model,
             layers=snakemake.params.layers,
-            # speed knobs (batch_tokens, gpu_memory_utilization, ...) are not params: see config.SPEED_KEYS
-            extract=extract_options(snakemake.params.extract, snakemake.config["extract"]),
+            # from the config as it is now: params.extract is only the rerun trigger (settings.py says why)
+            extract=ExtractSettings.from_config(snakemake.config),
             max_seq_len=snakemake.params.max_seq_len,
             trust_remote_code=snakemake.params.trust_remote_code,
             shard=int(snakemake.wildcards.k),

@@ -8,10 +8,10 @@ if __name__ == "__main__":
     os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM engine, the trainer) log there too
     os.dup2(sys.stderr.fileno(), 1)  # and vLLM's logger writes to stdout: its lines belong to this job
 
-    from eagle3prep.config import extract_options
     from eagle3prep.errors import one_line_errors
     from eagle3prep.gate.stage import run_overfit_gate
     from eagle3prep.regenerate import job_options
+    from eagle3prep.settings import ExtractSettings
 
     with one_line_errors():
         run_overfit_gate(
@@ -20,7 +20,7 @@ if __name__ == "__main__":
             snakemake.params.work,
             model_path=snakemake.input.model,
             layers=snakemake.params.layers,
-            extract=extract_options(snakemake.params.extract, snakemake.config["extract"]),
+            extract=ExtractSettings.from_config(snakemake.config),
             regenerate=job_options(snakemake.params.regenerate, snakemake.config["regenerate"]),
             trust_remote_code=snakemake.params.trust_remote_code,
             threads=snakemake.threads,

@@ -3,12 +3,9 @@ import json
 import pytest
 
 from eagle3prep.config import (
-    SPEED_KEYS,
     ConfigError,
     check_model,
     config_sources,
-    extract_data_params,
-    extract_options,
     validate_config,
 )
 from eagle3prep.parse import (
@@ -65,18 +62,6 @@ def test_errors_are_one_line_naming_the_key(over, message):
     with pytest.raises(ConfigError) as e:
         validate_config(base(**over))
     assert message in str(e.value) and "\n" not in str(e.value)
-
-
-def test_speed_knobs_are_not_params_and_come_back_from_the_config():
-    extract = validate_config(base())["extract"]
-    params = extract_data_params(extract)
-    assert not SPEED_KEYS & set(params)
-    assert {"backend", "dtype", "tp_size", "capture_path", "quantization", "engine_args"} <= set(params)
-    now = {**extract, "gpu_memory_utilization": 0.5, "dtype": "float16"}  # the config at run time
-    options = extract_options(params, now)
-    assert options["gpu_memory_utilization"] == 0.5  # a speed knob: the config as it is now
-    assert options["dtype"] == extract["dtype"]  # a data key: what the params (the rerun trigger) hold
-    assert set(options) == set(extract)
 
 
 def model_folder(tmp_path, config: dict):

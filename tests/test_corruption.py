@@ -17,6 +17,7 @@ from shard_helpers import demo_spec, write_tokenized
 
 from eagle3prep.atomic import sha256_file
 from eagle3prep.extract import extract_shard
+from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard import INDEX, MANIFEST, TOKEN_IDS
 from eagle3prep.shard.format import read_layer, read_manifest
 from eagle3prep.shard.fp8 import SCALES_KEY
@@ -33,8 +34,8 @@ def good(request, tmp_path_factory, demo_model_dir):
     out = {}
     for k in (0, 1):
         tokens = write_tokenized(root / f"tokens_{k}.jsonl", LENGTHS, seed=k, first_row=k * len(LENGTHS))
-        options = {"storage": request.param}
-        extract_shard(str(tokens), str(root / f"shard_{k}"), demo_spec(demo_model_dir), options, 128, shard=k)
+        settings = ExtractSettings.defaults(storage=request.param, batch_tokens=128)
+        extract_shard(str(tokens), str(root / f"shard_{k}"), demo_spec(demo_model_dir), settings, shard=k)
         out[k] = (root / f"shard_{k}", tokens)
     return out
 

@@ -20,6 +20,7 @@ from workflow_helpers import make_workdir, snakemake
 
 from eagle3prep import extract
 from eagle3prep.extract import extract_shard, shard_bytes
+from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard.format import MANIFEST, DiskSpaceError
 from eagle3prep.shard.writer import ShardWriter
 from eagle3prep.validate import validate_shard
@@ -68,7 +69,13 @@ def test_precheck_refuses_a_shard_bigger_than_the_free_space(small_fs, tmp_path,
     tokens = write_tokenized(tmp_path / "tokens.jsonl", LENGTHS, seed=0)
     monkeypatch.setattr(extract, "make_backend", lambda *a: pytest.fail("the engine started before the pre-check"))
     with pytest.raises(DiskSpaceError) as e:
-        extract_shard(str(tokens), str(fs / "shard_0"), demo_spec(demo_model_dir), {}, batch_tokens=512, shard=0)
+        extract_shard(
+            str(tokens),
+            str(fs / "shard_0"),
+            demo_spec(demo_model_dir),
+            ExtractSettings.defaults(batch_tokens=512),
+            shard=0,
+        )
     m = re.fullmatch(
         r"not enough disk for \S+/shard_0: the shard needs [\d.]+ MiB \((\d+) bytes\), \S+ has [\d.]+ KiB "
         r"\((\d+) bytes\) free; .*`snakemake plan`.*",
@@ -91,7 +98,9 @@ def test_disk_full_during_the_write_then_a_rerun_with_room(small_fs, tmp_path, d
 
     monkeypatch.setattr(extract, "ShardWriter", FillingWriter)
     with pytest.raises(DiskSpaceError) as e:
-        extract_shard(str(tokens), str(out), demo_spec(demo_model_dir), {}, batch_tokens=512, shard=0)
+        extract_shard(
+            str(tokens), str(out), demo_spec(demo_model_dir), ExtractSettings.defaults(batch_tokens=512), shard=0
+        )
     m = re.fullmatch(
         r"disk full while writing \S+/shard_0/(layer_\d+|token_ids)\.safetensors: [\d.]+ \w+ \((\d+) bytes\) "
         r"free on its filesystem now; .*`snakemake plan`.*",
@@ -103,7 +112,9 @@ def test_disk_full_during_the_write_then_a_rerun_with_room(small_fs, tmp_path, d
 
     monkeypatch.undo()
     ballast.unlink()
-    manifest = extract_shard(str(tokens), str(out), demo_spec(demo_model_dir), {}, batch_tokens=512, shard=0)
+    manifest = extract_shard(
+        str(tokens), str(out), demo_spec(demo_model_dir), ExtractSettings.defaults(batch_tokens=512), shard=0
+    )
     report = validate_shard(str(out), str(tokens), str(tmp_path / "v.json"), str(demo_model_dir), sample_rows=1)
     assert report["ok"] and manifest.tokens == sum(LENGTHS)
     assert not list(out.glob(".tmp-*"))

@@ -18,6 +18,7 @@ from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.backends.empty import CAPTURE_PATH, EmptyShardBackend
 from eagle3prep.regenerate import merge_shards, run_regenerate_job, split_conversations
 from eagle3prep.regenerate import stage as regen_stage
+from eagle3prep.settings import ExtractSettings
 from eagle3prep.validate import validate_shard
 
 H = 128  # the demo model's hidden size
@@ -37,7 +38,7 @@ def test_an_empty_extract_shard_starts_no_engine_and_validates(backend, engine, 
     tokens.write_text("")
     spec = CaptureSpec(backend=backend, model_path=str(demo_model_dir), layer_ids=DEMO_LAYER_IDS, tp_size=2)
     out = tmp_path / "shard_3"
-    manifest = extract.extract_shard(str(tokens), str(out), spec, {}, batch_tokens=512, shard=3)
+    manifest = extract.extract_shard(str(tokens), str(out), spec, ExtractSettings.defaults(batch_tokens=512), shard=3)
 
     assert (manifest.rows, manifest.tokens, manifest.row_range) == (0, 0, [0, 0])
     assert manifest.engine["engine"] == engine and manifest.engine["capture_path"] == CAPTURE_PATH
@@ -55,7 +56,7 @@ def test_the_empty_backend_refuses_rows(demo_model_dir):
     from eagle3prep.model_facts import ModelFacts
 
     spec = CaptureSpec(backend="hf", model_path=str(demo_model_dir), layer_ids=DEMO_LAYER_IDS)
-    backend = EmptyShardBackend(spec, {}, ModelFacts.read(demo_model_dir), H)
+    backend = EmptyShardBackend(spec, ExtractSettings.defaults(), ModelFacts.read(demo_model_dir), H)
     with pytest.raises(RuntimeError, match="only writes shards without rows"):
         backend.capture_shard(iter([[[1, 2, 3]]]), None)
 

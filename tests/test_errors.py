@@ -3,6 +3,7 @@
 import pytest
 
 from eagle3prep.errors import UserError, one_line_errors
+from eagle3prep.settings import ExtractSettings
 
 
 def test_user_error_is_one_line_and_exit_1(capsys):
@@ -38,10 +39,37 @@ def test_ctrl_c_in_an_extract_job_leaves_no_empty_shard_folder(tmp_path, monkeyp
     monkeypatch.setattr(extract, "index_of_tokenized", interrupted)
     out = tmp_path / "hidden_states" / "shard_0"
     with pytest.raises(KeyboardInterrupt):
-        extract.extract_shard("tokens.jsonl", str(out), spec, {}, 1024, shard=0)
+        extract.extract_shard("tokens.jsonl", str(out), spec, ExtractSettings.defaults(batch_tokens=1024), shard=0)
     assert not out.exists() and out.parent.is_dir()
     # Another failure keeps what the job wrote, for study (Snakemake removes a failed job's outputs itself).
     monkeypatch.setattr(extract, "index_of_tokenized", lambda *a: (_ for _ in ()).throw(OSError("disk")))
     with pytest.raises(OSError, match="disk"):
-        extract.extract_shard("tokens.jsonl", str(out), spec, {}, 1024, shard=0)
+        extract.extract_shard("tokens.jsonl", str(out), spec, ExtractSettings.defaults(batch_tokens=1024), shard=0)
     assert out.is_dir()
+
+
+def test_a_rerun_removes_what_the_earlier_built_in_path_staged_before_the_engine_starts(tmp_path, monkeypatch):
+    """A shard killed under the earlier built-in path left <shard>/.vllm-staging with request files; nothing
+    writes there now, so the rerun's job removes it before it starts the engine."""
+    from shard_helpers import DEMO_LAYER_IDS, write_tokenized
+
+    from eagle3prep import extract
+    from eagle3prep.backends.base import CaptureSpec
+    from eagle3prep.model_facts import ModelFacts
+
+    shard = tmp_path / "shard_0"
+    (shard / ".vllm-staging").mkdir(parents=True)
+    (shard / ".vllm-staging" / "e3p-1-0-3.safetensors").write_bytes(b"x")
+    tokens = write_tokenized(tmp_path / "tokens.jsonl", [5, 7], seed=0)
+    facts = ModelFacts(8, 16, 100, ["LlamaForCausalLM"], 1024, "llama")
+    seen = []
+
+    def make_backend(spec, settings, facts):
+        seen.append(sorted(p.name for p in shard.iterdir()))
+        raise RuntimeError("no engine here")
+
+    monkeypatch.setattr(extract, "make_backend", make_backend)
+    spec = CaptureSpec(backend="vllm", model_path=str(tmp_path), layer_ids=DEMO_LAYER_IDS, tp_size=0)
+    with pytest.raises(RuntimeError, match="no engine here"):
+        extract.extract_shard(str(tokens), str(shard), spec, ExtractSettings.defaults(), 0, facts=facts)
+    assert seen == [[]]

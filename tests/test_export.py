@@ -18,6 +18,7 @@ from workflow_helpers import snakemake, tree_digest
 from eagle3prep.atomic import sha256_file
 from eagle3prep.export import ExportError, check_shards, export_speculators
 from eagle3prep.extract import extract_shard
+from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard.format import read_layer
 from eagle3prep.validate import validate_shard
 
@@ -51,8 +52,8 @@ def finished_results(tmp_path_factory, model_dir: Path, storage: str = "model_dt
         for k, lengths in enumerate(LENGTHS):
             tok = write_tokenized(res / f"tokenized/shard_{k}.jsonl", lengths, seed=k, first_row=first)
             shard = res / f"hidden_states/shard_{k}"
-            options = {"storage": storage}
-            extract_shard(str(tok), str(shard), demo_spec(model_dir), options, batch_tokens=64, shard=k)
+            settings = ExtractSettings.defaults(storage=storage, batch_tokens=64)
+            extract_shard(str(tok), str(shard), demo_spec(model_dir), settings, shard=k)
             validate_shard(
                 str(shard), str(tok), str(res / f"validation/shard_{k}.json"), str(model_dir), reference=False
             )

@@ -14,7 +14,6 @@ import pytest
 import torch
 from test_export import LENGTHS, finished_results
 
-from eagle3prep.config import LATER_KEYS, extract_data_params, extract_options
 from eagle3prep.extract import shard_bytes
 from eagle3prep.passrule import FP8_FACTOR, fp8_floor, judge_tokens, token_errors
 from eagle3prep.plan import make_plan
@@ -148,15 +147,6 @@ def test_plan_and_the_disk_precheck_halve_with_fp8(tmp_path):
     assert fp8["storage"] == "fp8_e4m3" and 0.50 < fp8["bytes_total"] / plain["bytes_total"] < 0.51
     # per token and layer: 2 x 4096 bytes in bf16, 4096 + a 4-byte scale in FP8 (token ids: 8 bytes a token)
     assert shard_bytes(1, 0, 1, 4096, "bfloat16", "fp8_e4m3") - shard_bytes(0, 0, 1, 4096, "bfloat16") == 4100 + 8
-
-
-def test_storage_is_a_param_only_when_it_is_not_the_default():
-    """A run made before extract.storage existed keeps its shards (Snakemake compares the params whole)."""
-    base = {"backend": "hf", "dtype": "bfloat16", "batch_tokens": 64}
-    assert "storage" not in extract_data_params({**base, **LATER_KEYS})
-    assert extract_options(extract_data_params({**base, **LATER_KEYS}), base)["storage"] == "model_dtype"
-    params = extract_data_params({**base, "storage": "fp8_e4m3"})
-    assert params["storage"] == "fp8_e4m3" and extract_options(params, base)["storage"] == "fp8_e4m3"
 
 
 def test_pass_rule_adds_the_fp8_floor():

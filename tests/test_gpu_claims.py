@@ -17,15 +17,18 @@ import textwrap
 import pytest
 from shard_helpers import demo_spec, write_tokenized
 
+from eagle3prep.settings import ExtractSettings
+
 HOLD_S = 3.0  # long enough that the two jobs overlap
 
 EXTRACT_JOB = """
 import json, os, sys, time
 from eagle3prep import extract
 from eagle3prep.backends.base import CaptureSpec
+from eagle3prep.settings import ExtractSettings
 
 class Recorder:
-    def __init__(self, spec, options):
+    def __init__(self, spec, settings, facts):
         pass
     def __enter__(self):
         return self
@@ -38,7 +41,7 @@ class Recorder:
 
 extract.make_backend = Recorder
 spec = CaptureSpec(backend=sys.argv[3], model_path=sys.argv[4], layer_ids=[2, 4, 5, 8], device="cuda")
-extract.extract_shard(sys.argv[1], sys.argv[2] + ".shard", spec, {}, 512, 0)
+extract.extract_shard(sys.argv[1], sys.argv[2] + ".shard", spec, ExtractSettings.defaults(batch_tokens=512), 0)
 """
 
 VALIDATE_JOB = """
@@ -84,7 +87,13 @@ def shard(demo_model_dir, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("claims")
     tokens = write_tokenized(root / "tokens.jsonl", [12, 9], seed=0)
-    extract_shard(str(tokens), str(root / "shard_0"), demo_spec(demo_model_dir), {}, batch_tokens=64, shard=0)
+    extract_shard(
+        str(tokens),
+        str(root / "shard_0"),
+        demo_spec(demo_model_dir),
+        ExtractSettings.defaults(batch_tokens=64),
+        shard=0,
+    )
     return tokens, root / "shard_0"
 
 
@@ -126,10 +135,14 @@ def test_timings_record_the_claimed_gpus_and_when(shard, demo_model_dir, tmp_pat
     monkeypatch.setenv("EAGLE3PREP_NUM_GPUS", "2")
     monkeypatch.setenv("EAGLE3PREP_GPU_LOCK_DIR", str(tmp_path / "locks"))
     monkeypatch.setattr(
-        extract, "make_backend", lambda spec, opts: make_backend(dataclasses.replace(spec, device="cpu"), opts)
+        extract,
+        "make_backend",
+        lambda spec, settings, facts: make_backend(dataclasses.replace(spec, device="cpu"), settings, facts),
     )
     spec = dataclasses.replace(demo_spec(demo_model_dir), device="cuda")
-    extract.extract_shard(str(tokens), str(tmp_path / "shard_0"), spec, {}, batch_tokens=64, shard=0)
+    extract.extract_shard(
+        str(tokens), str(tmp_path / "shard_0"), spec, ExtractSettings.defaults(batch_tokens=64), shard=0
+    )
     timings = json.loads((tmp_path / "shard_0" / "timings.json").read_text())
     claim = timings["gpu_claim"]
     assert claim["ids"] == [0] and claim["source"] == "locks" and claim["cuda_visible_devices"] == "0"

@@ -18,6 +18,7 @@ from eagle3prep.backends.vllm import worker as vllm_ext
 from eagle3prep.backends.vllm.errors import EngineError, engine_error
 from eagle3prep.backends.vllm.worker import HiddenStatesCapture
 from eagle3prep.errors import UserError
+from eagle3prep.settings import ExtractSettings
 
 VERSION = "0.99.0"  # a vLLM release that renamed something
 
@@ -196,7 +197,7 @@ def vllm_backend(tmp_path, monkeypatch, layer_ids):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = str(build_demo_model(tmp_path / "model", os.path.join(repo, "resources/demo/tokenizer_corpus.txt")))
     spec = CaptureSpec(backend="vllm", model_path=path, layer_ids=layer_ids, dtype="float32", max_seq_len=64)
-    return VLLMBackend(spec, {"capture_path": "auto", "enforce_eager": True})
+    return VLLMBackend(spec, ExtractSettings.defaults(capture_path="auto", enforce_eager=True))
 
 
 def rename_num_computed_tokens(monkeypatch) -> str:

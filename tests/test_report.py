@@ -10,6 +10,7 @@ import pytest
 
 from eagle3prep.report import build_report
 from eagle3prep.report import data as rd
+from eagle3prep.settings import ExtractSettings
 
 
 def test_funnel_accounts_for_every_row_and_names_the_reasons():
@@ -136,7 +137,13 @@ def demo_shard(tmp_path_factory, demo_model_dir):
 
     root = tmp_path_factory.mktemp("report_shard")
     tokens = write_tokenized(root / "tokens.jsonl", [23, 41, 17], seed=0)
-    extract_shard(str(tokens), str(root / "shard"), demo_spec(demo_model_dir), {}, 128, shard=0)
+    extract_shard(
+        str(tokens),
+        str(root / "shard"),
+        demo_spec(demo_model_dir),
+        ExtractSettings.defaults(batch_tokens=128),
+        shard=0,
+    )
     return root / "shard", tokens
 
 

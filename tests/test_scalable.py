@@ -16,6 +16,7 @@ from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
 from eagle3prep.scalable import check_logprobs, check_memory, check_window
+from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard import layer_file, read_index
 from eagle3prep.slices import Checkpoint, raw_config
 from eagle3prep.testing.planted import MISTAKES, plant
@@ -71,7 +72,7 @@ def family(request, tmp_path_factory):
     for k, lengths in enumerate(LENGTHS):
         tokens.append(_tokens(tmp / f"tokens_{k}.jsonl", lengths, k, k * 4))
         shards.append(tmp / f"shard_{k}")
-        extract_shard(str(tokens[k]), str(shards[k]), spec, {}, batch_tokens=2048, shard=k)
+        extract_shard(str(tokens[k]), str(shards[k]), spec, ExtractSettings.defaults(batch_tokens=2048), shard=k)
     ckpt = Checkpoint(model)
     norm = ckpt.head(torch.float32)[0]
     planted = {

@@ -14,6 +14,7 @@ import torch
 from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
+from eagle3prep.settings import ExtractSettings
 from eagle3prep.testing.planted import MISTAKES, plant
 from eagle3prep.testing.tiny_models import NUM_LAYERS, build_family
 from eagle3prep.validate import ValidationError, validate_shard
@@ -57,8 +58,8 @@ def test_scalable_checks_pass_right_data_and_catch_every_planted_mistake(tmp_pat
     for k in range(2):
         tokens.append(write_rows(tmp_path / f"tokens_{k}.jsonl", vocab, k, k * ROWS))
         shards.append(tmp_path / f"shard_{k}")
-        options = {"logprob_rows": 4, "storage": storage}
-        extract_shard(str(tokens[k]), str(shards[k]), spec, options, batch_tokens=512, shard=k)
+        settings = ExtractSettings.defaults(logprob_rows=4, storage=storage, batch_tokens=512)
+        extract_shard(str(tokens[k]), str(shards[k]), spec, settings, shard=k)
     assert (shards[0] / "logprobs.safetensors").is_file()
 
     window = ids[-2:]

@@ -7,7 +7,7 @@ from shard_helpers import manifest_fields
 from eagle3prep.records import IndexEntry
 from eagle3prep.shard.files import StreamingSafetensorsWriter
 from eagle3prep.shard.format import INDEX, TOKEN_IDS, read_index, read_manifest
-from eagle3prep.shard.sink import LayerSink, Segment
+from eagle3prep.shard.sink import LayerSink, Segment, SinkPlan
 from eagle3prep.shard.writer import ShardWriter
 
 
@@ -39,7 +39,7 @@ def test_short_or_wrong_writes_fail_and_leave_nothing(tmp_path):
 
 def _write(w: ShardWriter, batches: list[list[list[int]]], layers: dict[int, float]) -> dict:
     """Batches through the writer's token tee and a LayerSink: layer `lid` holds `layers[lid]` everywhere."""
-    sink = LayerSink(w.sink_spec(step_tokens=8))
+    sink = LayerSink(w.sink_spec(SinkPlan(8, 3, "row")))
     first = 0
     for batch in w.tee(iter(batches)):
         n = sum(map(len, batch))

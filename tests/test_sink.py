@@ -31,7 +31,7 @@ from eagle3prep.shard.format import (
     temp_of,
 )
 from eagle3prep.shard.fp8 import SCALES_KEY
-from eagle3prep.shard.sink import LayerSink, Segment, SinkSpec
+from eagle3prep.shard.sink import LayerSink, Segment, SinkPlan, SinkSpec
 from eagle3prep.shard.writer import ShardWriter
 from eagle3prep.testing.writers import write_layer
 
@@ -316,7 +316,7 @@ def test_shard_writer_takes_the_layer_files_of_a_sink(tmp_path):
     lengths = [3, 5]
     index = [IndexEntry(row=0, id="a", offset=0, length=3), IndexEntry(row=1, id="b", offset=3, length=5)]
     writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index)
-    spec = writer.sink_spec(step_tokens=8)
+    spec = writer.sink_spec(SinkPlan(8, 3, "row"))
     assert sorted(spec.layer_paths) == LAYERS and spec.rows == [(0, 3), (3, 5)]
     sink = LayerSink(spec)
     list(writer.tee(iter([[[1, 2, 3], [4, 5, 6, 7, 8]]])))
@@ -333,7 +333,7 @@ def test_shard_writer_takes_the_layer_files_of_a_sink(tmp_path):
 def test_shard_writer_refuses_an_entry_that_does_not_match_the_file(tmp_path):
     index = [IndexEntry(row=0, id="a", offset=0, length=4)]
     writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index)
-    spec = writer.sink_spec(step_tokens=4)
+    spec = writer.sink_spec(SinkPlan(4, 3, "row"))
     sink = LayerSink(spec)
     list(writer.tee(iter([[[1, 2, 3, 4]]])))
     simulate(sink, [4], [spec.tag(0)], budget=4, seed=0)
@@ -401,7 +401,7 @@ def test_shard_writer_of_an_fp8_shard(tmp_path):
     """Manifest format /2 with its storage entry; a sink that stored the model dtype instead is refused."""
     index = [IndexEntry(row=0, id="a", offset=0, length=3), IndexEntry(row=1, id="b", offset=3, length=5)]
     writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index, storage="fp8_e4m3")
-    spec = writer.sink_spec(step_tokens=8)
+    spec = writer.sink_spec(SinkPlan(8, 3, "row"))
     assert spec.storage == "fp8_e4m3"
     sink = LayerSink(spec)
     list(writer.tee(iter([[[1, 2, 3], [4, 5, 6, 7, 8]]])))
@@ -415,7 +415,7 @@ def test_shard_writer_of_an_fp8_shard(tmp_path):
 
     bf16 = tmp_path / "bf16"
     writer = ShardWriter(bf16, LAYERS, H, "bfloat16", index, storage="fp8_e4m3")
-    sink = LayerSink(dataclasses.replace(writer.sink_spec(step_tokens=8), storage="model_dtype"))
+    sink = LayerSink(dataclasses.replace(writer.sink_spec(SinkPlan(8, 3, "row")), storage="model_dtype"))
     list(writer.tee(iter([[[1, 2, 3], [4, 5, 6, 7, 8]]])))
     simulate(sink, [3, 5], [sink.spec.tag(0), sink.spec.tag(1)], budget=8, seed=1)
     with pytest.raises(ValueError, match="fp8_e4m3 storage"):

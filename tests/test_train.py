@@ -27,6 +27,7 @@ from eagle3prep.export import export_speculators
 
 pytest.importorskip("speculators.train.cli", reason="speculators 0.9.0: make .venv/.installed")
 
+from eagle3prep.settings import ExtractSettings
 from eagle3prep.train.backend import Eagle3PrepBackend, ShardTransfer  # noqa: E402
 from eagle3prep.train.rows import ExportRows, ExportRowsError  # noqa: E402
 
@@ -96,7 +97,13 @@ def fp8_workdir(demo_run: Path, wd: Path) -> Path:
     tok.write_text("".join(rows))
     shutil.copy(src / "tokenized/token_freq.json", res / "tokenized/token_freq.json")
     model, shard = src / "demo/model", res / "hidden_states/shard_0"
-    extract_shard(str(tok), str(shard), demo_spec(model), {"storage": "fp8_e4m3"}, batch_tokens=1024, shard=0)
+    extract_shard(
+        str(tok),
+        str(shard),
+        demo_spec(model),
+        ExtractSettings.defaults(storage="fp8_e4m3", batch_tokens=1024),
+        shard=0,
+    )
     validate_shard(str(shard), str(tok), str(res / "validation/shard_0.json"), str(model), reference=False)
     return wd
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from eagle3prep.reference import ReferencePair
+from eagle3prep.settings import ExtractSettings
 from eagle3prep.testing.planted import MISTAKES
 from eagle3prep.testing.tiny_models import build_family
 from eagle3prep.validate import ValidationError, validate_shard
@@ -85,7 +86,9 @@ def test_mla_rotary_bug_forced_on_fails_validation_and_names_the_bug(tmp_path, m
     model = build_family("deepseek_v3", tmp_path / "model")
     tokens = matrix.write_rows(tmp_path / "tokens.jsonl", ROWS, 512, 0, 0)
     spec = CaptureSpec(backend="vllm", model_path=str(model), layer_ids=[2, 3, 6], dtype="float32", max_seq_len=256)
-    manifest = extract_shard(str(tokens), str(tmp_path / "shard"), spec, {"enforce_eager": True}, 2048, 0)
+    manifest = extract_shard(
+        str(tokens), str(tmp_path / "shard"), spec, ExtractSettings.defaults(enforce_eager=True, batch_tokens=2048), 0
+    )
     assert manifest.engine["workarounds"] == []
     with pytest.raises(ValidationError) as e:
         validate_shard(str(tmp_path / "shard"), str(tokens), str(tmp_path / "v.json"), str(model))

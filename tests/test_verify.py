@@ -15,6 +15,7 @@ from shard_helpers import demo_spec, write_tokenized
 
 from eagle3prep.atomic import sha256_file
 from eagle3prep.extract import extract_shard
+from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard import MANIFEST
 from eagle3prep.verify import main, verify
 
@@ -25,7 +26,13 @@ LENGTHS = [23, 41, 17]
 def one_shard(tmp_path_factory, demo_model_dir):
     root = tmp_path_factory.mktemp("verify_shard")
     tokens = write_tokenized(root / "tokens.jsonl", LENGTHS, seed=0)
-    extract_shard(str(tokens), str(root / "shard"), demo_spec(demo_model_dir), {}, 128, shard=0)
+    extract_shard(
+        str(tokens),
+        str(root / "shard"),
+        demo_spec(demo_model_dir),
+        ExtractSettings.defaults(batch_tokens=128, logprob_rows=0),  # six files a shard: no logprobs
+        shard=0,
+    )
     return root / "shard"
 
 

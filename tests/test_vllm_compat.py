@@ -6,6 +6,7 @@ behaviour the fake mimics.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,6 +20,7 @@ from eagle3prep.backends.vllm.driver import VLLMBackend
 from eagle3prep.backends.vllm.paths import CaptureError
 from eagle3prep.backends.vllm.worker import HiddenStatesCapture
 from eagle3prep.model_facts import ModelFacts
+from eagle3prep.settings import ExtractSettings
 
 # ---- versions and collective_rpc -----------------------------------------------------------------
 
@@ -249,7 +251,7 @@ def test_cpu_connector_is_lazy_without_vllm():
 
 def make_backend(layer_ids=(2, 4, 5, 8), capture_path="auto"):
     spec = CaptureSpec(backend="vllm", model_path="unused", layer_ids=list(layer_ids), dtype="bfloat16")
-    return VLLMBackend(spec, {"capture_path": capture_path})
+    return VLLMBackend(spec, ExtractSettings.defaults(capture_path=capture_path))
 
 
 def model_facts(arch, n=8, h=16):
@@ -316,7 +318,7 @@ def test_smoke_capture_names_version_and_fix_deepseek_vllm_0_24(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(TokensPrompt=dict, SamplingParams=lambda **kw: kw))
     backend = make_backend()
     backend.llm, backend.path = ShortLLM(), BuiltinPath([2, 4, 5, 8], "0.24.0")
-    backend.spec.dtype = "float32"
+    backend.spec = dataclasses.replace(backend.spec, dtype="float32")
     with pytest.raises(
         CaptureError, match=r"vLLM 0\.24\.0.*final-layer capture on DeepseekV3ForCausalLM needs vLLM >= 0\.25"
     ):
@@ -616,7 +618,7 @@ def probe_with_fakes(monkeypatch, tmp_path, arch, start, options=None):
     monkeypatch.setattr(compat, "installed_version", lambda: "0.32.0")
     monkeypatch.delenv(compat.NO_WORKAROUNDS_ENV, raising=False)
     spec = CaptureSpec(backend="vllm", model_path="unused", layer_ids=[2, 4, 8], dtype="float32")
-    backend = VLLMBackend(spec, {"capture_path": "auto", **(options or {})})
+    backend = VLLMBackend(spec, ExtractSettings.defaults(capture_path="auto", **(options or {})))
     monkeypatch.setattr(backend_mod.ModelFacts, "read", staticmethod(lambda path: model_facts(arch)))
     monkeypatch.setattr(backend, "_on_cpu", lambda: True)
     monkeypatch.setattr(backend, "_smoke", lambda version, model: None)
@@ -656,22 +658,3 @@ def test_probe_refuses_a_bug_without_workaround_before_any_engine_start(monkeypa
     with pytest.raises(EngineError, match="no workaround is known: kernel X"):
         backend.probe()
     assert starts == []
-
-
-def test_probe_removes_what_the_earlier_built_in_path_staged_in_the_shard_folder(monkeypatch, tmp_path):
-    """A shard killed under the earlier built-in path left <shard>/.vllm-staging with request files;
-    nothing writes there now, so the probe of the rerun removes it (and leaves the rest of the folder)."""
-    from eagle3prep.backends.vllm.paths import HooksPath
-
-    shard = tmp_path / "shard_0"
-    (shard / ".vllm-staging").mkdir(parents=True)
-    (shard / ".vllm-staging" / "e3p-1-0-3.safetensors").write_bytes(b"x")
-    (shard / ".tmp-layer_2.safetensors").write_bytes(b"y")
-
-    def start(backend, name):
-        backend.path = HooksPath([2, 4, 8], "0.32.0")
-
-    backend, _ = probe_with_fakes(monkeypatch, tmp_path, "LlamaForCausalLM", start)
-    backend.spec.extra["output_dir"] = str(shard)
-    backend.probe()
-    assert sorted(p.name for p in shard.iterdir()) == [".tmp-layer_2.safetensors"]

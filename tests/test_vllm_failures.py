@@ -9,6 +9,7 @@ CPU_MLA attention (compat.cpu_mla_fp32_kwargs).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -28,6 +29,7 @@ from eagle3prep.backends.base import CaptureSpec  # noqa: E402
 from eagle3prep.backends.vllm import compat  # noqa: E402
 from eagle3prep.backends.vllm import driver as vllm_backend  # noqa: E402
 from eagle3prep.errors import one_line_errors  # noqa: E402
+from eagle3prep.settings import ExtractSettings  # noqa: E402
 from eagle3prep.testing.tiny_models import NUM_LAYERS, build_family  # noqa: E402
 
 # 1 and 3: after layers whose MLA applies the rotary; N: the pre-norm final state. No id 0, so auto
@@ -41,8 +43,8 @@ def make_backend(model_path, capture_path, staging):
     spec = CaptureSpec(
         backend="vllm", model_path=str(model_path), layer_ids=LAYER_IDS, dtype="float32", max_seq_len=MAX_SEQ_LEN
     )
-    options = {"capture_path": capture_path, "enforce_eager": True, "staging_dir": str(staging)}
-    return vllm_backend.VLLMBackend(spec, options)
+    settings = ExtractSettings.defaults(capture_path=capture_path, enforce_eager=True, staging_dir=str(staging))
+    return vllm_backend.VLLMBackend(spec, settings)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +105,12 @@ def with_workaround(deepseek, tmp_path_factory):
 
     def work(backend, info):
         manifest = extract_shard(
-            str(tokenized), str(out_dir), backend.spec, backend.options, 256, 0, engine=(backend, info)
+            str(tokenized),
+            str(out_dir),
+            backend.spec,
+            dataclasses.replace(backend.settings, speed=dataclasses.replace(backend.settings.speed, batch_tokens=256)),
+            0,
+            engine=(backend, info),
         )
         layers = {i: load_file(out_dir / f"layer_{i}.safetensors")["hidden_states"] for i in LAYER_IDS}
         return manifest, layers
@@ -156,7 +163,7 @@ def test_kimi_int4_on_cpu_runs_or_is_refused_in_one_line(tmp_path, capfd):
     model = build_tiny_kimi(tmp_path / "kimi_int4", "int4")
     spec = CaptureSpec(backend="vllm", model_path=str(model), layer_ids=[3, 5, 8], dtype="bfloat16", max_seq_len=64)
     backend = vllm_backend.VLLMBackend(
-        spec, {"capture_path": "auto", "enforce_eager": True, "staging_dir": str(tmp_path)}
+        spec, ExtractSettings.defaults(capture_path="auto", enforce_eager=True, staging_dir=str(tmp_path))
     )
     lines = []
     with pytest.MonkeyPatch.context() as mp:

@@ -137,10 +137,11 @@ def phase_d(args, model: Path, work: dict) -> dict:
 def phase_b(args, model: Path, work: dict, **over) -> dict:
     """(b) our vllm backend through extract_shard: each workload written as a shard (uniform to
     /dev/shm as well), with its bytes/s, host RSS growth and the writer's waits. `over`: extract
-    options over (b)'s (phases f and g)."""
+    settings over (b)'s (phases f and g)."""
     from eagle3prep.backends import make_backend
     from eagle3prep.backends.base import CaptureSpec
     from eagle3prep.extract import extract_shard
+    from eagle3prep.settings import ExtractSettings
 
     spec = CaptureSpec(
         backend="vllm",
@@ -150,20 +151,22 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
         tp_size=getattr(args, "tp", 1),
         max_seq_len=args.max_len,
     )
-    options = {
-        "capture_path": args.capture_path,
-        "gpu_memory_utilization": args.gpu_mem,
-        "max_num_batched_tokens": args.batched_tokens,
-        "enforce_eager": True,
-        "engine_args": {"load_format": "dummy"},
-        "storage": getattr(args, "storage", "model_dtype"),  # fp8_e4m3: half the bytes (extract.storage)
-        **over,
-    }
+    settings = ExtractSettings.defaults(
+        **{
+            "capture_path": args.capture_path,
+            "gpu_memory_utilization": args.gpu_mem,
+            "max_num_batched_tokens": args.batched_tokens,
+            "enforce_eager": True,
+            "engine_args": {"load_format": "dummy"},
+            "storage": getattr(args, "storage", "model_dtype"),  # fp8_e4m3: half the bytes (extract.storage)
+            "batch_tokens": args.batch_tokens,
+            **over,
+        }
+    )
     shards = args.out / "shards"
     shm = Path("/dev/shm")
-    spec.extra["output_dir"] = str(shards)
     t0 = time.perf_counter()
-    backend = make_backend(spec, options)
+    backend = make_backend(spec, settings)
     info = backend.probe()
     out = {
         "engine_start_s": time.perf_counter() - t0,
@@ -185,8 +188,7 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
                 str(tok),
                 str(where / name),
                 spec,
-                options,
-                batch_tokens=args.batch_tokens,
+                settings,
                 shard=0,
                 engine=(backend, info),
             )
@@ -216,7 +218,7 @@ def phase_c(args, model: Path, work: dict) -> dict:
     import transformers
 
     from eagle3prep.extract import iter_batches, read_index
-    from eagle3prep.shard.sink import LayerSink, Segment
+    from eagle3prep.shard.sink import LayerSink, Segment, SinkPlan
     from eagle3prep.shard.writer import ShardWriter
 
     dev = "cuda" if args.device == "cuda" else "cpu"
@@ -233,7 +235,7 @@ def phase_c(args, model: Path, work: dict) -> dict:
         tok = write_tokenized(args.out / f"hf_{name}.jsonl", work[name])
         index = read_index(tok)
         writer = ShardWriter(args.out / f"hf_{name}", ids, cfg.hidden_size, args.dtype, index)
-        sink = LayerSink(writer.sink_spec(args.hf_batch_tokens))
+        sink = LayerSink(writer.sink_spec(SinkPlan(args.hf_batch_tokens, 3, "row")))
         if dev == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()

@@ -266,32 +266,9 @@ def check_max_seq_len(max_seq_len: int, model_path: str | Path) -> None:
         )
 
 
-# extract.* keys that change how fast a shard is made and what it needs, not what it holds. The
-# extract rule keeps them out of its params (Snakemake re-queues finished jobs whose params changed):
-# lowering gpu_memory_utilization after an out-of-memory crash must not redo the finished shards.
-# The script reads them from the config. vLLM is not batch-invariant: a shard redone with another
-# batch size can differ in the last bits, within the dtype's noise, not in what it means.
-SPEED_KEYS = frozenset({"batch_tokens", "threads", "gpu_memory_utilization", "max_num_batched_tokens", "staging_dir"})
-
-
 def reference_mode(value: bool | str) -> str:
     """validate.reference as one of full | scalable | off (true and false are full and off)."""
     return {True: "full", False: "off"}.get(value, value) if isinstance(value, bool) else str(value)
-
-
-# extract.* keys added after shards existed, kept out of the params at their default: Snakemake compares
-# the params as a whole, and a new key would re-queue every finished shard of a run made before it.
-LATER_KEYS = {"storage": "model_dtype"}
-
-
-def extract_data_params(extract: dict[str, Any]) -> dict[str, Any]:
-    """The extract.* settings that decide a shard's contents: the rule's params (its rerun trigger)."""
-    return {k: v for k, v in extract.items() if k not in SPEED_KEYS and (k not in LATER_KEYS or v != LATER_KEYS[k])}
-
-
-def extract_options(data_params: dict[str, Any], config_extract: dict[str, Any]) -> dict[str, Any]:
-    """The extract job's options: the speed keys from the config as it is now, the rest from params."""
-    return {**LATER_KEYS, **{k: v for k, v in config_extract.items() if k in SPEED_KEYS}, **data_params}
 
 
 IMAGE_DEFAULTS = {"image_root": None, "max_image_pixels": 4096 * 4096}  # data.* keys of issue #28
@@ -299,12 +276,12 @@ IMAGE_DEFAULTS = {"image_root": None, "max_image_pixels": 4096 * 4096}  # data.*
 
 def image_params(data: dict[str, Any]) -> dict[str, Any]:
     """The prepare rule's image params: data.image_root and data.max_image_pixels, only away from their defaults
-    (keys added after runs existed, so that a run made before them is not re-queued; LATER_KEYS says why)."""
+    (keys added after runs existed, so that a run made before them is not re-queued; settings.LATER says why)."""
     return {k: data[k] for k, default in IMAGE_DEFAULTS.items() if data.get(k, default) != default}
 
 
 def template_kwargs_params(tokenize: dict[str, Any]) -> dict[str, Any]:
     """tokenize.chat_template_kwargs as rule params, only when set: a key added after runs existed, kept out of
-    the params at its default like LATER_KEYS, so that a run made before it is not re-queued."""
+    the params at its default like settings.LATER, so that a run made before it is not re-queued."""
     kwargs = tokenize.get("chat_template_kwargs") or {}
     return {"chat_template_kwargs": kwargs} if kwargs else {}

@@ -1,7 +1,8 @@
 """The extract stage: one tokenized shard in, one hidden-state shard folder out (DESIGN.md §4).
 
 run_extract_job is what the extract rule runs. extract_shard is the same with a CaptureSpec already
-made, and optionally an engine already running (benchmarks reuse one across shards).
+made, and optionally an engine already running (benchmarks reuse one across shards). Both take the
+typed ExtractSettings (settings.py); the model's config.json is read once per job.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .gpus import claim_job_gpus
 from .layers import CONVENTION, check_layer_ids, resolve_layer_ids
 from .model_facts import ModelFacts, require_hidden_size
 from .provenance import code_version, model_identity, tokenizer_identity
+from .settings import ExtractSettings
 from .shard.format import (
     MANIFEST,
     MODEL_DTYPE,
@@ -92,7 +94,7 @@ def run_extract_job(
     *,
     model_path: str,
     layers: dict[str, Any],
-    extract: dict[str, Any],
+    extract: ExtractSettings,
     max_seq_len: int,
     trust_remote_code: bool,
     shard: int,
@@ -100,42 +102,39 @@ def run_extract_job(
 ) -> ShardManifest:
     """The extract rule's job: layer ids resolved against the model, then extract_shard."""
     facts = ModelFacts.read(model_path)
-    spec = CaptureSpec(
-        backend=extract["backend"],
+    spec = CaptureSpec.of(
+        extract,
         model_path=model_path,
         layer_ids=resolve_layer_ids(layers["ids"], layers["convention"], facts.num_hidden_layers),
-        dtype=extract["dtype"],
-        device=extract["device"],
-        tp_size=extract["tp_size"],
         max_seq_len=max_seq_len,
         trust_remote_code=trust_remote_code,
     )
-    return extract_shard(tokenized_shard, out_dir, spec, extract, extract["batch_tokens"], shard, threads)
+    return extract_shard(tokenized_shard, out_dir, spec, extract, shard, threads, facts=facts)
 
 
 def extract_shard(
     tokenized_shard: str,
     out_dir: str,
     spec: CaptureSpec,
-    options: dict[str, Any],
-    batch_tokens: int,
+    settings: ExtractSettings,
     shard: int,
     threads: int | None = None,
     engine: tuple[CaptureBackend, EngineInfo] | None = None,
+    facts: ModelFacts | None = None,
 ) -> ShardManifest:
     """Capture one shard: refuse early (layer ids, disk), claim GPUs, start the engine, stream the
     rows. `engine` = (backend, probe info) already running: left open, no GPUs claimed here. A shard
-    without rows starts no engine."""
+    without rows starts no engine. `facts`: the model's, when the caller has read them already."""
     import torch
 
     if threads:  # the job's Snakemake `threads`; also keeps CPU results independent of the host's core count
         torch.set_num_threads(threads)
-    facts = ModelFacts.read(spec.model_path)
+    facts = facts or ModelFacts.read(spec.model_path)
     check_layer_ids(spec.layer_ids, facts.num_hidden_layers)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        return _extract_into(out, tokenized_shard, spec, options, batch_tokens, shard, facts, engine)
+        return _extract_into(out, tokenized_shard, spec, settings, shard, facts, engine)
     except KeyboardInterrupt:
         # Ctrl-C: a folder without a manifest is no shard, and an empty shard_k/ left behind read like one.
         # Any other failure keeps its files for study (Snakemake removes a failed job's output itself).
@@ -144,12 +143,12 @@ def extract_shard(
         raise
 
 
-def _extract_into(out, tokenized_shard, spec, options, batch_tokens, shard, facts, engine) -> ShardManifest:  # noqa: PLR0913
+def _extract_into(out, tokenized_shard, spec, settings, shard, facts, engine) -> ShardManifest:  # noqa: PLR0913
     remove_stale_temps(out)
     (out / MANIFEST).unlink(missing_ok=True)  # a stale manifest must never describe new files
     index = index_of_tokenized(tokenized_shard)
     tokens = sum(e.length for e in index)
-    storage = check_storage(options.get("storage") or MODEL_DTYPE)
+    storage = check_storage(settings.content.storage)
     hidden = require_hidden_size(facts, spec.model_path)
     needed = shard_bytes(tokens, len(index), len(spec.layer_ids), hidden, spec.dtype, storage)
     check_free_space(out, needed)  # seconds, not an engine start-up
@@ -159,13 +158,13 @@ def _extract_into(out, tokenized_shard, spec, options, batch_tokens, shard, fact
     claim_record = None
     with contextlib.ExitStack() as stack:
         if engine is None and not index:  # more shards than rows: files of shape [0, H], no engine, no GPU
-            backend = EmptyShardBackend(spec, options, facts, hidden)
+            backend = EmptyShardBackend(spec, settings, facts, hidden)
             info = backend.probe()
         elif engine is None:
             claim = stack.enter_context(claim_job_gpus(spec.gpus()))  # before the engine reads CUDA_VISIBLE_DEVICES
             claim_record = claim.record()
-            spec.extra["output_dir"] = str(out)  # the vllm probe removes what a pre-issue-25 killed run staged here
-            backend = stack.enter_context(make_backend(spec, options))
+            shutil.rmtree(out / ".vllm-staging", ignore_errors=True)  # a killed run's files from before issue 25
+            backend = stack.enter_context(make_backend(spec, settings, facts))
             info = backend.probe()
         else:
             backend, info = engine
@@ -175,25 +174,29 @@ def _extract_into(out, tokenized_shard, spec, options, batch_tokens, shard, fact
             file=sys.stderr,
         )
         check_free_space(out, needed)  # again: other jobs may have taken space meanwhile
-        job = _Job(out, spec, info, index, tokenized_shard, shard, version, t0, options, claim_record)
-        return job.write(backend, batch_tokens)
+        job = _Job(out, spec, info, index, tokenized_shard, shard, version, t0, settings, claim_record)
+        return job.write(backend)
 
 
 class _Job:
     """One shard's stream through a probed backend: token ids, layer files, index, manifest."""
 
-    def __init__(self, out, spec, info, index, tokenized_shard, shard, version, t0, options, claim=None):  # noqa: PLR0913
-        self.out, self.spec, self.info, self.index, self.options = out, spec, info, index, options
+    def __init__(self, out, spec, info, index, tokenized_shard, shard, version, t0, settings, claim=None):  # noqa: PLR0913
+        self.out, self.spec, self.info, self.index, self.settings = out, spec, info, index, settings
         self.tokenized, self.shard, self.version, self.t0 = tokenized_shard, shard, version, t0
         self.claim = claim  # GpuClaim.record() of this job's claim; None when the engine came from the caller
 
-    def write(self, backend: CaptureBackend, batch_tokens: int) -> ShardManifest:
+    def write(self, backend: CaptureBackend) -> ShardManifest:
         from tqdm import tqdm
 
         tokens = sum(e.length for e in self.index)
-        storage = self.options.get("storage") or MODEL_DTYPE
         writer = ShardWriter(
-            self.out, self.spec.layer_ids, self.info.hidden_size, self.spec.dtype, self.index, storage=storage
+            self.out,
+            self.spec.layer_ids,
+            self.info.hidden_size,
+            self.spec.dtype,
+            self.index,
+            storage=self.settings.content.storage,
         )
         bar = tqdm(
             total=tokens, unit="tok", unit_scale=True, file=sys.stderr, mininterval=1.0, desc=f"shard {self.shard}"
@@ -205,8 +208,8 @@ class _Job:
 
         t_loaded = time.time()
         try:
-            batches = writer.tee(iter_batches(self.tokenized, batch_tokens), on_batch)
-            spec = writer.sink_spec(backend.step_tokens(), logprob_rows=self._logprob_rows())
+            batches = writer.tee(iter_batches(self.tokenized, self.settings.speed.batch_tokens), on_batch)
+            spec = writer.sink_spec(backend.sink_plan(), logprob_rows=self._logprob_rows())
             entries = backend.capture_shard(batches, spec)
             bar.close()
             elapsed = time.time() - t_loaded
@@ -247,7 +250,7 @@ class _Job:
 
     def _logprob_rows(self) -> tuple[int, ...]:
         """extract.logprob_rows rows of the shard, spread evenly (the same rows on every rerun)."""
-        n, k = len(self.index), min(int(self.options.get("logprob_rows", 0) or 0), len(self.index))
+        n, k = len(self.index), min(self.settings.content.logprob_rows, len(self.index))
         return tuple(sorted({i * n // k for i in range(k)})) if k else ()
 
     def _manifest_fields(self) -> dict[str, Any]:

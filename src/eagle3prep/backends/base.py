@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tempfile
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,11 +17,12 @@ if TYPE_CHECKING:
 
     import torch
 
+    from ..settings import ExtractSettings
     from ..shard.format import EngineInfo
-    from ..shard.sink import SinkSpec
+    from ..shard.sink import SinkPlan, SinkSpec
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class CaptureSpec:
     """What to capture and from which model; shared by every backend."""
 
@@ -33,7 +34,18 @@ class CaptureSpec:
     tp_size: int = 1
     max_seq_len: int = 2048
     trust_remote_code: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls, settings: ExtractSettings, *, model_path: str, layer_ids: list[int], max_seq_len: int,
+        trust_remote_code: bool,
+    ) -> CaptureSpec:  # fmt: skip
+        """The capture the extract settings ask for, of this model's `layer_ids`."""
+        c = settings.content
+        return cls(
+            backend=c.backend, model_path=model_path, layer_ids=layer_ids, dtype=c.dtype, device=c.device,
+            tp_size=c.tp_size, max_seq_len=max_seq_len, trust_remote_code=trust_remote_code,
+        )  # fmt: skip
 
     def gpus(self) -> int:
         """GPUs a job of this spec holds: tp_size for vllm, one for hf on cuda (validate uses the same)."""
@@ -47,9 +59,9 @@ class CaptureBackend(ABC):
 
     name: str = "base"
 
-    def __init__(self, spec: CaptureSpec, options: dict[str, Any]):
+    def __init__(self, spec: CaptureSpec, settings: ExtractSettings):
         self.spec = spec
-        self.options = options
+        self.settings = settings
         self.capture_stats: dict[str, Any] = {}  # timings of the last capture_shard(), for timings.json
         # {shard row: [T-1] float32} prompt logprobs of the actual tokens, for SinkSpec.logprob_rows
         self.capture_logprobs: dict[int, Any] = {}
@@ -64,9 +76,10 @@ class CaptureBackend(ABC):
         its layers through a LayerSink(sink); return LayerSink.finish()'s {layer_id: file entry}. The
         prompt logprobs of `sink.logprob_rows` go to `capture_logprobs`."""
 
-    def step_tokens(self) -> int:
-        """The largest forward step, in tokens: the size of the sink's host slots."""
-        return int(self.options.get("batch_tokens") or 8192)
+    @abstractmethod
+    def sink_plan(self) -> SinkPlan:
+        """After probe(): the largest forward step (the host slots' size), the slots and the request tag prefix
+        of the next capture, from which the job builds the shard's SinkSpec once."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine (GPU memory, worker processes)."""
@@ -82,10 +95,11 @@ def smoke_shard(backend: CaptureBackend, prompt: list[int], hidden_size: int) ->
     """Capture one row into a throw-away shard through capture_shard() and read it back:
     {layer_id: [T, H]}, checked for every requested layer, the shape and finite values. The smoke
     shard is stored as the real ones will be (extract.storage), so FP8 quantization is probed too."""
-    from ..shard.format import MODEL_DTYPE, layer_file, read_layer
+    from ..shard.format import layer_file, read_layer
     from ..shard.sink import SinkSpec
 
     ids = backend.spec.layer_ids
+    plan = backend.sink_plan()
     with tempfile.TemporaryDirectory(prefix="eagle3prep-smoke-") as tmp:
         spec = SinkSpec(
             layer_paths={lid: str(Path(tmp) / layer_file(lid)) for lid in ids},
@@ -93,9 +107,9 @@ def smoke_shard(backend: CaptureBackend, prompt: list[int], hidden_size: int) ->
             dtype=backend.spec.dtype,
             rows=[(0, len(prompt))],
             step_tokens=max(len(prompt), 16),
-            slots=1,
-            tag_prefix="smoke",
-            storage=backend.options.get("storage") or MODEL_DTYPE,
+            slots=plan.slots,
+            tag_prefix=plan.tag_prefix,
+            storage=backend.settings.content.storage,
         )
         backend.capture_shard(iter([[prompt]]), spec)
         out = {lid: read_layer(spec.layer_paths[lid]) for lid in ids}

@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 from ..provenance import engine_version
 from ..shard.format import EngineInfo
-from ..shard.sink import LayerSink
+from ..shard.sink import LayerSink, SinkPlan
 from .base import CaptureBackend, CaptureSpec
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from ..model_facts import ModelFacts
+    from ..settings import ExtractSettings
     from ..shard.sink import SinkSpec
 
 CAPTURE_PATH = "none (no rows)"
@@ -25,8 +26,8 @@ CAPTURE_PATH = "none (no rows)"
 class EmptyShardBackend(CaptureBackend):
     name = "empty"
 
-    def __init__(self, spec: CaptureSpec, options: dict[str, Any], facts: ModelFacts, hidden_size: int):
-        super().__init__(spec, options)
+    def __init__(self, spec: CaptureSpec, settings: ExtractSettings, facts: ModelFacts, hidden_size: int):
+        super().__init__(spec, settings)
         self.facts, self.hidden_size = facts, hidden_size
 
     def probe(self) -> EngineInfo:
@@ -41,6 +42,9 @@ class EmptyShardBackend(CaptureBackend):
             final_layer_reachable=True,  # nothing was captured: no layer was out of reach
             details={"engine_started": False},
         )
+
+    def sink_plan(self) -> SinkPlan:
+        return SinkPlan(step_tokens=1, slots=1, tag_prefix="row")  # no step ever reaches the sink
 
     def capture_shard(self, batches: Iterator[list[list[int]]], sink: SinkSpec) -> dict[int, dict[str, Any]]:
         if next(batches, None) is not None:

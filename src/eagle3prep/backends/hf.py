@@ -11,13 +11,16 @@ from typing import TYPE_CHECKING, Any
 from ..errors import UserError
 from ..layers import decoder_stack, hook_point
 from ..shard.format import EngineInfo
-from ..shard.sink import LayerSink, Segment
+from ..shard.sink import LayerSink, Segment, SinkPlan
 from .base import CaptureBackend, CaptureSpec, smoke_shard
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from ..settings import ExtractSettings
     from ..shard.sink import SinkSpec
+
+HOST_SLOTS = 3  # one step being filled, up to two with the writer threads
 
 
 def _first_tensor(x: Any) -> Any:
@@ -27,8 +30,8 @@ def _first_tensor(x: Any) -> Any:
 class HFBackend(CaptureBackend):
     name = "hf"
 
-    def __init__(self, spec: CaptureSpec, options: dict[str, Any]):
-        super().__init__(spec, options)
+    def __init__(self, spec: CaptureSpec, settings: ExtractSettings):
+        super().__init__(spec, settings)
         self.model = None
         self._captured: dict[int, Any] = {}
         self._handles: list[Any] = []
@@ -67,6 +70,10 @@ class HFBackend(CaptureBackend):
             final_layer_reachable=True,
             details={"torch_version": torch.__version__, "device": self.spec.device},
         )
+
+    def sink_plan(self) -> SinkPlan:
+        # one padded batch is one step: extract.batch_tokens bounds its rows x longest
+        return SinkPlan(step_tokens=self.settings.speed.batch_tokens, slots=HOST_SLOTS, tag_prefix="row")
 
     def _input_hook(self, lid: int):
         def hook(module, args, kwargs):

@@ -30,6 +30,7 @@ from ..gpus import claim_job_gpus
 from ..layers import resolve_layer_ids
 from ..model_facts import ModelFacts
 from ..provenance import code_version
+from ..settings import ExtractSettings
 from . import acceptance, rows, serve, train
 
 FORMAT = "eagle3prep.overfit_gate/1"
@@ -52,13 +53,13 @@ class GateSettings:
     loss_fn: str = "ce"  # cross-entropy against the target's argmax: what greedy acceptance asks of the draft
 
 
-def job_gpus(regenerate: dict[str, Any], extract: dict[str, Any]) -> int:
+def job_gpus(regenerate: dict[str, Any], extract: ExtractSettings) -> int:
     """GPUs the gate holds: the engines' tensor-parallel size, or the capture's when it needs more
     (rules/overfit_gate.smk declares the same)."""
-    if extract.get("backend") == "vllm":
-        capture = int(extract.get("tp_size", 1))
+    if extract.content.backend == "vllm":
+        capture = extract.content.tp_size
     else:
-        capture = 1 if str(extract.get("device", "cpu")).startswith("cuda") else 0
+        capture = 1 if extract.content.device.startswith("cuda") else 0
     return max(int(regenerate.get("tp_size", 1)), capture)
 
 
@@ -85,7 +86,7 @@ def run_overfit_gate(
     *,
     model_path: str,
     layers: dict[str, Any],
-    extract: dict[str, Any],
+    extract: ExtractSettings,
     regenerate: dict[str, Any],
     trust_remote_code: bool = False,
     threads: int | None = None,

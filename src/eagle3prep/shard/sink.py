@@ -44,6 +44,15 @@ class Segment:
 
 
 @dataclass(frozen=True, slots=True)
+class SinkPlan:
+    """What a probed backend reports for its next capture; with the shard's layout it makes the SinkSpec."""
+
+    step_tokens: int  # the largest forward step the backend will hand over: the host slots' size
+    slots: int  # host slots: one being filled, the rest with the writer threads
+    tag_prefix: str  # of the capture's request tags; a vLLM engine needs a new one per capture
+
+
+@dataclass(frozen=True, slots=True)
 class SinkSpec:
     """Everything a LayerSink needs, plain data so it can travel to a vLLM worker by RPC."""
 

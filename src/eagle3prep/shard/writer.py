@@ -37,7 +37,7 @@ from .format import (
     temp_of,
     token_bytes,
 )
-from .sink import SinkSpec
+from .sink import SinkPlan, SinkSpec
 
 
 class ShardWriter:
@@ -63,17 +63,19 @@ class ShardWriter:
         self._placed: list[Path] = []  # files this writer renamed into place; abort() removes them
         self.tokens = StreamingSafetensorsWriter(self.out_dir / TOKEN_IDS, "token_ids", "int64", (self.total_tokens,))
 
-    def sink_spec(self, step_tokens: int, tag_prefix: str = "row", **kw: Any) -> SinkSpec:
-        """What the backend's LayerSink needs to write this shard's layer files."""
+    def sink_spec(self, plan: SinkPlan, logprob_rows: tuple[int, ...] = ()) -> SinkSpec:
+        """What the backend's LayerSink needs to write this shard's layer files: this shard's layout, and
+        the step size, slots and tag prefix the probed backend reported (`plan`)."""
         return SinkSpec(
             layer_paths={lid: str(self.out_dir / layer_file(lid)) for lid in self.layer_ids},
             hidden_size=self.hidden_size,
             dtype=self.dtype,
             rows=[(e.offset, e.length) for e in self.index],
-            step_tokens=step_tokens,
-            tag_prefix=tag_prefix,
+            step_tokens=plan.step_tokens,
+            slots=plan.slots,
+            tag_prefix=plan.tag_prefix,
+            logprob_rows=logprob_rows,
             storage=self.storage,
-            **kw,
         )
 
     def tee(

@@ -8,13 +8,10 @@ its real work, with the vLLM version and the fix in the message.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import os
-import shutil
 import time
 import uuid
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ... import shm
@@ -22,6 +19,7 @@ from ...config import ConfigError
 from ...layers import check_layer_ids
 from ...model_facts import ModelFacts, require_hidden_size
 from ...shard.format import EngineInfo
+from ...shard.sink import SinkPlan
 from ..base import CaptureBackend, CaptureSpec, smoke_shard
 from . import compat
 from .errors import ChildOutput, EngineError, engine_error
@@ -30,6 +28,7 @@ from .paths import BuiltinPath, CaptureError, HooksPath, log
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from ...settings import ExtractSettings
     from ...shard.sink import SinkSpec
 
 SMOKE_TOKENS = 16  # length of the smoke-capture prompt
@@ -39,13 +38,14 @@ HOST_SLOTS = 3
 
 
 class VLLMBackend(CaptureBackend):
-    """Capture with vLLM. Options are config `extract:` keys (schema.yaml). Both capture paths write the
-    layer files from TP rank 0's worker; nothing is staged per request."""
+    """Capture with vLLM, as the typed `extract:` settings say. Both capture paths write the layer files from
+    TP rank 0's worker; nothing is staged per request. `facts`: the model's, when the job has read them."""
 
     name = "vllm"
 
-    def __init__(self, spec: CaptureSpec, options: dict[str, Any]):
-        super().__init__(spec, options)
+    def __init__(self, spec: CaptureSpec, settings: ExtractSettings, facts: ModelFacts | None = None):
+        super().__init__(spec, settings)
+        self.facts = facts
         self.llm: Any = None
         self.path: BuiltinPath | HooksPath | None = None
         self.info: EngineInfo | None = None
@@ -71,7 +71,7 @@ class VLLMBackend(CaptureBackend):
         # error": make them ask NVML instead, wherever they are called in this process.
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         version = compat.installed_version()
-        model = ModelFacts.read(self.spec.model_path)
+        model = self.facts or ModelFacts.read(self.spec.model_path)
         check_layer_ids(self.spec.layer_ids, model.num_hidden_layers)
         on_cpu = self._on_cpu()
         self._workarounds = compat.engine_workarounds(
@@ -81,13 +81,9 @@ class VLLMBackend(CaptureBackend):
             raise EngineError(self._workarounds.refusal)
         for line in self._workarounds.log_lines:
             log(line)
-        out_dir = self.spec.extra.get("output_dir") or self.options.get("output_dir")
-        if out_dir:  # the per-request files of a killed run from before issue 25 (no code writes there now)
-            shutil.rmtree(Path(out_dir) / ".vllm-staging", ignore_errors=True)
-
         candidates, fallback_reason = self._candidate_paths(version, model)
         arch = model.architectures[0] if model.architectures else "the model"
-        wanted = self.options.get("capture_path", "auto")
+        wanted = self.settings.content.capture_path
         for k, name in enumerate(candidates):
             last = k == len(candidates) - 1
             try:
@@ -143,9 +139,7 @@ class VLLMBackend(CaptureBackend):
 
     def _candidate_paths(self, version: str, model: ModelFacts) -> tuple[list[str], str | None]:
         """The capture paths to try in order, and why the built-in one was left out (if it was)."""
-        wanted = self.options.get("capture_path", "auto")
-        if wanted not in ("auto", "builtin", "hooks"):
-            raise ConfigError(f"extract.capture_path = {wanted!r} is not one of ['auto', 'builtin', 'hooks']")
+        wanted = self.settings.content.capture_path  # the schema allows auto | builtin | hooks
         if wanted == "hooks":
             return ["hooks"], None
         blocker = compat.builtin_blocker(version, model.architectures, self.spec.layer_ids, model.num_hidden_layers)
@@ -168,7 +162,7 @@ class VLLMBackend(CaptureBackend):
         return ["hooks", "builtin"], None
 
     def _engine_kwargs(self, path: BuiltinPath | HooksPath) -> dict[str, Any]:
-        opt = self.options
+        content, speed = self.settings.content, self.settings.speed
         kwargs: dict[str, Any] = {
             "model": self.spec.model_path,
             "skip_tokenizer_init": True,  # we hand over token ids; the engine needs no tokenizer
@@ -176,17 +170,17 @@ class VLLMBackend(CaptureBackend):
             "tensor_parallel_size": self.spec.tp_size,
             # +1: the one sampled token must fit after a prompt of max_seq_len tokens.
             "max_model_len": self.spec.max_seq_len + 1,
-            "max_num_batched_tokens": opt.get("max_num_batched_tokens"),
-            "gpu_memory_utilization": opt.get("gpu_memory_utilization", 0.9),
-            "enforce_eager": bool(opt.get("enforce_eager", False)),
-            "quantization": opt.get("quantization"),
+            "max_num_batched_tokens": speed.max_num_batched_tokens,
+            "gpu_memory_utilization": speed.gpu_memory_utilization,
+            "enforce_eager": content.enforce_eager,
+            "quantization": content.quantization,
             # A prefix-cache hit skips the forward of the cached tokens: their rows would be missing.
             "enable_prefix_caching": False,
             "trust_remote_code": self.spec.trust_remote_code,
             "seed": 0,
         }
         kwargs.update(path.engine_kwargs())
-        kwargs.update(opt.get("engine_args") or {})  # the user's word wins, as documented...
+        kwargs.update(content.engine_args)  # the user's word wins, as documented...
         kwargs.update(path.engine_kwargs())  # ...except where a capture path needs its setting (hooks: eager)
         kwargs = compat.merge_engine_kwargs(kwargs, self._workarounds.engine_kwargs)  # known engine bugs
         if kwargs.get("enable_prefix_caching"):
@@ -232,19 +226,23 @@ class VLLMBackend(CaptureBackend):
     def capture_shard(self, batches: Iterator[list[list[int]]], sink: SinkSpec) -> dict[int, dict[str, Any]]:
         if self.llm is None:
             raise RuntimeError("capture_shard() before probe(): call probe() first")
-        # Request ids must be unique for the engine's lifetime: one prefix per shard.
-        sink = dataclasses.replace(sink, tag_prefix=f"e3p-{self._run}-{next(self._shards)}", slots=HOST_SLOTS)
         # a full step always waiting, whatever the batches' size
-        self.path.window_tokens = max(int(self.options.get("batch_tokens") or 0), 2 * self.step_tokens())
+        self.path.window_tokens = max(self.settings.speed.batch_tokens, 2 * sink.step_tokens)
         entries = self.path.capture_shard(self.llm, batches, sink)
         self.capture_stats, self.capture_logprobs = self.path.stats, self.path.logprobs
         return entries
 
-    def step_tokens(self) -> int:
-        """The scheduler's token budget per forward step (the largest step the worker will see)."""
+    def sink_plan(self) -> SinkPlan:
+        """The scheduler's token budget per forward step (the largest step the worker will see; engine_args may
+        have changed it from extract.max_num_batched_tokens), and a tag prefix new to this engine: request ids
+        must be unique for the engine's lifetime."""
         config = getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None)
         budget = getattr(getattr(config, "scheduler_config", None), "max_num_batched_tokens", None)
-        return int(budget or self.options.get("max_num_batched_tokens") or 8192)
+        return SinkPlan(
+            step_tokens=int(budget or self.settings.speed.max_num_batched_tokens),
+            slots=HOST_SLOTS,
+            tag_prefix=f"e3p-{self._run}-{next(self._shards)}",
+        )
 
     # ---- close -------------------------------------------------------------------------------
     def _shutdown_engine(self) -> None:

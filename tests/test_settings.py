@@ -1,0 +1,84 @@
+"""The typed settings (settings.py): built once from the validated config, defaults only from the schema."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle3prep.config import SCHEMA, ConfigError, validate_config
+from eagle3prep.settings import UNUSED, ExtractContent, ExtractSettings, ExtractSpeed
+
+REPO = Path(__file__).resolve().parents[1]
+EXTRACT_SCHEMA = yaml.safe_load(SCHEMA.read_text())["properties"]["extract"]["properties"]
+
+
+def base(**over):
+    return {"data": {"sources": ["a.jsonl"]}, "model": {"path": "m"}, **over}
+
+
+def test_every_default_comes_from_the_schema():
+    s = ExtractSettings.defaults()
+    values = {**dataclasses.asdict(s.content), **dataclasses.asdict(s.speed)}
+    assert values == {k: EXTRACT_SCHEMA[k]["default"] for k in values}
+    assert s == ExtractSettings.from_config(validate_config(base()))  # the workflow's path gives the same
+
+
+def test_the_demo_config_sets_batch_tokens_and_the_settings_read_it():
+    config = validate_config(yaml.safe_load((REPO / "config" / "config.yaml").read_text()))
+    assert ExtractSettings.from_config(config).speed.batch_tokens == 4096
+    assert ExtractSettings.defaults(batch_tokens=512).speed.batch_tokens == 512
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "config" / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_the_example_configs_build_their_settings(path):
+    config = validate_config(yaml.safe_load(path.read_text()))
+    settings = ExtractSettings.from_config(config)
+    assert settings.content.backend == config["extract"]["backend"]
+    assert settings.speed.gpu_memory_utilization == config["extract"]["gpu_memory_utilization"]
+
+
+def test_settings_are_frozen():
+    s = ExtractSettings.defaults()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.speed.batch_tokens = 1  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.content = s.content  # type: ignore[misc]
+
+
+def test_every_extract_key_is_content_speed_or_unused_exactly_once():
+    content = {f.name for f in dataclasses.fields(ExtractContent)}
+    speed = {f.name for f in dataclasses.fields(ExtractSpeed)}
+    assert not content & speed and not (content | speed) & UNUSED["extract"]
+    assert content | speed | UNUSED["extract"] == set(EXTRACT_SCHEMA)
+
+
+def test_speed_knobs_are_not_params_and_the_params_keep_the_users_order():
+    config = validate_config(base(extract={"dtype": "float16", "batch_tokens": 64, "backend": "hf"}))
+    params = ExtractSettings.params(config)
+    assert not {f.name for f in dataclasses.fields(ExtractSpeed)} & set(params)
+    assert "staging_dir" not in params
+    assert list(params)[:2] == ["dtype", "backend"]  # Snakemake compares the params' repr: order counts
+    later = validate_config(base(extract={"dtype": "float16", "batch_tokens": 8, "gpu_memory_utilization": 0.5}))
+    assert ExtractSettings.params(later) == params  # a speed knob changed: no shard is re-queued
+
+
+def test_storage_is_a_param_only_away_from_its_default():
+    """A run made before extract.storage existed keeps its shards (Snakemake compares the params whole)."""
+    assert "storage" not in ExtractSettings.params(validate_config(base()))
+    fp8 = validate_config(base(extract={"storage": "fp8_e4m3"}))
+    assert ExtractSettings.params(fp8)["storage"] == "fp8_e4m3"
+    assert ExtractSettings.from_config(validate_config(base())).content.storage == "model_dtype"
+
+
+def test_a_bad_value_is_one_line_naming_the_key():
+    with pytest.raises(ConfigError) as e:
+        ExtractSettings.defaults(capture_path="fast")
+    assert "extract.capture_path = 'fast' is not allowed" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="did you mean 'batch_tokens'"):
+        ExtractSettings.defaults(batch_token=8)
+
+
+def test_an_unvalidated_section_is_refused():
+    with pytest.raises(KeyError, match="validate_config"):
+        ExtractSettings.from_config({"extract": {"backend": "hf"}})
