@@ -209,6 +209,22 @@ def _sources(shards: ShardSet) -> list[dict[str, Any]]:
     ]
 
 
+def _copy_hidden_states(out: Path, shards: ShardSet, files: dict[str, dict[str, Any]]) -> int:
+    """hs_{row}.safetensors for every row of every shard (hidden_states="copy"); returns the token count."""
+    from tqdm import tqdm
+
+    (out / HIDDEN_STATES).mkdir()
+    tokens = 0
+    bar = tqdm(total=sum(s.manifest.rows for s in shards.shards), unit="row", file=sys.stderr, mininterval=1.0,
+               desc="hs files")  # fmt: skip
+    for shard in shards.shards:
+        tokens += _write_hidden_states(out, shard, shards.layer_ids, files)
+        bar.update(shard.manifest.rows)
+    bar.close()
+    fsync_dir(out / HIDDEN_STATES)
+    return tokens
+
+
 def export_speculators(
     shard_dirs: list[str],
     validations: list[str],
@@ -220,8 +236,6 @@ def export_speculators(
     """Write `out_dir` in speculators' layout; manifest.json last. Shards must come in row order.
 
     hidden_states="direct" writes no hs files: the trainer reads every row from the shard folders."""
-    from tqdm import tqdm
-
     if hidden_states not in MODES:
         raise ExportError(f"export.hidden_states = {hidden_states!r}; choose one of {list(MODES)}")
     shards = check_shards(shard_dirs, validations, tokenized)
@@ -241,14 +255,7 @@ def export_speculators(
     image_counts = _write_arrow(out, shards, files)
     _write_token_freq(out, token_freq_json, files)
     if hidden_states == "copy":
-        (out / HIDDEN_STATES).mkdir()
-        tokens = 0
-        bar = tqdm(total=rows, unit="row", file=sys.stderr, mininterval=1.0, desc="hs files")
-        for shard in shards.shards:
-            tokens += _write_hidden_states(out, shard, layer_ids, files)
-            bar.update(shard.manifest.rows)
-        bar.close()
-        fsync_dir(out / HIDDEN_STATES)
+        tokens = _copy_hidden_states(out, shards, files)
     else:
         tokens = sum(s.manifest.tokens for s in shards.shards)
 
@@ -275,10 +282,17 @@ def export_speculators(
         "code_version": code_version(),
     }
     write_json(out / MANIFEST, manifest)
+    _log_done(manifest)
+    return manifest
+
+
+def _log_done(manifest: dict[str, Any]) -> None:
+    """The log's last line: rows (with images, when there are any), tokens, and the bytes written."""
+    files = manifest["files"]
     size = sum(f["bytes"] for f in files.values())
-    with_images = f" ({image_counts['image_rows']} with {image_counts['images']} images)" if image_counts else ""
+    with_images = f" ({manifest['image_rows']} with {manifest['images']} images)" if "image_rows" in manifest else ""
     print(
-        f"[export] done: {rows} rows{with_images}, {tokens} tokens, {size / 2**20:.1f} MiB in {len(files)} files",
+        f"[export] done: {manifest['rows']} rows{with_images}, {manifest['tokens']} tokens, {size / 2**20:.1f} MiB "
+        f"in {len(files)} files",
         file=sys.stderr,
     )
-    return manifest
