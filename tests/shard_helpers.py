@@ -70,3 +70,46 @@ def capture_rows(backend, rows, batches=None):
         )
         backend.capture_shard(iter(batches), spec)
         return {lid: load_file(p)["hidden_states"] for lid, p in spec.layer_paths.items()}
+
+
+def write_shard_of(tokenized: Path, shard_dir: Path, model_dir: Path, layer_ids: list[int], seed: int = 0) -> Path:
+    """A finished shard folder for the rows of `tokenized` with random bf16 hidden states written by the test
+    writer, no engine run: for rows the capture cannot take yet (images, issue #28 item 3, in another branch)
+    that the stages after it must carry. Its manifest lists every file, so validation's file checks pass."""
+    import torch
+    from safetensors.torch import save_file
+
+    from eagle3prep.atomic import sha256_file
+    from eagle3prep.layers import CONVENTION
+    from eagle3prep.model_facts import ModelFacts
+    from eagle3prep.provenance import model_identity, tokenizer_identity
+    from eagle3prep.shard.format import INDEX, MANIFEST, TOKEN_IDS, ShardManifest, layer_file
+    from eagle3prep.testing.writers import write_layer
+
+    rows = [json.loads(line) for line in tokenized.read_text(encoding="utf-8").splitlines()]
+    facts = ModelFacts.read(str(model_dir))
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    index, offset = [], 0
+    for r in rows:
+        index.append({"row": r["row"], "id": r["id"], "offset": offset, "length": r["seq_len"]})
+        offset += r["seq_len"]
+    gen = torch.Generator().manual_seed(seed)
+    for lid in layer_ids:
+        write_layer(shard_dir / layer_file(lid), torch.randn(offset, facts.hidden_size, generator=gen).bfloat16())
+    ids = torch.tensor([t for r in rows for t in r["input_ids"]], dtype=torch.int64)
+    save_file({"token_ids": ids}, shard_dir / TOKEN_IDS)
+    (shard_dir / INDEX).write_text(json.dumps(index))
+    names = [*map(layer_file, layer_ids), TOKEN_IDS, INDEX]
+    files = {n: {"sha256": sha256_file(shard_dir / n), "bytes": (shard_dir / n).stat().st_size} for n in names}
+    manifest = ShardManifest(
+        **manifest_fields(
+            layer_id_convention=CONVENTION, num_hidden_layers=facts.num_hidden_layers, dtype="bfloat16",
+            hidden_size=facts.hidden_size, row_range=[rows[0]["row"], rows[-1]["row"] + 1] if rows else [0, 0],
+            tokenized={"path": str(tokenized), "sha256": sha256_file(tokenized)},
+            model=model_identity(str(model_dir)), tokenizer=tokenizer_identity(str(model_dir)),
+            engine={"engine": "test writer", "capture_path": "random states (tests/shard_helpers.py)", "tp_size": 1},
+        ),
+        layer_ids=list(layer_ids), rows=len(rows), tokens=offset, files=files,
+    )  # fmt: skip
+    (shard_dir / MANIFEST).write_text(json.dumps(manifest.to_json()))
+    return shard_dir

@@ -104,6 +104,7 @@ def test_export_files_checksums_and_contents(results):
     assert manifest["layer_ids"] == DEMO_LAYER_IDS and manifest["target_layer_ids"] == AUX
     assert manifest["layer_id_convention"] == "input_of_layer" and manifest["rows"] == 5
     assert manifest["hidden_states_backend"] == "file"  # was absent (issue #27: "null"): how to read the hs files
+    assert not {"image_rows", "images"} & manifest.keys()  # text rows only: the manifest as before issue #28
 
     from datasets import load_from_disk
 

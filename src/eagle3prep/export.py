@@ -17,6 +17,11 @@ ours are the shards' own bytes and per-layer scales, [T, L, 1], which their back
 per-token error 0.026 -> 0.037 on the tiny models, docs/runs/fp8/), and training from the copy would no
 longer equal training from the shards directly (tests/test_train.py).
 
+Rows with images (issue #28) export as any row: input_ids hold the target's vision tokens, the loss mask is 0 on
+them, and the hidden states are those captured with the images. The images themselves stay out (speculators keeps
+a multimodal row's `messages` only to ask a vLLM server for missing states, which this export never lacks); the
+manifest counts `image_rows` and `images` when there are any.
+
 speculators' ArrowDataset reads arrow row i together with hs_{i}.safetensors and uses
 hidden_states[:, :-1] as the EAGLE-3 input and hidden_states[:, -1] as the verifier's last state
 (before its final norm). Our global row ids are 0..n-1 in arrow order, so hs_{row} is hs_{i}; the
@@ -113,8 +118,9 @@ def _write_hidden_states(out: Path, shard: Shard, layer_ids: list[int], files: d
     return tokens
 
 
-def _write_arrow(out: Path, shards: ShardSet, files: dict[str, dict[str, Any]]) -> None:
-    """The arrow dataset, built as a stream (memory does not grow with the data) and moved in file by file."""
+def _write_arrow(out: Path, shards: ShardSet, files: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """The arrow dataset, built as a stream (memory does not grow with the data) and moved in file by file;
+    returns the rows with images and their images ({} when there are none)."""
     from datasets import Dataset, Features, List, Value
     from datasets.arrow_reader import ArrowReader
     from datasets.arrow_writer import ArrowWriter
@@ -124,10 +130,15 @@ def _write_arrow(out: Path, shards: ShardSet, files: dict[str, dict[str, Any]]) 
     )
     stream = out / f"{TMP_PREFIX}rows.arrow"
     staging = out / f"{TMP_PREFIX}arrow"
+    image_rows = images = 0
     with ArrowWriter(features=features, path=str(stream)) as writer:
         for shard in shards.shards:
             for _, rec in _rows(shard):
+                # An image row is its input_ids with the vision tokens in them (loss mask 0 there) and its
+                # captured states, like any row: the trainer needs neither the pixels nor the grid.
                 writer.write({k: rec[k] for k in ("input_ids", "loss_mask", "seq_len")})
+                image_rows += "images" in rec
+                images += len(rec.get("images", ()))
         writer.finalize()
     # Dataset.from_file would fingerprint the file's mtime; a content hash keeps reruns byte-identical.
     ds = Dataset(ArrowReader.read_table(str(stream)), fingerprint=sha256_file(stream)[:16])
@@ -143,6 +154,7 @@ def _write_arrow(out: Path, shards: ShardSet, files: dict[str, dict[str, Any]]) 
     fsync_dir(out)
     staging.rmdir()
     stream.unlink()
+    return {"image_rows": image_rows, "images": images} if image_rows else {}
 
 
 def _write_token_freq(out: Path, token_freq_json: str, files: dict[str, dict[str, Any]]) -> None:
@@ -197,6 +209,22 @@ def _sources(shards: ShardSet) -> list[dict[str, Any]]:
     ]
 
 
+def _copy_hidden_states(out: Path, shards: ShardSet, files: dict[str, dict[str, Any]]) -> int:
+    """hs_{row}.safetensors for every row of every shard (hidden_states="copy"); returns the token count."""
+    from tqdm import tqdm
+
+    (out / HIDDEN_STATES).mkdir()
+    tokens = 0
+    bar = tqdm(total=sum(s.manifest.rows for s in shards.shards), unit="row", file=sys.stderr, mininterval=1.0,
+               desc="hs files")  # fmt: skip
+    for shard in shards.shards:
+        tokens += _write_hidden_states(out, shard, shards.layer_ids, files)
+        bar.update(shard.manifest.rows)
+    bar.close()
+    fsync_dir(out / HIDDEN_STATES)
+    return tokens
+
+
 def export_speculators(
     shard_dirs: list[str],
     validations: list[str],
@@ -208,8 +236,6 @@ def export_speculators(
     """Write `out_dir` in speculators' layout; manifest.json last. Shards must come in row order.
 
     hidden_states="direct" writes no hs files: the trainer reads every row from the shard folders."""
-    from tqdm import tqdm
-
     if hidden_states not in MODES:
         raise ExportError(f"export.hidden_states = {hidden_states!r}; choose one of {list(MODES)}")
     shards = check_shards(shard_dirs, validations, tokenized)
@@ -226,17 +252,10 @@ def export_speculators(
         file=sys.stderr,
     )
     files: dict[str, dict[str, Any]] = {}
-    _write_arrow(out, shards, files)
+    image_counts = _write_arrow(out, shards, files)
     _write_token_freq(out, token_freq_json, files)
     if hidden_states == "copy":
-        (out / HIDDEN_STATES).mkdir()
-        tokens = 0
-        bar = tqdm(total=rows, unit="row", file=sys.stderr, mininterval=1.0, desc="hs files")
-        for shard in shards.shards:
-            tokens += _write_hidden_states(out, shard, layer_ids, files)
-            bar.update(shard.manifest.rows)
-        bar.close()
-        fsync_dir(out / HIDDEN_STATES)
+        tokens = _copy_hidden_states(out, shards, files)
     else:
         tokens = sum(s.manifest.tokens for s in shards.shards)
 
@@ -245,6 +264,8 @@ def export_speculators(
         "hidden_states": hidden_states,
         "rows": rows,
         "tokens": tokens,
+        # Only with image rows (issue #28): a text-only export keeps its manifest's bytes.
+        **image_counts,
         "layer_ids": layer_ids,
         "layer_id_convention": CONVENTION,
         # speculators train --target-layer-ids: the auxiliary ids, vLLM's convention (= ours), final slot excluded.
@@ -261,8 +282,17 @@ def export_speculators(
         "code_version": code_version(),
     }
     write_json(out / MANIFEST, manifest)
-    size = sum(f["bytes"] for f in files.values())
-    print(
-        f"[export] done: {rows} rows, {tokens} tokens, {size / 2**20:.1f} MiB in {len(files)} files", file=sys.stderr
-    )
+    _log_done(manifest)
     return manifest
+
+
+def _log_done(manifest: dict[str, Any]) -> None:
+    """The log's last line: rows (with images, when there are any), tokens, and the bytes written."""
+    files = manifest["files"]
+    size = sum(f["bytes"] for f in files.values())
+    with_images = f" ({manifest['image_rows']} with {manifest['images']} images)" if "image_rows" in manifest else ""
+    print(
+        f"[export] done: {manifest['rows']} rows{with_images}, {manifest['tokens']} tokens, {size / 2**20:.1f} MiB "
+        f"in {len(files)} files",
+        file=sys.stderr,
+    )

@@ -29,7 +29,7 @@ def _benchmark_seconds(path: str | Path) -> float | None:
 
 
 def _row_stats(tokenized: list[str]):
-    """Per row: shard, seq_len, share of loss-masked tokens (for the length and mask histograms)."""
+    """Per row: shard, seq_len, share of loss-masked tokens (for the length and mask histograms), images."""
     import pandas as pd
 
     out = []
@@ -38,9 +38,10 @@ def _row_stats(tokenized: list[str]):
             for line in f:
                 r = json.loads(line)
                 out.append(
-                    {"shard": k, "seq_len": r["seq_len"], "mask_share": sum(r["loss_mask"]) / max(r["seq_len"], 1)}
-                )
-    return pd.DataFrame(out, columns=["shard", "seq_len", "mask_share"])
+                    {"shard": k, "seq_len": r["seq_len"], "mask_share": sum(r["loss_mask"]) / max(r["seq_len"], 1),
+                     "images": len(r.get("images", ()))}
+                )  # fmt: skip
+    return pd.DataFrame(out, columns=["shard", "seq_len", "mask_share", "images"])
 
 
 def _summary(shard_dirs, manifests, reports, benchmarks, margins):
@@ -169,6 +170,7 @@ def build_report(
            f"share over up to {data.OUTLIER_SAMPLE_TOKENS:,} sampled tokens per layer and shard.")
     )  # fmt: skip
     series = data.layer_stat_series(reports, outliers)
+    row_stats = _row_stats(tokenized)
     coverage = data.vocab_coverage(data.load_json(token_freq_path))
     skipped = [k for k, v in enumerate(reports) if data.reference_skipped(v)]
     ctx = {
@@ -179,6 +181,7 @@ def build_report(
         "summary": summary,
         "margins": margins,
         "funnel": data.funnel(counts, stats),
+        "images": data.image_facts(counts, stats, row_stats["images"].tolist()),
         "grid": data.check_grid(reports),
         "coverage": coverage,
         "outlier_note": outlier_note,
@@ -199,9 +202,7 @@ def build_report(
         "layer_stats": plots.layer_stats(series, n),
         "coverage": plots.vocab_coverage(coverage),
         "throughput": plots.throughput_and_disk(summary),
-        "distributions": plots.distributions(
-            _row_stats(tokenized), stats.get("max_seq_len"), stats.get("truncated_rows", 0)
-        ),
+        "distributions": plots.distributions(row_stats, stats.get("max_seq_len"), stats.get("truncated_rows", 0)),
     }
     faults.kill_point("report.before_html")
     page.write_page(out_html, ctx, figs)

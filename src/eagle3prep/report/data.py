@@ -73,6 +73,38 @@ def funnel(counts: dict[str, Any], stats: dict[str, Any]) -> list[tuple[str, int
     return out
 
 
+def image_facts(counts: dict[str, Any], stats: dict[str, Any], images_per_row: list[int]) -> dict[str, Any] | None:
+    """What the report says about images (issue #28), or None for a run that met none (its page is unchanged):
+    rows with images, images per row, vision tokens and their share, and each stage's image quarantine reasons.
+
+    A run met images when prepare counted them (counts.json lists `images` then, kept or quarantined) or
+    tokenize kept image rows. Both stages name every image reason image_* / images_* (prepare.errors,
+    tokenization.vision), so a reason added later is shown without a list to update here."""
+    prepared = prepared_counts(counts)["totals"]
+    if "images" not in prepared and not stats.get("image_rows"):
+        return None
+
+    def image_reasons(reasons: dict[str, int]) -> dict[str, int]:
+        return {r: n for r, n in sorted(reasons.items()) if n and r.startswith("image")}
+
+    per_row: dict[int, int] = {}
+    for n in images_per_row:
+        per_row[n] = per_row.get(n, 0) + 1
+    return {
+        "rows": stats["rows"],
+        "image_rows": stats.get("image_rows", 0),
+        "images": stats.get("images", 0),
+        "rows_by_images": dict(sorted(per_row.items())),  # images in a row -> rows
+        "image_tokens": stats.get("image_tokens", 0),
+        "image_token_share": stats.get("image_token_share", 0.0),
+        "prepare_images": prepared.get("images", 0),  # in the conversations prepare kept
+        "quarantined": {
+            "prepare": image_reasons(prepared.get("quarantined", {})),
+            "tokenize": image_reasons(stats.get("quarantined", {})),
+        },
+    }
+
+
 def prepared_counts(counts: dict[str, Any]) -> dict[str, Any]:
     """prepare's counts.json, also when `counts` is the regenerate stage's (which holds prepare's sources and totals)."""
     return counts["prepared"] if counts.get("stage") == "regenerate" else counts

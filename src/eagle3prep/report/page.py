@@ -135,6 +135,34 @@ def funnel_table(steps: list[tuple[str, int | None, str]]) -> str:
     )
 
 
+def images_section(facts: dict[str, Any] | None) -> list[str]:
+    """Rows with images, images per row, the vision tokens' share and the image quarantine reasons (issue #28);
+    no part at all for a run without images (not even an empty line), so its page keeps its bytes."""
+    if facts is None:
+        return []
+    rows, n = facts["rows"], facts["images"]
+    by_count = " · ".join(f"{k}: {v:,} row{'s' * (v != 1)}" for k, v in facts["rows_by_images"].items())
+
+    def reasons(stage: str) -> str:
+        named = facts["quarantined"][stage]
+        return esc(", ".join(f"{r} {c:,}" for r, c in named.items())) if named else "none"
+
+    table = [
+        ["rows with images", f"{facts['image_rows']:,} of {rows:,} ({data.share(facts['image_rows'], rows)})"],
+        ["images in them", f"{n:,} ({num(n / facts['image_rows'], 2) if facts['image_rows'] else 0} per image "
+                           f"row; prepare kept {facts['prepare_images']:,})"],
+        ["images per row", esc(by_count)],
+        ["vision tokens (loss mask 0)", f"{facts['image_tokens']:,} ({facts['image_token_share']:.1%} of all tokens)"],
+        ["quarantined for images by prepare", reasons("prepare")],
+        ["quarantined for images by tokenize", reasons("tokenize")],
+    ]  # fmt: skip
+    return [
+        "<h2>Images</h2>" + _table([], table, text=(0, 1))
+        + "<p>The target's image processor decides each image's vision tokens; they are context for the "
+        "replies, never trained on. The draft reads them as the target's hidden states at those tokens.</p>"
+    ]  # fmt: skip
+
+
 FIRST_SCREEN_SHARDS = 12  # beyond this, the first screen's shard table shows the spread instead
 
 
@@ -330,6 +358,7 @@ def write_page(path: str, ctx: dict[str, Any], figs: dict[str, str]) -> None:
         "</div><div style='flex:0 0 auto'><h2>Tokens per shard</h2>",
         shard_tokens_table(ctx["summary"]),
         "</div></div>",
+        *images_section(ctx.get("images")),
         "<h2>Validation: every check per shard (hover a cell for its detail)</h2>",
         check_grid_table(cols, grid),
         img("reference margin", figs["margin"]) if figs.get("margin") else "<p>No reference comparison ran.</p>",
