@@ -33,7 +33,9 @@ def load_target(model_path: str | os.PathLike, dtype: Any, trust_remote_code: bo
     image-text model (vision tower included; AutoModelForCausalLM does not map Qwen2.5-VL's config)."""
     import transformers
 
-    auto = transformers.AutoModelForImageTextToText if is_vision_target(model_path) else transformers.AutoModelForCausalLM
+    auto = (
+        transformers.AutoModelForImageTextToText if is_vision_target(model_path) else transformers.AutoModelForCausalLM
+    )
     return auto.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
 
 
