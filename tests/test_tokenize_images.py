@@ -154,7 +154,9 @@ def test_extract_refuses_rows_with_images_in_one_line_for_backends_without_image
 
     _, rows, _ = tokenize(prepared(tmp_path, monkeypatch), vl_model)
     shard = tmp_path / "tok/s0.jsonl"
-    with pytest.raises(UserError, match=r"s0\.jsonl: row 0 has images; extract.backend vllm does not feed .*#28 item 3"):
+    with pytest.raises(
+        UserError, match=r"s0\.jsonl: row 0 has images; extract.backend vllm does not feed .*#28 item 3"
+    ):
         index_of_tokenized(shard, "vllm")
     assert len(index_of_tokenized(shard, "hf")) == 5  # hf takes them (test_extract_images.py)
 
