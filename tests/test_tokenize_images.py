@@ -148,14 +148,17 @@ def test_text_only_demo_tokenizes_to_the_bytes_it_gave_before_images(tmp_path, m
     } == DEMO_TOKENIZED_SHA256
 
 
-def test_extract_refuses_rows_with_images_in_one_line(tmp_path, monkeypatch, vl_model):
+def test_extract_refuses_rows_with_images_in_one_line_for_backends_without_images(tmp_path, monkeypatch, vl_model):
     from eagle3prep.errors import UserError
     from eagle3prep.shard import index_of_tokenized
 
     _, rows, _ = tokenize(prepared(tmp_path, monkeypatch), vl_model)
     shard = tmp_path / "tok/s0.jsonl"
-    with pytest.raises(UserError, match=r"s0\.jsonl: row 0 has images; .* not implemented yet \(issue #28 item 3\)"):
-        index_of_tokenized(shard)
+    with pytest.raises(
+        UserError, match=r"s0\.jsonl: row 0 has images; extract.backend vllm does not feed .*#28 item 3"
+    ):
+        index_of_tokenized(shard, "vllm")
+    assert len(index_of_tokenized(shard, "hf")) == 5  # hf takes them (test_extract_images.py)
 
 
 def test_worker_processes_give_the_same_rows(tmp_path, monkeypatch, vl_model):
@@ -171,24 +174,24 @@ def test_worker_processes_give_the_same_rows(tmp_path, monkeypatch, vl_model):
     assert out[1] == out[2]
 
 
-def test_the_workflow_prepares_and_tokenizes_images_and_extract_stops_in_one_line(tmp_path, vl_model):
+def test_the_workflow_takes_the_demo_images_through_hf_extract_to_validation_pass(tmp_path, vl_model):
     from workflow_helpers import make_workdir, snakemake
 
     config = {
         "data": {"sources": ["resources/demo/vision.jsonl"], "image_root": "resources/demo/images"},
         "model": {"path": str(vl_model)},
         "tokenize": {"max_seq_len": 128, "num_shards": 1},
+        "extract": {"backend": "hf", "dtype": "bfloat16", "threads": 1},
     }
     work = make_workdir(tmp_path / "work", config)
-    snakemake(work, "--cores", "1", "results/tokenized")
+    snakemake(work, "--cores", "1", "results/validation/shard_0.json")
     counts = json.loads((work / "results/prepared/counts.json").read_text())
     stats = json.loads((work / "results/tokenized/stats.json").read_text())
     assert (counts["totals"]["kept"], counts["totals"]["images"]) == (5, 6)
     assert (stats["rows"], stats["image_rows"], stats["images"]) == (5, 5, 6)
-    proc = snakemake(work, "--cores", "1", check=False)
-    logs = "".join(p.read_text() for p in (work / "logs" / "extract").rglob("*.log"))
-    assert proc.returncode != 0 and "has images; extracting hidden states with the vision encoder" in logs
-    assert "Traceback" not in logs and len(logs.strip().splitlines()) == 1
+    report = json.loads((work / "results/validation/shard_0.json").read_text())
+    assert report["ok"] and report["reference_sample"]["rows"] == 5 and report["tokens"] == stats["tokens"]
+    assert [c["check"] for c in report["checks"] if c["check"].startswith("reference:")]  # recomputed with pixels
 
 
 def test_the_render_boundary_mask_moves_with_the_expansion_too(tmp_path, monkeypatch, vl_model):

@@ -41,6 +41,7 @@ from .shard.format import (
     token_bytes,
 )
 from .shard.writer import ShardWriter
+from .tokenization.row_inputs import ImageRow
 
 read_index = index_of_tokenized  # the first pass over a tokenized shard (benchmarks import this name)
 
@@ -51,7 +52,8 @@ def iter_batches(tokenized_shard: str | os.PathLike, batch_tokens: int) -> Itera
     longest = 0
     with open(tokenized_shard, encoding="utf-8") as f:
         for line in f:
-            ids = json.loads(line)["input_ids"]
+            rec = json.loads(line)
+            ids = ImageRow(rec, tokenized_shard) if "images" in rec else rec["input_ids"]  # pixels on the backend
             if batch and (len(batch) + 1) * max(longest, len(ids)) > batch_tokens:
                 yield batch
                 batch, longest = [], 0
@@ -146,7 +148,7 @@ def extract_shard(
 def _extract_into(out, tokenized_shard, spec, settings, shard, facts, engine) -> ShardManifest:  # noqa: PLR0913
     remove_stale_temps(out)
     (out / MANIFEST).unlink(missing_ok=True)  # a stale manifest must never describe new files
-    index = index_of_tokenized(tokenized_shard)
+    index = index_of_tokenized(tokenized_shard, spec.backend)
     tokens = sum(e.length for e in index)
     storage = check_storage(settings.content.storage)
     hidden = require_hidden_size(facts, spec.model_path)

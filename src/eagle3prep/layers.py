@@ -79,7 +79,9 @@ def decoder_stack(model: object) -> object:
     """The module that owns `.layers`: model.model of a causal LM, or of a VLM's language model."""
     if hasattr(model, "get_language_model"):
         model = model.get_language_model()
-    for candidate in (getattr(model, "model", None), model):
+    # transformers' image-text wrappers (Qwen2.5-VL) have no get_language_model: model.model.language_model
+    wrapped = getattr(getattr(model, "model", None), "language_model", None)
+    for candidate in (getattr(model, "model", None), wrapped, model):
         if candidate is not None and hasattr(candidate, "layers"):
             return candidate
     raise ValueError(f"{type(model).__name__}: no decoder `layers` found; this architecture is not supported")

@@ -30,12 +30,11 @@ class Reference:
         tf32: bool = False,
     ):
         import torch
-        import transformers
+
+        from .tokenization.row_inputs import load_target
 
         self.torch = torch
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
-        ).to(device)
+        self.model = load_target(model_path, getattr(torch, dtype), trust_remote_code).to(device)
         self.model.eval()
         self.device = device
         self.tf32 = tf32
@@ -61,11 +60,14 @@ class Reference:
             torch.set_float32_matmul_precision(old[0])
             torch.backends.cudnn.allow_tf32 = old[1]
 
-    def hidden_states(self, input_ids: list[int], layer_ids: list[int]) -> dict[int, Any]:
-        """{layer_id: [T, H] float32 CPU tensor} for one row; its router margins in `self.margins`."""
+    def hidden_states(self, input_ids: list[int], layer_ids: list[int], images: dict | None = None) -> dict[int, Any]:
+        """{layer_id: [T, H] float32 CPU tensor} for one row; its router margins in `self.margins`. `images`: a
+        row with images' pixel inputs (tokenization.row_inputs.RowImages.batch)."""
         torch = self.torch
+        extra = {k: v.to(self.device) for k, v in (images or {}).items()}
         with torch.inference_mode(), self._precision():
-            out = self.model(torch.tensor([input_ids], device=self.device), output_hidden_states=True, use_cache=False)
+            ids = torch.tensor([input_ids], device=self.device)
+            out = self.model(ids, output_hidden_states=True, use_cache=False, **extra)
         self.margins = self.router_margins.take()  # {MoE layer index: [T]}, {} for a dense model
         result = {}
         for lid in layer_ids:
@@ -103,7 +105,7 @@ class ReferencePair:
         self.floor = Reference(model_path, device=device, trust_remote_code=trust_remote_code, **how) if how else None
         self.n = self.exact.n
         self.cache_rows = cache_rows
-        self._cache: dict[tuple[int, ...], tuple[dict[int, Any], dict[int, Any] | None, dict[int, Any]]] = {}
+        self._cache: dict[tuple, tuple[dict[int, Any], dict[int, Any] | None, dict[int, Any]]] = {}
 
     def describe(self) -> str:
         """The floor run in words, for messages ('bfloat16 transformers on cuda')."""
@@ -112,21 +114,34 @@ class ReferencePair:
         how = self.floor_how["dtype"] + (" with TF32" if self.floor_how["tf32"] else "")
         return f"transformers {how} on {self.exact.device}"
 
-    def rows(self, input_ids: list[int], layer_ids: list[int]) -> tuple[dict[int, Any], dict[int, Any] | None]:
-        """(reference, floor) hidden states of one row; floor is None when the reference is exact."""
-        key = tuple(input_ids)
+    def rows(
+        self, input_ids: list[int], layer_ids: list[int], images: dict | None = None
+    ) -> tuple[dict[int, Any], dict[int, Any] | None]:
+        """(reference, floor) hidden states of one row (with its `images`, as Reference.hidden_states); floor
+        is None when the reference is exact."""
+        key = _key(input_ids, images)
         if key not in self._cache:
             # A cache of many rows serves other layer ids too (the matrix's planted shards): keep every id.
             want = sorted(set(layer_ids) | set(range(self.n + 1))) if self.cache_rows > 1 else list(layer_ids)
-            ref = self.exact.hidden_states(list(input_ids), want)
+            ref = self.exact.hidden_states(list(input_ids), want, images)
             margins = self.exact.margins
-            floor = self.floor.hidden_states(list(input_ids), want) if self.floor else None
+            floor = self.floor.hidden_states(list(input_ids), want, images) if self.floor else None
             if len(self._cache) >= self.cache_rows:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = (ref, floor, margins)
         return self._cache[key][:2]
 
-    def margins(self, input_ids: list[int], layer_id: int):
+    def margins(self, input_ids: list[int], layer_id: int, images: dict | None = None):
         """[T] smallest router margin (exact reference) over the MoE layers feeding `layer_id`; None if dense."""
-        self.rows(input_ids, [layer_id])
-        return before_layer(self._cache[tuple(input_ids)][2], layer_id)
+        self.rows(input_ids, [layer_id], images)
+        return before_layer(self._cache[_key(input_ids, images)][2], layer_id)
+
+
+def _key(input_ids: list[int], images: dict | None) -> tuple:
+    """A row's cache key: its tokens and, for a row with images, its pixels (two rows' images may be swapped)."""
+    if not images:
+        return tuple(input_ids)
+    import hashlib
+
+    pixels = hashlib.sha256(images["pixel_values"].float().numpy().tobytes()).hexdigest()
+    return (*input_ids, pixels, *images["image_grid_thw"].flatten().tolist())

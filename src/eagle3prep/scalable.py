@@ -29,18 +29,22 @@ def _dtype(name):
     return getattr(torch, name) if isinstance(name, str) else name
 
 
-def _layer_forward(layer, rotary, x):
-    """One decoder layer on one row [T, H]: positions 0..T-1, causal (sdpa with no mask)."""
+def _layer_forward(layer, rotary, x, pos=None):
+    """One decoder layer on one row [T, H], causal (sdpa with no mask): positions 0..T-1, or `pos` [3, 1, T]
+    (a row with images: Qwen2.5-VL's 3-D rope positions, tokenization.row_inputs.RowImages.positions)."""
     import torch
 
-    pos = torch.arange(x.shape[0])[None]
+    pos = torch.arange(x.shape[0])[None] if pos is None else pos
     h = x[None]
-    out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=rotary(h, pos))
+    out = layer(
+        h, attention_mask=None, position_ids=pos[0] if pos.ndim == 3 else pos, position_embeddings=rotary(h, pos)
+    )
     return (out[0] if isinstance(out, tuple) else out)[0]
 
 
-def run_window(model, states: list[Any], a: int, b: int, dtypes=("float32",)) -> dict[str, list[Any]]:
-    """{dtype: [state at id b per row]} from `states` (rows at id a), through decoder layers a..b-1.
+def run_window(model, states: list[Any], a: int, b: int, dtypes=("float32",), positions=None) -> dict[str, list[Any]]:
+    """{dtype: [state at id b per row]} from `states` (rows at id a), through decoder layers a..b-1;
+    `positions`: per row, None (0..T-1) or its rope positions (_layer_forward).
 
     Each layer is loaded once in the lowest precision asked, run on every row, then upcast in place
     for the next precision, so a layer is held once (plus its upcast copy) and the int4 experts never.
@@ -53,13 +57,14 @@ def run_window(model, states: list[Any], a: int, b: int, dtypes=("float32",)) ->
     order = sorted(dtypes, key=lambda d: _dtype(d).itemsize)
     rotary = ckpt.rotary()
     cur = {d: [s.to(_dtype(d)) for s in states] for d in order}
+    positions = positions or [None] * len(states)
     with torch.inference_mode():
         for k in range(a, b):
             layer = ckpt.layer(k, _dtype(order[0])).eval()
             for i, d in enumerate(order):
                 if i:
                     _recast(ckpt, layer, d)
-                cur[d] = [_layer_forward(layer, rotary, x) for x in cur[d]]
+                cur[d] = [_layer_forward(layer, rotary, x, p) for x, p in zip(cur[d], positions, strict=True)]
             del layer
             ckpt.close()
     return cur
@@ -80,6 +85,7 @@ def check_window(
     dtype: str,
     rows: list[int] | None = None,
     fp8: bool = False,
+    positions: list[Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Verdicts (passrule.judge_tokens, then judge_layer over the rows) of captured id b against layers a..b-1.
 
@@ -87,7 +93,7 @@ def check_window(
     input (none for fp32 captures); `fp8`: the shard is stored as FP8, so the reference's FP8 floor is
     added. A capture whose ids a and b disagree with the layers between fails.
     """
-    runs = run_window(model, captured_a, a, b, ("float32",) if dtype == "float32" else (dtype, "float32"))
+    runs = run_window(model, captured_a, a, b, ("float32",) if dtype == "float32" else (dtype, "float32"), positions)
     rows = list(range(len(captured_a))) if rows is None else rows
     verdicts = []
     for i, got in enumerate(captured_b):
@@ -205,10 +211,13 @@ def validate_scalable(shard, rows: list[dict[str, Any]], model_path: str, picks:
     from safetensors import safe_open
 
     from .shard.format import FP8_E4M3, LOGPROBS, LayerReader, layer_file
+    from .tokenization.row_inputs import RowImages
 
     m, ids = shard.manifest, shard.manifest.layer_ids
     fp8 = m.storage_name == FP8_E4M3
     windows = windows if windows is not None else ([ids[-2:]] if len(ids) >= 2 else [])
+    images = RowImages(model_path, shard.tokenized)  # rows with images run at their 3-D rope positions
+    positions = [images.positions(rows[i]) if rows[i].get("images") else None for i in picks]
     out: dict[str, Any] = {"windows": {}, "logits": []}
 
     def rows_of(lid: int, positions: list[int]) -> list[Any]:
@@ -221,7 +230,9 @@ def validate_scalable(shard, rows: list[dict[str, Any]], model_path: str, picks:
             checks.add(f"window:{a}-{b}", False, f"validate.windows: [{a}, {b}] needs two captured ids a < b of {ids}")
             continue
         global_rows = [shard.index[i].row for i in picks]
-        verdicts = check_window(model_path, rows_of(a, picks), rows_of(b, picks), a, b, m.dtype, global_rows, fp8)
+        verdicts = check_window(
+            model_path, rows_of(a, picks), rows_of(b, picks), a, b, m.dtype, global_rows, fp8, positions
+        )
         out["windows"][f"{a}-{b}"] = verdicts
         failed = [v for v in verdicts if not v["ok"]]
         detail = f"{len(verdicts)} rows through layers {a}..{b - 1}"
@@ -293,5 +304,10 @@ def _skeleton_only(config):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from .slices import text_skeleton
+
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        try:
+            return AutoModelForCausalLM.from_config(config)
+        except ValueError:  # a VLM's text config (slices.Checkpoint.skeleton)
+            return text_skeleton(config)

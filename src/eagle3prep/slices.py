@@ -102,7 +102,10 @@ class Checkpoint:
             from transformers import AutoModelForCausalLM
 
             with torch.device("meta"):
-                self._skeleton = AutoModelForCausalLM.from_config(self.config)
+                try:
+                    self._skeleton = AutoModelForCausalLM.from_config(self.config)
+                except ValueError:  # a VLM's text config (qwen2_5_vl_text) has no causal-LM class of its own
+                    self._skeleton = text_skeleton(self.config)
         return self._skeleton
 
     def _keep_fp32(self) -> list[str]:
@@ -151,6 +154,18 @@ class Checkpoint:
     def close(self) -> None:
         """Close the open checkpoint files (reopened on the next read)."""
         self._handles.clear()
+
+
+def text_skeleton(config):
+    """The causal-LM tree (`model` = the text model, `lm_head`) of a text config that only a VLM wraps: the
+    module paths Checkpoint asks for ("model.layers.5", "model.norm", "lm_head"), as its checkpoint names them."""
+    import torch
+    from transformers import AutoModel
+
+    skeleton = torch.nn.Module()
+    skeleton.model = AutoModel.from_config(config)
+    skeleton.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    return skeleton
 
 
 def _cast_loader(load, dtype, keep_fp32: bool):

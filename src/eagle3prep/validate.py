@@ -29,6 +29,7 @@ from .shard.format import (
     stray_files,
 )
 from .shard.shardset import Shard, open_shard, shard_checks
+from .tokenization.row_inputs import RowImages
 
 CHUNK_TOKENS = 65536  # rows of a layer file read at once for statistics (bounds memory)
 
@@ -169,8 +170,10 @@ def _check_reference(
     refs: ReferencePair,
     picks: list[int],
     checks: Checks,
+    images: RowImages,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Recompute the `picks` rows and judge every layer of each (passrule.judge_row)."""
+    """Recompute the `picks` rows (a row with images with its processor's pixels) and judge every layer of
+    each (passrule.judge_row)."""
     import torch
 
     index, manifest = shard.index, shard.manifest
@@ -179,10 +182,11 @@ def _check_reference(
     files = {lid: LayerReader(shard.dir / layer_file(lid)) for lid in lids}
     for i in picks:
         e = index[i]
-        want, floor = refs.rows(rows[i]["input_ids"], lids)
+        pixels = images.image_inputs(rows[i]) if rows[i].get("images") else None
+        want, floor = refs.rows(rows[i]["input_ids"], lids, pixels)
         for lid in lids:
             got = files[lid].rows(e.offset, e.offset + e.length, torch.float32)  # [T, H], FP8 dequantized
-            margins = refs.margins(rows[i]["input_ids"], lid)  # near-ties of the MoE layers before lid
+            margins = refs.margins(rows[i]["input_ids"], lid, pixels)  # near-ties of the MoE layers before lid
             verdict = judge_row(got, want[lid], floor[lid] if floor else None, dtype, fp8, margins)
             results.append({"row": e.row, "layer_id": lid, **verdict})
     summary = {}
@@ -291,7 +295,7 @@ def validate_shard(
                     refs = refs or ReferencePair(model_path, m.dtype, device, trust_remote_code)
                     report["reference_floor"] = refs.describe()
                     report["reference"], report["reference_layers"] = _check_reference(
-                        shard, rows, refs, picks, checks
+                        shard, rows, refs, picks, checks, RowImages(model_path, tokenized_shard)
                     )
     report["checks"] = checks.items
     report["ok"] = not checks.failed

@@ -12,6 +12,7 @@ from ..errors import UserError
 from ..layers import decoder_stack, hook_point
 from ..shard.format import EngineInfo
 from ..shard.sink import LayerSink, Segment, SinkPlan
+from ..tokenization.row_inputs import ImageRow, RowImages, load_target
 from .base import CaptureBackend, CaptureSpec, smoke_shard
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ class HFBackend(CaptureBackend):
         self.model = None
         self._captured: dict[int, Any] = {}
         self._handles: list[Any] = []
+        self._row_images: RowImages | None = None
 
     def probe(self) -> EngineInfo:
         import torch
@@ -44,8 +46,8 @@ class HFBackend(CaptureBackend):
             raise UserError(
                 f"extract.device = {self.spec.device} but torch sees no CUDA GPU here; set extract.device: cpu"
             )
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            self.spec.model_path, dtype=getattr(torch, self.spec.dtype), trust_remote_code=self.spec.trust_remote_code
+        self.model = load_target(
+            self.spec.model_path, getattr(torch, self.spec.dtype), self.spec.trust_remote_code
         ).to(self.spec.device)
         self.model.eval()
         self.base = decoder_stack(self.model)
@@ -114,11 +116,15 @@ class HFBackend(CaptureBackend):
             ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
             mask[i, : len(row)] = 1
         self._captured = {}
+        images = self._images(batch, ids)
         with torch.inference_mode():
-            # The base model only: the LM head's [B, T, vocab] logits are not needed.
-            out = self.base(
-                input_ids=ids.to(self.spec.device), attention_mask=mask.to(self.spec.device), use_cache=False
-            )
+            # The base model only: the LM head's [B, T, vocab] logits are not needed. With images, the
+            # wrapper's base (vision tower, merged embeddings, 3-D rope positions), whose language model is hooked.
+            base = self.model.model if images else self.base
+            out = base(
+                input_ids=ids.to(self.spec.device), attention_mask=mask.to(self.spec.device), use_cache=False,
+                **{k: v.to(self.spec.device) for k, v in images.items()},
+            )  # fmt: skip
             logprobs = {i: self._logprobs(out.last_hidden_state[i, : lengths[i]], batch[i]) for i in wanted}
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         sink.begin_step([Segment(t, 0, s, s + n) for t, s, n in zip(tags, starts, lengths, strict=True)])
@@ -127,6 +133,15 @@ class HFBackend(CaptureBackend):
             sink.add_layer(lid, torch.cat([hs[i, :n] for i, n in enumerate(lengths)]))  # [sum_T, H], a new tensor
         self._captured = {}
         return logprobs
+
+    def _images(self, batch: list[list[int]], ids: Any) -> dict[str, Any]:
+        """The image inputs of a batch (row_inputs.RowImages.batch); {} for text rows only."""
+        rows = [r for r in batch if isinstance(r, ImageRow)]
+        if not rows:
+            return {}
+        if self._row_images is None or self._row_images.tokenized != rows[0].tokenized:
+            self._row_images = RowImages(self.spec.model_path, rows[0].tokenized)
+        return self._row_images.batch([r.row if isinstance(r, ImageRow) else {} for r in batch], ids)
 
     def _logprobs(self, normed: Any, row: list[int]) -> Any:
         """[T-1] float32: log p(token t | tokens < t), t >= 1, from the final-norm output [T, H]."""

@@ -51,6 +51,7 @@ DTYPES = {
 }
 
 MODEL_DTYPE, FP8_E4M3 = "model_dtype", "fp8_e4m3"
+IMAGE_BACKENDS = ("hf",)  # extract backends that capture rows with images (tokenization/row_inputs.py)
 STORAGES = (MODEL_DTYPE, FP8_E4M3)
 
 
@@ -249,16 +250,18 @@ def read_index(shard_dir: str | os.PathLike) -> list[IndexEntry]:
         return [IndexEntry(**e) for e in json.load(f)]
 
 
-def index_of_tokenized(tokenized_shard: str | os.PathLike) -> list[IndexEntry]:
-    """Where each row of a tokenized shard will sit in the layer files (offsets by seq_len)."""
+def index_of_tokenized(tokenized_shard: str | os.PathLike, backend: str | None = None) -> list[IndexEntry]:
+    """Where each row of a tokenized shard will sit in the layer files (offsets by seq_len). A row with images
+    is refused unless `backend` is one that feeds them to the vision encoder (IMAGE_BACKENDS)."""
     index, offset = [], 0
     with open(tokenized_shard, encoding="utf-8") as f:
         for line in f:
             rec = json.loads(line)
-            if "images" in rec:  # capturing its input_ids alone would embed the image tokens as text, silently
+            if "images" in rec and backend not in IMAGE_BACKENDS:  # input_ids alone embed image tokens as text
                 raise UserError(
-                    f"{tokenized_shard}: row {rec['row']} has images; extracting hidden states with the vision "
-                    "encoder is not implemented yet (issue #28 item 3): list text-only sources in data.sources"
+                    f"{tokenized_shard}: row {rec['row']} has images; extract.backend {backend} does not feed images "
+                    f"to the vision encoder yet (issue #28 item 3): use extract.backend {' or '.join(IMAGE_BACKENDS)}"
+                    ", or list text-only sources in data.sources"
                 )
             index.append(IndexEntry(row=rec["row"], id=rec["id"], offset=offset, length=rec["seq_len"]))
             offset += rec["seq_len"]

@@ -1,4 +1,5 @@
-"""Planted capture mistakes: copies of a correct shard made wrong the ways real capture code goes wrong.
+"""Planted capture mistakes: copies of a correct shard made wrong the ways real capture code goes wrong (and,
+for rows with images, the ways it feeds the images wrong: IMAGE_MISTAKES).
 
 Each planted shard keeps a manifest whose checksums agree with its files, so only the reference check
 can catch it. Used by bench/validation_matrix.py and the tests to show that validation fails each one.
@@ -133,3 +134,76 @@ def rerouted(source: Path, out: Path, input_ids: list[int], row: int, token: int
         hs[where] = states[lid].to(hs.dtype)
         write_layer(out / layer_file(lid), hs, manifest.storage_name)
     return rewrite_manifest(out, manifest, manifest.layer_ids)
+
+
+IMAGE_MISTAKES = (
+    "image_dropped",  # every image row as the model computes it from its token ids alone (no pixels)
+    "images_swapped",  # two image rows of equal grids, each computed with the other's image
+    "image_shifted",  # every image's vision tokens one position later in the model's input
+)
+
+
+def plant_image(mistake: str, source: Path, out: Path, tokenized_shard: Path, model_path: str) -> Path:
+    """Write `out`: shard `source` whose image rows (tokenized_shard's) are the fp32 transformers forward of
+    what a capture that got the images wrong was given, by `mistake` (one of IMAGE_MISTAKES)."""
+    import torch
+
+    from ..reference import Reference
+    from ..tokenization.row_inputs import RowImages
+
+    manifest = read_manifest(source)
+    with open(tokenized_shard, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    images, ref = RowImages(model_path, tokenized_shard), Reference(model_path)
+    wrong = {}  # position in the shard -> (input_ids, image inputs) the capture was given
+    for i, row in enumerate(rows):
+        if not row.get("images"):
+            continue
+        ids = torch.tensor([row["input_ids"]])
+        if mistake == "image_dropped":
+            wrong[i] = (row["input_ids"], None)
+        elif mistake == "image_shifted":
+            shifted = _shift_image_tokens(ids[0], images.image_token_id)
+            wrong[i] = (shifted.tolist(), images.batch([row], shifted[None]))
+    if mistake == "images_swapped":
+        a, b = _swappable_pair(rows)
+        for x, y in ((a, b), (b, a)):  # row x's tokens with row y's pixels
+            wrong[x] = (rows[x]["input_ids"], images.batch([rows[y]], torch.tensor([rows[x]["input_ids"]])))
+    elif mistake not in IMAGE_MISTAKES:
+        raise ValueError(f"unknown mistake {mistake!r}; one of {IMAGE_MISTAKES}")
+    states = {i: ref.hidden_states(ids, manifest.layer_ids, pixels) for i, (ids, pixels) in wrong.items()}
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("layer_*.safetensors", MANIFEST))
+    where = _row_slices(source)
+    for lid in manifest.layer_ids:
+        hs = _load(source, lid).clone()
+        for i, got in states.items():
+            hs[where[i]] = got[lid].to(hs.dtype)
+        write_layer(out / layer_file(lid), hs, manifest.storage_name)
+    return rewrite_manifest(out, manifest, manifest.layer_ids)
+
+
+def _shift_image_tokens(ids, image_token_id: int):
+    """`ids` with each run of image tokens one position later (the token after the run moves before it)."""
+    ids = ids.clone()
+    is_image = (ids == image_token_id).tolist() + [False]
+    starts = [k for k in range(len(ids)) if is_image[k] and (k == 0 or not is_image[k - 1])]
+    for s in starts:
+        e = next(k for k in range(s, len(ids) + 1) if not is_image[k])
+        if e == len(ids):
+            raise ValueError("an image run ends the row: nothing to shift it past")
+        ids[s : e + 1] = ids[[e, *range(s, e)]].clone()
+    return ids
+
+
+def _swappable_pair(rows: list[dict[str, Any]]) -> tuple[int, int]:
+    """Two rows with images of equal grids and different bytes (their pixels fit each other's tokens)."""
+    seen: dict[str, tuple[int, list[str]]] = {}
+    for i, row in enumerate(rows):
+        if not row.get("images"):
+            continue
+        grid, shas = json.dumps(row["image_grid_thw"]), [im["sha256"] for im in row["images"]]
+        if grid in seen and seen[grid][1] != shas:
+            return seen[grid][0], i
+        seen.setdefault(grid, (i, shas))
+    raise ValueError("no two rows with images of equal grids and different bytes to swap")
