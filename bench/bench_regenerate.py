@@ -139,7 +139,7 @@ def main() -> None:
     args.max_model_len = args.max_model_len or (1024 if args.tiny else 4096)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    from eagle3prep.regenerate import PromptRenderer, Settings, conversation_seed, regenerate_shard
+    from eagle3prep.regenerate import PromptRenderer, RegenerateSettings, conversation_seed, regenerate_shard
     from eagle3prep.regenerate.engine import VLLMEngine
     from eagle3prep.regenerate.split import split_conversations
 
@@ -149,28 +149,23 @@ def main() -> None:
     prepared.write_text("".join(json.dumps(c) + "\n" for c in convs))
     prompts_shard = args.out / "prompts" / "shard_0.jsonl"
     split_conversations(prepared, [prompts_shard])
-    settings = Settings.from_config(
-        {"turns": "all", "sampling": {"temperature": args.temperature, "max_tokens": args.max_tokens}}
-    )
-    options = {
-        "dtype": args.dtype,
-        "tp_size": 1,
-        "gpu_memory_utilization": args.gpu_mem,
-        "max_num_seqs": args.max_num_seqs,
-        "enforce_eager": args.enforce_eager,
-        "engine_args": {} if args.tiny else {"load_format": "dummy"},
-    }
+    settings = RegenerateSettings.defaults(
+        turns="all", sampling={"temperature": args.temperature, "max_tokens": args.max_tokens}, dtype=args.dtype,
+        tp_size=1, gpu_memory_utilization=args.gpu_mem, max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager, engine_args={} if args.tiny else {"load_format": "dummy"},
+    )  # fmt: skip
     renderer = PromptRenderer.load(model)
     prompt_ids = [renderer.prompt(c["messages"])[1] for c in convs]
     results: dict = {"prompts": len(convs), "prompt_tokens": sum(map(len, prompt_ids)), "rounds": []}
-    engine = VLLMEngine(str(model), options, settings.sampling, renderer.stop_token_ids(), args.max_model_len)
+    sampling = settings.content.sampling
+    engine = VLLMEngine(str(model), settings, sampling, renderer.stop_token_ids(), args.max_model_len, False)
     with engine:
         results["engine"] = engine.start()
         results["engine_start_s"] = engine.volatile["engine_start_s"]
         from vllm import TokensPrompt
 
         llm = engine.llm
-        params = [engine.params(conversation_seed(settings.sampling.seed, c["id"])) for c in convs]
+        params = [engine.params(conversation_seed(sampling.seed, c["id"])) for c in convs]
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids[:4]], params[:4], use_tqdm=False)  # warm-up
 
         def phase_a() -> tuple[float, int]:

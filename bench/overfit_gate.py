@@ -75,7 +75,7 @@ def run_case(case: str, tokenized: Path, model: Path, out: Path, dtype: str) -> 
     from eagle3prep.gate.stage import run_overfit_gate
     from eagle3prep.layers import default_layer_ids
     from eagle3prep.model_facts import ModelFacts
-    from eagle3prep.settings import ExtractSettings
+    from eagle3prep.settings import ExtractSettings, RegenerateSettings
 
     n = ModelFacts.read(str(model)).num_hidden_layers
     ids = sorted(set(default_layer_ids(n)))
@@ -84,12 +84,13 @@ def run_case(case: str, tokenized: Path, model: Path, out: Path, dtype: str) -> 
     extract = ExtractSettings.defaults(
         backend="hf", device="cpu", dtype=dtype, batch_tokens=4096, tp_size=1, threads=2
     )
-    regenerate = {"dtype": dtype, "enforce_eager": True, "tp_size": 1}
+    regenerate = RegenerateSettings.defaults(dtype=dtype, enforce_eager=True, tp_size=1)
     t0 = time.time()
     try:
         run_overfit_gate(
             str(tokenized), str(out / "gate.json"), str(out), model_path=str(model), layers=layers,
-            extract=extract, regenerate=regenerate, threads=2, plant=planter(case, model, ids),
+            extract=extract, regenerate=regenerate, chat_template_kwargs={}, threads=2,
+            plant=planter(case, model, ids),
         )  # fmt: skip
     except UserError as e:
         print(f"[bench] {case}: {e}", file=sys.stderr)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from bench_regenerate import conversations, make_model  # noqa: E402
 
-from eagle3prep.regenerate import Finished, PromptRenderer, Settings, regenerate_shard  # noqa: E402
+from eagle3prep.regenerate import Finished, PromptRenderer, RegenerateSettings, regenerate_shard  # noqa: E402
 from eagle3prep.regenerate.split import split_conversations  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def run_once(model: Path, prompts: Path, out: Path, renderer: PromptRenderer, en
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
     regenerate_shard(
-        str(prompts), str(out), engine, renderer, Settings(max_in_flight=4096), max_model_len=4096,
+        str(prompts), str(out), engine, renderer, RegenerateSettings.defaults(max_in_flight=4096), max_model_len=4096,
         engine_info={"engine": "instant"}, model_path=str(model), trust_remote_code=False, shard=0, code="bench",
     )  # fmt: skip
     return time.perf_counter() - t0

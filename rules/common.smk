@@ -11,14 +11,13 @@ from eagle3prep.config import (
     validate_config,
 )
 from eagle3prep import heal
-from eagle3prep.settings import ExtractSettings
+from eagle3prep.settings import ExtractSettings, RegenerateSettings
 from eagle3prep.parse import (
     check_model_files,
     check_target_marker,
     check_tokenizer,
     config_source_line,
 )
-from eagle3prep.regenerate.settings import data_params as regen_data_params
 from eagle3prep.runlock import clear_stale_locks, record_owner
 
 # Nothing reaches the network at run time: models, tokenizers and datasets come from local folders.
@@ -174,11 +173,11 @@ def get_final_output():
 # Off, the rules get what they had before the stage existed: same inputs, params and script lines (a script
 # rule's `script:` line is its recorded code), so the DAG and the outputs are unchanged and no finished job of
 # an existing results/ folder is re-queued.
-REGEN = config["regenerate"]
-REGEN_SHARDS = list(range(REGEN["num_shards"]))
+REGEN = RegenerateSettings.from_config(config)
+REGEN_SHARDS = list(range(REGEN.workflow.num_shards))
 REGEN_PROMPTS = "results/regenerate/prompts"
 # The conversations tokenize reads (and the counts the report starts from).
-CONVERSATIONS = "results/regenerated" if REGEN["enabled"] else "results/prepared"
+CONVERSATIONS = "results/regenerated" if REGEN.workflow.enabled else "results/prepared"
 
 
 def get_regen_prompt_shard(wildcards):
@@ -187,10 +186,10 @@ def get_regen_prompt_shard(wildcards):
 
 def get_regen_gpus(wildcards=None):
     """GPUs one regenerate job holds: its tensor-parallel size."""
-    return REGEN["tp_size"]
+    return REGEN.content.tp_size
 
 
 def get_regen_data_params(wildcards=None):
-    """regenerate.* without the speed knobs and DAG keys: changing those re-queues no shard.
-    With tokenize.chat_template_kwargs when set: the prompts render with them."""
-    return regen_data_params(REGEN, config["tokenize"]["chat_template_kwargs"])
+    """regenerate.* that decides a shard's conversations (settings.RegenerateContent), with
+    tokenize.chat_template_kwargs when set: changing a speed knob or a DAG key re-queues no shard."""
+    return RegenerateSettings.params(config)

@@ -1,6 +1,6 @@
 # Opt-in (regenerate.enabled): the target writes the assistant replies (on-policy data), between prepare and
 # tokenize (DESIGN.md §3a). One vLLM job per prompt shard, like extract; its folder is finished with its manifest.
-if REGEN["enabled"]:
+if REGEN.workflow.enabled:
 
     # prepare, keeping records without an assistant turn (the target writes the replies). A rule of its own:
     # the prepare rule, and the jobs it made, stay exactly as they were when the stage is off.
@@ -59,7 +59,7 @@ if REGEN["enabled"]:
             "benchmarks/regenerate/shard_{k}.tsv"
         conda:
             "../envs/gpu.yaml"
-        threads: REGEN["threads"]
+        threads: REGEN.speed.threads
         resources:
             gpus=get_regen_gpus(),
             gpu=get_regen_gpus(),
@@ -104,6 +104,6 @@ if REGEN["enabled"]:
         conda:
             "../envs/cpu.yaml"
         params:
-            n=REGEN["review_samples"],
+            n=REGEN.workflow.review_samples,
         script:
             "../scripts/regenerate_review.py"

@@ -10,8 +10,7 @@ if __name__ == "__main__":
 
     from eagle3prep.errors import one_line_errors
     from eagle3prep.gate.stage import run_overfit_gate
-    from eagle3prep.regenerate import job_options
-    from eagle3prep.settings import ExtractSettings
+    from eagle3prep.settings import ExtractSettings, RegenerateSettings
 
     with one_line_errors():
         run_overfit_gate(
@@ -21,7 +20,8 @@ if __name__ == "__main__":
             model_path=snakemake.input.model,
             layers=snakemake.params.layers,
             extract=ExtractSettings.from_config(snakemake.config),
-            regenerate=job_options(snakemake.params.regenerate, snakemake.config["regenerate"]),
+            regenerate=RegenerateSettings.from_config(snakemake.config),
+            chat_template_kwargs=snakemake.config["tokenize"]["chat_template_kwargs"],
             trust_remote_code=snakemake.params.trust_remote_code,
             threads=snakemake.threads,
         )

@@ -9,15 +9,18 @@ if __name__ == "__main__":
     os.dup2(sys.stderr.fileno(), 1)  # and vLLM's logger writes to stdout: its lines belong to this job
 
     from eagle3prep.errors import one_line_errors
-    from eagle3prep.regenerate import job_options, run_regenerate_job
+    from eagle3prep.regenerate import run_regenerate_job
+    from eagle3prep.settings import RegenerateSettings
 
     with one_line_errors():
+        # Settings from the config as it is now (the params only trigger reruns, RegenerateSettings.params),
+        # so a speed knob changed after a crash applies to the shards still to make.
         run_regenerate_job(
             snakemake.params.prompts,
             snakemake.output[0],
             model_path=snakemake.input.model,
-            # speed knobs (gpu_memory_utilization, max_num_seqs, ...) are not params: regenerate.settings.SPEED_KEYS
-            options=job_options(snakemake.params.regenerate, snakemake.config["regenerate"]),
+            settings=RegenerateSettings.from_config(snakemake.config),
+            chat_template_kwargs=snakemake.config["tokenize"]["chat_template_kwargs"],
             trust_remote_code=snakemake.params.trust_remote_code,
             shard=int(snakemake.wildcards.k),
             max_seq_len=snakemake.params.max_seq_len,

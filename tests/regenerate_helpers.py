@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from eagle3prep.regenerate import Finished, PromptRenderer, RequestRejected, Settings, regenerate_shard
+from eagle3prep.regenerate import Finished, PromptRenderer, RegenerateSettings, RequestRejected, regenerate_shard
 
 U1, U2 = {"role": "user", "content": "How do I fix a bike chain?"}, {"role": "user", "content": "And the brakes?"}
 A1, A2 = {"role": "assistant", "content": "Dataset answer one."}, {"role": "assistant", "content": "Dataset two."}
@@ -66,7 +66,7 @@ def run_shard(model: str, prompts: str, out_dir: str, shard: int, per_step: int 
     """regenerate_shard with the fake engine (greedy defaults), as the regenerate job runs it with vLLM."""
     renderer = PromptRenderer.load(model)
     return regenerate_shard(
-        prompts, out_dir, FakeEngine(renderer, echo, per_step), renderer, Settings(), max_model_len=1024,
+        prompts, out_dir, FakeEngine(renderer, echo, per_step), renderer, RegenerateSettings.defaults(), max_model_len=1024,
         engine_info={"engine": "fake"}, model_path=model, trust_remote_code=False, shard=shard, code="test",
     )  # fmt: skip
 

@@ -18,7 +18,7 @@ from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.backends.empty import CAPTURE_PATH, EmptyShardBackend
 from eagle3prep.regenerate import merge_shards, run_regenerate_job, split_conversations
 from eagle3prep.regenerate import stage as regen_stage
-from eagle3prep.settings import ExtractSettings
+from eagle3prep.settings import ExtractSettings, RegenerateSettings
 from eagle3prep.validate import validate_shard
 
 H = 128  # the demo model's hidden size
@@ -71,8 +71,9 @@ def test_an_empty_regenerate_shard_starts_no_engine_and_merges(tmp_path, demo_mo
     assert shards[1].read_text() == ""  # one conversation for two shards
 
     manifest = run_regenerate_job(
-        str(shards[1]), str(tmp_path / "shard_1"), model_path=str(demo_model_dir), options={"tp_size": 2},
-        trust_remote_code=False, shard=1, max_seq_len=1024,  # run_shard's max_model_len
+        str(shards[1]), str(tmp_path / "shard_1"), model_path=str(demo_model_dir),
+        settings=RegenerateSettings.defaults(tp_size=2), chat_template_kwargs={}, trust_remote_code=False, shard=1,
+        max_seq_len=1024,  # run_shard's max_model_len
     )  # fmt: skip
     assert manifest["engine"] == {"engine": "vllm", "engine_started": False, "engine_version": "not installed"}
     assert manifest["counts"]["rows_in"] == manifest["counts"]["kept"] == 0

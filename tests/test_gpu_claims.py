@@ -61,6 +61,7 @@ validate.validate_shard(sys.argv[3], sys.argv[1], sys.argv[2] + ".json", sys.arg
 REGENERATE_JOB = """
 import json, os, sys, time
 from eagle3prep.regenerate import engine, stage
+from eagle3prep.settings import RegenerateSettings
 
 class Recorder:
     def __init__(self, *args):
@@ -75,7 +76,8 @@ class Recorder:
         raise SystemExit(0)
 
 engine.VLLMEngine = Recorder  # run_regenerate_job imports it from there when it runs
-stage.run_regenerate_job(sys.argv[1], sys.argv[2] + ".shard", model_path=sys.argv[4], options={"tp_size": 1},
+stage.run_regenerate_job(sys.argv[1], sys.argv[2] + ".shard", model_path=sys.argv[4],
+                         settings=RegenerateSettings.defaults(tp_size=1), chat_template_kwargs={},
                          trust_remote_code=False, shard=0, max_seq_len=256)
 """
 JOBS = {"validate": VALIDATE_JOB, "regenerate": REGENERATE_JOB}

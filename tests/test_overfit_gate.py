@@ -22,7 +22,7 @@ from workflow_helpers import REPO, SMALL_CONFIG, make_workdir, snakemake
 
 from eagle3prep.gate import acceptance, rows, train
 from eagle3prep.report.page import gate_banner
-from eagle3prep.settings import ExtractSettings
+from eagle3prep.settings import ExtractSettings, RegenerateSettings
 
 K = 3
 
@@ -143,7 +143,7 @@ def test_gate_without_vllm_is_skipped_with_one_line(demo_model_dir, tmp_path):
     out = tmp_path / "overfit_gate.json"
     kwargs = dict(model_path=str(demo_model_dir), layers={"ids": None, "convention": "input_of_layer"},
                   extract=ExtractSettings.defaults(),
-                  regenerate={})  # fmt: skip
+                  regenerate=RegenerateSettings.defaults(), chat_template_kwargs={})  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(serve, "eagle3_blocker", lambda *a: "vLLM 0.32.0 cannot serve X with an EAGLE-3 draft (...)")
         record = run_overfit_gate("unused.jsonl", str(out), str(tmp_path / "work"), **kwargs)
@@ -260,6 +260,6 @@ def test_overfit_gate_passes_on_correct_data_with_vllm_cpu(tmp_path):
 def test_gate_holds_the_engines_or_the_captures_gpus():
     from eagle3prep.gate.stage import job_gpus
 
-    assert job_gpus({"tp_size": 2}, ExtractSettings.defaults(backend="hf", device="cpu")) == 2
-    assert job_gpus({"tp_size": 1}, ExtractSettings.defaults(backend="vllm", tp_size=4)) == 4
-    assert job_gpus({}, ExtractSettings.defaults(backend="hf", device="cuda")) == 1
+    assert job_gpus(RegenerateSettings.defaults(tp_size=2), ExtractSettings.defaults(backend="hf", device="cpu")) == 2
+    assert job_gpus(RegenerateSettings.defaults(tp_size=1), ExtractSettings.defaults(backend="vllm", tp_size=4)) == 4
+    assert job_gpus(RegenerateSettings.defaults(), ExtractSettings.defaults(backend="hf", device="cuda")) == 1

@@ -25,14 +25,11 @@ from eagle3prep.records import Quarantined
 from eagle3prep.regenerate import (
     PromptRenderer,
     RegenerateError,
+    RegenerateSettings,
     Runner,
-    Sampling,
-    Settings,
     ShardError,
     ShardTally,
     conversation_seed,
-    data_params,
-    job_options,
     merge_shards,
     merged_counts,
     plan_turns,
@@ -55,7 +52,7 @@ def renderer(demo_model_dir) -> PromptRenderer:
 
 
 def run(renderer, convs, script=echo, settings=None, plan=None, **engine_kwargs):
-    settings = settings or Settings()
+    settings = settings or RegenerateSettings.defaults()
     plan = plan or th.ThinkingPlan("auto", "keep", "inline", ("<think>", "</think>"), "test")
     engine = FakeEngine(renderer, script, **engine_kwargs)
     tally = ShardTally("prompts.jsonl")
@@ -240,7 +237,9 @@ def test_every_user_turn_gets_the_targets_reply_given_its_own_earlier_replies(re
 
 
 def test_turns_last_keeps_the_history_and_replaces_the_final_reply(renderer):
-    [result], _, engine = run(renderer, [conv([SYS, U1, A1, U2, A2])], settings=Settings(turns="last"))
+    [result], _, engine = run(
+        renderer, [conv([SYS, U1, A1, U2, A2])], settings=RegenerateSettings.defaults(turns="last")
+    )
     assert result.messages[:4] == [SYS, U1, A1, U2] and result.messages[4]["content"] == f"Target on: {U2['content']}"
     assert A1["content"] in engine.prompts["r0-0-0"]
 
@@ -267,13 +266,15 @@ def test_finish_reasons_are_counted_and_kept_or_quarantined_per_the_config(rende
     expected = {"requests": 4, "stop": 2, "length": 1, "error": 1, "empty": 1, "rejected": 1}
     assert {k: tally.replies[k] for k in expected} == expected
     # The other policies: a cut reply quarantined, an empty one kept.
-    results, tally, _ = run(renderer, convs[:2], script, settings=Settings(on_length="quarantine", on_empty="keep"))
+    results, tally, _ = run(
+        renderer, convs[:2], script, settings=RegenerateSettings.defaults(on_length="quarantine", on_empty="keep")
+    )
     assert results[0].reason == "cut_by_max_tokens" and results[1].messages[-1]["content"] == ""
     assert tally.quarantined["cut_by_max_tokens"] == 1 and tally.kept == 1
 
 
 def test_a_prompt_longer_than_max_model_len_is_quarantined_before_the_engine(renderer):
-    settings = Settings()
+    settings = RegenerateSettings.defaults()
     plan = th.ThinkingPlan("auto", "keep", "inline", MARKS, "")
     engine = FakeEngine(renderer, echo)
     tally = ShardTally("p")
@@ -284,20 +285,17 @@ def test_a_prompt_longer_than_max_model_len_is_quarantined_before_the_engine(ren
 
 def test_host_memory_is_bounded_by_max_in_flight(renderer):
     convs = [conv([{"role": "user", "content": f"Question {i}?"}], f"id{i}") for i in range(20)]
-    results, tally, engine = run(renderer, convs, settings=Settings(max_in_flight=4), per_step=1)
+    results, tally, engine = run(renderer, convs, settings=RegenerateSettings.defaults(max_in_flight=4), per_step=1)
     assert engine.most_in_flight <= 4 and [r.regenerated["from"] for r in results] == [f"id{i}" for i in range(20)]
 
 
-def test_settings_params_and_speed_keys():
-    section = {"enabled": True, "num_shards": 3, "turns": "last", "sampling": {"temperature": 0.7, "seed": 5},
-               "gpu_memory_utilization": 0.5, "max_num_seqs": 64, "threads": 4, "review_samples": 9}  # fmt: skip
-    params = data_params(section)
-    assert params == {"turns": "last", "sampling": {"temperature": 0.7, "seed": 5}}
-    assert job_options(params, section)["gpu_memory_utilization"] == 0.5
-    s = Settings.from_config(section)
-    assert s.sampling == Sampling(temperature=0.7, seed=5) and not s.sampling.greedy and Sampling().greedy
-    with pytest.raises(ValueError, match="regenerate.turns"):
-        Settings(turns="first")
+def test_settings_sampling_and_a_bad_value():
+    s = RegenerateSettings.defaults(turns="last", sampling={"temperature": 0.7, "seed": 5}, max_num_seqs=64)
+    assert (s.content.turns, s.speed.max_num_seqs, s.workflow.enabled) == ("last", 64, False)
+    assert (s.content.sampling.temperature, s.content.sampling.seed, s.content.sampling.max_tokens) == (0.7, 5, 1024)
+    assert not s.content.sampling.greedy and RegenerateSettings.defaults().content.sampling.greedy
+    with pytest.raises(ValueError, match="regenerate.turns = 'first' is not allowed"):  # ConfigError, from the schema
+        RegenerateSettings.defaults(turns="first")
 
 
 # ---- the shard folder, merge, counts ------------------------------------------------------------------------
@@ -318,7 +316,7 @@ def _regenerate_all(tmp_path, renderer, demo_model_dir, convs, shards=2, script=
         manifests.append(
             regenerate_shard(
                 str(tmp_path / "prompts" / f"shard_{k}.jsonl"), str(tmp_path / "out" / f"shard_{k}"), engine, renderer,
-                Settings(), max_model_len=1024, engine_info={"engine": "fake"}, model_path=str(demo_model_dir),
+                RegenerateSettings.defaults(), max_model_len=1024, engine_info={"engine": "fake"}, model_path=str(demo_model_dir),
                 trust_remote_code=False, shard=k,
             )
         )  # fmt: skip
@@ -355,7 +353,7 @@ def test_shard_folder_manifest_rerun_and_merge(tmp_path, renderer, demo_model_di
     # A rerun of the shard writes the same bytes (timings.json holds wall-clock facts).
     before = {p.name: p.read_bytes() for p in shard.iterdir() if p.name != "timings.json"}
     regenerate_shard(
-        str(tmp_path / "prompts" / "shard_0.jsonl"), str(shard), FakeEngine(renderer, echo), renderer, Settings(),
+        str(tmp_path / "prompts" / "shard_0.jsonl"), str(shard), FakeEngine(renderer, echo), renderer, RegenerateSettings.defaults(),
         max_model_len=1024, engine_info={"engine": "fake"}, model_path=str(demo_model_dir), trust_remote_code=False,
         shard=0, code=m["code_version"],
     )  # fmt: skip
@@ -456,11 +454,11 @@ def test_a_job_killed_mid_generation_leaves_no_finished_looking_shard_and_its_re
 
 
 def test_max_model_len_defaults_to_tokenize_max_seq_len_within_the_context(demo_model_dir):
-    assert model_len(Settings(), demo_model_dir, 256) == 256  # tokenize cuts rows at 256 anyway
-    assert model_len(Settings(), demo_model_dir, 4096) == 1024  # the demo model's context
-    assert model_len(Settings(max_model_len=512), demo_model_dir, 256) == 512
+    assert model_len(RegenerateSettings.defaults(), demo_model_dir, 256) == 256  # tokenize cuts rows at 256 anyway
+    assert model_len(RegenerateSettings.defaults(), demo_model_dir, 4096) == 1024  # the demo model's context
+    assert model_len(RegenerateSettings.defaults(max_model_len=512), demo_model_dir, 256) == 512
     with pytest.raises(RegenerateError, match="above the model's context of 1024 tokens"):
-        model_len(Settings(max_model_len=2048), demo_model_dir, 256)
+        model_len(RegenerateSettings.defaults(max_model_len=2048), demo_model_dir, 256)
 
 
 def test_the_report_funnel_names_what_the_stage_quarantined():
@@ -495,8 +493,8 @@ def test_the_engine_is_configured_from_regenerate_and_fails_in_one_line():
     from eagle3prep.backends.vllm.errors import engine_error
     from eagle3prep.regenerate.engine import VLLMEngine
 
-    options = {"dtype": "float32", "tp_size": 2, "max_num_seqs": None, "engine_args": {"max_num_seqs": 64}}
-    engine = VLLMEngine("m", options, Sampling(), [4], 512)
+    settings = RegenerateSettings.defaults(dtype="float32", tp_size=2, engine_args={"max_num_seqs": 64})
+    engine = VLLMEngine("m", settings, settings.content.sampling, [4], 512, False)
     fix = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}  # a known bug's workaround wins
     kwargs = engine.engine_kwargs(fix)
     assert kwargs["skip_tokenizer_init"] and kwargs["tensor_parallel_size"] == 2 and kwargs["max_model_len"] == 512

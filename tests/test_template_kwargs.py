@@ -13,15 +13,9 @@ from regenerate_helpers import conv as regen_conv
 
 from eagle3prep.config import ConfigError, template_kwargs_params, validate_config
 from eagle3prep.records import Conversation
-from eagle3prep.regenerate import (
-    PromptRenderer,
-    ShardError,
-    data_params,
-    job_options,
-    run_regenerate_job,
-    split_conversations,
-)
+from eagle3prep.regenerate import PromptRenderer, ShardError, run_regenerate_job, split_conversations
 from eagle3prep.regenerate.merge import _check_same_settings
+from eagle3prep.settings import RegenerateSettings
 from eagle3prep.tokenization import ChatEncoder, TokenizeError, tokenize_conversations
 
 
@@ -262,16 +256,15 @@ def test_the_regenerate_job_takes_the_kwargs_from_its_params_to_the_engine_and_t
     folder = thinking_models["generation_markers"]
     shutil.copy(demo_model_dir / "config.json", folder / "config.json")  # the job reads the model's context
     config = validate_config(base(tokenize={"chat_template_kwargs": NO_THINKING}))
-    params = data_params(config["regenerate"], config["tokenize"]["chat_template_kwargs"])
-    assert params["chat_template_kwargs"] == NO_THINKING
-    assert data_params(config["regenerate"], {}) == data_params(config["regenerate"])  # {}: the params as before
+    assert RegenerateSettings.params(config)["chat_template_kwargs"] == NO_THINKING
+    assert "chat_template_kwargs" not in RegenerateSettings.params(validate_config(base()))  # {}: the params as before
 
     engines = []
 
     class FakeVLLM(FakeEngine):
         """VLLMEngine's constructor and context, FakeEngine's requests (decoded with the target's tokenizer)."""
 
-        def __init__(self, model_path, options, sampling, stop_ids, max_model_len, trust_remote_code):
+        def __init__(self, model_path, settings, sampling, stop_ids, max_model_len, trust_remote_code):
             super().__init__(PromptRenderer.load(model_path), echo)
             self.volatile = {}
             engines.append(self)
@@ -291,7 +284,8 @@ def test_the_regenerate_job_takes_the_kwargs_from_its_params_to_the_engine_and_t
     split_conversations(prepared, [tmp_path / "prompts" / "shard_0.jsonl"])
     manifest = run_regenerate_job(
         str(tmp_path / "prompts" / "shard_0.jsonl"), str(tmp_path / "shard_0"), model_path=str(folder),
-        options=job_options(params, config["regenerate"]), trust_remote_code=False, shard=0, max_seq_len=256,
+        settings=RegenerateSettings.from_config(config), chat_template_kwargs=config["tokenize"]["chat_template_kwargs"],
+        trust_remote_code=False, shard=0, max_seq_len=256,
     )  # fmt: skip
     prompts = list(engines[0].prompts.values())
     assert len(prompts) == 3 and all(p.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") for p in prompts)

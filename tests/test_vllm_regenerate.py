@@ -109,7 +109,7 @@ def test_greedy_replies_equal_vllm_generate_on_the_same_prompts(stage, monkeypat
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    from eagle3prep.regenerate import RequestRejected, Sampling
+    from eagle3prep.regenerate import RegenerateSettings, RequestRejected
     from eagle3prep.regenerate.engine import VLLMEngine
 
     wd = stage["wd"]
@@ -129,7 +129,8 @@ def test_greedy_replies_equal_vllm_generate_on_the_same_prompts(stage, monkeypat
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
         # The stage's engine wrapper on this engine: a request vLLM refuses is one RequestRejected line.
-        wrapper = VLLMEngine(model, {}, Sampling(max_tokens=MAX_TOKENS), [tokenizer.eos_token_id], 256)
+        settings = RegenerateSettings.defaults(sampling={"max_tokens": MAX_TOKENS})
+        wrapper = VLLMEngine(model, settings, settings.content.sampling, [tokenizer.eos_token_id], 256, False)
         wrapper.llm = llm
         with pytest.raises(RequestRejected, match="maximum context length is 256"):
             wrapper.add("too-long", list(range(5, 305)), seed=0)

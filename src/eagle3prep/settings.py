@@ -6,14 +6,16 @@ A stage's settings are split by structure: `content` decides what a job writes (
 trigger) and `speed` how fast it goes and what it needs (read from the config as it is now: lowering
 gpu_memory_utilization after an out-of-memory crash must not redo the finished shards). vLLM is not
 batch-invariant: a shard redone with another batch size can differ in the last bits, not in what it means.
+Keys that shape the DAG rather than a job's output (regenerate's `workflow`) are a part of their own.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,8 @@ def _build(cls: type, section: Mapping[str, Any]) -> Any:
             values[f.name] = _build(_FIELD_TYPES[cls][f.name], section)
         elif f.name not in section:
             raise KeyError(f"{f.name}: settings are built from a validated config section (validate_config)")
+        elif f.name in _SUBSECTIONS.get(cls, {}):  # a mapping of the section (regenerate.sampling)
+            values[f.name] = _build(_SUBSECTIONS[cls][f.name], section[f.name])
         else:
             values[f.name] = section[f.name]
     return cls(**values)
@@ -119,4 +123,106 @@ class ExtractSettings:
         return _params(ExtractContent, config["extract"], "extract")
 
 
-_FIELD_TYPES: dict[type, dict[str, type]] = {ExtractSettings: {"content": ExtractContent, "speed": ExtractSpeed}}
+# The regenerate stage's seed of one conversation's requests; the manifest records this text beside the seed.
+SEED_RULE = "int(sha256(f'{seed}:{conversation id}')[:8], 16) & 0x7fffffff (the prepared conversation's id)"
+
+
+def conversation_seed(base: int, conversation_id: str) -> int:
+    """The seed of one conversation's requests (SEED_RULE): fixed by the base seed and the conversation's content
+    id, so a rerun, another shard count or another order of the data gives the conversation the same seed."""
+    digest = hashlib.sha256(f"{base}:{conversation_id}".encode()).hexdigest()
+    return int(digest[:8], 16) & 0x7FFFFFFF
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """regenerate.sampling: greedy at temperature 0, where the seed does not matter."""
+
+    temperature: float
+    top_p: float
+    top_k: int | None  # None or 0: no top-k
+    max_tokens: int
+    seed: int  # the base of each conversation's seed (conversation_seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "greedy": self.greedy, "seed_rule": SEED_RULE}
+
+
+@dataclass(frozen=True, slots=True)
+class RegenerateContent:
+    """regenerate.* that decides a shard's conversations: the regenerate rule's params."""
+
+    turns: str  # all: a reply to every user turn; last: only the last assistant turn
+    thinking: str  # auto | keep | strip (regenerate.thinking.resolve says what auto becomes)
+    thinking_markers: Sequence[str]  # the two strings around a reply's thinking
+    on_length: str  # a reply cut by max_tokens: keep | quarantine
+    on_empty: str  # an empty reply: quarantine | keep
+    sampling: Sampling
+    max_model_len: int | None  # prompt + reply tokens per request; None: tokenize.max_seq_len (stage.model_len)
+    dtype: str
+    tp_size: int
+    enforce_eager: bool
+    quantization: str | None
+    engine_args: Mapping[str, Any]  # passed to vllm.LLM as they are; read, never changed
+
+    def policy_json(self) -> dict[str, Any]:
+        return {"turns": self.turns, "on_length": self.on_length, "on_empty": self.on_empty}
+
+
+@dataclass(frozen=True, slots=True)
+class RegenerateSpeed:
+    """regenerate.* that sets how fast a shard is made and what it needs, never its contents."""
+
+    gpu_memory_utilization: float
+    max_num_seqs: int | None  # None: vLLM's default
+    max_num_batched_tokens: int | None  # None: vLLM's default
+    max_in_flight: int  # conversations admitted and not yet written (bounds host memory)
+    threads: int
+
+
+@dataclass(frozen=True, slots=True)
+class RegenerateWorkflow:
+    """regenerate.* that shapes the DAG (whether the stage exists, its jobs) or only the review rule."""
+
+    enabled: bool
+    num_shards: int
+    review_samples: int
+
+
+@dataclass(frozen=True, slots=True)
+class RegenerateSettings:
+    """The regenerate stage's settings (config `regenerate:`); the gate's engines use them too."""
+
+    content: RegenerateContent
+    speed: RegenerateSpeed
+    workflow: RegenerateWorkflow
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> RegenerateSettings:
+        """From a config that validate_config has checked and completed."""
+        return _build(cls, config["regenerate"])
+
+    @classmethod
+    def defaults(cls, **values: Any) -> RegenerateSettings:
+        """`values` (regenerate.* keys) over the schema's defaults: for benches and tests without a config."""
+        return _build(cls, section_defaults("regenerate", values))
+
+    @staticmethod
+    def params(config: Mapping[str, Any]) -> dict[str, Any]:
+        """The regenerate rule's params: the content keys of the validated config's `regenerate:`, and
+        tokenize.chat_template_kwargs when set (the prompts render with them; left out at {}, like a LATER
+        field, so that a shard made before the key existed is not re-queued)."""
+        params = _params(RegenerateContent, config["regenerate"], "regenerate")
+        kwargs = config["tokenize"]["chat_template_kwargs"]
+        return {**params, "chat_template_kwargs": kwargs} if kwargs else params
+
+
+_FIELD_TYPES: dict[type, dict[str, type]] = {
+    ExtractSettings: {"content": ExtractContent, "speed": ExtractSpeed},
+    RegenerateSettings: {"content": RegenerateContent, "speed": RegenerateSpeed, "workflow": RegenerateWorkflow},
+}
+_SUBSECTIONS: dict[type, dict[str, type]] = {RegenerateContent: {"sampling": Sampling}}

@@ -8,13 +8,19 @@ settings, its one-line start errors and known-bug workarounds); the second adds 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..backends.vllm.errors import EngineError
 from ..model_facts import ModelFacts
-from ..regenerate.settings import Sampling
+from ..settings import RegenerateSettings, Sampling
 from . import acceptance
+
+
+# The gate's replies are greedy whatever regenerate.sampling says: greedy acceptance is what it measures.
+def greedy(max_tokens: int) -> Sampling:
+    return Sampling(temperature=0.0, top_p=1.0, top_k=None, max_tokens=max_tokens, seed=0)
+
 
 # What vLLM 0.32 raises when the target's model class has no SupportsEagle3 (gpu_model_runner.py).
 NO_EAGLE3 = "does not support EAGLE3"
@@ -68,7 +74,7 @@ class Generated:
 
 def generate(
     model_path: str,
-    options: dict[str, Any],
+    settings: RegenerateSettings,
     prompts: list[list[int]],
     max_tokens: int,
     stop_ids: list[int],
@@ -77,15 +83,14 @@ def generate(
     draft: str | None = None,
     k: int = 3,
 ) -> Generated:
-    """Greedy replies to `prompts` in one engine (with the EAGLE-3 draft at `draft` when given)."""
+    """Greedy replies to `prompts` in one engine, `settings`' (with the EAGLE-3 draft at `draft` when given)."""
     from ..regenerate.engine import VLLMEngine
 
-    opts = dict(options)
     if draft:
         extra = {"speculative_config": {"method": "eagle3", "model": draft, "num_speculative_tokens": k}}
-        opts["engine_args"] = {**(opts.get("engine_args") or {}), **extra, "disable_log_stats": False}
-    sampling = Sampling(temperature=0.0, max_tokens=max_tokens)
-    with VLLMEngine(model_path, opts, sampling, stop_ids, max_model_len, trust_remote_code) as engine:
+        engine_args = {**settings.content.engine_args, **extra, "disable_log_stats": False}
+        settings = replace(settings, content=replace(settings.content, engine_args=engine_args))
+    with VLLMEngine(model_path, settings, greedy(max_tokens), stop_ids, max_model_len, trust_remote_code) as engine:
         try:
             info = engine.start()
         except EngineError as e:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from ..gpus import claim_job_gpus
 from ..layers import resolve_layer_ids
 from ..model_facts import ModelFacts
 from ..provenance import code_version
-from ..settings import ExtractSettings
+from ..settings import ExtractSettings, RegenerateSettings
 from . import acceptance, rows, serve, train
 
 FORMAT = "eagle3prep.overfit_gate/1"
@@ -53,14 +53,14 @@ class GateSettings:
     loss_fn: str = "ce"  # cross-entropy against the target's argmax: what greedy acceptance asks of the draft
 
 
-def job_gpus(regenerate: dict[str, Any], extract: ExtractSettings) -> int:
+def job_gpus(regenerate: RegenerateSettings, extract: ExtractSettings) -> int:
     """GPUs the gate holds: the engines' tensor-parallel size, or the capture's when it needs more
     (rules/overfit_gate.smk declares the same)."""
     if extract.content.backend == "vllm":
         capture = extract.content.tp_size
     else:
         capture = 1 if extract.content.device.startswith("cuda") else 0
-    return max(int(regenerate.get("tp_size", 1)), capture)
+    return max(regenerate.content.tp_size, capture)
 
 
 def _first_difference(served: list[int], regenerated: list[int]) -> int | None:
@@ -87,7 +87,8 @@ def run_overfit_gate(
     model_path: str,
     layers: dict[str, Any],
     extract: ExtractSettings,
-    regenerate: dict[str, Any],
+    regenerate: RegenerateSettings,
+    chat_template_kwargs: Mapping[str, Any],
     trust_remote_code: bool = False,
     threads: int | None = None,
     settings: GateSettings | None = None,
@@ -120,9 +121,7 @@ def run_overfit_gate(
 
     from ..regenerate.prompts import PromptRenderer
 
-    stop_ids = PromptRenderer.load(
-        model_path, trust_remote_code, regenerate.get("chat_template_kwargs")
-    ).stop_token_ids()
+    stop_ids = PromptRenderer.load(model_path, trust_remote_code, dict(chat_template_kwargs)).stop_token_ids()
     budget = s.max_tokens + s.k + 1  # trained on: serving drafts up to k tokens past the last one measured
     context = facts.max_positions or 4096
     prompts = rows.pick_prompts(tokenized_shard, s.prompts, context - budget - s.k)

@@ -3,8 +3,8 @@ itself, so the draft learns from the distribution it will be asked to predict wh
 
     prepare -> regenerate_split -> regenerate (one GPU job per shard, vLLM) -> regenerate_merge -> tokenize
 
+Its settings are settings.RegenerateSettings (regenerate.*, typed, built once from the validated config).
 Modules, in the order a conversation meets them:
-    settings  regenerate.* as the job reads it; sampling, per-conversation seeds, params vs speed keys
     split     the prepared conversations cut into contiguous prompt shards (split.json)
     turns     which replies are generated per turn mode (all | last), and the conversation put back together
     prompts   prompts as token ids with the target's chat template, as tokenize renders it; replies decoded
@@ -22,40 +22,30 @@ from eagle3prep.regenerate.counts import REASONS, REPLY_KEYS, ShardTally, merged
 from eagle3prep.regenerate.merge import ShardError, merge_shards
 from eagle3prep.regenerate.prompts import PromptRenderer
 from eagle3prep.regenerate.runner import Engine, Finished, RequestRejected, Runner
-from eagle3prep.regenerate.settings import (
-    SPEED_KEYS,
-    Sampling,
-    Settings,
-    conversation_seed,
-    data_params,
-    job_options,
-)
 from eagle3prep.regenerate.split import split_conversations
 from eagle3prep.regenerate.stage import RegenerateError, regenerate_shard, run_regenerate_job
 from eagle3prep.regenerate.thinking import ThinkingPlan, prompt_prefill, reply_message, resolve, split_thinking
 from eagle3prep.regenerate.turns import Rejection, TurnPlan, assemble, plan_turns
+from eagle3prep.settings import RegenerateSettings, Sampling, conversation_seed
 
 __all__ = [
     "REASONS",
     "REPLY_KEYS",
-    "SPEED_KEYS",
     "Engine",
     "Finished",
     "PromptRenderer",
     "RegenerateError",
+    "RegenerateSettings",
     "Rejection",
     "RequestRejected",
     "Runner",
     "Sampling",
-    "Settings",
     "ShardError",
     "ShardTally",
     "ThinkingPlan",
     "TurnPlan",
     "assemble",
     "conversation_seed",
-    "data_params",
-    "job_options",
     "merge_shards",
     "merged_counts",
     "plan_turns",

@@ -17,7 +17,7 @@ from eagle3prep.backends.vllm import compat
 from eagle3prep.backends.vllm.errors import ChildOutput, EngineError, engine_error
 from eagle3prep.model_facts import ModelFacts
 from eagle3prep.regenerate.runner import Finished, RequestRejected
-from eagle3prep.regenerate.settings import Sampling
+from eagle3prep.settings import RegenerateSettings, Sampling
 
 
 def log(msg: str) -> None:
@@ -35,19 +35,20 @@ def _request_errors() -> tuple[type[Exception], ...]:
 
 
 class VLLMEngine:
-    """vLLM as the runner's Engine. `options` are regenerate.* keys (config/schema.yaml); start() starts it.
+    """vLLM as the runner's Engine, as the regenerate settings ask for it; start() starts it.
 
     Args:
         model_path: the target's folder.
-        options: regenerate.* (dtype, tp_size, enforce_eager, quantization, engine_args, and the speed keys).
+        settings: regenerate.* (content: dtype, tp_size, enforce_eager, quantization, engine_args; speed: vLLM's
+            memory and batch knobs). Its sampling is not read here: the gate serves greedily whatever the run's.
         sampling: temperature, top_p, top_k, max_tokens; each request adds its conversation's seed.
         stop_ids: tokens that end a reply (the engine has no tokenizer to find them itself).
         max_model_len: prompt + reply tokens per request.
     """
 
-    def __init__(self, model_path: str, options: dict[str, Any], sampling: Sampling, stop_ids: list[int],
-                 max_model_len: int, trust_remote_code: bool = False):  # fmt: skip
-        self.model_path, self.options, self.sampling = model_path, options, sampling
+    def __init__(self, model_path: str, settings: RegenerateSettings, sampling: Sampling, stop_ids: list[int],
+                 max_model_len: int, trust_remote_code: bool):  # fmt: skip
+        self.model_path, self.settings, self.sampling = model_path, settings, sampling
         self.stop_ids, self.max_model_len, self.trust_remote_code = list(stop_ids), max_model_len, trust_remote_code
         self.llm: Any = None
         self.info: dict[str, Any] = {}
@@ -61,22 +62,22 @@ class VLLMEngine:
         self.close()
 
     def engine_kwargs(self, workarounds: dict[str, Any]) -> dict[str, Any]:
-        opt = self.options
+        c, s = self.settings.content, self.settings.speed
         kwargs: dict[str, Any] = {
             "model": self.model_path,
             "skip_tokenizer_init": True,  # prompts arrive as token ids; replies are decoded by the job
-            "dtype": opt.get("dtype", "bfloat16"),
-            "tensor_parallel_size": int(opt.get("tp_size", 1)),
+            "dtype": c.dtype,
+            "tensor_parallel_size": c.tp_size,
             "max_model_len": self.max_model_len,
-            "max_num_seqs": opt.get("max_num_seqs"),
-            "max_num_batched_tokens": opt.get("max_num_batched_tokens"),
-            "gpu_memory_utilization": opt.get("gpu_memory_utilization", 0.9),
-            "enforce_eager": bool(opt.get("enforce_eager", False)),
-            "quantization": opt.get("quantization"),
+            "max_num_seqs": s.max_num_seqs,
+            "max_num_batched_tokens": s.max_num_batched_tokens,
+            "gpu_memory_utilization": s.gpu_memory_utilization,
+            "enforce_eager": c.enforce_eager,
+            "quantization": c.quantization,
             "trust_remote_code": self.trust_remote_code,
             "seed": 0,
         }
-        kwargs.update(opt.get("engine_args") or {})
+        kwargs.update(c.engine_args)
         kwargs = compat.merge_engine_kwargs(kwargs, workarounds)  # known engine bugs: their fix wins
         return {k: v for k, v in kwargs.items() if v is not None}
 
@@ -93,7 +94,7 @@ class VLLMEngine:
         on_cpu = current_platform.is_cpu()
         fixes = compat.engine_workarounds(
             version, on_cpu, facts.architectures, disabled=compat.workarounds_disabled(),
-            dtype=self.options.get("dtype", "bfloat16"),
+            dtype=self.settings.content.dtype,
         )  # fmt: skip
         if fixes.refusal:
             raise EngineError(fixes.refusal)
@@ -123,7 +124,7 @@ class VLLMEngine:
             "max_model_len": self.max_model_len,
             "enforce_eager": kwargs["enforce_eager"],
             "quantization": kwargs.get("quantization"),
-            "engine_args": self.options.get("engine_args") or {},
+            "engine_args": dict(self.settings.content.engine_args),
             "workarounds": fixes.names,
         }
         self.volatile = {

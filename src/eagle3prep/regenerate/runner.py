@@ -20,9 +20,9 @@ from eagle3prep.prepare.normalize import conversation_id
 from eagle3prep.records import Conversation, Quarantined
 from eagle3prep.regenerate.counts import ShardTally
 from eagle3prep.regenerate.prompts import PromptRenderer
-from eagle3prep.regenerate.settings import Settings, conversation_seed
 from eagle3prep.regenerate.thinking import ThinkingPlan, is_empty, prompt_prefill, reply_message
 from eagle3prep.regenerate.turns import Rejection, TurnPlan, assemble, context_before, plan_turns
+from eagle3prep.settings import RegenerateSettings, conversation_seed
 
 # Conversations admitted (prompts rendered and added) per turn of the loop. Admitting a whole window before the
 # first step would leave the engine idle while thousands of prompts render; in chunks, the engine (its own
@@ -86,7 +86,7 @@ class Runner:
     Args:
         engine: the generation engine (started).
         renderer: the target's tokenizer and chat template.
-        settings: regenerate.* (turns, sampling, thinking, policies, max_in_flight).
+        settings: regenerate.* (content: turns, sampling, policies; speed: max_in_flight).
         thinking: the resolved thinking plan.
         stop_ids: tokens that end a reply; one at the end of a stopped reply is not part of its text.
         max_model_len: prompt + reply tokens the engine takes per request.
@@ -96,7 +96,7 @@ class Runner:
         tag: request-id prefix, unique per engine lifetime (one engine may serve several shards).
     """
 
-    def __init__(self, engine: Engine, renderer: PromptRenderer, settings: Settings, thinking: ThinkingPlan,
+    def __init__(self, engine: Engine, renderer: PromptRenderer, settings: RegenerateSettings, thinking: ThinkingPlan,
                  stop_ids: list[int], max_model_len: int, source: str, tally: ShardTally, shard: int = 0,
                  tag: str = "r"):  # fmt: skip
         self.engine, self.renderer, self.settings, self.thinking = engine, renderer, settings, thinking
@@ -113,7 +113,7 @@ class Runner:
         exhausted = False
         try:
             while True:
-                room = min(self.settings.max_in_flight - len(window), ADMIT_PER_STEP)
+                room = min(self.settings.speed.max_in_flight - len(window), ADMIT_PER_STEP)
                 for _ in range(0 if exhausted else max(room, 0)):
                     item = next(pending, None)
                     if item is None:
@@ -146,12 +146,12 @@ class Runner:
         return conv.result
 
     def _admit(self, conv: _Conv) -> None:
-        plan = plan_turns(conv.record["messages"], self.settings.turns)
+        plan = plan_turns(conv.record["messages"], self.settings.content.turns)
         if isinstance(plan, Rejection):
             self._quarantine(conv, plan.reason, plan.detail)
             return
         conv.plan = plan
-        conv.seed = conversation_seed(self.settings.sampling.seed, conv.record["id"])
+        conv.seed = conversation_seed(self.settings.content.sampling.seed, conv.record["id"])
         self._submit(conv)
 
     def _submit(self, conv: _Conv) -> None:
@@ -223,13 +223,13 @@ class Runner:
         replies["unterminated_thinking"] += split.thinking is not None and not split.terminated
         empty = is_empty(message)
         replies["empty"] += empty
-        if done.finish_reason == "length" and self.settings.on_length == "quarantine":
-            limit = self.settings.sampling.max_tokens
+        if done.finish_reason == "length" and self.settings.content.on_length == "quarantine":
+            limit = self.settings.content.sampling.max_tokens
             self._quarantine(
                 conv, "cut_by_max_tokens", f"reply {turn} reached max_tokens = {limit} (or max_model_len)"
             )
             return
-        if empty and self.settings.on_empty == "quarantine":
+        if empty and self.settings.content.on_empty == "quarantine":
             self._quarantine(conv, "empty_reply", f"reply {turn} is empty ({len(ids)} tokens before the stop token)")
             return
         conv.replies.append(message)

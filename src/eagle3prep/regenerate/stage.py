@@ -16,7 +16,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +31,9 @@ from eagle3prep.records import Quarantined
 from eagle3prep.regenerate.counts import ShardTally, shard_counts, summarize
 from eagle3prep.regenerate.prompts import PromptRenderer
 from eagle3prep.regenerate.runner import Engine, Runner
-from eagle3prep.regenerate.settings import Settings
 from eagle3prep.regenerate.split import shard_entry
 from eagle3prep.regenerate.thinking import resolve
+from eagle3prep.settings import RegenerateSettings
 
 CONVERSATIONS, QUARANTINE, COUNTS = "conversations.jsonl", "quarantine.jsonl", "counts.json"
 TIMINGS, MANIFEST = "timings.json", "manifest.json"
@@ -43,11 +43,11 @@ class RegenerateError(UserError, ValueError):
     """A setting the model cannot honour (max_model_len); the message names the key and the fix."""
 
 
-def model_len(settings: Settings, model_path: str | os.PathLike, max_seq_len: int | None = None) -> int:
+def model_len(settings: RegenerateSettings, model_path: str | os.PathLike, max_seq_len: int | None) -> int:
     """Tokens per request (prompt + reply): regenerate.max_model_len, else tokenize.max_seq_len (tokenize cuts a
     row there, so a token generated past it would be thrown away), capped by the model's context."""
     limit = ModelFacts.read(model_path).max_positions
-    wanted = settings.max_model_len or max_seq_len
+    wanted = settings.content.max_model_len or max_seq_len
     if wanted is None:
         if limit is None:
             raise RegenerateError(
@@ -55,7 +55,7 @@ def model_len(settings: Settings, model_path: str | os.PathLike, max_seq_len: in
             )
         return limit
     if limit is not None and wanted > limit:
-        if settings.max_model_len is None:
+        if settings.content.max_model_len is None:
             return limit
         raise RegenerateError(
             f"regenerate.max_model_len = {wanted} is above the model's context of {limit} tokens; "
@@ -69,23 +69,23 @@ def run_regenerate_job(
     out_dir: str,
     *,
     model_path: str,
-    options: dict[str, Any],
+    settings: RegenerateSettings,
+    chat_template_kwargs: Mapping[str, Any],
     trust_remote_code: bool,
     shard: int,
-    max_seq_len: int | None = None,
+    max_seq_len: int,
     threads: int | None = None,
 ) -> dict[str, Any]:
     """The regenerate rule's job: claim GPUs, start vLLM, regenerate one shard; return its manifest.
-    `max_seq_len` (tokenize.max_seq_len) is the default of regenerate.max_model_len."""
+    `chat_template_kwargs` (tokenize's) render the prompts as tokenize renders the rows; `max_seq_len`
+    (tokenize.max_seq_len) stands for regenerate.max_model_len when that is null; `threads`: the job's."""
     from eagle3prep.regenerate.engine import VLLMEngine
 
     if threads:  # the job's Snakemake threads (torch intra-op threads on a CPU engine)
         import torch
 
         torch.set_num_threads(threads)
-    settings = Settings.from_config(options)
-    # tokenize.chat_template_kwargs, in the options when set (settings.data_params): prompts render as tokenize does
-    renderer = PromptRenderer.load(model_path, trust_remote_code, options.get("chat_template_kwargs"))
+    renderer = PromptRenderer.load(model_path, trust_remote_code, dict(chat_template_kwargs))
     max_model_len = model_len(settings, model_path, max_seq_len)
     version = code_version()  # the code this shard starts with, before the engine's start-up
     t0 = time.time()
@@ -96,9 +96,14 @@ def run_regenerate_job(
             model_path=model_path, trust_remote_code=trust_remote_code, shard=shard, code=version, started={"t0": t0},
         )  # fmt: skip
     with (
-        claim_job_gpus(int(options.get("tp_size", 1))),  # before vLLM reads CUDA_VISIBLE_DEVICES
+        claim_job_gpus(settings.content.tp_size),  # before vLLM reads CUDA_VISIBLE_DEVICES
         VLLMEngine(
-            model_path, options, settings.sampling, renderer.stop_token_ids(), max_model_len, trust_remote_code
+            model_path,
+            settings,
+            settings.content.sampling,
+            renderer.stop_token_ids(),
+            max_model_len,
+            trust_remote_code,
         ) as engine,
     ):
         info = engine.start()
@@ -141,7 +146,7 @@ def regenerate_shard(
     out_dir: str,
     engine: Engine,
     renderer: PromptRenderer,
-    settings: Settings,
+    settings: RegenerateSettings,
     *,
     max_model_len: int,
     engine_info: dict[str, Any],
@@ -159,11 +164,12 @@ def regenerate_shard(
     remove_stale_temps(out)
     (out / MANIFEST).unlink(missing_ok=True)  # a stale manifest must never describe new files
     entry = shard_entry(prompts_shard)
-    thinking = resolve(settings.thinking, settings.thinking_markers, renderer.render)
+    content = settings.content
+    thinking = resolve(content.thinking, tuple(content.thinking_markers), renderer.render)
     stop_ids = renderer.stop_token_ids()
     print(
         f"[regenerate] shard {shard}: {entry['rows']} conversations (lines {entry['first_line']}.. of "
-        f"{entry['source']}), turns {settings.turns}, sampling {settings.sampling.to_json()}, thinking {thinking.mode} "
+        f"{entry['source']}), turns {content.turns}, sampling {content.sampling.to_json()}, thinking {thinking.mode} "
         f"({thinking.form}: {thinking.why}), max_model_len {max_model_len}",
         file=sys.stderr,
     )
@@ -223,8 +229,8 @@ def regenerate_shard(
         "tokenizer": tokenizer_identity(model_path),  # tokenizer.json and chat-template hashes
         "chat_template_kwargs": renderer.chat_template_kwargs,  # the prompts were rendered with these too
         "engine": engine_info,
-        "sampling": {**settings.sampling.to_json(), "stop_token_ids": stop_ids, "max_model_len": max_model_len},
-        "policy": settings.policy_json(),
+        "sampling": {**content.sampling.to_json(), "stop_token_ids": stop_ids, "max_model_len": max_model_len},
+        "policy": content.policy_json(),
         "thinking": thinking.to_json(),
         "code_version": code or code_version(),
     }
