@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 from PIL import Image, ImageDraw
 
-from eagle3prep.config import IMAGE_DEFAULTS, image_params
+from eagle3prep.config import IMAGE_KEYS, image_params
 from eagle3prep.prepare import IMAGE_REASONS, REASONS, check_invariant, conversation_id, normalize, prepare
 from eagle3prep.prepare.images import DEFAULT_MAX_IMAGE_PIXELS, ImageOptions
 from eagle3prep.tokenization.rows import parse_conversation
@@ -295,9 +295,9 @@ def test_image_defaults_match_the_schema():
     import yaml
 
     schema = yaml.safe_load((ROOT / "config/schema.yaml").read_text())["properties"]["data"]["properties"]
-    assert {k: schema[k]["default"] for k in IMAGE_DEFAULTS} == IMAGE_DEFAULTS
-    assert IMAGE_DEFAULTS["max_image_pixels"] == DEFAULT_MAX_IMAGE_PIXELS
-    assert image_params(dict(IMAGE_DEFAULTS)) == {}  # no params at the defaults: old runs are not re-queued
+    defaults = {k: schema[k]["default"] for k in IMAGE_KEYS}
+    assert defaults == {"image_root": None, "max_image_pixels": DEFAULT_MAX_IMAGE_PIXELS}
+    assert image_params(defaults) == {} == image_params({})  # no params at the defaults: old runs are not re-queued
     assert image_params({"image_root": "imgs", "max_image_pixels": 10}) == {
         "image_root": "imgs",
         "max_image_pixels": 10,

@@ -7,10 +7,20 @@ import pytest
 import yaml
 
 from eagle3prep.config import SCHEMA, ConfigError, validate_config
-from eagle3prep.settings import UNUSED, ExtractContent, ExtractSettings, ExtractSpeed
+from eagle3prep.settings import (
+    UNUSED,
+    ExtractContent,
+    ExtractSettings,
+    ExtractSpeed,
+    RegenerateContent,
+    RegenerateSettings,
+    RegenerateSpeed,
+    RegenerateWorkflow,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 EXTRACT_SCHEMA = yaml.safe_load(SCHEMA.read_text())["properties"]["extract"]["properties"]
+REGENERATE_SCHEMA = yaml.safe_load(SCHEMA.read_text())["properties"]["regenerate"]["properties"]
 
 
 def base(**over):
@@ -36,6 +46,9 @@ def test_the_example_configs_build_their_settings(path):
     settings = ExtractSettings.from_config(config)
     assert settings.content.backend == config["extract"]["backend"]
     assert settings.speed.gpu_memory_utilization == config["extract"]["gpu_memory_utilization"]
+    regenerate = RegenerateSettings.from_config(config)
+    assert regenerate.content.sampling.max_tokens == config["regenerate"]["sampling"]["max_tokens"]
+    assert regenerate.workflow.enabled == config["regenerate"]["enabled"]
 
 
 def test_settings_are_frozen():
@@ -82,3 +95,44 @@ def test_a_bad_value_is_one_line_naming_the_key():
 def test_an_unvalidated_section_is_refused():
     with pytest.raises(KeyError, match="validate_config"):
         ExtractSettings.from_config({"extract": {"backend": "hf"}})
+
+
+# ---- regenerate ---------------------------------------------------------------------------------------------
+
+
+def test_every_regenerate_default_comes_from_the_schema():
+    s = RegenerateSettings.defaults()
+    values = {**dataclasses.asdict(s.content), **dataclasses.asdict(s.speed), **dataclasses.asdict(s.workflow)}
+    sampling = REGENERATE_SCHEMA["sampling"]["properties"]
+    assert values.pop("sampling") == {k: sampling[k]["default"] for k in sampling}
+    assert values == {k: REGENERATE_SCHEMA[k]["default"] for k in values}
+    assert s == RegenerateSettings.from_config(validate_config(base()))  # the workflow's path gives the same
+
+
+def test_every_regenerate_key_is_content_speed_or_workflow_exactly_once():
+    parts = [
+        {f.name for f in dataclasses.fields(cls)} for cls in (RegenerateContent, RegenerateSpeed, RegenerateWorkflow)
+    ]
+    assert sum(map(len, parts)) == len(set().union(*parts)) and set().union(*parts) == set(REGENERATE_SCHEMA)
+
+
+def test_regenerate_params_are_the_content_keys_in_the_users_order():
+    """The keys the regenerate rule's params held before the settings were typed (a finished shard is not
+    re-queued), in the order the user wrote them; speed knobs and DAG keys are left out by structure."""
+    section = {"sampling": {"seed": 5, "temperature": 0.7}, "enabled": True, "num_shards": 3, "turns": "last",
+               "gpu_memory_utilization": 0.5, "max_num_seqs": 64, "threads": 4, "review_samples": 9}  # fmt: skip
+    params = RegenerateSettings.params(validate_config(base(regenerate=section)))
+    assert list(params) == ["sampling", "turns", "thinking", "thinking_markers", "on_length", "on_empty",
+                            "max_model_len", "dtype", "tp_size", "enforce_eager", "quantization", "engine_args"]  # fmt: skip
+    assert params["sampling"] == {"seed": 5, "temperature": 0.7, "top_p": 1, "top_k": None, "max_tokens": 1024}
+    faster = {**section, "gpu_memory_utilization": 0.8, "max_num_seqs": 8, "max_in_flight": 16, "num_shards": 1}
+    assert RegenerateSettings.params(validate_config(base(regenerate=faster))) == params  # no shard re-queued
+    kwargs = validate_config(base(regenerate=section, tokenize={"chat_template_kwargs": {"enable_thinking": False}}))
+    assert RegenerateSettings.params(kwargs) == {**params, "chat_template_kwargs": {"enable_thinking": False}}
+
+
+def test_a_bad_regenerate_value_is_one_line_naming_the_key():
+    with pytest.raises(ConfigError, match=r"regenerate.sampling.top_p = 0: 0 is less than or equal"):
+        RegenerateSettings.defaults(sampling={"top_p": 0})
+    with pytest.raises(ConfigError, match="did you mean 'max_in_flight'"):
+        RegenerateSettings.defaults(max_inflight=8)

@@ -271,13 +271,15 @@ def reference_mode(value: bool | str) -> str:
     return {True: "full", False: "off"}.get(value, value) if isinstance(value, bool) else str(value)
 
 
-IMAGE_DEFAULTS = {"image_root": None, "max_image_pixels": 4096 * 4096}  # data.* keys of issue #28
+IMAGE_KEYS = ("image_root", "max_image_pixels")  # data.* keys of issue #28
 
 
 def image_params(data: dict[str, Any]) -> dict[str, Any]:
-    """The prepare rule's image params: data.image_root and data.max_image_pixels, only away from their defaults
-    (keys added after runs existed, so that a run made before them is not re-queued; settings.LATER says why)."""
-    return {k: data[k] for k, default in IMAGE_DEFAULTS.items() if data.get(k, default) != default}
+    """The prepare rule's image params: data.image_root and data.max_image_pixels, only away from their schema
+    defaults (keys added after runs existed, so that a run made before them is not re-queued; settings.LATER)."""
+    from .settings import schema_default
+
+    return {k: data[k] for k in IMAGE_KEYS if k in data and data[k] != schema_default("data", k)}
 
 
 def template_kwargs_params(tokenize: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,11 @@ def _schema() -> dict[str, Any]:
     return yaml.safe_load(Path(SCHEMA).read_text(encoding="utf-8"))
 
 
+def schema_default(section: str, key: str) -> Any:
+    """config/schema.yaml's default of `section`.`key` (a copy: callers may change it)."""
+    return copy.deepcopy(_schema()["properties"][section]["properties"][key]["default"])
+
+
 def section_defaults(section: str, values: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """`values` for config section `section`, checked and completed with the schema's defaults."""
     import jsonschema
