@@ -37,7 +37,16 @@ def run_sink(args, out: Path, sync_bytes: int) -> dict:
 
     t0 = time.perf_counter()
     placement = [(i * args.row_tokens, args.row_tokens) for i in range(rows)]
-    spec = SinkSpec(paths, args.hidden, "bfloat16", placement, step_tokens=args.step_tokens, sync_bytes=sync_bytes)
+    spec = SinkSpec(
+        paths,
+        args.hidden,
+        "bfloat16",
+        placement,
+        step_tokens=args.step_tokens,
+        sync_bytes=sync_bytes,
+        slots=3,
+        tag_prefix="row",
+    )
     sink = LayerSink(spec)
     for first in range(0, total, args.step_tokens):  # FCFS: a step is the next step_tokens tokens
         if args.pace_gbs:  # a GPU's pace: the step's rows are not there before the forward made them

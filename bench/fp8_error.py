@@ -92,7 +92,9 @@ def run_model(name: str, out: Path, rows: int) -> dict:
     n, hidden, vocab = config["num_hidden_layers"], config["hidden_size"], config.get("vocab_size", 512)
     ids = sorted(set(default_layer_ids(n)))
     tokens = write_rows(wd / "tokens.jsonl", rows, vocab, 0)
-    spec = CaptureSpec(backend="hf", model_path=str(model), layer_ids=ids, dtype="bfloat16", max_seq_len=256)
+    spec = CaptureSpec(
+        backend="hf", model_path=str(model), layer_ids=ids, dtype="bfloat16", max_seq_len=256, device="cpu", tp_size=1
+    )
     shards = {}
     for storage in ("model_dtype", "fp8_e4m3"):
         t0 = time.time()

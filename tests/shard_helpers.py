@@ -26,7 +26,15 @@ def write_tokenized(path: Path, lengths: list[int], seed: int, first_row: int = 
 
 
 def demo_spec(model_dir: Path, dtype: str = "bfloat16") -> CaptureSpec:
-    return CaptureSpec(backend="hf", model_path=str(model_dir), layer_ids=DEMO_LAYER_IDS, dtype=dtype)
+    return CaptureSpec(
+        backend="hf",
+        model_path=str(model_dir),
+        layer_ids=DEMO_LAYER_IDS,
+        dtype=dtype,
+        device="cpu",
+        tp_size=1,
+        max_seq_len=2048,
+    )
 
 
 def manifest_fields(**kw):
@@ -67,6 +75,8 @@ def capture_rows(backend, rows, batches=None):
             dtype=backend.spec.dtype,
             rows=[(o, len(r)) for o, r in zip(offsets, rows, strict=True)],
             step_tokens=max(sum(len(r) for r in b) for b in batches),
+            slots=3,
+            tag_prefix="row",
         )
         backend.capture_shard(iter(batches), spec)
         return {lid: load_file(p)["hidden_states"] for lid, p in spec.layer_paths.items()}

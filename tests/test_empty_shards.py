@@ -36,7 +36,15 @@ def test_an_empty_extract_shard_starts_no_engine_and_validates(backend, engine, 
     monkeypatch.setattr(extract, "claim_job_gpus", no_engine)
     tokens = tmp_path / "shard_3.jsonl"
     tokens.write_text("")
-    spec = CaptureSpec(backend=backend, model_path=str(demo_model_dir), layer_ids=DEMO_LAYER_IDS, tp_size=2)
+    spec = CaptureSpec(
+        backend=backend,
+        model_path=str(demo_model_dir),
+        layer_ids=DEMO_LAYER_IDS,
+        tp_size=2,
+        dtype="bfloat16",
+        device="cpu",
+        max_seq_len=2048,
+    )
     out = tmp_path / "shard_3"
     manifest = extract.extract_shard(str(tokens), str(out), spec, ExtractSettings.defaults(batch_tokens=512), shard=3)
 
@@ -55,7 +63,15 @@ def test_an_empty_extract_shard_starts_no_engine_and_validates(backend, engine, 
 def test_the_empty_backend_refuses_rows(demo_model_dir):
     from eagle3prep.model_facts import ModelFacts
 
-    spec = CaptureSpec(backend="hf", model_path=str(demo_model_dir), layer_ids=DEMO_LAYER_IDS)
+    spec = CaptureSpec(
+        backend="hf",
+        model_path=str(demo_model_dir),
+        layer_ids=DEMO_LAYER_IDS,
+        dtype="bfloat16",
+        device="cpu",
+        tp_size=1,
+        max_seq_len=2048,
+    )
     backend = EmptyShardBackend(spec, ExtractSettings.defaults(), ModelFacts.read(demo_model_dir), H)
     with pytest.raises(RuntimeError, match="only writes shards without rows"):
         backend.capture_shard(iter([[[1, 2, 3]]]), None)

@@ -31,7 +31,7 @@ def test_ctrl_c_in_an_extract_job_leaves_no_empty_shard_folder(tmp_path, monkeyp
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"num_hidden_layers": 8, "hidden_size": 16}')
-    spec = CaptureSpec("hf", str(model), [2, 8], dtype="bfloat16")
+    spec = CaptureSpec("hf", str(model), [2, 8], dtype="bfloat16", device="cpu", tp_size=1, max_seq_len=2048)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt  # as in a model load or a batch: after the job made its folder
@@ -69,7 +69,15 @@ def test_a_rerun_removes_what_the_earlier_built_in_path_staged_before_the_engine
         raise RuntimeError("no engine here")
 
     monkeypatch.setattr(extract, "make_backend", make_backend)
-    spec = CaptureSpec(backend="vllm", model_path=str(tmp_path), layer_ids=DEMO_LAYER_IDS, tp_size=0)
+    spec = CaptureSpec(
+        backend="vllm",
+        model_path=str(tmp_path),
+        layer_ids=DEMO_LAYER_IDS,
+        tp_size=0,
+        dtype="bfloat16",
+        device="cpu",
+        max_seq_len=2048,
+    )
     with pytest.raises(RuntimeError, match="no engine here"):
         extract.extract_shard(str(tokens), str(shard), spec, ExtractSettings.defaults(), 0, facts=facts)
     assert seen == [[]]

@@ -69,7 +69,15 @@ def captured(request, tmp_path_factory):
     prepare([str(src)], p / "c.jsonl", p / "q.jsonl", p / "n.json", images=ImageOptions(str(root / "images")))
     shard = t / "shard_0.jsonl"
     tokenize_conversations(p / "c.jsonl", model, [shard], t / "stats.json", t / "tf.json", t / "q.jsonl", 256)
-    spec = CaptureSpec(backend="hf", model_path=str(model), layer_ids=LAYERS, dtype="bfloat16", max_seq_len=256)
+    spec = CaptureSpec(
+        backend="hf",
+        model_path=str(model),
+        layer_ids=LAYERS,
+        dtype="bfloat16",
+        max_seq_len=256,
+        device="cpu",
+        tp_size=1,
+    )
     extract_shard(str(shard), str(root / "hs"), spec, {"logprob_rows": 5}, 128, 0, 1)  # several batches
     rows = [json.loads(x) for x in shard.read_text().splitlines()]
     return SimpleNamespace(root=root, model=str(model), shard=shard, hs=root / "hs", rows=rows)

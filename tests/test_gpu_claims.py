@@ -40,7 +40,8 @@ class Recorder:
         raise SystemExit(0)
 
 extract.make_backend = Recorder
-spec = CaptureSpec(backend=sys.argv[3], model_path=sys.argv[4], layer_ids=[2, 4, 5, 8], device="cuda")
+spec = CaptureSpec(backend=sys.argv[3], model_path=sys.argv[4], layer_ids=[2, 4, 5, 8], dtype="bfloat16",
+                   device="cuda", tp_size=1, max_seq_len=2048)
 extract.extract_shard(sys.argv[1], sys.argv[2] + ".shard", spec, ExtractSettings.defaults(batch_tokens=512), 0)
 """
 

@@ -196,7 +196,9 @@ def vllm_backend(tmp_path, monkeypatch, layer_ids):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = str(build_demo_model(tmp_path / "model", os.path.join(repo, "resources/demo/tokenizer_corpus.txt")))
-    spec = CaptureSpec(backend="vllm", model_path=path, layer_ids=layer_ids, dtype="float32", max_seq_len=64)
+    spec = CaptureSpec(
+        backend="vllm", model_path=path, layer_ids=layer_ids, dtype="float32", max_seq_len=64, device="cpu", tp_size=1
+    )
     return VLLMBackend(spec, ExtractSettings.defaults(capture_path="auto", enforce_eager=True))
 
 

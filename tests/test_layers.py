@@ -55,7 +55,8 @@ def test_ids_below_n_equal_output_hidden_states(demo_model_dir, fp32_model):
     n = fp32_model.config.num_hidden_layers
     ids = list(range(n + 1))
     backend = HFBackend(
-        CaptureSpec("hf", str(demo_model_dir), ids, dtype="float32"), ExtractSettings.defaults(dtype="float32")
+        CaptureSpec("hf", str(demo_model_dir), ids, dtype="float32", device="cpu", tp_size=1, max_seq_len=2048),
+        ExtractSettings.defaults(dtype="float32"),
     )
     backend.probe()
     row = list(range(5, 45))
@@ -76,7 +77,8 @@ def test_ids_below_n_equal_output_hidden_states(demo_model_dir, fp32_model):
 def test_batched_padded_capture_equals_single_rows(demo_model_dir):
     ids = [2, 4, 5, 8]
     backend = HFBackend(
-        CaptureSpec("hf", str(demo_model_dir), ids, dtype="float32"), ExtractSettings.defaults(dtype="float32")
+        CaptureSpec("hf", str(demo_model_dir), ids, dtype="float32", device="cpu", tp_size=1, max_seq_len=2048),
+        ExtractSettings.defaults(dtype="float32"),
     )
     info = backend.probe()
     assert info.final_layer_reachable and info.num_hidden_layers == 8

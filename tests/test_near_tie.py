@@ -77,7 +77,15 @@ def tie_case(tmp_path_factory):
     margin = make_tie(model, ids, tie_token)
     shutil.copytree(base, tmp / "model", ignore=shutil.ignore_patterns("*.safetensors"))
     model.save_pretrained(tmp / "model")
-    spec = CaptureSpec(backend="hf", model_path=str(tmp / "model"), layer_ids=IDS, dtype="float32", max_seq_len=256)
+    spec = CaptureSpec(
+        backend="hf",
+        model_path=str(tmp / "model"),
+        layer_ids=IDS,
+        dtype="float32",
+        max_seq_len=256,
+        device="cpu",
+        tp_size=1,
+    )
     extract_shard(str(tokens), str(tmp / "shard"), spec, ExtractSettings.defaults(batch_tokens=2048), 0)
     return dict(tmp=tmp, tokens=tokens, ids=ids, tie=tie_token, far=far_token, margin=margin)
 
@@ -120,7 +128,13 @@ def test_vllm_cpu_fp32_reroutes_at_a_natural_near_tie_and_passes(tmp_path):
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     tokens = load("validation_matrix").write_rows(tmp_path / "tokens.jsonl", 6, vocab, 4000, 0)  # sweep's shard 0
     spec = CaptureSpec(
-        backend="vllm", model_path=str(model), layer_ids=list(range(1, 7)), dtype="float32", max_seq_len=256
+        backend="vllm",
+        model_path=str(model),
+        layer_ids=list(range(1, 7)),
+        dtype="float32",
+        max_seq_len=256,
+        device="cpu",
+        tp_size=1,
     )
     extract_shard(
         str(tokens), str(tmp_path / "shard"), spec, ExtractSettings.defaults(enforce_eager=True, batch_tokens=2048), 0

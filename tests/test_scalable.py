@@ -67,7 +67,15 @@ def family(request, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp(request.param)
     model = build_family(request.param, tmp / "model")
-    spec = CaptureSpec(backend="hf", model_path=str(model), layer_ids=list(range(1, N + 1)), dtype="bfloat16")
+    spec = CaptureSpec(
+        backend="hf",
+        model_path=str(model),
+        layer_ids=list(range(1, N + 1)),
+        dtype="bfloat16",
+        device="cpu",
+        tp_size=1,
+        max_seq_len=2048,
+    )
     tokens, shards = [], []
     for k, lengths in enumerate(LENGTHS):
         tokens.append(_tokens(tmp / f"tokens_{k}.jsonl", lengths, k, k * 4))

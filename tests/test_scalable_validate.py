@@ -53,7 +53,15 @@ def test_scalable_checks_pass_right_data_and_catch_every_planted_mistake(tmp_pat
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     ids = default_layer_ids(NUM_LAYERS)  # what the planted shards claim to hold; the window is their last two
     every = list(range(1, NUM_LAYERS + 1))  # captured: the neighbours the layer-off-by-one mistakes take
-    spec = CaptureSpec(backend="hf", model_path=str(model), layer_ids=every, dtype="bfloat16", max_seq_len=256)
+    spec = CaptureSpec(
+        backend="hf",
+        model_path=str(model),
+        layer_ids=every,
+        dtype="bfloat16",
+        max_seq_len=256,
+        device="cpu",
+        tp_size=1,
+    )
     shards, tokens = [], []
     for k in range(2):
         tokens.append(write_rows(tmp_path / f"tokens_{k}.jsonl", vocab, k, k * ROWS))

@@ -241,13 +241,21 @@ def make_sink(tmp_path, lengths, slots=2, step_tokens=16, sync_bytes=256 << 20, 
     rows = [(sum(lengths[:i]), n) for i, n in enumerate(lengths)]
     paths = {lid: str(tmp_path / layer_file(lid)) for lid in LAYERS}
     spec = SinkSpec(
-        paths, H, "bfloat16", rows, step_tokens=step_tokens, slots=slots, sync_bytes=sync_bytes, storage=storage
+        paths,
+        H,
+        "bfloat16",
+        rows,
+        step_tokens=step_tokens,
+        slots=slots,
+        sync_bytes=sync_bytes,
+        storage=storage,
+        tag_prefix="row",
     )
     return LayerSink(spec)
 
 
 def tags(n: int) -> list[str]:
-    return [SinkSpec({}, H, "bfloat16", []).tag(i) for i in range(n)]
+    return [SinkSpec({}, H, "bfloat16", [], step_tokens=8192, slots=3, tag_prefix="row").tag(i) for i in range(n)]
 
 
 @pytest.mark.parametrize("slots", [1, 3])

@@ -85,7 +85,15 @@ def test_mla_rotary_bug_forced_on_fails_validation_and_names_the_bug(tmp_path, m
     matrix = load_matrix()
     model = build_family("deepseek_v3", tmp_path / "model")
     tokens = matrix.write_rows(tmp_path / "tokens.jsonl", ROWS, 512, 0, 0)
-    spec = CaptureSpec(backend="vllm", model_path=str(model), layer_ids=[2, 3, 6], dtype="float32", max_seq_len=256)
+    spec = CaptureSpec(
+        backend="vllm",
+        model_path=str(model),
+        layer_ids=[2, 3, 6],
+        dtype="float32",
+        max_seq_len=256,
+        device="cpu",
+        tp_size=1,
+    )
     manifest = extract_shard(
         str(tokens), str(tmp_path / "shard"), spec, ExtractSettings.defaults(enforce_eager=True, batch_tokens=2048), 0
     )

@@ -88,7 +88,13 @@ def _section(settings: ExtractSettings) -> dict:
 def engine(request, model_path, tmp_path_factory):
     path, dtype = request.param
     spec = CaptureSpec(
-        backend="vllm", model_path=model_path, layer_ids=LAYER_IDS[path], dtype=dtype, max_seq_len=MAX_SEQ_LEN
+        backend="vllm",
+        model_path=model_path,
+        layer_ids=LAYER_IDS[path],
+        dtype=dtype,
+        max_seq_len=MAX_SEQ_LEN,
+        device="cpu",
+        tp_size=1,
     )
     settings = ExtractSettings.defaults(
         capture_path=path,

@@ -209,7 +209,9 @@ def test_worker_extension_attributes_rows_under_batching_and_chunked_prefill(tmp
     worker.e3p_install_hooks(layer_ids)
     row_a, row_b = [5, 9, 2, 7, 1, 3], [8, 8, 4]
     paths = {i: str(tmp_path / f"layer_{i}.safetensors") for i in layer_ids}
-    spec = SinkSpec(paths, 3, "float32", [(0, len(row_a)), (len(row_a), len(row_b))], step_tokens=8, tag_prefix="t")
+    spec = SinkSpec(
+        paths, 3, "float32", [(0, len(row_a)), (len(row_a), len(row_b))], step_tokens=8, tag_prefix="t", slots=3
+    )
     assert worker.e3p_open_shard(dataclasses.asdict(spec)) == {"rank": 0, "files": 3}
     # Step 1: all of B and the first 2 tokens of A; step 2: the rest of A (chunked prefill), B first.
     steps = [
@@ -250,7 +252,15 @@ def test_cpu_connector_is_lazy_without_vllm():
 
 
 def make_backend(layer_ids=(2, 4, 5, 8), capture_path="auto"):
-    spec = CaptureSpec(backend="vllm", model_path="unused", layer_ids=list(layer_ids), dtype="bfloat16")
+    spec = CaptureSpec(
+        backend="vllm",
+        model_path="unused",
+        layer_ids=list(layer_ids),
+        dtype="bfloat16",
+        device="cpu",
+        tp_size=1,
+        max_seq_len=2048,
+    )
     return VLLMBackend(spec, ExtractSettings.defaults(capture_path=capture_path))
 
 
@@ -377,7 +387,9 @@ def run_capture_shard(monkeypatch, finish_reply, path_name="hooks", **llm_kw):
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
     path = (HooksPath if path_name == "hooks" else BuiltinPath)([2, 4], version="0.26.0")
     path.window_tokens = 4
-    spec = SinkSpec({2: "/x/layer_2", 4: "/x/layer_4"}, 16, "bfloat16", [(0, 3), (3, 2)], tag_prefix="p")
+    spec = SinkSpec(
+        {2: "/x/layer_2", 4: "/x/layer_4"}, 16, "bfloat16", [(0, 3), (3, 2)], tag_prefix="p", step_tokens=8192, slots=3
+    )
     llm = FakeLLM(finish_reply, **llm_kw)
     entries = path.capture_shard(llm, iter([[[5, 6, 7]], [[8, 9]]]), spec)
     return entries, llm, llm.llm_engine.added
@@ -617,7 +629,15 @@ def probe_with_fakes(monkeypatch, tmp_path, arch, start, options=None):
     monkeypatch.setattr(backend_mod, "log", lines.append)
     monkeypatch.setattr(compat, "installed_version", lambda: "0.32.0")
     monkeypatch.delenv(compat.NO_WORKAROUNDS_ENV, raising=False)
-    spec = CaptureSpec(backend="vllm", model_path="unused", layer_ids=[2, 4, 8], dtype="float32")
+    spec = CaptureSpec(
+        backend="vllm",
+        model_path="unused",
+        layer_ids=[2, 4, 8],
+        dtype="float32",
+        device="cpu",
+        tp_size=1,
+        max_seq_len=2048,
+    )
     backend = VLLMBackend(spec, ExtractSettings.defaults(capture_path="auto", **(options or {})))
     monkeypatch.setattr(backend_mod.ModelFacts, "read", staticmethod(lambda path: model_facts(arch)))
     monkeypatch.setattr(backend, "_on_cpu", lambda: True)

@@ -115,6 +115,7 @@ def test_finished_requests_reach_the_shard_in_row_order(layout, tmp_path):
         rows=[(0, 6), (6, 11), (17, 3)],
         step_tokens=8,  # < request 1's 11 rows and < two requests together
         tag_prefix="e3p-x-0",
+        slots=3,
     )
     cls = connector.build_connector(fake_module(layout))
     conn = cls(kv)
@@ -171,6 +172,8 @@ def test_a_length_mismatch_fails_the_shard_not_the_engine(tmp_path):
         dtype="float32",
         rows=[(0, 5)],
         tag_prefix="t",
+        step_tokens=8192,
+        slots=3,
     )
     conn = connector.build_connector(fake_module("0.32"))(kv)
     sink = LayerSink(spec)
@@ -269,6 +272,8 @@ def test_a_changed_buffer_layout_fails_the_shard_by_name(tmp_path):
         dtype="float32",
         rows=[(0, 4)],
         tag_prefix="t",
+        step_tokens=8192,
+        slots=3,
     )
     conn = connector.build_connector(module)(kv)
     sink = LayerSink(spec)

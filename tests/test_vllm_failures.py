@@ -41,7 +41,13 @@ MAX_SEQ_LEN = 64
 
 def make_backend(model_path, capture_path, staging):
     spec = CaptureSpec(
-        backend="vllm", model_path=str(model_path), layer_ids=LAYER_IDS, dtype="float32", max_seq_len=MAX_SEQ_LEN
+        backend="vllm",
+        model_path=str(model_path),
+        layer_ids=LAYER_IDS,
+        dtype="float32",
+        max_seq_len=MAX_SEQ_LEN,
+        device="cpu",
+        tp_size=1,
     )
     settings = ExtractSettings.defaults(capture_path=capture_path, enforce_eager=True, staging_dir=str(staging))
     return vllm_backend.VLLMBackend(spec, settings)
@@ -161,7 +167,15 @@ def test_kimi_int4_on_cpu_runs_or_is_refused_in_one_line(tmp_path, capfd):
     from eagle3prep.testing.tiny_kimi import build_tiny_kimi
 
     model = build_tiny_kimi(tmp_path / "kimi_int4", "int4")
-    spec = CaptureSpec(backend="vllm", model_path=str(model), layer_ids=[3, 5, 8], dtype="bfloat16", max_seq_len=64)
+    spec = CaptureSpec(
+        backend="vllm",
+        model_path=str(model),
+        layer_ids=[3, 5, 8],
+        dtype="bfloat16",
+        max_seq_len=64,
+        device="cpu",
+        tp_size=1,
+    )
     backend = vllm_backend.VLLMBackend(
         spec, ExtractSettings.defaults(capture_path="auto", enforce_eager=True, staging_dir=str(tmp_path))
     )

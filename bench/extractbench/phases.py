@@ -150,6 +150,7 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
         dtype=args.dtype,
         tp_size=getattr(args, "tp", 1),
         max_seq_len=args.max_len,
+        device="cpu",
     )
     settings = ExtractSettings.defaults(
         **{

@@ -29,10 +29,10 @@ class CaptureSpec:
     backend: str  # "hf" | "vllm"
     model_path: str
     layer_ids: list[int]  # our convention (layers.py), ascending; N = pre-norm final state
-    dtype: str = "bfloat16"  # "bfloat16" | "float16" | "float32"
-    device: str = "cpu"  # hf backend: "cpu" | "cuda"
-    tp_size: int = 1
-    max_seq_len: int = 2048
+    dtype: str  # "bfloat16" | "float16" | "float32"
+    device: str  # hf backend: "cpu" | "cuda"
+    tp_size: int
+    max_seq_len: int
     trust_remote_code: bool = False
 
     @classmethod

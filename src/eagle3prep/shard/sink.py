@@ -60,10 +60,10 @@ class SinkSpec:
     hidden_size: int
     dtype: str
     rows: list[tuple[int, int]]  # (offset, length) of each shard row, in index order
-    step_tokens: int = 8192  # the largest forward step expected: the host slots' size
-    slots: int = 3
+    step_tokens: int  # the largest forward step expected: the host slots' size (SinkPlan)
+    slots: int
+    tag_prefix: str
     sync_bytes: int = FLUSH_EVERY
-    tag_prefix: str = "row"
     logprob_rows: tuple[int, ...] = ()  # rows whose prompt logprobs the engine also returns (logits check)
     storage: str = MODEL_DTYPE  # format.STORAGES: the model dtype as it is, or fp8_e4m3 with per-token scales
 
