@@ -191,5 +191,6 @@ def get_regen_gpus(wildcards=None):
 
 def get_regen_data_params(wildcards=None):
     """regenerate.* that decides a shard's conversations (settings.RegenerateContent), with
-    tokenize.chat_template_kwargs when set: changing a speed knob or a DAG key re-queues no shard."""
+    tokenize.chat_template_kwargs when set: a speed knob or a DAG key re-queues no shard.
+    """
     return RegenerateSettings.params(config)
