@@ -12,7 +12,7 @@ VLLM016_VENV := .venv-vllm016
 GPU_VENV := .venv-gpu
 PIP_FLAGS ?= -q --disable-pip-version-check
 
-.PHONY: demo test test-base test-vllm test-vllm016 test-slurm gpu-env lint clean
+.PHONY: demo test test-base test-deps test-vllm test-vllm016 test-slurm gpu-env lint clean
 
 $(VENV)/.installed: envs/base.txt envs/speculators.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,7 +60,14 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/snakemake --cores all
 	@echo "make demo: done; open results/report/report.html (dataset in results/: docs/guides/storage.md)"
 
-test: test-base test-vllm test-vllm016 test-slurm
+# The vLLM venvs and Slurm install (network and disk bound) while the base tests run (CPU bound): CI's
+# clean clone spends minutes in those installs, which would otherwise wait for the base tests.
+test:
+	$(MAKE) -j2 test-base test-deps
+	$(MAKE) test-vllm test-vllm016 test-slurm
+
+test-deps: $(VLLM_VENV)/.installed $(VLLM016_VENV)/.installed
+	.ci/install-slurm.sh
 
 test-base: $(VENV)/.installed
 	$(VENV)/bin/pytest -m "not vllm and not slurm"
