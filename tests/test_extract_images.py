@@ -18,6 +18,7 @@ from eagle3prep.errors import UserError
 from eagle3prep.extract import extract_shard
 from eagle3prep.prepare import prepare
 from eagle3prep.prepare.images import ImageOptions
+from eagle3prep.settings import ExtractSettings
 from eagle3prep.testing.planted import IMAGE_MISTAKES, plant_image
 from eagle3prep.testing.tiny_vl import build_tiny_vl, image_bytes
 from eagle3prep.tokenization import tokenize_conversations
@@ -70,7 +71,8 @@ def captured(request, tmp_path_factory):
     shard = t / "shard_0.jsonl"
     tokenize_conversations(p / "c.jsonl", model, [shard], t / "stats.json", t / "tf.json", t / "q.jsonl", 256)
     spec = CaptureSpec(backend="hf", model_path=str(model), layer_ids=LAYERS, dtype="bfloat16", max_seq_len=256)
-    extract_shard(str(shard), str(root / "hs"), spec, {"logprob_rows": 5}, 128, 0, 1)  # several batches
+    settings = ExtractSettings.defaults(logprob_rows=5, batch_tokens=128)  # several batches
+    extract_shard(str(shard), str(root / "hs"), spec, settings, 0, 1)
     rows = [json.loads(x) for x in shard.read_text().splitlines()]
     return SimpleNamespace(root=root, model=str(model), shard=shard, hs=root / "hs", rows=rows)
 
