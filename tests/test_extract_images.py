@@ -18,6 +18,7 @@ from eagle3prep.errors import UserError
 from eagle3prep.extract import extract_shard
 from eagle3prep.prepare import prepare
 from eagle3prep.prepare.images import ImageOptions
+from eagle3prep.settings import ExtractSettings
 from eagle3prep.testing.planted import IMAGE_MISTAKES, plant_image
 from eagle3prep.testing.tiny_vl import build_tiny_vl, image_bytes
 from eagle3prep.tokenization import tokenize_conversations
@@ -70,15 +71,11 @@ def captured(request, tmp_path_factory):
     shard = t / "shard_0.jsonl"
     tokenize_conversations(p / "c.jsonl", model, [shard], t / "stats.json", t / "tf.json", t / "q.jsonl", 256)
     spec = CaptureSpec(
-        backend="hf",
-        model_path=str(model),
-        layer_ids=LAYERS,
-        dtype="bfloat16",
-        max_seq_len=256,
-        device="cpu",
+        backend="hf", model_path=str(model), layer_ids=LAYERS, dtype="bfloat16", max_seq_len=256, device="cpu",
         tp_size=1,
-    )
-    extract_shard(str(shard), str(root / "hs"), spec, {"logprob_rows": 5}, 128, 0, 1)  # several batches
+    )  # fmt: skip
+    settings = ExtractSettings.defaults(logprob_rows=5, batch_tokens=128)  # several batches
+    extract_shard(str(shard), str(root / "hs"), spec, settings, 0, 1)
     rows = [json.loads(x) for x in shard.read_text().splitlines()]
     return SimpleNamespace(root=root, model=str(model), shard=shard, hs=root / "hs", rows=rows)
 
@@ -148,7 +145,9 @@ def test_a_row_whose_image_or_grid_changed_stops_in_one_line(captured, tmp_path)
 def test_backends_that_cannot_take_images_refuse_them_in_one_line(captured):
     from eagle3prep.shard import index_of_tokenized
 
-    with pytest.raises(UserError, match=r"row 0 has images; extract.backend vllm does not feed images") as e:
-        index_of_tokenized(captured.shard, "vllm")
+    # every backend of the package feeds images now (vllm: tests/test_vllm_images.py); one that does not refuses
+    with pytest.raises(UserError, match=r"row 0 has images; extract.backend other does not feed images") as e:
+        index_of_tokenized(captured.shard, "other")
     assert "\n" not in str(e.value)
-    assert [e.row for e in index_of_tokenized(captured.shard, "hf")] == [0, 1, 2, 3, 4]
+    for backend in ("hf", "vllm"):
+        assert [e.row for e in index_of_tokenized(captured.shard, backend)] == [0, 1, 2, 3, 4]

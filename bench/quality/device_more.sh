@@ -5,12 +5,7 @@
 #   all_ids' data (as soon as ours' regenerated rows exist) -> plant -> each planted mistake, seed 1
 # summarize.py FIRST_RUN OUT prints the table with the cells of both.
 # Usage: setsid nohup bash bench/quality/device_more.sh /tmp/q2 WEIGHTS_SHA256 > /tmp/q2/run.log 2>&1 &
-set -u
-Q=$1
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
-. /tmp/site/env.sh && . /tmp/tools/env.sh
-R="python3 bench/quality/run.py $Q"
-log() { echo "$(date +%T) $*"; }
+. "$(dirname "$0")/device_common.sh" "$1"
 train_serve() {  # variant seed: train, then serve the draft
   log "train $1 s$2"
   $R --stage train --variants "$1" --seeds "$2" > "$Q/train_$1_s$2.log" 2>&1

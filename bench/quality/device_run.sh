@@ -6,12 +6,7 @@
 # Acceptance does not depend on what else runs; tokens/s does, so the last step serves the target alone
 # and ours_s0 again on an idle GPU (serve/speed_*.json).
 # Usage: setsid nohup bash bench/quality/device_run.sh /tmp/q > /tmp/q/run.log 2>&1 &
-set -u
-Q=$1
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
-. /tmp/site/env.sh && . /tmp/tools/env.sh
-R="python3 bench/quality/run.py $Q"
-log() { echo "$(date +%T) $*"; }
+. "$(dirname "$0")/device_common.sh" "$1"
 
 train_serve() {  # variant seeds...: train side by side, then serve each draft
   local v=$1; shift

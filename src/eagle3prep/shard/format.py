@@ -51,7 +51,7 @@ DTYPES = {
 }
 
 MODEL_DTYPE, FP8_E4M3 = "model_dtype", "fp8_e4m3"
-IMAGE_BACKENDS = ("hf",)  # extract backends that capture rows with images (tokenization/row_inputs.py)
+IMAGE_BACKENDS = ("hf", "vllm")  # extract backends that capture rows with images (tokenization/row_inputs.py)
 STORAGES = (MODEL_DTYPE, FP8_E4M3)
 
 

@@ -8,8 +8,8 @@ tokenizer plus Qwen's vision special tokens, a ChatML template that renders imag
 tiny_models.randomize draws them, so every build is byte-identical. The image processor is set to small
 resolutions (4 to 64 vision tokens an image) so that rows stay short on a CPU.
 
-Without torchvision (neither venv has it: PyPI's wheels are CUDA builds that fail to load with CPU torch,
-envs/vllm.txt), transformers 5.19 cannot construct `Qwen2_5_VLProcessor` at all: its check of the
+Without torchvision (.venv has none: PyPI's wheels are CUDA builds that fail to load with CPU torch; .venv-vllm
+has it beside torch's CUDA build, envs/vllm-vision.txt, since vLLM's Qwen2.5-VL imports it), transformers 5.19 cannot construct `Qwen2_5_VLProcessor` at all: its check of the
 video_processor argument looks the class up in a mapping that needs torchvision, even for None. So this
 module, and its checks, use the image processor and the tokenizer directly and expand each `<|image_pad|>`
 as the processor does (`expand_image_tokens`); vLLM's Qwen2.5-VL goes through that processor class too.

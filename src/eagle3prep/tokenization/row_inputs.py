@@ -81,11 +81,9 @@ class RowImages:
     def _where(self, row: dict[str, Any]) -> str:
         return f"{self.tokenized}: row {row['row']}"
 
-    def pixels(self, row: dict[str, Any]) -> dict[str, Any]:
-        """{"pixel_values": [patches, C] float32, "image_grid_thw": [n, 3] int64} of a row's images, checked
-        against its sha256, image_grid_thw and vision tokens."""
-        import torch
-
+    def images(self, row: dict[str, Any]) -> list[Any]:
+        """A row's images as RGB PIL images, each checked against its recorded sha256 (what an engine that runs
+        the image processor itself, vLLM, is given; pixels() checks the processor's grid on them too)."""
         if self.image_token_id is None:
             raise UserError(f"{self._where(row)} has images; {self.model_path} is not a vision-language target")
         pils = []
@@ -95,7 +93,14 @@ class RowImages:
             if isinstance(got, Rejected):
                 raise UserError(f"{self._where(row)}, field images: {got.detail}")
             pils.append(got)
-        out = self.processor(images=pils, return_tensors="pt")
+        return pils
+
+    def pixels(self, row: dict[str, Any]) -> dict[str, Any]:
+        """{"pixel_values": [patches, C] float32, "image_grid_thw": [n, 3] int64} of a row's images, checked
+        against its sha256, image_grid_thw and vision tokens."""
+        import torch
+
+        out = self.processor(images=self.images(row), return_tensors="pt")
         grids = out["image_grid_thw"].tolist()
         if grids != row["image_grid_thw"]:
             raise UserError(

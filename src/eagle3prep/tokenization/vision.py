@@ -5,7 +5,7 @@ as many vision tokens as the processor gives it at that resolution; the loss mas
 The expansion is the one Qwen2-VL / Qwen2.5-VL's processor does (`<|image_pad|>` repeated
 t*h*w / merge_size**2 times for an image of patch grid (t, h, w)). It is done here, with
 AutoImageProcessor and the tokenizer, because transformers 5.19 cannot construct Qwen2_5_VLProcessor without
-torchvision (its video_processor check), and neither venv has a torchvision that loads with CPU torch.
+torchvision (its video_processor check), and .venv has no torchvision (.venv-vllm does: envs/vllm-vision.txt).
 Other families are refused per row, in one line, until their expansion rule is added.
 """
 

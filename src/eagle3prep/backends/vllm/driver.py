@@ -20,6 +20,7 @@ from ...layers import check_layer_ids
 from ...model_facts import ModelFacts, require_hidden_size
 from ...shard.format import EngineInfo
 from ...shard.sink import SinkPlan
+from ...tokenization.row_inputs import is_vision_target
 from ..base import CaptureBackend, CaptureSpec, smoke_shard
 from . import compat
 from .errors import ChildOutput, EngineError, engine_error
@@ -165,7 +166,9 @@ class VLLMBackend(CaptureBackend):
         content, speed = self.settings.content, self.settings.speed
         kwargs: dict[str, Any] = {
             "model": self.spec.model_path,
-            "skip_tokenizer_init": True,  # we hand over token ids; the engine needs no tokenizer
+            # We hand over token ids; the engine needs no tokenizer, except a vision-language target's, whose
+            # multimodal processor vLLM builds with it (it refuses skip_tokenizer_init).
+            "skip_tokenizer_init": not is_vision_target(self.spec.model_path),
             "dtype": self.spec.dtype,
             "tensor_parallel_size": self.spec.tp_size,
             # +1: the one sampled token must fit after a prompt of max_seq_len tokens.
@@ -194,11 +197,11 @@ class VLLMBackend(CaptureBackend):
 
         self._children = ChildOutput()  # the engine's processes print the root cause of a failed start
         if name == "builtin":
-            self.path = BuiltinPath(self.spec.layer_ids, version)
+            self.path = BuiltinPath(self.spec.layer_ids, version, self.spec.model_path)
         else:
             # The hooks read the V1 model runner's input batch (compat.step_layout).
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-            self.path = HooksPath(self.spec.layer_ids, version)
+            self.path = HooksPath(self.spec.layer_ids, version, self.spec.model_path)
         kwargs = self._engine_kwargs(self.path)
         log(f"starting vLLM {version} ({name} path): {kwargs}")
         shm.sweep(log)  # what a killed engine of an earlier job left in /dev/shm

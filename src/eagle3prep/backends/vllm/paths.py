@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ...errors import UserError
+from ...tokenization.row_inputs import ImageRow, RowImages
 from . import compat
 from .connector import CONNECTOR
 
@@ -68,14 +69,22 @@ def prompt_logprobs(out: Any, ids: list[int]) -> Any:
     return torch.tensor([per_pos[t][ids[t]].logprob for t in range(1, len(ids))], dtype=torch.float32)
 
 
+def collapse_runs(ids: list[int], token: int) -> list[int]:
+    """`ids` with every run of `token` cut to one: a row's expanded image placeholders, one an image again."""
+    return [t for k, t in enumerate(ids) if t != token or k == 0 or ids[k - 1] != token]
+
+
 class _WorkerSinkPath:
     """The driver's half of a path whose sink runs in TP rank 0's worker: stream requests in, finish."""
 
     name = ""
 
-    def __init__(self, layer_ids: list[int], version: str):
+    def __init__(self, layer_ids: list[int], version: str, model_path: str = ""):
         self.layer_ids = layer_ids
         self.version = version
+        self.model_path = model_path  # the target's folder: its image processor checks a row's images
+        self._images: RowImages | None = None
+        self._image_rows: dict[str, list[int]] = {}  # tag -> tokenized ids of a row with images, until it ends
         self.window_tokens = 0  # set by the driver once the engine's step size is known
         self.logprobs: dict[int, Any] = {}
         self.stats: dict[str, Any] = {}  # the worker's sink timings of the last shard
@@ -83,19 +92,18 @@ class _WorkerSinkPath:
     def capture_shard(self, llm: Any, batches: Iterator[list[list[int]]], spec: SinkSpec) -> dict[int, dict[str, Any]]:
         """Rows are fed to the engine as a stream, at most `window_tokens` prompt tokens in flight,
         so the scheduler always has a full step and no batch boundary leaves the GPU idle."""
-        from vllm import TokensPrompt
-
         compat.rpc_result(llm.collective_rpc("e3p_open_shard", args=(dataclasses.asdict(spec),)), version=self.version)
         engine = llm.llm_engine
         in_flight = submitted = 0
         finished = False
         self.logprobs, wanted = {}, {spec.tag(r): r for r in spec.logprob_rows}
+        self._image_rows = {}
         try:
             for batch in batches:
                 for ids in batch:
                     tag = spec.tag(submitted)
                     params = sampling_params(tag, logprobs=tag in wanted)
-                    engine.add_request(tag, TokensPrompt(prompt_token_ids=list(ids)), params)
+                    engine.add_request(tag, self._prompt(tag, ids), params)
                     submitted += 1
                     in_flight += len(ids)
                 while in_flight > self.window_tokens:
@@ -121,6 +129,33 @@ class _WorkerSinkPath:
         self.stats = {"window_tokens": self.window_tokens, **reply.get("stats", {})}
         return {int(k): v for k, v in reply["entries"].items()}
 
+    def _prompt(self, tag: str, ids: list[int]) -> Any:
+        """The request's prompt: token ids, and for a row with images (ImageRow) its images, re-read and checked
+        against their sha256 (RowImages), for vLLM's processor and vision encoder."""
+        from vllm import TokensPrompt
+
+        if not isinstance(ids, ImageRow):
+            return TokensPrompt(prompt_token_ids=list(ids))
+        if self._images is None or self._images.tokenized != ids.tokenized:
+            self._images = RowImages(self.model_path, ids.tokenized)
+        self._image_rows[tag] = list(ids)
+        # vLLM's processor expands each image's placeholder itself and does not recognize one tokenize already
+        # expanded (it would expand its first token again): it is given one placeholder an image, and
+        # _check_expansion verifies, when the request ends, that it gave back the row's ids.
+        images = self._images.images(ids.row)
+        prompt = collapse_runs(list(ids), self._images.image_token_id)
+        return TokensPrompt(prompt_token_ids=prompt, multi_modal_data={"image": images})
+
+    def _check_expansion(self, out: Any) -> None:
+        """A row with images must reach the model as tokenize wrote it: vLLM's processor may not re-expand it."""
+        want = self._image_rows.pop(out.request_id, None)
+        got = list(out.prompt_token_ids or ())
+        if want is not None and got != want:
+            raise CaptureError(
+                f"request {out.request_id}: vLLM's processor made {len(got)} prompt tokens of the row's {len(want)} "
+                "(its images expanded differently than tokenize expanded them): re-run tokenize with this model.path"
+            )
+
     def _drain(self, llm: Any, spec: SinkSpec) -> None:
         """Wait until the worker holds every row (the hooks have them when the last request ends)."""
 
@@ -129,6 +164,7 @@ class _WorkerSinkPath:
         done = 0
         for out in engine.step():
             if out.finished:
+                self._check_expansion(out)
                 done += len(out.prompt_token_ids or ())
                 if wanted and out.request_id in wanted:
                     self.logprobs[wanted[out.request_id]] = prompt_logprobs(out, list(out.prompt_token_ids))

@@ -1,0 +1,129 @@
+"""Rows with images through the vllm backend (issue #28 items 3 and 5) on the tiny Qwen2.5-VL, on vllm-cpu: the
+prompts go in as token ids plus the rows' images (multi_modal_data), vLLM's vision encoder runs in the engine,
+and every position, image tokens included, is captured in the usual shard format; the workflow's validation
+recomputes them with transformers and passes, and a planted image mistake fails it. One engine (the hooks path)
+serves every test of the module: an engine start costs ~35 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+vllm = pytest.importorskip("vllm")
+pytest.importorskip("torchvision", reason="vLLM's Qwen2.5-VL imports it (envs/vllm-vision.txt)")
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache (default 4)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from eagle3prep.backends.base import CaptureSpec  # noqa: E402
+from eagle3prep.backends.vllm.driver import VLLMBackend  # noqa: E402
+from eagle3prep.backends.vllm.paths import CaptureError  # noqa: E402
+from eagle3prep.extract import extract_shard  # noqa: E402
+from eagle3prep.prepare import prepare  # noqa: E402
+from eagle3prep.prepare.images import ImageOptions  # noqa: E402
+from eagle3prep.settings import ExtractSettings  # noqa: E402
+from eagle3prep.testing.planted import plant_image  # noqa: E402
+from eagle3prep.testing.tiny_vl import build_tiny_vl, image_bytes  # noqa: E402
+from eagle3prep.tokenization import tokenize_conversations  # noqa: E402
+from eagle3prep.validate import ValidationError, validate_shard  # noqa: E402
+
+LAYERS = [0, 3, 6]  # the embeddings (vision tokens merged in), a middle id and N (the pre-norm final state)
+MAX_SEQ_LEN = 128
+
+
+def chat(image: str, question: str, answer: str) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": question}]
+    return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]}
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    """The tiny Qwen2.5-VL and one tokenized shard: an image by path, a text row, an image as a data: URI."""
+    root = tmp_path_factory.mktemp("vlvllm")
+    model = build_tiny_vl(root / "model")
+    (root / "images").mkdir()
+    (root / "images" / "red_square.png").write_bytes(image_bytes("red_square.png"))
+    uri = "data:image/png;base64," + base64.b64encode(image_bytes("blue_circle.png")).decode("ascii")
+    records = [
+        chat("red_square.png", "What shape?", "A red square."),
+        {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]},
+        chat(uri, "What colour?", "Blue."),
+    ]
+    src, p, t = root / "in.jsonl", root / "prepared", root / "tok"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    prepare([str(src)], p / "c.jsonl", p / "q.jsonl", p / "n.json", images=ImageOptions(str(root / "images")))
+    shard = t / "shard_0.jsonl"
+    tokenize_conversations(p / "c.jsonl", model, [shard], t / "stats.json", t / "tf.json", t / "q.jsonl", MAX_SEQ_LEN)
+    rows = [json.loads(x) for x in shard.read_text(encoding="utf-8").splitlines()]
+    return SimpleNamespace(root=root, model=str(model), shard=shard, rows=rows)
+
+
+@pytest.fixture(scope="module")
+def engine(vl):
+    spec = CaptureSpec(
+        backend="vllm", model_path=vl.model, layer_ids=LAYERS, dtype="float32", max_seq_len=MAX_SEQ_LEN, device="cpu",
+        tp_size=1,
+    )  # fmt: skip
+    settings = ExtractSettings.defaults(capture_path="hooks", max_num_batched_tokens=64, enforce_eager=True)
+    backend = VLLMBackend(spec, settings)
+    info = backend.probe()
+    yield SimpleNamespace(spec=spec, settings=settings, backend=backend, info=info)
+    backend.close()
+
+
+def extract(vl, engine, shard, out):
+    return extract_shard(str(shard), str(out), engine.spec, engine.settings, 0, engine=(engine.backend, engine.info))
+
+
+def validate(vl, shard_dir):
+    return validate_shard(str(shard_dir), str(vl.shard), str(vl.root / "v.json"), vl.model)
+
+
+def test_vllm_captures_image_rows_and_validation_passes_them(vl, engine):
+    from eagle3prep.shard.format import read_index
+
+    assert [bool(r.get("images")) for r in vl.rows] == [True, False, True]
+    hs = vl.root / "hs"
+    manifest = extract(vl, engine, vl.shard, hs)
+    assert manifest.engine["capture_path"] == "hooks"
+    index = read_index(hs)
+    assert [e.length for e in index] == [r["seq_len"] for r in vl.rows]  # every position, image tokens included
+    report = validate(vl, hs)
+    assert report["ok"] and report["reference_sample"]["rows"] == 3, report
+    assert {c["check"] for c in report["checks"]} >= {f"reference:layer_{lid}" for lid in LAYERS}
+
+
+def test_a_planted_image_mistake_in_a_vllm_shard_fails_validation(vl, engine):
+    hs = vl.root / "hs"
+    if not (hs / "manifest.json").exists():
+        extract(vl, engine, vl.shard, hs)
+    out = plant_image("image_dropped", hs, vl.root / "dropped", vl.shard, vl.model)
+    with pytest.raises(ValidationError) as e:
+        validate(vl, out)
+    assert set(e.value.failed) == {f"reference:layer_{lid}" for lid in LAYERS}, e.value
+    assert "2 of 3 rows fail" in str(e.value)
+
+
+def test_a_row_whose_image_tokens_vllm_would_expand_otherwise_stops_in_one_line(vl, engine, tmp_path):
+    """Tokenize's row with one image token fewer: vLLM's processor does not keep it as it is (it re-expands or
+    refuses), and the capture stops with one line instead of writing rows of other lengths."""
+    row = dict(vl.rows[0])
+    pad = json.loads((vl.root / "model" / "config.json").read_text(encoding="utf-8"))["image_token_id"]
+    first = row["input_ids"].index(pad)
+    ids = row["input_ids"][:first] + row["input_ids"][first + 1 :]
+    bad = {**row, "input_ids": ids, "loss_mask": row["loss_mask"][:-1], "seq_len": len(ids)}
+    (tmp_path / "stats.json").write_text((vl.shard.parent / "stats.json").read_text(encoding="utf-8"))
+    shard = tmp_path / "shard_0.jsonl"
+    shard.write_text(json.dumps(bad) + "\n", encoding="utf-8")
+    with pytest.raises(
+        CaptureError, match=r"vLLM's processor made 33 prompt tokens of the row's 32 \(its images"
+    ) as e:
+        extract(vl, engine, shard, tmp_path / "hs")
+    assert "\n" not in str(e.value), e.value
