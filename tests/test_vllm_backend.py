@@ -234,7 +234,9 @@ def test_fp8_storage_quantizes_where_the_rows_are(engine, rows, tmp_path):
 
     from eagle3prep.extract import extract_shard
     from eagle3prep.scalable import check_logprobs
-    from eagle3prep.shard.format import FORMAT_FP8, read_layer, read_manifest
+    from eagle3prep.shard.layout import FORMAT_FP8
+    from eagle3prep.shard.manifest import read_manifest
+    from eagle3prep.shard.readers import read_layer
 
     backend, info = engine
     if info.dtype != "bfloat16":

@@ -18,9 +18,10 @@ from typing import Any
 
 from .atomic import atomic_open, write_json
 from .config import ConfigError, model_layer_ids, reference_mode
+from .disk import human_bytes
 from .extract import free_space_probe, shard_bytes
 from .model_facts import ModelFacts, require_hidden_size
-from .shard.format import MANIFEST, human_bytes
+from .shard.layout import MANIFEST
 
 START_SHARE = 0.05  # engine start-up should stay under this share of a shard's job time
 

@@ -210,7 +210,8 @@ def validate_scalable(shard, rows: list[dict[str, Any]], model_path: str, picks:
     import torch
     from safetensors import safe_open
 
-    from .shard.format import FP8_E4M3, LOGPROBS, LayerReader, layer_file
+    from .shard.layout import FP8_E4M3, LOGPROBS, layer_file
+    from .shard.readers import LayerReader
     from .tokenization.row_inputs import RowImages
 
     m, ids = shard.manifest, shard.manifest.layer_ids

@@ -16,18 +16,9 @@ from .errors import UserError
 from .gpus import claim_job_gpus
 from .passrule import describe_failure, judge_layer, judge_row, miss_probability, rows_to_sample
 from .reference import ReferencePair
-from .shard.format import (
-    DTYPES,
-    FP8_E4M3,
-    TOKEN_IDS,
-    LayerReader,
-    ShardManifest,
-    check_listed_file,
-    layer_file,
-    layer_tensors,
-    read_manifest,
-    stray_files,
-)
+from .shard.layout import DTYPES, FP8_E4M3, TOKEN_IDS, layer_file, layer_tensors
+from .shard.manifest import ShardManifest, check_listed_file, read_manifest, stray_files
+from .shard.readers import LayerReader
 from .shard.shardset import Shard, open_shard, shard_checks
 from .tokenization.row_inputs import RowImages
 

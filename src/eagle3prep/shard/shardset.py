@@ -16,7 +16,8 @@ from pathlib import Path
 from ..errors import UserError
 from ..layers import CONVENTION, to_convention
 from ..records import IndexEntry
-from .format import ShardManifest, read_index, read_manifest
+from .manifest import ShardManifest, read_manifest
+from .readers import read_index
 
 
 def speculators_layer_error(ids: list[int], n: int, convention: str = CONVENTION) -> str | None:
