@@ -104,8 +104,8 @@ def test_each_planted_image_mistake_fails_validation(captured, mistake):
 
 
 def test_scalable_checks_run_on_image_rows_at_their_rope_positions(captured):
-    from eagle3prep.scalable import check_window
     from eagle3prep.shard.readers import read_index, read_layer
+    from eagle3prep.validate.window import check_window
 
     report = validate(captured, captured.hs, reference="scalable", windows=[[1, 3], [3, 6]])
     checks = {c["check"]: c for c in report["checks"]}

@@ -250,7 +250,7 @@ def plan_run(
 def validation_memory(model_path: str, ids: list[int], windows: list[list[int]] | None) -> dict[str, Any] | None:
     """What validate.reference scalable loads, from the model's config.json shapes: the logits check
     (final norm + lm_head) and the largest window (its layers at bf16); None when the shapes cannot be read."""
-    from .scalable import check_memory
+    from .validate.scalable import check_memory
 
     windows = windows or ([ids[-2:]] if len(ids) >= 2 else [])
     try:

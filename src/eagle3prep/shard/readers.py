@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from ..errors import UserError
 from ..records import IndexEntry
 from .fp8 import SCALES_KEY, dequantize_fp8
-from .layout import INDEX
+from .layout import INDEX, LOGPROBS, TOKEN_IDS
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +70,10 @@ class LayerReader:
     def shape(self) -> list[int]:
         return self.values.get_shape()
 
+    def tensors(self) -> dict[str, tuple[str, list[int]]]:
+        """name -> (safetensors dtype code, shape) of every tensor the file holds (validation's layout check)."""
+        return {n: (self._f.get_slice(n).get_dtype(), self._f.get_slice(n).get_shape()) for n in self._f.keys()}  # noqa: SIM118
+
     def rows(self, a: int, b: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.scales is None:
             x = self.values[a:b]
@@ -77,6 +81,24 @@ class LayerReader:
         import torch
 
         return dequantize_fp8(self.values[a:b], self.scales[a:b], dtype or torch.bfloat16)
+
+
+def read_token_ids(shard_dir: str | os.PathLike) -> torch.Tensor:
+    """A shard folder's token ids, [sum_T] int64."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(shard_dir) / TOKEN_IDS), framework="pt") as f:
+        return f.get_tensor("token_ids")
+
+
+def read_logprobs(shard_dir: str | os.PathLike) -> tuple[list[int], list[torch.Tensor]]:
+    """The engine's prompt logprobs a shard stores (logprobs.safetensors): the rows' positions in the shard,
+    and each row's logprobs."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(shard_dir) / LOGPROBS), framework="pt") as f:
+        rows, offsets, stored = f.get_tensor("rows").tolist(), f.get_tensor("offsets"), f.get_tensor("logprobs")
+    return rows, [stored[offsets[k] : offsets[k + 1]] for k in range(len(rows))]
 
 
 def read_layer(path: str | os.PathLike, a: int = 0, b: int | None = None, dtype: torch.dtype | None = None):
