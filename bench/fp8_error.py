@@ -41,8 +41,9 @@ from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
 from eagle3prep.reference import Reference
 from eagle3prep.settings import ExtractSettings
-from eagle3prep.shard.format import layer_file, read_layer, token_bytes
 from eagle3prep.shard.fp8 import quantize_fp8, roundtrip_fp8
+from eagle3prep.shard.layout import layer_file, token_bytes
+from eagle3prep.shard.readers import read_layer
 from eagle3prep.testing.tiny_models import FAMILIES, build_family
 
 REPO = Path(__file__).resolve().parents[1]

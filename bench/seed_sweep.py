@@ -104,7 +104,9 @@ def measure_moves(shards: list[Path], tokens: list[Path], refs: ReferencePair) -
     """margin_moves over every row of the captured shards: max and quantiles, in fp32 epsilons."""
     import torch
 
-    from eagle3prep.shard.format import layer_file, read_index, read_layer, read_manifest
+    from eagle3prep.shard.layout import layer_file
+    from eagle3prep.shard.manifest import read_manifest
+    from eagle3prep.shard.readers import read_index, read_layer
 
     moves: list[float] = []
     for shard, tok in zip(shards, tokens, strict=True):
@@ -125,7 +127,9 @@ def divergent_rows(shards: list[Path], tokens: list[Path], refs: ReferencePair, 
     import torch
 
     from eagle3prep.passrule import judge_row
-    from eagle3prep.shard.format import layer_file, read_index, read_layer, read_manifest
+    from eagle3prep.shard.layout import layer_file
+    from eagle3prep.shard.manifest import read_manifest
+    from eagle3prep.shard.readers import read_index, read_layer
 
     out = []
     for shard, tok in zip(shards, tokens, strict=True):

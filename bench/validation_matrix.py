@@ -158,7 +158,9 @@ def dump_tokens(path: Path, shards: list[Path], tokens: list[Path], refs: Refere
     import numpy as np
     import torch
 
-    from eagle3prep.shard.format import layer_file, read_index, read_layer, read_manifest
+    from eagle3prep.shard.layout import layer_file
+    from eagle3prep.shard.manifest import read_manifest
+    from eagle3prep.shard.readers import read_index, read_layer
 
     out = {}
     for shard, tok in zip(shards, tokens, strict=True):

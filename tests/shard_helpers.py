@@ -63,7 +63,7 @@ def capture_rows(backend, rows, batches=None):
     from safetensors.torch import load_file
 
     from eagle3prep.model_facts import ModelFacts
-    from eagle3prep.shard.format import layer_file
+    from eagle3prep.shard.layout import layer_file
     from eagle3prep.shard.sink import SinkSpec
 
     batches = batches or [rows]
@@ -93,7 +93,8 @@ def write_shard_of(tokenized: Path, shard_dir: Path, model_dir: Path, layer_ids:
     from eagle3prep.layers import CONVENTION
     from eagle3prep.model_facts import ModelFacts
     from eagle3prep.provenance import model_identity, tokenizer_identity
-    from eagle3prep.shard.format import INDEX, MANIFEST, TOKEN_IDS, ShardManifest, layer_file
+    from eagle3prep.shard.layout import INDEX, MANIFEST, TOKEN_IDS, layer_file
+    from eagle3prep.shard.manifest import ShardManifest
     from eagle3prep.testing.writers import write_layer
 
     rows = [json.loads(line) for line in tokenized.read_text(encoding="utf-8").splitlines()]

@@ -19,8 +19,9 @@ from eagle3prep.atomic import sha256_file
 from eagle3prep.extract import extract_shard
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard import INDEX, MANIFEST, TOKEN_IDS
-from eagle3prep.shard.format import read_layer, read_manifest
 from eagle3prep.shard.fp8 import SCALES_KEY
+from eagle3prep.shard.manifest import read_manifest
+from eagle3prep.shard.readers import read_layer
 from eagle3prep.testing.writers import write_layer
 from eagle3prep.validate import ValidationError, validate_shard
 
@@ -142,7 +143,7 @@ def test_fp8_scales_off(shard, good, demo_model_dir, capsys, tmp_path):
         pytest.skip("model_dtype shards hold no scales")
     from safetensors.torch import load_file
 
-    from eagle3prep.shard.format import safetensors_header
+    from eagle3prep.shard.layout import safetensors_header
 
     path = shard / "layer_4.safetensors"
     t = load_file(path)

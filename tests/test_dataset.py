@@ -107,7 +107,7 @@ def test_speculators_dataloader_gives_the_same_batches(results):
 
 
 def test_fp8_shards_read_dequantized_to_bf16(tmp_path_factory, demo_model_dir):
-    """FP8 shards: items in bf16, the shard's values dequantized (shard.format.read_layer); close to what
+    """FP8 shards: items in bf16, the shard's values dequantized (shard.readers.read_layer); close to what
     speculators' fp8 backend reads from the FP8 export (the same FP8 values, dequantized in bf16 there)."""
     data = pytest.importorskip("speculators.train.data", reason="speculators 0.9.0: make .venv/.installed")
     import argparse

@@ -19,7 +19,7 @@ from eagle3prep.atomic import sha256_file
 from eagle3prep.export import ExportError, check_shards, export_speculators
 from eagle3prep.extract import extract_shard
 from eagle3prep.settings import ExtractSettings
-from eagle3prep.shard.format import read_layer
+from eagle3prep.shard.readers import read_layer
 from eagle3prep.validate import validate_shard
 
 LENGTHS = [[9, 30, 17], [24, 5]]  # shard 0 holds rows 0..2, shard 1 rows 3..4

@@ -85,7 +85,7 @@ def validate(c, shard_dir: Path, **kw):
 
 
 def test_hf_captures_image_rows_and_validation_passes_right_data(captured):
-    from eagle3prep.shard.format import read_index, read_layer
+    from eagle3prep.shard.readers import read_index, read_layer
 
     assert [bool(r.get("images")) for r in captured.rows] == [True, False, True, True, True]
     assert captured.rows[3]["images"][0]["image"] is None  # re-made from the conversation's data: URI
@@ -107,8 +107,8 @@ def test_each_planted_image_mistake_fails_validation(captured, mistake):
 
 
 def test_scalable_checks_run_on_image_rows_at_their_rope_positions(captured):
-    from eagle3prep.scalable import check_window
-    from eagle3prep.shard.format import read_index, read_layer
+    from eagle3prep.shard.readers import read_index, read_layer
+    from eagle3prep.validate.window import check_window
 
     report = validate(captured, captured.hs, reference="scalable", windows=[[1, 3], [3, 6]])
     checks = {c["check"]: c for c in report["checks"]}

@@ -47,7 +47,7 @@ extract.extract_shard(sys.argv[1], sys.argv[2] + ".shard", spec, ExtractSettings
 
 VALIDATE_JOB = """
 import json, os, sys, time
-from eagle3prep import validate
+from eagle3prep.validate import stage
 
 class Recorder:
     def __init__(self, *args):
@@ -55,8 +55,8 @@ class Recorder:
         time.sleep(float(sys.argv[5]))
         raise SystemExit(0)
 
-validate.ReferencePair = Recorder
-validate.validate_shard(sys.argv[3], sys.argv[1], sys.argv[2] + ".json", sys.argv[4], sample_rows=1, device="cuda")
+stage.ReferencePair = Recorder
+stage.validate_shard(sys.argv[3], sys.argv[1], sys.argv[2] + ".json", sys.argv[4], sample_rows=1, device="cuda")
 """
 
 REGENERATE_JOB = """

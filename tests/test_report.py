@@ -150,10 +150,10 @@ def demo_shard(tmp_path_factory, demo_model_dir):
 class _Refs:
     """A reference that recomputes nothing: the verdicts come from the patched judge_row."""
 
-    def rows(self, input_ids, lids):
+    def rows(self, input_ids, lids, pixels=None):
         return {lid: None for lid in lids}, None
 
-    def margins(self, input_ids, lid):
+    def margins(self, input_ids, lid, pixels=None):
         return None
 
     def describe(self):
@@ -165,9 +165,11 @@ def test_validation_detail_figures_add_up(demo_shard, monkeypatch):
     'error ... x its bound ...' must quote one row's error, ratio and bound (the issue's 0.0199 / 0.0657 != 0.25)."""
     import re
 
-    from eagle3prep import validate
+    from eagle3prep.check import Checks
     from eagle3prep.passrule import judge_tokens
-    from eagle3prep.shard.shardset import open_shard
+    from eagle3prep.shard.shardset import open_shard, read_tokenized
+    from eagle3prep.validate import recompute
+    from eagle3prep.validate.subject import ShardUnderTest
 
     figures = {0: (0.0199, 0.1), 1: (0.0164, 0.0657), 2: (0.001, 0.01)}  # row: (rel, bound_rel)
     calls = iter(r for r in (0, 1, 2) for _ in range(4))  # judge_row runs row by row, layer by layer
@@ -176,13 +178,12 @@ def test_validation_detail_figures_add_up(demo_shard, monkeypatch):
         rel, bound = figures[next(calls)]
         return {**judge_tokens([0.0] * 5, None, "bfloat16"), "rel": rel, "bound_rel": bound, "min_cos": 1.0}
 
-    monkeypatch.setattr(validate, "judge_row", judge_row)
+    monkeypatch.setattr(recompute, "judge_row", judge_row)
     shard_dir, tokens = demo_shard
-    shard = open_shard(shard_dir, tokens)
-    rows = validate._read_tokenized(str(tokens))
-    checks = validate.Checks()
-    validate._check_reference(shard, rows, _Refs(), [0, 1, 2], checks)
-    details = [c["detail"] for c in checks.items if c["check"].startswith("reference:")]
+    subject = ShardUnderTest(open_shard(shard_dir, read_tokenized(tokens, records=True)))
+    checks = Checks()
+    recompute.check_reference(subject, _Refs(), [0, 1, 2], checks, images=None)  # text rows: no pixels asked
+    details = [c.detail for c in checks.items if c.name.startswith("reference:")]
     assert len(details) == 4
     for d in details:
         quoted = re.search(r"([0-9.]+)\D{0,12}?\(?\s*=?\s*([0-9.]+) (?:of|x) its bound ([0-9.]+)", d)

@@ -1,4 +1,4 @@
-"""The slice checks (eagle3prep.scalable) on tiny random models, with no full reference forward.
+"""The slice checks (eagle3prep.validate: window.py, logits.py, scalable.py) on tiny random models, with no full reference forward.
 
 A bf16 shard captured by the hf backend passes the window check (ids 2->3->6) and the logits check
 (stored logprobs faked by a full bf16 forward, what a right engine stores); each planted mistake fails
@@ -15,13 +15,15 @@ import pytest
 from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
-from eagle3prep.scalable import check_logprobs, check_memory, check_window
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard import layer_file, read_index
 from eagle3prep.slices import Checkpoint, raw_config
 from eagle3prep.testing.planted import MISTAKES, plant
 from eagle3prep.testing.tiny_models import NUM_LAYERS, build_family
 from eagle3prep.testing.writers import reference_logprobs_hf
+from eagle3prep.validate.logits import check_logprobs
+from eagle3prep.validate.scalable import check_memory
+from eagle3prep.validate.window import check_window
 
 LENGTHS = [(24, 40, 31, 40), (33, 20, 27, 38)]  # per shard; rows 1 and 3 of shard 0 can be swapped
 N = NUM_LAYERS

@@ -6,7 +6,9 @@ from shard_helpers import manifest_fields
 
 from eagle3prep.records import IndexEntry
 from eagle3prep.shard.files import StreamingSafetensorsWriter
-from eagle3prep.shard.format import INDEX, TOKEN_IDS, read_index, read_manifest
+from eagle3prep.shard.layout import INDEX, TOKEN_IDS
+from eagle3prep.shard.manifest import read_manifest
+from eagle3prep.shard.readers import read_index
 from eagle3prep.shard.sink import LayerSink, Segment, SinkPlan
 from eagle3prep.shard.writer import ShardWriter
 

@@ -19,18 +19,14 @@ import torch
 from safetensors.torch import load_file
 from shard_helpers import manifest_fields
 
+from eagle3prep.disk import DiskSpaceError
 from eagle3prep.records import IndexEntry
 from eagle3prep.shard import files as shard_files
 from eagle3prep.shard.files import BackgroundFlush, PositionalSafetensorsWriter, StreamingSafetensorsWriter
-from eagle3prep.shard.format import (
-    FORMAT_FP8,
-    DiskSpaceError,
-    layer_file,
-    read_layer,
-    read_manifest,
-    temp_of,
-)
 from eagle3prep.shard.fp8 import SCALES_KEY
+from eagle3prep.shard.layout import FORMAT_FP8, layer_file, temp_of
+from eagle3prep.shard.manifest import read_manifest
+from eagle3prep.shard.readers import read_layer
 from eagle3prep.shard.sink import LayerSink, Segment, SinkPlan, SinkSpec
 from eagle3prep.shard.writer import ShardWriter
 from eagle3prep.testing.writers import write_layer

@@ -219,7 +219,7 @@ def test_extract_shard_matches_transformers(engine, rows, reference, tmp_path):
     assert ids.tolist() == [t for r in rows for t in r]
     assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".")) == []  # no temp files
     # The stored logprobs are vLLM's own, and the captured id N reproduces them (validate's logits check).
-    from eagle3prep.scalable import check_logprobs
+    from eagle3prep.validate.logits import check_logprobs
 
     lp = load_file(tmp_path / "out" / "logprobs.safetensors")
     picked, offsets = lp["rows"].tolist(), lp["offsets"].tolist()
@@ -239,8 +239,10 @@ def test_fp8_storage_quantizes_where_the_rows_are(engine, rows, tmp_path):
     import json
 
     from eagle3prep.extract import extract_shard
-    from eagle3prep.scalable import check_logprobs
-    from eagle3prep.shard.format import FORMAT_FP8, read_layer, read_manifest
+    from eagle3prep.shard.layout import FORMAT_FP8
+    from eagle3prep.shard.manifest import read_manifest
+    from eagle3prep.shard.readers import read_layer
+    from eagle3prep.validate.logits import check_logprobs
 
     backend, info = engine
     if info.dtype != "bfloat16":

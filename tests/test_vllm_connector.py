@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3prep.backends.vllm import compat, connector
-from eagle3prep.shard.format import layer_file
+from eagle3prep.shard.layout import layer_file
 from eagle3prep.shard.sink import LayerSink, SinkSpec
 
 BLOCK = 4

@@ -87,7 +87,7 @@ def validate(vl, shard_dir):
 
 
 def test_vllm_captures_image_rows_and_validation_passes_them(vl, engine):
-    from eagle3prep.shard.format import read_index
+    from eagle3prep.shard.readers import read_index
 
     assert [bool(r.get("images")) for r in vl.rows] == [True, False, True]
     hs = vl.root / "hs"

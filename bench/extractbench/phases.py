@@ -218,7 +218,8 @@ def phase_c(args, model: Path, work: dict) -> dict:
     import torch
     import transformers
 
-    from eagle3prep.extract import iter_batches, read_index
+    from eagle3prep.extract import iter_batches
+    from eagle3prep.shard.readers import index_of_tokenized
     from eagle3prep.shard.sink import LayerSink, Segment, SinkPlan
     from eagle3prep.shard.writer import ShardWriter
 
@@ -234,7 +235,7 @@ def phase_c(args, model: Path, work: dict) -> dict:
     hf.model.norm.register_forward_pre_hook(lambda m, a: final.__setitem__("x", a[0]))  # pre-norm id N
     for name in ("uniform", "mixed"):
         tok = write_tokenized(args.out / f"hf_{name}.jsonl", work[name])
-        index = read_index(tok)
+        index = index_of_tokenized(tok)
         writer = ShardWriter(args.out / f"hf_{name}", ids, cfg.hidden_size, args.dtype, index)
         sink = LayerSink(writer.sink_spec(SinkPlan(args.hf_batch_tokens, 3, "row")))
         if dev == "cuda":

@@ -106,7 +106,9 @@ def peer_shard(out: Path, source: Path, dest: Path) -> Path:
     import torch
     from safetensors.torch import load_file
 
-    from eagle3prep.shard.format import layer_file, read_index, read_manifest
+    from eagle3prep.shard.layout import layer_file
+    from eagle3prep.shard.manifest import read_manifest
+    from eagle3prep.shard.readers import read_index
     from eagle3prep.testing.planted import rewrite_manifest
     from eagle3prep.testing.writers import write_layer
 

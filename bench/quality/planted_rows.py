@@ -42,7 +42,7 @@ def final_norm(model_path: Path):
 def plant_variant(out: Path, variant: str, device: str) -> dict:
     """Write the planted variant's shard, its validation verdict and its careless export."""
     from eagle3prep.export import export_speculators
-    from eagle3prep.shard.format import read_manifest
+    from eagle3prep.shard.manifest import read_manifest
     from eagle3prep.testing.planted import plant
     from eagle3prep.validate import ValidationError, validate_shard
 

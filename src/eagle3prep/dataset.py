@@ -12,7 +12,7 @@
     lengths                      [1]           int64 (= T)
     position_ids                 [T]           int64 (0..T-1)
 
-Hidden states are read through shard.format.LayerReader (safetensors' memory-mapped `get_slice`): only
+Hidden states are read through shard.readers.LayerReader (safetensors' memory-mapped `get_slice`): only
 the row's bytes are copied.
 Loss masks come from the tokenized shard each hidden-state shard was captured from (its manifest holds
 that file's sha256, checked here). Like ArrowDataset, it exposes `approx_lengths` and
@@ -29,7 +29,8 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import Dataset
 
-from .shard.format import TOKEN_IDS, LayerReader, layer_file
+from .shard.layout import TOKEN_IDS, layer_file
+from .shard.readers import LayerReader
 from .shard.shardset import ShardSet
 
 

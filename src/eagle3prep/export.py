@@ -46,8 +46,9 @@ from .atomic import TMP_PREFIX, atomic_open, fsync_dir, sha256_file, write_json
 from .errors import UserError
 from .layers import CONVENTION
 from .provenance import code_version
-from .shard.format import FP8_E4M3, MANIFEST, TOKEN_IDS, LayerReader, layer_file
 from .shard.fp8 import SCALES_KEY
+from .shard.layout import FP8_E4M3, MANIFEST, TOKEN_IDS, layer_file
+from .shard.readers import LayerReader
 from .shard.shardset import Shard, ShardSet, ShardSetError
 
 FORMAT = "eagle3prep.speculators_export/1"

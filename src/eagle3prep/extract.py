@@ -20,30 +20,19 @@ from typing import Any
 from . import faults
 from .atomic import remove_stale_temps, sha256_file, write_json
 from .backends import make_backend
-from .backends.base import CaptureBackend, CaptureSpec
+from .backends.base import CaptureBackend, CaptureSpec, EngineInfo
 from .backends.empty import EmptyShardBackend
+from .disk import DiskSpaceError, human_bytes
 from .gpus import claim_job_gpus
 from .layers import CONVENTION, check_layer_ids, resolve_layer_ids
 from .model_facts import ModelFacts, require_hidden_size
 from .provenance import code_version, model_identity, tokenizer_identity
 from .settings import ExtractSettings
-from .shard.format import (
-    MANIFEST,
-    MODEL_DTYPE,
-    TIMINGS,
-    DiskSpaceError,
-    EngineInfo,
-    ShardManifest,
-    check_storage,
-    human_bytes,
-    index_of_tokenized,
-    layer_file,
-    token_bytes,
-)
+from .shard.layout import MANIFEST, MODEL_DTYPE, TIMINGS, check_storage, layer_file, token_bytes
+from .shard.manifest import ShardManifest
+from .shard.readers import index_of_tokenized
 from .shard.writer import ShardWriter
 from .tokenization.row_inputs import ImageRow
-
-read_index = index_of_tokenized  # the first pass over a tokenized shard (benchmarks import this name)
 
 
 def iter_batches(tokenized_shard: str | os.PathLike, batch_tokens: int) -> Iterator[list[list[int]]]:

@@ -18,9 +18,10 @@ from typing import Any
 
 from .atomic import atomic_open, write_json
 from .config import ConfigError, model_layer_ids, reference_mode
+from .disk import human_bytes
 from .extract import free_space_probe, shard_bytes
 from .model_facts import ModelFacts, require_hidden_size
-from .shard.format import MANIFEST, human_bytes
+from .shard.layout import MANIFEST
 
 START_SHARE = 0.05  # engine start-up should stay under this share of a shard's job time
 
@@ -249,7 +250,7 @@ def plan_run(
 def validation_memory(model_path: str, ids: list[int], windows: list[list[int]] | None) -> dict[str, Any] | None:
     """What validate.reference scalable loads, from the model's config.json shapes: the logits check
     (final norm + lm_head) and the largest window (its layers at bf16); None when the shapes cannot be read."""
-    from .scalable import check_memory
+    from .validate.scalable import check_memory
 
     windows = windows or ([ids[-2:]] if len(ids) >= 2 else [])
     try:

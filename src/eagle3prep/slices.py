@@ -1,6 +1,6 @@
 """A slice of a checkpoint: its config, tensors loaded by name, and single decoder layers built from them.
 
-Used by the scalable checks (scalable.py) for targets too large for a full transformers forward: one
+Used by the scalable checks (validate/window.py, validate/logits.py) for targets too large for a full transformers forward: one
 decoder layer, or the final norm and lm_head, is read with safetensors' `safe_open` and placed into
 transformers' own module classes, built on the meta device so nothing else is allocated.
 """
@@ -154,6 +154,18 @@ class Checkpoint:
     def close(self) -> None:
         """Close the open checkpoint files (reopened on the next read)."""
         self._handles.clear()
+
+
+def as_checkpoint(model) -> Checkpoint:
+    """`model` (a model folder, or a Checkpoint the caller keeps open across checks) as a Checkpoint."""
+    return model if isinstance(model, Checkpoint) else Checkpoint(model)
+
+
+def torch_dtype(name):
+    """A torch dtype from its name ("bfloat16"); a torch dtype is returned as it is."""
+    import torch
+
+    return getattr(torch, name) if isinstance(name, str) else name
 
 
 def text_skeleton(config):

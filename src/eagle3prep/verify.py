@@ -1,7 +1,7 @@
 """Checksums only: every shard folder, and the export, against its own manifest (`snakemake verify`).
 
 No reference recomputation and no job: each listed file's size and sha256 against the manifest
-(shard.format.check_listed_file, the reader validate uses), the set of files, the layer files against
+(shard.manifest.check_listed_file, the reader validate uses), the set of files, the layer files against
 the layer ids, and each shard manifest's own sha256 where the dataset manifest or the export recorded
 it. One line per damaged file, one summary line; damaged or missing means a non-zero exit.
 
@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import sha256_file
-from .shard.format import MANIFEST, check_listed_file, human_bytes, read_manifest, stray_files
+from .disk import human_bytes
+from .shard.layout import MANIFEST
+from .shard.manifest import check_listed_file, read_manifest, stray_files
 
 HIDDEN_STATES = "hidden_states"  # under the results folder, as heal.HIDDEN_STATES
 DATASET_MANIFEST = "report/dataset_manifest.json"

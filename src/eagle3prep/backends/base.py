@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tempfile
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,8 +18,27 @@ if TYPE_CHECKING:
     import torch
 
     from ..settings import ExtractSettings
-    from ..shard.format import EngineInfo
     from ..shard.sink import SinkPlan, SinkSpec
+
+
+@dataclass(slots=True)
+class EngineInfo:
+    """What a backend's probe found: the manifest records all but the shape and the volatile timings."""
+
+    engine: str
+    engine_version: str
+    capture_path: str
+    tp_size: int
+    dtype: str
+    num_hidden_layers: int
+    hidden_size: int
+    final_layer_reachable: bool
+    details: dict[str, Any] = field(default_factory=dict)  # engine-specific facts for the manifest
+    volatile: dict[str, Any] = field(default_factory=dict)  # differ between runs (timings, GPU ids): timings.json
+
+    def manifest_entry(self) -> dict[str, Any]:
+        keys = ("engine", "engine_version", "capture_path", "tp_size", "final_layer_reachable", "dtype")
+        return {**{k: getattr(self, k) for k in keys}, **self.details}
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +114,8 @@ def smoke_shard(backend: CaptureBackend, prompt: list[int], hidden_size: int) ->
     """Capture one row into a throw-away shard through capture_shard() and read it back:
     {layer_id: [T, H]}, checked for every requested layer, the shape and finite values. The smoke
     shard is stored as the real ones will be (extract.storage), so FP8 quantization is probed too."""
-    from ..shard.format import layer_file, read_layer
+    from ..shard.layout import layer_file
+    from ..shard.readers import read_layer
     from ..shard.sink import SinkSpec
 
     ids = backend.spec.layer_ids

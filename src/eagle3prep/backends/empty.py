@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..provenance import engine_version
-from ..shard.format import EngineInfo
 from ..shard.sink import LayerSink, SinkPlan
-from .base import CaptureBackend, CaptureSpec
+from .base import CaptureBackend, CaptureSpec, EngineInfo
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

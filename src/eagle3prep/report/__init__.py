@@ -12,7 +12,7 @@ from typing import Any
 
 from .. import faults
 from ..atomic import atomic_open, sha256_file, write_json
-from ..shard.format import MANIFEST, TIMINGS
+from ..shard.layout import MANIFEST, TIMINGS
 from ..shard.shardset import ShardSet
 from . import data, page, plots, samples
 

@@ -9,7 +9,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..shard.format import LayerReader, layer_file, read_index
+from ..shard.layout import layer_file
+from ..shard.readers import LayerReader, read_index
 
 # The draft vocabulary sizes a user picks from (speculators' --draft-vocab-size).
 DRAFT_VOCAB_SIZES = (8192, 16384, 32768, 65536)

@@ -1,27 +1,11 @@
-"""Hidden-state shards: the format (format.py), the files (files.py), the layer sink every backend
-writes through (sink.py), the shard writer (writer.py), the checked set of shards (shardset.py) and
-FP8 storage's quantization (fp8.py). Read layer rows with read_layer / LayerReader: they dequantize."""
+"""Hidden-state shards: the folder's layout (layout.py), its manifest (manifest.py), the readers
+(readers.py), the files (files.py), the layer sink every backend writes through (sink.py), the shard
+writer (writer.py), the checked set of shards (shardset.py) and FP8 storage's quantization (fp8.py).
+Read layer rows with read_layer / LayerReader: they dequantize."""
 
-from .format import (
-    DTYPES,
-    FORMAT,
-    FORMAT_FP8,
-    INDEX,
-    MANIFEST,
-    STORAGES,
-    TIMINGS,
-    TOKEN_IDS,
-    DiskSpaceError,
-    EngineInfo,
-    LayerReader,
-    ShardManifest,
-    human_bytes,
-    index_of_tokenized,
-    layer_file,
-    read_index,
-    read_layer,
-    read_manifest,
-)
+from .layout import DTYPES, FORMAT, FORMAT_FP8, INDEX, MANIFEST, STORAGES, TIMINGS, TOKEN_IDS, layer_file
+from .manifest import ShardManifest, read_manifest
+from .readers import LayerReader, index_of_tokenized, read_index, read_layer
 
 __all__ = [
     "DTYPES",
@@ -32,11 +16,8 @@ __all__ = [
     "STORAGES",
     "TIMINGS",
     "TOKEN_IDS",
-    "DiskSpaceError",
-    "EngineInfo",
     "LayerReader",
     "ShardManifest",
-    "human_bytes",
     "index_of_tokenized",
     "layer_file",
     "read_index",

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import faults
-from .format import DTYPES, disk_full_is_user_error, safetensors_header, temp_of
+from ..disk import disk_full_is_user_error
+from .layout import DTYPES, safetensors_header, temp_of
 
 if TYPE_CHECKING:
     import torch

@@ -12,11 +12,14 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from ..check import Check
 from ..errors import UserError
 from ..layers import CONVENTION, to_convention
 from ..records import IndexEntry
-from .format import ShardManifest, read_index, read_manifest
+from .manifest import ShardManifest, read_manifest
+from .readers import read_index
 
 
 def speculators_layer_error(ids: list[int], n: int, convention: str = CONVENTION) -> str | None:
@@ -55,31 +58,41 @@ class Shard:
     tokenized: Path
     tokenized_rows: list[TokenizedRef]
     tokenized_sha256: str
+    records: list[dict[str, Any]] | None = None  # the tokenized rows themselves, when opened with them
 
 
-@dataclass(frozen=True, slots=True)
-class Check:
-    name: str
-    ok: bool
-    detail: str
+@dataclass(slots=True)
+class Tokenized:
+    """A tokenized shard read once: its rows' identities, its sha256 and, when asked, the records themselves
+    (validation needs their input_ids and images; the export and the dataset do not hold them)."""
+
+    path: Path
+    refs: list[TokenizedRef]
+    sha256: str
+    records: list[dict[str, Any]] | None = None
 
 
-def _read_tokenized(path: Path) -> tuple[list[TokenizedRef], str]:
-    """The rows' identities and the file's sha256, in one pass over its bytes."""
-    refs, digest, pos = [], hashlib.sha256(), 0
+def read_tokenized(path: str | os.PathLike, records: bool = False) -> Tokenized:
+    """The rows' identities and the file's sha256 (and the parsed records), in one pass over its bytes."""
+    refs, kept, digest, pos = [], [], hashlib.sha256(), 0
     with open(path, "rb") as f:
         for line in f:
             digest.update(line)
             rec = json.loads(line)
             refs.append(TokenizedRef(rec["row"], rec["id"], rec["seq_len"], pos))
+            if records:
+                kept.append(rec)
             pos += len(line)
-    return refs, digest.hexdigest()
+    return Tokenized(Path(path), refs, digest.hexdigest(), kept if records else None)
 
 
-def open_shard(shard_dir: str | os.PathLike, tokenized: str | os.PathLike) -> Shard:
-    manifest = read_manifest(shard_dir)
-    rows, sha = _read_tokenized(Path(tokenized))
-    return Shard(Path(shard_dir), manifest, read_index(shard_dir), Path(tokenized), rows, sha)
+def open_shard(
+    shard_dir: str | os.PathLike, tokenized: str | os.PathLike | Tokenized, manifest: ShardManifest | None = None
+) -> Shard:
+    """A shard folder with its tokenized shard (a path, or one already read) and manifest (read when None)."""
+    tok = tokenized if isinstance(tokenized, Tokenized) else read_tokenized(tokenized)
+    manifest = manifest or read_manifest(shard_dir)
+    return Shard(Path(shard_dir), manifest, read_index(shard_dir), tok.path, tok.refs, tok.sha256, tok.records)
 
 
 def shard_checks(s: Shard) -> list[Check]:

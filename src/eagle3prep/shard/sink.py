@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .files import FLUSH_EVERY, PositionalSafetensorsWriter
-from .format import FP8_E4M3, MODEL_DTYPE, check_storage, layer_tensors
 from .fp8 import QUANT_CHUNK, quantize_fp8
+from .layout import FP8_E4M3, MODEL_DTYPE, check_storage, layer_tensors
 
 if TYPE_CHECKING:
     import torch

@@ -16,9 +16,10 @@ from typing import Any
 
 from .. import faults
 from ..atomic import atomic_open, fsync_dir, sha256_file, write_json
+from ..disk import disk_full_is_user_error
 from ..records import IndexEntry
 from .files import StreamingSafetensorsWriter
-from .format import (
+from .layout import (
     FORMAT,
     FORMAT_FP8,
     FP8_E4M3,
@@ -28,15 +29,14 @@ from .format import (
     MODEL_DTYPE,
     TIMINGS,
     TOKEN_IDS,
-    ShardManifest,
     check_storage,
-    disk_full_is_user_error,
     layer_file,
     layer_tensors,
     storage_entry,
     temp_of,
     token_bytes,
 )
+from .manifest import ShardManifest
 from .sink import SinkPlan, SinkSpec
 
 

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import sha256_file
-from ..shard.format import MANIFEST, MODEL_DTYPE, layer_file, read_index, read_layer, read_manifest
+from ..shard.layout import MANIFEST, MODEL_DTYPE, layer_file
+from ..shard.manifest import read_manifest
+from ..shard.readers import read_index, read_layer
 from .writers import write_layer
 
 MISTAKES = (

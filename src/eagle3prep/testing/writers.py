@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends.base import CaptureSpec
 from ..config import layer_ids
-from ..shard.format import FP8_E4M3, MODEL_DTYPE, check_storage, safetensors_header
 from ..shard.fp8 import SCALES_KEY, quantize_fp8
+from ..shard.layout import FP8_E4M3, MODEL_DTYPE, check_storage, safetensors_header
 
 if TYPE_CHECKING:
     import torch

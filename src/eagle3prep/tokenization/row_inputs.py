@@ -166,7 +166,7 @@ class RowImages:
 
     def positions(self, row: dict[str, Any]):
         """[3, 1, T] rope positions of one row (Qwen2.5-VL's 3-D positions; a text row's are 0..T-1 on every
-        axis), as the whole model computes them: for forwards that run decoder layers alone (scalable.py)."""
+        axis), as the whole model computes them: for forwards that run decoder layers alone (validate/window.py)."""
         import torch
 
         ids = torch.tensor([row["input_ids"]], dtype=torch.long)

@@ -7,7 +7,7 @@ FileTransfer returns for hs_{row}.safetensors of a copy export, equal tensor for
     token_ids      [T]        int64
     hidden_states  [T, L, H]  layer ids ascending, the last slot id N (before the final norm)
 
-Each layer's rows are read through shard.format.LayerReader (a memory-mapped `get_slice` of its
+Each layer's rows are read through shard.readers.LayerReader (a memory-mapped `get_slice` of its
 `[sum_T, H]` file, so only the row's bytes are read). FP8 layer files (extract.storage fp8_e4m3) are
 dequantized to bf16 with their per-token, per-layer scales by speculators' own function, as its `fp8`
 backend dequantizes an FP8 hs file: the direct way then equals a copy of the same FP8 bytes read by
@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from ..errors import UserError
-from ..shard.format import INDEX, MANIFEST, TOKEN_IDS, LayerReader, layer_file
+from ..shard.layout import INDEX, MANIFEST, TOKEN_IDS, layer_file
+from ..shard.readers import LayerReader
 
 EXPORT_FORMAT = "eagle3prep.speculators_export/1"  # export.FORMAT (not imported: export pulls in datasets)
 MAX_OPEN = 16

@@ -18,10 +18,9 @@ from ... import shm
 from ...config import ConfigError
 from ...layers import check_layer_ids
 from ...model_facts import ModelFacts, require_hidden_size
-from ...shard.format import EngineInfo
 from ...shard.sink import SinkPlan
 from ...tokenization.row_inputs import is_vision_target
-from ..base import CaptureBackend, CaptureSpec, smoke_shard
+from ..base import CaptureBackend, CaptureSpec, EngineInfo, smoke_shard
 from . import compat
 from .errors import ChildOutput, EngineError, engine_error
 from .paths import BuiltinPath, CaptureError, HooksPath, log

@@ -1,0 +1,107 @@
+"""Readers of shard folders and of the tokenized shards they are captured from (DESIGN.md §4).
+
+Every reader of a layer file goes through LayerReader / read_layer, which dequantize FP8 files, so no
+caller depends on how a layer is stored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import UserError
+from ..records import IndexEntry
+from .fp8 import SCALES_KEY, dequantize_fp8
+from .layout import INDEX, LOGPROBS, TOKEN_IDS
+
+if TYPE_CHECKING:
+    import torch
+
+IMAGE_BACKENDS = ("hf", "vllm")  # extract backends that capture rows with images (tokenization/row_inputs.py)
+
+
+def read_index(shard_dir: str | os.PathLike) -> list[IndexEntry]:
+    """A shard folder's index.json: where each row sits in its layer files."""
+    with open(Path(shard_dir) / INDEX, encoding="utf-8") as f:
+        return [IndexEntry(**e) for e in json.load(f)]
+
+
+def index_of_tokenized(tokenized_shard: str | os.PathLike, backend: str | None = None) -> list[IndexEntry]:
+    """Where each row of a tokenized shard will sit in the layer files (offsets by seq_len). A row with images
+    is refused unless `backend` is one that feeds them to the vision encoder (IMAGE_BACKENDS)."""
+    index, offset = [], 0
+    with open(tokenized_shard, encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            if "images" in rec and backend not in IMAGE_BACKENDS:  # input_ids alone embed image tokens as text
+                raise UserError(
+                    f"{tokenized_shard}: row {rec['row']} has images; extract.backend {backend} does not feed images "
+                    f"to the vision encoder yet (issue #28 item 3): use extract.backend {' or '.join(IMAGE_BACKENDS)}"
+                    ", or list text-only sources in data.sources"
+                )
+            index.append(IndexEntry(row=rec["row"], id=rec["id"], offset=offset, length=rec["seq_len"]))
+            offset += rec["seq_len"]
+    return index
+
+
+class LayerReader:
+    """One layer file open for reading rows (memory-mapped); FP8 files are dequantized on read.
+
+    The file says how it is stored (a `hidden_states_scales` tensor = FP8), so any layer file reads the
+    same way: `rows(a, b)` is [b - a, H]; `dtype` None gives a model-dtype file as stored and an FP8
+    file as bfloat16 (what trainers read); validation asks for float32.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        self._f = safe_open(str(path), framework="pt")
+        self.values = self._f.get_slice("hidden_states")
+        self.scales = self._f.get_slice(SCALES_KEY) if SCALES_KEY in self._f.keys() else None  # noqa: SIM118
+
+    @property
+    def fp8(self) -> bool:
+        return self.scales is not None
+
+    @property
+    def shape(self) -> list[int]:
+        return self.values.get_shape()
+
+    def tensors(self) -> dict[str, tuple[str, list[int]]]:
+        """name -> (safetensors dtype code, shape) of every tensor the file holds (validation's layout check)."""
+        return {n: (self._f.get_slice(n).get_dtype(), self._f.get_slice(n).get_shape()) for n in self._f.keys()}  # noqa: SIM118
+
+    def rows(self, a: int, b: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self.scales is None:
+            x = self.values[a:b]
+            return x if dtype is None else x.to(dtype)
+        import torch
+
+        return dequantize_fp8(self.values[a:b], self.scales[a:b], dtype or torch.bfloat16)
+
+
+def read_token_ids(shard_dir: str | os.PathLike) -> torch.Tensor:
+    """A shard folder's token ids, [sum_T] int64."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(shard_dir) / TOKEN_IDS), framework="pt") as f:
+        return f.get_tensor("token_ids")
+
+
+def read_logprobs(shard_dir: str | os.PathLike) -> tuple[list[int], list[torch.Tensor]]:
+    """The engine's prompt logprobs a shard stores (logprobs.safetensors): the rows' positions in the shard,
+    and each row's logprobs."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(shard_dir) / LOGPROBS), framework="pt") as f:
+        rows, offsets, stored = f.get_tensor("rows").tolist(), f.get_tensor("offsets"), f.get_tensor("logprobs")
+    return rows, [stored[offsets[k] : offsets[k + 1]] for k in range(len(rows))]
+
+
+def read_layer(path: str | os.PathLike, a: int = 0, b: int | None = None, dtype: torch.dtype | None = None):
+    """Rows a..b-1 of a layer file ([b - a, H]; all rows when b is None), dequantized (LayerReader.rows)."""
+    reader = LayerReader(path)
+    return reader.rows(a, reader.shape[0] if b is None else b, dtype)

@@ -1,0 +1,8 @@
+"""Validation of hidden-state shards (DESIGN.md §6), one module per family of checks: integrity.py (manifest,
+files, index), content.py (token ids, layout, finite values, statistics), recompute.py (the full reference),
+window.py and logits.py (the scalable checks, scalable.py). stage.py runs them and writes the report;
+every check's verdict is an eagle3prep.check.Check."""
+
+from .stage import ValidationError, validate_shard
+
+__all__ = ["ValidationError", "validate_shard"]

@@ -1,0 +1,134 @@
+"""The validate stage: is a hidden-state shard complete, intact, and the right numbers? (DESIGN.md §6)
+
+The families of checks run in order, each only on what the previous ones passed: integrity (integrity.py),
+content (content.py), then the sampled rows against the model, by the full reference (recompute.py) or by
+slices of it (scalable.py). The tokenized shard is parsed once, and every layer file is read through one
+LayerReader (subject.py).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+from .. import faults
+from ..atomic import write_json
+from ..check import Checks
+from ..config import reference_mode
+from ..errors import UserError
+from ..gpus import claim_job_gpus
+from ..passrule import miss_probability, rows_to_sample
+from ..reference import ReferencePair
+from ..shard.shardset import read_tokenized
+from ..tokenization.row_inputs import RowImages
+from .content import check_content
+from .integrity import check_intact, check_manifest
+from .recompute import check_reference
+from .subject import ShardUnderTest
+
+
+class ValidationError(UserError, RuntimeError):
+    """A shard failed a check; the message lists which, `failed` holds their names."""
+
+    failed: list[str] = []  # noqa: RUF012 - set per instance when raised
+
+
+def validate_shard(
+    shard_dir: str,
+    tokenized_shard: str,
+    out_json: str,
+    model_path: str,
+    sample_rows: int | str = "auto",
+    seed: int = 0,
+    device: str = "cpu",
+    reference: bool | str = True,
+    trust_remote_code: bool = False,
+    refs: ReferencePair | None = None,
+    windows: list[list[int]] | None = None,
+) -> dict[str, Any]:
+    """Run every check, write the report to `out_json`, raise ValidationError if any failed.
+
+    `refs`: a ReferencePair already loaded (the validation matrix judges many shards of one model).
+    """
+    checks = Checks()
+    report: dict[str, Any] = {"shard_dir": str(shard_dir), "tokenized": str(tokenized_shard)}
+    m = check_manifest(shard_dir, checks)
+    if m is not None:
+        report.update(
+            shard=m.shard, rows=m.rows, tokens=m.tokens, dtype=m.dtype, layer_ids=m.layer_ids, engine=m.engine
+        )
+        tokenized = read_tokenized(tokenized_shard, records=True)  # the one parse of the tokenized shard
+        # Content checks only make sense on intact files (index.json's sha256 included); a corrupt shard stops here.
+        subject = check_intact(Path(shard_dir), m, tokenized, checks)
+        if subject is not None:
+            report["layer_stats"] = check_content(subject, checks)
+            report.update(
+                _check_sampled_rows(
+                    subject, checks, model_path, sample_rows, seed, device, reference, trust_remote_code, refs, windows
+                )
+            )
+    _finish(report, checks, out_json, shard_dir)
+    return report
+
+
+def _check_sampled_rows(
+    subject: ShardUnderTest,
+    checks: Checks,
+    model_path: str,
+    sample_rows: int | str,
+    seed: int,
+    device: str,
+    reference: bool | str,
+    trust_remote_code: bool,
+    refs: ReferencePair | None,
+    windows: list[list[int]] | None,
+) -> dict[str, Any]:
+    """The sampled rows against the model (validate.reference): the report's entries this adds. Skipped when
+    an earlier check failed: a wrong shard needs no recomputation to be refused."""
+    mode, n = reference_mode(reference), len(subject.rows)
+    picks = _sample(n, sample_rows, seed) if mode != "off" else []
+    out: dict[str, Any] = {
+        "reference_mode": mode,
+        "reference_sample": {
+            "rows": len(picks),
+            "of": n,
+            "miss_probability": miss_probability(n, len(picks)) if n else 0.0,
+        },
+    }
+    if not picks or checks.failed:
+        return out
+    if mode == "scalable":
+        from .scalable import validate_scalable
+
+        out["scalable"] = validate_scalable(subject, model_path, picks, windows, checks)
+        return out
+    with claim_job_gpus(1 if device.startswith("cuda") and refs is None else 0):
+        refs = refs or ReferencePair(model_path, subject.manifest.dtype, device, trust_remote_code)
+        out["reference_floor"] = refs.describe()
+        images = RowImages(model_path, subject.shard.tokenized)
+        out["reference"], out["reference_layers"] = check_reference(subject, refs, picks, checks, images)
+    return out
+
+
+def _sample(n_rows: int, sample_rows: int | str, seed: int) -> list[int]:
+    """Row positions to recompute: `auto` = enough for passrule.MISS_RATE (all rows of a small shard)."""
+    n = rows_to_sample(n_rows) if sample_rows == "auto" else min(int(sample_rows), n_rows)
+    return sorted(random.Random(seed).sample(range(n_rows), n))
+
+
+def _finish(report: dict[str, Any], checks: Checks, out_json: str, shard_dir: str) -> None:
+    """Write the report and print every check; a failed shard raises ValidationError and leaves no report."""
+    report["checks"] = checks.to_json()
+    report["ok"] = not checks.failed
+    faults.kill_point("validate.before_report", shard=Path(shard_dir).name)
+    write_json(out_json, report)
+    for c in checks.items:
+        print(f"[validate] {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}", file=sys.stderr)
+    if checks.failed:
+        Path(out_json).unlink()  # a failed shard must not leave a report that looks like a pass
+        names = ", ".join(f"{c.name} ({c.detail})" for c in checks.failed[:5])
+        error = ValidationError(f"{shard_dir}: {len(checks.failed)} check(s) failed: {names}")
+        error.failed = [c.name for c in checks.failed]
+        raise error
