@@ -17,7 +17,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import yaml
 
@@ -105,22 +105,30 @@ class ExtractSpeed:
     max_num_batched_tokens: int
 
 
+class _StageSettings:
+    """How a stage's settings are made: from a validated config, or from the schema's defaults."""
+
+    __slots__ = ()
+    SECTION: ClassVar[str]  # the config section, e.g. "extract"
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Self:
+        """From a config that validate_config has checked and completed."""
+        return _build(cls, config[cls.SECTION])
+
+    @classmethod
+    def defaults(cls, **values: Any) -> Self:
+        """`values` (the section's keys) over the schema's defaults: for benches and tests without a config."""
+        return _build(cls, section_defaults(cls.SECTION, values))
+
+
 @dataclass(frozen=True, slots=True)
-class ExtractSettings:
+class ExtractSettings(_StageSettings):
     """The extract stage's settings (config `extract:`)."""
 
+    SECTION: ClassVar[str] = "extract"
     content: ExtractContent
     speed: ExtractSpeed
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> ExtractSettings:
-        """From a config that validate_config has checked and completed."""
-        return _build(cls, config["extract"])
-
-    @classmethod
-    def defaults(cls, **values: Any) -> ExtractSettings:
-        """`values` (extract.* keys) over the schema's defaults: for benches and tests without a config."""
-        return _build(cls, section_defaults("extract", values))
 
     @staticmethod
     def params(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -199,22 +207,13 @@ class RegenerateWorkflow:
 
 
 @dataclass(frozen=True, slots=True)
-class RegenerateSettings:
+class RegenerateSettings(_StageSettings):
     """The regenerate stage's settings (config `regenerate:`); the gate's engines use them too."""
 
+    SECTION: ClassVar[str] = "regenerate"
     content: RegenerateContent
     speed: RegenerateSpeed
     workflow: RegenerateWorkflow
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> RegenerateSettings:
-        """From a config that validate_config has checked and completed."""
-        return _build(cls, config["regenerate"])
-
-    @classmethod
-    def defaults(cls, **values: Any) -> RegenerateSettings:
-        """`values` (regenerate.* keys) over the schema's defaults: for benches and tests without a config."""
-        return _build(cls, section_defaults("regenerate", values))
 
     @staticmethod
     def params(config: Mapping[str, Any]) -> dict[str, Any]:
