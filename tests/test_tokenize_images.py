@@ -148,19 +148,6 @@ def test_text_only_demo_tokenizes_to_the_bytes_it_gave_before_images(tmp_path, m
     } == DEMO_TOKENIZED_SHA256
 
 
-def test_extract_refuses_rows_with_images_in_one_line_for_backends_without_images(tmp_path, monkeypatch, vl_model):
-    from eagle3prep.errors import UserError
-    from eagle3prep.shard import index_of_tokenized
-
-    _, rows, _ = tokenize(prepared(tmp_path, monkeypatch), vl_model)
-    shard = tmp_path / "tok/s0.jsonl"
-    with pytest.raises(
-        UserError, match=r"s0\.jsonl: row 0 has images; extract.backend vllm does not feed .*#28 item 3"
-    ):
-        index_of_tokenized(shard, "vllm")
-    assert len(index_of_tokenized(shard, "hf")) == 5  # hf takes them (test_extract_images.py)
-
-
 def test_worker_processes_give_the_same_rows(tmp_path, monkeypatch, vl_model):
     conversations = prepared(tmp_path, monkeypatch)
     out = {}

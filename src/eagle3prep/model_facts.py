@@ -18,6 +18,8 @@ class ModelFacts:
     architectures: list[str]
     max_positions: int | None  # longest row: max_position_embeddings, times a rope factor that extends it
     model_type: str | None
+    # A vision-language wrapper's own model_type (the config has a vision_config), e.g. "qwen2_5_vl"
+    vision_model_type: str | None = None
 
     @classmethod
     def read(cls, model_path: str | os.PathLike) -> ModelFacts:
@@ -33,6 +35,7 @@ class ModelFacts:
             architectures=list(config.get("architectures") or text.get("architectures") or []),
             max_positions=_max_positions(text),
             model_type=text.get("model_type") or config.get("model_type"),
+            vision_model_type=config.get("model_type") if "vision_config" in config else None,
         )
 
 

@@ -19,7 +19,7 @@ from ...config import ConfigError
 from ...layers import check_layer_ids
 from ...model_facts import ModelFacts, require_hidden_size
 from ...shard.sink import SinkPlan
-from ...tokenization.row_inputs import is_vision_target
+from ...tokenization.vision import EXPANDS
 from ..base import CaptureBackend, CaptureSpec, EngineInfo, smoke_shard
 from . import compat
 from .errors import ChildOutput, EngineError, engine_error
@@ -71,7 +71,7 @@ class VLLMBackend(CaptureBackend):
         # error": make them ask NVML instead, wherever they are called in this process.
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         version = compat.installed_version()
-        model = self.facts or ModelFacts.read(self.spec.model_path)
+        model = self.facts = self.facts or ModelFacts.read(self.spec.model_path)
         check_layer_ids(self.spec.layer_ids, model.num_hidden_layers)
         on_cpu = self._on_cpu()
         self._workarounds = compat.engine_workarounds(
@@ -165,9 +165,10 @@ class VLLMBackend(CaptureBackend):
         content, speed = self.settings.content, self.settings.speed
         kwargs: dict[str, Any] = {
             "model": self.spec.model_path,
-            # We hand over token ids; the engine needs no tokenizer, except a vision-language target's, whose
-            # multimodal processor vLLM builds with it (it refuses skip_tokenizer_init).
-            "skip_tokenizer_init": not is_vision_target(self.spec.model_path),
+            # We hand over token ids; the engine needs no tokenizer, except for a target we feed images to
+            # (tokenize's EXPANDS): vLLM builds its multimodal processor with it. Kimi-K2.5 (a VLM wrapper
+            # whose images are not fed yet) keeps skipping it: its tokenizer would need trust_remote_code.
+            "skip_tokenizer_init": self.facts.vision_model_type not in EXPANDS,
             "dtype": self.spec.dtype,
             "tensor_parallel_size": self.spec.tp_size,
             # +1: the one sampled token must fit after a prompt of max_seq_len tokens.

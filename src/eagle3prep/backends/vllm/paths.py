@@ -148,6 +148,8 @@ class _WorkerSinkPath:
 
     def _check_expansion(self, out: Any) -> None:
         """A row with images must reach the model as tokenize wrote it: vLLM's processor may not re-expand it."""
+        if not self._image_rows:  # a text-only shard: nothing to compare
+            return
         want = self._image_rows.pop(out.request_id, None)
         got = list(out.prompt_token_ids or ())
         if want is not None and got != want:
