@@ -2,7 +2,7 @@
 
     python bench/summarize_extract_runs.py docs/runs/bench_extract_2026-11-30_*.txt
 
-Per run: b/a to disk and to /dev/shm, what writing to disk costs (b) per shard (the disk run minus
+Per run: b/a (and f/a, g/a: the built-in path) to disk and to /dev/shm, what writing to disk costs (b) per shard (the disk run minus
 the /dev/shm run, tokens / rate), (d)'s share of (a) and the b/d that (b) would reach at (a)'s rate,
 and the disk's own speeds measured before and after the phases. Then the shard size `snakemake plan`
 recommends from the Llama example's `plan` numbers.
@@ -29,17 +29,23 @@ def summarize(path: Path) -> None:
     phases = {m[1]: json.loads(m[2]) for m in re.finditer(r"^phase (\w): (\{.*\})$", text, re.M)}
     a, b, d = phases.get("a"), phases.get("b"), phases.get("d")
     print(f"{path.name}:")
-    if a and b:
-        for w in ("uniform", "mixed"):
-            print(f"  b/a {w}: {b[w]['tokens_per_s'] / a[w]['tokens_per_s']:.2f}")
-        if "uniform_shm" in b:
-            print(f"  b/a uniform to /dev/shm: {b['uniform_shm']['tokens_per_s'] / a['uniform']['tokens_per_s']:.2f}")
+    for x in ("b", "f", "g"):  # the capture phases: hooks, built-in, built-in FP8
+        if a and phases.get(x):
+            for w in ("uniform", "mixed"):
+                print(f"  {x}/a {w}: {phases[x][w]['tokens_per_s'] / a[w]['tokens_per_s']:.2f}")
+            if "uniform_shm" in phases[x]:
+                shm = phases[x]["uniform_shm"]["tokens_per_s"] / a["uniform"]["tokens_per_s"]
+                print(f"  {x}/a uniform to /dev/shm: {shm:.2f}")
     if b and "uniform_shm" in b:
         print(f"  (b) uniform {disk_cost(b)}")
     if a and d:
         share = d["uniform"]["tokens_per_s"] / a["uniform"]["tokens_per_s"]
         print(f"  (d) = {share:.2f} x (a) (uniform): b/d is at most {1 / share:.2f} at (a)'s rate")
     disk = DISK.search(text)
+    companion = path.with_suffix(".json")  # runs whose report has no disk line keep the speeds in their json
+    if not disk and companion.exists():
+        speeds = [round(v / 1e9, 2) for v in json.loads(companion.read_text())["disk_bytes_per_s"]]
+        print(f"  disk GB/s before/after (json disk_bytes_per_s, streams 1, 4, 1, 4): {speeds}")
     if disk:
         speeds = [float(x) for x in disk.groups()]
         print(f"  disk GB/s before/after, one file and 4 files: {speeds}; spread {max(speeds) - min(speeds):.2f}")
