@@ -54,3 +54,11 @@ def test_other_token_ids_stop_with_the_row(out):
     save_file({"token_ids": t["token_ids"] + 1, "hidden_states": t["hidden_states"]}, str(f))
     with pytest.raises(SystemExit, match="hs_0.safetensors holds other token ids than ours' row 0"):
         peer.peer_verdict(out, "cpu")
+
+
+def test_a_missing_file_stops_with_the_row(out):
+    (out / "wd/peer/results/export/speculators/hidden_states/hs_1.safetensors").unlink()
+    with pytest.raises(
+        SystemExit, match="hs_1.safetensors is missing: the peer wrote no hidden states for ours' row 1"
+    ):
+        peer.peer_verdict(out, "cpu")

@@ -119,7 +119,10 @@ def peer_shard(out: Path, source: Path, dest: Path) -> Path:
     token_ids = load_file(str(source / "token_ids.safetensors"))["token_ids"]  # [sum_T] int64
     per_layer: list[list] = [[] for _ in manifest.layer_ids]
     for e in read_index(source):
-        peer = load_file(str(peer_files / f"hs_{e.row}.safetensors"))  # token_ids [T], hidden_states [T, L, H]
+        path = peer_files / f"hs_{e.row}.safetensors"
+        if not path.is_file():
+            raise SystemExit(f"error: {path} is missing: the peer wrote no hidden states for ours' row {e.row}")
+        peer = load_file(str(path))  # token_ids [T], hidden_states [T, L, H]
         if not torch.equal(peer["token_ids"], token_ids[e.offset : e.offset + e.length]):
             raise SystemExit(f"error: peer's hs_{e.row}.safetensors holds other token ids than ours' row {e.row}")
         for j in range(len(manifest.layer_ids)):  # the peer's L follows the ids it was served with: ours' order
