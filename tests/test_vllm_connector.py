@@ -162,28 +162,34 @@ def finish_one_request(conn) -> None:
     conn.get_finished(set())
 
 
-def test_a_length_mismatch_fails_the_shard_not_the_engine(tmp_path):
-    """vLLM saving fewer tokens than the row has: get_finished returns normally (a raise would kill the
-    engine) and the sink's finish() names the request."""
+def shard_fails_with(tmp_path, module, row_length: int, match: str) -> None:
+    """One request of 4 tokens saved through the connector into a shard whose row has `row_length`: the
+    sink's finish() must fail with `match`, and get_finished must have returned normally (a raise there
+    would kill the engine)."""
     kv = cache_with("0.32", {0: (4, [1])})
     spec = SinkSpec(
         layer_paths={lid: str(tmp_path / layer_file(lid)) for lid in LAYER_IDS},
         hidden_size=H,
         dtype="float32",
-        rows=[(0, 5)],
+        rows=[(0, row_length)],
         tag_prefix="t",
         step_tokens=8192,
         slots=3,
     )
-    conn = connector.build_connector(fake_module("0.32"))(kv)
+    conn = connector.build_connector(module)(kv)
     sink = LayerSink(spec)
     connector.PORT.open(sink)
     try:
         finish_one_request(conn)
-        with pytest.raises(RuntimeError, match="request t-0: vLLM saved 4 tokens, the row has 5"):
+        with pytest.raises(RuntimeError, match=match):
             sink.finish()
     finally:
         connector.PORT.close()
+
+
+def test_a_length_mismatch_fails_the_shard_not_the_engine(tmp_path):
+    """vLLM saving fewer tokens than the row has fails the shard and names the request."""
+    shard_fails_with(tmp_path, fake_module("0.32"), 5, "request t-0: vLLM saved 4 tokens, the row has 5")
     assert list(tmp_path.iterdir()) == []  # no temp file left
 
 
@@ -265,25 +271,7 @@ def test_a_changed_buffer_layout_fails_the_shard_by_name(tmp_path):
     module = fake_module("0.32")
     extract = module.extract_from_kv_cache
     module.extract_from_kv_cache = lambda kv, slots, n: extract(kv, slots, n).transpose(1, 2)
-    kv = cache_with("0.32", {0: (4, [1])})
-    spec = SinkSpec(
-        layer_paths={lid: str(tmp_path / layer_file(lid)) for lid in LAYER_IDS},
-        hidden_size=H,
-        dtype="float32",
-        rows=[(0, 4)],
-        tag_prefix="t",
-        step_tokens=8192,
-        slots=3,
-    )
-    conn = connector.build_connector(module)(kv)
-    sink = LayerSink(spec)
-    connector.PORT.open(sink)
-    try:
-        finish_one_request(conn)
-        with pytest.raises(RuntimeError, match=r"gave \(4, 8, 3\), expected \[4, 3, H\]"):
-            sink.finish()
-    finally:
-        connector.PORT.close()
+    shard_fails_with(tmp_path, module, 4, r"gave \(4, 8, 3\), expected \[4, 3, H\]")
 
 
 def test_a_request_aborted_before_it_was_scheduled_is_no_save_and_no_crash():
