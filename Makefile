@@ -10,7 +10,9 @@ VLLM_VENV := .venv-vllm
 # The oldest vLLM we support (users run 0.16: the engine's two-phase execute_model/sample_tokens).
 VLLM016_VENV := .venv-vllm016
 GPU_VENV := .venv-gpu
-PIP_FLAGS ?= -q --disable-pip-version-check
+# --no-cache-dir: the two vLLM venvs hold ~11 GB of CUDA-build torch and NVIDIA wheels; a cached copy of each
+# wheel would double that, and a CI machine ran out of disk (ENOSPC) with the cache on.
+PIP_FLAGS ?= -q --disable-pip-version-check --no-cache-dir
 
 .PHONY: demo test test-base test-deps test-vllm test-vllm016 test-slurm gpu-env lint clean
 
@@ -41,8 +43,7 @@ $(VLLM_VENV)/.installed: envs/vllm.txt envs/vllm-vision.txt envs/speculators.txt
 # runtime wheels), installed --no-deps so pip does not ask for the +cpu build.
 $(VLLM016_VENV)/.installed: envs/vllm-0.16.txt pyproject.toml
 	$(PYTHON) -m venv $(VLLM016_VENV)
-	# --no-cache-dir: its ~4 GB of wheels would otherwise sit twice on the disk (cache and venv).
-	$(VLLM016_VENV)/bin/pip install $(PIP_FLAGS) --no-cache-dir --no-deps -r envs/vllm-0.16.txt
+	$(VLLM016_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r envs/vllm-0.16.txt
 	$(VLLM016_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	touch $@
 
@@ -68,7 +69,10 @@ test:
 	$(MAKE) -j2 test-base test-deps
 	$(MAKE) test-vllm test-vllm016 test-slurm
 
-test-deps: $(VLLM_VENV)/.installed $(VLLM016_VENV)/.installed
+# One vLLM venv at a time: two concurrent installs unpack ~8 GB of wheels at once (CI ran out of disk).
+test-deps:
+	$(MAKE) $(VLLM_VENV)/.installed
+	$(MAKE) $(VLLM016_VENV)/.installed
 	.ci/install-slurm.sh
 
 test-base: $(VENV)/.installed
