@@ -24,14 +24,18 @@ class FakeEngine:
         self.queue: list[tuple[str, list[int], int]] = []
         self.prompts: dict[str, str] = {}  # request id -> prompt text
         self.seeds: dict[str, int] = {}
+        self.ids: dict[str, list[int]] = {}  # request id -> prompt ids, as given
+        self.images: dict[str, list] = {}  # request id -> images given with the prompt (prompts with images only)
         self.most_in_flight = 0
 
-    def add(self, request_id, prompt_ids, seed):
+    def add(self, request_id, prompt_ids, seed, images=None):
         text = self.renderer.tokenizer.decode(prompt_ids)
         if any(r in text for r in self.refuse):
             raise RequestRejected("prompt refused by the fake engine")
         self.queue.append((request_id, prompt_ids, seed))
-        self.prompts[request_id], self.seeds[request_id] = text, seed
+        self.prompts[request_id], self.seeds[request_id], self.ids[request_id] = text, seed, list(prompt_ids)
+        if images is not None:
+            self.images[request_id] = images
         self.most_in_flight = max(self.most_in_flight, len(self.queue))
 
     def step(self):

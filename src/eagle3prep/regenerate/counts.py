@@ -18,6 +18,15 @@ REASONS = (
     "cut_by_max_tokens",  # a reply reached sampling.max_tokens (finish_reason "length"), on_length: quarantine
     "empty_reply",  # a reply with no text, on_empty: quarantine
 )
+# Reasons of conversations with images, as tokenize names them; counts.json lists them only for a shard that met
+# an image, so text-only shards keep their bytes.
+IMAGE_REASONS = (
+    "images_unsupported_by_target",  # a text-only target, or a family whose image expansion is not implemented
+    "image_missing",  # an image file gone since prepare
+    "image_changed",  # an image file whose bytes are not the ones prepare hashed
+    "image_unreadable",  # a data: URI that is not base64 (prepare.images)
+    "image_unsupported_format",  # a data: URI of no image type (prepare.images)
+)
 
 # Per-reply counts (a conversation has one reply per step).
 REPLY_KEYS = (
@@ -45,6 +54,11 @@ class ShardTally:
     quarantined: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
     replies: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REPLY_KEYS, 0))
 
+    def met_images(self) -> None:
+        """A conversation with images: the image reasons join the counts."""
+        for r in IMAGE_REASONS:
+            self.quarantined.setdefault(r, 0)
+
     def file_json(self) -> dict[str, Any]:
         """Its entry in counts.json's "files", in prepare's FileCounts shape (no duplicates at this stage)."""
         return {
@@ -65,7 +79,8 @@ def totals(files: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {
         k: sum(f[k] for f in files) for k in ("rows_in", "kept", "duplicates", "quarantined_total", "blank_lines")
     }
-    out["quarantined"] = {r: sum(f["quarantined"][r] for f in files) for r in REASONS}
+    reasons = dict.fromkeys([*REASONS, *(r for f in files for r in f["quarantined"])])  # then any image reasons
+    out["quarantined"] = {r: sum(f["quarantined"].get(r, 0) for f in files) for r in reasons}
     out["replies"] = {k: sum(f["replies"][k] for f in files) for k in REPLY_KEYS}
     out["files"] = len(files)
     return out

@@ -18,6 +18,7 @@ from eagle3prep.backends.vllm.errors import ChildOutput, EngineError, engine_err
 from eagle3prep.model_facts import ModelFacts
 from eagle3prep.regenerate.runner import Finished, RequestRejected
 from eagle3prep.settings import RegenerateSettings, Sampling
+from eagle3prep.tokenization.vision import EXPANDS
 
 
 def log(msg: str) -> None:
@@ -51,6 +52,7 @@ class VLLMEngine:
         self.model_path, self.settings, self.sampling = model_path, settings, sampling
         self.stop_ids, self.max_model_len, self.trust_remote_code = list(stop_ids), max_model_len, trust_remote_code
         self.llm: Any = None
+        self.vision = False  # a target the stage feeds images to (start() reads it from config.json)
         self.info: dict[str, Any] = {}
         self.volatile: dict[str, Any] = {}  # facts of this run only (timings.json, not the manifest)
         self._children = ChildOutput()
@@ -65,7 +67,9 @@ class VLLMEngine:
         c, s = self.settings.content, self.settings.speed
         kwargs: dict[str, Any] = {
             "model": self.model_path,
-            "skip_tokenizer_init": True,  # prompts arrive as token ids; replies are decoded by the job
+            # Prompts arrive as token ids and replies are decoded by the job; a target fed images keeps its
+            # tokenizer: vLLM builds its multimodal processor with it (as the extract backend does).
+            "skip_tokenizer_init": not self.vision,
             "dtype": c.dtype,
             "tensor_parallel_size": c.tp_size,
             "max_model_len": self.max_model_len,
@@ -88,6 +92,7 @@ class VLLMEngine:
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         version = compat.installed_version()
         facts = ModelFacts.read(self.model_path)
+        self.vision = facts.vision_model_type in EXPANDS
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -149,14 +154,17 @@ class VLLMEngine:
             max_tokens=s.max_tokens,
             **({} if s.greedy else {"seed": seed}),
             stop_token_ids=self.stop_ids,
-            detokenize=False,  # the engine has no tokenizer; PromptRenderer.decode makes the text
+            detokenize=False,  # PromptRenderer.decode_batch makes the text (the engine may have no tokenizer)
         )
 
-    def add(self, request_id: str, prompt_ids: list[int], seed: int) -> None:
+    def add(self, request_id: str, prompt_ids: list[int], seed: int, images: list | None = None) -> None:
         from vllm import TokensPrompt
 
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids)
+        if images:  # one placeholder an image in prompt_ids: vLLM's processor expands each
+            prompt = TokensPrompt(prompt_token_ids=prompt_ids, multi_modal_data={"image": images})
         try:
-            self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), self.params(seed))
+            self.llm.llm_engine.add_request(request_id, prompt, self.params(seed))
         except _request_errors() as e:
             raise RequestRejected(" ".join(str(e).split())) from None
 

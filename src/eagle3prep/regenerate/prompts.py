@@ -4,6 +4,9 @@ with no special tokens added (tokenization.template). The engine is given these 
 token-id prompts), not messages: LLM.chat would render with vLLM's own chat handling (content-format detection,
 its tool-call preprocessing), which is not guaranteed to give the bytes tokenize renders. Replies come back as
 token ids and are decoded here with the same tokenizer.
+
+A prompt with images (issue #28) is rendered the same way, then its images are loaded, checked and expanded by
+tokenization.vision as tokenize does; the engine is given one placeholder an image and the images.
 """
 
 from __future__ import annotations
@@ -13,7 +16,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from eagle3prep.tokenization.template import get_chat_template, load_tokenizer, rust_backend, template_kwargs
+from eagle3prep.tokenization.template import (
+    Rejected,
+    get_chat_template,
+    load_tokenizer,
+    rust_backend,
+    template_kwargs,
+)
+from eagle3prep.tokenization.vision import UNSUPPORTED, collapse_runs, image_parts, load_images, load_vision
 
 
 class PromptRenderer:
@@ -26,6 +36,7 @@ class PromptRenderer:
         self.template = get_chat_template(tokenizer, model_path)  # a TokenizeError naming the fix when missing
         self.chat_template_kwargs = template_kwargs(tokenizer, chat_template_kwargs, model_path)
         self.backend = rust_backend(tokenizer)
+        self._vision = None  # the target's image side (tokenization.vision), loaded at the first image prompt
 
     @classmethod
     def load(
@@ -46,6 +57,24 @@ class PromptRenderer:
         """The generation prompt after `messages`: its text and its token ids."""
         text = self.render(messages, tools, generation=True)
         return text, self.encode(text)
+
+    def image_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None = None):
+        """The generation prompt after `messages` that hold images: (its text and ids with every image expanded to
+        its vision tokens, as tokenize's row; the engine's ids, one placeholder an image; the images as RGB PIL
+        images, sha256-checked), or Rejected (an image gone or changed, a target without images)."""
+        if self._vision is None:
+            self._vision = load_vision(self.model_path, self.tokenizer)
+        if isinstance(self._vision, str):
+            return Rejected(UNSUPPORTED, self._vision)
+        parts = image_parts(messages)
+        pils = load_images(parts)
+        if isinstance(pils, Rejected):
+            return pils
+        got = self._vision.expand(self.render(messages, tools, generation=True), [], parts, pils)
+        if isinstance(got, Rejected):
+            return got
+        text, ids = got[0], self.encode(got[0])
+        return text, ids, collapse_runs(ids, self._vision.image_token_id), pils
 
     def decode_batch(self, batch: list[list[int]]) -> list[str]:
         """Replies' ids as text, in one call of the Rust tokenizer (its threads). Special tokens the model wrote

@@ -45,7 +45,9 @@ def _message_text(m: dict[str, Any], max_chars: int) -> str:
     parts = []
     if m.get("reasoning_content"):
         parts.append(f"(thinking) {m['reasoning_content']}")
-    if m.get("content"):
+    if isinstance(m.get("content"), list):  # content parts: text, and images by where prepare read them
+        parts += [p["text"] if p["type"] == "text" else f"(image) {_image_name(p)}" for p in m["content"]]
+    elif m.get("content"):
         parts.append(m["content"])
     for call in m.get("tool_calls") or []:
         fn = call.get("function", {})
@@ -54,6 +56,11 @@ def _message_text(m: dict[str, Any], max_chars: int) -> str:
     if len(text) > max_chars:
         text = text[:max_chars] + f" ... (+{len(text) - max_chars} chars)"
     return f"[{m['role']}] {text}"
+
+
+def _image_name(part: dict[str, Any]) -> str:
+    ref = str(part.get("image", ""))
+    return f"data: URI, sha256 {part.get('sha256', '')[:12]}" if ref.startswith("data:") else ref
 
 
 def _printable(text: str) -> str:

@@ -23,6 +23,7 @@ from eagle3prep.regenerate.prompts import PromptRenderer
 from eagle3prep.regenerate.thinking import ThinkingPlan, is_empty, prompt_prefill, reply_message
 from eagle3prep.regenerate.turns import Rejection, TurnPlan, assemble, context_before, plan_turns
 from eagle3prep.settings import RegenerateSettings, conversation_seed
+from eagle3prep.tokenization.template import Rejected, has_images
 
 # Conversations admitted (prompts rendered and added) per turn of the loop. Admitting a whole window before the
 # first step would leave the engine idle while thousands of prompts render; in chunks, the engine (its own
@@ -45,7 +46,9 @@ class Finished:
 
 
 class Engine(Protocol):
-    def add(self, request_id: str, prompt_ids: list[int], seed: int) -> None: ...  # RequestRejected on refusal
+    # RequestRejected on refusal. `images` (RGB PIL images) only for a prompt with images: its ids then carry one
+    # placeholder an image, which the engine expands itself.
+    def add(self, request_id: str, prompt_ids: list[int], seed: int, images: list | None = None) -> None: ...
 
     def step(self) -> list[Finished]: ...
 
@@ -151,6 +154,8 @@ class Runner:
             self._quarantine(conv, plan.reason, plan.detail)
             return
         conv.plan = plan
+        if has_images(conv.record["messages"]):
+            self.tally.met_images()
         conv.seed = conversation_seed(self.settings.content.sampling.seed, conv.record["id"])
         self._submit(conv)
 
@@ -158,7 +163,15 @@ class Runner:
         """Add the request for the conversation's next reply (or quarantine it when it cannot be made)."""
         turn = len(conv.replies)
         messages = context_before(conv.plan, conv.replies)
-        text, ids = self.renderer.prompt(messages, conv.record.get("tools"))
+        images = None
+        if has_images(messages):
+            got = self.renderer.image_prompt(messages, conv.record.get("tools"))
+            if isinstance(got, Rejected):
+                self._quarantine(conv, got.reason, f"reply {turn}: {got.detail}")
+                return
+            text, ids, engine_ids, images = got  # ids: with the vision tokens, as tokenize's row and the engine
+        else:
+            text, ids = self.renderer.prompt(messages, conv.record.get("tools"))
         if len(ids) >= self.max_model_len:
             self._quarantine(
                 conv, "prompt_too_long",
@@ -168,7 +181,10 @@ class Runner:
         conv.prefill, conv.prompt_text, conv.prompt_ids = prompt_prefill(text, self.thinking.markers), text, ids
         request_id = f"{self.tag}-{conv.index}-{turn}"
         try:
-            self.engine.add(request_id, ids, conv.seed)
+            if images:
+                self.engine.add(request_id, engine_ids, conv.seed, images)
+            else:
+                self.engine.add(request_id, ids, conv.seed)
         except RequestRejected as e:
             self.tally.replies["rejected"] += 1
             self._quarantine(conv, "engine_error", f"reply {turn}: the engine refused the request: {e}")

@@ -7,6 +7,7 @@ t*h*w / merge_size**2 times for an image of patch grid (t, h, w)). It is done he
 AutoImageProcessor and the tokenizer, because transformers 5.19 cannot construct Qwen2_5_VLProcessor without
 torchvision (its video_processor check), and .venv has no torchvision (.venv-vllm does: envs/vllm-vision.txt).
 Other families are refused per row, in one line, until their expansion rule is added.
+The regenerate stage loads, checks and expands a prompt's images with the same functions (regenerate/prompts.py).
 """
 
 from __future__ import annotations
@@ -42,15 +43,13 @@ class Vision:
     image_token_id: int
     merge: int
 
-    def expand(self, text: str, spans: list[tuple[int, int]], images: list[dict[str, Any]]):
+    def expand(self, text: str, spans: list[tuple[int, int]], images: list[dict[str, Any]], pils=None):
         """(text with every placeholder expanded, the character spans moved with it, the row's image record),
-        or Rejected when an image cannot be read as prepare read it."""
-        pils = []
-        for k, part in enumerate(images):
-            got = load_image(part, k)
-            if isinstance(got, Rejected):
-                return got
-            pils.append(got)
+        or Rejected when an image cannot be read as prepare read it. `pils`: the images, when already loaded."""
+        if pils is None:
+            pils = load_images(images)
+            if isinstance(pils, Rejected):
+                return pils
         out = self.image_processor(images=pils)
         grids = [[int(x) for x in g] for g in out["image_grid_thw"]]
         pieces = text.split(self.placeholder)
@@ -135,6 +134,23 @@ def load_vision(model_path: str | os.PathLike, tokenizer) -> Vision | str:
         image_processor, placeholder, tokenizer.convert_tokens_to_ids(placeholder),
         int(getattr(image_processor, "merge_size", 2)),
     )  # fmt: skip
+
+
+def load_images(parts: list[dict[str, Any]]):
+    """The parts' images as RGB PIL images (load_image), or the first one's Rejected."""
+    pils = []
+    for k, part in enumerate(parts):
+        got = load_image(part, k)
+        if isinstance(got, Rejected):
+            return got
+        pils.append(got)
+    return pils
+
+
+def collapse_runs(ids: list[int], token: int) -> list[int]:
+    """`ids` with every run of `token` cut to one: expanded image placeholders, one an image again (what vLLM's
+    processor takes: it expands each itself)."""
+    return [t for k, t in enumerate(ids) if t != token or k == 0 or ids[k - 1] != token]
 
 
 def load_image(part: dict[str, Any], k: int):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import UserError
 from ...tokenization.row_inputs import ImageRow, RowImages
+from ...tokenization.vision import collapse_runs
 from . import compat
 from .connector import CONNECTOR
 
@@ -67,11 +68,6 @@ def prompt_logprobs(out: Any, ids: list[int]) -> Any:
     if len(per_pos) != len(ids):
         raise CaptureError(f"request {out.request_id}: {len(per_pos)} prompt logprobs for {len(ids)} tokens")
     return torch.tensor([per_pos[t][ids[t]].logprob for t in range(1, len(ids))], dtype=torch.float32)
-
-
-def collapse_runs(ids: list[int], token: int) -> list[int]:
-    """`ids` with every run of `token` cut to one: a row's expanded image placeholders, one an image again."""
-    return [t for k, t in enumerate(ids) if t != token or k == 0 or ids[k - 1] != token]
 
 
 class _WorkerSinkPath:
