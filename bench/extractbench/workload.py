@@ -29,13 +29,9 @@ TINY = dict(
 
 # Qwen2.5-VL-7B-Instruct's config.json: its language model (as LLAMA_8B's keys) and its vision tower
 QWEN25_VL_7B = dict(
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
+    hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
     vocab_size=152064,
-)
+)  # fmt: skip
 QWEN25_VL_7B_VISION = dict(
     depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, window_size=112,
     fullatt_block_indexes=[7, 15, 23, 31],
