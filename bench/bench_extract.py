@@ -6,6 +6,7 @@ Runs on a GPU host with vLLM (recipe in docs/performance.md); random weights, no
     python bench/bench_extract.py OUTDIR --phases ab --storage fp8_e4m3   # (b) writes FP8 shards
     python bench/bench_extract.py OUTDIR --phases ab --rows 1500          # (b) on a 3M-token shard
     python bench/bench_extract.py OUTDIR --phases abfg --rows 192         # hooks, built-in, built-in FP8 vs (a)
+    python bench/bench_extract.py OUTDIR --images 4 --phases abf --rows 256  # Qwen2.5-VL-7B shape, image-heavy rows
 
 Each phase runs in its own process (one engine at a time, clean GPU memory, its own peak RSS):
   (a) plain vLLM prefill (max_tokens=1), no capture;
@@ -19,6 +20,12 @@ Each phase runs in its own process (one engine at a time, clean GPU memory, its 
   (f) (b) on the built-in path (extract_hidden_states + eagle3prep's connector, writing from the worker),
       compiled as vLLM starts by default (not in the default --phases);
   (g) (f) writing FP8 shards (extract.storage fp8_e4m3, quantized in the worker; not in the default).
+--images K (issue #28 item 7): a Qwen2.5-VL-7B-shaped target (its language model and vision tower, dummy
+weights, the demo tokenizer with Qwen's vision tokens, Qwen2.5-VL's image processor settings) and rows made by
+the project's prepare and tokenize: uniform, --rows rows of K images of --image-size pixels square (448: 256
+vision tokens each) and about --text-words words; mixed, 0 to 2K images of several sizes and varied text.
+(a) prefills the same prompts (token ids + the rows' images, as our backend feeds them), (b)/(f) capture the
+shards through extract_shard; vLLM's multimodal processor cache is off in both. Phases a, b, e, f, g only.
 Then the ratios b/a, b/c, b/d, b's model-FLOP utilisation against 790 TFLOP/s (bf16 dense peak of
 an H200 as measured on the lent machine), bytes written per second, peak host RSS, and the disk's
 own sequential write speed measured in the same run.
@@ -36,7 +43,14 @@ from pathlib import Path
 from extractbench.disk import disk_write_speed
 from extractbench.phases import PHASES
 from extractbench.report import print_report
-from extractbench.workload import LLAMA_8B, TINY, layer_ids, make_model_dir, workloads
+from extractbench.workload import (
+    layer_ids,
+    make_model_dir,
+    make_vl_model_dir,
+    shapes,
+    workloads,
+    write_image_workloads,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,15 +77,23 @@ def main() -> None:
     ap.add_argument(
         "--storage", default="model_dtype", choices=["model_dtype", "fp8_e4m3"], help="(b)'s extract.storage"
     )
+    ap.add_argument("--images", type=int, default=0, help="images per row: the image-heavy workload (0: text)")
+    ap.add_argument("--image-size", type=int, default=448, help="--images: pixels a side (448: 256 vision tokens)")
+    ap.add_argument("--text-words", type=int, default=96, help="--images: words of text a row")
     args = ap.parse_args()
-    args.shape = TINY if args.tiny else LLAMA_8B
+    args.shape, args.vision = shapes(args)
+    if args.images and set(args.phases) - set("abefg"):
+        ap.error(f"--images runs phases a, b, e, f and g (not {''.join(sorted(set(args.phases) - set('abefg')))})")
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.out / "model"
     if args.phase:  # child: run one phase, print its JSON on the last line
         work = workloads(args)
         print("RESULT " + json.dumps(PHASES[args.phase](args, model, work)), flush=True)
         return
-    make_model_dir(args.out, args.shape, args.max_len)
+    if args.images:
+        write_image_workloads(args, make_vl_model_dir(args.out, args.shape, args.vision, args.max_len))
+    else:
+        make_model_dir(args.out, args.shape, args.max_len)
     size = 4 << 30 if not args.tiny else 64 << 20
     streams = len(layer_ids(args.shape))
     # the disk's own speed before and after the phases: it moves during a session

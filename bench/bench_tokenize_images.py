@@ -30,13 +30,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = ((448, 336), (336, 252))  # 16 x 12 and 12 x 9 merged patches of 28 pixels: 192 and 108 vision tokens
-QWEN25_VL_SIZE = {"shortest_edge": 3136, "longest_edge": 12845056}  # Qwen2.5-VL's min_pixels / max_pixels
 MAX_SEQ_LEN = 1024  # the tiny target's context; the longest row here is under 900 tokens
 
 
 def build_target(out: Path) -> Path:
     """The tiny Qwen2.5-VL with Qwen2.5-VL's own image sizes (the tiny one keeps images to 64 tokens for tests)."""
-    from eagle3prep.testing.tiny_vl import build_tiny_vl
+    from eagle3prep.testing.tiny_vl import QWEN25_VL_SIZE, build_tiny_vl
 
     model = build_tiny_vl(out)
     config = out / "preprocessor_config.json"

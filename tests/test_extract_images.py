@@ -16,12 +16,10 @@ import pytest
 from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.errors import UserError
 from eagle3prep.extract import extract_shard
-from eagle3prep.prepare import prepare
-from eagle3prep.prepare.images import ImageOptions
 from eagle3prep.settings import ExtractSettings
+from eagle3prep.testing.image_rows import chat, tokenize_records
 from eagle3prep.testing.planted import IMAGE_MISTAKES, plant_image
 from eagle3prep.testing.tiny_vl import build_tiny_vl, image_bytes
-from eagle3prep.tokenization import tokenize_conversations
 from eagle3prep.tokenization.row_inputs import RowImages
 from eagle3prep.validate import ValidationError, validate_shard
 
@@ -44,17 +42,12 @@ def records(images: Path) -> list[dict]:
         (images / name).write_bytes(image_bytes(name))
     (images / "yellow_disc.png").write_bytes(other_square())
     uri = "data:image/png;base64," + base64.b64encode(image_bytes("blue_circle.png")).decode("ascii")
-
-    def chat(image, question, answer):
-        content = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": question}]
-        return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]}
-
     return [
-        chat("red_square.png", "What shape is in the picture?", "A red square on a white page."),
-        {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]},
-        chat("yellow_disc.png", "What shape is in the picture?", "A yellow disc on black."),
-        chat(uri, "What colour is the circle?", "The circle is blue."),  # a data: URI, kept in the conversation
-        chat("green_bars.png", "How many bars are there?", "There are four green bars."),
+        chat(["red_square.png"], "What shape is in the picture?", "A red square on a white page."),
+        chat([], "Name a colour.", "Blue."),
+        chat(["yellow_disc.png"], "What shape is in the picture?", "A yellow disc on black."),
+        chat([uri], "What colour is the circle?", "The circle is blue."),  # a data: URI, kept in the conversation
+        chat(["green_bars.png"], "How many bars are there?", "There are four green bars."),
     ]
 
 
@@ -64,12 +57,7 @@ def captured(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"vl{request.param}")
     model = build_tiny_vl(root / "model", seed=request.param)
     (root / "images").mkdir()
-    src = root / "in.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in records(root / "images")), encoding="utf-8")
-    p, t = root / "prepared", root / "tok"
-    prepare([str(src)], p / "c.jsonl", p / "q.jsonl", p / "n.json", images=ImageOptions(str(root / "images")))
-    shard = t / "shard_0.jsonl"
-    tokenize_conversations(p / "c.jsonl", model, [shard], t / "stats.json", t / "tf.json", t / "q.jsonl", 256)
+    (shard,) = tokenize_records(records(root / "images"), model, root, 256)
     spec = CaptureSpec(
         backend="hf", model_path=str(model), layer_ids=LAYERS, dtype="bfloat16", max_seq_len=256, device="cpu",
         tp_size=1,

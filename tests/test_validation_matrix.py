@@ -17,7 +17,7 @@ import pytest
 
 from eagle3prep.reference import ReferencePair
 from eagle3prep.settings import ExtractSettings
-from eagle3prep.testing.planted import MISTAKES
+from eagle3prep.testing.planted import IMAGE_MISTAKES, MISTAKES
 from eagle3prep.testing.tiny_models import build_family
 from eagle3prep.validate import ValidationError, validate_shard
 
@@ -64,6 +64,25 @@ def test_fp8_storage_right_captures_pass_and_planted_mistakes_fail(tmp_path):
     assert all("FP8" in p["message"] for p in cell["planted"].values())  # the message names the FP8 floor
     worst = max(x["worst_margin"] for v in cell["correct"] for x in v["layers"].values())
     assert worst < 0.5, worst  # right FP8 data well inside its bound (docs/runs/fp8)
+
+
+def test_image_family_right_captures_pass_and_text_and_image_mistakes_fail(tmp_path):
+    """qwen2_5_vl (issue #28 item 5) on hf in fp32: rows with and without images made by prepare and tokenize,
+    every row passes, and each of the seven text mistakes and the three image mistakes fails."""
+    matrix = load_matrix()
+    args = argparse.Namespace(out=tmp_path, device="cpu", tp=1, dump=False, storage="model_dtype")
+    model = matrix.build_model(matrix.VL, tmp_path / "models" / matrix.VL)
+    tokens = matrix.write_image_rows(tmp_path, model, ROWS, 2)
+    for tok in tokens:  # both shards hold image rows (of several grids) and text rows
+        rows = [json.loads(x) for x in tok.read_text(encoding="utf-8").splitlines()]
+        assert len(rows) == ROWS and any(not r.get("images") for r in rows)
+        assert len({json.dumps(r["image_grid_thw"]) for r in rows if r.get("images")}) > 1
+    refs = ReferencePair(str(model), "float32", "cpu", cache_rows=2 * ROWS)
+    cell = matrix.run_cell(args, matrix.VL, model, "hf", "float32", tokens, refs)
+    assert cell["correct_ok"] and all(v["rows"] == ROWS for v in cell["correct"]), cell["correct"]
+    assert set(cell["planted"]) == {*MISTAKES, *IMAGE_MISTAKES}
+    assert not [m for m, p in cell["planted"].items() if not p["caught"]], cell["planted"]
+    assert matrix.summary_row(cell).endswith("| 10/10 |")
 
 
 @pytest.mark.vllm

@@ -26,21 +26,14 @@ from eagle3prep.backends.base import CaptureSpec  # noqa: E402
 from eagle3prep.backends.vllm.driver import VLLMBackend  # noqa: E402
 from eagle3prep.backends.vllm.paths import CaptureError  # noqa: E402
 from eagle3prep.extract import extract_shard  # noqa: E402
-from eagle3prep.prepare import prepare  # noqa: E402
-from eagle3prep.prepare.images import ImageOptions  # noqa: E402
 from eagle3prep.settings import ExtractSettings  # noqa: E402
+from eagle3prep.testing.image_rows import chat, tokenize_records  # noqa: E402
 from eagle3prep.testing.planted import plant_image  # noqa: E402
 from eagle3prep.testing.tiny_vl import build_tiny_vl, image_bytes  # noqa: E402
-from eagle3prep.tokenization import tokenize_conversations  # noqa: E402
 from eagle3prep.validate import ValidationError, validate_shard  # noqa: E402
 
 LAYERS = [0, 3, 6]  # the embeddings (vision tokens merged in), a middle id and N (the pre-norm final state)
 MAX_SEQ_LEN = 128
-
-
-def chat(image: str, question: str, answer: str) -> dict:
-    content = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": question}]
-    return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]}
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +45,11 @@ def vl(tmp_path_factory):
     (root / "images" / "red_square.png").write_bytes(image_bytes("red_square.png"))
     uri = "data:image/png;base64," + base64.b64encode(image_bytes("blue_circle.png")).decode("ascii")
     records = [
-        chat("red_square.png", "What shape?", "A red square."),
-        {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]},
-        chat(uri, "What colour?", "Blue."),
+        chat(["red_square.png"], "What shape?", "A red square."),
+        chat([], "Name a colour.", "Blue."),
+        chat([uri], "What colour?", "Blue."),
     ]
-    src, p, t = root / "in.jsonl", root / "prepared", root / "tok"
-    src.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    prepare([str(src)], p / "c.jsonl", p / "q.jsonl", p / "n.json", images=ImageOptions(str(root / "images")))
-    shard = t / "shard_0.jsonl"
-    tokenize_conversations(p / "c.jsonl", model, [shard], t / "stats.json", t / "tf.json", t / "q.jsonl", MAX_SEQ_LEN)
+    (shard,) = tokenize_records(records, model, root, MAX_SEQ_LEN)
     rows = [json.loads(x) for x in shard.read_text(encoding="utf-8").splitlines()]
     return SimpleNamespace(root=root, model=str(model), shard=shard, rows=rows)
 

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from extractbench.workload import layer_ids, write_tokenized
+from extractbench.workload import image_prompts, layer_ids, tokens_of, write_tokenized
 
 
 class PeakRSS:
@@ -49,11 +49,13 @@ class PeakRSS:
 
 
 def engine_kwargs(args, model: Path) -> dict:
-    """vLLM's LLM() arguments of (a) and (d): dummy weights, no prefix caching, eager, at --tp."""
+    """vLLM's LLM() arguments of (a) and (d): dummy weights, no prefix caching, eager, at --tp. --images: the
+    tokenizer loaded (vLLM's multimodal processor needs it, as for our backend) and no multimodal processor
+    cache (IMAGE_ENGINE_ARGS)."""
     kw = dict(
         model=str(model),
         load_format="dummy",
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not args.images,
         dtype=args.dtype,
         enable_prefix_caching=False,
         enforce_eager=True,
@@ -63,17 +65,31 @@ def engine_kwargs(args, model: Path) -> dict:
         tensor_parallel_size=getattr(args, "tp", 1),  # bench/multi_gpu.py moe-prefill runs (a) and (b) at TP 8
         seed=0,
     )
-    return kw
+    return {**kw, **(IMAGE_ENGINE_ARGS if args.images else {})}
 
 
-def timed_generate(llm, rows: list[list[int]]) -> float:
-    """Seconds for one prefill (max_tokens=1) of `rows`, after a two-row warm-up."""
+# --images, in (a) and (b) alike: vLLM's processor cache would skip the image processor for an image seen
+# before (the warm-up's, or (b)'s half shard's in its full one); each phase processes every image.
+IMAGE_ENGINE_ARGS = {"mm_processor_cache_gb": 0}
+
+
+def prompts(work, model: Path) -> tuple[list, int]:
+    """(vLLM prompts, tokens) of one workload: rows of token ids, or (--images) a tokenized shard's rows
+    with their images (image_prompts)."""
+    if isinstance(work, Path):
+        return image_prompts(work, model), tokens_of(work)
+    return work, sum(map(len, work))
+
+
+def timed_generate(llm, rows: list) -> float:
+    """Seconds for one prefill (max_tokens=1) of `rows` (token ids, or prompts), after a two-row warm-up."""
     from vllm import SamplingParams, TokensPrompt
 
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-    llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows[:2]], sp, use_tqdm=False)  # warm-up
+    rows = [r if isinstance(r, dict) else TokensPrompt(prompt_token_ids=r) for r in rows]
+    llm.generate(rows[:2], sp, use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
-    llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], sp, use_tqdm=False)
+    llm.generate(rows, sp, use_tqdm=False)
     return time.perf_counter() - t0
 
 
@@ -87,8 +103,8 @@ def phase_a(args, model: Path, work: dict, **engine) -> dict:
     start = time.perf_counter() - t0
     out = {"engine_start_s": start}
     for name in ("uniform", "mixed"):
-        tokens = sum(map(len, work[name]))
-        out[name] = {"tokens": tokens, "tokens_per_s": tokens / timed_generate(llm, work[name])}
+        rows, tokens = prompts(work[name], model)
+        out[name] = {"tokens": tokens, "tokens_per_s": tokens / timed_generate(llm, rows)}
     return out
 
 
@@ -158,7 +174,7 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
             "gpu_memory_utilization": args.gpu_mem,
             "max_num_batched_tokens": args.batched_tokens,
             "enforce_eager": True,
-            "engine_args": {"load_format": "dummy"},
+            "engine_args": {"load_format": "dummy", **(IMAGE_ENGINE_ARGS if args.images else {})},
             "storage": getattr(args, "storage", "model_dtype"),  # fp8_e4m3: half the bytes (extract.storage)
             "batch_tokens": args.batch_tokens,
             **over,
@@ -183,7 +199,8 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
         runs = [("uniform_half", shards), ("uniform", shards), ("mixed", shards)]
         runs += [("uniform_shm", shm / "e3p-bench")] if shm.is_dir() else []
         for name, where in runs:
-            tok = write_tokenized(args.out / f"{name}.jsonl", work[name.removesuffix("_shm")])
+            rows = work[name.removesuffix("_shm")]  # --images: a tokenized shard already
+            tok = rows if isinstance(rows, Path) else write_tokenized(args.out / f"{name}.jsonl", rows)
             base = rss.reset()
             m = extract_shard(
                 str(tok),

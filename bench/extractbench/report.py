@@ -13,6 +13,8 @@ def print_report(args, results: dict, disk_before: tuple, disk_after: tuple, str
     """Every part of the report in order, from the phases' results and the disk speeds measured before
     and after them (one file, then `streams` files at once)."""
     print_table(args, results)
+    if args.images:
+        print_images(args)
     b = results.get("b")
     if b and "uniform_shm" in b:
         print_shm_row(results, b)
@@ -27,6 +29,19 @@ def print_report(args, results: dict, disk_before: tuple, disk_after: tuple, str
             print(f"engine start ({p}): {results[p]['engine_start_s']:.1f} s")
     if b:
         print_shard_size(b)
+
+
+def print_images(args) -> None:
+    """--images: what the workloads hold, from tokenize's stats.json (rows, images, vision tokens' share)."""
+    import json
+
+    for w in ("uniform", "mixed"):
+        st = json.loads((args.out / f"work_{w}" / "tok" / "stats.json").read_text())
+        print(
+            f"(images) {w}: {st['rows']} rows, {st['tokens']:,} tokens, {st.get('image_rows', 0)} rows with "
+            f"{st.get('images', 0)} images, {st.get('image_tokens', 0):,} vision tokens "
+            f"({100 * st.get('image_token_share', 0):.1f} % of the tokens)"
+        )
 
 
 def print_builtin(results: dict) -> None:
@@ -73,6 +88,7 @@ def print_table(args, results: dict) -> None:
     print(
         f"\n# {time.strftime('%Y-%m-%d')} {dev}, torch {torch.__version__}, "
         f"vLLM {next((results[p]['vllm'] for p in 'bfg' if p in results), '?')}, shape {shape}, dtype {args.dtype}, eager, layers {layer_ids(shape)}"
+        + (f", Qwen2.5-VL vision tower {args.vision}" if args.images else "")
     )
     print(
         "| workload | (a) vLLM prefill | (b) eagle3prep vllm | (c) transformers | (d) vLLM connector | b/a | b/c | b/d |"
@@ -90,7 +106,7 @@ def print_table(args, results: dict) -> None:
             + f" | {ratio(v['b'], v['a'])} | {ratio(v['b'], v['c'])} | {ratio(v['b'], v['d'])} |"
         )
     for p, w, seq in (("a", "uniform", args.seq), ("a", "mixed", (args.min_len + args.max_len) / 2)):
-        if p in results:
+        if p in results and not args.images:  # images: the vision tower's FLOPs are not counted here
             tflops = results[p][w]["tokens_per_s"] * flops_per_token(shape, seq) / 1e12
             print(f"({p}) {w}: {tflops:.0f} TFLOP/s = {100 * tflops / PEAK_TFLOPS:.0f} % MFU of {PEAK_TFLOPS:.0f}")
 
@@ -110,6 +126,11 @@ def print_phase_b(args, b: dict) -> None:
     """(b)'s MFU, write rate and host RSS growth per workload; RSS must not grow with the shard."""
     shape = args.shape
     for w, seq in (("uniform", args.seq), ("mixed", (args.min_len + args.max_len) / 2)):
+        if args.images:  # the vision tower's FLOPs are not counted by flops_per_token
+            print(
+                f"(b) {w}: writes {b[w]['bytes_per_s'] / 1e9:.2f} GB/s; host RSS growth {b[w]['rss_growth_mib']:.0f} MiB"
+            )
+            continue
         tflops = b[w]["tokens_per_s"] * flops_per_token(shape, seq) / 1e12
         print(
             f"(b) {w}: {tflops:.0f} TFLOP/s = {100 * tflops / PEAK_TFLOPS:.0f} % MFU of {PEAK_TFLOPS:.0f}; "

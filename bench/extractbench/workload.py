@@ -1,5 +1,7 @@
 """bench_extract's model shapes (Llama-3.1-8B, a tiny one for the CPU smoke) and token workloads: random
-ids in uniform and mixed-length rows, a config-only model folder, and the FLOPs a token costs."""
+ids in uniform and mixed-length rows, a config-only model folder, and the FLOPs a token costs. With
+--images: a Qwen2.5-VL-7B-shaped folder (a tiny one with --tiny) and image-heavy rows made by the project's
+prepare and tokenize (issue #28 item 7)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,53 @@ TINY = dict(
     vocab_size=512,
 )
 
+# Qwen2.5-VL-7B-Instruct's config.json: its language model (as LLAMA_8B's keys) and its vision tower
+QWEN25_VL_7B = dict(
+    hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+    vocab_size=152064,
+)  # fmt: skip
+QWEN25_VL_7B_VISION = dict(
+    depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31],
+)  # fmt: skip
+
+
+def shapes(args) -> tuple[dict, dict | None]:
+    """(the language model's shape, the vision tower's or None) that --tiny and --images ask for."""
+    if not args.images:
+        return (TINY if args.tiny else LLAMA_8B), None
+    from eagle3prep.testing.tiny_vl import VISION
+
+    return (TINY, VISION) if args.tiny else (QWEN25_VL_7B, QWEN25_VL_7B_VISION)
+
+
+def make_vl_model_dir(out: Path, shape: dict, vision: dict, max_len: int) -> Path:
+    """OUT/model as a Qwen2.5-VL config of `shape` and `vision` with the demo tokenizer (Qwen's vision tokens
+    added) and Qwen2.5-VL's own image processor settings: vLLM loads it with load_format="dummy" and builds
+    its multimodal processor from it; tokenize reads the tokenizer and the image processor."""
+    from eagle3prep.testing.tiny_vl import (
+        QWEN25_VL_SIZE,
+        build_image_processor,
+        build_vl_tokenizer,
+        save_processor,
+        vl_config,
+    )
+
+    d = out / "model"
+    tokenizer = build_vl_tokenizer()
+    half = shape["hidden_size"] // shape["num_attention_heads"] // 2  # rotary pairs: temporal, height, width
+    text = {k: v for k, v in shape.items() if k != "vocab_size"}
+    text.update(
+        max_position_embeddings=max(max_len + 16, 4096), mrope_section=[half // 4, *[(half - half // 4) // 2] * 2]
+    )
+    cfg = vl_config(tokenizer, text, vision, vocab_size=max(shape["vocab_size"], len(tokenizer)))
+    cfg.dtype = "bfloat16"
+    cfg.architectures = ["Qwen2_5_VLForConditionalGeneration"]  # as the model's own save writes it
+    cfg.save_pretrained(d)  # config only, as make_model_dir
+    tokenizer.model_max_length = text["max_position_embeddings"]
+    save_processor(d, tokenizer, build_image_processor(QWEN25_VL_SIZE))
+    return d
+
 
 def make_model_dir(out: Path, shape: dict, max_len: int) -> Path:
     """OUT/model as a config alone: vLLM loads it with load_format="dummy", transformers with from_config."""
@@ -42,9 +91,12 @@ def make_model_dir(out: Path, shape: dict, max_len: int) -> Path:
     return d
 
 
-def workloads(args) -> dict[str, list[list[int]]]:
+def workloads(args) -> dict[str, list[list[int]] | Path]:
     """Random token ids (seed 0): `rows` rows of `seq` tokens, their first half, and mixed-length rows
-    (--min-len to --max-len) of about as many tokens."""
+    (--min-len to --max-len) of about as many tokens. --images: the tokenized shards the parent wrote
+    (write_image_workloads), by name."""
+    if args.images:
+        return {k: Path(v) for k, v in json.loads((args.out / "work.json").read_text()).items()}
     rnd = random.Random(0)
     vocab = (TINY if args.tiny else LLAMA_8B)["vocab_size"]
     uniform = [[rnd.randrange(5, vocab) for _ in range(args.seq)] for _ in range(args.rows)]
@@ -54,6 +106,67 @@ def workloads(args) -> dict[str, list[list[int]]]:
         mixed.append([rnd.randrange(5, vocab) for _ in range(n)])
         total += n
     return {"uniform_half": uniform[: args.rows // 2], "uniform": uniform, "mixed": mixed}
+
+
+def write_image_workloads(args, model: Path) -> dict[str, Path]:
+    """Image-heavy tokenized shards under OUT/work_{uniform,mixed}/ (prepare and tokenize with `model`), the
+    images drawn there (seed 0, each image its own pixels: nothing for a cache to reuse):
+    uniform: --rows rows, each --images images of --image-size pixels square and a question and answer of
+    about --text-words words; uniform_half: its first half; mixed: --rows rows of 0 to 2 x --images images,
+    each of 1, 3/4 or 1/2 of --image-size a side (rounded to 28 pixels), and 1/2 to 2 x --text-words words."""
+    from eagle3prep.testing.image_rows import Words, chat, draw_image, tokenize_records
+
+    words, rnd, size = Words(0), random.Random(0), args.image_size
+    sides = sorted({max(28, round(size * f / 28) * 28) for f in (1, 0.75, 0.5)})
+    out = {}
+    for name in ("uniform", "mixed"):
+        root = args.out / f"work_{name}"
+        (root / "images").mkdir(parents=True, exist_ok=True)
+        records = []
+        for i in range(args.rows):
+            n, w = (
+                (args.images, args.text_words)
+                if name == "uniform"
+                else (rnd.randint(0, 2 * args.images), rnd.randint(args.text_words // 2, 2 * args.text_words))
+            )
+            names = []
+            for j in range(n):
+                side = size if name == "uniform" else rnd.choice(sides)
+                names.append(f"r{i}i{j}.png")
+                (root / "images" / names[-1]).write_bytes(
+                    draw_image(side, side, seed=(i * 64 + j) * 2 + (name == "mixed"))
+                )
+            records.append(chat(names, words(w // 3), words(w - w // 3)))
+        (out[name],) = tokenize_records(records, model, root, args.max_len)
+    lines = out["uniform"].read_text(encoding="utf-8").splitlines(keepends=True)
+    out["uniform_half"] = out["uniform"].with_name("half.jsonl")
+    out["uniform_half"].write_text("".join(lines[: len(lines) // 2]), encoding="utf-8")
+    (args.out / "work.json").write_text(json.dumps({k: str(v) for k, v in out.items()}))
+    return out
+
+
+def image_prompts(tokenized: Path, model: Path) -> list:
+    """vLLM prompts of a tokenized shard's rows as the vllm backend makes them: token ids, each image's run of
+    placeholders collapsed to one (vLLM's processor expands it again), and the row's images."""
+    from vllm import TokensPrompt
+
+    from eagle3prep.backends.vllm.paths import collapse_runs
+    from eagle3prep.tokenization.row_inputs import RowImages
+
+    images, prompts = RowImages(model, tokenized), []
+    for line in tokenized.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        if not row.get("images"):
+            prompts.append(TokensPrompt(prompt_token_ids=row["input_ids"]))
+            continue
+        ids = collapse_runs(row["input_ids"], images.image_token_id)
+        prompts.append(TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": images.images(row)}))
+    return prompts
+
+
+def tokens_of(tokenized: Path) -> int:
+    """The tokens of a tokenized shard (image tokens expanded, as the model sees them)."""
+    return sum(json.loads(line)["seq_len"] for line in tokenized.read_text(encoding="utf-8").splitlines())
 
 
 def write_tokenized(path: Path, rows: list[list[int]]) -> Path:

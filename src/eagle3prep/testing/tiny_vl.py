@@ -30,6 +30,7 @@ from eagle3prep.testing.tiny_models import DEFAULT_CORPUS, MIN_UPDATE, randomize
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 PATCH, MERGE = 14, 2  # Qwen2.5-VL's patch size and spatial merge: one vision token per 28 x 28 pixels
 MIN_PIXELS, MAX_PIXELS = 4 * (PATCH * MERGE) ** 2, 64 * (PATCH * MERGE) ** 2
+QWEN25_VL_SIZE = {"shortest_edge": 3136, "longest_edge": 12845056}  # Qwen2.5-VL's own min_pixels / max_pixels
 NUM_LAYERS = 6
 
 # The demo's ChatML (eagle3prep.demo.CHAT_TEMPLATE) with content parts: a text part renders its text, an image
@@ -78,14 +79,15 @@ def build_vl_tokenizer(corpus_path: str | os.PathLike = DEFAULT_CORPUS):
     return tokenizer
 
 
-def build_image_processor():
-    """Qwen2-VL's image processor (the Pillow backend) at small resolutions; saved as Qwen2VLImageProcessor,
-    which AutoImageProcessor loads with whichever backend the machine has."""
+def build_image_processor(size: dict | None = None):
+    """Qwen2-VL's image processor (the Pillow backend) at small resolutions (or `size`: {"shortest_edge":
+    min_pixels, "longest_edge": max_pixels}); saved as Qwen2VLImageProcessor, which AutoImageProcessor loads
+    with whichever backend the machine has."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(
         patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2,
-        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+        size=size or {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
     )  # fmt: skip
 
 
@@ -101,23 +103,29 @@ def expand_image_tokens(text: str, image_grid_thw, merge: int = MERGE) -> str:
     return "".join(out)
 
 
-def build_model(tokenizer, seed: int = 0):
-    """A random fp32 Qwen2.5-VL: 6 text layers of width 256 (4 query heads, 2 KV heads of 64, as tiny_models),
-    a 2-block vision tower of width 64 whose merger projects into the text width."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+# The tiny target's text model: 6 layers of width 256 (4 query heads, 2 KV heads of 64, as tiny_models); its
+# multimodal rotary splits head_dim / 2 = 32 into temporal, height and width sections.
+TEXT = dict(
+    hidden_size=256, intermediate_size=512, num_hidden_layers=NUM_LAYERS, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS, mrope_section=[8, 12, 12],
+)  # fmt: skip
+# Its vision tower: 2 blocks of width 64, the last attending fully (as every 8th of Qwen2.5-VL's 32).
+VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, window_size=112, fullatt_block_indexes=[1])
+
+
+def vl_config(tokenizer, text: dict = TEXT, vision: dict = VISION, vocab_size: int | None = None):
+    """A Qwen2.5-VL config of the `text` and `vision` shapes (TEXT and VISION's keys) with `tokenizer`'s
+    special token ids; vocab_size: len(tokenizer) unless given (a real model's larger table)."""
+    from transformers import Qwen2_5_VLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
-    config = Qwen2_5_VLConfig(
+    text = dict(text)
+    mrope = text.pop("mrope_section")
+    return Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=len(tokenizer),
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=NUM_LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=MAX_POSITIONS,
-            # multimodal rotary: temporal, height, width sections of head_dim / 2 = 32
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [8, 12, 12]},
+            **text,
+            vocab_size=vocab_size or len(tokenizer),
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": mrope},
             initializer_range=0.1,
             tie_word_embeddings=False,
             bos_token_id=tokenizer.bos_token_id,
@@ -125,16 +133,11 @@ def build_model(tokenizer, seed: int = 0):
             pad_token_id=tokenizer.pad_token_id,
         ),
         vision_config=dict(
-            depth=2,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=2,
-            out_hidden_size=256,
+            **vision,
+            out_hidden_size=text["hidden_size"],  # the merger projects into the text width
             patch_size=PATCH,
             spatial_merge_size=MERGE,
             temporal_patch_size=2,
-            window_size=112,
-            fullatt_block_indexes=[1],  # the last of 2 blocks attends fully, as every 8th of Qwen2.5-VL's 32
             initializer_range=0.1,
         ),
         image_token_id=ids["<|image_pad|>"],
@@ -143,16 +146,26 @@ def build_model(tokenizer, seed: int = 0):
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
-    model = Qwen2_5_VLForConditionalGeneration(config).float().eval()
+
+
+def build_model(tokenizer, seed: int = 0):
+    """A random fp32 Qwen2.5-VL of the TEXT and VISION shapes."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration(vl_config(tokenizer)).float().eval()
     randomize(model, seed, std=0.1)  # as tiny_models' initializer_range
     return model
 
 
-def _name_processor(path: Path) -> None:
-    """Name the processor class in preprocessor_config.json, as Qwen's own folders do, so that AutoProcessor
+def save_processor(folder: Path, tokenizer, image_processor) -> None:
+    """The tokenizer (with the content-part ChatML template) and the image processor's config into `folder`,
+    the processor class named in preprocessor_config.json, as Qwen's own folders do, so that AutoProcessor
     (where torchvision is installed) and vLLM build Qwen2_5_VLProcessor from the folder."""
     import json
 
+    tokenizer.save_pretrained(folder)
+    image_processor.save_pretrained(folder)  # preprocessor_config.json
+    path = folder / "preprocessor_config.json"
     config = json.loads(path.read_text(encoding="utf-8"))
     config["processor_class"] = "Qwen2_5_VLProcessor"
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -276,9 +289,7 @@ def build_tiny_vl(out_dir: str | os.PathLike, corpus_path: str | os.PathLike = D
         if n_image == 0 or min(updates) < MIN_UPDATE:
             raise ValueError(f"qwen2_5_vl: {n_image} image tokens, per-layer update {updates}")
         model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)  # with the content-part ChatML template
-        image_processor.save_pretrained(tmp)  # preprocessor_config.json
-        _name_processor(tmp / "preprocessor_config.json")
+        save_processor(tmp, tokenizer, image_processor)
 
     return write_model_folder(out_dir, write)
 
