@@ -14,7 +14,7 @@ GPU_VENV := .venv-gpu
 # wheel would double that, and a CI machine ran out of disk (ENOSPC) with the cache on.
 PIP_FLAGS ?= -q --disable-pip-version-check --no-cache-dir
 
-.PHONY: demo test test-base test-deps test-vllm test-vllm016 test-slurm gpu-env lint clean
+.PHONY: demo test test-cpu test-engines test-base test-vllm test-vllm016 test-slurm gpu-env lint clean
 
 $(VENV)/.installed: envs/base.txt envs/speculators.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,17 +63,20 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/snakemake --cores all
 	@echo "make demo: done; open results/report/report.html (dataset in results/: docs/guides/storage.md)"
 
-# The vLLM venvs and Slurm install (network and disk bound) while the base tests run (CPU bound): CI's
-# clean clone spends minutes in those installs, which would otherwise wait for the base tests.
+# Two streams at once: most tests run one Python thread, so one stream leaves a core idle (CI's serial run used
+# 0.9 of its 2 cores over 45 min). Stream 1: .venv, the base tests, then the Slurm cluster test. Stream 2: the
+# Slurm packages, then each vLLM venv and its tests, one venv at a time (two concurrent CUDA-build torch installs
+# ran CI out of disk).
 test:
-	$(MAKE) -j2 test-base test-deps
-	$(MAKE) test-vllm test-vllm016 test-slurm
+	$(MAKE) -j2 test-cpu test-engines
 
-# One vLLM venv at a time: two concurrent installs unpack ~8 GB of wheels at once (CI ran out of disk).
-test-deps:
-	$(MAKE) $(VLLM_VENV)/.installed
-	$(MAKE) $(VLLM016_VENV)/.installed
+test-cpu: test-base
+	$(MAKE) test-slurm
+
+test-engines:
 	.ci/install-slurm.sh
+	$(MAKE) test-vllm
+	$(MAKE) test-vllm016
 
 test-base: $(VENV)/.installed
 	$(VENV)/bin/pytest -m "not vllm and not slurm"
