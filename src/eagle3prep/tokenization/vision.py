@@ -115,17 +115,26 @@ def encode_with_images(encoder, messages: list[dict[str, Any]], tools: list[dict
     return enc.ids, mask, record
 
 
+def images_refusal(config: dict[str, Any]) -> str | None:
+    """Why the target of this config.json cannot take images (one line), None when tokenize can expand them.
+    The parse (config.check_model) and tokenize both ask it."""
+    kind = config.get("model_type")
+    if "image_token_id" not in config and "vision_config" not in config:
+        return f"the target ({kind}) has no vision tower; list text-only sources, or a vision-language model.path"
+    if kind not in EXPANDS:
+        return f"tokenizing images for model_type {kind!r} is not implemented (issue #28); known: {', '.join(EXPANDS)}"
+    return None
+
+
 def load_vision(model_path: str | os.PathLike, tokenizer) -> Vision | str:
     """The target's Vision, or why it cannot take images (one line, the quarantine detail)."""
     try:
         config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         return f"cannot read {model_path}/config.json ({e})"
-    kind = config.get("model_type")
-    if "image_token_id" not in config and "vision_config" not in config:
-        return f"the target ({kind}) has no vision tower; list text-only sources, or a vision-language model.path"
-    if kind not in EXPANDS:
-        return f"tokenizing images for model_type {kind!r} is not implemented (issue #28); known: {', '.join(EXPANDS)}"
+    if refusal := images_refusal(config):
+        return refusal
+    kind = config["model_type"]
     from transformers import AutoImageProcessor
 
     image_processor = AutoImageProcessor.from_pretrained(model_path)
