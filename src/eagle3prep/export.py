@@ -42,10 +42,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .atomic import TMP_PREFIX, atomic_open, fsync_dir, sha256_file, write_json
 from .errors import UserError
+from .infra.atomic import TMP_PREFIX, atomic_open, fsync_dir, sha256_file, write_json
+from .infra.provenance import code_version
 from .layers import CONVENTION
-from .provenance import code_version
 from .shard.fp8 import SCALES_KEY
 from .shard.layout import FP8_E4M3, MANIFEST, TOKEN_IDS, layer_file
 from .shard.readers import LayerReader

@@ -17,16 +17,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from . import faults
-from .atomic import remove_stale_temps, sha256_file, write_json
 from .backends import make_backend
 from .backends.base import CaptureBackend, CaptureSpec, EngineInfo
 from .backends.empty import EmptyShardBackend
-from .disk import DiskSpaceError, human_bytes
-from .gpus import claim_job_gpus
+from .infra import faults
+from .infra.atomic import remove_stale_temps, sha256_file, write_json
+from .infra.disk import DiskSpaceError, human_bytes
+from .infra.gpus import claim_job_gpus
+from .infra.provenance import code_version, model_identity, tokenizer_identity
 from .layers import CONVENTION, check_layer_ids, resolve_layer_ids
 from .model_facts import ModelFacts, require_hidden_size
-from .provenance import code_version, model_identity, tokenizer_identity
 from .settings import ExtractSettings
 from .shard.layout import MANIFEST, MODEL_DTYPE, TIMINGS, check_storage, layer_file, token_bytes
 from .shard.manifest import ShardManifest

@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .atomic import atomic_open, write_json
 from .config import ConfigError, model_layer_ids, reference_mode
-from .disk import human_bytes
 from .extract import free_space_probe, shard_bytes
+from .infra.atomic import atomic_open, write_json
+from .infra.disk import human_bytes
 from .model_facts import ModelFacts, require_hidden_size
 from .shard.layout import MANIFEST
 

@@ -24,12 +24,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..atomic import write_json
 from ..errors import UserError
-from ..gpus import claim_job_gpus
+from ..infra.atomic import write_json
+from ..infra.gpus import claim_job_gpus
+from ..infra.provenance import code_version
 from ..layers import resolve_layer_ids
 from ..model_facts import ModelFacts
-from ..provenance import code_version
 from ..settings import ExtractSettings, RegenerateSettings
 from . import acceptance, rows, serve, train
 

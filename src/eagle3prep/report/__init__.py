@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .. import faults
-from ..atomic import atomic_open, sha256_file, write_json
+from ..infra import faults
+from ..infra.atomic import atomic_open, sha256_file, write_json
 from ..shard.layout import MANIFEST, TIMINGS
 from ..shard.shardset import ShardSet
 from . import data, page, plots, samples

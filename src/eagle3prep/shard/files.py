@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import faults
-from ..disk import disk_full_is_user_error
+from ..infra import faults
+from ..infra.disk import disk_full_is_user_error
 from .layout import DTYPES, safetensors_header, temp_of
 
 if TYPE_CHECKING:

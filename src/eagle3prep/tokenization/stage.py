@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from eagle3prep import faults
-from eagle3prep.atomic import TMP_PREFIX, atomic_open, write_json, write_jsonl
 from eagle3prep.config import check_max_seq_len
-from eagle3prep.provenance import tokenizer_identity
+from eagle3prep.infra import faults
+from eagle3prep.infra.atomic import TMP_PREFIX, atomic_open, write_json, write_jsonl
+from eagle3prep.infra.provenance import tokenizer_identity
 from eagle3prep.records import Quarantined
 from eagle3prep.tokenization.template import ChatEncoder, TokenizeError, load_tokenizer
 from eagle3prep.tokenization.workers import batched, encode_chunks

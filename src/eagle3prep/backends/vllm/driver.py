@@ -14,8 +14,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from ... import shm
 from ...config import ConfigError
+from ...infra import shm
 from ...layers import check_layer_ids
 from ...model_facts import ModelFacts, require_hidden_size
 from ...shard.sink import SinkPlan

@@ -71,7 +71,7 @@ def _rms(e, keep) -> float:
 
 def fp8_floor(reference):
     """Per-token error [T] of the reference stored as FP8 and read back: what FP8 storage alone costs."""
-    from .shard.fp8 import roundtrip_fp8
+    from ..shard.fp8 import roundtrip_fp8
 
     return token_errors(roundtrip_fp8(reference), reference)
 

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 LOCK_DIR_ENV = "EAGLE3PREP_GPU_LOCK_DIR"
 NUM_GPUS_ENV = "EAGLE3PREP_NUM_GPUS"  # the host's GPU count, instead of nvidia-smi (tests: a fake set of ids)
