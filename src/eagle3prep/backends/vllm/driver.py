@@ -65,8 +65,8 @@ class VLLMBackend(CaptureBackend):
     def _probe(self) -> EngineInfo:
         t0 = time.time()
         # vLLM forks its GPU workers unless this process has initialized CUDA (then it spawns them).
-        # Forked workers start ~20 s sooner on the H200 (spawned ones import torch and vLLM again;
-        # docs/performance.md). torch.cuda.is_available()/device_count() initialize the CUDA driver
+        # Forked workers start sooner: spawned ones import torch and vLLM again (docs/performance.md,
+        # engine start). torch.cuda.is_available()/device_count() initialize the CUDA driver
         # without torch noticing, and a forked worker then dies with "CUDA error: initialization
         # error": make them ask NVML instead, wherever they are called in this process.
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
@@ -157,8 +157,8 @@ class VLLMBackend(CaptureBackend):
             # MoE on the DeepSeek backbone (Kimi, GLM-5): the hooks path has not been checked on the
             # GPU there (expert/data parallel layouts); vLLM's own path is the one its authors test.
             return ["builtin", "hooks"], None
-        # hooks first: measured at 0.96x plain prefill on Llama (docs/performance.md); the built-in path,
-        # now writing from the worker too, is the fallback until its H200 run says otherwise.
+        # hooks first, the path with the most GPU runs behind it (docs/performance.md); the built-in path
+        # is the fallback until its own runs say otherwise.
         return ["hooks", "builtin"], None
 
     def _engine_kwargs(self, path: BuiltinPath | HooksPath) -> dict[str, Any]:
