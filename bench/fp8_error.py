@@ -39,12 +39,12 @@ from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.demo import build_demo_model
 from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
-from eagle3prep.reference import Reference
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard.fp8 import quantize_fp8, roundtrip_fp8
 from eagle3prep.shard.layout import layer_file, token_bytes
 from eagle3prep.shard.readers import read_layer
 from eagle3prep.testing.tiny_models import FAMILIES, build_family
+from eagle3prep.validate.reference import Reference
 
 REPO = Path(__file__).resolve().parents[1]
 GROWTH = (1.0, 4.0, 16.0, 64.0)  # synthetic per-slot scale for the "grown" lines

@@ -24,8 +24,8 @@ import time
 import traceback
 from pathlib import Path
 
-from eagle3prep.reference import ReferencePair
 from eagle3prep.testing.tiny_models import FAMILIES, build_family
+from eagle3prep.validate.reference import ReferencePair
 
 HERE = Path(__file__).resolve().parent
 FP32_EPS = 2.0**-23
@@ -54,8 +54,8 @@ def margin_moves(model, input_ids: list[int], captured: dict[int, object]) -> li
     of the reference's choice, on the tokens before the row's first one off by over CLEAN at any captured id."""
     import torch
 
-    from eagle3prep.passrule import token_errors
-    from eagle3prep.routing import ranked, routers
+    from eagle3prep.validate.passrule import token_errors
+    from eagle3prep.validate.routing import ranked, routers
 
     gates, base, seen = routers(model), model.get_decoder(), {}
     ids = torch.tensor([input_ids])
@@ -126,10 +126,10 @@ def divergent_rows(shards: list[Path], tokens: list[Path], refs: ReferencePair, 
     """Every (row, layer) of the correct captures with a diverged token: where it starts, how far, its margin."""
     import torch
 
-    from eagle3prep.passrule import judge_row
     from eagle3prep.shard.layout import layer_file
     from eagle3prep.shard.manifest import read_manifest
     from eagle3prep.shard.readers import read_index, read_layer
+    from eagle3prep.validate.passrule import judge_row
 
     out = []
     for shard, tok in zip(shards, tokens, strict=True):

@@ -33,11 +33,11 @@ from eagle3prep.backends import make_backend
 from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
-from eagle3prep.reference import ReferencePair
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.testing.planted import IMAGE_MISTAKES, MISTAKES, plant, plant_image
 from eagle3prep.testing.tiny_models import FAMILIES, build_family
 from eagle3prep.validate import ValidationError, validate_shard
+from eagle3prep.validate.reference import ReferencePair
 
 SEED = 0
 KIMI = "kimi_int4"  # the tiny Kimi-K2.5-shaped target, routed experts INT4 (eagle3prep.testing.tiny_kimi)
@@ -213,7 +213,7 @@ def rejudge(run: Path, rows_per_shard: int) -> None:
     """
     import numpy as np
 
-    from eagle3prep.passrule import judge_layer, judge_tokens
+    from eagle3prep.validate.passrule import judge_layer, judge_tokens
 
     cascades: list[str] = []
     for cell in json.loads((run / "matrix.json").read_text()):

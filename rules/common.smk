@@ -18,7 +18,7 @@ from eagle3prep.parse import (
     check_tokenizer,
     config_source_line,
 )
-from eagle3prep.runlock import clear_stale_locks, record_owner
+from eagle3prep.infra.runlock import clear_stale_locks, record_owner
 
 # Nothing reaches the network at run time: models, tokenizers and datasets come from local folders.
 for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):

@@ -4,8 +4,8 @@ import sys
 sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: SIM115 (open for the whole job)
 os.dup2(sys.stderr.fileno(), 2)
 
-from eagle3prep.atomic import atomic_open
 from eagle3prep.errors import one_line_errors
+from eagle3prep.infra.atomic import atomic_open
 from eagle3prep.regenerate.review import review
 
 with one_line_errors():

@@ -89,10 +89,10 @@ def write_shard_of(tokenized: Path, shard_dir: Path, model_dir: Path, layer_ids:
     import torch
     from safetensors.torch import save_file
 
-    from eagle3prep.atomic import sha256_file
+    from eagle3prep.infra.atomic import sha256_file
+    from eagle3prep.infra.provenance import model_identity, tokenizer_identity
     from eagle3prep.layers import CONVENTION
     from eagle3prep.model_facts import ModelFacts
-    from eagle3prep.provenance import model_identity, tokenizer_identity
     from eagle3prep.shard.layout import INDEX, MANIFEST, TOKEN_IDS, layer_file
     from eagle3prep.shard.manifest import ShardManifest
     from eagle3prep.testing.writers import write_layer

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from eagle3prep.atomic import TMP_PREFIX, atomic_open, remove_stale_temps, sha256_file, write_json, write_jsonl
+from eagle3prep.infra.atomic import TMP_PREFIX, atomic_open, remove_stale_temps, sha256_file, write_json, write_jsonl
 
 
 def test_atomic_write_replaces_whole_file(tmp_path):
@@ -30,7 +30,7 @@ def test_sigkill_mid_write_never_leaves_a_final_file(tmp_path):
     target = tmp_path / "big.bin"
     code = f"""
 import os, signal
-from eagle3prep.atomic import atomic_open
+from eagle3prep.infra.atomic import atomic_open
 with atomic_open({str(target)!r}, "wb") as f:
     f.write(b"x" * 1000)
     f.flush()

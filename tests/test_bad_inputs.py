@@ -234,7 +234,7 @@ def test_config_case(case, tmp_path, request):
 
 @pytest.mark.parametrize("case", [c for c in CONFIG_CASES if c["at"] == "gpus"], ids=case_id)
 def test_tp_size_larger_than_the_host(case, tmp_path, monkeypatch):
-    from eagle3prep.gpus import claim_gpus
+    from eagle3prep.infra.gpus import claim_gpus
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     config = validate_config(merged({"data": {"sources": [GOOD_SOURCE]}, "model": {"path": "m"}}, case["config"]))

@@ -15,8 +15,8 @@ import pytest
 import torch
 from shard_helpers import demo_spec, write_tokenized
 
-from eagle3prep.atomic import sha256_file
 from eagle3prep.extract import extract_shard
+from eagle3prep.infra.atomic import sha256_file
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard import INDEX, MANIFEST, TOKEN_IDS
 from eagle3prep.shard.fp8 import SCALES_KEY

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3prep.atomic import sha256_file
 from eagle3prep.demo import build_demo_model
+from eagle3prep.infra.atomic import sha256_file
 
 DEMO_CORPUS = Path(__file__).resolve().parents[1] / "resources" / "demo" / "tokenizer_corpus.txt"
 

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from shard_helpers import DEMO_LAYER_IDS, demo_spec, write_tokenized
 from workflow_helpers import snakemake, tree_digest
 
-from eagle3prep.atomic import sha256_file
 from eagle3prep.export import ExportError, check_shards, export_speculators
 from eagle3prep.extract import extract_shard
+from eagle3prep.infra.atomic import sha256_file
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard.readers import read_layer
 from eagle3prep.validate import validate_shard

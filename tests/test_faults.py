@@ -3,7 +3,7 @@
 One uninterrupted baseline run is built once. Each case starts from a copy of it (results/, logs/,
 benchmarks/ and .snakemake/ with their mtimes) in which the stage to be killed and everything after
 it is missing, as after a run that stopped there; then it runs `snakemake` with EAGLE3PREP_KILL_AT
-(faults.py) set, which SIGKILLs the whole process group at the point, and `snakemake` again.
+(infra/faults.py) set, which SIGKILLs the whole process group at the point, and `snakemake` again.
 Checked every time:
 - the killed run really died at the point;
 - the rerun's results/ is byte-identical to the baseline's (no stray temp file, no half file);

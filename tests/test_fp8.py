@@ -15,13 +15,13 @@ import torch
 from test_export import LENGTHS, finished_results
 
 from eagle3prep.extract import shard_bytes
-from eagle3prep.passrule import FP8_FACTOR, fp8_floor, judge_tokens, token_errors
 from eagle3prep.plan import make_plan
 from eagle3prep.shard.fp8 import SCALES_KEY, dequantize_fp8, quantize_fp8, rounding_draw, roundtrip_fp8
 from eagle3prep.shard.layout import FORMAT, FORMAT_FP8, MANIFEST, layer_file
 from eagle3prep.shard.manifest import ShardManifest, read_manifest
 from eagle3prep.shard.readers import LayerReader, read_layer
 from eagle3prep.testing.writers import write_layer
+from eagle3prep.validate.passrule import FP8_FACTOR, fp8_floor, judge_tokens, token_errors
 
 
 def states(tokens: int = 64, hidden: int = 96, seed: int = 0) -> torch.Tensor:

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from eagle3prep import gpus
+from eagle3prep.infra import gpus
 
 
 @pytest.fixture(autouse=True)
@@ -90,7 +90,7 @@ def test_a_dead_job_frees_its_gpus(tmp_path):
     script = textwrap.dedent(
         f"""
         import os
-        from eagle3prep import gpus
+        from eagle3prep.infra import gpus
         gpus.claim_gpus(2, lock_dir={str(tmp_path)!r}, num_gpus=2)
         os._exit(1)  # dies without releasing
         """

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3prep.passrule import TIE_BAND, token_errors
-from eagle3prep.routing import force_reroute, margins, ranked, routers
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.testing.planted import rerouted
 from eagle3prep.validate import ValidationError, validate_shard
+from eagle3prep.validate.passrule import TIE_BAND, token_errors
+from eagle3prep.validate.routing import force_reroute, margins, ranked, routers
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS, LAYER, IDS = 4, 2, [2, 3, 5, 6]  # MoE layer 2 feeds ids 3..6; id 2 sees no MoE layer
@@ -153,7 +153,7 @@ def test_router_margins_fail_loudly_when_transformers_routes_otherwise(tie_case)
     (here: a correction bias the recomputation does not see) stops the reference with one line."""
     from transformers import AutoModelForCausalLM
 
-    from eagle3prep.routing import MarginRecorder, RoutingChanged
+    from eagle3prep.validate.routing import MarginRecorder, RoutingChanged
 
     model = AutoModelForCausalLM.from_pretrained(tie_case["tmp"] / "model", dtype=torch.float32).eval()
     MarginRecorder(model)
@@ -175,7 +175,7 @@ def test_one_expert_group_keeps_the_margin_on_the_routers_device():
     # Kimi-K2.5 routes with n_group 1, so the group gap is "no runner-up": that tensor was made on the CPU
     # and torch.minimum with the GPU's expert gap stopped validation on the H200 (2026-12-02). "meta"
     # stands in for the GPU: a tensor made elsewhere shows as another device the same way.
-    from eagle3prep.routing import _gap
+    from eagle3prep.validate.routing import _gap
 
     groups = torch.zeros(5, 1, device="meta")  # [T, G] with G = 1
     gap = _gap(groups, 1)

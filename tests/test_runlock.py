@@ -3,7 +3,7 @@ import socket
 import subprocess
 import sys
 
-from eagle3prep.runlock import LOCKS, RECORD, clear_stale_locks, record_owner
+from eagle3prep.infra.runlock import LOCKS, RECORD, clear_stale_locks, record_owner
 
 
 def locked(tmp_path, owner: dict | None):

@@ -17,12 +17,12 @@ from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard import layer_file, read_index
-from eagle3prep.slices import Checkpoint, raw_config
 from eagle3prep.testing.planted import MISTAKES, plant
 from eagle3prep.testing.tiny_models import NUM_LAYERS, build_family
 from eagle3prep.testing.writers import reference_logprobs_hf
 from eagle3prep.validate.logits import check_logprobs
 from eagle3prep.validate.scalable import check_memory
+from eagle3prep.validate.slices import Checkpoint, raw_config
 from eagle3prep.validate.window import check_window
 
 LENGTHS = [(24, 40, 31, 40), (33, 20, 27, 38)]  # per shard; rows 1 and 3 of shard 0 can be swapped
@@ -124,7 +124,7 @@ def test_int4_experts_dequantize_with_compressed_tensors():
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationConfig
 
-    from eagle3prep.slices import dequantize
+    from eagle3prep.validate.slices import dequantize
 
     qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",

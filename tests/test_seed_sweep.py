@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3prep.passrule import TIE_FACTOR
-from eagle3prep.reference import ReferencePair
+from eagle3prep.validate.passrule import TIE_FACTOR
+from eagle3prep.validate.reference import ReferencePair
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = 4  # per shard; rows 1 and 3 share a length (rows_swapped)

@@ -1,4 +1,4 @@
-"""shm.py: what a SIGKILLed engine leaves in /dev/shm is removed by the next job, and nothing else is.
+"""infra/shm.py: what a SIGKILLed engine leaves in /dev/shm is removed by the next job, and nothing else is.
 
 A child in its own session stands in for vLLM's engine: it creates a `multiprocessing.shared_memory`
 segment (as vLLM's message queues do) and takes it off Python's resource tracker, as a SIGKILL to the
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from eagle3prep import shm
+from eagle3prep.infra import shm
 
 HOLDER = """
 import sys, time

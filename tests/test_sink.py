@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 from shard_helpers import manifest_fields
 
-from eagle3prep.disk import DiskSpaceError
+from eagle3prep.infra.disk import DiskSpaceError
 from eagle3prep.records import IndexEntry
 from eagle3prep.shard import files as shard_files
 from eagle3prep.shard.files import BackgroundFlush, PositionalSafetensorsWriter, StreamingSafetensorsWriter

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eagle3prep.atomic import sha256_file
+from eagle3prep.infra.atomic import sha256_file
 from eagle3prep.testing.tiny_models import FAMILIES, MIN_UPDATE, NUM_LAYERS, build_family, chat_ids, layer_updates
 
 BUILT = ("qwen2_moe", "deepseek_v3")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3prep.atomic import sha256_file
-from eagle3prep.provenance import tokenizer_identity
+from eagle3prep.infra.atomic import sha256_file
+from eagle3prep.infra.provenance import tokenizer_identity
 from eagle3prep.records import Conversation, TokenizedRow
 from eagle3prep.tokenization import (
     ChatEncoder,

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from eagle3prep.reference import ReferencePair
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.testing.planted import IMAGE_MISTAKES, MISTAKES
 from eagle3prep.testing.tiny_models import build_family
 from eagle3prep.validate import ValidationError, validate_shard
+from eagle3prep.validate.reference import ReferencePair
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = 6  # per shard; rows 1 and 3 share a length (rows_swapped)

@@ -13,8 +13,8 @@ import shutil
 import pytest
 from shard_helpers import demo_spec, write_tokenized
 
-from eagle3prep.atomic import sha256_file
 from eagle3prep.extract import extract_shard
+from eagle3prep.infra.atomic import sha256_file
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard import MANIFEST
 from eagle3prep.verify import main, verify

@@ -447,7 +447,7 @@ def test_capture_shard_other_worker_errors_stay_capture_errors(monkeypatch):
 
 
 def test_worker_reports_a_full_disk_as_a_user_error(tmp_path):
-    from eagle3prep.disk import DiskSpaceError
+    from eagle3prep.infra.disk import DiskSpaceError
 
     class FullSink:
         def finish(self):

@@ -110,7 +110,7 @@ def scenario_kill(args, lines: list[str]) -> None:
     shards have finished); check that nothing of it lives on or holds a GPU; run the same command again."""
     import psutil
 
-    from eagle3prep.gpus import GpuClaimError, claim_gpus
+    from eagle3prep.infra.gpus import GpuClaimError, claim_gpus
 
     model, sources = prepare_inputs(args)
     g = args.gpus[0]

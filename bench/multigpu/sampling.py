@@ -104,7 +104,7 @@ def gpu_name() -> str:
 
 
 def host_gpu_count(args) -> int:
-    from eagle3prep.gpus import count_gpus
+    from eagle3prep.infra.gpus import count_gpus
 
     if args.device == "cpu":
         return int(os.environ.get("EAGLE3PREP_NUM_GPUS") or args.host_gpus)

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from eagle3prep.atomic import fsync_dir
+from eagle3prep.infra.atomic import fsync_dir
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 VOCAB_SIZE = 512

@@ -13,9 +13,9 @@ FP8 shards (extract.storage fp8_e4m3) export in speculators' FP8 format (hs_conn
 `speculators train --hidden-states-backend fp8`): hidden_states [T, L, H] float8_e4m3fn and
 hidden_states_scales float32. Their own connector writes one scale per token over all layers, [T, 1, 1];
 ours are the shards' own bytes and per-layer scales, [T, L, 1], which their backend's dequantization
-(values * scales) broadcasts the same way. Requantizing to [T, 1, 1] would round a second time (mean
-per-token error 0.026 -> 0.037 on the tiny models, docs/runs/fp8/), and training from the copy would no
-longer equal training from the shards directly (tests/test_train.py).
+(values * scales) broadcasts the same way. Requantizing to [T, 1, 1] would round a second time (DESIGN.md §7
+says how much), and training from the copy would no longer equal training from the shards directly
+(tests/test_train.py).
 
 Rows with images (issue #28) export as any row: input_ids hold the target's vision tokens, the loss mask is 0 on
 them, and the hidden states are those captured with the images. The images themselves stay out (speculators keeps
@@ -42,10 +42,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .atomic import TMP_PREFIX, atomic_open, fsync_dir, sha256_file, write_json
 from .errors import UserError
+from .infra.atomic import TMP_PREFIX, atomic_open, fsync_dir, sha256_file, write_json
+from .infra.provenance import code_version
 from .layers import CONVENTION
-from .provenance import code_version
 from .shard.fp8 import SCALES_KEY
 from .shard.layout import FP8_E4M3, MANIFEST, TOKEN_IDS, layer_file
 from .shard.readers import LayerReader

@@ -17,16 +17,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from . import faults
-from .atomic import remove_stale_temps, sha256_file, write_json
 from .backends import make_backend
 from .backends.base import CaptureBackend, CaptureSpec, EngineInfo
 from .backends.empty import EmptyShardBackend
-from .disk import DiskSpaceError, human_bytes
-from .gpus import claim_job_gpus
+from .infra import faults
+from .infra.atomic import remove_stale_temps, sha256_file, write_json
+from .infra.disk import DiskSpaceError, human_bytes
+from .infra.gpus import claim_job_gpus
+from .infra.provenance import code_version, model_identity, tokenizer_identity
 from .layers import CONVENTION, check_layer_ids, resolve_layer_ids
 from .model_facts import ModelFacts, require_hidden_size
-from .provenance import code_version, model_identity, tokenizer_identity
 from .settings import ExtractSettings
 from .shard.layout import MANIFEST, MODEL_DTYPE, TIMINGS, check_storage, layer_file, token_bytes
 from .shard.manifest import ShardManifest
@@ -206,21 +206,7 @@ class _Job:
             elapsed = time.time() - t_loaded
 
             def before_manifest() -> None:
-                write_json(
-                    self.out / TIMINGS,
-                    {
-                        "engine_start_s": round(t_loaded - self.t0, 3),
-                        "capture_s": round(elapsed, 3),
-                        "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
-                        # Wall-clock (Unix) times: jobs that ran at once can be told apart by their overlap.
-                        "started_at": round(self.t0, 3),
-                        "capture_started_at": round(t_loaded, 3),
-                        "capture_ended_at": round(t_loaded + elapsed, 3),
-                        **({"gpu_claim": self.claim} if self.claim is not None else {}),
-                        **self.info.volatile,
-                        **({"writer": backend.capture_stats} if backend.capture_stats else {}),
-                    },
-                )
+                write_json(self.out / TIMINGS, self._timings(backend, tokens, t_loaded, elapsed))
                 faults.kill_point("extract.before_manifest", shard=self.shard)
 
             manifest = writer.finish(
@@ -238,6 +224,21 @@ class _Job:
             file=sys.stderr,
         )
         return manifest
+
+    def _timings(self, backend: CaptureBackend, tokens: int, t_loaded: float, elapsed: float) -> dict[str, Any]:
+        """timings.json: where the job's time went, and what differs between runs of the same shard."""
+        return {
+            "engine_start_s": round(t_loaded - self.t0, 3),
+            "capture_s": round(elapsed, 3),
+            "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
+            # Wall-clock (Unix) times: jobs that ran at once can be told apart by their overlap.
+            "started_at": round(self.t0, 3),
+            "capture_started_at": round(t_loaded, 3),
+            "capture_ended_at": round(t_loaded + elapsed, 3),
+            **({"gpu_claim": self.claim} if self.claim is not None else {}),
+            **self.info.volatile,
+            **({"writer": backend.capture_stats} if backend.capture_stats else {}),
+        }
 
     def _logprob_rows(self) -> tuple[int, ...]:
         """extract.logprob_rows rows of the shard, spread evenly (the same rows on every rerun)."""

@@ -138,7 +138,7 @@ def check_tokenizer(config: dict[str, Any], stamp: str | os.PathLike | None = TO
             "files (tokenizer.json, tokenizer_config.json) into the folder"
         ) from None
     if stamp is not None:
-        from .atomic import atomic_open
+        from .infra.atomic import atomic_open
 
         Path(stamp).parent.mkdir(parents=True, exist_ok=True)
         with atomic_open(stamp, "w", encoding="utf-8") as f:

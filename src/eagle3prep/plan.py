@@ -16,14 +16,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .atomic import atomic_open, write_json
 from .config import ConfigError, model_layer_ids, reference_mode
-from .disk import human_bytes
 from .extract import free_space_probe, shard_bytes
+from .infra.atomic import atomic_open, write_json
+from .infra.disk import human_bytes
 from .model_facts import ModelFacts, require_hidden_size
 from .shard.layout import MANIFEST
 
 START_SHARE = 0.05  # engine start-up should stay under this share of a shard's job time
+TIMES = ("job_hours_total", "job_hours_left", "gpu_hours_left", "start_share_worst", "recommended")
 
 
 @dataclass(slots=True)
@@ -67,20 +68,9 @@ def make_plan(
         storage: extract.storage; fp8_e4m3 stores 1 byte per value plus a 4-byte scale per token and layer.
     """
     out = Path(hidden_states_dir)
-    shards = []
-    for s in shard_sizes:
-        k, tokens = int(s["shard"]), int(s["tokens"])
-        job_s = engine_start_s + tokens / tokens_per_s if tokens_per_s else None
-        shards.append(
-            ShardPlan(
-                shard=k,
-                rows=int(s["rows"]),
-                tokens=tokens,
-                bytes=shard_bytes(tokens, int(s["rows"]), num_layers, hidden_size, dtype, storage),
-                done=(out / f"shard_{k}" / MANIFEST).is_file(),
-                job_s=round(job_s, 1) if job_s is not None else None,
-            )
-        )
+    shards = [
+        _shard_plan(s, out, num_layers, hidden_size, dtype, storage, tokens_per_s, engine_start_s) for s in shard_sizes
+    ]
     probe = free_space_probe(out.resolve())
     free = shutil.disk_usage(probe).free
     to_write = sum(s.bytes for s in shards if not s.done)
@@ -106,32 +96,57 @@ def make_plan(
         "tokens_per_s": tokens_per_s,
         "engine_start_s": engine_start_s,
         "gpus_per_job": gpus_per_job,
-        "job_hours_total": None,
-        "job_hours_left": None,
-        "gpu_hours_left": None,
-        "start_share_worst": None,
-        "recommended": None,
+        **dict.fromkeys(TIMES),  # None without a throughput; _times fills them in
     }
     if tokens_per_s:
-        left = [s.job_s for s in shards if not s.done]
-        plan["job_hours_total"] = round(sum(s.job_s for s in shards) / 3600, 3)
-        plan["job_hours_left"] = round(sum(left) / 3600, 3)
-        plan["gpu_hours_left"] = round(sum(left) * gpus_per_job / 3600, 3)
-        smallest = min(shards, key=lambda s: s.tokens, default=None)
-        if smallest is not None:
-            plan["start_share_worst"] = round(engine_start_s / smallest.job_s, 4) if smallest.job_s else None
-        min_tokens = min_tokens_per_shard(tokens_per_s, engine_start_s)
-        plan["recommended"] = {
-            "max_start_share": START_SHARE,
-            "min_tokens_per_shard": min_tokens,
-            # On average; shards are even in rows, not tokens, so the smallest may fall a little short.
-            "max_num_shards": max(1, total_tokens // max(min_tokens, 1)),
-        }
+        plan.update(_times(shards, tokens_per_s, engine_start_s, gpus_per_job))
     return plan
+
+
+def _shard_plan(size: dict[str, int], out: Path, num_layers: int, hidden_size: int, dtype: str, storage: str,
+                tokens_per_s: float | None, engine_start_s: float) -> ShardPlan:  # fmt: skip
+    """One shard's plan from its stats.json entry; done when its folder has a manifest."""
+    k, tokens = int(size["shard"]), int(size["tokens"])
+    job_s = engine_start_s + tokens / tokens_per_s if tokens_per_s else None
+    return ShardPlan(
+        shard=k,
+        rows=int(size["rows"]),
+        tokens=tokens,
+        bytes=shard_bytes(tokens, int(size["rows"]), num_layers, hidden_size, dtype, storage),
+        done=(out / f"shard_{k}" / MANIFEST).is_file(),
+        job_s=round(job_s, 1) if job_s is not None else None,
+    )
+
+
+def _times(shards: list[ShardPlan], tokens_per_s: float, engine_start_s: float, gpus_per_job: int) -> dict[str, Any]:
+    """The plan's time estimate and recommended shard size, given a throughput."""
+    left = [s.job_s for s in shards if not s.done]
+    times: dict[str, Any] = {
+        "job_hours_total": round(sum(s.job_s for s in shards) / 3600, 3),
+        "job_hours_left": round(sum(left) / 3600, 3),
+        "gpu_hours_left": round(sum(left) * gpus_per_job / 3600, 3),
+    }
+    smallest = min(shards, key=lambda s: s.tokens, default=None)
+    if smallest is not None:
+        times["start_share_worst"] = round(engine_start_s / smallest.job_s, 4) if smallest.job_s else None
+    min_tokens = min_tokens_per_shard(tokens_per_s, engine_start_s)
+    times["recommended"] = {
+        "max_start_share": START_SHARE,
+        "min_tokens_per_shard": min_tokens,
+        # On average; shards are even in rows, not tokens, so the smallest may fall a little short.
+        "max_num_shards": max(1, sum(s.tokens for s in shards) // max(min_tokens, 1)),
+    }
+    return times
 
 
 def format_plan(plan: dict[str, Any], num_shards_key: str = "tokenize.num_shards") -> str:
     """The plan as a short table and a few sentences (results/plan/plan.txt)."""
+    lines = _table(plan) + _disk(plan, num_shards_key) + _validation_memory(plan) + _time(plan, num_shards_key)
+    return "\n".join(lines) + "\n"
+
+
+def _table(plan: dict[str, Any]) -> list[str]:
+    """The plan's first line (what each token stores) and one line per shard."""
     lines = [
         f"eagle3prep plan: {plan['num_shards']} shards, {plan['rows']:,} rows, {plan['tokens']:,} tokens; "
         f"each token stores {plan['num_layers']} layers x hidden {plan['hidden_size']} in "
@@ -145,8 +160,13 @@ def format_plan(plan: dict[str, Any], num_shards_key: str = "tokenize.num_shards
         lines.append(
             f"{s['shard']:>5}  {s['rows']:>9,}  {s['tokens']:>13,}  {human_bytes(s['bytes']):>10}  {job:>9}  {status}"
         )
+    return lines
+
+
+def _disk(plan: dict[str, Any], num_shards_key: str) -> list[str]:
+    """Whether the shards fit, and the empty shards' line when there are some."""
     verdict = "fits" if plan["fits"] else "DOES NOT FIT: free space or point results/ at a larger filesystem"
-    lines += [
+    lines = [
         "",
         f"disk: {human_bytes(plan['bytes_total'])} in all, {human_bytes(plan['bytes_to_write'])} still to write "
         f"(largest shard {human_bytes(plan['largest_shard_bytes'])}); {human_bytes(plan['free_bytes'])} free on "
@@ -158,39 +178,47 @@ def format_plan(plan: dict[str, Any], num_shards_key: str = "tokenize.num_shards
             f"for {plan['num_shards']} shards); they start no engine and validate, but each is still a job; "
             f"set {num_shards_key} to {max(plan['rows'], 1)} or fewer to avoid them"
         )
+    return lines
+
+
+def _validation_memory(plan: dict[str, Any]) -> list[str]:
+    """What the scalable reference loads, when the plan has it."""
     mem = plan.get("validation_memory")
     if mem and "error" not in mem:
         a, b = mem["largest_window"] or ("-", "-")
-        lines.append(
+        return [
             f"validate, reference scalable: the logits check loads {human_bytes(mem['logits_bytes'])} (final norm + "
             f"lm_head); the largest window ({a} -> {b}) {human_bytes(mem['window_bytes'])} of layers at bf16, one "
             f"layer at a time: peak {human_bytes(mem['layer_peak_bytes'])}"
-        )
-    elif mem:
-        lines.append(f"validate, reference scalable: memory unknown ({mem['error']})")
-    if plan["tokens_per_s"]:
-        rec = plan["recommended"]
-        lines += [
-            f"time: {plan['job_hours_left']:.2f} job-hours left"
-            + (
-                f" ({plan['gpu_hours_left']:.2f} GPU-hours at {plan['gpus_per_job']} GPUs per job)"
-                if plan["gpus_per_job"]
-                else " (on CPU)"
-            )
-            + f", {plan['job_hours_total']:.2f} for every shard, at {plan['tokens_per_s']:,} tokens/s and "
-            f"{plan['engine_start_s']:g} s engine start-up per job",
-            f"shard size: start-up stays under {rec['max_start_share']:.0%} of a job with at least "
-            f"{rec['min_tokens_per_shard']:,} tokens per shard, i.e. at most {rec['max_num_shards']} shards for "
-            f"{plan['tokens']:,} tokens; now {num_shards_key} = {plan['num_shards']}, whose smallest shard spends "
-            f"{plan['start_share_worst']:.1%} of its time starting up"
-            + (" (fewer shards would waste less)" if plan["num_shards"] > rec["max_num_shards"] else ""),
         ]
-    else:
-        lines.append(
+    if mem:
+        return [f"validate, reference scalable: memory unknown ({mem['error']})"]
+    return []
+
+
+def _time(plan: dict[str, Any], num_shards_key: str) -> list[str]:
+    """Job time and the recommended shard size, or how to get them."""
+    if not plan["tokens_per_s"]:
+        return [
             "time: set plan.tokens_per_s (tokens/s of one extract job; a finished shard's timings.json and the "
             "report show it) for job time and a recommended shard size"
+        ]
+    rec = plan["recommended"]
+    return [
+        f"time: {plan['job_hours_left']:.2f} job-hours left"
+        + (
+            f" ({plan['gpu_hours_left']:.2f} GPU-hours at {plan['gpus_per_job']} GPUs per job)"
+            if plan["gpus_per_job"]
+            else " (on CPU)"
         )
-    return "\n".join(lines) + "\n"
+        + f", {plan['job_hours_total']:.2f} for every shard, at {plan['tokens_per_s']:,} tokens/s and "
+        f"{plan['engine_start_s']:g} s engine start-up per job",
+        f"shard size: start-up stays under {rec['max_start_share']:.0%} of a job with at least "
+        f"{rec['min_tokens_per_shard']:,} tokens per shard, i.e. at most {rec['max_num_shards']} shards for "
+        f"{plan['tokens']:,} tokens; now {num_shards_key} = {plan['num_shards']}, whose smallest shard spends "
+        f"{plan['start_share_worst']:.1%} of its time starting up"
+        + (" (fewer shards would waste less)" if plan["num_shards"] > rec["max_num_shards"] else ""),
+    ]
 
 
 def _duration(seconds: float) -> str:

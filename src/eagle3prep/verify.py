@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .atomic import sha256_file
-from .disk import human_bytes
+from .infra.atomic import sha256_file
+from .infra.disk import human_bytes
 from .shard.layout import MANIFEST
 from .shard.manifest import check_listed_file, read_manifest, stray_files
 

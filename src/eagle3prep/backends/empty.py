@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..provenance import engine_version
+from ..infra.provenance import engine_version
 from ..shard.sink import LayerSink, SinkPlan
 from .base import CaptureBackend, CaptureSpec, EngineInfo
 

@@ -17,10 +17,8 @@ PREFIX = "vllm:spec_decode_"
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 PER_POS = "num_accepted_tokens_per_pos"
 
-# The bound, from docs/runs/overfit_gate/ (bench/overfit_gate.py, the demo target in float32, k = 3): a
-# draft overfit on correct rows accepted 1.00 1.00 0.97 per position; the closest planted mistake (layer
-# ids + 1 in the data) 0.95 0.79 0.71, the others at most 0.68 anywhere. Positions are judged, not only
-# the mean: that mistake costs the deeper positions and keeps the first above the bound.
+# The bound sits between what a draft overfit on correct rows accepts and the closest planted mistake
+# (figures: DESIGN.md §6a). Positions are judged, not only the mean: that mistake costs the deeper positions.
 MIN_ACCEPTANCE_PER_POSITION = 0.9  # each position i: per_pos[i] / drafts
 MIN_DRAFTS = 8  # fewer drafting steps than this are no measurement
 

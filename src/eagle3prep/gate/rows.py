@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..atomic import atomic_open, write_json
+from ..infra.atomic import atomic_open, write_json
 
 
 @dataclass(frozen=True, slots=True)

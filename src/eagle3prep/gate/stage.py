@@ -24,12 +24,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..atomic import write_json
 from ..errors import UserError
-from ..gpus import claim_job_gpus
+from ..infra.atomic import write_json
+from ..infra.gpus import claim_job_gpus
+from ..infra.provenance import code_version
 from ..layers import resolve_layer_ids
 from ..model_facts import ModelFacts
-from ..provenance import code_version
 from ..settings import ExtractSettings, RegenerateSettings
 from . import acceptance, rows, serve, train
 
@@ -79,6 +79,22 @@ def _skip(out_json: str, record: dict[str, Any], reason: str) -> dict[str, Any]:
     return record
 
 
+def _trainer(model_path: str, trust_remote_code: bool) -> tuple[str | None, str, str]:
+    """(the trainer's Python, how it was found, why the gate cannot run here: "" when it can)."""
+    blocker = serve.eagle3_blocker(model_path, trust_remote_code)
+    if blocker:
+        return None, "", blocker
+    python, how = train.train_python()
+    return python, how, "" if python is not None else f"no trainer: {how}"
+
+
+def _prompts(tokenized_shard: str, facts: ModelFacts, s: GateSettings) -> tuple[list[rows.Prompt], int, int]:
+    """The gate's prompts, the reply budget each is generated with, and the engines' max_model_len."""
+    budget = s.max_tokens + s.k + 1  # trained on: serving drafts up to k tokens past the last one measured
+    prompts = rows.pick_prompts(tokenized_shard, s.prompts, (facts.max_positions or 4096) - budget - s.k)
+    return prompts, budget, max((len(p.ids) for p in prompts), default=0) + budget + s.k
+
+
 def run_overfit_gate(
     tokenized_shard: str,
     out_json: str,
@@ -103,116 +119,130 @@ def run_overfit_gate(
     work_dir.mkdir(parents=True, exist_ok=True)
     facts = ModelFacts.read(model_path)
     ids = resolve_layer_ids(layers["ids"], layers["convention"], facts.num_hidden_layers)
-    record: dict[str, Any] = {
-        "format": FORMAT,
-        "model": model_path,
-        "layer_ids": ids,
-        "settings": asdict(s),
-        "bound": acceptance.bound(s.k),
-        "code_version": code_version(),
-    }
-    blocker = serve.eagle3_blocker(model_path, trust_remote_code)
+    record: dict[str, Any] = {"format": FORMAT, "model": model_path, "layer_ids": ids, "settings": asdict(s),
+                              "bound": acceptance.bound(s.k), "code_version": code_version()}  # fmt: skip
+    python, how, blocker = _trainer(model_path, trust_remote_code)
     if blocker:
         return _skip(out_json, record, blocker)
-    python, how = train.train_python()
-    if python is None:
-        return _skip(out_json, record, f"no trainer: {how}")
     record["trainer_python"] = how
 
     from ..regenerate.prompts import PromptRenderer
 
     stop_ids = PromptRenderer.load(model_path, trust_remote_code, dict(chat_template_kwargs)).stop_token_ids()
-    budget = s.max_tokens + s.k + 1  # trained on: serving drafts up to k tokens past the last one measured
-    context = facts.max_positions or 4096
-    prompts = rows.pick_prompts(tokenized_shard, s.prompts, context - budget - s.k)
+    prompts, budget, max_model_len = _prompts(tokenized_shard, facts, s)
     if not prompts:
         return _skip(out_json, record, f"no row of {tokenized_shard} has a prompt that leaves {budget} tokens")
-    max_model_len = max(len(p.ids) for p in prompts) + budget + s.k
     record["prompts"] = [{"row": p.row, "tokens": len(p.ids), "ids": p.ids} for p in prompts]
+    ask = [p.ids for p in prompts]
 
     # The job's GPUs, claimed once before any engine reads CUDA_VISIBLE_DEVICES (extract_shard's own claim
     # then respects it); none on a host without NVIDIA GPUs.
     with claim_job_gpus(job_gpus(regenerate, extract)):
         log(f"{len(prompts)} prompts of {tokenized_shard}: the target's greedy replies ({budget} tokens each)")
-        regen = serve.generate(model_path, regenerate, [p.ids for p in prompts], budget, stop_ids, max_model_len,
-                               trust_remote_code)  # fmt: skip
+        regen = serve.generate(model_path, regenerate, ask, budget, stop_ids, max_model_len, trust_remote_code)
         record["regenerate_engine"] = regen.engine
         gate_rows = rows.training_rows(prompts, regen.outputs, s.copies)
-        tokenized, freq = work_dir / "rows/shard_0.jsonl", work_dir / "rows/token_freq.json"
-        rows.write_rows(gate_rows, tokenized, freq)
-
-        from ..extract import run_extract_job
-        from ..validate import validate_shard
-
-        shard = work_dir / "hidden_states/shard_0"
-        longest = max(r["seq_len"] for r in gate_rows)
-        run_extract_job(str(tokenized), str(shard), model_path=model_path, layers=layers, extract=extract,
-                        max_seq_len=longest, trust_remote_code=trust_remote_code, shard=0, threads=threads)  # fmt: skip
-        if plant is not None:
-            shard = plant(shard)
-            record["planted"] = str(shard)
-        validation = work_dir / "validation/shard_0.json"
-        validate_shard(str(shard), str(tokenized), str(validation), model_path, reference=False)
-
-        import torch
-
-        job = {
-            "model": str(Path(model_path).resolve()), "shard": str(shard), "validation": str(validation),
-            "tokenized": str(tokenized), "token_freq": str(freq), "export": str(work_dir / "export"),
-            "out": str(work_dir / "train"), "layer_ids": ids, "steps": s.steps, "lr": s.lr, "loss_fn": s.loss_fn,
-            "draft_vocab_size": min(facts.vocab_size or train.MAX_DRAFT_VOCAB, train.MAX_DRAFT_VOCAB),
-            "total_seq_len": sum(r["seq_len"] for r in gate_rows[: len(prompts)]), "train_rows": len(gate_rows) - 1,
-            "cpu": not torch.accelerator.is_available(),
-        }  # fmt: skip
-        t_train = time.time()
-        log(
-            f"training the draft: {s.steps} steps, {s.copies} copies of {len(prompts)} rows ({job['total_seq_len']} tokens a batch)"
-        )
-        record["training"] = {
-            **train.run(job, python, work_dir / "train.log"),
-            "wall_s": round(time.time() - t_train, 1),
-        }
+        files = _capture(work_dir, gate_rows, record, model_path=model_path, layers=layers, extract=extract,
+                         trust_remote_code=trust_remote_code, threads=threads, plant=plant)  # fmt: skip
+        job = _train_job(model_path, files, work_dir, gate_rows, len(prompts), ids, facts, s)
+        record["training"] = _train_draft(job, python, work_dir, s, len(prompts))
 
         log(f"serving the prompts with the draft (eagle3, k = {s.k}, greedy, {s.max_tokens} tokens each)")
         try:
-            served = serve.generate(model_path, regenerate, [p.ids for p in prompts], s.max_tokens, stop_ids,
-                                    max_model_len, trust_remote_code, draft=record["training"]["draft"], k=s.k)  # fmt: skip
+            served = serve.generate(model_path, regenerate, ask, s.max_tokens, stop_ids, max_model_len,
+                                    trust_remote_code, draft=record["training"]["draft"], k=s.k)  # fmt: skip
         except serve.NotServable as e:
             return _skip(out_json, record, str(e))
-        first_diff = [_first_difference(o, r) for o, r in zip(served.outputs, regen.outputs, strict=True)]
-        # Greedy decoding with a draft writes what the target alone writes, up to numerics (a near-tie decided
-        # otherwise when k + 1 tokens are verified at once); past such a token the draft is off its training
-        # rows, whatever the data. The draft cannot move the target's choice, so judging the other prompts
-        # hides no mistake of the data.
-        judged = [i for i, d in enumerate(first_diff) if d is None]
-        acc = acceptance.acceptance(acceptance.total([served.spec[i] for i in judged]) or acceptance.zero(s.k), s.k)
-        verdict, line = acceptance.verdict(acc, len(judged), len(prompts))
-        record.update(
-            acceptance=acc.to_json(),
-            acceptance_all_prompts=acceptance.acceptance(acceptance.total(served.spec), s.k).to_json(),
-            per_prompt=[
-                {
-                    "mean_acceptance_length": round(acceptance.acceptance(sp, s.k).mean_acceptance_length, 4),
-                    "first_difference": d,
-                    "spec_decode": sp,
-                }
-                for sp, d in zip(served.spec, first_diff, strict=True)
-            ],  # fmt: skip
-            served_equal_to_regenerated=f"{len(judged)}/{len(prompts)}",
-            replies={"regenerated": regen.outputs, "served": served.outputs},
-            serve_engine=served.engine,
-            verdict=verdict,
-            detail=line,
-            ok=verdict == "pass",
-            wall_s=round(time.time() - t0, 1),
+        record.update(_judged(served, regen, len(prompts), s.k), wall_s=round(time.time() - t0, 1))
+        return _finish(record, work_dir, out_json)
+
+
+def _capture(work_dir: Path, gate_rows: list[dict[str, Any]], record: dict[str, Any], *, model_path: str,
+             layers: dict[str, Any], extract: ExtractSettings, trust_remote_code: bool, threads: int | None,
+             plant: Callable[[Path], Path] | None) -> dict[str, Any]:  # fmt: skip
+    """Write the gate's rows, capture and validate their shard as the workflow would (planted, when asked):
+    the files the trainer reads, as its job's entries."""
+    tokenized, freq = work_dir / "rows/shard_0.jsonl", work_dir / "rows/token_freq.json"
+    rows.write_rows(gate_rows, tokenized, freq)
+
+    from ..extract import run_extract_job
+    from ..validate import validate_shard
+
+    shard = work_dir / "hidden_states/shard_0"
+    longest = max(r["seq_len"] for r in gate_rows)
+    run_extract_job(str(tokenized), str(shard), model_path=model_path, layers=layers, extract=extract,
+                    max_seq_len=longest, trust_remote_code=trust_remote_code, shard=0, threads=threads)  # fmt: skip
+    if plant is not None:
+        shard = plant(shard)
+        record["planted"] = str(shard)
+    validation = work_dir / "validation/shard_0.json"
+    validate_shard(str(shard), str(tokenized), str(validation), model_path, reference=False)
+    return {"shard": str(shard), "validation": str(validation), "tokenized": str(tokenized), "token_freq": str(freq)}
+
+
+def _train_job(model_path: str, files: dict[str, str], work_dir: Path, gate_rows: list[dict[str, Any]],
+               n_prompts: int, ids: list[int], facts: ModelFacts, s: GateSettings) -> dict[str, Any]:  # fmt: skip
+    """The trainer's job (train.run) for the gate's rows: the files _capture wrote and the settings."""
+    import torch
+
+    return {
+        "model": str(Path(model_path).resolve()), **files, "export": str(work_dir / "export"),
+        "out": str(work_dir / "train"), "layer_ids": ids, "steps": s.steps, "lr": s.lr, "loss_fn": s.loss_fn,
+        "draft_vocab_size": min(facts.vocab_size or train.MAX_DRAFT_VOCAB, train.MAX_DRAFT_VOCAB),
+        "total_seq_len": sum(r["seq_len"] for r in gate_rows[:n_prompts]), "train_rows": len(gate_rows) - 1,
+        "cpu": not torch.accelerator.is_available(),
+    }  # fmt: skip
+
+
+def _train_draft(job: dict[str, Any], python: str, work_dir: Path, s: GateSettings, n_prompts: int) -> dict[str, Any]:
+    """Train the draft in the trainer's Python; its record, with the wall time."""
+    t_train = time.time()
+    log(
+        f"training the draft: {s.steps} steps, {s.copies} copies of {n_prompts} rows ({job['total_seq_len']} tokens a batch)"
+    )
+    return {**train.run(job, python, work_dir / "train.log"), "wall_s": round(time.time() - t_train, 1)}
+
+
+def _judged(served: Any, regen: Any, n_prompts: int, k: int) -> dict[str, Any]:
+    """The served replies judged: acceptance over the prompts served as the target alone writes them."""
+    first_diff = [_first_difference(o, r) for o, r in zip(served.outputs, regen.outputs, strict=True)]
+    # Greedy decoding with a draft writes what the target alone writes, up to numerics (a near-tie decided
+    # otherwise when k + 1 tokens are verified at once); past such a token the draft is off its training
+    # rows, whatever the data. The draft cannot move the target's choice, so judging the other prompts
+    # hides no mistake of the data.
+    judged = [i for i, d in enumerate(first_diff) if d is None]
+    acc = acceptance.acceptance(acceptance.total([served.spec[i] for i in judged]) or acceptance.zero(k), k)
+    verdict, line = acceptance.verdict(acc, len(judged), n_prompts)
+    return {
+        "acceptance": acc.to_json(),
+        "acceptance_all_prompts": acceptance.acceptance(acceptance.total(served.spec), k).to_json(),
+        "per_prompt": [
+            {
+                "mean_acceptance_length": round(acceptance.acceptance(sp, k).mean_acceptance_length, 4),
+                "first_difference": d,
+                "spec_decode": sp,
+            }
+            for sp, d in zip(served.spec, first_diff, strict=True)
+        ],
+        "served_equal_to_regenerated": f"{len(judged)}/{n_prompts}",
+        "replies": {"regenerated": regen.outputs, "served": served.outputs},
+        "serve_engine": served.engine,
+        "verdict": verdict,
+        "detail": line,
+        "ok": verdict == "pass",
+    }
+
+
+def _finish(record: dict[str, Any], work_dir: Path, out_json: str) -> dict[str, Any]:
+    """Keep the record in `work_dir`; write `out_json` on a pass, raise GateFailed otherwise."""
+    verdict, line = record["verdict"], record["detail"]
+    write_json(work_dir / "overfit_gate.json", record)
+    log(f"{verdict.upper()}: {line}")
+    if verdict != "pass":
+        print(json.dumps(record.get("acceptance"), indent=1), file=sys.stderr)
+        raise GateFailed(
+            f"overfit gate failed: {line} (bound {acceptance.MIN_ACCEPTANCE_PER_POSITION} per position); the "
+            f"record is {work_dir / 'overfit_gate.json'}: check layers.ids and the capture (docs/DESIGN.md §6a)"
         )
-        write_json(work_dir / "overfit_gate.json", record)
-        log(f"{verdict.upper()}: {line}")
-        if verdict != "pass":
-            print(json.dumps(record.get("acceptance"), indent=1), file=sys.stderr)
-            raise GateFailed(
-                f"overfit gate failed: {line} (bound {acceptance.MIN_ACCEPTANCE_PER_POSITION} per position); the "
-                f"record is {work_dir / 'overfit_gate.json'}: check layers.ids and the capture (docs/DESIGN.md §6a)"
-            )
-        write_json(out_json, record)
-        return record
+    write_json(out_json, record)
+    return record

@@ -8,8 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from eagle3prep import faults
-from eagle3prep.atomic import atomic_open, write_json
+from eagle3prep.infra import faults
+from eagle3prep.infra.atomic import atomic_open, write_json
 from eagle3prep.prepare.counts import MAX_LISTED_DUPLICATES, FileCounts, check_invariant, counts_json
 from eagle3prep.prepare.errors import IMAGE_REASONS, Rejected
 from eagle3prep.prepare.images import ImageOptions

@@ -12,9 +12,9 @@ import sys
 import time
 from typing import Any
 
-from eagle3prep import shm
 from eagle3prep.backends.vllm import compat
 from eagle3prep.backends.vllm.errors import ChildOutput, EngineError, engine_error
+from eagle3prep.infra import shm
 from eagle3prep.model_facts import ModelFacts
 from eagle3prep.regenerate.runner import Finished, RequestRejected
 from eagle3prep.settings import RegenerateSettings, Sampling

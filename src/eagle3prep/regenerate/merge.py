@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eagle3prep.atomic import atomic_open, write_json
 from eagle3prep.errors import UserError
+from eagle3prep.infra.atomic import atomic_open, write_json
 from eagle3prep.regenerate.counts import merged_counts, summarize
 from eagle3prep.regenerate.stage import CONVERSATIONS, COUNTS, MANIFEST, QUARANTINE
 

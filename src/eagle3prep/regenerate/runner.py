@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from eagle3prep import faults
+from eagle3prep.infra import faults
 from eagle3prep.prepare.normalize import conversation_id
 from eagle3prep.records import Conversation, Quarantined
 from eagle3prep.regenerate.counts import ShardTally

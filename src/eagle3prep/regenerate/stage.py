@@ -20,13 +20,13 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from eagle3prep import faults
-from eagle3prep.atomic import atomic_open, remove_stale_temps, sha256_file, write_json
 from eagle3prep.errors import UserError
-from eagle3prep.gpus import claim_job_gpus
+from eagle3prep.infra import faults
+from eagle3prep.infra.atomic import atomic_open, remove_stale_temps, sha256_file, write_json
+from eagle3prep.infra.gpus import claim_job_gpus
+from eagle3prep.infra.provenance import code_version, engine_version, model_identity, tokenizer_identity
 from eagle3prep.model_facts import ModelFacts
 from eagle3prep.prepare.stage import quarantine_line
-from eagle3prep.provenance import code_version, engine_version, model_identity, tokenizer_identity
 from eagle3prep.records import Quarantined
 from eagle3prep.regenerate.counts import ShardTally, shard_counts, summarize
 from eagle3prep.regenerate.prompts import PromptRenderer

@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .. import faults
-from ..atomic import atomic_open, sha256_file, write_json
+from ..infra import faults
+from ..infra.atomic import atomic_open, sha256_file, write_json
 from ..shard.layout import MANIFEST, TIMINGS
 from ..shard.shardset import ShardSet
 from . import data, page, plots, samples
@@ -161,6 +161,26 @@ def build_report(
     faults.kill_point("report.before_manifest")
     write_json(out_manifest, dataset)
 
+    outlier_note, series = _layer_series(shard_dirs, reports)
+    row_stats = _row_stats(tokenized)
+    coverage = data.vocab_coverage(data.load_json(token_freq_path))
+    ctx = _page_context(dataset, stats, counts, reports, summary, margins, row_stats, coverage)
+    ctx.update(outlier_note=outlier_note, code_versions={str(m.code_version) for m in manifests},
+               export=_export_facts(export_dir), overfit_gate=data.load_json(overfit_gate) if overfit_gate else None)  # fmt: skip
+    # The tokenizer the rows were made with (trust_remote_code as the shards recorded it).
+    tokenizer, ctx["samples_note"] = samples.load_tokenizer_or_reason(
+        model_dir, bool(dataset["model"].get("trust_remote_code"))
+    )
+    ctx["samples"] = samples.samples(tokenized, tokenizer, max_seq_len=stats.get("max_seq_len"))
+    figs = _figures(margins, series, coverage, summary, row_stats, stats, len(reports))
+    faults.kill_point("report.before_html")
+    page.write_page(out_html, ctx, figs)
+    return dataset
+
+
+def _layer_series(shard_dirs: list[str], reports: list[dict[str, Any]]) -> tuple[str, Any]:
+    """The per-layer statistics' series, with outlier shares from validation when it counted every token
+    (sampled from the shards otherwise), and the note that says which."""
     exact = all("outlier_share" in s for v in reports for s in v.get("layer_stats", {}).values())
     outliers = None if exact else [data.sampled_outlier_shares(d, v) for d, v in zip(shard_dirs, reports, strict=True)]
     ratio = data.OUTLIER_NORM_RATIO
@@ -169,11 +189,13 @@ def build_report(
         + ("share over every token (validation)." if exact else
            f"share over up to {data.OUTLIER_SAMPLE_TOKENS:,} sampled tokens per layer and shard.")
     )  # fmt: skip
-    series = data.layer_stat_series(reports, outliers)
-    row_stats = _row_stats(tokenized)
-    coverage = data.vocab_coverage(data.load_json(token_freq_path))
+    return outlier_note, data.layer_stat_series(reports, outliers)
+
+
+def _page_context(dataset, stats, counts, reports, summary, margins, row_stats, coverage) -> dict[str, Any]:
+    """What the page shows of the run's outputs (build_report adds the rest)."""
     skipped = [k for k, v in enumerate(reports) if data.reference_skipped(v)]
-    ctx = {
+    return {
         "dataset": dataset,
         "stats": stats,
         "counts": counts,
@@ -184,29 +206,20 @@ def build_report(
         "images": data.image_facts(counts, stats, row_stats["images"].tolist()),
         "grid": data.check_grid(reports),
         "coverage": coverage,
-        "outlier_note": outlier_note,
         "reference_skipped": skipped,
         "reference_line": data.reference_summary(reports) + (f"; SKIPPED on shards {skipped}" if skipped else ""),
-        "code_versions": {str(m.code_version) for m in manifests},
-        "export": _export_facts(export_dir),
-        "overfit_gate": data.load_json(overfit_gate) if overfit_gate else None,
     }
-    # The tokenizer the rows were made with (trust_remote_code as the shards recorded it).
-    tokenizer, ctx["samples_note"] = samples.load_tokenizer_or_reason(
-        model_dir, bool(dataset["model"].get("trust_remote_code"))
-    )
-    ctx["samples"] = samples.samples(tokenized, tokenizer, max_seq_len=stats.get("max_seq_len"))
-    n = len(reports)
-    figs = {
+
+
+def _figures(margins, series, coverage, summary, row_stats, stats, n: int) -> dict[str, Any]:
+    """The page's figures, by the name page.py places them under."""
+    return {
         "margin": plots.reference_margin(margins, n) if margins else None,
         "layer_stats": plots.layer_stats(series, n),
         "coverage": plots.vocab_coverage(coverage),
         "throughput": plots.throughput_and_disk(summary),
         "distributions": plots.distributions(row_stats, stats.get("max_seq_len"), stats.get("truncated_rows", 0)),
     }
-    faults.kill_point("report.before_html")
-    page.write_page(out_html, ctx, figs)
-    return dataset
 
 
 __all__ = ["DATASET_FORMAT", "build_report"]

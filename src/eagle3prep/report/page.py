@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_open
+from ..infra.atomic import atomic_open
 from . import data
 
 # A layer whose worst sampled row reaches this share of its bound is flagged before it fails.
@@ -283,7 +283,7 @@ def all_checks(reports: list[dict[str, Any]]) -> str:
 
 def margin_note(margins: dict[str, list[float | None]]) -> str:
     """What the margin figure's numbers are, in one paragraph under it."""
-    from ..passrule import FLOOR_FACTOR
+    from ..validate.passrule import FLOOR_FACTOR
 
     return (
         "<p>Per layer and shard, the sampled row nearest its bound: its error (RMS over the row's tokens of "

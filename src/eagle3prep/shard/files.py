@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import faults
-from ..disk import disk_full_is_user_error
+from ..infra import faults
+from ..infra.disk import disk_full_is_user_error
 from .layout import DTYPES, safetensors_header, temp_of
 
 if TYPE_CHECKING:
@@ -118,8 +118,8 @@ class StreamingSafetensorsWriter:
         self.tmp.unlink(missing_ok=True)
 
 
-# BackgroundFlush defaults. 64 MiB: on the H200 host, at a GPU's pace, the shard's tail (finish())
-# was 0.29 s against 0.58 s at 256 MiB, with the same throughput (docs/runs/bench_sink_h200_paced.txt).
+# BackgroundFlush defaults. A shorter interval leaves less for finish()'s final fsync, the shard's tail,
+# at the same throughput down to 64 MiB (docs/performance.md, "The flush interval").
 FLUSH_EVERY = 64 << 20
 # How far (per file) the writer may run ahead of the disk before it waits: room for the disk's hiccups.
 FLUSH_MAX_BEHIND = 1 << 30

@@ -19,7 +19,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from ..atomic import TMP_PREFIX
+from ..infra.atomic import TMP_PREFIX
 from .fp8 import FP8_DTYPE, FP8_MAX, SCALE_MIN, SCALES_KEY
 
 MANIFEST = "manifest.json"

@@ -74,7 +74,7 @@ def read_manifest(shard_dir: str | os.PathLike) -> ShardManifest:
 def check_listed_file(path: Path, entry: dict[str, Any]) -> tuple[bool, str]:
     """One file against its manifest entry ({"sha256", "bytes"}, as shard and export manifests list them):
     (ok, detail). Size first: a truncated file is named as such without reading it."""
-    from ..atomic import sha256_file
+    from ..infra.atomic import sha256_file
 
     if not path.is_file():
         return False, "listed in the manifest but missing"

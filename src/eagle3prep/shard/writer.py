@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .. import faults
-from ..atomic import atomic_open, fsync_dir, sha256_file, write_json
-from ..disk import disk_full_is_user_error
+from ..infra import faults
+from ..infra.atomic import atomic_open, fsync_dir, sha256_file, write_json
+from ..infra.disk import disk_full_is_user_error
 from ..records import IndexEntry
 from .files import StreamingSafetensorsWriter
 from .layout import (

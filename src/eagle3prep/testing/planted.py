@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..atomic import sha256_file
+from ..infra.atomic import sha256_file
 from ..shard.layout import MANIFEST, MODEL_DTYPE, layer_file
 from ..shard.manifest import read_manifest
 from ..shard.readers import read_index, read_layer
@@ -121,8 +121,8 @@ def rerouted(source: Path, out: Path, input_ids: list[int], row: int, token: int
     What another engine captures where that token's router margin is a near-tie; a wrong capture where it
     is not. Every later token of the row moves too (attention carries it), as in a real re-route.
     """
-    from ..reference import Reference
-    from ..routing import force_reroute
+    from ..validate.reference import Reference
+    from ..validate.routing import force_reroute
 
     manifest = read_manifest(source)
     ref = Reference(model_path)
@@ -150,8 +150,8 @@ def plant_image(mistake: str, source: Path, out: Path, tokenized_shard: Path, mo
     what a capture that got the images wrong was given, by `mistake` (one of IMAGE_MISTAKES)."""
     import torch
 
-    from ..reference import Reference
     from ..tokenization.row_inputs import RowImages
+    from ..validate.reference import Reference
 
     manifest = read_manifest(source)
     with open(tokenized_shard, encoding="utf-8") as f:

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from eagle3prep import faults
-from eagle3prep.atomic import TMP_PREFIX, atomic_open, write_json, write_jsonl
 from eagle3prep.config import check_max_seq_len
-from eagle3prep.provenance import tokenizer_identity
+from eagle3prep.infra import faults
+from eagle3prep.infra.atomic import TMP_PREFIX, atomic_open, write_json, write_jsonl
+from eagle3prep.infra.provenance import tokenizer_identity
 from eagle3prep.records import Quarantined
 from eagle3prep.tokenization.template import ChatEncoder, TokenizeError, load_tokenizer
 from eagle3prep.tokenization.workers import batched, encode_chunks
@@ -59,21 +59,10 @@ def tokenize_conversations(
         raise TokenizeError("out_shards is empty; tokenize.num_shards must be at least 1")
     encoder = _load_encoder(model_path, max_seq_len, template_fallback, trust_remote_code, chat_template_kwargs)
     identity = tokenizer_identity(str(model_path))
-
-    # Rows go to a spill file first: how many rows each shard gets is known only at the end, and
-    # host memory must not grow with the dataset.
-    spill_dir = Path(out_shards[0]).parent
-    spill_dir.mkdir(parents=True, exist_ok=True)
-    # A fixed name: a killed run's spill is overwritten by the rerun, then removed, not left behind.
-    spill = spill_dir / f"{TMP_PREFIX}tokenize-spill.jsonl"
     tally = _Tally(len(encoder.id_str))
-    try:
-        load_args = (model_path, template_fallback, trust_remote_code, encoder.chat_template_kwargs)
-        _spill_rows(spill, conversations_path, encoder, max_seq_len, batch_size, workers, load_args, tally)
-        shards = _write_shards(spill, out_shards, tally.seq_lens)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            spill.unlink()
+    load_args = (model_path, template_fallback, trust_remote_code, encoder.chat_template_kwargs)
+    shards = _encode_into_shards(conversations_path, out_shards, encoder, max_seq_len, batch_size, workers,
+                                 load_args, tally)  # fmt: skip
 
     assert tally.n_in == len(tally.seq_lens) + len(tally.quarantined), "rows in != rows out + quarantined"
     if tally.n_in and not tally.seq_lens:
@@ -90,6 +79,23 @@ def tokenize_conversations(
         file=sys.stderr,
     )
     return stats
+
+
+def _encode_into_shards(conversations_path, out_shards, encoder: ChatEncoder, max_seq_len: int, batch_size: int,
+                        workers: int, load_args: tuple, tally: _Tally) -> list[dict[str, Any]]:  # fmt: skip
+    """Encode every conversation into `tally` and the shards; the shards' entries for stats.json."""
+    # Rows go to a spill file first: how many rows each shard gets is known only at the end, and
+    # host memory must not grow with the dataset.
+    spill_dir = Path(out_shards[0]).parent
+    spill_dir.mkdir(parents=True, exist_ok=True)
+    # A fixed name: a killed run's spill is overwritten by the rerun, then removed, not left behind.
+    spill = spill_dir / f"{TMP_PREFIX}tokenize-spill.jsonl"
+    try:
+        _spill_rows(spill, conversations_path, encoder, max_seq_len, batch_size, workers, load_args, tally)
+        return _write_shards(spill, out_shards, tally.seq_lens)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            spill.unlink()
 
 
 def _load_encoder(

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import faults
 from ..check import Checks
+from ..infra import faults
 from ..shard.layout import DTYPES, layer_tensors
 from ..shard.readers import LayerReader, read_token_ids
 from .subject import ShardUnderTest

@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from ..check import Checks
-from ..passrule import FLOOR_FACTOR, FP8_FACTOR
 from ..shard.layout import LOGPROBS
 from ..shard.readers import read_logprobs
-from ..slices import as_checkpoint, torch_dtype
+from .passrule import FLOOR_FACTOR, FP8_FACTOR
+from .slices import as_checkpoint, torch_dtype
 from .subject import ShardUnderTest
 
 HEAD_CHUNK = 256  # tokens per lm_head matmul: Kimi's logits are 0.66 MB a token in fp32

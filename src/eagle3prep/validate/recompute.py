@@ -7,10 +7,10 @@ from typing import Any
 
 from ..backends.vllm.compat import KNOWN_BUGS, NO_WORKAROUNDS_ENV, parse_version
 from ..check import Checks
-from ..passrule import describe_failure, judge_layer, judge_row
-from ..reference import ReferencePair
 from ..shard.manifest import ShardManifest
 from ..tokenization.row_inputs import RowImages
+from .passrule import describe_failure, judge_layer, judge_row
+from .reference import ReferencePair
 from .subject import ShardUnderTest
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from ..check import Checks
-from ..slices import Checkpoint, hf_config, raw_config
 from ..tokenization.row_inputs import RowImages
 from .logits import HEAD_CHUNK, check_logits
+from .slices import Checkpoint, hf_config, raw_config
 from .subject import ShardUnderTest
 from .window import check_windows
 
@@ -63,7 +63,7 @@ def _skeleton_only(config):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..slices import text_skeleton
+    from .slices import text_skeleton
 
     with torch.device("meta"):
         try:

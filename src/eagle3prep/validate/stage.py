@@ -13,19 +13,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .. import faults
-from ..atomic import write_json
 from ..check import Checks
 from ..config import reference_mode
 from ..errors import UserError
-from ..gpus import claim_job_gpus
-from ..passrule import miss_probability, rows_to_sample
-from ..reference import ReferencePair
+from ..infra import faults
+from ..infra.atomic import write_json
+from ..infra.gpus import claim_job_gpus
 from ..shard.shardset import read_tokenized
 from ..tokenization.row_inputs import RowImages
 from .content import check_content
 from .integrity import check_intact, check_manifest
+from .passrule import miss_probability, rows_to_sample
 from .recompute import check_reference
+from .reference import ReferencePair
 from .subject import ShardUnderTest
 
 

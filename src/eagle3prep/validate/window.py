@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..check import Checks
-from ..passrule import describe_failure, fp8_floor, judge_layer, judge_tokens, token_errors
-from ..slices import Checkpoint, as_checkpoint, cast, torch_dtype
+from .passrule import describe_failure, fp8_floor, judge_layer, judge_tokens, token_errors
+from .slices import Checkpoint, as_checkpoint, cast, torch_dtype
 from .subject import ShardUnderTest
 
 

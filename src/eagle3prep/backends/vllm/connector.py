@@ -177,43 +177,64 @@ def build_connector(module: Any) -> type:
                 return _Done()
 
         def _e3p_gather_into(self, sink: LayerSink, saves: list[Any]) -> Any:
-            import torch
-
-            from ...shard.sink import Segment
-
             if not saves:
                 return _Done()
-            spans, slots, at = [], [], 0
-            for p in saves:
-                n = int(p.token_ids.shape[0])
-                length = sink.rows[p.e3p_tag][1]
-                if n != length:
-                    raise RuntimeError(f"request {p.e3p_tag}: vLLM saved {n} tokens, the row has {length}")
-                spans.append((p.e3p_tag, at, at + n))
-                slots.append(slots_of(p.block_ids, self._block_size, n))
-                at += n
-            mapping = torch.cat(slots).to(self._kv_cache.device, non_blocking=True)
-            hs = module.extract_from_kv_cache(self._kv_cache, mapping, at)  # [T, L, H], a fresh tensor
-            if hs.dim() != 3 or hs.shape[1] != len(sink.layer_ids) or hs.shape[0] != at:
-                raise RuntimeError(
-                    f"vLLM's hidden-states cache gave {tuple(hs.shape)}, expected [{at}, {len(sink.layer_ids)}, H] "
-                    "(did the buffer's layout change?)"
-                )
-            gathered: Any = _Done()
-            if hs.is_cuda:  # the blocks are free once the gather ran, whichever stream reuses them
-                gathered = torch.cuda.Event()
-                gathered.record()
-            for a, b, segs in steps_of(spans, sink.spec.step_tokens):
-                sink.begin_step([Segment(*s) for s in segs])
-                part = hs[a:b]
-                for j, lid in enumerate(sink.layer_ids):  # layers in the buffer follow the ascending ids
-                    sink.add_layer(lid, part[:, j])
-                PORT.tokens += b - a
+            spans, slots, at = _saved_spans(sink, saves, self._block_size)
+            hs, gathered = _gather(module, self._kv_cache, slots, at, len(sink.layer_ids))
+            _into_sink(sink, hs, spans)
             return gathered
 
     E3PHiddenStatesConnector.__qualname__ = CONNECTOR
     E3PHiddenStatesConnector.__module__ = __name__
     return E3PHiddenStatesConnector
+
+
+def _saved_spans(
+    sink: LayerSink, saves: list[Any], block_size: int
+) -> tuple[list[tuple[Any, int, int]], list[Any], int]:
+    """Each save's (tag, start, end) in the gathered buffer, its KV-cache slots, and the buffer's length;
+    a save whose token count is not its row's stops the shard."""
+    spans, slots, at = [], [], 0
+    for p in saves:
+        n = int(p.token_ids.shape[0])
+        length = sink.rows[p.e3p_tag][1]
+        if n != length:
+            raise RuntimeError(f"request {p.e3p_tag}: vLLM saved {n} tokens, the row has {length}")
+        spans.append((p.e3p_tag, at, at + n))
+        slots.append(slots_of(p.block_ids, block_size, n))
+        at += n
+    return spans, slots, at
+
+
+def _gather(module: Any, kv_cache: Any, slots: list[Any], at: int, n_layers: int) -> tuple[Any, Any]:
+    """The saves' hidden states out of vLLM's cache, [at, L, H], and an event that completes when their
+    blocks may be reused."""
+    import torch
+
+    mapping = torch.cat(slots).to(kv_cache.device, non_blocking=True)
+    hs = module.extract_from_kv_cache(kv_cache, mapping, at)  # [T, L, H], a fresh tensor
+    if hs.dim() != 3 or hs.shape[1] != n_layers or hs.shape[0] != at:
+        raise RuntimeError(
+            f"vLLM's hidden-states cache gave {tuple(hs.shape)}, expected [{at}, {n_layers}, H] "
+            "(did the buffer's layout change?)"
+        )
+    gathered: Any = _Done()
+    if hs.is_cuda:  # the blocks are free once the gather ran, whichever stream reuses them
+        gathered = torch.cuda.Event()
+        gathered.record()
+    return hs, gathered
+
+
+def _into_sink(sink: LayerSink, hs: Any, spans: list[tuple[Any, int, int]]) -> None:
+    """The gathered [T, L, H] buffer into the sink, a step of at most step_tokens at a time."""
+    from ...shard.sink import Segment
+
+    for a, b, segs in steps_of(spans, sink.spec.step_tokens):
+        sink.begin_step([Segment(*s) for s in segs])
+        part = hs[a:b]
+        for j, lid in enumerate(sink.layer_ids):  # layers in the buffer follow the ascending ids
+            sink.add_layer(lid, part[:, j])
+        PORT.tokens += b - a
 
 
 def __getattr__(name: str) -> Any:

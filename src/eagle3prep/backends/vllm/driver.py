@@ -14,8 +14,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from ... import shm
 from ...config import ConfigError
+from ...infra import shm
 from ...layers import check_layer_ids
 from ...model_facts import ModelFacts, require_hidden_size
 from ...shard.sink import SinkPlan
@@ -65,8 +65,8 @@ class VLLMBackend(CaptureBackend):
     def _probe(self) -> EngineInfo:
         t0 = time.time()
         # vLLM forks its GPU workers unless this process has initialized CUDA (then it spawns them).
-        # Forked workers start ~20 s sooner on the H200 (spawned ones import torch and vLLM again;
-        # docs/performance.md). torch.cuda.is_available()/device_count() initialize the CUDA driver
+        # Forked workers start sooner: spawned ones import torch and vLLM again (docs/performance.md,
+        # engine start). torch.cuda.is_available()/device_count() initialize the CUDA driver
         # without torch noticing, and a forked worker then dies with "CUDA error: initialization
         # error": make them ask NVML instead, wherever they are called in this process.
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
@@ -82,6 +82,15 @@ class VLLMBackend(CaptureBackend):
         for line in self._workarounds.log_lines:
             log(line)
         candidates, fallback_reason = self._candidate_paths(version, model)
+        timings, fallback_reason = self._start_first(candidates, version, model, on_cpu, fallback_reason)
+        self.info = self._engine_info(version, model, on_cpu, fallback_reason)
+        self.info.volatile.update(probe_s=round(time.time() - t0, 2), **timings)
+        return self.info
+
+    def _start_first(self, candidates: list[str], version: str, model: ModelFacts, on_cpu: bool,
+                     fallback_reason: str | None) -> tuple[dict[str, float], str | None]:  # fmt: skip
+        """Start the engine on the first capture path whose start and smoke capture pass: (their timings,
+        why an earlier path was passed over, or the given reason when none was)."""
         arch = model.architectures[0] if model.architectures else "the model"
         wanted = self.settings.content.capture_path
         for k, name in enumerate(candidates):
@@ -92,7 +101,7 @@ class VLLMBackend(CaptureBackend):
                 t_smoke = time.time()
                 self._smoke(version, model)
                 timings = {"engine_init_s": round(t_smoke - t_start, 2), "smoke_s": round(time.time() - t_smoke, 2)}
-                break
+                return timings, fallback_reason
             except Exception as e:  # auto: fall back to the hooks path; else one line with the root cause
                 self._shutdown_engine()
                 err = (
@@ -104,9 +113,12 @@ class VLLMBackend(CaptureBackend):
                     raise err from e
                 fallback_reason = f"{name} path failed its probe: {err}"[:500]
                 log(f"the {name} capture path failed its probe ({err}); trying {candidates[k + 1]}")
+        raise AssertionError("no capture path to try")  # _candidate_paths names at least one
 
+    def _engine_info(self, version: str, model: ModelFacts, on_cpu: bool, fallback_reason: str | None) -> EngineInfo:
+        """What the running engine is, for the manifest; `volatile` gets the probe's timings after."""
         n = model.num_hidden_layers
-        self.info = EngineInfo(
+        return EngineInfo(
             engine="vllm",
             engine_version=version,
             capture_path=self.path.name,
@@ -123,13 +135,8 @@ class VLLMBackend(CaptureBackend):
                 "fallback_reason": fallback_reason,
                 "workarounds": self._workarounds.names,
             },
-            volatile={
-                "gpu_ids": os.environ.get("CUDA_VISIBLE_DEVICES") if not on_cpu else None,
-                "probe_s": round(time.time() - t0, 2),
-                **timings,
-            },
+            volatile={"gpu_ids": os.environ.get("CUDA_VISIBLE_DEVICES") if not on_cpu else None},
         )
-        return self.info
 
     @staticmethod
     def _on_cpu() -> bool:
@@ -157,8 +164,8 @@ class VLLMBackend(CaptureBackend):
             # MoE on the DeepSeek backbone (Kimi, GLM-5): the hooks path has not been checked on the
             # GPU there (expert/data parallel layouts); vLLM's own path is the one its authors test.
             return ["builtin", "hooks"], None
-        # hooks first: measured at 0.96x plain prefill on Llama (docs/performance.md); the built-in path,
-        # now writing from the worker too, is the fallback until its H200 run says otherwise.
+        # hooks first, the path with the most GPU runs behind it (docs/performance.md); the built-in path
+        # is the fallback until its own runs say otherwise.
         return ["hooks", "builtin"], None
 
     def _engine_kwargs(self, path: BuiltinPath | HooksPath) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from .. import __version__
 from .atomic import sha256_file
 
 
@@ -68,7 +68,7 @@ def code_version() -> str:
     a commit that only touches docs would change every manifest of otherwise identical data. Cached:
     extract_shard calls it before the engine starts, so a shard names the code it was started with.
     """
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # the package, not infra/
     digest = hashlib.sha256()
     sources = (p for p in here.rglob("*.py") if p.is_file() and not p.name.startswith("."))  # no editor lock links
     for path in sorted(sources):
@@ -80,7 +80,7 @@ def engine_version(backend: str) -> str:
     """The installed version of the engine `backend` would have started, without starting it: an empty
     shard's manifest names the same engine as its neighbours'."""
     if backend == "vllm":
-        from .backends.vllm.compat import installed_version
+        from ..backends.vllm.compat import installed_version
 
         try:
             return installed_version()

@@ -31,7 +31,7 @@ class Reference:
     ):
         import torch
 
-        from .tokenization.row_inputs import load_target
+        from ..tokenization.row_inputs import load_target
 
         self.torch = torch
         self.model = load_target(model_path, getattr(torch, dtype), trust_remote_code).to(device)

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 LOCK_DIR_ENV = "EAGLE3PREP_GPU_LOCK_DIR"
 NUM_GPUS_ENV = "EAGLE3PREP_NUM_GPUS"  # the host's GPU count, instead of nvidia-smi (tests: a fake set of ids)
@@ -133,6 +133,34 @@ def _lock_free_ids(n: int, num_gpus: int, lock_dir: Path) -> tuple[list[int], li
     return [], []
 
 
+def _preset_claim(n: int, preset: str) -> GpuClaim:
+    """An already-set CUDA_VISIBLE_DEVICES, respected as set; a larger set is fine (vLLM uses the first
+    tp_size devices), a smaller one an error."""
+    visible = visible_ids(preset)
+    if len(visible) < n:
+        raise GpuClaimError(
+            f"extract.tp_size = {n} but CUDA_VISIBLE_DEVICES={preset!r} makes only {len(visible)} GPU(s) "
+            "visible; lower extract.tp_size or request more GPUs from the scheduler (e.g. --gpus)"
+        )
+    return GpuClaim(ids=list(range(len(visible))), source="CUDA_VISIBLE_DEVICES")
+
+
+def _wait_for_locks(n: int, total: int, lock_path: Path, wait_s: float, poll_s: float) -> tuple[list[int], list[int]]:
+    """Lock `n` free GPUs of `total`, trying every `poll_s` seconds for up to `wait_s`: (ids, lock fds)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        ids, fds = _lock_free_ids(n, total, lock_path)
+        if ids:
+            return ids, fds
+        if time.monotonic() >= deadline:
+            raise GpuClaimError(
+                f"could not claim {n} free GPU(s) of {total} within {wait_s:.0f} s: other jobs hold the locks "
+                f"in {lock_path} (a lock frees when its process exits); lower the number of parallel "
+                "extract jobs (snakemake --resources gpus=...) or set CUDA_VISIBLE_DEVICES yourself"
+            )
+        time.sleep(poll_s)
+
+
 def claim_gpus(
     n: int,
     *,
@@ -156,14 +184,7 @@ def claim_gpus(
 
     preset = os.environ.get("CUDA_VISIBLE_DEVICES")
     if preset is not None:
-        visible = visible_ids(preset)
-        if len(visible) < n:
-            raise GpuClaimError(
-                f"extract.tp_size = {n} but CUDA_VISIBLE_DEVICES={preset!r} makes only {len(visible)} GPU(s) "
-                "visible; lower extract.tp_size or request more GPUs from the scheduler (e.g. --gpus)"
-            )
-        # Respected as set; a larger set is fine (vLLM uses the first tp_size devices).
-        return GpuClaim(ids=list(range(len(visible))), source="CUDA_VISIBLE_DEVICES")
+        return _preset_claim(n, preset)
 
     total = count_gpus() if num_gpus is None else num_gpus
     if total < n:
@@ -177,19 +198,7 @@ def claim_gpus(
     with contextlib.suppress(PermissionError):
         lock_path.chmod(0o1777)  # shared by every user's jobs on the host, like /tmp
 
-    deadline = time.monotonic() + wait_s
-    while True:
-        ids, fds = _lock_free_ids(n, total, lock_path)
-        if ids:
-            break
-        if time.monotonic() >= deadline:
-            raise GpuClaimError(
-                f"could not claim {n} free GPU(s) of {total} within {wait_s:.0f} s: other jobs hold the locks "
-                f"in {lock_path} (a lock frees when its process exits); lower the number of parallel "
-                "extract jobs (snakemake --resources gpus=...) or set CUDA_VISIBLE_DEVICES yourself"
-            )
-        time.sleep(poll_s)
-
+    ids, fds = _wait_for_locks(n, total, lock_path, wait_s, poll_s)
     env_keys = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
     claim = GpuClaim(ids=ids, source="locks", _fds=fds, _env_before={k: os.environ.get(k) for k in env_keys})
     # nvidia-smi numbers GPUs in PCI bus order; CUDA's default order may differ.

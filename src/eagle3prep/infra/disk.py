@@ -8,7 +8,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 
 def human_bytes(n: float) -> str:

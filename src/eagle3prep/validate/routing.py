@@ -45,7 +45,7 @@ def routers(model) -> dict[int, Any]:
     if moe and not found:
         raise RoutingChanged(
             f"{type(model).__name__}: an MoE config but no layer.mlp.gate with top_k: transformers moved its router "
-            "(update eagle3prep/routing.py)"
+            "(update eagle3prep/validate/routing.py)"
         )
     return found
 
@@ -95,7 +95,7 @@ def margins(gate, logits, indices=None):
         if bool(((mine != theirs).any(-1) & (margin > 0)).any()):
             raise RoutingChanged(
                 f"{type(gate).__name__}: its chosen experts differ from routing.py's recomputation: transformers "
-                "changed how it routes (update eagle3prep/routing.py)"
+                "changed how it routes (update eagle3prep/validate/routing.py)"
             )
     return margin.cpu()
 
@@ -114,7 +114,7 @@ class MarginRecorder:
             if not (isinstance(out, tuple) and len(out) == 3):
                 raise RoutingChanged(
                     f"{type(gate).__name__} returned {type(out).__name__}, not (router_logits, weights, indices): "
-                    "transformers changed its router (update eagle3prep/routing.py)"
+                    "transformers changed its router (update eagle3prep/validate/routing.py)"
                 )
             self._seen[i] = margins(gate, out[0].detach(), out[2].detach())
 
