@@ -57,20 +57,25 @@ def _write(w: ShardWriter, batches: list[list[list[int]]], layers: dict[int, flo
     return sink.finish()
 
 
-def test_shard_writer_layout_and_manifest_last(tmp_path):
+def test_shard_writer_layout_and_manifest_last(tmp_path, monkeypatch):
+    from eagle3prep.infra import faults
+
     index = [IndexEntry(row=10, id="a", offset=0, length=3), IndexEntry(row=11, id="b", offset=3, length=2)]
     w = ShardWriter(tmp_path / "shard_0", [2, 8], hidden_size=4, dtype="float32", index=index)
     seen = []
     entries = _write(w, [[[1, 2, 3]], [[4, 5]]], {2: 1.0, 8: 0.0})
-    m = w.finish(
-        entries,
-        manifest_fields(),
-        before_manifest=lambda: seen.append(sorted(p.name for p in (tmp_path / "shard_0").iterdir())),
+    # The kill point before the manifest: where a crash leaves every file but the manifest.
+    monkeypatch.setattr(
+        faults, "kill_point", lambda name, **kw: seen.append((name, sorted(p.name for p in w.out_dir.iterdir())))
     )
+    m = w.finish(entries, manifest_fields(), timings={"capture_s": 1.0}, kill_point=("extract.before_manifest", {}))
     # Everything but the manifest was in place before the manifest was written.
-    assert seen == [sorted(["layer_2.safetensors", "layer_8.safetensors", TOKEN_IDS, INDEX])]
+    files = sorted(["layer_2.safetensors", "layer_8.safetensors", TOKEN_IDS, INDEX])
+    assert [x for x in seen if x[0] == "extract.before_manifest"] == [
+        ("extract.before_manifest", sorted([*files, "timings.json"]))
+    ]
     assert read_manifest(tmp_path / "shard_0") == m
-    assert m.tokens == 5 and m.rows == 2 and set(m.files) == {*seen[0]}
+    assert m.tokens == 5 and m.rows == 2 and set(m.files) == set(files)
     assert read_index(tmp_path / "shard_0") == index
     with safe_open(tmp_path / "shard_0" / TOKEN_IDS, framework="pt") as f:
         assert f.get_tensor("token_ids").tolist() == [1, 2, 3, 4, 5]

@@ -36,14 +36,14 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from .errors import UserError
-from .infra.atomic import TMP_PREFIX, atomic_open, fsync_dir, sha256_file, write_json
+from .infra.atomic import TMP_PREFIX, atomic_open, fsync_dir, sha256_file
+from .infra.folder import file_entry, finish_folder, open_folder
 from .infra.provenance import code_version
 from .layers import CONVENTION
 from .shard.fp8 import SCALES_KEY
@@ -151,7 +151,7 @@ def _write_arrow(out: Path, shards: ShardSet, files: dict[str, dict[str, Any]]) 
         with open(p, "rb") as f:
             os.fsync(f.fileno())
         os.replace(p, out / p.name)
-        files[p.name] = {"sha256": sha256_file(out / p.name), "bytes": (out / p.name).stat().st_size}
+        files[p.name] = file_entry(out / p.name)
     fsync_dir(out)
     staging.rmdir()
     stream.unlink()
@@ -165,7 +165,7 @@ def _write_token_freq(out: Path, token_freq_json: str, files: dict[str, dict[str
     counts = json.loads(Path(token_freq_json).read_text(encoding="utf-8"))
     with atomic_open(out / TOKEN_FREQ, "wb") as f:
         torch.save({int(t): int(c) for t, c in counts.items()}, f)
-    files[TOKEN_FREQ] = {"sha256": sha256_file(out / TOKEN_FREQ), "bytes": (out / TOKEN_FREQ).stat().st_size}
+    files[TOKEN_FREQ] = file_entry(out / TOKEN_FREQ)
 
 
 def _storage_fields(first) -> dict[str, Any]:
@@ -179,22 +179,9 @@ def _storage_fields(first) -> dict[str, Any]:
     }
 
 
-def _clear(out: Path) -> None:
-    """Remove what an earlier or killed export left in `out` (by name: `out` may hold other files)."""
-    (out / MANIFEST).unlink(missing_ok=True)  # first: a stale manifest must never describe new files
-    # d2t-/t2d-{size}.npy: vocab mappings speculators' trainer caches beside token_freq.pt and reuses.
-    for pattern in (
-        f"{TMP_PREFIX}*",
-        HIDDEN_STATES,
-        "data-*.arrow",
-        "dataset_info.json",
-        "state.json",
-        TOKEN_FREQ,
-        "d2t-*.npy",
-        "t2d-*.npy",
-    ):
-        for p in out.glob(pattern):
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+# What an earlier or killed export left in its folder, removed by name (infra.folder.open_folder: the folder may
+# hold other files). d2t-/t2d-{size}.npy: vocab mappings speculators' trainer caches beside token_freq.pt.
+OUTPUTS = (HIDDEN_STATES, "data-*.arrow", "dataset_info.json", "state.json", TOKEN_FREQ, "d2t-*.npy", "t2d-*.npy")
 
 
 def _sources(shards: ShardSet) -> list[dict[str, Any]]:
@@ -243,8 +230,7 @@ def export_speculators(
     first = shards.first
     layer_ids = first.layer_ids
     out = Path(out_dir)
-    _clear(out)
-    out.mkdir(parents=True, exist_ok=True)
+    open_folder(out, OUTPUTS)
 
     rows = sum(s.manifest.rows for s in shards.shards)
     print(
@@ -282,7 +268,7 @@ def export_speculators(
         "files": dict(sorted(files.items())),
         "code_version": code_version(),
     }
-    write_json(out / MANIFEST, manifest)
+    finish_folder(out, manifest)
     _log_done(manifest)
     return manifest
 

@@ -21,14 +21,15 @@ from .backends import make_backend
 from .backends.base import CaptureBackend, CaptureSpec, EngineInfo
 from .backends.empty import EmptyShardBackend
 from .infra import faults
-from .infra.atomic import remove_stale_temps, sha256_file, write_json
+from .infra.atomic import sha256_file
 from .infra.disk import DiskSpaceError, human_bytes
+from .infra.folder import open_folder
 from .infra.gpus import claim_job_gpus
 from .infra.provenance import code_version, model_identity, tokenizer_identity
 from .layers import CONVENTION, check_layer_ids, resolve_layer_ids
 from .model_facts import ModelFacts, require_hidden_size
 from .settings import ExtractSettings
-from .shard.layout import MANIFEST, MODEL_DTYPE, TIMINGS, check_storage, layer_file, token_bytes
+from .shard.layout import MANIFEST, MODEL_DTYPE, check_storage, layer_file, token_bytes
 from .shard.manifest import ShardManifest
 from .shard.readers import index_of_tokenized
 from .shard.writer import ShardWriter
@@ -122,8 +123,7 @@ def extract_shard(
         torch.set_num_threads(threads)
     facts = facts or ModelFacts.read(spec.model_path)
     check_layer_ids(spec.layer_ids, facts.num_hidden_layers)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = open_folder(out_dir)  # an earlier run's manifest and temp files removed
     try:
         return _extract_into(out, tokenized_shard, spec, settings, shard, facts, engine)
     except KeyboardInterrupt:
@@ -135,8 +135,6 @@ def extract_shard(
 
 
 def _extract_into(out, tokenized_shard, spec, settings, shard, facts, engine) -> ShardManifest:  # noqa: PLR0913
-    remove_stale_temps(out)
-    (out / MANIFEST).unlink(missing_ok=True)  # a stale manifest must never describe new files
     index = index_of_tokenized(tokenized_shard, spec.backend)
     tokens = sum(e.length for e in index)
     storage = check_storage(settings.content.storage)
@@ -205,12 +203,12 @@ class _Job:
             bar.close()
             elapsed = time.time() - t_loaded
 
-            def before_manifest() -> None:
-                write_json(self.out / TIMINGS, self._timings(backend, tokens, t_loaded, elapsed))
-                faults.kill_point("extract.before_manifest", shard=self.shard)
-
             manifest = writer.finish(
-                entries, self._manifest_fields(), before_manifest=before_manifest, logprobs=backend.capture_logprobs
+                entries,
+                self._manifest_fields(),
+                timings=self._timings(backend, tokens, t_loaded, elapsed),
+                kill_point=("extract.before_manifest", {"shard": self.shard}),
+                logprobs=backend.capture_logprobs,
             )
         except BaseException:
             writer.abort()

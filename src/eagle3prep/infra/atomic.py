@@ -11,6 +11,7 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,11 +92,12 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 
 def remove_stale_temps(directory: str | os.PathLike) -> list[Path]:
-    """Delete temp files a killed writer left behind in `directory`; return what was removed."""
+    """Delete temp files (and temp folders: an export's staging) a killed writer left behind in `directory`;
+    return what was removed."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
     stale = sorted(p for p in directory.iterdir() if p.name.startswith(TMP_PREFIX))
     for p in stale:
-        p.unlink()
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     return stale

@@ -12,8 +12,9 @@ from typing import Any
 
 from eagle3prep.errors import UserError
 from eagle3prep.infra.atomic import atomic_open, write_json
+from eagle3prep.infra.folder import MANIFEST
 from eagle3prep.regenerate.counts import merged_counts, summarize
-from eagle3prep.regenerate.stage import CONVERSATIONS, COUNTS, MANIFEST, QUARANTINE
+from eagle3prep.regenerate.stage import CONVERSATIONS, COUNTS, QUARANTINE
 
 
 class ShardError(UserError):

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle3prep.errors import UserError
-from eagle3prep.infra import faults
-from eagle3prep.infra.atomic import atomic_open, remove_stale_temps, sha256_file, write_json
+from eagle3prep.infra.atomic import atomic_open, sha256_file, write_json
+from eagle3prep.infra.folder import file_entry, finish_folder, open_folder
 from eagle3prep.infra.gpus import claim_job_gpus
 from eagle3prep.infra.provenance import code_version, engine_version, model_identity, tokenizer_identity
 from eagle3prep.model_facts import ModelFacts
@@ -36,7 +36,6 @@ from eagle3prep.regenerate.thinking import resolve
 from eagle3prep.settings import RegenerateSettings
 
 CONVERSATIONS, QUARANTINE, COUNTS = "conversations.jsonl", "quarantine.jsonl", "counts.json"
-TIMINGS, MANIFEST = "timings.json", "manifest.json"
 
 
 class RegenerateError(UserError, ValueError):
@@ -157,12 +156,7 @@ def regenerate_shard(
     started: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Regenerate one prompt shard through a started `engine` into `out_dir`; return the manifest."""
-    from tqdm import tqdm
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out)
-    (out / MANIFEST).unlink(missing_ok=True)  # a stale manifest must never describe new files
+    out = open_folder(out_dir)
     entry = shard_entry(prompts_shard)
     content = settings.content
     thinking = resolve(content.thinking, tuple(content.thinking_markers), renderer.render)
@@ -174,56 +168,22 @@ def regenerate_shard(
         file=sys.stderr,
     )
     tally = ShardTally(str(prompts_shard))
-    written = {"conversations": 0, "quarantine": 0}
     t_start = time.time()
     runner = Runner(engine, renderer, settings, thinking, stop_ids, max_model_len, entry["source"], tally, shard)
-    bar = tqdm(total=entry["rows"], unit="conv", file=sys.stderr, mininterval=1.0, desc=f"shard {shard}")
-    with (
-        atomic_open(out / CONVERSATIONS, "w", encoding="utf-8") as conv_f,
-        atomic_open(out / QUARANTINE, "w", encoding="utf-8") as quar_f,
-    ):
-        for result in runner.run(read_shard(prompts_shard, entry["first_line"])):
-            if isinstance(result, Quarantined):
-                quar_f.write(quarantine_line(result))
-                written["quarantine"] += 1
-            else:
-                conv_f.write(json.dumps(result.to_json(), ensure_ascii=False, separators=(",", ":")) + "\n")
-                written["conversations"] += 1
-            bar.update(1)
-        bar.close()
+    written = _write_results(out, runner.run(read_shard(prompts_shard, entry["first_line"])), entry["rows"], shard)
     elapsed = time.time() - t_start
     counts = shard_counts(tally, written)
     write_json(out / COUNTS, counts)
-    replies = counts["totals"]["replies"]
-    write_json(
-        out / TIMINGS,
-        {
-            "engine_start_s": (started or {}).get("engine_start_s"),
-            "job_start_to_generate_s": round(t_start - started["t0"], 3) if started and "t0" in started else None,
-            "generate_s": round(elapsed, 3),
-            "output_tokens_per_s": round(replies["output_tokens"] / elapsed, 1) if elapsed > 0 else None,
-            "conversations_per_s": round(tally.rows_in / elapsed, 2) if elapsed > 0 else None,
-            "engine_steps": runner.steps,
-            "engine_step_s": round(runner.step_s, 3),  # in engine.step(); the rest: prompts, replies, files
-            "gpu_ids": (started or {}).get("gpu_ids"),
-        },
-    )
     print(summarize(counts), file=sys.stderr)
-    faults.kill_point("regenerate.before_manifest", shard=shard)
     manifest = {
         "stage": "regenerate",
         "shard": shard,
         "prompts": {
             "path": str(prompts_shard),
             "sha256": sha256_file(prompts_shard),
-            "first_line": entry["first_line"],
-            "rows": entry["rows"],
-            "source": entry["source"],
+            **{k: entry[k] for k in ("first_line", "rows", "source")},
         },
-        "files": {
-            name: {"sha256": sha256_file(out / name), "bytes": (out / name).stat().st_size}
-            for name in (CONVERSATIONS, QUARANTINE, COUNTS)
-        },
+        "files": {name: file_entry(out / name) for name in (CONVERSATIONS, QUARANTINE, COUNTS)},
         "counts": counts["totals"],
         "model": model_identity(model_path, trust_remote_code),
         "tokenizer": tokenizer_identity(model_path),  # tokenizer.json and chat-template hashes
@@ -234,6 +194,45 @@ def regenerate_shard(
         "thinking": thinking.to_json(),
         "code_version": code or code_version(),
     }
-    write_json(out / MANIFEST, manifest)
+    timings = _timings(counts, tally, runner, started, t_start, elapsed)
+    finish_folder(out, manifest, timings, ("regenerate.before_manifest", {"shard": shard}))
     print(f"[regenerate] shard {shard}: done in {elapsed:.1f} s", file=sys.stderr)
     return manifest
+
+
+def _write_results(out: Path, results: Iterator[Any], rows: int, shard: int) -> dict[str, int]:
+    """Each regenerated conversation or quarantine line into its file, in input order; {file: lines written}."""
+    from tqdm import tqdm
+
+    written = {"conversations": 0, "quarantine": 0}
+    bar = tqdm(total=rows, unit="conv", file=sys.stderr, mininterval=1.0, desc=f"shard {shard}")
+    with (
+        atomic_open(out / CONVERSATIONS, "w", encoding="utf-8") as conv_f,
+        atomic_open(out / QUARANTINE, "w", encoding="utf-8") as quar_f,
+    ):
+        for result in results:
+            if isinstance(result, Quarantined):
+                quar_f.write(quarantine_line(result))
+                written["quarantine"] += 1
+            else:
+                conv_f.write(json.dumps(result.to_json(), ensure_ascii=False, separators=(",", ":")) + "\n")
+                written["conversations"] += 1
+            bar.update(1)
+        bar.close()
+    return written
+
+
+def _timings(counts, tally, runner, started, t_start, elapsed) -> dict[str, Any]:  # noqa: PLR0913
+    """timings.json: the engine's start, the generation's time and rates (wall-clock facts, not in the manifest)."""
+    replies = counts["totals"]["replies"]
+    started = started or {}
+    return {
+        "engine_start_s": started.get("engine_start_s"),
+        "job_start_to_generate_s": round(t_start - started["t0"], 3) if "t0" in started else None,
+        "generate_s": round(elapsed, 3),
+        "output_tokens_per_s": round(replies["output_tokens"] / elapsed, 1) if elapsed > 0 else None,
+        "conversations_per_s": round(tally.rows_in / elapsed, 2) if elapsed > 0 else None,
+        "engine_steps": runner.steps,
+        "engine_step_s": round(runner.step_s, 3),  # in engine.step(); the rest: prompts, replies, files
+        "gpu_ids": started.get("gpu_ids"),
+    }

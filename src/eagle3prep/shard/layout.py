@@ -20,13 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from ..infra.atomic import TMP_PREFIX
+from ..infra.folder import MANIFEST, TIMINGS  # noqa: F401  (named here with the shard's other files)
 from .fp8 import FP8_DTYPE, FP8_MAX, SCALE_MIN, SCALES_KEY
 
-MANIFEST = "manifest.json"
 INDEX = "index.json"
 TOKEN_IDS = "token_ids.safetensors"
 LOGPROBS = "logprobs.safetensors"  # the engine's prompt logprobs of a few rows (validate's logits check)
-TIMINGS = "timings.json"  # wall-clock facts; outside the manifest so equal data gives equal bytes
 FORMAT = "eagle3prep.hidden_states/1"
 # FP8 layer files hold a second tensor and a dtype older readers would misread: they refuse /2 by name.
 FORMAT_FP8 = "eagle3prep.hidden_states/2"

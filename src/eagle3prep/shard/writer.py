@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from ..infra import faults
-from ..infra.atomic import atomic_open, fsync_dir, sha256_file, write_json
+from ..infra.atomic import atomic_open, write_json
 from ..infra.disk import disk_full_is_user_error
+from ..infra.folder import file_entry, finish_folder
 from ..records import IndexEntry
 from .files import StreamingSafetensorsWriter
 from .layout import (
@@ -94,11 +95,13 @@ class ShardWriter:
         self,
         layer_entries: dict[int, dict[str, Any]],
         manifest: dict[str, Any],
-        before_manifest: Callable[[], None] | None = None,
+        timings: dict[str, Any] | None = None,
+        kill_point: tuple[str, dict[str, Any]] | None = None,
         logprobs: dict[int, Any] | None = None,
     ) -> ShardManifest:
         """Check the sink's layer files, close the token ids, write index.json (and the engine's
-        prompt logprobs of a few rows, `logprobs` {row: [T-1]}), then manifest.json last."""
+        prompt logprobs of a few rows, `logprobs` {row: [T-1]}), then timings.json and manifest.json last
+        (infra.folder.finish_folder, passing `kill_point`)."""
         files = {}
         if sorted(layer_entries) != self.layer_ids:
             raise ValueError(f"the backend wrote layers {sorted(layer_entries)}, expected {self.layer_ids}")
@@ -124,14 +127,11 @@ class ShardWriter:
         self._placed.append(self.out_dir / INDEX)
         with disk_full_is_user_error(self.out_dir / INDEX):
             write_json(self.out_dir / INDEX, [e.to_json() for e in self.index])
-        files[INDEX] = {"sha256": sha256_file(self.out_dir / INDEX), "bytes": (self.out_dir / INDEX).stat().st_size}
+        files[INDEX] = file_entry(self.out_dir / INDEX)
         if logprobs:
             files[LOGPROBS] = self._write_logprobs(logprobs)
-        fsync_dir(self.out_dir)
-        if before_manifest is not None:
+        if timings is not None:
             self._placed.append(self.out_dir / TIMINGS)
-            with disk_full_is_user_error(self.out_dir / TIMINGS):
-                before_manifest()
         fp8 = self.storage == FP8_E4M3
         result = ShardManifest(
             **manifest,
@@ -143,7 +143,7 @@ class ShardWriter:
             format=FORMAT_FP8 if fp8 else FORMAT,
         )
         with disk_full_is_user_error(self.out_dir / MANIFEST):
-            write_json(self.out_dir / MANIFEST, result.to_json())
+            finish_folder(self.out_dir, result.to_json(), timings, kill_point)
         self._placed = []  # finished: the files now belong to the manifest
         return result
 
