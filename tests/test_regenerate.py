@@ -490,8 +490,8 @@ def test_the_report_funnel_names_what_the_stage_quarantined():
 
 
 def test_the_engine_is_configured_from_regenerate_and_fails_in_one_line():
-    from eagle3prep.backends.vllm.errors import engine_error
     from eagle3prep.regenerate.engine import VLLMEngine
+    from eagle3prep.vllm_common.errors import engine_error
 
     settings = RegenerateSettings.defaults(dtype="float32", tp_size=2, engine_args={"max_num_seqs": 64})
     engine = VLLMEngine("m", settings, settings.content.sampling, [4], 512, False)

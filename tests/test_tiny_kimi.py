@@ -129,7 +129,7 @@ def test_vllm_cpu_runs_the_bf16_twin_like_transformers(built, monkeypatch):
         dtype="bfloat16",
         enforce_eager=True,
         max_model_len=512,
-        compilation_config={"custom_ops": ["all", "-rotary_embedding"]},  # vllm_compat's MLA rotary bug
+        compilation_config={"custom_ops": ["all", "-rotary_embedding"]},  # workarounds.KNOWN_BUGS: MLA rotary
     )
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))
     got = torch.tensor([d[t].logprob for d, t in zip(out[0].prompt_logprobs[1:], ids[1:], strict=True)])

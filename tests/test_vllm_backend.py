@@ -30,7 +30,7 @@ from eagle3prep.settings import ExtractSettings  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Two auxiliary layers and N = 8, the pre-norm final state; plus id 0 (the embeddings) on the hooks
-# path, and id 1 instead on the built-in path, which refuses id 0 (vllm_compat.builtin_blocker).
+# path, and id 1 instead on the built-in path, which refuses id 0 (compat.builtin_blocker).
 LAYER_IDS = {"builtin": [1, 2, 5, 8], "hooks": [0, 2, 5, 8]}
 ALL_IDS = sorted(set(LAYER_IDS["builtin"]) | set(LAYER_IDS["hooks"]))
 MAX_SEQ_LEN = 256
@@ -131,7 +131,7 @@ def test_probe_describes_the_engine(engine):
     assert info.final_layer_reachable is True
     assert (info.num_hidden_layers, info.hidden_size) == (8, 128)
     assert info.details["platform"] == "cpu"
-    assert info.details["workarounds"] == []  # no known engine bug on Llama (compat.KNOWN_BUGS)
+    assert info.details["workarounds"] == []  # no known engine bug on Llama (vllm_common/workarounds.KNOWN_BUGS)
 
 
 def rows_of(full: dict[int, torch.Tensor], rows: list[list[int]], order: list[int]) -> dict[int, torch.Tensor]:

@@ -21,6 +21,7 @@ from eagle3prep.backends.vllm.paths import CaptureError
 from eagle3prep.backends.vllm.worker import HiddenStatesCapture
 from eagle3prep.model_facts import ModelFacts
 from eagle3prep.settings import ExtractSettings
+from eagle3prep.vllm_common import versions, workarounds
 
 # ---- versions and collective_rpc -----------------------------------------------------------------
 
@@ -30,12 +31,12 @@ from eagle3prep.settings import ExtractSettings
     [("0.32.0", (0, 32, 0)), ("0.11.1rc2.dev5+gabc", (0, 11, 1)), ("0.10.1.1", (0, 10, 1)), ("1.0", (1, 0, 0))],
 )
 def test_parse_version(text, expect):
-    assert compat.parse_version(text) == expect
+    assert versions.parse_version(text) == expect
 
 
 def fake_executor_rpc(version: str, per_rank: list):
     """collective_rpc(unique_reply_rank=0) as each vLLM's executor answers it."""
-    if compat.parse_version(version) < (0, 11, 1):
+    if versions.parse_version(version) < (0, 11, 1):
         return [per_rank[0]]  # 0.11.0: always a list, `(output,) = collective_rpc(...)`
     return per_rank[0]  # 0.11.1+: `return responses[0] if output_rank is not None else responses`
 
@@ -467,41 +468,41 @@ ROTARY = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
 
 @pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration", "DeepseekV2ForCausalLM"])
 def test_cpu_mla_gets_the_native_rotary_vllm_0_32(arch):
-    fixes = compat.engine_workarounds("0.32.0", True, [arch])
+    fixes = workarounds.engine_workarounds("0.32.0", True, [arch])
     assert fixes.engine_kwargs == ROTARY and fixes.names == ["cpu-mla-native-rotary"] and fixes.refusal is None
     assert len(fixes.log_lines) == 1 and "forward_cpu" in fixes.log_lines[0]
 
 
 @pytest.mark.parametrize("on_cpu, arch", [(False, "DeepseekV3ForCausalLM"), (True, "Qwen2MoeForCausalLM")])
 def test_no_workaround_on_gpu_or_off_the_deepseek_backbone_vllm_0_32(on_cpu, arch):
-    fixes = compat.engine_workarounds("0.32.0", on_cpu, [arch])
+    fixes = workarounds.engine_workarounds("0.32.0", on_cpu, [arch])
     assert (fixes.engine_kwargs, fixes.names, fixes.log_lines, fixes.refusal) == ({}, [], [], None)
 
 
 def test_no_workarounds_switch_starts_the_broken_engine_and_says_so():
-    fixes = compat.engine_workarounds("0.32.0", True, ["DeepseekV3ForCausalLM"], disabled=True)
+    fixes = workarounds.engine_workarounds("0.32.0", True, ["DeepseekV3ForCausalLM"], disabled=True)
     assert (fixes.engine_kwargs, fixes.names, fixes.refusal) == ({}, [], None)
     assert "expected to be wrong" in fixes.log_lines[0] and "EAGLE3PREP_NO_WORKAROUNDS=1" in fixes.log_lines[0]
 
 
 def test_workarounds_switch_reads_the_environment(monkeypatch):
-    monkeypatch.delenv(compat.NO_WORKAROUNDS_ENV, raising=False)
-    assert not compat.workarounds_disabled()
-    monkeypatch.setenv(compat.NO_WORKAROUNDS_ENV, "1")
-    assert compat.workarounds_disabled()
+    monkeypatch.delenv(workarounds.NO_WORKAROUNDS_ENV, raising=False)
+    assert not workarounds.workarounds_disabled()
+    monkeypatch.setenv(workarounds.NO_WORKAROUNDS_ENV, "1")
+    assert workarounds.workarounds_disabled()
 
 
 def test_a_bug_without_workaround_is_refused_unless_asked_for():
-    unfixed = compat.KnownBug("gpu-x-wrong", lambda v, cpu, archs: v >= (0, 40, 0), "kernel X drops rows", None)
-    bugs = (*compat.KNOWN_BUGS, unfixed)
-    assert compat.engine_workarounds("0.39.0", False, ["LlamaForCausalLM"], bugs=bugs).refusal is None
-    refused = compat.engine_workarounds("0.40.0", False, ["LlamaForCausalLM"], bugs=bugs)
+    unfixed = workarounds.KnownBug("gpu-x-wrong", lambda v, cpu, archs: v >= (0, 40, 0), "kernel X drops rows", None)
+    bugs = (*workarounds.KNOWN_BUGS, unfixed)
+    assert workarounds.engine_workarounds("0.39.0", False, ["LlamaForCausalLM"], bugs=bugs).refusal is None
+    refused = workarounds.engine_workarounds("0.40.0", False, ["LlamaForCausalLM"], bugs=bugs)
     assert refused.refusal == (
         "vLLM 0.40.0 on GPU, LlamaForCausalLM captures hidden states wrong and no workaround is known: "
         "kernel X drops rows; use another vLLM version or extract.backend: hf (EAGLE3PREP_NO_WORKAROUNDS=1 starts it "
         "anyway)"
     )
-    asked = compat.engine_workarounds("0.40.0", False, ["LlamaForCausalLM"], bugs=bugs, disabled=True)
+    asked = workarounds.engine_workarounds("0.40.0", False, ["LlamaForCausalLM"], bugs=bugs, disabled=True)
     assert asked.refusal is None and "expected to be wrong" in asked.log_lines[0]
 
 
@@ -518,14 +519,14 @@ def test_a_bug_without_workaround_is_refused_unless_asked_for():
 )
 def test_workaround_merges_into_the_users_compilation_config(have, want):
     kwargs = {"model": "m", "enforce_eager": True, **({"compilation_config": have} if have is not None else {})}
-    merged = compat.merge_engine_kwargs(kwargs, ROTARY)
+    merged = workarounds.merge_engine_kwargs(kwargs, ROTARY)
     assert merged == {"model": "m", "enforce_eager": True, "compilation_config": want}
-    assert compat.merge_engine_kwargs(kwargs, {}) == kwargs
+    assert workarounds.merge_engine_kwargs(kwargs, {}) == kwargs
 
 
 def test_workaround_merges_into_a_compilation_config_object():
     config = SimpleNamespace(mode=3, custom_ops=["all", "+rotary_embedding"])
-    merged = compat.merge_engine_kwargs({"compilation_config": config}, ROTARY)
+    merged = workarounds.merge_engine_kwargs({"compilation_config": config}, ROTARY)
     assert merged["compilation_config"] is config and config.custom_ops == ["all", "-rotary_embedding"]
 
 
@@ -557,7 +558,7 @@ ENGINE_CORE_FAILED = RuntimeError("Engine core initialization failed. See root c
 
 
 def test_root_cause_is_the_workers_exception_not_vllms_wrappers_vllm_0_32():
-    from eagle3prep.backends.vllm.errors import root_cause
+    from eagle3prep.vllm_common.errors import root_cause
 
     assert root_cause(QWEN2_MOE_BUILTIN_OUTPUT) == (
         "RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
@@ -566,8 +567,8 @@ def test_root_cause_is_the_workers_exception_not_vllms_wrappers_vllm_0_32():
 
 
 def test_engine_error_is_one_line_with_the_cause_and_the_fix():
-    from eagle3prep.backends.vllm.errors import engine_error
     from eagle3prep.errors import UserError
+    from eagle3prep.vllm_common.errors import engine_error
 
     err = engine_error(
         ENGINE_CORE_FAILED, QWEN2_MOE_BUILTIN_OUTPUT, version="0.32.0", arch="Qwen2MoeForCausalLM",
@@ -594,7 +595,7 @@ WNA16_ON_CPU_OUTPUT = """\
 
 
 def test_missing_moe_kernel_is_not_retried_on_the_other_path_and_says_what_to_do():
-    from eagle3prep.backends.vllm.errors import engine_error
+    from eagle3prep.vllm_common.errors import engine_error
 
     err = engine_error(
         ENGINE_CORE_FAILED, WNA16_ON_CPU_OUTPUT, version="0.32.0", arch="DeepseekV3ForCausalLM", path="builtin"
@@ -610,7 +611,7 @@ def test_child_output_is_forwarded_and_kept(capfd):
     import subprocess
     import sys
 
-    from eagle3prep.backends.vllm.errors import ChildOutput, root_cause
+    from eagle3prep.vllm_common.errors import ChildOutput, root_cause
 
     children = ChildOutput()
     with children.routed():
@@ -627,8 +628,8 @@ def probe_with_fakes(monkeypatch, tmp_path, arch, start, options=None):
 
     lines = []
     monkeypatch.setattr(backend_mod, "log", lines.append)
-    monkeypatch.setattr(compat, "installed_version", lambda: "0.32.0")
-    monkeypatch.delenv(compat.NO_WORKAROUNDS_ENV, raising=False)
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.32.0")
+    monkeypatch.delenv(workarounds.NO_WORKAROUNDS_ENV, raising=False)
     spec = CaptureSpec(
         backend="vllm",
         model_path="unused",
@@ -670,10 +671,12 @@ def test_auto_falls_back_to_hooks_with_the_builtin_root_cause_and_keeps_the_work
 
 
 def test_probe_refuses_a_bug_without_workaround_before_any_engine_start(monkeypatch, tmp_path):
-    from eagle3prep.backends.vllm.errors import EngineError
+    from eagle3prep.vllm_common.errors import EngineError
 
     starts = []
-    monkeypatch.setattr(compat, "KNOWN_BUGS", (compat.KnownBug("x", lambda v, c, a: True, "kernel X", None),))
+    monkeypatch.setattr(
+        workarounds, "KNOWN_BUGS", (workarounds.KnownBug("x", lambda v, c, a: True, "kernel X", None),)
+    )
     backend, _ = probe_with_fakes(monkeypatch, tmp_path, "LlamaForCausalLM", lambda b, name: starts.append(name))
     with pytest.raises(EngineError, match="no workaround is known: kernel X"):
         backend.probe()

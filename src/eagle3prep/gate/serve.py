@@ -11,9 +11,9 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..backends.vllm.errors import EngineError
 from ..model_facts import ModelFacts
 from ..settings import RegenerateSettings, Sampling
+from ..vllm_common.errors import EngineError
 from . import acceptance
 
 
@@ -60,9 +60,9 @@ def eagle3_blocker(model_path: str, trust_remote_code: bool = False) -> str | No
 
 
 def _version() -> str:
-    from ..backends.vllm import compat
+    from ..vllm_common.versions import installed_version
 
-    return compat.installed_version()
+    return installed_version()
 
 
 @dataclass

@@ -1,24 +1,25 @@
-"""The generation engine of the regenerate stage: vLLM started the way the extract backend starts it
-(backends/vllm: the children's output kept for the root cause, one `error:` line on a failed start, the known
-engine bugs' workarounds), fed token-id prompts with LLMEngine.add_request and stepped with LLMEngine.step,
-the calls the extract backend's hooks path uses from vLLM 0.16 to 0.32."""
+"""The generation engine of the regenerate stage: vLLM started and stopped the way the extract backend does it
+(vllm_common: the children's output kept for the root cause, one `error:` line on a failed start, the known
+engine bugs' workarounds, the shutdown), fed token-id prompts with LLMEngine.add_request and stepped with
+LLMEngine.step, the calls the extract backend's hooks path uses from vLLM 0.16 to 0.32."""
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import sys
 import time
 from typing import Any
 
-from eagle3prep.backends.vllm import compat
-from eagle3prep.backends.vllm.errors import ChildOutput, EngineError, engine_error
 from eagle3prep.infra import shm
 from eagle3prep.model_facts import ModelFacts
 from eagle3prep.regenerate.runner import Finished, RequestRejected
 from eagle3prep.settings import RegenerateSettings, Sampling
 from eagle3prep.tokenization.vision import EXPANDS
+from eagle3prep.vllm_common import versions
+from eagle3prep.vllm_common.errors import ChildOutput, EngineError, engine_error
+from eagle3prep.vllm_common.shutdown import shutdown_engine
+from eagle3prep.vllm_common.workarounds import engine_workarounds, merge_engine_kwargs, workarounds_disabled
 
 
 def log(msg: str) -> None:
@@ -82,7 +83,7 @@ class VLLMEngine:
             "seed": 0,
         }
         kwargs.update(c.engine_args)
-        kwargs = compat.merge_engine_kwargs(kwargs, workarounds)  # known engine bugs: their fix wins
+        kwargs = merge_engine_kwargs(kwargs, workarounds)  # known engine bugs: their fix wins
         return {k: v for k, v in kwargs.items() if v is not None}
 
     def start(self) -> dict[str, Any]:
@@ -90,15 +91,15 @@ class VLLMEngine:
         t0 = time.time()
         # Forked workers start sooner than spawned ones (backends/vllm/driver.py says why this setting).
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-        version = compat.installed_version()
+        version = versions.installed_version()
         facts = ModelFacts.read(self.model_path)
         self.vision = facts.vision_model_type in EXPANDS
         from vllm import LLM
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
-        fixes = compat.engine_workarounds(
-            version, on_cpu, facts.architectures, disabled=compat.workarounds_disabled(),
+        fixes = engine_workarounds(
+            version, on_cpu, facts.architectures, disabled=workarounds_disabled(),
             dtype=self.settings.content.dtype,
         )  # fmt: skip
         if fixes.refusal:
@@ -186,9 +187,4 @@ class VLLMEngine:
             self.llm.llm_engine.abort_request(request_ids)
 
     def close(self) -> None:
-        if self.llm is not None:
-            with contextlib.suppress(Exception):
-                self.llm.llm_engine.engine_core.shutdown()
-            self.llm = None
-            gc.collect()
-            shm.forget_engine()
+        shutdown_engine(self)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..backends.vllm.compat import KNOWN_BUGS, NO_WORKAROUNDS_ENV, parse_version
 from ..check import Checks
 from ..shard.manifest import ShardManifest
 from ..tokenization.row_inputs import RowImages
+from ..vllm_common.versions import parse_version
+from ..vllm_common.workarounds import KNOWN_BUGS, NO_WORKAROUNDS_ENV
 from .passrule import describe_failure, judge_layer, judge_row
 from .reference import ReferencePair
 from .subject import ShardUnderTest
@@ -98,7 +99,7 @@ def reference_ok_detail(s: dict[str, Any]) -> str:
 
 
 def known_engine_bug(manifest: ShardManifest) -> str:
-    """The known engine bug (compat.KNOWN_BUGS) that fits this shard's engine and was not worked around."""
+    """The known engine bug (workarounds.KNOWN_BUGS) that fits this shard's engine and was not worked around."""
     engine = manifest.engine
     if engine.get("engine") != "vllm":
         return ""

