@@ -18,7 +18,14 @@ import time
 from pathlib import Path
 
 from eagle3prep.demo import MAX_POSITIONS, build_tokenizer, write_model_folder
-from eagle3prep.testing.tiny_models import DEFAULT_CORPUS, MIN_UPDATE, chat_ids, layer_updates, randomize
+from eagle3prep.testing.tiny_models import (
+    DEEPSEEK_V3_FIXED,
+    DEFAULT_CORPUS,
+    MIN_UPDATE,
+    chat_ids,
+    layer_updates,
+    randomize,
+)
 
 VARIANTS = ("int4", "bf16")
 NUM_LAYERS = 8  # "output of layer k" ids 2, N/2=4, N-3=5, N-1=7 are distinct
@@ -42,34 +49,16 @@ KIMI_ROPE = dict(
     mscale_all_dim=1.0,
 )
 
-# Kimi-K2.5's text config with widths cut: MLA head dims and kv_lora_rank stay real (vLLM's MLA kernels
-# take only these); hidden 512 because Marlin MoE wants hidden % 128 == 0; 4 heads and moe width 256 split
+# Kimi-K2.5's text config with widths cut (MLA dims and routing: tiny_models.DEEPSEEK_V3_FIXED); hidden 512 because Marlin MoE wants hidden % 128 == 0; 4 heads and moe width 256 split
 # over tensor parallel 2 into whole int4 groups (128 per rank = 4 groups of 32).
 KIMI_CONFIG = dict(
+    DEEPSEEK_V3_FIXED,
     hidden_size=512,
     intermediate_size=1024,  # the dense layer 0
     moe_intermediate_size=256,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=256,
-    kv_lora_rank=512,
-    qk_rope_head_dim=64,
-    qk_nope_head_dim=128,
-    v_head_dim=128,
-    rope_interleave=True,
-    first_k_dense_replace=1,
-    n_shared_experts=1,
-    n_routed_experts=8,
     num_experts_per_tok=4,
-    n_group=1,
+    n_group=1,  # Kimi-K2.5 routes in one group
     topk_group=1,
-    norm_topk_prob=True,
-    routed_scaling_factor=2.827,
-    # Not transformers fields but vLLM reads them (see tiny_models' deepseek_v3 comment).
-    topk_method="noaux_tc",
-    scoring_func="sigmoid",
-    moe_layer_freq=1,
-    num_mtp_layers=0,
     rms_norm_eps=1e-5,
     hidden_act="silu",
     attention_bias=False,

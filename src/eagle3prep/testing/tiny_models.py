@@ -27,6 +27,29 @@ DEFAULT_CORPUS = Path(__file__).resolve().parents[3] / "resources" / "demo" / "t
 _ATTENTION = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 _MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
 
+# What every tiny DeepSeek-V3 / Kimi-K2.5 target keeps of the real ones: MLA at DeepSeek-V3's head dims and
+# kv_lora_rank (vLLM's MLA kernels take only these), 4 heads, one dense layer then MoE with one shared expert of
+# 8 routed, sigmoid routing with a correction bias and Kimi-K2.5's routed scaling (its config.json).
+DEEPSEEK_V3_FIXED = dict(
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=256,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    rope_interleave=True,  # GPT-J style rotary, what vLLM's MLA applies
+    first_k_dense_replace=1,
+    n_shared_experts=1,
+    n_routed_experts=8,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.827,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    moe_layer_freq=1,
+    num_mtp_layers=0,  # written as num_nextn_predict_layers: no MTP layer in the checkpoint
+)
+
 # (transformers config class, model class, keyword arguments) per family.
 _SPECS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_ATTENTION, intermediate_size=512)),
@@ -48,30 +71,14 @@ _SPECS = {
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
         dict(
+            DEEPSEEK_V3_FIXED,
             hidden_size=256,  # latents wider than the stream are valid, if wasteful
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            q_lora_rank=256,
-            kv_lora_rank=512,
-            qk_rope_head_dim=64,
-            qk_nope_head_dim=128,
-            v_head_dim=128,
-            rope_interleave=True,  # GPT-J style rotary, what vLLM's MLA applies
             intermediate_size=512,
             moe_intermediate_size=128,
-            first_k_dense_replace=1,
-            n_shared_experts=1,
-            n_routed_experts=8,
             # 2 of 4 groups (2 experts each), then the top 2 of those 4 experts: both stages choose.
             num_experts_per_tok=2,
             n_group=4,
             topk_group=2,
-            norm_topk_prob=True,
-            routed_scaling_factor=2.827,
-            topk_method="noaux_tc",
-            scoring_func="sigmoid",
-            moe_layer_freq=1,
-            num_mtp_layers=0,  # written as num_nextn_predict_layers: no MTP layer in the checkpoint
         ),
     ),
 }
