@@ -4,9 +4,10 @@ import sys
 sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: SIM115 (the log stays open for the job)
 os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM workers, tokenizers) log there too
 
+from eagle3prep.config import IMAGE_KEYS
 from eagle3prep.errors import one_line_errors
 from eagle3prep.prepare import prepare, summarize
-from eagle3prep.prepare.images import DEFAULT_MAX_IMAGE_PIXELS, ImageOptions
+from eagle3prep.prepare.images import ImageOptions
 
 with one_line_errors():
     counts = prepare(
@@ -17,9 +18,6 @@ with one_line_errors():
         max_line_bytes=int(snakemake.params.max_line_bytes),
         allow_no_user_turn=bool(getattr(snakemake.params, "allow_no_user_turn", False)),  # a param only when true
         # the image keys are params only when set (not at their defaults), like allow_no_user_turn
-        images=ImageOptions(
-            getattr(snakemake.params, "image_root", None),
-            int(getattr(snakemake.params, "max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS)),
-        ),
+        images=ImageOptions.of({k: getattr(snakemake.params, k) for k in IMAGE_KEYS if hasattr(snakemake.params, k)}),
     )
     print(summarize(counts), file=sys.stderr)

@@ -18,7 +18,7 @@ from PIL import Image, ImageDraw
 
 from eagle3prep.config import IMAGE_KEYS, image_params
 from eagle3prep.prepare import IMAGE_REASONS, REASONS, check_invariant, conversation_id, normalize, prepare
-from eagle3prep.prepare.images import DEFAULT_MAX_IMAGE_PIXELS, ImageOptions
+from eagle3prep.prepare.images import ImageOptions
 from eagle3prep.tokenization.rows import parse_conversation
 from eagle3prep.tokenization.template import TokenizeError
 
@@ -78,7 +78,7 @@ def imgdir(tmp_path):
 def run(tmp_path):
     """prepare on records (written as one JSONL file) with images read under `root`; (counts, kept, quarantine)."""
 
-    def _run(records, root=None, max_pixels=DEFAULT_MAX_IMAGE_PIXELS):
+    def _run(records, root=None, max_pixels=4096 * 4096):
         src = tmp_path / "in.jsonl"
         src.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
         out = tmp_path / "out"
@@ -296,7 +296,8 @@ def test_image_defaults_match_the_schema():
 
     schema = yaml.safe_load((ROOT / "config/schema.yaml").read_text())["properties"]["data"]["properties"]
     defaults = {k: schema[k]["default"] for k in IMAGE_KEYS}
-    assert defaults == {"image_root": None, "max_image_pixels": DEFAULT_MAX_IMAGE_PIXELS}
+    assert defaults == {"image_root": None, "max_image_pixels": 4096 * 4096}
+    assert ImageOptions().max_pixels == 4096 * 4096  # read from the schema: the code has no default of its own
     assert image_params(defaults) == {} == image_params({})  # no params at the defaults: old runs are not re-queued
     assert image_params({"image_root": "imgs", "max_image_pixels": 10}) == {
         "image_root": "imgs",

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eagle3prep.prepare.errors import InputError, Rejected
+from eagle3prep.settings import schema_default
 
-DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096  # config/schema.yaml data.max_image_pixels
 # What the OpenAI API accepts (PNG, JPEG, WEBP, non-animated GIF): the formats servers and processors agree on.
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
 IMAGE_MARKER = "<image>"  # LLaVA / ShareGPT: where each image of the record's `image` / `images` field goes
@@ -39,8 +39,14 @@ class ImageOptions:
     pixel budget. `cache`: an image file named by many records is decoded once per run."""
 
     root: str | None = None
-    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_pixels: int = field(default_factory=lambda: schema_default("data", "max_image_pixels"))
     cache: dict[tuple, dict[str, Any]] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, params: dict[str, Any]) -> ImageOptions:
+        """From the prepare rule's image params (config.image_params: data.image_root and data.max_image_pixels,
+        each only when away from its schema default); the schema's defaults for the others."""
+        return cls(params.get("image_root"), int(params.get("max_image_pixels", cls().max_pixels)))
 
     def __post_init__(self):
         """A data.image_root that is not a folder stops prepare in one line: every image under it would be missing."""
