@@ -20,11 +20,12 @@ import pytest
 import yaml
 from workflow_helpers import REPO, make_workdir, snakemake
 
-from eagle3prep.config import check_model, config_sources, validate_config
+from eagle3prep.backends.base import CaptureSpec
+from eagle3prep.config import check_model, config_sources, layer_ids, validate_config
 from eagle3prep.errors import UserError
 from eagle3prep.parse import check_tokenizer
 from eagle3prep.prepare import expand_sources, prepare
-from eagle3prep.testing.writers import capture_spec
+from eagle3prep.settings import ExtractSettings
 from eagle3prep.tokenization import tokenize_conversations
 
 BAD = Path(__file__).parent / "data" / "bad"
@@ -222,7 +223,10 @@ def check_config(case: dict, tmp_path: Path, request) -> None:
     config_sources(config)
     check_model(config)
     check_tokenizer(config, stamp=None)
-    capture_spec(config)
+    CaptureSpec.of(  # what the extract job builds from the settings: refuses what the settings cannot capture
+        ExtractSettings.from_config(config), model_path=model, layer_ids=layer_ids(config),
+        max_seq_len=config["tokenize"]["max_seq_len"], trust_remote_code=config["model"]["trust_remote_code"],
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("case", [c for c in CONFIG_CASES if c["at"] != "gpus"], ids=case_id)

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ..backends.base import CaptureSpec
-from ..config import layer_ids
 from ..shard.fp8 import SCALES_KEY, quantize_fp8
 from ..shard.layout import FP8_E4M3, MODEL_DTYPE, check_storage, safetensors_header
 
@@ -39,18 +37,3 @@ def reference_logprobs_hf(model_dir, token_ids: list[int], dtype: str = "bfloat1
     with torch.inference_mode():
         logits = model(torch.tensor([token_ids]), use_cache=False).logits[0, :-1].float()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(token_ids[1:])[:, None])[:, 0]
-
-
-def capture_spec(config: dict[str, Any]) -> CaptureSpec:
-    """The CaptureSpec a validated config asks for (the model's layer ids resolved)."""
-    ex = config["extract"]
-    return CaptureSpec(
-        backend=ex["backend"],
-        model_path=config["model"]["path"],
-        layer_ids=layer_ids(config),
-        dtype=ex["dtype"],
-        device=ex["device"],
-        tp_size=ex["tp_size"],
-        max_seq_len=config["tokenize"]["max_seq_len"],
-        trust_remote_code=config["model"]["trust_remote_code"],
-    )
