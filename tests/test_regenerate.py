@@ -283,6 +283,28 @@ def test_a_prompt_longer_than_max_model_len_is_quarantined_before_the_engine(ren
     assert q.reason == "prompt_too_long" and "max_model_len is 12" in q.detail and not engine.prompts
 
 
+def test_a_conversation_the_chat_template_raises_on_is_quarantined_and_the_rest_go_on(tmp_path, demo_model_dir):
+    """A template's raise_exception (e.g. "roles must alternate") on one conversation: that conversation is
+    quarantined as template_error, as tokenize quarantines it, not the whole shard stopped by a jinja2 traceback."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(demo_model_dir, folder)
+    template = folder / "chat_template.jinja"
+    guard = "{%- for m in messages %}{% if 'BOOM' in m.content %}{{ raise_exception('no BOOM here') }}{% endif %}{% endfor -%}"
+    template.write_text(guard + template.read_text())
+    bad = PromptRenderer.load(folder)
+    boom = {"role": "user", "content": "BOOM?"}
+    results, tally, engine = run(bad, [conv([U1], "ok"), conv([U1, A1, boom], "boom")])
+    assert results[0].regenerated["from"] == "ok"
+    assert (
+        results[1].reason == "template_error"
+        and results[1].detail == "reply 1: the chat template raised: no BOOM here"
+    )
+    assert tally.quarantined["template_error"] == 1 and tally.kept == 1
+    assert len(engine.prompts) == 2  # the good conversation's one reply, the bad one's first
+
+
 def test_host_memory_is_bounded_by_max_in_flight(renderer):
     convs = [conv([{"role": "user", "content": f"Question {i}?"}], f"id{i}") for i in range(20)]
     results, tally, engine = run(renderer, convs, settings=RegenerateSettings.defaults(max_in_flight=4), per_step=1)

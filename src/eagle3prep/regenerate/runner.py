@@ -163,15 +163,12 @@ class Runner:
         """Add the request for the conversation's next reply (or quarantine it when it cannot be made)."""
         turn = len(conv.replies)
         messages = context_before(conv.plan, conv.replies)
-        images = None
-        if has_images(messages):
-            got = self.renderer.image_prompt(messages, conv.record.get("tools"))
-            if isinstance(got, Rejected):
-                self._quarantine(conv, got.reason, f"reply {turn}: {got.detail}")
-                return
-            text, ids, engine_ids, images = got  # ids: with the vision tokens, as tokenize's row and the engine
-        else:
-            text, ids = self.renderer.prompt(messages, conv.record.get("tools"))
+        got = self._render(messages, conv.record.get("tools"))
+        if isinstance(got, Rejected):
+            self.tally.quarantined.setdefault(got.reason, 0)  # a reason of tokenize's, listed once met
+            self._quarantine(conv, got.reason, f"reply {turn}: {got.detail}")
+            return
+        text, ids, engine_ids, images = got  # ids: with the vision tokens, as tokenize's row and the engine
         if len(ids) >= self.max_model_len:
             self._quarantine(
                 conv, "prompt_too_long",
@@ -192,6 +189,19 @@ class Runner:
         self.tally.replies["requests"] += 1
         self.tally.replies["prompt_tokens"] += len(ids)
         self.active[request_id] = conv
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None):
+        """(prompt text, ids, the engine's ids, images or None), or Rejected: an image tokenize would refuse, or a
+        chat template that raises on this conversation (tokenize quarantines it as template_error too)."""
+        import jinja2
+
+        try:
+            if has_images(messages):
+                return self.renderer.image_prompt(messages, tools)
+            text, ids = self.renderer.prompt(messages, tools)
+        except jinja2.TemplateError as e:
+            return Rejected("template_error", f"the chat template raised: {e}")
+        return text, ids, ids, None
 
     def _step(self) -> None:
         self.steps += 1
