@@ -19,8 +19,10 @@ class FakeEngine:
     """Replies with the canonical ids of script(prompt text) (+ the stop token when it says "stop"); finishes the
     requests of each step in the reverse order they were added, at most `per_step` a step."""
 
-    def __init__(self, renderer: PromptRenderer, script, per_step: int = 3, refuse=()):
+    def __init__(self, renderer: PromptRenderer, script, per_step: int = 3, refuse=(), expand=None):
         self.renderer, self.script, self.per_step, self.refuse = renderer, script, per_step, set(refuse)
+        self.expand = expand  # (prompt ids, images) -> the ids the model ran, as vLLM's processor reports them
+        self.ran: dict[str, list[int]] = {}
         self.queue: list[tuple[str, list[int], int]] = []
         self.prompts: dict[str, str] = {}  # request id -> prompt text
         self.seeds: dict[str, int] = {}
@@ -36,6 +38,8 @@ class FakeEngine:
         self.prompts[request_id], self.seeds[request_id], self.ids[request_id] = text, seed, list(prompt_ids)
         if images is not None:
             self.images[request_id] = images
+            if self.expand is not None:
+                self.ran[request_id] = self.expand(list(prompt_ids), images)
         self.most_in_flight = max(self.most_in_flight, len(self.queue))
 
     def step(self):
@@ -46,7 +50,7 @@ class FakeEngine:
             ids = self.renderer.encode(reply)
             if reason == "stop":
                 ids.append(self.renderer.tokenizer.eos_token_id)
-            out.append(Finished(rid, ids, reason, "boom" if reason == "error" else ""))
+            out.append(Finished(rid, ids, reason, "boom" if reason == "error" else "", self.ran.get(rid)))
         return out
 
     def has_unfinished(self):

@@ -66,9 +66,9 @@ def answer(prompt_text: str) -> tuple[str, str]:
     return reply.replace("<|vision_start|><|image_pad|><|vision_end|>", ""), reason
 
 
-def regenerate(model, convs, script=answer):
+def regenerate(model, convs, script=answer, expand=None):
     renderer = PromptRenderer.load(model)
-    engine = FakeEngine(renderer, script)
+    engine = FakeEngine(renderer, script, expand=expand)
     tally = ShardTally("prompts.jsonl")
     plan = th.ThinkingPlan("auto", "keep", "inline", ("<think>", "</think>"), "test")
     runner = Runner(engine, renderer, RegenerateSettings.defaults(), plan, renderer.stop_token_ids(), 1024, "p", tally)
@@ -142,3 +142,31 @@ def test_a_reply_that_writes_an_image_placeholder_quarantines_its_conversation(t
     (result,) = regenerate(tiny_vl_dir, prepared[:1], script=echo).results
     assert isinstance(result, Quarantined) and result.reason == "images_unsupported_by_target"
     assert result.detail == "reply 1: the chat template rendered 2 <|image_pad|> for 1 images"
+
+
+def expander(pad: int, fewer: int = 0):
+    """A processor's expansion of each placeholder: (w/14) x (h/14) patches merged 2 x 2 (Qwen2.5-VL's), `fewer`
+    tokens short of it."""
+
+    def expand(ids, images):
+        counts = iter((img.width // 14) * (img.height // 14) // 4 - fewer for img in images)
+        return [t for i in ids for t in ([pad] * next(counts) if i == pad else [i])]
+
+    return expand
+
+
+@pytest.mark.parametrize("fewer", [0, 1], ids=["same", "one_fewer"])
+def test_a_prompt_whose_images_the_engine_expands_otherwise_is_quarantined(tiny_vl_dir, prepared, fewer):
+    """The engine reports the prompt it ran; a reply to other vision tokens than tokenize writes is not kept."""
+    pad = PromptRenderer.load(tiny_vl_dir).tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    run = regenerate(tiny_vl_dir, prepared[:2], expand=expander(pad, fewer))
+    if not fewer:
+        assert [isinstance(r, Quarantined) for r in run.results] == [False, False]
+        return
+    square, circle = run.results
+    assert square.reason == circle.reason == "image_expansion_differs"
+    assert (
+        square.detail
+        == "reply 0: vLLM's processor made 22 prompt tokens of tokenize's 23 (its images expanded differently)"
+    )
+    assert run.tally.quarantined["image_expansion_differs"] == 2

@@ -26,6 +26,7 @@ IMAGE_REASONS = (
     "image_changed",  # an image file whose bytes are not the ones prepare hashed
     "image_unreadable",  # a data: URI that is not base64 (prepare.images)
     "image_unsupported_format",  # a data: URI of no image type (prepare.images)
+    "image_expansion_differs",  # vLLM's processor expanded the prompt's images otherwise than tokenize does
 )
 
 # Per-reply counts (a conversation has one reply per step).

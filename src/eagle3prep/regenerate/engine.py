@@ -54,6 +54,7 @@ class VLLMEngine:
         self.stop_ids, self.max_model_len, self.trust_remote_code = list(stop_ids), max_model_len, trust_remote_code
         self.llm: Any = None
         self.vision = False  # a target the stage feeds images to (start() reads it from config.json)
+        self._with_images: set[str] = set()  # requests added with images, until they finish
         self.info: dict[str, Any] = {}
         self.volatile: dict[str, Any] = {}  # facts of this run only (timings.json, not the manifest)
         self._children = ChildOutput()
@@ -164,6 +165,7 @@ class VLLMEngine:
         prompt = TokensPrompt(prompt_token_ids=prompt_ids)
         if images:  # one placeholder an image in prompt_ids: vLLM's processor expands each
             prompt = TokensPrompt(prompt_token_ids=prompt_ids, multi_modal_data={"image": images})
+            self._with_images.add(request_id)  # its expanded prompt goes back to the runner, which checks it
         try:
             self.llm.llm_engine.add_request(request_id, prompt, self.params(seed))
         except _request_errors() as e:
@@ -176,13 +178,16 @@ class VLLMEngine:
                 c = o.outputs[0]
                 reason = str(c.finish_reason or "error")
                 detail = "" if c.stop_reason is None else f"stop_reason {c.stop_reason}"
-                out.append(Finished(o.request_id, list(c.token_ids), reason, detail))
+                ran = list(o.prompt_token_ids or ()) if o.request_id in self._with_images else None
+                self._with_images.discard(o.request_id)
+                out.append(Finished(o.request_id, list(c.token_ids), reason, detail, ran))
         return out
 
     def has_unfinished(self) -> bool:
         return self.llm.llm_engine.has_unfinished_requests()
 
     def abort(self, request_ids: list[str]) -> None:
+        self._with_images.difference_update(request_ids)
         with contextlib.suppress(Exception):
             self.llm.llm_engine.abort_request(request_ids)
 

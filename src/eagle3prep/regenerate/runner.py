@@ -35,6 +35,9 @@ class RequestRejected(Exception):
     """The engine refused one request when it was added; the message says why."""
 
 
+EXPANSION_DIFFERS = "image_expansion_differs"  # quarantine reason: vLLM expanded a prompt's images otherwise
+
+
 @dataclass(slots=True)
 class Finished:
     """One request the engine finished: its generated ids (a stop token included) and why it ended."""
@@ -43,6 +46,8 @@ class Finished:
     token_ids: list[int]
     finish_reason: str  # stop | length | abort | error
     detail: str = ""
+    # The prompt ids the model ran, for a prompt given with images (vLLM's processor expanded them); else None.
+    prompt_token_ids: list[int] | None = None
 
 
 class Engine(Protocol):
@@ -241,6 +246,14 @@ class Runner:
             self._quarantine(conv, "engine_error", f"reply {turn}: finish_reason {done.finish_reason}{why}")
             return
         replies[done.finish_reason] += 1
+        if done.prompt_token_ids is not None and done.prompt_token_ids != conv.prompt_ids:
+            # The reply answered other vision tokens than tokenize will write for this conversation.
+            self._quarantine(
+                conv, EXPANSION_DIFFERS,
+                f"reply {turn}: vLLM's processor made {len(done.prompt_token_ids)} prompt tokens of tokenize's "
+                f"{len(conv.prompt_ids)} (its images expanded differently)",
+            )  # fmt: skip
+            return
         ids, generated = reply.ids, reply.text
         if not reply.same_ids:
             replies["retokenized_differently"] += 1
