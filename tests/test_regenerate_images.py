@@ -140,8 +140,9 @@ def test_a_text_only_shard_counts_no_image_reasons(demo_model_dir, prepared):
 def test_a_reply_that_writes_an_image_placeholder_quarantines_its_conversation(tiny_vl_dir, prepared):
     """The next prompt would hold more placeholders than images (tokenize would quarantine the row alike)."""
     (result,) = regenerate(tiny_vl_dir, prepared[:1], script=echo).results
-    assert isinstance(result, Quarantined) and result.reason == "images_unsupported_by_target"
-    assert result.detail == "reply 1: the chat template rendered 2 <|image_pad|> for 1 images"
+    pad = PromptRenderer.load(tiny_vl_dir).tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert isinstance(result, Quarantined) and result.reason == "reply_has_image_token"
+    assert result.detail == f"reply 0 wrote the image placeholder (id {pad})"
 
 
 def expander(pad: int, fewer: int = 0):

@@ -27,6 +27,7 @@ IMAGE_REASONS = (
     "image_unreadable",  # a data: URI that is not base64 (prepare.images)
     "image_unsupported_format",  # a data: URI of no image type (prepare.images)
     "image_expansion_differs",  # vLLM's processor expanded the prompt's images otherwise than tokenize does
+    "reply_has_image_token",  # a reply wrote the image placeholder itself (more placeholders than images)
 )
 
 # Per-reply counts (a conversation has one reply per step).

@@ -76,6 +76,11 @@ class PromptRenderer:
         text, ids = got[0], self.encode(got[0])
         return text, ids, collapse_runs(ids, self._vision.image_token_id), pils
 
+    @property
+    def image_token_id(self) -> int | None:
+        """The target's image placeholder id, once an image prompt has loaded its image side; else None."""
+        return getattr(self._vision, "image_token_id", None)
+
     def decode_batch(self, batch: list[list[int]]) -> list[str]:
         """Replies' ids as text, in one call of the Rust tokenizer (its threads). Special tokens the model wrote
         stay in the text and no space is cleaned up (transformers' decode with skip_special_tokens=False,

@@ -255,6 +255,11 @@ class Runner:
             )  # fmt: skip
             return
         ids, generated = reply.ids, reply.text
+        pad = self.renderer.image_token_id
+        if pad is not None and pad in ids and has_images(conv.record["messages"]):
+            # The next prompt (and tokenize's row) would hold more placeholders than the conversation has images.
+            self._quarantine(conv, "reply_has_image_token", f"reply {turn} wrote the image placeholder (id {pad})")
+            return
         if not reply.same_ids:
             replies["retokenized_differently"] += 1
         message, split = reply_message(generated, conv.prefill, self.thinking)
