@@ -10,8 +10,8 @@ VLLM_VENV := .venv-vllm
 # The oldest vLLM we support (users run 0.16: the engine's two-phase execute_model/sample_tokens).
 VLLM016_VENV := .venv-vllm016
 GPU_VENV := .venv-gpu
-# --no-cache-dir: the two vLLM venvs hold ~11 GB of CUDA-build torch and NVIDIA wheels; a cached copy of each
-# wheel would double that, and a CI machine ran out of disk (ENOSPC) with the cache on.
+# --no-cache-dir: the two vLLM venvs hold CUDA-build torch and NVIDIA wheels; a cached copy of each wheel
+# would double that, and a CI machine ran out of disk (ENOSPC) with the cache on.
 PIP_FLAGS ?= -q --disable-pip-version-check --no-cache-dir
 
 .PHONY: demo test test-cpu test-engines test-base test-vllm test-vllm016 test-slurm gpu-env lint clean
@@ -63,8 +63,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/snakemake --cores all
 	@echo "make demo: done; open results/report/report.html (dataset in results/: docs/guides/storage.md)"
 
-# Two streams at once: most tests run one Python thread, so one stream leaves a core idle (CI's serial run used
-# 0.9 of its 2 cores over 45 min). Stream 1: .venv, the base tests, then the Slurm cluster test. Stream 2: the
+# Two streams at once: most tests run one Python thread, so one stream leaves a core idle (docs/runs/ci_2026-12-02.txt). Stream 1: .venv, the base tests, then the Slurm cluster test. Stream 2: the
 # Slurm packages, then each vLLM venv and its tests, one venv at a time (two concurrent CUDA-build torch installs
 # ran CI out of disk).
 test:
