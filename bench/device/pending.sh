@@ -1,6 +1,7 @@
 #!/bin/bash
 # Every H200 measurement the open issues wait for, in one background run on `nvidia-h200` (one GPU), so a device
-# session spends its time measuring: timed benches one at a time on an idle GPU, then the correctness cells.
+# session spends its time measuring: the correctness cells side by side, then the timed benches one at a time on an
+# idle GPU.
 #   issue 25 item 2   bench_extract abfg on the 8B shape (hooks, built-in, built-in FP8 against plain prefill)
 #   issue 26 item 5   the same run's b/a (the hooks path after the restructuring; earlier b/a: docs/performance.md)
 #   issue 25 item 3   moe-prefill on the DeepSeek-V3 shape at TP 1: plain, hooks, built-in
@@ -30,6 +31,18 @@ python3 -c "import torchvision; from transformers.models.qwen2_vl.image_processi
   > "$O/vision_imports.txt" 2>&1 && log "vision imports ok" || log "vision imports FAIL (the image steps will fail)"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$O/gpu.txt" 2>&1
 
+# Correctness first: the validation matrix cells (every row, then the planted mistakes), all four at once with a
+# fixed 2 GiB KV cache each (--share-gpu); they are not timed, and a session that runs out of device time keeps them.
+for path in hooks builtin; do
+  step "vk25_$path" python3 bench/validation_matrix.py "$O/vk25_$path" --device cuda --tp 1 --backends vllm \
+    --families kimi_int4 --dtypes bfloat16 --capture-path "$path" --dump --share-gpu &
+done
+step vm28_hooks python3 bench/validation_matrix.py "$O/vm28_hooks" --device cuda --tp 1 --families qwen2_5_vl \
+  --backends hf vllm --capture-path hooks --dump --share-gpu &
+step vm28_builtin python3 bench/validation_matrix.py "$O/vm28_builtin" --device cuda --tp 1 --families qwen2_5_vl \
+  --backends vllm --capture-path builtin --dump --share-gpu &
+wait
+
 # Timed: one at a time, nothing else on the GPU.
 step be25 python3 bench/bench_extract.py "$O/be25/work" --phases abfg --rows 192
 keep() { mv "$O/$1/work/bench_extract.json" "$O/$1/" 2>/dev/null; rm -rf "$O/$1/work"; }  # the shards: ~13 GB each
@@ -37,13 +50,4 @@ keep be25
 step mgm25 python3 bench/multi_gpu.py moe-prefill "$O/mgm25" --tp 1 --layers 4 --phases abf --capture-path hooks
 step be28 python3 bench/bench_extract.py "$O/be28/work" --images 4 --phases abf --rows 256
 keep be28
-# Correctness: validation matrix cells (every row, then the planted mistakes).
-for path in hooks builtin; do
-  step "vk25_$path" python3 bench/validation_matrix.py "$O/vk25_$path" --device cuda --tp 1 --backends vllm \
-    --families kimi_int4 --dtypes bfloat16 --capture-path "$path" --dump
-done
-step vm28_hooks python3 bench/validation_matrix.py "$O/vm28_hooks" --device cuda --tp 1 --families qwen2_5_vl \
-  --backends hf vllm --capture-path hooks --dump
-step vm28_builtin python3 bench/validation_matrix.py "$O/vm28_builtin" --device cuda --tp 1 --families qwen2_5_vl \
-  --backends vllm --capture-path builtin --dump
 log "all done"

@@ -102,6 +102,8 @@ def moe_phase(args) -> None:
         gpu_mem=args.gpu_mem,
         shape=cfg,
         tp=args.tp,
+        images=0,  # text rows: the image-heavy workload is bench_extract --images
+        vision=None,
     )
     ns.out.mkdir(parents=True, exist_ok=True)
     work = workload.workloads(ns)  # token ids below the vocabulary of either shape
