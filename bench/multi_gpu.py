@@ -18,7 +18,8 @@ Scenarios:
                             the finished shards and validates every shard
   moe-prefill OUT --tp 8    bench_extract's (a) plain vLLM prefill and (b) our vllm backend on a
                             DeepSeek-V3-shaped MoE (hidden 7168, real MLA and expert shapes, fewer
-                            layers, random weights), b/a
+                            layers, random weights), b/a; --render prints the table again from
+                            OUT/moe_prefill.json
   build OUT --target T      only build the target (a device command of its own when needed)
   report OUT [--export D]   the tables again from the run.json files under OUT; --export copies the
                             small files (summary.md, run.json, samples.json, logs) to D
@@ -124,6 +125,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--grace", type=float, default=30, help="seconds the killed processes get to disappear")
     # moe-prefill (bench_extract's workload)
     ap.add_argument("--phases", default="ab")
+    ap.add_argument("--render", action="store_true", help="moe-prefill: the table again from OUT/moe_prefill.json")
     ap.add_argument("--phase", choices=["a", "b", "f"], help=argparse.SUPPRESS)
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--seq", type=int, default=2048)

@@ -80,3 +80,49 @@ def test_limit_verdict_names_the_limit(mg):
     assert "host memory" in mg.limit_verdict(1.2, 7.6, 1e8, 1.5e9, 9.5, 10, 1.0)
     assert "no measured limit" in mg.limit_verdict(1.2, 1.9, 1e8, 1.5e9, 1, 10, None)
     assert "waited for it 20%" in mg.limit_verdict(1.2, 1.9, 1e8, 1.5e9, 1, 10, None, disk_wait_share=0.2)
+
+
+@pytest.fixture()
+def moe(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import multigpu.moe
+
+    return multigpu.moe
+
+
+DEEPSEEK_V3 = {  # DeepSeek-V3's config.json, the keys the count reads (huggingface.co/deepseek-ai/DeepSeek-V3)
+    "hidden_size": 7168, "num_attention_heads": 128, "num_hidden_layers": 61, "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "first_k_dense_replace": 3, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_experts_per_tok": 8, "n_shared_experts": 1, "n_routed_experts": 256,
+}  # fmt: skip
+
+
+def test_moe_flops_count_deepseek_v3s_active_parameters(moe):
+    # DeepSeek-V3 activates 37B parameters a token; the count leaves out embeddings and lm_head (0.9B each)
+    active = moe.moe_flops_per_token(DEEPSEEK_V3, 0) / 2
+    assert 34.5e9 < active < 36e9
+    per_token_attention = moe.moe_flops_per_token(DEEPSEEK_V3, 1000) - moe.moe_flops_per_token(DEEPSEEK_V3, 0)
+    assert per_token_attention == 61 * 1000 * 128 * (192 + 128)
+
+
+def test_moe_phase_namespace_feeds_bench_extracts_workloads(moe, tmp_path):
+    """The phase's arguments are bench_extract's: a key bench_extract reads and moe-prefill lacks crashed the
+    2026-12-02 H200 run (args.images)."""
+    from extractbench import workload
+
+    args = moe.argparse.Namespace(
+        out=tmp_path, phase="b", device="cpu", rows=4, seq=32, min_len=8, max_len=40, capture_path="hooks",
+        batched_tokens=512, batch_tokens=2048, gpu_mem=0.5, tp=1,
+    )  # fmt: skip
+    work = workload.workloads(moe.phase_namespace(args, {"hidden_size": 256}))
+    assert [len(r) for r in work["uniform"]] == [32] * 4 and sum(map(len, work["mixed"])) >= 4 * 32
+
+
+def test_moe_table_from_the_h200_run(moe):
+    import json
+
+    data = json.loads((REPO / "docs/runs/h200_2026-12-02_pending/mgm25/moe_prefill.json").read_text())
+    table = "\n".join(moe.moe_table(data, 2048, 2148))
+    assert "| uniform | 102,488 | 65 % | 40,770 | 0.40 | hooks |" in table
+    assert "| 24,266 | 0.24 | 1,043,923,655 |" in table

@@ -275,8 +275,9 @@ def model_facts(arch, n=8, h=16):
         ("0.32.0", "LlamaForCausalLM", (2, 4, 5, 8), ["hooks", "builtin"]),
         ("0.17.0", "LlamaForCausalLM", (2, 4, 5, 8), ["hooks"]),  # no id N on the built-in path
         ("0.24.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), ["hooks"]),  # id N needs 0.25 there
-        ("0.24.0", "DeepseekV3ForCausalLM", (2, 4, 5), ["builtin", "hooks"]),  # no id N asked for
-        ("0.25.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), ["builtin", "hooks"]),  # MoE: vLLM's path first
+        ("0.24.0", "DeepseekV3ForCausalLM", (2, 4, 5), ["hooks", "builtin"]),  # no id N asked for
+        ("0.25.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), ["hooks", "builtin"]),  # MoE too: H200 runs chose hooks
+        ("0.32.0", "KimiK25ForConditionalGeneration", (2, 4, 5, 8), ["hooks", "builtin"]),
         ("0.32.0", "LlamaForCausalLM", (0, 4, 8), ["hooks"]),  # id 0 is aliased on the built-in path
     ],
 )
@@ -647,25 +648,34 @@ def probe_with_fakes(monkeypatch, tmp_path, arch, start, options=None):
     return backend, lines
 
 
-def test_auto_falls_back_to_hooks_with_the_builtin_root_cause_and_keeps_the_workaround(monkeypatch, tmp_path):
-    """DeepSeek on CPU: auto tries builtin first; its failed start is logged once with the cause."""
+# A path-specific failure of the first path, made up for the test (out of memory would fail every path: no fallback)
+HOOKS_FAILED_OUTPUT = QWEN2_MOE_BUILTIN_OUTPUT.replace(
+    "RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested",
+    "ValueError: torch.compile of the capture graph failed: unsupported op",
+)
+
+
+def test_auto_falls_back_with_the_first_paths_root_cause_and_keeps_the_workaround(monkeypatch, tmp_path):
+    """DeepSeek on CPU: auto tries hooks first; its failed start is logged once with the cause, then built-in."""
     from eagle3prep.backends.vllm.paths import BuiltinPath, HooksPath
 
-    kwargs = {}
+    kwargs, tried = {}, []
 
     def start(backend, name):
+        tried.append(name)
         backend.path = BuiltinPath([2, 4, 8], "0.32.0") if name == "builtin" else HooksPath([2, 4, 8], "0.32.0")
         kwargs[name] = backend._engine_kwargs(backend.path)
-        if name == "builtin":
-            backend._children.text = lambda: QWEN2_MOE_BUILTIN_OUTPUT
+        if name == "hooks":
+            backend._children.text = lambda: HOOKS_FAILED_OUTPUT
             raise ENGINE_CORE_FAILED
 
     user = {"engine_args": {"compilation_config": {"custom_ops": ["+rms_norm"]}}}
     backend, lines = probe_with_fakes(monkeypatch, tmp_path, "DeepseekV3ForCausalLM", start, user)
     info = backend.probe()
-    assert info.capture_path == "hooks" and info.details["workarounds"] == ["cpu-mla-native-rotary"]
-    assert "does not support EAGLE3 interface" in info.details["fallback_reason"]
-    assert [x for x in lines if "builtin capture path failed its probe" in x and "does not support EAGLE3" in x]
+    assert tried == ["hooks", "builtin"]
+    assert info.capture_path == "builtin" and info.details["workarounds"] == ["cpu-mla-native-rotary"]
+    assert "capture graph failed" in info.details["fallback_reason"]
+    assert [x for x in lines if "hooks capture path failed its probe" in x and "capture graph failed" in x]
     for name in ("builtin", "hooks"):  # the user's compilation_config, merged with the workaround
         assert kwargs[name]["compilation_config"] == {"custom_ops": ["+rms_norm", "-rotary_embedding"]}
 
@@ -681,3 +691,9 @@ def test_probe_refuses_a_bug_without_workaround_before_any_engine_start(monkeypa
     with pytest.raises(EngineError, match="no workaround is known: kernel X"):
         backend.probe()
     assert starts == []
+
+
+def test_hooks_failure_fixture_replaces_the_builtin_cause():
+    from eagle3prep.vllm_common.errors import root_cause
+
+    assert root_cause(HOOKS_FAILED_OUTPUT).startswith("ValueError: torch.compile of the capture graph")

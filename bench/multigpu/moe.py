@@ -17,8 +17,10 @@ from multigpu.report import fmt
 
 def scenario_moe_prefill(args, lines: list[str]) -> None:
     """bench_extract's phases (a) and (b), each in its own process, on a DeepSeek-V3-shaped config (dummy weights)."""
-    from extractbench.workload import layer_ids
-
+    out_json = args.out / "moe_prefill.json"
+    if args.render:  # the table again from an earlier run's raw results, no engine
+        lines.extend(moe_table(json.loads(out_json.read_text()), args.seq, (args.min_len + args.max_len) / 2))
+        return
     folder = args.out / f"moe-model-l{args.layers}"
     if args.device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the phases' processes inherit it
@@ -48,46 +50,83 @@ def scenario_moe_prefill(args, lines: list[str]) -> None:
         results[phase] = json.loads(got[-1][7:])
         results[phase]["wall_s"] = round(time.time() - t0, 1)
     cfg = json.loads((folder / "config.json").read_text())
-    (args.out / "moe_prefill.json").write_text(
-        json.dumps({"config": cfg, "tp": args.tp, "results": results}, indent=1)
+    data = {"config": cfg, "tp": args.tp, "results": results}
+    out_json.write_text(json.dumps(data, indent=1))
+    lines.extend(moe_table(data, args.seq, (args.min_len + args.max_len) / 2))
+
+
+def moe_flops_per_token(cfg: dict, seq: float) -> float:
+    """Prefill FLOPs per token of a DeepSeek-V3-shaped model, counting active parameters only: 2 x (MLA
+    projections + the dense MLP or the shared and top-k routed experts + the router) per layer, plus causal
+    attention over MLA's head dims (seq x heads x (qk + v) per layer); embeddings and lm_head left out, as
+    bench_extract's dense count does."""
+    h, heads, n = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    attn = (
+        h * cfg["q_lora_rank"]
+        + cfg["q_lora_rank"] * heads * qk
+        + h * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
+        + cfg["kv_lora_rank"] * heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"])
+        + heads * cfg["v_head_dim"] * h
     )
-    ids = layer_ids(cfg)
-    lines.append(
+    dense = cfg.get("first_k_dense_replace", 0)
+    experts = cfg["num_experts_per_tok"] + cfg.get("n_shared_experts", 0)
+    mlp = dense * 3 * h * cfg["intermediate_size"] + (n - dense) * (
+        3 * h * cfg["moe_intermediate_size"] * experts + h * cfg["n_routed_experts"]
+    )
+    return 2 * (n * attn + mlp) + n * seq * heads * (qk + cfg["v_head_dim"])
+
+
+def moe_table(data: dict, seq: float, mixed_seq: float) -> list[str]:
+    """The moe-prefill report: tokens/s, ratios to (a), MFU on active parameters and bytes/s per phase."""
+    from extractbench.workload import PEAK_TFLOPS, layer_ids
+
+    cfg, tp, results = data["config"], data["tp"], data["results"]
+    a, b, f = results.get("a", {}), results.get("b", {}), results.get("f", {})
+
+    def mfu(rate: float | None, w: str) -> str:
+        flops = moe_flops_per_token(cfg, mixed_seq if w == "mixed" else seq)
+        return f"{100 * rate * flops / 1e12 / (PEAK_TFLOPS * tp):.0f} %" if rate else "-"
+
+    lines = [
         f"\n### moe-prefill: {cfg['architectures'][0]} hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers "
         f"({cfg.get('first_k_dense_replace')} dense), {cfg['n_routed_experts']} experts x {cfg['moe_intermediate_size']}, "
-        f"top {cfg['num_experts_per_tok']}; TP {args.tp}, random weights (load_format dummy), layers {ids}"
-    )
-    lines.append(
-        "| workload | (a) vLLM prefill tok/s | (b) eagle3prep vllm tok/s | b/a | (b) capture path "
-        "| (f) built-in, compiled tok/s | f/a | (f) bytes/s |"
-    )
-    lines.append("|---|---|---|---|---|---|---|---|")
-    a, b, f = results.get("a", {}), results.get("b", {}), results.get("f", {})
+        f"top {cfg['num_experts_per_tok']}; TP {tp}, random weights (load_format dummy), layers {layer_ids(cfg)}",
+        "| workload | (a) vLLM prefill tok/s | MFU | (b) eagle3prep vllm tok/s | b/a | (b) capture path | (b) bytes/s "
+        "| (f) built-in, compiled tok/s | f/a | (f) bytes/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for w in ("uniform", "mixed", "uniform_shm"):
         ra = a.get(w.removesuffix("_shm"), {}).get("tokens_per_s")
         rb, rf = b.get(w, {}).get("tokens_per_s"), f.get(w, {}).get("tokens_per_s")
         lines.append(
-            f"| {w} | {fmt(ra)} | {fmt(rb)} | {ratio(rb, ra)} | {b.get('capture_path', '-')} | {fmt(rf)} | "
-            f"{ratio(rf, ra)} | {fmt(f.get(w, {}).get('bytes_per_s'))} |"
+            f"| {w} | {fmt(ra)} | {mfu(ra, w)} | {fmt(rb)} | {ratio(rb, ra)} | {b.get('capture_path', '-')} | "
+            f"{fmt(b.get(w, {}).get('bytes_per_s'))} | {fmt(rf)} | {ratio(rf, ra)} | {fmt(f.get(w, {}).get('bytes_per_s'))} |"
         )
-    if b:
-        lines.append(
-            f"- (b) engine start {b['engine_start_s']:.1f} s, peak RSS of the capture processes {b['peak_rss_mib']:.0f} MiB, "
-            f"vLLM {b.get('vllm')}; (a) engine start {a.get('engine_start_s', float('nan')):.1f} s"
-        )
+    lines.append(
+        f"- MFU: active parameters (dense MLP or {cfg['num_experts_per_tok']} routed + shared experts, MLA, router) "
+        f"and causal attention at {seq:.0f} tokens (mixed: {mixed_seq:.0f}), of {PEAK_TFLOPS:.0f} TFLOP/s a GPU x {tp}; "
+        f"b and f at the same rate have a's MFU times b/a or f/a"
+    )
+    for p, r in (("b", b), ("f", f)):
+        if r:
+            lines.append(
+                f"- ({p}) engine start {r['engine_start_s']:.1f} s, peak RSS of the capture processes "
+                f"{r['peak_rss_mib']:.0f} MiB, vLLM {r.get('vllm')}, capture path {r.get('capture_path')}; "
+                f"writer, uniform: {r.get('uniform', {}).get('writer')}"
+            )
+    if a:
+        lines.append(f"- (a) engine start {a.get('engine_start_s', float('nan')):.1f} s")
+    return lines
 
 
 def ratio(x: float | None, y: float | None) -> str:
     return f"{x / y:.2f}" if x and y else "-"
 
 
-def moe_phase(args) -> None:
-    """One bench_extract phase, with bench_extract's own argument names, at tensor parallel --tp."""
-    from extractbench import phases, workload
-
-    folder = args.out / f"moe-model-l{args.layers}"
-    cfg = json.loads((folder / "config.json").read_text())
-    ns = argparse.Namespace(
+def phase_namespace(args, cfg: dict) -> argparse.Namespace:
+    """bench_extract's arguments for one moe-prefill phase (text rows of synthetic token ids)."""
+    return argparse.Namespace(
         out=args.out / f"moe-phase-{args.phase}",
         tiny=args.device == "cpu",
         device=args.device,
@@ -105,6 +144,15 @@ def moe_phase(args) -> None:
         images=0,  # text rows: the image-heavy workload is bench_extract --images
         vision=None,
     )
+
+
+def moe_phase(args) -> None:
+    """One bench_extract phase, with bench_extract's own argument names, at tensor parallel --tp."""
+    from extractbench import phases, workload
+
+    folder = args.out / f"moe-model-l{args.layers}"
+    cfg = json.loads((folder / "config.json").read_text())
+    ns = phase_namespace(args, cfg)
     ns.out.mkdir(parents=True, exist_ok=True)
     work = workload.workloads(ns)  # token ids below the vocabulary of either shape
     phase = {"a": phases.phase_a, "b": phases.phase_b, "f": phases.phase_f}[args.phase]

@@ -178,6 +178,13 @@ def validate_config(config: dict[str, Any], schema_path: str | Path = SCHEMA) ->
             "config error: extract.engine_args.enable_prefix_caching must stay false: a prefix-cache hit skips the "
             "forward of the cached tokens, whose hidden states would then be missing"
         )
+    dp = config["extract"]["engine_args"].get("data_parallel_size", 1)
+    if str(dp).strip() not in ("1", "None"):
+        # Each data-parallel rank serves its own requests: one job's capture would see only its rank's rows.
+        raise ConfigError(
+            f"config error: extract.engine_args.data_parallel_size = {dp}: a job captures with one engine of "
+            "tp_size GPUs; to use more GPUs run more jobs at once (snakemake --resources gpus=N)"
+        )
     if config["layers"]["ids"] is not None:
         try:  # fails early on a bad convention; the range check needs the model (layer_ids below)
             convert_layer_ids(config["layers"]["ids"], config["layers"]["convention"])
