@@ -122,6 +122,29 @@ def test_an_image_changed_after_prepare_is_quarantined(tmp_path, monkeypatch, vl
     assert "is not the image prepare read (sha256 differs)" in quarantine[0]["detail"]
 
 
+def test_text_that_writes_a_vision_placeholder_is_quarantined_at_tokenize(tmp_path, monkeypatch, vl_model):
+    """A text row (or an image row's text) on a VLM target that writes <|image_pad|> or <|video_pad|> itself
+    would stop the extract job in the engine, after the GPU job started: tokenize quarantines it, with the
+    token's position, and keeps the rows around it."""
+    text = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
+    pad_in_reply = {
+        "messages": [{"role": "user", "content": "Say it"}, {"role": "assistant", "content": "x<|image_pad|>"}]
+    }
+    video_in_prompt = {"messages": [{"role": "user", "content": "<|video_pad|> what is this?"},
+                                    {"role": "assistant", "content": "A clip."}]}  # fmt: skip
+    image_row_with_pad = {"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "red_square.png"}},
+                                     {"type": "text", "text": "and <|video_pad|>?"}]},
+        {"role": "assistant", "content": "A square."}]}  # fmt: skip
+    records = [text, pad_in_reply, video_in_prompt, image_row_with_pad]
+    stats, rows, quarantine = tokenize(prepared(tmp_path, monkeypatch, records), vl_model)
+    assert stats["rows"] == 1 and rows[0]["id"] and "images" not in rows[0]
+    assert [(q["line"], q["reason"]) for q in quarantine] == [(2, "media_token_in_text"), (3, "media_token_in_text"),
+                                                               (4, "media_token_in_text")]  # fmt: skip
+    assert "image_token_id = " in quarantine[0]["detail"] and "video_token_id = " in quarantine[1]["detail"]
+    assert "at token " in quarantine[2]["detail"] and "\n" not in quarantine[2]["detail"]
+
+
 def test_a_text_only_target_quarantines_image_rows_and_keeps_text_rows(tmp_path, monkeypatch):
     model = build_demo_model(tmp_path / "demo", ROOT / "resources/demo/tokenizer_corpus.txt")
     text = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}

@@ -17,6 +17,8 @@ is expanded to the vision tokens the target's image processor gives it (module `
 them, the row records its images and `image_grid_thw`, and a cut inside an image quarantines the row
 (`image_cut_by_max_seq_len`). A target that cannot take images quarantines such rows as
 `images_unsupported_by_target`; an image gone or changed since prepare as `image_missing` / `image_changed`.
+On a vision-language target, a row whose text writes a vision placeholder token itself (`<|image_pad|>`, no
+image to fill it) is quarantined as `media_token_in_text`: the engine would stop the extract job on it.
 
 Modules, in the order a conversation meets them:
     template  the tokenizer and chat template; ChatEncoder: conversation -> (input_ids, loss_mask)

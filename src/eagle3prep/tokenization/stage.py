@@ -48,7 +48,8 @@ def tokenize_conversations(
         token_freq_path: JSON {token_id: count} over loss-masked tokens (speculators' token_freq.pt semantics).
         quarantine_path: JSONL of `Quarantined` records (reasons: no_assistant_tokens,
             template_not_prefix_stable, template_error, tool_turns_unsupported_by_template; for rows with
-            images: images_unsupported_by_target, image_missing, image_changed, image_cut_by_max_seq_len).
+            images: images_unsupported_by_target, image_missing, image_changed, image_cut_by_max_seq_len;
+            on a vision-language target, text that writes a vision placeholder itself: media_token_in_text).
         max_seq_len: rows longer than this are truncated (and counted).
         chat_template_kwargs: extra template variables for every render (tokenize.chat_template_kwargs).
 

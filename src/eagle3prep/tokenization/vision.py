@@ -27,6 +27,10 @@ from eagle3prep.tokenization.template import Rejected
 # model_type -> how its processor writes an image into the text (the placeholder the chat template renders)
 EXPANDS = {"qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>"}
 UNSUPPORTED = "images_unsupported_by_target"  # quarantine reason: the target cannot take this row's images
+MEDIA_IN_TEXT = "media_token_in_text"  # quarantine reason: the text itself writes an image or video placeholder
+# config.json keys of the token ids a vision-language target fills with vision features (Qwen2-VL/2.5-VL: image and
+# video pads; Kimi-K2.5: <|media_pad|>, as vLLM's and SGLang's Kimi-K2.5 code read it)
+MEDIA_TOKEN_KEYS = ("image_token_id", "video_token_id", "media_placeholder_token_id")
 
 
 def image_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -113,6 +117,28 @@ def encode_with_images(encoder, messages: list[dict[str, Any]], tools: list[dict
         if token == vision.image_token_id:
             mask[i] = 0
     return enc.ids, mask, record
+
+
+def media_token_ids(model_path: str | os.PathLike) -> dict[int, str]:
+    """{token id: its config.json key} of the target's vision placeholders; {} for a text-only target."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}  # no config.json (a tokenizer-only folder): nothing here to fill with vision features
+    return {config[k]: k for k in MEDIA_TOKEN_KEYS if isinstance(config.get(k), int)}
+
+
+def media_in_text(ids: list[int], media: dict[int, str], allowed: int | None = None) -> Rejected | None:
+    """Rejected when the row's ids hold a vision placeholder no image fills (`allowed`: the image token an
+    image row's expansion wrote). The engine would stop the shard on it, after the GPU job started."""
+    for k, token in enumerate(ids):
+        if token in media and token != allowed:
+            return Rejected(
+                MEDIA_IN_TEXT,
+                f"the text writes the target's vision placeholder {media[token]} = {token} at token {k}, "
+                "with no image to fill it",
+            )
+    return None
 
 
 def images_refusal(config: dict[str, Any]) -> str | None:
