@@ -145,6 +145,17 @@ def test_a_reply_that_writes_an_image_placeholder_quarantines_its_conversation(t
     assert result.detail == f"reply 0 wrote the image placeholder (id {pad})"
 
 
+def test_a_text_prompt_that_writes_a_vision_placeholder_is_quarantined_before_the_engine(tiny_vl_dir, prepared):
+    """A text-only conversation whose prompt holds <|video_pad|> itself: no request, the reason tokenize gives it."""
+    conv = {**prepared[4], "messages": [{"role": "user", "content": "What is <|video_pad|>?"},
+                                        {"role": "assistant", "content": "Blue."}]}  # fmt: skip
+    run = regenerate(tiny_vl_dir, [conv, prepared[4]])
+    bad, kept = run.results
+    assert isinstance(bad, Quarantined) and bad.reason == "media_token_in_text"
+    assert bad.detail.startswith("reply 0: the text writes the target's vision placeholder video_token_id = ")
+    assert len(run.engine.ids) == 1 and kept.messages[1]["content"] == "Target on: Name a colour."
+
+
 def expander(pad: int, fewer: int = 0):
     """A processor's expansion of each placeholder: (w/14) x (h/14) patches merged 2 x 2 (Qwen2.5-VL's), `fewer`
     tokens short of it."""

@@ -23,7 +23,14 @@ from eagle3prep.tokenization.template import (
     rust_backend,
     template_kwargs,
 )
-from eagle3prep.tokenization.vision import UNSUPPORTED, collapse_runs, image_parts, load_images, load_vision
+from eagle3prep.tokenization.vision import (
+    UNSUPPORTED,
+    collapse_runs,
+    image_parts,
+    load_images,
+    load_vision,
+    media_token_ids,
+)
 
 
 class PromptRenderer:
@@ -37,6 +44,7 @@ class PromptRenderer:
         self.chat_template_kwargs = template_kwargs(tokenizer, chat_template_kwargs, model_path)
         self.backend = rust_backend(tokenizer)
         self._vision = None  # the target's image side (tokenization.vision), loaded at the first image prompt
+        self.media_ids = media_token_ids(model_path)  # the target's vision placeholders; {} for a text target
 
     @classmethod
     def load(

@@ -24,6 +24,7 @@ from eagle3prep.regenerate.thinking import ThinkingPlan, is_empty, prompt_prefil
 from eagle3prep.regenerate.turns import Rejection, TurnPlan, assemble, context_before, plan_turns
 from eagle3prep.settings import RegenerateSettings, conversation_seed
 from eagle3prep.tokenization.template import Rejected, has_images
+from eagle3prep.tokenization.vision import media_in_text
 
 # Conversations admitted (prompts rendered and added) per turn of the loop. Admitting a whole window before the
 # first step would leave the engine idle while thousands of prompts render; in chunks, the engine (its own
@@ -200,13 +201,17 @@ class Runner:
         chat template that raises on this conversation (tokenize quarantines it as template_error too)."""
         import jinja2
 
+        images = has_images(messages)
         try:
-            if has_images(messages):
-                return self.renderer.image_prompt(messages, tools)
-            text, ids = self.renderer.prompt(messages, tools)
+            got = self.renderer.image_prompt(messages, tools) if images else (*self.renderer.prompt(messages, tools),)
         except jinja2.TemplateError as e:
             return Rejected("template_error", f"the chat template raised: {e}")
-        return text, ids, ids, None
+        if isinstance(got, Rejected):
+            return got
+        # A vision placeholder the text writes itself: tokenize would quarantine the row (media_token_in_text).
+        if bad := media_in_text(got[1], self.renderer.media_ids, self.renderer.image_token_id if images else None):
+            return bad
+        return got if images else (got[0], got[1], got[1], None)
 
     def _step(self) -> None:
         self.steps += 1
