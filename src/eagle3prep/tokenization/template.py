@@ -132,9 +132,6 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         self.model_path = model_path
         self._vision = None  # the target's image side (tokenization.vision), loaded at the first image row
-        from eagle3prep.tokenization.vision import media_token_ids
-
-        self.media_ids = media_token_ids(model_path)  # {} on a text-only target: no row is scanned
         self.template = get_chat_template(tokenizer, model_path)
         self.chat_template_kwargs = template_kwargs(tokenizer, chat_template_kwargs, model_path)
         # The variables apply_chat_template hands the template: the special tokens (bos_token, eos_token, ...),
@@ -175,7 +172,7 @@ class ChatEncoder:
             if (t or has_tool_turns(m)) and not has_images(m)
         ]
         if not agentic and not with_images:
-            return self._refuse_media_in_text(self._encode_plain(batch), [])
+            return self._encode_plain(batch)
         results: list = [None] * len(batch)
         plain = sorted(set(range(len(batch))) - set(agentic) - set(with_images))
         for i, result in zip(plain, self._encode_plain([batch[i] for i in plain]), strict=True):
@@ -184,19 +181,6 @@ class ChatEncoder:
             results[i] = self._encode_agentic(batch[i], tools[i])
         for i in with_images:  # one at a time: (ids, mask, the row's image record)
             results[i] = self._encode_images(batch[i], tools[i])
-        return self._refuse_media_in_text(results, with_images)
-
-    def _refuse_media_in_text(self, results: list, with_images: list[int]) -> list:
-        """Rows whose text writes a vision placeholder of the target become Rejected (tokenization.vision)."""
-        if not self.media_ids:
-            return results
-        from eagle3prep.tokenization.vision import media_in_text
-
-        image_rows = set(with_images)
-        for i, result in enumerate(results):
-            if not isinstance(result, Rejected):
-                allowed = self._vision.image_token_id if i in image_rows else None
-                results[i] = media_in_text(result[0], self.media_ids, allowed) or result
         return results
 
     def _encode_images(self, messages: list[dict[str, Any]], tools: list[dict] | None):
