@@ -276,3 +276,10 @@ def test_a_model_folder_without_hidden_size_or_weights_is_refused_at_parse_time(
     with pytest.raises(ConfigError, match="config.json has no hidden_size"):
         check_model_files(config)
     check_model_files(validate_config(base(model={"path": str(tmp_path / "nope"), "build_demo": True})))
+
+
+def test_extract_engine_args_that_still_capture_every_row_pass():
+    from eagle3prep.config import check_extract_engine_args
+
+    check_extract_engine_args({"max_model_len": 257, "data_parallel_size": 1, "enable_prefix_caching": "false"}, 256)
+    check_extract_engine_args({"max_model_len": "4096", "enforce_eager": True}, 256)

@@ -171,26 +171,36 @@ def validate_config(config: dict[str, Any], schema_path: str | Path = SCHEMA) ->
     if errors:
         raise ConfigError(_one_line(errors[0]))
     check_template_kwargs(config["tokenize"]["chat_template_kwargs"])
-    caching = config["extract"]["engine_args"].get("enable_prefix_caching")
-    if _coerce_scalar(caching, ["boolean"]) if isinstance(caching, str) else caching:
-        # The vLLM driver refuses it at engine start, after the GPU job was queued: the config alone decides it.
-        raise ConfigError(
-            "config error: extract.engine_args.enable_prefix_caching must stay false: a prefix-cache hit skips the "
-            "forward of the cached tokens, whose hidden states would then be missing"
-        )
-    dp = config["extract"]["engine_args"].get("data_parallel_size", 1)
-    if str(dp).strip() not in ("1", "None"):
-        # Each data-parallel rank serves its own requests: one job's capture would see only its rank's rows.
-        raise ConfigError(
-            f"config error: extract.engine_args.data_parallel_size = {dp}: a job captures with one engine of "
-            "tp_size GPUs; to use more GPUs run more jobs at once (snakemake --resources gpus=N)"
-        )
+    check_extract_engine_args(config["extract"]["engine_args"], config["tokenize"]["max_seq_len"])
     if config["layers"]["ids"] is not None:
         try:  # fails early on a bad convention; the range check needs the model (layer_ids below)
             convert_layer_ids(config["layers"]["ids"], config["layers"]["convention"])
         except ValueError as e:
             raise ConfigError(f"config error: {e}") from None
     return config
+
+
+def check_extract_engine_args(engine_args: dict[str, Any], max_seq_len: int) -> None:
+    """What extract.engine_args cannot set, refused at parse time: the vLLM engine would start, after the GPU
+    job was queued, and capture missing or partial rows."""
+    caching = engine_args.get("enable_prefix_caching")
+    if _coerce_scalar(caching, ["boolean"]) if isinstance(caching, str) else caching:
+        raise ConfigError(
+            "config error: extract.engine_args.enable_prefix_caching must stay false: a prefix-cache hit skips the "
+            "forward of the cached tokens, whose hidden states would then be missing"
+        )
+    dp = engine_args.get("data_parallel_size", 1)
+    if str(dp).strip() not in ("1", "None"):  # each data-parallel rank serves its own requests
+        raise ConfigError(
+            f"config error: extract.engine_args.data_parallel_size = {dp}: a job captures with one engine of "
+            "tp_size GPUs; to use more GPUs run more jobs at once (snakemake --resources gpus=N)"
+        )
+    limit = engine_args.get("max_model_len")
+    if limit is not None and str(limit).strip().isdigit() and int(limit) <= max_seq_len:
+        raise ConfigError(
+            f"config error: extract.engine_args.max_model_len = {limit} must exceed tokenize.max_seq_len = "
+            f"{max_seq_len} (a row and the one token the engine generates); leave it unset, extract sets it"
+        )
 
 
 def layer_ids(config: dict[str, Any]) -> list[int]:
