@@ -24,7 +24,6 @@ TAG_KEY = "eagle3prep_tag"
 # Version gates, read from the vLLM wheels.
 RPC_BARE_REPLY = (0, 11, 1)  # collective_rpc(unique_reply_rank=r) returns the bare result, not [result]
 BUILTIN_EXTRACT = (0, 18, 0)  # extract_hidden_states can reach layer id N (0.17 shipped it without)
-CUSTOM_SAVE_PATH = (0, 24, 0)  # connector extra-config allow_custom_save_path
 DEEPSEEK_FINAL_LAYER = (0, 25, 0)  # deepseek_v2.py backbone captures id N (vllm#46973)
 
 
@@ -57,10 +56,6 @@ def engine_in_process(engine: Any) -> bool:
 def builtin_supported(version: str) -> bool:
     """vLLM ships extract_hidden_states + ExampleHiddenStatesConnector with id N reachable."""
     return parse_version(version) >= BUILTIN_EXTRACT
-
-
-def custom_save_path_supported(version: str) -> bool:
-    return parse_version(version) >= CUSTOM_SAVE_PATH
 
 
 def builtin_final_layer_reachable(version: str, architectures: list[str]) -> bool:
