@@ -43,7 +43,8 @@ def test_the_shared_home_imports_neither_vllm_nor_torch():
     import subprocess
 
     code = (
-        "import sys, eagle3prep.vllm_common.errors, eagle3prep.vllm_common.shutdown, eagle3prep.vllm_common.versions,"
+        "import sys, eagle3prep.vllm_common.errors, eagle3prep.vllm_common.launch, eagle3prep.vllm_common.shutdown,"
+        " eagle3prep.vllm_common.versions,"
         " eagle3prep.vllm_common.workarounds; print(sorted({'vllm', 'torch'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -11,15 +11,15 @@ import sys
 import time
 from typing import Any
 
-from eagle3prep.infra import shm
 from eagle3prep.model_facts import ModelFacts
 from eagle3prep.regenerate.runner import Finished, RequestRejected
 from eagle3prep.settings import RegenerateSettings, Sampling
 from eagle3prep.tokenization.vision import EXPANDS
 from eagle3prep.vllm_common import versions
-from eagle3prep.vllm_common.errors import ChildOutput, EngineError, engine_error
+from eagle3prep.vllm_common.errors import ChildOutput, engine_error
+from eagle3prep.vllm_common.launch import prefer_forked_workers, resolve_workarounds, start_llm
 from eagle3prep.vllm_common.shutdown import shutdown_engine
-from eagle3prep.vllm_common.workarounds import engine_workarounds, merge_engine_kwargs, workarounds_disabled
+from eagle3prep.vllm_common.workarounds import merge_engine_kwargs
 
 
 def log(msg: str) -> None:
@@ -90,38 +90,26 @@ class VLLMEngine:
     def start(self) -> dict[str, Any]:
         """Start vLLM; return what the manifest records of it. A failed start is one EngineError line."""
         t0 = time.time()
-        # Forked workers start sooner than spawned ones (backends/vllm/driver.py says why this setting).
-        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        prefer_forked_workers()
         version = versions.installed_version()
         facts = ModelFacts.read(self.model_path)
         self.vision = facts.vision_model_type in EXPANDS
-        from vllm import LLM
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
-        fixes = engine_workarounds(
-            version, on_cpu, facts.architectures, disabled=workarounds_disabled(),
-            dtype=self.settings.content.dtype,
-        )  # fmt: skip
-        if fixes.refusal:
-            raise EngineError(fixes.refusal)
-        for line in fixes.log_lines:
-            log(line)
+        fixes = resolve_workarounds(version, on_cpu, facts.architectures, self.settings.content.dtype, log)
         kwargs = self.engine_kwargs(fixes.engine_kwargs)
         log(f"starting vLLM {version}: {kwargs}")
         self._children = ChildOutput()
         arch = facts.architectures[0] if facts.architectures else "the model"
-        shm.sweep(log)  # what a killed engine of an earlier job left in /dev/shm
         try:
-            with self._children.routed():
-                self.llm = LLM(**kwargs)
+            self.llm = start_llm(kwargs, self._children, log)
         except Exception as e:
             self.close()
             raise engine_error(
                 e, self._children.text(), version=version, arch=arch, path="generate", doing="for generation",
                 section="regenerate",
             ) from e  # fmt: skip
-        shm.record_engine()
         self.info = {
             "engine": "vllm",
             "engine_version": version,

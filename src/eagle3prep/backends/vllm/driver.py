@@ -14,13 +14,13 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from ...config import ConfigError
-from ...infra import shm
 from ...layers import check_layer_ids
 from ...model_facts import ModelFacts, require_hidden_size
 from ...shard.sink import SinkPlan
 from ...tokenization.vision import EXPANDS
 from ...vllm_common import versions, workarounds
 from ...vllm_common.errors import ChildOutput, EngineError, engine_error
+from ...vllm_common.launch import prefer_forked_workers, resolve_workarounds, start_llm
 from ...vllm_common.shutdown import shutdown_engine
 from ..base import CaptureBackend, CaptureSpec, EngineInfo, smoke_shard
 from . import compat
@@ -65,23 +65,12 @@ class VLLMBackend(CaptureBackend):
 
     def _probe(self) -> EngineInfo:
         t0 = time.time()
-        # vLLM forks its GPU workers unless this process has initialized CUDA (then it spawns them).
-        # Forked workers start sooner: spawned ones import torch and vLLM again (docs/performance.md,
-        # engine start). torch.cuda.is_available()/device_count() initialize the CUDA driver
-        # without torch noticing, and a forked worker then dies with "CUDA error: initialization
-        # error": make them ask NVML instead, wherever they are called in this process.
-        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        prefer_forked_workers()
         version = versions.installed_version()
         model = self.facts = self.facts or ModelFacts.read(self.spec.model_path)
         check_layer_ids(self.spec.layer_ids, model.num_hidden_layers)
         on_cpu = self._on_cpu()
-        self._workarounds = workarounds.engine_workarounds(
-            version, on_cpu, model.architectures, disabled=workarounds.workarounds_disabled(), dtype=self.spec.dtype
-        )
-        if self._workarounds.refusal:
-            raise EngineError(self._workarounds.refusal)
-        for line in self._workarounds.log_lines:
-            log(line)
+        self._workarounds = resolve_workarounds(version, on_cpu, model.architectures, self.spec.dtype, log)
         candidates, fallback_reason = self._candidate_paths(version, model)
         timings, fallback_reason = self._start_first(candidates, version, model, on_cpu, fallback_reason)
         self.info = self._engine_info(version, model, on_cpu, fallback_reason)
@@ -198,8 +187,6 @@ class VLLMBackend(CaptureBackend):
         return {k: v for k, v in kwargs.items() if v is not None}
 
     def _start(self, name: str, version: str, on_cpu: bool) -> None:
-        from vllm import LLM
-
         self._children = ChildOutput()  # the engine's processes print the root cause of a failed start
         if name == "builtin":
             self.path = BuiltinPath(self.spec.layer_ids, version, self.spec.model_path)
@@ -209,10 +196,7 @@ class VLLMBackend(CaptureBackend):
             self.path = HooksPath(self.spec.layer_ids, version, self.spec.model_path)
         kwargs = self._engine_kwargs(self.path)
         log(f"starting vLLM {version} ({name} path): {kwargs}")
-        shm.sweep(log)  # what a killed engine of an earlier job left in /dev/shm
-        with self._children.routed():
-            self.llm = LLM(**kwargs)
-        shm.record_engine()
+        self.llm = start_llm(kwargs, self._children, log)
         self.path.install(self.llm)
 
     def _smoke(self, version: str, model: ModelFacts) -> None:

@@ -1,0 +1,47 @@
+"""Starting a vLLM engine, the same for every job (extract's capture backend, the regenerate stage): the known
+engine bugs resolved for this model and platform, then `vllm.LLM` with its processes' output kept for the root
+cause of a failed start, and the shared memory its processes map recorded for the next job's sweep."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from eagle3prep.infra import shm
+
+from .errors import ChildOutput, EngineError
+from .workarounds import Workarounds, engine_workarounds, workarounds_disabled
+
+
+def prefer_forked_workers() -> None:
+    """vLLM forks its GPU workers unless this process has initialized CUDA (then it spawns them), and forked
+    workers start sooner: spawned ones import torch and vLLM again (docs/performance.md, engine start).
+    torch.cuda.is_available()/device_count() initialize the CUDA driver without torch noticing, and a forked
+    worker then dies with "CUDA error: initialization error": make them ask NVML instead."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+
+def resolve_workarounds(
+    version: str, on_cpu: bool, architectures: list[str], dtype: str | None, log: Callable[[str], None]
+) -> Workarounds:
+    """The known bugs' workarounds for this engine (EAGLE3PREP_NO_WORKAROUNDS=1 turns them off), each logged;
+    an EngineError when a bug has none."""
+    fixes = engine_workarounds(version, on_cpu, architectures, disabled=workarounds_disabled(), dtype=dtype)
+    if fixes.refusal:
+        raise EngineError(fixes.refusal)
+    for line in fixes.log_lines:
+        log(line)
+    return fixes
+
+
+def start_llm(kwargs: dict[str, Any], children: ChildOutput, log: Callable[[str], None]) -> Any:
+    """`vllm.LLM(**kwargs)` with its processes' output routed through `children`; what a killed engine of an
+    earlier job left in /dev/shm is swept first, and this engine's segments are recorded after."""
+    from vllm import LLM
+
+    shm.sweep(log)
+    with children.routed():
+        llm = LLM(**kwargs)
+    shm.record_engine()
+    return llm
