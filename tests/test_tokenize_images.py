@@ -145,6 +145,17 @@ def test_text_that_writes_a_vision_placeholder_is_quarantined_at_tokenize(tmp_pa
     assert "at token " in quarantine[2]["detail"] and "\n" not in quarantine[2]["detail"]
 
 
+def test_a_vision_placeholder_past_max_seq_len_is_cut_with_the_row_not_quarantined(tmp_path, monkeypatch, vl_model):
+    late = {"messages": [{"role": "user", "content": "Hi?"},
+                         {"role": "assistant", "content": "Hello there, " * 20 + "<|image_pad|>"}]}  # fmt: skip
+    text = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
+    conversations = prepared(tmp_path, monkeypatch, [late, text])
+    stats, rows, quarantine = tokenize(conversations, vl_model, max_seq_len=40)
+    assert not quarantine and stats["truncated_rows"] == 1 and rows[0]["seq_len"] == 40
+    _, rows, quarantine = tokenize(conversations, vl_model, max_seq_len=256)  # kept whole: the token is in
+    assert len(rows) == 1 and [q["reason"] for q in quarantine] == ["media_token_in_text"]
+
+
 def test_a_text_only_target_quarantines_image_rows_and_keeps_text_rows(tmp_path, monkeypatch):
     model = build_demo_model(tmp_path / "demo", ROOT / "resources/demo/tokenizer_corpus.txt")
     text = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}

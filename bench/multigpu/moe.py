@@ -108,6 +108,13 @@ def moe_table(data: dict, seq: float, mixed_seq: float) -> list[str]:
         f"and causal attention at {seq:.0f} tokens (mixed: {mixed_seq:.0f}), of {PEAK_TFLOPS:.0f} TFLOP/s a GPU x {tp}; "
         f"b and f at the same rate have a's MFU times b/a or f/a"
     )
+    if a and b.get("uniform", {}).get("tokens"):
+        per_token = b["uniform"]["bytes"] / b["uniform"]["tokens"]
+        lines.append(
+            f"- hidden states: {per_token:,.0f} B a token; at (a)'s uniform rate the shard needs "
+            f"{a['uniform']['tokens_per_s'] * per_token / 1e9:.2f} GB/s; this model computes "
+            f"{moe_flops_per_token(cfg, seq) / 1e9:.1f} GFLOP a token (uniform)"
+        )
     for p, r in (("b", b), ("f", f)):
         if r:
             lines.append(

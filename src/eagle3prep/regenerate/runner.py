@@ -203,15 +203,17 @@ class Runner:
 
         images = has_images(messages)
         try:
-            got = self.renderer.image_prompt(messages, tools) if images else (*self.renderer.prompt(messages, tools),)
+            if images:
+                got = self.renderer.image_prompt(messages, tools)
+                if isinstance(got, Rejected):
+                    return got
+            else:
+                text, ids = self.renderer.prompt(messages, tools)
+                got = (text, ids, ids, None)
         except jinja2.TemplateError as e:
             return Rejected("template_error", f"the chat template raised: {e}")
-        if isinstance(got, Rejected):
-            return got
         # A vision placeholder the text writes itself: tokenize would quarantine the row (media_token_in_text).
-        if bad := media_in_text(got[1], self.renderer.media_ids, self.renderer.image_token_id if images else None):
-            return bad
-        return got if images else (got[0], got[1], got[1], None)
+        return media_in_text(got[1], self.renderer.media_ids, self.renderer.image_token_id if images else None) or got
 
     def _step(self) -> None:
         self.steps += 1

@@ -12,7 +12,6 @@ The regenerate stage loads, checks and expands a prompt's images with the same f
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import io
 import json
@@ -120,7 +119,6 @@ def encode_with_images(encoder, messages: list[dict[str, Any]], tools: list[dict
     return enc.ids, mask, record
 
 
-@functools.cache
 def media_token_ids(model_path: str | os.PathLike) -> dict[int, str]:
     """{token id: its config.json key} of the target's vision placeholders; {} for a text-only target."""
     try:
@@ -143,17 +141,17 @@ def media_in_text(ids: list[int], media: dict[int, str], allowed: int | None = N
     return None
 
 
-def refuse_media_in_text(encoder, convs: list[dict[str, Any]], results: list) -> list:
-    """ChatEncoder's results with every row whose text writes a vision placeholder of the target made Rejected
-    (the image token stays allowed in a row with images, where the expansion wrote it)."""
-    media = media_token_ids(str(encoder.model_path))
+def refuse_media_in_text(encoder, convs: list[dict[str, Any]], results: list, max_seq_len: int) -> list:
+    """ChatEncoder's results with every row whose kept tokens (the first `max_seq_len`) write a vision placeholder
+    of the target made Rejected (the image token stays allowed in a row with images, where the expansion wrote it)."""
+    media = media_token_ids(encoder.model_path)
     if not media:  # a text-only target: no row is scanned
         return results
     image_token = getattr(encoder._vision, "image_token_id", None)
     return [
         r
         if isinstance(r, Rejected)
-        else media_in_text(r[0], media, image_token if image_parts(c["messages"]) else None) or r
+        else media_in_text(r[0][:max_seq_len], media, image_token if image_parts(c["messages"]) else None) or r
         for c, r in zip(convs, results, strict=True)
     ]
 

@@ -152,7 +152,7 @@ class VLLMBackend(CaptureBackend):
             return ["hooks"], blocker
         # Hooks first on every family: on the H200 they beat the built-in path on the 8B shape (b/a 0.97 against
         # f/a 0.92) and on the DeepSeek-V3 MoE (0.40 against 0.24 to disk), with the same validation verdicts on
-        # DeepSeek-V3 and the Kimi-shaped INT4 target (docs/performance.md, "Capture paths").
+        # DeepSeek-V3 and the Kimi-shaped INT4 target (docs/performance.md, "`auto`'s order on the DeepSeek backbone").
         return ["hooks", "builtin"], None
 
     def _engine_kwargs(self, path: BuiltinPath | HooksPath) -> dict[str, Any]:
