@@ -52,6 +52,9 @@ def fake_module(layout: str):
         def schedule(self, req_id):  # what build_connector_meta records of a newly scheduled request
             self._request_filenames[req_id] = "unused"
 
+        def bind_connector_metadata(self, meta):  # vLLM's KVConnectorBase_V1: before each step's forward
+            self._meta = meta
+
         def has_connector_metadata(self):
             return self._meta is not None
 
@@ -133,10 +136,10 @@ def test_finished_requests_reach_the_shard_in_row_order(layout, tmp_path):
             return request.request_id
 
         step1 = [finish(2, spec.tag(2)), finish(9, "e3p-x-old-9")]  # a stale request of an earlier shard
-        conn._meta = Metadata([conn._pending_saves.pop(r) for r in step1])
+        conn.bind_connector_metadata(Metadata([conn._pending_saves.pop(r) for r in step1]))
         assert conn.get_finished(set())[0] == set(step1)  # reported sent: vLLM frees their blocks
         step2 = [finish(1, spec.tag(1)), finish(0, spec.tag(0))]
-        conn._meta = Metadata([conn._pending_saves.pop(r) for r in step2])
+        conn.bind_connector_metadata(Metadata([conn._pending_saves.pop(r) for r in step2]))
         assert conn.get_finished(set())[0] == set(step2)
         assert connector.PORT.tokens == 20
         entries = sink.finish()
@@ -158,7 +161,7 @@ def finish_one_request(conn) -> None:
     )
     conn.schedule("r")
     conn.request_finished(request, [1])
-    conn._meta = Metadata([conn._pending_saves.pop("r")])
+    conn.bind_connector_metadata(Metadata([conn._pending_saves.pop("r")]))
     conn.get_finished(set())
 
 
@@ -187,6 +190,47 @@ def shard_fails_with(tmp_path, module, row_length: int, match: str) -> None:
         connector.PORT.close()
 
 
+def test_the_gather_waits_for_its_steps_start_not_its_forward(tmp_path, monkeypatch):
+    """The event bound with a step's metadata (before vLLM launches its forward) is what the gather waits for;
+    a get_finished with no bind since the last one gets None, i.e. waits for everything queued (the forward
+    too). The GPU side of it runs in the H200 validation cells of the built-in path."""
+    starts, seen = iter(["start-1", "start-2"]), []
+    monkeypatch.setattr(connector, "_step_start", lambda kv: next(starts))
+    real = connector._beside_the_forward
+
+    def recording(sink, kv, ready):
+        seen.append(ready)
+        return real(sink, kv, ready)
+
+    monkeypatch.setattr(connector, "_beside_the_forward", recording)
+    kv = cache_with("0.32", {0: (4, [1]), 1: (4, [2])})
+    spec = SinkSpec(
+        layer_paths={lid: str(tmp_path / layer_file(lid)) for lid in LAYER_IDS},
+        hidden_size=H, dtype="float32", rows=[(0, 4), (4, 4)], tag_prefix="t", step_tokens=8, slots=3,
+    )  # fmt: skip
+    conn = connector.build_connector(fake_module("0.32"))(kv)
+    sink = LayerSink(spec)
+    connector.PORT.open(sink)
+    try:
+        for req, bind in ((0, True), (1, False)):
+            request = SimpleNamespace(
+                request_id=f"r{req}", prompt_token_ids=[1] * 4,
+                sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: spec.tag(req)}),
+            )  # fmt: skip
+            conn.schedule(request.request_id)
+            conn.request_finished(request, [1 + req])
+            meta = Metadata([conn._pending_saves.pop(request.request_id)])
+            if bind:
+                conn.bind_connector_metadata(meta)
+            else:
+                conn._meta = meta  # the same metadata, no bind this step
+            assert conn.get_finished(set())[0] == {request.request_id}
+        sink.finish()
+    finally:
+        connector.PORT.close()
+    assert seen == ["start-1", None]
+
+
 def test_a_length_mismatch_fails_the_shard_not_the_engine(tmp_path):
     """vLLM saving fewer tokens than the row has fails the shard and names the request."""
     shard_fails_with(tmp_path, fake_module("0.32"), 5, "request t-0: vLLM saved 4 tokens, the row has 5")
@@ -213,6 +257,7 @@ def test_slots_of_follows_the_block_table():
     [
         ("module", "extract_from_kv_cache"),
         ("ExampleHiddenStatesConnector", "get_finished"),
+        ("ExampleHiddenStatesConnector", "bind_connector_metadata"),
         ("PendingSave", "block_ids"),
     ],
 )

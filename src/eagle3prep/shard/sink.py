@@ -217,9 +217,7 @@ class LayerSink:
         n = min(stream.shape[0], slot.host.shape[1])
         j = self._slot_of_layer[layer_id]
         if stream.is_cuda:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(device=stream.device)
-            self._stream.wait_stream(torch.cuda.current_stream(stream.device))  # the value is computed first
+            self.copy_stream(stream.device).wait_stream(torch.cuda.current_stream(stream.device))  # computed first
             with torch.cuda.stream(self._stream):
                 self._to_host(slot, j, stream, n)
             stream.record_stream(self._stream)  # the allocator keeps it until the copy ran
@@ -233,6 +231,14 @@ class LayerSink:
             slot.pending = len(self.layer_ids)
             for q in self._todo.values():
                 q.put(slot)
+
+    def copy_stream(self, device: Any) -> Any:
+        """The side CUDA stream the rows leave the device on (the built-in path also gathers on it)."""
+        if self._stream is None:
+            import torch
+
+            self._stream = torch.cuda.Stream(device=device)
+        return self._stream
 
     def _to_host(self, slot: _Slot, j: int, stream: torch.Tensor, n: int) -> None:
         """Rows 0..n-1 of `stream` into layer slot j, quantized first on their device for FP8 storage.

@@ -13,12 +13,15 @@ vLLM is imported lazily, so this module imports without it (the base environment
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import TYPE_CHECKING, Any
 
 from .compat import TAG_KEY
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     import torch
 
     from ...shard.sink import LayerSink
@@ -34,6 +37,7 @@ INTERNALS = {
         "extract_from_kv_cache",
     ),
     "ExampleHiddenStatesConnector": (
+        "bind_connector_metadata",
         "request_finished",
         "get_finished",
         "register_kv_caches",
@@ -142,6 +146,7 @@ def build_connector(module: Any) -> type:
             missing = [n for n in INSTANCE_INTERNALS if not hasattr(self, n)]
             if missing:
                 raise RuntimeError(f"vLLM's hidden-states connector lost {missing}: the built-in path needs an update")
+            self._e3p_ready: Any = None  # this step's start on the device (bind_connector_metadata)
 
         # ---- scheduler side: the request's tag travels with its pending save ----
         def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -155,33 +160,42 @@ def build_connector(module: Any) -> type:
             return delay, params
 
         # ---- worker side: one gather per step's finished requests, into the sink ----
+        def bind_connector_metadata(self, connector_metadata: Any) -> None:
+            # vLLM binds a step's metadata before it launches the step's forward: every earlier step's
+            # work, the proposer's writes to the hidden-states cache included, is queued by then.
+            super().bind_connector_metadata(connector_metadata)
+            self._e3p_ready = _step_start(self._kv_cache)
+
         def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
             if self.has_connector_metadata():
                 meta = self._get_connector_metadata()
                 saves, meta.pending_saves = list(getattr(meta, "pending_saves", None) or []), []
+                ready, self._e3p_ready = self._e3p_ready, None
                 if saves and self._is_tp_rank_zero:
-                    gathered = self._e3p_write(saves)
+                    gathered = self._e3p_write(saves, ready)
                     for p in saves:  # reported sent by the parent's get_finished once the gather ran
                         self._req_copy_events[p.req_id] = gathered
             return super().get_finished(finished_req_ids)
 
-        def _e3p_write(self, saves: list[Any]) -> Any:
+        def _e3p_write(self, saves: list[Any], ready: Any) -> Any:
             """The saves' rows into the open sink; an event that completes when their blocks may be reused."""
             sink = PORT.sink
             if sink is None:
                 return _Done()  # no shard open: aborted requests of a failed shard
             try:
-                return self._e3p_gather_into(sink, [p for p in saves if getattr(p, "e3p_tag", None) in sink.rows])
+                mine = [p for p in saves if getattr(p, "e3p_tag", None) in sink.rows]
+                return self._e3p_gather_into(sink, mine, ready)
             except Exception as e:  # a raise here would kill the engine: finish() reports it
                 sink._fail(e)
                 return _Done()
 
-        def _e3p_gather_into(self, sink: LayerSink, saves: list[Any]) -> Any:
+        def _e3p_gather_into(self, sink: LayerSink, saves: list[Any], ready: Any) -> Any:
             if not saves:
                 return _Done()
             spans, slots, at = _saved_spans(sink, saves, self._block_size)
-            hs, gathered = _gather(module, self._kv_cache, slots, at, len(sink.layer_ids))
-            _into_sink(sink, hs, spans)
+            with _beside_the_forward(sink, self._kv_cache, ready):
+                hs, gathered = _gather(module, self._kv_cache, slots, at, len(sink.layer_ids))
+                _into_sink(sink, hs, spans)
             return gathered
 
     E3PHiddenStatesConnector.__qualname__ = CONNECTOR
@@ -206,12 +220,46 @@ def _saved_spans(
     return spans, slots, at
 
 
+def _step_start(kv_cache: Any) -> Any:
+    """A CUDA event at the current point of the compute stream (None on a CPU, or before the cache exists)."""
+    if kv_cache is None or not kv_cache.is_cuda:
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+@contextlib.contextmanager
+def _beside_the_forward(sink: LayerSink, kv_cache: Any, ready: Any) -> Iterator[None]:
+    """Run the gather and its copies to the host on the sink's side stream, after `ready` (this step's start)
+    rather than after this step's forward: the finished requests' rows were complete before it, so their
+    slot fills while the forward runs, and the host never waits for the forward. Without `ready` (a step
+    not bound first) it waits for everything queued so far, the forward included. On a CPU: inline."""
+    if not kv_cache.is_cuda:
+        yield
+        return
+    import torch
+
+    side = sink.copy_stream(kv_cache.device)
+    if ready is None:
+        side.wait_stream(torch.cuda.current_stream(kv_cache.device))
+    else:
+        side.wait_event(ready)
+    with torch.cuda.stream(side):
+        yield
+
+
 def _gather(module: Any, kv_cache: Any, slots: list[Any], at: int, n_layers: int) -> tuple[Any, Any]:
     """The saves' hidden states out of vLLM's cache, [at, L, H], and an event that completes when their
     blocks may be reused."""
     import torch
 
-    mapping = torch.cat(slots).to(kv_cache.device, non_blocking=True)
+    mapping = torch.cat(slots)
+    if kv_cache.is_cuda:  # from pageable memory the copy could wait for the queued forward
+        mapping = mapping.pin_memory()
+    mapping = mapping.to(kv_cache.device, non_blocking=True)
     hs = module.extract_from_kv_cache(kv_cache, mapping, at)  # [T, L, H], a fresh tensor
     if hs.dim() != 3 or hs.shape[1] != n_layers or hs.shape[0] != at:
         raise RuntimeError(
@@ -219,7 +267,7 @@ def _gather(module: Any, kv_cache: Any, slots: list[Any], at: int, n_layers: int
             "(did the buffer's layout change?)"
         )
     gathered: Any = _Done()
-    if hs.is_cuda:  # the blocks are free once the gather ran, whichever stream reuses them
+    if hs.is_cuda:  # the blocks are free once the gather ran (on the current stream), whichever reuses them
         gathered = torch.cuda.Event()
         gathered.record()
     return hs, gathered
