@@ -1,12 +1,11 @@
 #!/bin/bash
 # Every H200 measurement the open issues still wait for, in one background run on `nvidia-h200` (one GPU): the
-# correctness cells first, then the timed steps one at a time on an idle GPU (the run of 2026-12-02 did the rest:
-# docs/runs/h200_2026-12-02_pending/):
-#   issue 25 item 4   the validation cells of the built-in path (kimi_int4; qwen2_5_vl with images), which now
-#                     gathers a step's finished rows beside its forward
-#   issue 25 item 2   bench_extract on 1.23M-token shards: (a), (f) built-in, (g) built-in FP8; at 393k tokens f/a was
-#                     0.92 and g/a 0.94 to disk, 0.95 and 0.96 to /dev/shm (docs/performance.md)
-#   issue 28 item 7   bench_extract --images 4 (a Qwen2.5-VL-7B shape, image-heavy rows): (a), (b) hooks, (f) built-in
+# correctness cells first, then the timed steps one at a time on an idle GPU (the runs of 2026-12-02 did the rest:
+# docs/runs/h200_2026-12-02_pending/ and docs/runs/h200_2026-12-02b_pending/):
+#   issue 28 item 5   the image cells on both vLLM paths again: the driver now loads a row's images on a thread pool
+#                     one batch ahead of the submission loop (backends/vllm/paths.py)
+#   issue 28 item 7   bench_extract --images 4 (a Qwen2.5-VL-7B shape, image-heavy rows): (a), (b) hooks, (f) built-in;
+#                     before the prefetch b/a was 0.70 / 0.80 and f/a 0.80 / 0.74 (docs/performance.md)
 # After the vLLM payload (bench/device/README.md), from the project root:
 #   setsid nohup bash bench/device/pending.sh /tmp/pend > /tmp/pend.log 2>&1 &
 # Each step's log and results land in OUT/<step>/; OUT/done lists the steps that finished (rc per step). A step
@@ -34,17 +33,14 @@ python3 -c "import torchvision; from transformers.models.qwen2_vl.image_processi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$O/gpu.txt" 2>&1
 keep() { mv "$O/$1/work/bench_extract.json" "$O/$1/" 2>/dev/null; rm -rf "$O/$1/work"; }  # the shards: up to 40 GB
 
-# Correctness first: the built-in path now gathers beside the forward (connector.py, _beside_the_forward); the
-# validation matrix cells of that path, side by side with a fixed KV cache each (--share-gpu), not timed.
-step vk25_builtin python3 bench/validation_matrix.py "$O/vk25_builtin" --device cuda --tp 1 --backends vllm \
-  --families kimi_int4 --dtypes bfloat16 --capture-path builtin --dump --share-gpu &
-step vm28_builtin python3 bench/validation_matrix.py "$O/vm28_builtin" --device cuda --tp 1 --families qwen2_5_vl \
-  --backends vllm --capture-path builtin --dump --share-gpu &
+# Correctness first: the image cells of both vLLM paths, side by side with a fixed KV cache each (--share-gpu).
+for path in hooks builtin; do
+  step "vm28_$path" python3 bench/validation_matrix.py "$O/vm28_$path" --device cuda --tp 1 --families qwen2_5_vl \
+    --backends vllm --capture-path "$path" --dump --share-gpu &
+done
 wait
 
-# Timed: one at a time, nothing else on the GPU.
-step be25L python3 bench/bench_extract.py "$O/be25L/work" --phases afg --rows 600
-keep be25L
+# Timed: nothing else on the GPU.
 step be28 python3 bench/bench_extract.py "$O/be28/work" --images 4 --phases abf --rows 256
 keep be28
 log "all done"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -50,20 +51,25 @@ class ImageRow(list):
 
 class RowImages:
     """Model inputs of the rows of one tokenized shard: `inputs(row)` for one row, `batch(rows, ids)` for a
-    right-padded batch. The image processor and the conversations are read on first need."""
+    right-padded batch. The image processor and the conversations are read on first need. `images(row)` may
+    run on several threads at once (the vllm backend loads rows ahead on a pool): what it reads lazily is
+    made under a lock."""
 
     def __init__(self, model_path: str | os.PathLike, tokenized_shard: str | os.PathLike):
         self.model_path, self.tokenized = str(model_path), str(tokenized_shard)
         self._config = self._processor = None
         self._rope = None  # the model class on the meta device, for its get_rope_index
         self._uris: dict[str, str] | None = None  # sha256 -> data: URI of the conversations' inline images
+        self._lock = threading.Lock()  # config and _uris: made once, whichever thread needs them first
 
     @property
     def config(self):
         if self._config is None:
-            from transformers import AutoConfig
+            with self._lock:
+                if self._config is None:
+                    from transformers import AutoConfig
 
-            self._config = AutoConfig.from_pretrained(self.model_path)
+                    self._config = AutoConfig.from_pretrained(self.model_path)
         return self._config
 
     @property
@@ -119,23 +125,28 @@ class RowImages:
     def _inline(self, row: dict[str, Any], sha256: str, k: int) -> str:
         """The data: URI of image k, from the prepared conversations tokenize read (its stats.json says which)."""
         if self._uris is None:
-            stats = Path(self.tokenized).parent / "stats.json"
-            try:
-                path = json.loads(stats.read_text(encoding="utf-8"))["conversations_path"]
-                with open(path, encoding="utf-8") as f:
-                    self._uris = {p["sha256"]: p["image"] for line in f
-                                  for p in image_parts(json.loads(line)["messages"]) if p["image"].startswith("data:")}  # fmt: skip
-            except (OSError, ValueError, KeyError) as e:
-                raise UserError(
-                    f"{self._where(row)}, field images: image {k} is a data: URI kept in the conversation, and "
-                    f"the conversations cannot be read through {stats} ({e}); re-run tokenize"
-                ) from None
+            with self._lock:  # one thread reads the conversations; a failed read is tried again by the next row
+                if self._uris is None:
+                    self._uris = self._read_uris(row, k)
         if sha256 not in self._uris:
             raise UserError(
                 f"{self._where(row)}, field images: image {k} (sha256 {sha256[:12]}...) is in no conversation of "
                 "the prepared data; re-run prepare and tokenize"
             )
         return self._uris[sha256]
+
+    def _read_uris(self, row: dict[str, Any], k: int) -> dict[str, str]:
+        stats = Path(self.tokenized).parent / "stats.json"
+        try:
+            path = json.loads(stats.read_text(encoding="utf-8"))["conversations_path"]
+            with open(path, encoding="utf-8") as f:
+                return {p["sha256"]: p["image"] for line in f
+                        for p in image_parts(json.loads(line)["messages"]) if p["image"].startswith("data:")}  # fmt: skip
+        except (OSError, ValueError, KeyError) as e:
+            raise UserError(
+                f"{self._where(row)}, field images: image {k} is a data: URI kept in the conversation, and "
+                f"the conversations cannot be read through {stats} ({e}); re-run tokenize"
+            ) from None
 
     def inputs(self, row: dict[str, Any]) -> dict[str, Any]:
         """The model's keyword inputs for one row (batch of 1): input_ids, and for a row with images

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ...errors import UserError
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 EXT_MODULE = "eagle3prep.backends.vllm.worker"
 CONNECTOR_MODULE = "eagle3prep.backends.vllm.connector"
 DRAIN_S = 600  # a shard's last rows reach the worker a step after their request ends: seconds, not minutes
+# Reading, hashing and decoding an image (RowImages.images) mostly release the GIL: a few threads load the next
+# rows' images while the driver thread runs vLLM's image processor on the current ones.
+IMAGE_THREADS = 4
 
 
 def log(msg: str) -> None:
@@ -92,18 +96,24 @@ class _WorkerSinkPath:
         engine = llm.llm_engine
         in_flight = submitted = 0
         finished = False
+        clock = {"driver_add_s": 0.0, "driver_step_s": 0.0}  # where the driver's thread went (with images it can pace)
         self.logprobs, wanted = {}, {spec.tag(r): r for r in spec.logprob_rows}
         self._image_rows = {}
         try:
-            for batch in batches:
-                for ids in batch:
-                    tag = spec.tag(submitted)
-                    params = sampling_params(tag, logprobs=tag in wanted)
-                    engine.add_request(tag, self._prompt(tag, ids), params)
-                    submitted += 1
-                    in_flight += len(ids)
-                while in_flight > self.window_tokens:
-                    in_flight -= self._step(engine, wanted)
+            with contextlib.closing(self._prefetched(batches)) as loaded:  # closed: the image threads end here
+                for batch in loaded:
+                    for ids, images in batch:
+                        tag = spec.tag(submitted)
+                        params = sampling_params(tag, logprobs=tag in wanted)
+                        t0 = time.perf_counter()
+                        engine.add_request(tag, self._prompt(tag, ids, images), params)  # vLLM's processor runs here
+                        clock["driver_add_s"] += time.perf_counter() - t0
+                        submitted += 1
+                        in_flight += len(ids)
+                    t0 = time.perf_counter()
+                    while in_flight > self.window_tokens:
+                        in_flight -= self._step(engine, wanted)
+                    clock["driver_step_s"] += time.perf_counter() - t0
             while engine.has_unfinished_requests():
                 in_flight -= self._step(engine, wanted)
             if submitted != len(spec.rows):
@@ -122,25 +132,58 @@ class _WorkerSinkPath:
             if reply.get("user_error"):  # e.g. the disk filled up: one line for the user, no traceback
                 raise WorkerUserError(message)
             raise CaptureError(message)
-        self.stats = {"window_tokens": self.window_tokens, **reply.get("stats", {})}
+        self.stats = {
+            "window_tokens": self.window_tokens,
+            **{k: round(v, 3) for k, v in clock.items()},
+            **reply.get("stats", {}),
+        }
         return {int(k): v for k, v in reply["entries"].items()}
 
-    def _prompt(self, tag: str, ids: list[int]) -> Any:
+    def _prefetched(self, batches: Iterator[list[list[int]]]) -> Iterator[list[tuple[list[int], Future | None]]]:
+        """Each batch as (ids, the future of its row's images, None for a text row) pairs, the images of batch
+        k + 1 loading on IMAGE_THREADS threads while batch k is submitted (one batch ahead at most). The pool is
+        made on the first row with images (a text-only shard starts no thread) and shut down when the generator
+        ends or is closed, its pending loads cancelled."""
+        pool: ThreadPoolExecutor | None = None
+
+        def load(ids: list[int]) -> Future | None:
+            nonlocal pool
+            if not isinstance(ids, ImageRow):
+                return None
+            if self._images is None or self._images.tokenized != ids.tokenized:
+                self._images = RowImages(self.model_path, ids.tokenized)
+            if pool is None:
+                pool = ThreadPoolExecutor(IMAGE_THREADS, thread_name_prefix="e3p-images")
+            return pool.submit(self._images.images, ids.row)
+
+        try:
+            ahead = None
+            for batch in batches:
+                loading = [(ids, load(ids)) for ids in batch]
+                if ahead is not None:
+                    yield ahead
+                ahead = loading
+            if ahead is not None:
+                yield ahead
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    def _prompt(self, tag: str, ids: list[int], images: Future | None) -> Any:
         """The request's prompt: token ids, and for a row with images (ImageRow) its images, re-read and checked
-        against their sha256 (RowImages), for vLLM's processor and vision encoder."""
+        against their sha256 (RowImages, loaded ahead by _prefetched), for vLLM's processor and vision encoder."""
         from vllm import TokensPrompt
 
-        if not isinstance(ids, ImageRow):
+        if images is None:
             return TokensPrompt(prompt_token_ids=list(ids))
-        if self._images is None or self._images.tokenized != ids.tokenized:
-            self._images = RowImages(self.model_path, ids.tokenized)
         self._image_rows[tag] = list(ids)
         # vLLM's processor expands each image's placeholder itself and does not recognize one tokenize already
         # expanded (it would expand its first token again): it is given one placeholder an image, and
         # _check_expansion verifies, when the request ends, that it gave back the row's ids.
-        images = self._images.images(ids.row)
+        pils = images.result()  # a missing or changed image raises its row's UserError here, in the submission loop
+        # image_token_id is the model's: the same whichever shard's RowImages _prefetched holds by now
         prompt = collapse_runs(list(ids), self._images.image_token_id)
-        return TokensPrompt(prompt_token_ids=prompt, multi_modal_data={"image": images})
+        return TokensPrompt(prompt_token_ids=prompt, multi_modal_data={"image": pils})
 
     def _check_expansion(self, out: Any) -> None:
         """A row with images must reach the model as tokenize wrote it: vLLM's processor may not re-expand it."""
