@@ -36,6 +36,9 @@ def summarize(path: Path) -> None:
             if "uniform_shm" in phases[x]:
                 shm = phases[x]["uniform_shm"]["tokens_per_s"] / a["uniform"]["tokens_per_s"]
                 print(f"  {x}/a uniform to /dev/shm: {shm:.2f}")
+            if "uniform_again" in phases[x]:  # the uniform shard to disk once more, last (--images runs)
+                again = phases[x]["uniform_again"]["tokens_per_s"] / a["uniform"]["tokens_per_s"]
+                print(f"  {x}/a uniform to disk again, last: {again:.2f}")
     if b and "uniform_shm" in b:
         print(f"  (b) uniform {disk_cost(b)}")
     if a and d:

@@ -233,3 +233,33 @@ def test_the_render_boundary_mask_moves_with_the_expansion_too(tmp_path, monkeyp
     for row, conv in zip(rows, conversations, strict=True):
         masked = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
         assert tok.decode(masked).startswith(conv["messages"][-1]["content"])
+
+
+def test_an_image_met_before_is_not_processed_again(monkeypatch, vl_model):
+    """Vision.grids: regenerate renders a conversation's images again at every turn; the image processor runs once
+    per distinct image (its sha256), the grids are the processor's, and the memory is bounded (GRID_CACHE)."""
+    from transformers import AutoTokenizer
+
+    from eagle3prep.tokenization import vision
+
+    v = vision.load_vision(vl_model, AutoTokenizer.from_pretrained(vl_model))
+    calls, real = [], v.image_processor
+
+    def counting(images):
+        calls.append(len(images))
+        return real(images=images)
+
+    v.image_processor = lambda images: counting(images)
+    folder = ROOT / "resources/demo/images"
+    parts = [
+        {"image": str(folder / n), "sha256": hashlib.sha256((folder / n).read_bytes()).hexdigest()} for n in GRIDS
+    ]
+    pils = vision.load_images(parts)
+    assert v.grids(parts[:2], pils[:2]) == [GRIDS["red_square.png"], GRIDS["blue_circle.png"]]
+    assert v.grids(parts, pils) == list(GRIDS.values())  # the next turn: one new image
+    assert v.grids(parts, pils) == list(GRIDS.values())
+    assert calls == [2, 1]
+    monkeypatch.setattr(vision, "GRID_CACHE", 1)
+    assert v.grids(parts[:1], pils[:1]) == [GRIDS["red_square.png"]]
+    assert list(v._grids) == [parts[0]["sha256"]]  # the newest kept
+    assert v.grids(parts[1:2], pils[1:2]) == [GRIDS["blue_circle.png"]] and calls == [2, 1, 1]

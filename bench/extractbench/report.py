@@ -191,7 +191,7 @@ def print_disk(results: dict, b: dict, disk_before: tuple, disk_after: tuple, st
 
 def print_writers(b: dict) -> None:
     """The worker's writer seconds per workload and (b)'s engine start, split into LLM() and smoke capture."""
-    for w in ("uniform_half", "uniform", "mixed", "uniform_shm"):
+    for w in ("uniform_half", "uniform", "mixed", "uniform_shm", "uniform_again"):
         if b.get(w, {}).get("writer"):
             print(f"(b) {w} worker writer, seconds: {b[w]['writer']}")
     print(

@@ -16,7 +16,8 @@ import hashlib
 import io
 import json
 import os
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ MEDIA_IN_TEXT = "media_token_in_text"  # quarantine reason: the text itself writ
 # config.json keys of the token ids a vision-language target fills with vision features (Qwen2-VL/2.5-VL: image and
 # video pads; Kimi-K2.5: <|media_pad|>, as vLLM's and SGLang's Kimi-K2.5 code read it)
 MEDIA_TOKEN_KEYS = ("image_token_id", "video_token_id", "media_placeholder_token_id")
+GRID_CACHE = 65536  # images whose patch grid a Vision remembers (a few MiB)
 
 
 def image_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -46,6 +48,9 @@ class Vision:
     placeholder: str
     image_token_id: int
     merge: int
+    # sha256 -> patch grid of the images met so far, newest last: regenerate renders a conversation's images again
+    # at every turn, and a dataset may hold one image many times; the grid is a function of the image's bytes.
+    _grids: OrderedDict[str, list[int]] = field(default_factory=OrderedDict, repr=False)
 
     def expand(self, text: str, spans: list[tuple[int, int]], images: list[dict[str, Any]], pils=None):
         """(text with every placeholder expanded, the character spans moved with it, the row's image record),
@@ -54,8 +59,7 @@ class Vision:
             pils = load_images(images)
             if isinstance(pils, Rejected):
                 return pils
-        out = self.image_processor(images=pils)
-        grids = [[int(x) for x in g] for g in out["image_grid_thw"]]
+        grids = self.grids(images, pils)
         pieces = text.split(self.placeholder)
         if len(pieces) - 1 != len(images):
             return Rejected(
@@ -77,6 +81,22 @@ class Vision:
             "image_grid_thw": grids,
         }  # fmt: skip
         return "".join(new), [(moved(s), moved(e)) for s, e in spans], record
+
+    def grids(self, images: list[dict[str, Any]], pils: list[Any]) -> list[list[int]]:
+        """Each image's patch grid (t, h, w) as the image processor gives it; an image met before (its sha256) is
+        not processed again. At most GRID_CACHE images are remembered."""
+        todo = [k for k, p in enumerate(images) if p["sha256"] not in self._grids]
+        if todo:
+            out = self.image_processor(images=[pils[k] for k in todo])
+            for k, g in zip(todo, out["image_grid_thw"], strict=True):
+                self._grids[images[k]["sha256"]] = [int(x) for x in g]
+        got = []
+        for p in images:
+            self._grids.move_to_end(p["sha256"])
+            got.append(self._grids[p["sha256"]])
+        while len(self._grids) > GRID_CACHE:
+            self._grids.popitem(last=False)
+        return got
 
 
 def encode_with_images(encoder, messages: list[dict[str, Any]], tools: list[dict] | None):

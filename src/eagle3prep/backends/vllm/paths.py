@@ -114,8 +114,10 @@ class _WorkerSinkPath:
                     while in_flight > self.window_tokens:
                         in_flight -= self._step(engine, wanted)
                     clock["driver_step_s"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
             while engine.has_unfinished_requests():
                 in_flight -= self._step(engine, wanted)
+            clock["driver_step_s"] += time.perf_counter() - t0
             if submitted != len(spec.rows):
                 raise CaptureError(f"the shard has {len(spec.rows)} rows, {submitted} were read from its batches")
             self._drain(llm, spec)
