@@ -62,9 +62,8 @@ def encode_lines(
 
     convs = [parse_conversation(conversations_path, line_no, line) for line_no, line in lines]
     results = encoder.encode([conv["messages"] for conv in convs], [conv.get("tools") for conv in convs])
-    results = refuse_media_in_text(
-        encoder, convs, results, max_seq_len
-    )  # the engine would stop on such a row, on the GPU
+    # A row whose text writes a vision placeholder would stop the engine, on the GPU: quarantined here instead.
+    results = refuse_media_in_text(encoder, convs, results, max_seq_len)
     rows: list[tuple[str, int] | Quarantined] = []
     masked: list[int] = []  # the loss-masked token ids of the chunk's kept rows, counted once at the end
     n_truncated = truncated_tokens = 0

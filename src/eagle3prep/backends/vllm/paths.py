@@ -88,6 +88,7 @@ class _WorkerSinkPath:
         self.window_tokens = 0  # set by the driver once the engine's step size is known
         self.logprobs: dict[int, Any] = {}
         self.stats: dict[str, Any] = {}  # the worker's sink timings of the last shard
+        self._clock: dict[str, float] = {"driver_step_s": 0.0}  # the driver thread's seconds of the shard
 
     def capture_shard(self, llm: Any, batches: Iterator[list[list[int]]], spec: SinkSpec) -> dict[int, dict[str, Any]]:
         """Rows are fed to the engine as a stream, at most `window_tokens` prompt tokens in flight,
@@ -96,7 +97,8 @@ class _WorkerSinkPath:
         engine = llm.llm_engine
         in_flight = submitted = 0
         finished = False
-        clock = {"driver_add_s": 0.0, "driver_step_s": 0.0}  # where the driver's thread went (with images it can pace)
+        # where the driver's thread went (with images it can set the pace): adding requests, and in engine steps
+        clock = self._clock = {"driver_add_s": 0.0, "driver_step_s": 0.0}
         self.logprobs, wanted = {}, {spec.tag(r): r for r in spec.logprob_rows}
         self._image_rows = {}
         try:
@@ -110,14 +112,10 @@ class _WorkerSinkPath:
                         clock["driver_add_s"] += time.perf_counter() - t0
                         submitted += 1
                         in_flight += len(ids)
-                    t0 = time.perf_counter()
                     while in_flight > self.window_tokens:
                         in_flight -= self._step(engine, wanted)
-                    clock["driver_step_s"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
             while engine.has_unfinished_requests():
                 in_flight -= self._step(engine, wanted)
-            clock["driver_step_s"] += time.perf_counter() - t0
             if submitted != len(spec.rows):
                 raise CaptureError(f"the shard has {len(spec.rows)} rows, {submitted} were read from its batches")
             self._drain(llm, spec)
@@ -204,8 +202,10 @@ class _WorkerSinkPath:
 
     def _step(self, engine: Any, wanted: dict[str, int]) -> int:
         """One engine step; the prompt tokens of the requests it finished (their logprobs kept if wanted)."""
-        done = 0
-        for out in engine.step():
+        done, t0 = 0, time.perf_counter()
+        outputs = engine.step()
+        self._clock["driver_step_s"] += time.perf_counter() - t0
+        for out in outputs:
             if out.finished:
                 self._check_expansion(out)
                 done += len(out.prompt_token_ids or ())
