@@ -72,9 +72,12 @@ test:
 test-cpu: test-base
 	$(MAKE) test-slurm
 
+# PRUNE_VENVS=1 (.ci/run sets it) removes .venv-vllm once its tests have passed: a CI machine with less free disk
+# ran out (ENOSPC) installing .venv-vllm016 beside it, and nothing after its tests uses it.
 test-engines:
 	.ci/install-slurm.sh
 	$(MAKE) test-vllm
+	$(if $(PRUNE_VENVS),du -sh $(VLLM_VENV) && rm -rf $(VLLM_VENV))
 	$(MAKE) test-vllm016
 
 test-base: $(VENV)/.installed
