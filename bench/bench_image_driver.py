@@ -1,14 +1,22 @@
-"""The vllm backend's driver thread on image rows (issue #28 item 7): what a row's images cost the thread that
-submits requests, with the images loaded on that thread (the code before 2026-12-02) and loaded ahead on
-paths.IMAGE_THREADS threads (paths._WorkerSinkPath._prefetched), in the same run.
+"""The vllm backend's driver thread on image rows (issue #28 item 7): what a row with images costs the one thread
+that submits requests, three ways in the same run, with vLLM's own input processor (its multimodal processor
+runs the image processor):
 
-    .venv/bin/python bench/bench_image_driver.py [OUT] [--rows 48] [--images 4] [--repeat 3]
+- on the thread: the thread reads, hashes and decodes a row's images (RowImages.images), then vLLM's input
+  processor makes its request (the code before 2026-12-02);
+- loads ahead: the images are loaded on paths.IMAGE_THREADS threads ahead of the loop (the code of 2026-12-02
+  loaded them one batch ahead), the input processor still runs on the thread;
+- requests ahead: the whole request is made on the threads (paths._WorkerSinkPath._prefetched with
+  compat.request_maker, the code now); the thread only takes each request.
 
-The rows are bench_extract.py --images's uniform workload (the Qwen2.5-VL-7B-shaped folder, Pillow-drawn PNGs of
-448 pixels a side, 256 vision tokens each). On the H200 the driver thread also runs vLLM's image processor on each
-prompt; here the same Qwen2.5-VL image processor (RowImages.processor) runs on the thread in its place, so the
-loop is: take the row's images, process them. Printed, per image: RowImages.images alone (read, sha256, decode),
-the processor alone, and the loop's time each way; the best of --repeat runs. No vLLM and no GPU are needed.
+    .venv-vllm/bin/python bench/bench_image_driver.py [OUT] [--rows 48] [--images 4] [--repeat 3]
+
+The rows are bench_extract.py --images's uniform workload (Pillow-drawn PNGs of 448 pixels a side, 256 vision
+tokens each, Qwen2.5-VL's own image processor settings) on the tiny language model: the engine is started on the
+CPU only for its input processor, whose cost does not depend on the language model. Printed, per image, the best
+of --repeat runs: the input processor alone (images decoded before), and the thread's loop each way. On the H200
+plain prefill runs the input processor on one thread too (LLM.generate), so the thread's time per image bounds
+the images a second either takes in.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import platform
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,11 +36,12 @@ sys.path[:0] = [str(REPO / "src"), str(REPO / "bench")]
 
 
 def workload(out: Path, rows: int, images: int) -> tuple[Path, Path]:
-    """The model folder and the uniform tokenized shard, as bench_extract.py --images makes them."""
+    """The model folder (tiny language model, Qwen2.5-VL's image processor) and the uniform tokenized shard, as
+    bench_extract.py --tiny --images makes them."""
     from extractbench.workload import make_vl_model_dir, shapes, write_image_workloads
 
     args = argparse.Namespace(out=out, images=images, image_size=448, text_words=96, rows=rows, max_len=8192)
-    shape, vision = shapes(argparse.Namespace(tiny=False, images=images))
+    shape, vision = shapes(argparse.Namespace(tiny=True, images=images))
     model = make_vl_model_dir(out, shape, vision, args.max_len)
     return model, Path(write_image_workloads(args, model)["uniform"])
 
@@ -45,6 +55,16 @@ def best(fn, repeat: int) -> float:
     return min(times)
 
 
+def engine_of(model: Path, max_len: int):
+    """An LLMEngine on the CPU whose input processor is the one extract's engine has (no processor cache)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    llm = LLM(model=str(model), load_format="dummy", max_model_len=max_len, mm_processor_cache_gb=0, seed=0)
+    return llm.llm_engine
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", nargs="?", type=Path, help="work folder (default: a temporary one)")
@@ -53,43 +73,69 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=4096, help="extract.batch_tokens (config.yaml's default)")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    from eagle3prep.backends.vllm.paths import IMAGE_THREADS, HooksPath
+    import vllm
+    from vllm import TokensPrompt
+
+    from eagle3prep.backends.vllm import compat
+    from eagle3prep.backends.vllm.paths import IMAGE_THREADS, HooksPath, sampling_params
     from eagle3prep.extract import iter_batches
     from eagle3prep.tokenization.row_inputs import ImageRow, RowImages
+    from eagle3prep.tokenization.vision import collapse_runs
 
     with contextlib.ExitStack() as stack:
         out = args.out or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         out.mkdir(parents=True, exist_ok=True)
         model, shard = workload(out, args.rows, args.images)
-        rows = [r.row for b in iter_batches(shard, args.batch_tokens) for r in b if isinstance(r, ImageRow)]
-        n = sum(len(r["images"]) for r in rows)
+        engine = engine_of(model, 8192 + 1)
+        make = compat.request_maker(engine, vllm.__version__)
+        batches = list(iter_batches(shard, args.batch_tokens))
+        rows = [r for b in batches for r in b if isinstance(r, ImageRow)]
+        n = sum(len(r.row["images"]) for r in rows)
         images = RowImages(model, shard)
-        processor = images.processor
-        decoded = [images.images(r) for r in rows]  # warm: page cache, config, processor
 
-        def serial():  # the thread loads each row's images, then processes them
-            for r in rows:
-                processor(images=images.images(r), return_tensors="pt")
+        def request(i: int, ids: ImageRow, pils: list):
+            collapsed = collapse_runs(list(ids), images.image_token_id)  # as paths._request hands them to vLLM
+            prompt = TokensPrompt(prompt_token_ids=collapsed, multi_modal_data={"image": pils})
+            return make(f"r{i}", prompt, sampling_params(f"r{i}"))
 
-        def ahead():  # the thread processes images the pool loaded
+        decoded = [images.images(r.row) for r in rows]  # warm: page cache, config, processors
+        request(0, rows[0], decoded[0])
+
+        def on_thread():
+            for i, ids in enumerate(rows):
+                request(i, ids, images.images(ids.row))
+
+        def loads_ahead():
+            with ThreadPoolExecutor(IMAGE_THREADS) as pool:
+                futures = [pool.submit(images.images, ids.row) for ids in rows]  # the pool runs ahead of the loop
+                for i, (ids, pils) in enumerate(zip(rows, futures, strict=True)):
+                    request(i, ids, pils.result())
+
+        def requests_ahead():
             path = HooksPath([0], "bench", str(model))
-            with contextlib.closing(path._prefetched(iter_batches(shard, args.batch_tokens))) as loaded:
-                for batch in loaded:
-                    for _, future in batch:
-                        if future is not None:
-                            processor(images=future.result(), return_tensors="pt")
+            params_of = lambda i: (f"r{i}", sampling_params(f"r{i}"))  # noqa: E731
+            with contextlib.closing(path._prefetched(iter(batches), engine, params_of)) as ready:
+                for _, future, _ in ready:
+                    if future is not None:
+                        future.result()
 
-        load_s = best(lambda: [images.images(r) for r in rows], args.repeat)
-        proc_s = best(lambda: [processor(images=d, return_tensors="pt") for d in decoded], args.repeat)
-        serial_s, ahead_s = best(serial, args.repeat), best(ahead, args.repeat)
+        proc_s = best(
+            lambda: [request(i, ids, d) for i, (ids, d) in enumerate(zip(rows, decoded, strict=True))], args.repeat
+        )
+        thread_s, loads_s = best(on_thread, args.repeat), best(loads_ahead, args.repeat)
+        ahead_s = best(requests_ahead, args.repeat)
     print(f"# {time.strftime('%Y-%m-%d')} {platform.node()}, {os.cpu_count()} CPUs, {platform.python_version()}")
-    print(f"{len(rows)} rows, {n} images of 448 x 448, batch_tokens {args.batch_tokens}, best of {args.repeat}")
-    print(f"RowImages.images (read, sha256, decode): {load_s / n * 1e3:.2f} ms an image")
-    print(f"image processor ({type(processor).__name__}): {proc_s / n * 1e3:.2f} ms an image")
-    print(f"driver loop, images loaded on the thread: {serial_s / n * 1e3:.2f} ms an image")
-    print(f"driver loop, images loaded ahead on {IMAGE_THREADS} threads: {ahead_s / n * 1e3:.2f} ms an image")
     print(
-        f"ahead / on the thread: {ahead_s / serial_s:.2f} (processor alone / on the thread: {proc_s / serial_s:.2f})"
+        f"vLLM {vllm.__version__}; {len(rows)} rows, {n} images of 448 x 448, batch_tokens {args.batch_tokens}, ",
+        end="",
+    )
+    print(f"best of {args.repeat}; {IMAGE_THREADS} threads")
+    print(f"input processor alone (images decoded before): {proc_s / n * 1e3:.2f} ms an image")
+    print(f"on the thread (load, then the input processor): {thread_s / n * 1e3:.2f} ms an image")
+    print(f"loads ahead (the input processor on the thread): {loads_s / n * 1e3:.2f} ms an image")
+    print(f"requests ahead (the thread takes each request): {ahead_s / n * 1e3:.2f} ms an image")
+    print(
+        f"requests ahead / on the thread: {ahead_s / thread_s:.2f}; loads ahead / on the thread: {loads_s / thread_s:.2f}"
     )
 
 

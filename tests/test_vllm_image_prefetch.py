@@ -1,7 +1,8 @@
-"""The vllm backend's driver loads rows' images on a few threads one batch ahead of the request submission loop
-(paths._WorkerSinkPath._prefetched): every row comes out in order with the images RowImages gives, a bad image
-stops the capture with the same one-line UserError as a serial load, a text-only shard starts no thread, and no
-thread outlives the shard. Base environment: a stand-in engine records what the driver would hand vLLM."""
+"""The vllm backend's driver makes the requests of rows with images on a few threads, ahead of the submission loop
+(paths._WorkerSinkPath._prefetched): each such row's images are loaded and vLLM's input processor makes its request
+there; every row comes out in order, a bad image stops the capture with the same one-line UserError as a serial load,
+a text-only shard starts no thread, and no thread outlives the shard. Base environment: a stand-in engine records
+what the driver hands vLLM (its input processor returns what it was given, and the thread it ran on)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from eagle3prep.backends.vllm import paths
 from eagle3prep.errors import UserError
@@ -62,19 +64,74 @@ def same_images(a: list, b: list) -> bool:
     return [(x.mode, x.size, x.tobytes()) for x in a] == [(x.mode, x.size, x.tobytes()) for x in b]
 
 
-def test_every_row_comes_in_order_with_the_images_row_images_gives(tiny_vl_dir, shard):
-    path = paths.HooksPath([0], "0.0", str(tiny_vl_dir))
+class Processor:
+    """vLLM's input processor as compat.request_maker calls it: the request is what it was given, and where."""
+
+    def process_inputs(self, tag, prompt, params, supported_tasks):
+        assert supported_tasks == ("generate",)
+        torch.set_num_threads(1)  # as vLLM's processor may leave it, called on several threads at once
+        return {"request": tag, "prompt": prompt, "params": params, "thread": threading.current_thread().name}
+
+
+class Engine:
+    """vLLM's LLMEngine as capture_shard drives it: a request ends at the next step with the row's ids."""
+
+    def __init__(self, expanded: dict[str, list[int]] | None = None):
+        self.expanded, self.prompts, self.pending, self.aborted = expanded or {}, {}, [], None
+        self.input_processor = Processor()
+        self.threads_seen: set[str] = set()
+
+    def get_supported_tasks(self):
+        return ("generate",)
+
+    def add_request(self, tag, prompt, params):
+        self.prompts[tag] = prompt
+        self.pending.append(tag)
+        self.threads_seen.update(pool_threads())
+
+    def has_unfinished_requests(self):
+        return bool(self.pending)
+
+    def step(self):
+        done, self.pending = self.pending, []
+        return [
+            SimpleNamespace(request_id=t, finished=True, prompt_token_ids=ids, prompt_logprobs=logprobs(ids))
+            for t, ids in ((t, self.expanded[t]) for t in done)
+        ]
+
+    def abort_request(self, tags):
+        self.aborted = tags
+
+
+def logprobs(ids: list[int]) -> list:
+    """vLLM's prompt_logprobs of a row: none at position 0, then each prompt token's."""
+    return [None] + [{t: SimpleNamespace(logprob=-1.0)} for t in ids[1:]]
+
+
+def params_of(index: int) -> tuple[str, dict]:
+    return f"t-{index}", {"tag": f"t-{index}"}
+
+
+def prefetched(model: Path, batches, engine: Engine | None = None):
+    return paths.HooksPath([0], "0.0", str(model))._prefetched(batches, engine or Engine(), params_of)
+
+
+def test_every_row_comes_in_order_with_its_request_made_of_the_images_row_images_gives(fake_vllm, tiny_vl_dir, shard):
     want = list(iter_batches(shard, BATCH_TOKENS))
     assert len(want) >= 4 and any(isinstance(r, ImageRow) for b in want for r in b)
-    with contextlib.closing(path._prefetched(iter_batches(shard, BATCH_TOKENS))) as loaded:
-        got = [[(ids, images.result() if images else None) for ids, images in batch] for batch in loaded]
-    assert [[ids for ids, _ in b] for b in got] == want
+    with contextlib.closing(prefetched(tiny_vl_dir, iter_batches(shard, BATCH_TOKENS))) as rows:
+        got = [(ids, ready.result() if ready else None, end) for ids, ready, end in rows]
+    assert [ids for ids, _, _ in got] == [ids for b in want for ids in b]
+    assert [end for _, _, end in got] == [k == len(b) - 1 for b in want for k in range(len(b))]  # the batch ends
     direct = RowImages(tiny_vl_dir, shard)
-    for ids, images in (pair for b in got for pair in b):
-        if isinstance(ids, ImageRow):
-            assert images and same_images(images, direct.images(ids.row)), ids.row["row"]
-        else:
-            assert images is None
+    for i, (ids, request, _) in enumerate(got):
+        if not isinstance(ids, ImageRow):
+            assert request is None
+            continue
+        assert request["request"] == f"t-{i}" and request["params"] == {"tag": f"t-{i}"}
+        assert request["thread"].startswith(POOL)
+        assert request["prompt"]["prompt_token_ids"] == collapse_runs(list(ids), direct.image_token_id)
+        assert same_images(request["prompt"]["multi_modal_data"]["image"], direct.images(ids.row)), ids.row["row"]
     assert not pool_threads()
 
 
@@ -88,29 +145,6 @@ class Spec:
 
     def tag(self, i: int) -> str:
         return f"{self.tag_prefix}-{i}"
-
-
-class Engine:
-    """vLLM's LLMEngine as capture_shard drives it: a request ends at the next step with the row's ids."""
-
-    def __init__(self, expanded: dict[str, list[int]]):
-        self.expanded, self.prompts, self.pending, self.aborted = expanded, {}, [], None
-        self.threads_seen: set[str] = set()
-
-    def add_request(self, tag, prompt, params):
-        self.prompts[tag] = prompt
-        self.pending.append(tag)
-        self.threads_seen.update(pool_threads())
-
-    def has_unfinished_requests(self):
-        return bool(self.pending)
-
-    def step(self):
-        done, self.pending = self.pending, []
-        return [SimpleNamespace(request_id=t, finished=True, prompt_token_ids=self.expanded[t]) for t in done]
-
-    def abort_request(self, tags):
-        self.aborted = tags
 
 
 class LLM:
@@ -131,32 +165,45 @@ def fake_vllm(monkeypatch):
 def capture(model: Path, batches: list, window_tokens: int = BATCH_TOKENS, engine: Engine | None = None) -> LLM:
     """capture_shard of `batches` on the stand-in engine (made here unless given); no pool thread after it."""
     rows = [ids for b in batches for ids in b]
-    spec = Spec(rows=[(0, len(r)) for r in rows])
-    engine = engine or Engine({})
+    spec = Spec(rows=[(0, len(r)) for r in rows], logprob_rows=(0,))
+    engine = engine or Engine()
     engine.expanded.update({spec.tag(i): list(r) for i, r in enumerate(rows)})
     llm, path = LLM(engine), paths.HooksPath([0], "0.0", str(model))
     path.window_tokens = window_tokens
+    threads = torch.get_num_threads()
     try:
         path.capture_shard(llm, iter(batches), spec)
     finally:
         assert not pool_threads()  # shut down on every exit
+        assert torch.get_num_threads() == threads  # the process's torch thread count put back
     return llm
 
 
-def test_the_engine_is_handed_the_loaded_images_and_one_placeholder_an_image(fake_vllm, tiny_vl_dir, shard):
-    batches, engine = list(iter_batches(shard, BATCH_TOKENS)), Engine({})
+def test_the_engine_is_handed_the_threads_requests_and_text_rows_as_token_ids(fake_vllm, tiny_vl_dir, shard):
+    batches, engine = list(iter_batches(shard, BATCH_TOKENS)), Engine()
     llm = capture(tiny_vl_dir, batches, engine=engine)
     assert llm.calls[-1] == "e3p_finish_shard" and engine.aborted is None
-    assert engine.threads_seen  # the loads ran on the pool, alive while requests went in
+    assert engine.threads_seen  # the requests were made on the pool, alive while requests went in
     direct = RowImages(tiny_vl_dir, shard)
     rows = [ids for b in batches for ids in b]
     for i, ids in enumerate(rows):
         prompt = engine.prompts[f"t-{i}"]
         if isinstance(ids, ImageRow):
-            assert prompt["prompt_token_ids"] == collapse_runs(list(ids), direct.image_token_id)
-            assert same_images(prompt["multi_modal_data"]["image"], direct.images(ids.row))
+            assert prompt["thread"].startswith(POOL) and prompt["request"] == f"t-{i}"
+            assert prompt["params"] == paths.sampling_params(f"t-{i}", logprobs=i == 0)  # row 0 asks for logprobs
+            assert prompt["prompt"]["prompt_token_ids"] == collapse_runs(list(ids), direct.image_token_id)
+            assert same_images(prompt["prompt"]["multi_modal_data"]["image"], direct.images(ids.row))
         else:
             assert prompt == {"prompt_token_ids": list(ids)}
+
+
+def test_a_vllm_without_the_input_processor_stops_in_one_line(fake_vllm, tiny_vl_dir, shard):
+    engine = Engine()
+    del engine.input_processor
+    with pytest.raises(
+        UserError, match=r"^vLLM 0\.0 has no LLMEngine\.input_processor\.process_inputs .*envs/vllm\.txt$"
+    ):
+        capture(tiny_vl_dir, list(iter_batches(shard, BATCH_TOKENS)), engine=engine)
 
 
 def broken_copy(shard: Path, out: Path, how: str) -> tuple[Path, dict]:
@@ -179,7 +226,7 @@ def test_a_bad_image_stops_the_capture_with_its_rows_user_error(fake_vllm, tiny_
     with pytest.raises(UserError) as serial:
         RowImages(tiny_vl_dir, bad).images(row)
     assert f"shard_0.jsonl: row {row['row']}, field images: image 0: " in str(serial.value)
-    batches, engine = list(iter_batches(bad, BATCH_TOKENS)), Engine({})
+    batches, engine = list(iter_batches(bad, BATCH_TOKENS)), Engine()
     with pytest.raises(UserError) as e:
         capture(tiny_vl_dir, batches, window_tokens=10**6, engine=engine)
     assert str(e.value) == str(serial.value)  # raised as the bad row is submitted: the rows before it are aborted
@@ -187,10 +234,12 @@ def test_a_bad_image_stops_the_capture_with_its_rows_user_error(fake_vllm, tiny_
     assert engine.aborted == [f"t-{i}" for i in range(at)] and len(engine.prompts) == at
 
 
-def test_an_interrupt_between_batches_leaves_no_thread(tiny_vl_dir, shard):
-    path = paths.HooksPath([0], "0.0", str(tiny_vl_dir))
-    with pytest.raises(KeyboardInterrupt), contextlib.closing(path._prefetched(iter_batches(shard, 16))) as loaded:
-        for k, _ in enumerate(loaded):
+def test_an_interrupt_leaves_no_thread(fake_vllm, tiny_vl_dir, shard):
+    with (
+        pytest.raises(KeyboardInterrupt),
+        contextlib.closing(prefetched(tiny_vl_dir, iter_batches(shard, 16))) as rows,
+    ):
+        for k, _ in enumerate(rows):
             assert pool_threads()
             if k == 1:
                 raise KeyboardInterrupt
@@ -200,41 +249,38 @@ def test_an_interrupt_between_batches_leaves_no_thread(tiny_vl_dir, shard):
 def test_a_text_only_shard_starts_no_thread(fake_vllm, tiny_vl_dir):
     before = {t.ident for t in threading.enumerate()}
     batches = [[[5, 6, 7], [8, 9]], [[10, 11, 12, 13]], [[14]]]
-    engine = Engine({})
+    engine = Engine()
     capture(tiny_vl_dir, batches, window_tokens=4, engine=engine)
     assert len(engine.prompts) == 4 and not engine.threads_seen
     assert {t.ident for t in threading.enumerate()} == before
 
 
-def test_the_loads_run_on_the_pool_one_batch_ahead(tiny_vl_dir, shard, monkeypatch):
-    where: dict[int, str] = {}
-    loaded_ahead = threading.Event()
-    serial = RowImages.images
-    want = list(iter_batches(shard, BATCH_TOKENS))
-    second = {ids.row["row"] for ids in want[1] if isinstance(ids, ImageRow)}
-    assert second, "batch 1 must hold a row with images"
+def test_rows_are_made_ready_at_most_ahead_rows_ahead(fake_vllm, tiny_vl_dir, shard, monkeypatch):
+    """The pool works ahead of the row handed out, by AHEAD_ROWS rows at most: their pixels are held until added."""
+    monkeypatch.setattr(paths, "AHEAD_ROWS", 2)
+    rows = [ids for b in iter_batches(shard, BATCH_TOKENS) for ids in b]
+    made: list[str] = []
+    engine = Engine()
+    serial = engine.input_processor.process_inputs
 
-    def images(self, row):
-        where[row["row"]] = threading.current_thread().name
-        if row["row"] in second:
-            loaded_ahead.set()
-        return serial(self, row)
+    def process_inputs(tag, prompt, params, supported_tasks):
+        made.append(tag)
+        return serial(tag, prompt, params, supported_tasks)
 
-    monkeypatch.setattr(RowImages, "images", images)
+    engine.input_processor.process_inputs = process_inputs
     pulled = 0
 
     def source():
         nonlocal pulled
-        for batch in want:
+        for ids in rows:  # a row a batch: pulled counts rows
             pulled += 1
-            yield batch
+            yield [ids]
 
-    path = paths.HooksPath([0], "0.0", str(tiny_vl_dir))
-    with contextlib.closing(path._prefetched(source())) as loaded:
-        first = next(loaded)
-        assert pulled == 2  # batch 1 read while batch 0 is handed out, batch 2 not yet
-        assert loaded_ahead.wait(30)  # batch 1's images load before batch 1 is asked for
-        assert [ids for ids, _ in first] == want[0]
-        rest = list(loaded)
-    assert len(rest) == len(want) - 1 and pulled == len(want)
-    assert where and all(name.startswith(POOL) for name in where.values()), where
+    with contextlib.closing(prefetched(tiny_vl_dir, source(), engine)) as out:
+        first = next(out)
+        assert pulled == 3  # rows 1 and 2 are being made ready while row 0 is handed out, row 3 not yet read
+        assert first[0] == rows[0]
+        rest = [(ids, ready and ready.result(), end) for ids, ready, end in out]  # as the driver takes them
+    assert [ids for ids, _, _ in rest] == rows[1:] and pulled == len(rows)
+    images = [f"t-{i}" for i, ids in enumerate(rows) if isinstance(ids, ImageRow)]
+    assert sorted(made, key=lambda t: int(t[2:])) == images

@@ -122,3 +122,78 @@ def test_a_row_whose_image_tokens_vllm_would_expand_otherwise_stops_in_one_line(
     ) as e:
         extract(vl, engine, shard, tmp_path / "hs")
     assert "\n" not in str(e.value), e.value
+
+
+def features(request) -> list[tuple]:
+    """What an EngineCoreRequest carries of its images: each one's identifier (the key of vLLM's encoder cache),
+    placeholder range and tensors."""
+    import torch
+
+    out = []
+    for f in request.mm_features or []:
+        tensors = {k: getattr(v, "data", v) for k, v in dict(f.data or {}).items()}
+        out.append((f.identifier, f.mm_position, {k: torch.as_tensor(t).clone() for k, t in tensors.items()}))
+    return out
+
+
+def test_requests_made_on_the_image_threads_are_the_ones_vllm_makes_on_one(vl, engine, tmp_path):
+    """The driver makes rows' requests with vLLM's input processor on paths.IMAGE_THREADS threads at once
+    (compat.request_maker): each must equal the request the same processor makes on one thread, image by image.
+    The engine was started without vLLM's processor cache, which is not made for that."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from vllm import TokensPrompt
+
+    from eagle3prep.backends.vllm import compat, paths
+    from eagle3prep.testing.image_rows import draw_image
+    from eagle3prep.tokenization.row_inputs import RowImages
+    from eagle3prep.tokenization.vision import collapse_runs
+
+    llm_engine = engine.backend.llm.llm_engine
+    assert llm_engine.vllm_config.model_config.multimodal_config.mm_processor_cache_gb == 0
+    (tmp_path / "images").mkdir()
+    sizes = [(28, 28), (56, 28), (28, 56), (56, 56)]
+    records = []
+    for i in range(12):  # rows of one or two images of other sizes: requests of other lengths
+        names = [f"r{i}i{j}.png" for j in range(1 + i % 2)]
+        for j, name in enumerate(names):
+            (tmp_path / "images" / name).write_bytes(draw_image(*sizes[(i + j) % 4], seed=100 + 2 * i + j))
+        records.append(chat(names, f"Row {i}?", "Shapes."))
+    (shard,) = tokenize_records(records, vl.model, tmp_path, MAX_SEQ_LEN)
+    rows = [json.loads(x) for x in shard.read_text(encoding="utf-8").splitlines()]
+    images = RowImages(vl.model, shard)
+    prompts = [
+        TokensPrompt(
+            prompt_token_ids=collapse_runs(r["input_ids"], images.image_token_id),
+            multi_modal_data={"image": images.images(r)},
+        )
+        for r in rows
+    ]
+    make = compat.request_maker(llm_engine, vllm.__version__)
+    tags = [f"thread-check-{i}" for i in range(len(rows))]
+    serial = [make(t, p, paths.sampling_params(t)) for t, p in zip(tags, prompts, strict=True)]
+    start = threading.Barrier(paths.IMAGE_THREADS)
+
+    def on_a_thread(k: int):
+        start.wait()  # every thread at once
+        return [
+            make(tags[i], prompts[i], paths.sampling_params(tags[i])) for i in range(k, len(rows), paths.IMAGE_THREADS)
+        ]
+
+    with ThreadPoolExecutor(paths.IMAGE_THREADS) as pool:
+        made = [r for part in pool.map(on_a_thread, range(paths.IMAGE_THREADS)) for r in part]
+    by_tag = {r.request_id: r for r in made}
+    assert sorted(by_tag) == sorted(tags)
+    # Without the processor cache an image's identifier is made per request, not from its pixels: no two may meet,
+    # or the engine would take one image's encoder output for another's.
+    ids = [f[0] for r in made for f in features(r)]
+    assert len(ids) == len(set(ids)) == sum(len(r["images"]) for r in rows)
+    for want in serial:
+        got = by_tag[want.request_id]
+        assert got.prompt_token_ids == want.prompt_token_ids
+        a, b = features(got), features(want)
+        assert [x[1] for x in a] == [x[1] for x in b]  # the placeholder ranges
+        for (_, _, ta), (_, _, tb) in zip(a, b, strict=True):
+            assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)

@@ -9,6 +9,7 @@ raises, on a list of tensors it answers the wrong question).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ...shard.sink import Segment
@@ -51,6 +52,23 @@ def engine_in_process(engine: Any) -> bool:
     if client is None:
         raise RuntimeError(f"{type(engine).__name__} has no engine_core: vLLM's V1 LLMEngine changed")
     return type(client).__name__ == "InprocClient"
+
+
+def request_maker(engine: Any, version: str) -> Callable[[str, Any, Any], Any]:
+    """(tag, prompt, params) -> the request LLMEngine.add_request takes in place of a prompt: what add_request
+    would make itself (vLLM's input processor, its multimodal processor included), made on the driver's image
+    threads instead of its one thread. LLMEngine.input_processor.process_inputs returns an EngineCoreRequest,
+    which add_request takes as is, in vLLM 0.16 through 0.32 (0.26 and 0.32 warn that this is deprecated).
+    A vLLM without them stops in one line."""
+    make = getattr(getattr(engine, "input_processor", None), "process_inputs", None)
+    tasks = getattr(engine, "get_supported_tasks", None)
+    if make is None or tasks is None:
+        raise internals.VLLMInternalError(
+            f"vLLM {version} has no LLMEngine.input_processor.process_inputs or get_supported_tasks, which make the "
+            "requests of rows with images ahead of the engine: install the vLLM pinned in envs/vllm.txt"
+        )
+    supported = tasks()
+    return lambda tag, prompt, params: make(tag, prompt, params, supported_tasks=supported)
 
 
 def builtin_supported(version: str) -> bool:

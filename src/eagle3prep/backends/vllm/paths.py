@@ -11,8 +11,10 @@ Both stream the requests in (no batch barrier) and ask the worker to finish the 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import functools
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,16 +27,19 @@ from . import compat
 from .connector import CONNECTOR
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from ...shard.sink import SinkSpec
 
 EXT_MODULE = "eagle3prep.backends.vllm.worker"
 CONNECTOR_MODULE = "eagle3prep.backends.vllm.connector"
 DRAIN_S = 600  # a shard's last rows reach the worker a step after their request ends: seconds, not minutes
-# Reading, hashing and decoding an image (RowImages.images) mostly release the GIL: a few threads load the next
-# rows' images while the driver thread runs vLLM's image processor on the current ones.
+# A row with images costs vLLM's input processor ~10 ms an image (docs/performance.md), too much for the driver's
+# one thread at a 7B target's rate: threads make the next rows' requests (reading, hashing, decoding and the image
+# processor mostly release the GIL) while the driver's thread adds requests and steps the engine. AHEAD_ROWS bounds
+# the rows made ready ahead (their pixel values are held until added).
 IMAGE_THREADS = 4
+AHEAD_ROWS = 4 * IMAGE_THREADS
 
 
 def log(msg: str) -> None:
@@ -101,18 +106,17 @@ class _WorkerSinkPath:
         clock = self._clock = {"driver_add_s": 0.0, "driver_step_s": 0.0}
         self.logprobs, wanted = {}, {spec.tag(r): r for r in spec.logprob_rows}
         self._image_rows = {}
+        params_of = functools.partial(self._params, spec, wanted)
         try:
-            with contextlib.closing(self._prefetched(batches)) as loaded:  # closed: the image threads end here
-                for batch in loaded:
-                    for ids, images in batch:
-                        tag = spec.tag(submitted)
-                        params = sampling_params(tag, logprobs=tag in wanted)
-                        t0 = time.perf_counter()
-                        engine.add_request(tag, self._prompt(tag, ids, images), params)  # vLLM's processor runs here
-                        clock["driver_add_s"] += time.perf_counter() - t0
-                        submitted += 1
-                        in_flight += len(ids)
-                    while in_flight > self.window_tokens:
+            with contextlib.closing(self._prefetched(batches, engine, params_of)) as rows:  # closed: threads end here
+                for ids, ready, batch_end in rows:
+                    tag, params = params_of(submitted)
+                    t0 = time.perf_counter()
+                    engine.add_request(tag, self._prompt(tag, ids, ready), params)
+                    clock["driver_add_s"] += time.perf_counter() - t0
+                    submitted += 1
+                    in_flight += len(ids)
+                    while batch_end and in_flight > self.window_tokens:
                         in_flight -= self._step(engine, wanted)
             while engine.has_unfinished_requests():
                 in_flight -= self._step(engine, wanted)
@@ -139,51 +143,80 @@ class _WorkerSinkPath:
         }
         return {int(k): v for k, v in reply["entries"].items()}
 
-    def _prefetched(self, batches: Iterator[list[list[int]]]) -> Iterator[list[tuple[list[int], Future | None]]]:
-        """Each batch as (ids, the future of its row's images, None for a text row) pairs, the images of batch
-        k + 1 loading on IMAGE_THREADS threads while batch k is submitted (one batch ahead at most). The pool is
-        made on the first row with images (a text-only shard starts no thread) and shut down when the generator
-        ends or is closed, its pending loads cancelled."""
-        pool: ThreadPoolExecutor | None = None
+    @staticmethod
+    def _params(spec: SinkSpec, wanted: dict[str, int], index: int) -> tuple[str, Any]:
+        """The tag and sampling params of the shard's row `index` (the driver's thread and the image threads
+        both need them)."""
+        tag = spec.tag(index)
+        return tag, sampling_params(tag, logprobs=tag in wanted)
 
-        def load(ids: list[int]) -> Future | None:
-            nonlocal pool
+    def _prefetched(
+        self, batches: Iterator[list[list[int]]], engine: Any, params_of: Callable[[int], tuple[str, Any]]
+    ) -> Iterator[tuple[list[int], Future | None, bool]]:
+        """Each row as (ids, the future of its request or None for a text row, whether it ends its batch), in
+        order. A row with images is made ready on IMAGE_THREADS threads, at most AHEAD_ROWS rows ahead of the
+        one handed out: its images loaded (RowImages) and its request made by vLLM's input processor
+        (compat.request_maker), so the driver's thread only adds it. The pool is made on the first row with
+        images (a text-only shard starts no thread) and shut down when the generator ends or is closed, its
+        pending work cancelled."""
+        import torch
+
+        pool: ThreadPoolExecutor | None = None
+        make: Callable[[str, Any, Any], Any] | None = None
+        # vLLM's processor sets torch's (process-wide) thread count around each call and puts it back: calls on
+        # several threads at once can leave another count behind, so the pool's end puts the first one back
+        torch_threads: list[int] = []
+        ahead: collections.deque[tuple[list[int], Future | None, bool]] = collections.deque()
+
+        def ready(index: int, ids: list[int]) -> Future | None:
+            nonlocal pool, make
             if not isinstance(ids, ImageRow):
                 return None
             if self._images is None or self._images.tokenized != ids.tokenized:
                 self._images = RowImages(self.model_path, ids.tokenized)
             if pool is None:
+                make = compat.request_maker(engine, self.version)
                 pool = ThreadPoolExecutor(IMAGE_THREADS, thread_name_prefix="e3p-images")
-            return pool.submit(self._images.images, ids.row)
+                torch_threads.append(torch.get_num_threads())
+            return pool.submit(self._request, self._images, ids, make, *params_of(index))
 
         try:
-            ahead = None
+            index = 0
             for batch in batches:
-                loading = [(ids, load(ids)) for ids in batch]
-                if ahead is not None:
-                    yield ahead
-                ahead = loading
-            if ahead is not None:
-                yield ahead
+                for k, ids in enumerate(batch):
+                    ahead.append((ids, ready(index, ids), k == len(batch) - 1))
+                    index += 1
+                    if len(ahead) > AHEAD_ROWS:
+                        yield ahead.popleft()
+            while ahead:
+                yield ahead.popleft()
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
+                torch.set_num_threads(torch_threads[0])
 
-    def _prompt(self, tag: str, ids: list[int], images: Future | None) -> Any:
-        """The request's prompt: token ids, and for a row with images (ImageRow) its images, re-read and checked
-        against their sha256 (RowImages, loaded ahead by _prefetched), for vLLM's processor and vision encoder."""
+    @staticmethod
+    def _request(images: RowImages, ids: ImageRow, make: Callable[[str, Any, Any], Any], tag: str, params: Any) -> Any:
+        """On an image thread: a row's request, from its images re-read and checked against their sha256 (a
+        missing or changed image raises its row's UserError, passed on as the row is submitted)."""
         from vllm import TokensPrompt
 
-        if images is None:
-            return TokensPrompt(prompt_token_ids=list(ids))
-        self._image_rows[tag] = list(ids)
         # vLLM's processor expands each image's placeholder itself and does not recognize one tokenize already
         # expanded (it would expand its first token again): it is given one placeholder an image, and
         # _check_expansion verifies, when the request ends, that it gave back the row's ids.
-        pils = images.result()  # a missing or changed image raises its row's UserError here, in the submission loop
-        # image_token_id is the model's: the same whichever shard's RowImages _prefetched holds by now
-        prompt = collapse_runs(list(ids), self._images.image_token_id)
-        return TokensPrompt(prompt_token_ids=prompt, multi_modal_data={"image": pils})
+        pils = images.images(ids.row)  # first: it names the row when the target takes no images
+        prompt = collapse_runs(list(ids), images.image_token_id)
+        return make(tag, TokensPrompt(prompt_token_ids=prompt, multi_modal_data={"image": pils}), params)
+
+    def _prompt(self, tag: str, ids: list[int], ready: Future | None) -> Any:
+        """What add_request is given: a text row's token ids, or the request an image thread made of a row with
+        images (_request; the row's ids kept to check what vLLM expanded when it ends)."""
+        from vllm import TokensPrompt
+
+        if ready is None:
+            return TokensPrompt(prompt_token_ids=list(ids))
+        self._image_rows[tag] = list(ids)
+        return ready.result()
 
     def _check_expansion(self, out: Any) -> None:
         """A row with images must reach the model as tokenize wrote it: vLLM's processor may not re-expand it."""
