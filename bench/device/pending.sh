@@ -2,10 +2,12 @@
 # Every H200 measurement the open issues still wait for, in one background run on `nvidia-h200` (one GPU): the
 # correctness cells first, then the timed steps one at a time on an idle GPU (the runs of 2026-12-02 did the rest:
 # docs/runs/h200_2026-12-02_pending/ and docs/runs/h200_2026-12-02b_pending/):
-#   issue 28 item 5   the image cells on both vLLM paths again: the driver now loads a row's images on a thread pool
-#                     one batch ahead of the submission loop (backends/vllm/paths.py)
+#   issue 28 item 5   the image cells on both vLLM paths again: the driver now makes a row's whole request (its images
+#                     loaded, vLLM's input processor run) on a thread pool ahead of the submission loop, with vLLM's
+#                     processor cache off (backends/vllm/paths.py, compat.request_maker)
 #   issue 28 item 7   bench_extract --images 4 (a Qwen2.5-VL-7B shape, image-heavy rows): (a), (b) hooks, (f) built-in;
-#                     before the prefetch b/a was 0.70 / 0.80 and f/a 0.80 / 0.74 (docs/performance.md)
+#                     before, with the driver's one thread running the processor, b/a was 0.70 / 0.80 and f/a
+#                     0.80 / 0.74 (docs/performance.md); the driver's seconds and uniform_again now say where time goes
 # After the vLLM payload (bench/device/README.md), from the project root:
 #   setsid nohup bash bench/device/pending.sh /tmp/pend > /tmp/pend.log 2>&1 &
 # Each step's log and results land in OUT/<step>/; OUT/done lists the steps that finished (rc per step). A step
