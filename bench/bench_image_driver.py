@@ -59,6 +59,7 @@ def engine_of(model: Path, max_len: int):
     """An LLMEngine on the CPU whose input processor is the one extract's engine has (no processor cache)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the CPU engine warns on every processor call
     from vllm import LLM
 
     llm = LLM(model=str(model), load_format="dummy", max_model_len=max_len, mm_processor_cache_gb=0, seed=0)
@@ -115,9 +116,9 @@ def main() -> None:
             path = HooksPath([0], "bench", str(model))
             params_of = lambda i: (f"r{i}", sampling_params(f"r{i}"))  # noqa: E731
             with contextlib.closing(path._prefetched(iter(batches), engine, params_of)) as ready:
-                for _, future, _ in ready:
-                    if future is not None:
-                        future.result()
+                for row in ready:
+                    if row.ready is not None:
+                        row.ready.result()
 
         proc_s = best(
             lambda: [request(i, ids, d) for i, (ids, d) in enumerate(zip(rows, decoded, strict=True))], args.repeat

@@ -120,11 +120,12 @@ def test_every_row_comes_in_order_with_its_request_made_of_the_images_row_images
     want = list(iter_batches(shard, BATCH_TOKENS))
     assert len(want) >= 4 and any(isinstance(r, ImageRow) for b in want for r in b)
     with contextlib.closing(prefetched(tiny_vl_dir, iter_batches(shard, BATCH_TOKENS))) as rows:
-        got = [(ids, ready.result() if ready else None, end) for ids, ready, end in rows]
-    assert [ids for ids, _, _ in got] == [ids for b in want for ids in b]
-    assert [end for _, _, end in got] == [k == len(b) - 1 for b in want for k in range(len(b))]  # the batch ends
+        got = [(r.ids, r.ready.result() if r.ready else None, r.batch_end, r.tag) for r in rows]
+    assert [g[0] for g in got] == [ids for b in want for ids in b]
+    assert [g[3] for g in got] == [f"t-{i}" for i in range(len(got))]  # each row's own tag
+    assert [g[2] for g in got] == [k == len(b) - 1 for b in want for k in range(len(b))]  # the batch ends
     direct = RowImages(tiny_vl_dir, shard)
-    for i, (ids, request, _) in enumerate(got):
+    for i, (ids, request, _, _) in enumerate(got):
         if not isinstance(ids, ImageRow):
             assert request is None
             continue
@@ -279,8 +280,8 @@ def test_rows_are_made_ready_at_most_ahead_rows_ahead(fake_vllm, tiny_vl_dir, sh
     with contextlib.closing(prefetched(tiny_vl_dir, source(), engine)) as out:
         first = next(out)
         assert pulled == 3  # rows 1 and 2 are being made ready while row 0 is handed out, row 3 not yet read
-        assert first[0] == rows[0]
-        rest = [(ids, ready and ready.result(), end) for ids, ready, end in out]  # as the driver takes them
-    assert [ids for ids, _, _ in rest] == rows[1:] and pulled == len(rows)
+        assert first.ids == rows[0]
+        rest = [(r.ids, r.ready and r.ready.result()) for r in out]  # as the driver takes them
+    assert [ids for ids, _ in rest] == rows[1:] and pulled == len(rows)
     images = [f"t-{i}" for i, ids in enumerate(rows) if isinstance(ids, ImageRow)]
     assert sorted(made, key=lambda t: int(t[2:])) == images

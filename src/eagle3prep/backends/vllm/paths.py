@@ -18,7 +18,7 @@ import functools
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...errors import UserError
 from ...tokenization.row_inputs import ImageRow, RowImages
@@ -79,6 +79,16 @@ def prompt_logprobs(out: Any, ids: list[int]) -> Any:
     return torch.tensor([per_pos[t][ids[t]].logprob for t in range(1, len(ids))], dtype=torch.float32)
 
 
+class _Row(NamedTuple):
+    """A row as the submission loop takes it: for a row with images, `ready` is the future of its request."""
+
+    tag: str
+    params: Any
+    ids: list[int]
+    ready: Future | None
+    batch_end: bool  # the last row of its batch: the loop may step the engine after it
+
+
 class _WorkerSinkPath:
     """The driver's half of a path whose sink runs in TP rank 0's worker: stream requests in, finish."""
 
@@ -109,14 +119,13 @@ class _WorkerSinkPath:
         params_of = functools.partial(self._params, spec, wanted)
         try:
             with contextlib.closing(self._prefetched(batches, engine, params_of)) as rows:  # closed: threads end here
-                for ids, ready, batch_end in rows:
-                    tag, params = params_of(submitted)
+                for row in rows:
                     t0 = time.perf_counter()
-                    engine.add_request(tag, self._prompt(tag, ids, ready), params)
+                    engine.add_request(row.tag, self._prompt(row), row.params)
                     clock["driver_add_s"] += time.perf_counter() - t0
                     submitted += 1
-                    in_flight += len(ids)
-                    while batch_end and in_flight > self.window_tokens:
+                    in_flight += len(row.ids)
+                    while row.batch_end and in_flight > self.window_tokens:
                         in_flight -= self._step(engine, wanted)
             while engine.has_unfinished_requests():
                 in_flight -= self._step(engine, wanted)
@@ -145,16 +154,14 @@ class _WorkerSinkPath:
 
     @staticmethod
     def _params(spec: SinkSpec, wanted: dict[str, int], index: int) -> tuple[str, Any]:
-        """The tag and sampling params of the shard's row `index` (the driver's thread and the image threads
-        both need them)."""
+        """The tag and sampling params of the shard's row `index`."""
         tag = spec.tag(index)
         return tag, sampling_params(tag, logprobs=tag in wanted)
 
     def _prefetched(
         self, batches: Iterator[list[list[int]]], engine: Any, params_of: Callable[[int], tuple[str, Any]]
-    ) -> Iterator[tuple[list[int], Future | None, bool]]:
-        """Each row as (ids, the future of its request or None for a text row, whether it ends its batch), in
-        order. A row with images is made ready on IMAGE_THREADS threads, at most AHEAD_ROWS rows ahead of the
+    ) -> Iterator[_Row]:
+        """Each row in order, with its tag and params and whether it ends its batch. A row with images is made ready on IMAGE_THREADS threads, at most AHEAD_ROWS rows ahead of the
         one handed out: its images loaded (RowImages) and its request made by vLLM's input processor
         (compat.request_maker), so the driver's thread only adds it. The pool is made on the first row with
         images (a text-only shard starts no thread) and shut down when the generator ends or is closed, its
@@ -165,11 +172,11 @@ class _WorkerSinkPath:
         make: Callable[[str, Any, Any], Any] | None = None
         # vLLM's processor sets torch's (process-wide) thread count around each call and puts it back: calls on
         # several threads at once can leave another count behind, so the pool's end puts the first one back
-        torch_threads: list[int] = []
-        ahead: collections.deque[tuple[list[int], Future | None, bool]] = collections.deque()
+        torch_threads = 0
+        ahead: collections.deque[_Row] = collections.deque()
 
-        def ready(index: int, ids: list[int]) -> Future | None:
-            nonlocal pool, make
+        def ready(ids: list[int], tag: str, params: Any) -> Future | None:
+            nonlocal pool, make, torch_threads
             if not isinstance(ids, ImageRow):
                 return None
             if self._images is None or self._images.tokenized != ids.tokenized:
@@ -177,14 +184,15 @@ class _WorkerSinkPath:
             if pool is None:
                 make = compat.request_maker(engine, self.version)
                 pool = ThreadPoolExecutor(IMAGE_THREADS, thread_name_prefix="e3p-images")
-                torch_threads.append(torch.get_num_threads())
-            return pool.submit(self._request, self._images, ids, make, *params_of(index))
+                torch_threads = torch.get_num_threads()
+            return pool.submit(self._request, self._images, ids, make, tag, params)
 
         try:
             index = 0
             for batch in batches:
                 for k, ids in enumerate(batch):
-                    ahead.append((ids, ready(index, ids), k == len(batch) - 1))
+                    tag, params = params_of(index)
+                    ahead.append(_Row(tag, params, ids, ready(ids, tag, params), k == len(batch) - 1))
                     index += 1
                     if len(ahead) > AHEAD_ROWS:
                         yield ahead.popleft()
@@ -193,7 +201,7 @@ class _WorkerSinkPath:
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
-                torch.set_num_threads(torch_threads[0])
+                torch.set_num_threads(torch_threads)
 
     @staticmethod
     def _request(images: RowImages, ids: ImageRow, make: Callable[[str, Any, Any], Any], tag: str, params: Any) -> Any:
@@ -208,15 +216,15 @@ class _WorkerSinkPath:
         prompt = collapse_runs(list(ids), images.image_token_id)
         return make(tag, TokensPrompt(prompt_token_ids=prompt, multi_modal_data={"image": pils}), params)
 
-    def _prompt(self, tag: str, ids: list[int], ready: Future | None) -> Any:
+    def _prompt(self, row: _Row) -> Any:
         """What add_request is given: a text row's token ids, or the request an image thread made of a row with
         images (_request; the row's ids kept to check what vLLM expanded when it ends)."""
         from vllm import TokensPrompt
 
-        if ready is None:
-            return TokensPrompt(prompt_token_ids=list(ids))
-        self._image_rows[tag] = list(ids)
-        return ready.result()
+        if row.ready is None:
+            return TokensPrompt(prompt_token_ids=list(row.ids))
+        self._image_rows[row.tag] = list(row.ids)
+        return row.ready.result()
 
     def _check_expansion(self, out: Any) -> None:
         """A row with images must reach the model as tokenize wrote it: vLLM's processor may not re-expand it."""
