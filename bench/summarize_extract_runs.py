@@ -39,6 +39,11 @@ def summarize(path: Path) -> None:
             if "uniform_again" in phases[x]:  # the uniform shard to disk once more, last (--images runs)
                 again = phases[x]["uniform_again"]["tokens_per_s"] / a["uniform"]["tokens_per_s"]
                 print(f"  {x}/a uniform to disk again, last: {again:.2f}")
+                if "uniform_again" in a:  # (a) ran the uniform rows once more, last, too (since 2026-12-03)
+                    last = phases[x]["uniform_again"]["tokens_per_s"] / a["uniform_again"]["tokens_per_s"]
+                    print(f"  {x}/a uniform, both last: {last:.2f}")
+    if a and "uniform_again" in a:
+        print(f"  (a) uniform again / uniform: {a['uniform_again']['tokens_per_s'] / a['uniform']['tokens_per_s']:.2f}")
     if b and "uniform_shm" in b:
         print(f"  (b) uniform {disk_cost(b)}")
     if a and d:

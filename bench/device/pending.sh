@@ -15,7 +15,7 @@
 #   cd OUT && find . -path '*/work' -prune -o -type f -size -400k -print | tar -czf $OUT/pend.tgz -T -
 # To stop it from a later call, match patterns that do not match that call's own command line:
 #   pkill -f "[p]ending\.sh"; pkill -f "[b]ench_extract\.py"
-# STEPS="be28" runs only those steps (default: all, in the order below).
+# STEPS="be28" runs only those steps (default: all, in the order below); ROWS sets be28's --rows (default 256).
 set -u
 O=${1:?usage: pending.sh OUT}
 mkdir -p "$O"
@@ -43,6 +43,6 @@ done
 wait
 
 # Timed: nothing else on the GPU.
-step be28 python3 bench/bench_extract.py "$O/be28/work" --images 4 --phases abf --rows 256
+step be28 python3 bench/bench_extract.py "$O/be28/work" --images 4 --phases abf --rows "${ROWS:-256}"
 keep be28
 log "all done"
