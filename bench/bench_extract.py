@@ -7,6 +7,7 @@ Runs on a GPU host with vLLM (recipe in docs/performance.md); random weights, no
     python bench/bench_extract.py OUTDIR --phases ab --rows 1500          # (b) on a 3M-token shard
     python bench/bench_extract.py OUTDIR --phases abfg --rows 192         # hooks, built-in, built-in FP8 vs (a)
     python bench/bench_extract.py OUTDIR --images 4 --phases abf --rows 256  # Qwen2.5-VL-7B shape, image-heavy rows
+    python bench/bench_extract.py OUTDIR --images 4 --phases ab --image-threads 8  # the driver's pool, 8 threads
 
 Each phase runs in its own process (one engine at a time, clean GPU memory, its own peak RSS):
   (a) plain vLLM prefill (max_tokens=1), no capture;
@@ -80,6 +81,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=0, help="images per row: the image-heavy workload (0: text)")
     ap.add_argument("--image-size", type=int, default=448, help="--images: pixels a side (448: 256 vision tokens)")
     ap.add_argument("--text-words", type=int, default=96, help="--images: words of text a row")
+    ap.add_argument("--image-threads", type=int, default=0, help="(b), (f): paths.IMAGE_THREADS (0: the code's)")
     args = ap.parse_args()
     args.shape, args.vision = shapes(args)
     if args.images and set(args.phases) - set("abefg"):

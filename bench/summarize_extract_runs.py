@@ -43,7 +43,9 @@ def summarize(path: Path) -> None:
                     last = phases[x]["uniform_again"]["tokens_per_s"] / a["uniform_again"]["tokens_per_s"]
                     print(f"  {x}/a uniform, both last: {last:.2f}")
     if a and "uniform_again" in a:
-        print(f"  (a) uniform again / uniform: {a['uniform_again']['tokens_per_s'] / a['uniform']['tokens_per_s']:.2f}")
+        print(
+            f"  (a) uniform again / uniform: {a['uniform_again']['tokens_per_s'] / a['uniform']['tokens_per_s']:.2f}"
+        )
     if b and "uniform_shm" in b:
         print(f"  (b) uniform {disk_cost(b)}")
     if a and d:

@@ -304,6 +304,13 @@ def summary_row(c: dict) -> str:
     )
 
 
+def broken(cells: list[dict]) -> list[dict]:
+    """The cells that raised, failed on the right capture, or let a planted mistake pass."""
+    return [
+        c for c in cells if "error" in c or not c["correct_ok"] or not all(p["caught"] for p in c["planted"].values())
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
@@ -377,6 +384,11 @@ def main() -> None:
                 emit(summary_row(cell))
                 (args.out / "matrix.json").write_text(json.dumps(cells, indent=1))
             del refs
+    bad = broken(cells)
+    if bad:  # the exit status says it too (pending.sh logs each step's)
+        raise SystemExit(
+            f"{len(bad)} of {len(cells)} cells broke, failed or missed a planted mistake: {args.out}/table.md"
+        )
 
 
 if __name__ == "__main__":

@@ -52,6 +52,16 @@ def assert_right_passes_and_wrong_fails(cell: dict) -> None:
         assert "row " in p["message"] and " token " in p["message"], p["message"]  # names row and position
 
 
+def test_the_exit_status_counts_a_broken_cell_a_failed_one_and_a_missed_mistake():
+    broken = load_matrix().broken
+    good = {"correct_ok": True, "planted": {"row_swap": {"caught": True}, "layer_off_by_one": {"caught": True}}}
+    failed = {**good, "correct_ok": False}
+    missed = {**good, "planted": {**good["planted"], "layer_off_by_one": {"caught": False}}}
+    raised = {"family": "llama", "error": "RuntimeError: boom"}
+    assert broken([good, good]) == []
+    assert broken([good, failed, missed, raised]) == [failed, missed, raised]
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
 def test_hf_bf16_moe_with_shared_experts(tmp_path, family):
     assert_right_passes_and_wrong_fails(run_cell(tmp_path, family, "hf", "bfloat16"))

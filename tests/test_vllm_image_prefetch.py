@@ -174,6 +174,7 @@ def capture(model: Path, batches: list, window_tokens: int = BATCH_TOKENS, engin
     threads = torch.get_num_threads()
     try:
         path.capture_shard(llm, iter(batches), spec)
+        llm.stats = path.stats
     finally:
         assert not pool_threads()  # shut down on every exit
         assert torch.get_num_threads() == threads  # the process's torch thread count put back
@@ -185,6 +186,9 @@ def test_the_engine_is_handed_the_threads_requests_and_text_rows_as_token_ids(fa
     llm = capture(tiny_vl_dir, batches, engine=engine)
     assert llm.calls[-1] == "e3p_finish_shard" and engine.aborted is None
     assert engine.threads_seen  # the requests were made on the pool, alive while requests went in
+    # the driver's seconds: waiting for the threads' requests apart from adding them, and the threads' own
+    assert {"driver_wait_s", "driver_add_s", "driver_step_s"} <= set(llm.stats)
+    assert llm.stats["image_threads_s"] > 0 and llm.stats["driver_wait_s"] >= 0
     direct = RowImages(tiny_vl_dir, shard)
     rows = [ids for b in batches for ids in b]
     for i, ids in enumerate(rows):

@@ -1,13 +1,14 @@
 #!/bin/bash
 # Every H200 measurement the open issues still wait for, in one background run on `nvidia-h200` (one GPU): the
-# correctness cells first, then the timed steps one at a time on an idle GPU (the runs of 2026-12-02 did the rest:
-# docs/runs/h200_2026-12-02_pending/ and docs/runs/h200_2026-12-02b_pending/):
-#   issue 28 item 5   the image cells on both vLLM paths again: the driver now makes a row's whole request (its images
-#                     loaded, vLLM's input processor run) on a thread pool ahead of the submission loop, with vLLM's
-#                     processor cache off (backends/vllm/paths.py, compat.request_maker)
+# correctness cells first, then the timed steps one at a time on an idle GPU (the runs of 2026-12-02 and 2026-12-03
+# did the rest: docs/runs/h200_2026-12-0*_pending/):
+#   issue 28 item 5   the image cells on both vLLM paths with the driver making requests on threads (the run of
+#                     2026-12-03 lost their tables with the machine; the matrix now exits 1 when a cell fails)
 #   issue 28 item 7   bench_extract --images 4 (a Qwen2.5-VL-7B shape, image-heavy rows): (a), (b) hooks, (f) built-in;
-#                     before, with the driver's one thread running the processor, b/a was 0.70 / 0.80 and f/a
-#                     0.80 / 0.74 (docs/performance.md); the driver's seconds and uniform_again now say where time goes
+#                     on 2026-12-03 b/a was 0.81-1.00 and f/a 0.80-0.97 (docs/performance.md). The writer line
+#                     now splits the driver's wait for the image threads (driver_wait_s) from add_request
+#                     (driver_add_s) and gives the threads' own seconds (image_threads_s); be28t8 runs (a) and (b)
+#                     again with 8 image threads, which says whether the pool's size paces the shard
 # After the vLLM payload (bench/device/README.md), from the project root:
 #   setsid nohup bash bench/device/pending.sh /tmp/pend > /tmp/pend.log 2>&1 &
 # Each step's log and results land in OUT/<step>/; OUT/done lists the steps that finished (rc per step). A step
@@ -15,7 +16,7 @@
 #   cd OUT && find . -path '*/work' -prune -o -type f -size -400k -print | tar -czf $OUT/pend.tgz -T -
 # To stop it from a later call, match patterns that do not match that call's own command line:
 #   pkill -f "[p]ending\.sh"; pkill -f "[b]ench_extract\.py"
-# STEPS="be28" runs only those steps (default: all, in the order below); ROWS sets be28's --rows (default 256).
+# STEPS="be28" runs only those steps (default: all, in the order below); ROWS sets the benches' --rows (default 512).
 set -u
 O=${1:?usage: pending.sh OUT}
 mkdir -p "$O"
@@ -43,6 +44,8 @@ done
 wait
 
 # Timed: nothing else on the GPU.
-step be28 python3 bench/bench_extract.py "$O/be28/work" --images 4 --phases abf --rows "${ROWS:-256}"
+step be28 python3 bench/bench_extract.py "$O/be28/work" --images 4 --phases abf --rows "${ROWS:-512}"
 keep be28
+step be28t8 python3 bench/bench_extract.py "$O/be28t8/work" --images 4 --phases ab --rows "${ROWS:-512}" --image-threads 8
+keep be28t8
 log "all done"

@@ -157,7 +157,11 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
     settings over (b)'s (phases f and g)."""
     from eagle3prep.backends import make_backend
     from eagle3prep.backends.base import CaptureSpec
+    from eagle3prep.backends.vllm import paths
     from eagle3prep.extract import extract_shard
+
+    if args.image_threads:  # --image-threads: the driver's pool of threads that make image rows' requests
+        paths.IMAGE_THREADS, paths.AHEAD_ROWS = args.image_threads, 4 * args.image_threads
     from eagle3prep.settings import ExtractSettings
 
     spec = CaptureSpec(

@@ -98,6 +98,7 @@ class _WorkerSinkPath:
         self.layer_ids = layer_ids
         self.version = version
         self.model_path = model_path  # the target's folder: its image processor checks a row's images
+        self._made_s: list[float] = []  # the image threads' seconds making each request of the shard
         self._images: RowImages | None = None
         self._image_rows: dict[str, list[int]] = {}  # tag -> tokenized ids of a row with images, until it ends
         self.window_tokens = 0  # set by the driver once the engine's step size is known
@@ -112,16 +113,19 @@ class _WorkerSinkPath:
         engine = llm.llm_engine
         in_flight = submitted = 0
         finished = False
-        # where the driver's thread went (with images it can set the pace): adding requests, and in engine steps
-        clock = self._clock = {"driver_add_s": 0.0, "driver_step_s": 0.0}
+        # where the driver's thread went (with images it can set the pace): waiting for the image threads' requests,
+        # adding requests, and in engine steps; and the image threads' own seconds, all threads together
+        clock = self._clock = {"driver_wait_s": 0.0, "driver_add_s": 0.0, "driver_step_s": 0.0}
+        self._made_s = []
         self.logprobs, wanted = {}, {spec.tag(r): r for r in spec.logprob_rows}
         self._image_rows = {}
         params_of = functools.partial(self._params, spec, wanted)
         try:
             with contextlib.closing(self._prefetched(batches, engine, params_of)) as rows:  # closed: threads end here
                 for row in rows:
+                    prompt = self._prompt(row)
                     t0 = time.perf_counter()
-                    engine.add_request(row.tag, self._prompt(row), row.params)
+                    engine.add_request(row.tag, prompt, row.params)
                     clock["driver_add_s"] += time.perf_counter() - t0
                     submitted += 1
                     in_flight += len(row.ids)
@@ -148,6 +152,7 @@ class _WorkerSinkPath:
         self.stats = {
             "window_tokens": self.window_tokens,
             **{k: round(v, 3) for k, v in clock.items()},
+            "image_threads_s": round(sum(self._made_s), 3),
             **reply.get("stats", {}),
         }
         return {int(k): v for k, v in reply["entries"].items()}
@@ -185,7 +190,7 @@ class _WorkerSinkPath:
                 make = compat.request_maker(engine, self.version)
                 pool = ThreadPoolExecutor(IMAGE_THREADS, thread_name_prefix="e3p-images")
                 torch_threads = torch.get_num_threads()
-            return pool.submit(self._request, self._images, ids, make, tag, params)
+            return pool.submit(self._timed_request, self._images, ids, make, tag, params)
 
         try:
             index = 0
@@ -202,6 +207,14 @@ class _WorkerSinkPath:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
                 torch.set_num_threads(torch_threads)
+
+    def _timed_request(self, *args: Any) -> Any:
+        """_request on an image thread, its seconds kept (list.append is atomic: no lock)."""
+        t0 = time.perf_counter()
+        try:
+            return self._request(*args)
+        finally:
+            self._made_s.append(time.perf_counter() - t0)
 
     @staticmethod
     def _request(images: RowImages, ids: ImageRow, make: Callable[[str, Any, Any], Any], tag: str, params: Any) -> Any:
@@ -224,7 +237,10 @@ class _WorkerSinkPath:
         if row.ready is None:
             return TokensPrompt(prompt_token_ids=list(row.ids))
         self._image_rows[row.tag] = list(row.ids)
-        return row.ready.result()
+        t0 = time.perf_counter()
+        request = row.ready.result()
+        self._clock["driver_wait_s"] += time.perf_counter() - t0
+        return request
 
     def _check_expansion(self, out: Any) -> None:
         """A row with images must reach the model as tokenize wrote it: vLLM's processor may not re-expand it."""
