@@ -9,7 +9,7 @@ runs the image processor):
 - requests ahead: the whole request is made on the threads (paths._WorkerSinkPath._prefetched with
   compat.request_maker, the code now); the thread only takes each request.
 
-    .venv-vllm/bin/python bench/bench_image_driver.py [OUT] [--rows 48] [--images 4] [--repeat 3]
+    .venv-vllm/bin/python bench/bench_image_driver.py [OUT] [--rows 48] [--images 4] [--repeat 3] [--threads 1 2 4]
 
 The rows are bench_extract.py --images's uniform workload (Pillow-drawn PNGs of 448 pixels a side, 256 vision
 tokens each, Qwen2.5-VL's own image processor settings) on the tiny language model: the engine is started on the
@@ -73,11 +73,12 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=4, help="images a row")
     ap.add_argument("--batch-tokens", type=int, default=4096, help="extract.batch_tokens (config.yaml's default)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, nargs="+", help="requests ahead with each of these pool sizes")
     args = ap.parse_args()
     import vllm
     from vllm import TokensPrompt
 
-    from eagle3prep.backends.vllm import compat
+    from eagle3prep.backends.vllm import compat, paths
     from eagle3prep.backends.vllm.paths import IMAGE_THREADS, HooksPath, sampling_params
     from eagle3prep.extract import iter_batches
     from eagle3prep.tokenization.row_inputs import ImageRow, RowImages
@@ -125,6 +126,11 @@ def main() -> None:
         )
         thread_s, loads_s = best(on_thread, args.repeat), best(loads_ahead, args.repeat)
         ahead_s = best(requests_ahead, args.repeat)
+        pools = {}  # --threads: whether more threads make requests faster (the GIL, or the cores, bound them)
+        for t in args.threads or ():
+            paths.IMAGE_THREADS, paths.AHEAD_ROWS = t, 4 * t
+            pools[t] = best(requests_ahead, args.repeat)
+        paths.IMAGE_THREADS, paths.AHEAD_ROWS = IMAGE_THREADS, 4 * IMAGE_THREADS
     print(f"# {time.strftime('%Y-%m-%d')} {platform.node()}, {os.cpu_count()} CPUs, {platform.python_version()}")
     print(
         f"vLLM {vllm.__version__}; {len(rows)} rows, {n} images of 448 x 448, batch_tokens {args.batch_tokens}, ",
@@ -138,6 +144,10 @@ def main() -> None:
     print(
         f"requests ahead / on the thread: {ahead_s / thread_s:.2f}; loads ahead / on the thread: {loads_s / thread_s:.2f}"
     )
+    for t, secs in pools.items():
+        print(
+            f"requests ahead, {t} threads: {secs / n * 1e3:.2f} ms an image ({pools[min(pools)] / secs:.2f} x the fewest)"
+        )
 
 
 if __name__ == "__main__":
