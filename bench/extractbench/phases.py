@@ -159,10 +159,10 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
     from eagle3prep.backends.base import CaptureSpec
     from eagle3prep.backends.vllm import paths
     from eagle3prep.extract import extract_shard
+    from eagle3prep.settings import ExtractSettings
 
     if args.image_threads:  # --image-threads: the driver's pool of threads that make image rows' requests
         paths.IMAGE_THREADS, paths.AHEAD_ROWS = args.image_threads, 4 * args.image_threads
-    from eagle3prep.settings import ExtractSettings
 
     spec = CaptureSpec(
         backend="vllm",
