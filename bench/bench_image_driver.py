@@ -76,9 +76,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", help="requests ahead with each of these pool sizes")
     args = ap.parse_args()
     import vllm
+    from extractbench.phases import use_image_threads
     from vllm import TokensPrompt
 
-    from eagle3prep.backends.vllm import compat, paths
+    from eagle3prep.backends.vllm import compat
     from eagle3prep.backends.vllm.paths import IMAGE_THREADS, HooksPath, sampling_params
     from eagle3prep.extract import iter_batches
     from eagle3prep.tokenization.row_inputs import ImageRow, RowImages
@@ -128,9 +129,9 @@ def main() -> None:
         ahead_s = best(requests_ahead, args.repeat)
         pools = {}  # --threads: whether more threads make requests faster (the GIL, or the cores, bound them)
         for t in args.threads or ():
-            paths.IMAGE_THREADS, paths.AHEAD_ROWS = t, 4 * t
+            use_image_threads(t)
             pools[t] = best(requests_ahead, args.repeat)
-        paths.IMAGE_THREADS, paths.AHEAD_ROWS = IMAGE_THREADS, 4 * IMAGE_THREADS
+        use_image_threads(IMAGE_THREADS)
     print(f"# {time.strftime('%Y-%m-%d')} {platform.node()}, {os.cpu_count()} CPUs, {platform.python_version()}")
     print(
         f"vLLM {vllm.__version__}; {len(rows)} rows, {n} images of 448 x 448, batch_tokens {args.batch_tokens}, ",

@@ -151,18 +151,25 @@ def phase_d(args, model: Path, work: dict) -> dict:
     return out
 
 
+def use_image_threads(n: int) -> None:
+    """The driver's pool (paths.IMAGE_THREADS) at n threads, its rows ahead (AHEAD_ROWS) in the ratio paths sets."""
+    from eagle3prep.backends.vllm import paths
+
+    per_thread = paths.AHEAD_ROWS // paths.IMAGE_THREADS
+    paths.IMAGE_THREADS, paths.AHEAD_ROWS = n, per_thread * n
+
+
 def phase_b(args, model: Path, work: dict, **over) -> dict:
     """(b) our vllm backend through extract_shard: each workload written as a shard (uniform to
     /dev/shm as well), with its bytes/s, host RSS growth and the writer's waits. `over`: extract
     settings over (b)'s (phases f and g)."""
     from eagle3prep.backends import make_backend
     from eagle3prep.backends.base import CaptureSpec
-    from eagle3prep.backends.vllm import paths
     from eagle3prep.extract import extract_shard
     from eagle3prep.settings import ExtractSettings
 
     if args.image_threads:  # --image-threads: the driver's pool of threads that make image rows' requests
-        paths.IMAGE_THREADS, paths.AHEAD_ROWS = args.image_threads, 4 * args.image_threads
+        use_image_threads(args.image_threads)
 
     spec = CaptureSpec(
         backend="vllm",
