@@ -84,6 +84,8 @@ def main() -> None:
     ap.add_argument("--image-threads", type=int, default=0, help="(b), (f): paths.IMAGE_THREADS (0: the code's)")
     args = ap.parse_args()
     args.shape, args.vision = shapes(args)
+    if args.image_threads < 0:
+        ap.error(f"--image-threads {args.image_threads}: a number of threads, or 0 for the code's")
     if args.images and set(args.phases) - set("abefg"):
         ap.error(f"--images runs phases a, b, e, f and g (not {''.join(sorted(set(args.phases) - set('abefg')))})")
     args.out.mkdir(parents=True, exist_ok=True)

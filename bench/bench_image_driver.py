@@ -75,6 +75,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, nargs="+", help="requests ahead with each of these pool sizes")
     args = ap.parse_args()
+    if any(t < 1 for t in args.threads or ()):
+        ap.error(f"--threads {' '.join(map(str, args.threads))}: each a number of threads, 1 or more")
     import vllm
     from extractbench.phases import use_image_threads
     from vllm import TokensPrompt
