@@ -1,14 +1,17 @@
 #!/bin/bash
 # Every H200 measurement the open issues still wait for, in one background run on `nvidia-h200` (one GPU): the
-# correctness cells first, then the timed steps one at a time on an idle GPU (the runs of 2026-12-02 and 2026-12-03
-# did the rest: docs/runs/h200_2026-12-0*_pending/):
+# correctness cells first, then the timed steps one at a time on an idle GPU (earlier runs:
+# docs/runs/h200_2026-12-0*_pending/):
 #   issue 28 item 5   the image cells on both vLLM paths with the driver making requests on threads (the run of
 #                     2026-12-03 lost their tables with the machine; the matrix now exits 1 when a cell fails)
 #   issue 28 item 7   bench_extract --images 4 (a Qwen2.5-VL-7B shape, image-heavy rows): (a), (b) hooks, (f) built-in;
 #                     on 2026-12-03 b/a was 0.81-1.00 and f/a 0.80-0.97 (docs/performance.md). The writer line
-#                     now splits the driver's wait for the image threads (driver_wait_s) from add_request
-#                     (driver_add_s) and gives the threads' own seconds (image_threads_s); be28t8 runs (a) and (b)
-#                     again with 8 image threads, which says whether the pool's size paces the shard
+#                     splits the driver's wait for the image threads (driver_wait_s) from add_request
+#                     (driver_add_s) and gives the threads' own seconds (image_threads_s). Two variants of (b) say
+#                     what paces it: be28w with 4 x the tokens in flight (--batch-tokens: does the engine run dry
+#                     while the driver lags?), be28t8 with 8 image threads (does the pool's size pace the shard?).
+#                     gpu_util.txt samples the GPU's utilization every second through all the steps (nvidia-smi
+#                     dmon, timestamped): an engine that runs dry shows as a lower line in (b) than in (a).
 # After the vLLM payload (bench/device/README.md), from the project root:
 #   setsid nohup bash bench/device/pending.sh /tmp/pend > /tmp/pend.log 2>&1 &
 # Each step's log and results land in OUT/<step>/; OUT/done lists the steps that finished (rc per step). A step
@@ -34,18 +37,26 @@ step() {  # name command...: run one step into OUT/name, its output in OUT/name/
 python3 -c "import torchvision; from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil" \
   > "$O/vision_imports.txt" 2>&1 && log "vision imports ok" || log "vision imports FAIL (the image steps will fail)"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$O/gpu.txt" 2>&1
+nvidia-smi dmon -s u -o T -d 1 > "$O/gpu_util.txt" 2>&1 &
+DMON=$!
 keep() { mv "$O/$1/work/bench_extract.json" "$O/$1/" 2>/dev/null; rm -rf "$O/$1/work"; }  # the shards: up to 40 GB
 
 # Correctness first: the image cells of both vLLM paths, side by side with a fixed KV cache each (--share-gpu).
+cells=()
 for path in hooks builtin; do
   step "vm28_$path" python3 bench/validation_matrix.py "$O/vm28_$path" --device cuda --tp 1 --families qwen2_5_vl \
     --backends vllm --capture-path "$path" --dump --share-gpu &
+  cells+=($!)
 done
-wait
+wait "${cells[@]}"  # not a bare wait: dmon runs in the background to the end
 
 # Timed: nothing else on the GPU.
 step be28 python3 bench/bench_extract.py "$O/be28/work" --images 4 --phases abf --rows "${ROWS:-512}"
 keep be28
-step be28t8 python3 bench/bench_extract.py "$O/be28t8/work" --images 4 --phases ab --rows "${ROWS:-512}" --image-threads 8
+B="python3 bench/bench_extract.py"
+step be28w $B "$O/be28w/work" --images 4 --phases b --rows "${ROWS:-512}" --batch-tokens 262144
+keep be28w
+step be28t8 $B "$O/be28t8/work" --images 4 --phases b --rows "${ROWS:-512}" --image-threads 8
 keep be28t8
+kill $DMON 2>/dev/null
 log "all done"
