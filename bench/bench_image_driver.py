@@ -7,9 +7,14 @@ runs the image processor):
 - loads ahead: the images are loaded on paths.IMAGE_THREADS threads ahead of the loop (the code of 2026-12-02
   loaded them one batch ahead), the input processor still runs on the thread;
 - requests ahead: the whole request is made on the threads (paths._WorkerSinkPath._prefetched with
-  compat.request_maker, the code now); the thread only takes each request.
+  compat.request_maker, the code now); the thread only takes each request;
+- --processes N: the same with N processes forked from the driver (image_requests.IMAGE_PROCESSES) instead of
+  threads: the driver's process (its interpreter lock, which its thread that adds requests and steps the engine
+  shares with the threads) is left with taking each request. Printed with the driver process's own CPU time an
+  image (threads included, forked processes not): the work that competes for the lock.
 
     .venv-vllm/bin/python bench/bench_image_driver.py [OUT] [--rows 48] [--images 4] [--repeat 3] [--threads 1 2 4]
+        [--processes 1 2 4]
 
 The rows are bench_extract.py --images's uniform workload (Pillow-drawn PNGs of 448 pixels a side, 256 vision
 tokens each, Qwen2.5-VL's own image processor settings) on the tiny language model: the engine is started on the
@@ -47,12 +52,17 @@ def workload(out: Path, rows: int, images: int) -> tuple[Path, Path]:
 
 
 def best(fn, repeat: int) -> float:
-    times = []
+    return best_cpu(fn, repeat)[0]
+
+
+def best_cpu(fn, repeat: int) -> tuple[float, float]:
+    """(wall s, this process's CPU s, all its threads) of the fastest of `repeat` runs."""
+    runs = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        runs.append((time.perf_counter() - t0, time.process_time() - c0))
+    return min(runs)
 
 
 def engine_of(model: Path, max_len: int):
@@ -74,15 +84,17 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=4096, help="extract.batch_tokens (config.yaml's default)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, nargs="+", help="requests ahead with each of these pool sizes")
+    ap.add_argument("--processes", type=int, nargs="+", help="requests ahead with that many forked processes")
     args = ap.parse_args()
-    if any(t < 1 for t in args.threads or ()):
-        ap.error(f"--threads {' '.join(map(str, args.threads))}: each a number of threads, 1 or more")
+    if any(t < 1 for t in (args.threads or []) + (args.processes or [])):
+        ap.error("--threads / --processes: each a number of workers, 1 or more")
     import vllm
     from extractbench.phases import use_image_threads
     from vllm import TokensPrompt
 
     from eagle3prep.backends.vllm import compat
-    from eagle3prep.backends.vllm.paths import IMAGE_THREADS, HooksPath, sampling_params
+    from eagle3prep.backends.vllm.image_requests import IMAGE_THREADS
+    from eagle3prep.backends.vllm.paths import HooksPath, sampling_params
     from eagle3prep.extract import iter_batches
     from eagle3prep.tokenization.row_inputs import ImageRow, RowImages
     from eagle3prep.tokenization.vision import collapse_runs
@@ -99,7 +111,7 @@ def main() -> None:
         images = RowImages(model, shard)
 
         def request(i: int, ids: ImageRow, pils: list):
-            collapsed = collapse_runs(list(ids), images.image_token_id)  # as paths._request hands them to vLLM
+            collapsed = collapse_runs(list(ids), images.image_token_id)  # as image_requests hands them to vLLM
             prompt = TokensPrompt(prompt_token_ids=collapsed, multi_modal_data={"image": pils})
             return make(f"r{i}", prompt, sampling_params(f"r{i}"))
 
@@ -130,9 +142,10 @@ def main() -> None:
         thread_s, loads_s = best(on_thread, args.repeat), best(loads_ahead, args.repeat)
         ahead_s = best(requests_ahead, args.repeat)
         pools = {}  # --threads: whether more threads make requests faster (the GIL, or the cores, bound them)
-        for t in args.threads or ():
-            use_image_threads(t)
-            pools[t] = best(requests_ahead, args.repeat)
+        for kind, counts in (("threads", args.threads), ("processes", args.processes)):
+            for t in counts or ():
+                use_image_threads(t, processes=kind == "processes")
+                pools[kind, t] = best_cpu(requests_ahead, args.repeat)
         use_image_threads(IMAGE_THREADS)
     print(f"# {time.strftime('%Y-%m-%d')} {platform.node()}, {os.cpu_count()} CPUs, {platform.python_version()}")
     print(
@@ -147,9 +160,11 @@ def main() -> None:
     print(
         f"requests ahead / on the thread: {ahead_s / thread_s:.2f}; loads ahead / on the thread: {loads_s / thread_s:.2f}"
     )
-    for t, secs in pools.items():
+    for (kind, t), (secs, cpu) in pools.items():
+        fewest = pools[min(k for k in pools if k[0] == kind)][0]
         print(
-            f"requests ahead, {t} threads: {secs / n * 1e3:.2f} ms an image ({pools[min(pools)] / secs:.2f} x the fewest)"
+            f"requests ahead, {t} {kind}: {secs / n * 1e3:.2f} ms an image ({fewest / secs:.2f} x the fewest); "
+            f"the driver process's CPU {cpu / n * 1e3:.2f} ms an image"
         )
 
 

@@ -10,6 +10,8 @@ import base64
 import contextlib
 import dataclasses
 import json
+import multiprocessing
+import os
 import shutil
 import sys
 import threading
@@ -19,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eagle3prep.backends.vllm import paths
+from eagle3prep.backends.vllm import image_requests, paths
 from eagle3prep.errors import UserError
 from eagle3prep.extract import iter_batches
 from eagle3prep.testing.image_rows import chat, draw_image, tokenize_records
@@ -70,7 +72,13 @@ class Processor:
     def process_inputs(self, tag, prompt, params, supported_tasks):
         assert supported_tasks == ("generate",)
         torch.set_num_threads(1)  # as vLLM's processor may leave it, called on several threads at once
-        return {"request": tag, "prompt": prompt, "params": params, "thread": threading.current_thread().name}
+        return {
+            "request": tag,
+            "prompt": prompt,
+            "params": params,
+            "thread": threading.current_thread().name,
+            "pid": os.getpid(),
+        }
 
 
 class Engine:
@@ -120,7 +128,7 @@ def test_every_row_comes_in_order_with_its_request_made_of_the_images_row_images
     want = list(iter_batches(shard, BATCH_TOKENS))
     assert len(want) >= 4 and any(isinstance(r, ImageRow) for b in want for r in b)
     with contextlib.closing(prefetched(tiny_vl_dir, iter_batches(shard, BATCH_TOKENS))) as rows:
-        got = [(r.ids, r.ready.result() if r.ready else None, r.batch_end, r.tag) for r in rows]
+        got = [(r.ids, r.ready.result()[0] if r.ready else None, r.batch_end, r.tag) for r in rows]
     assert [g[0] for g in got] == [ids for b in want for ids in b]
     assert [g[3] for g in got] == [f"t-{i}" for i in range(len(got))]  # each row's own tag
     assert [g[2] for g in got] == [k == len(b) - 1 for b in want for k in range(len(b))]  # the batch ends
@@ -134,6 +142,27 @@ def test_every_row_comes_in_order_with_its_request_made_of_the_images_row_images
         assert request["prompt"]["prompt_token_ids"] == collapse_runs(list(ids), direct.image_token_id)
         assert same_images(request["prompt"]["multi_modal_data"]["image"], direct.images(ids.row)), ids.row["row"]
     assert not pool_threads()
+
+
+def test_forked_processes_make_the_requests_the_threads_make(fake_vllm, tiny_vl_dir, shard, monkeypatch):
+    """IMAGE_PROCESSES: the requests are made in processes forked from the driver (each its own interpreter lock),
+    the same requests as the threads make, in the same order; no process outlives the shard."""
+    batches = list(iter_batches(shard, BATCH_TOKENS))
+
+    def made() -> list:
+        with contextlib.closing(prefetched(tiny_vl_dir, iter(batches))) as rows:
+            return [(r.ids, r.ready.result()[0]) for r in rows if r.ready]
+
+    threads = made()
+    monkeypatch.setattr(image_requests, "IMAGE_PROCESSES", True)
+    forked = made()
+    assert [ids for ids, _ in forked] == [ids for ids, _ in threads] and len(forked) == 5
+    for (_, a), (_, b) in zip(forked, threads, strict=True):
+        assert a["pid"] != os.getpid() and b["pid"] == os.getpid()
+        assert (a["request"], a["params"]) == (b["request"], b["params"])
+        assert a["prompt"]["prompt_token_ids"] == b["prompt"]["prompt_token_ids"]
+        assert same_images(a["prompt"]["multi_modal_data"]["image"], b["prompt"]["multi_modal_data"]["image"])
+    assert not multiprocessing.active_children()
 
 
 @dataclasses.dataclass
@@ -225,8 +254,13 @@ def broken_copy(shard: Path, out: Path, how: str) -> tuple[Path, dict]:
     return copy, rows[6]
 
 
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
 @pytest.mark.parametrize("how", ["missing", "changed"])
-def test_a_bad_image_stops_the_capture_with_its_rows_user_error(fake_vllm, tiny_vl_dir, shard, tmp_path, how):
+def test_a_bad_image_stops_the_capture_with_its_rows_user_error(
+    fake_vllm, tiny_vl_dir, shard, tmp_path, how, processes, monkeypatch
+):
+    """Made on a thread or in a forked process (the error comes back pickled), the row's one-line UserError."""
+    monkeypatch.setattr(image_requests, "IMAGE_PROCESSES", processes)
     bad, row = broken_copy(shard, tmp_path / "tok", how)
     with pytest.raises(UserError) as serial:
         RowImages(tiny_vl_dir, bad).images(row)
@@ -234,7 +268,8 @@ def test_a_bad_image_stops_the_capture_with_its_rows_user_error(fake_vllm, tiny_
     batches, engine = list(iter_batches(bad, BATCH_TOKENS)), Engine()
     with pytest.raises(UserError) as e:
         capture(tiny_vl_dir, batches, window_tokens=10**6, engine=engine)
-    assert str(e.value) == str(serial.value)  # raised as the bad row is submitted: the rows before it are aborted
+    assert type(e.value) is type(serial.value) and str(e.value) == str(serial.value)  # raised as the row is submitted
+    # the rows before it are aborted
     at = [r["row"] for r in rows_of(bad)].index(row["row"])
     assert engine.aborted == [f"t-{i}" for i in range(at)] and len(engine.prompts) == at
 
@@ -262,7 +297,7 @@ def test_a_text_only_shard_starts_no_thread(fake_vllm, tiny_vl_dir):
 
 def test_rows_are_made_ready_at_most_ahead_rows_ahead(fake_vllm, tiny_vl_dir, shard, monkeypatch):
     """The pool works ahead of the row handed out, by AHEAD_ROWS rows at most: their pixels are held until added."""
-    monkeypatch.setattr(paths, "AHEAD_ROWS", 2)
+    monkeypatch.setattr(image_requests, "AHEAD_ROWS", 2)
     rows = [ids for b in iter_batches(shard, BATCH_TOKENS) for ids in b]
     made: list[str] = []
     engine = Engine()

@@ -136,20 +136,17 @@ def features(request) -> list[tuple]:
     return out
 
 
-def test_requests_made_on_the_image_threads_are_the_ones_vllm_makes_on_one(vl, engine, tmp_path):
-    """The driver makes rows' requests with vLLM's input processor on paths.IMAGE_THREADS threads at once
-    (compat.request_maker): each must equal the request the same processor makes on one thread, image by image.
-    The engine was started without vLLM's processor cache, which is not made for that."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "forked-processes"])
+def test_requests_made_by_the_image_pool_are_the_ones_vllm_makes_on_one_thread(vl, engine, tmp_path, processes):
+    """The driver makes rows' requests with vLLM's input processor on image_requests.RequestPool: IMAGE_THREADS
+    threads at once, or as many processes forked from the driver (IMAGE_PROCESSES), whose requests come back
+    pickled. Each must equal the request the same processor makes on the driver's thread, image by image. The
+    engine was started without vLLM's processor cache, which is not made for that."""
     import torch
-    from vllm import TokensPrompt
 
-    from eagle3prep.backends.vllm import compat, paths
+    from eagle3prep.backends.vllm import compat, image_requests, paths
     from eagle3prep.testing.image_rows import draw_image
-    from eagle3prep.tokenization.row_inputs import RowImages
-    from eagle3prep.tokenization.vision import collapse_runs
+    from eagle3prep.tokenization.row_inputs import ImageRow, RowImages
 
     llm_engine = engine.backend.llm.llm_engine
     assert llm_engine.vllm_config.model_config.multimodal_config.mm_processor_cache_gb == 0
@@ -162,34 +159,31 @@ def test_requests_made_on_the_image_threads_are_the_ones_vllm_makes_on_one(vl, e
             (tmp_path / "images" / name).write_bytes(draw_image(*sizes[(i + j) % 4], seed=100 + 2 * i + j))
         records.append(chat(names, f"Row {i}?", "Shapes."))
     (shard,) = tokenize_records(records, vl.model, tmp_path, MAX_SEQ_LEN)
-    rows = [json.loads(x) for x in shard.read_text(encoding="utf-8").splitlines()]
-    images = RowImages(vl.model, shard)
-    prompts = [
-        TokensPrompt(
-            prompt_token_ids=collapse_runs(r["input_ids"], images.image_token_id),
-            multi_modal_data={"image": images.images(r)},
-        )
-        for r in rows
-    ]
+    rows = [ImageRow(json.loads(x), shard) for x in shard.read_text(encoding="utf-8").splitlines()]
     make = compat.request_maker(llm_engine, vllm.__version__)
-    tags = [f"thread-check-{i}" for i in range(len(rows))]
-    serial = [make(t, p, paths.sampling_params(t)) for t, p in zip(tags, prompts, strict=True)]
-    start = threading.Barrier(paths.IMAGE_THREADS)
-
-    def on_a_thread(k: int):
-        start.wait()  # every thread at once
-        return [
-            make(tags[i], prompts[i], paths.sampling_params(tags[i])) for i in range(k, len(rows), paths.IMAGE_THREADS)
-        ]
-
-    with ThreadPoolExecutor(paths.IMAGE_THREADS) as pool:
-        made = [r for part in pool.map(on_a_thread, range(paths.IMAGE_THREADS)) for r in part]
+    tags = [f"pool-check-{i}" for i in range(len(rows))]
+    images = RowImages(vl.model, shard)
+    serial = [
+        image_requests.make_request(images, r, make, t, paths.sampling_params(t))[0]
+        for r, t in zip(rows, tags, strict=True)
+    ]
+    saved = image_requests.IMAGE_PROCESSES
+    image_requests.IMAGE_PROCESSES = processes
+    try:
+        pool = image_requests.RequestPool(make, str(vl.model))
+        try:
+            futures = [pool.submit(r, t, paths.sampling_params(t)) for r, t in zip(rows, tags, strict=True)]
+            made = [f.result()[0] for f in futures]
+        finally:
+            pool.close()
+    finally:
+        image_requests.IMAGE_PROCESSES = saved
     by_tag = {r.request_id: r for r in made}
     assert sorted(by_tag) == sorted(tags)
     # Without the processor cache an image's identifier is made per request, not from its pixels: no two may meet,
     # or the engine would take one image's encoder output for another's.
     ids = [f[0] for r in made for f in features(r)]
-    assert len(ids) == len(set(ids)) == sum(len(r["images"]) for r in rows)
+    assert len(ids) == len(set(ids)) == sum(len(r.row["images"]) for r in rows)
     for want in serial:
         got = by_tag[want.request_id]
         assert got.prompt_token_ids == want.prompt_token_ids

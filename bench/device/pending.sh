@@ -2,16 +2,16 @@
 # Every H200 measurement the open issues still wait for, in one background run on `nvidia-h200` (one GPU): the
 # correctness cells first, then the timed steps one at a time on an idle GPU (earlier runs:
 # docs/runs/h200_2026-12-0*_pending/):
-#   issue 28 item 5   the image cells on both vLLM paths with the driver making requests on threads (the run of
-#                     2026-12-03 lost their tables with the machine; the matrix now exits 1 when a cell fails)
-#   issue 28 item 7   bench_extract --images 4 (a Qwen2.5-VL-7B shape, image-heavy rows): (a), (b) hooks, (f) built-in;
-#                     on 2026-12-03 b/a was 0.81-1.00 and f/a 0.80-0.97 (docs/performance.md). The writer line
-#                     splits the driver's wait for the image threads (driver_wait_s) from add_request
-#                     (driver_add_s) and gives the threads' own seconds (image_threads_s). Two variants of (b) say
-#                     what paces it: be28w with 4 x the tokens in flight (--batch-tokens: does the engine run dry
-#                     while the driver lags?), be28t8 with 8 image threads (does the pool's size pace the shard?).
+#   issue 28 item 5   the image cells on both vLLM paths (passed on 2026-12-03, second session: docs/gpu-validation.md);
+#                     cheap, and they check the code the timed steps run
+#   issue 28 item 7   bench_extract --images 4 (a Qwen2.5-VL-7B shape, image-heavy rows): (a), (b) hooks, (f) built-in.
+#                     On 2026-12-03 b/a was 0.85-0.96 and f/a 0.90-0.98 with the requests made on 4 threads, and
+#                     the GPU sat idle 20-30 % of the time in all three phases: the driver's process paces them (its
+#                     threads share one interpreter lock; 8 threads, or 4 x the tokens in flight, changed nothing).
+#                     be28p makes the requests in 4 processes forked from the driver (--image-processes 4,
+#                     image_requests.IMAGE_PROCESSES), be28 again as the code ships (threads), in the same run.
 #                     gpu_util.txt samples the GPU's utilization every second through all the steps (nvidia-smi
-#                     dmon, timestamped): an engine that runs dry shows as a lower line in (b) than in (a).
+#                     dmon, timestamped; bench/gpu_util_summary.py gives each phase's busy share).
 # After the vLLM payload (bench/device/README.md), from the project root:
 #   setsid nohup bash bench/device/pending.sh /tmp/pend > /tmp/pend.log 2>&1 &
 # Each step's log and results land in OUT/<step>/; OUT/done lists the steps that finished (rc per step). A step
@@ -51,12 +51,10 @@ done
 wait "${cells[@]}"  # not a bare wait: dmon runs in the background to the end
 
 # Timed: nothing else on the GPU.
-step be28 python3 bench/bench_extract.py "$O/be28/work" --images 4 --phases abf --rows "${ROWS:-512}"
-keep be28
 B="python3 bench/bench_extract.py"
-step be28w $B "$O/be28w/work" --images 4 --phases b --rows "${ROWS:-512}" --batch-tokens 262144
-keep be28w
-step be28t8 $B "$O/be28t8/work" --images 4 --phases b --rows "${ROWS:-512}" --image-threads 8
-keep be28t8
+step be28p $B "$O/be28p/work" --images 4 --phases abf --rows "${ROWS:-512}" --image-processes 4
+keep be28p
+step be28 $B "$O/be28/work" --images 4 --phases abf --rows "${ROWS:-512}"
+keep be28
 kill $DMON 2>/dev/null
 log "all done"

@@ -151,12 +151,13 @@ def phase_d(args, model: Path, work: dict) -> dict:
     return out
 
 
-def use_image_threads(n: int) -> None:
-    """The driver's pool (paths.IMAGE_THREADS) at n threads, its rows ahead (AHEAD_ROWS) in the ratio paths sets."""
-    from eagle3prep.backends.vllm import paths
+def use_image_threads(n: int, processes: bool = False) -> None:
+    """The driver's pool (image_requests.IMAGE_THREADS) at n workers, threads or forked processes, its rows ahead
+    (AHEAD_ROWS) in the ratio image_requests sets."""
+    from eagle3prep.backends.vllm import image_requests as pool
 
-    per_thread = paths.AHEAD_ROWS // paths.IMAGE_THREADS
-    paths.IMAGE_THREADS, paths.AHEAD_ROWS = n, per_thread * n
+    per_worker = pool.AHEAD_ROWS // pool.IMAGE_THREADS
+    pool.IMAGE_THREADS, pool.AHEAD_ROWS, pool.IMAGE_PROCESSES = n, per_worker * n, processes
 
 
 def phase_b(args, model: Path, work: dict, **over) -> dict:
@@ -168,8 +169,8 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
     from eagle3prep.extract import extract_shard
     from eagle3prep.settings import ExtractSettings
 
-    if args.image_threads:  # --image-threads: the driver's pool of threads that make image rows' requests
-        use_image_threads(args.image_threads)
+    if args.image_threads or args.image_processes:  # the driver's pool that makes image rows' requests
+        use_image_threads(args.image_processes or args.image_threads, processes=bool(args.image_processes))
 
     spec = CaptureSpec(
         backend="vllm",

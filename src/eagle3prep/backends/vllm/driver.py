@@ -180,7 +180,7 @@ class VLLMBackend(CaptureBackend):
         kwargs.update(content.engine_args)  # the user's word wins, as documented...
         kwargs.update(path.engine_kwargs())  # ...except where a capture path needs its setting (hooks: eager)
         if self.facts.vision_model_type in EXPANDS:
-            # Image rows' requests are made on several threads (paths.IMAGE_THREADS); vLLM's processor cache is
+            # Image rows' requests are made by several workers (image_requests.RequestPool); vLLM's processor cache is
             # not made for that (its sender side mirrors the engine's cache in the order requests are made).
             kwargs["mm_processor_cache_gb"] = 0
         kwargs = workarounds.merge_engine_kwargs(kwargs, self._workarounds.engine_kwargs)  # known engine bugs

@@ -17,13 +17,12 @@ import dataclasses
 import functools
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...errors import UserError
-from ...tokenization.row_inputs import ImageRow, RowImages
-from ...tokenization.vision import collapse_runs
-from . import compat
+from ...tokenization.row_inputs import ImageRow
+from . import compat, image_requests
 from .connector import CONNECTOR
 
 if TYPE_CHECKING:
@@ -34,12 +33,6 @@ if TYPE_CHECKING:
 EXT_MODULE = "eagle3prep.backends.vllm.worker"
 CONNECTOR_MODULE = "eagle3prep.backends.vllm.connector"
 DRAIN_S = 600  # a shard's last rows reach the worker a step after their request ends: seconds, not minutes
-# A row with images costs vLLM's input processor ~10 ms an image (docs/performance.md), too much for the driver's
-# one thread at a 7B target's rate: threads make the next rows' requests (reading, hashing, decoding and the image
-# processor mostly release the GIL) while the driver's thread adds requests and steps the engine. AHEAD_ROWS bounds
-# the rows made ready ahead (their pixel values are held until added).
-IMAGE_THREADS = 4
-AHEAD_ROWS = 4 * IMAGE_THREADS
 
 
 def log(msg: str) -> None:
@@ -98,8 +91,7 @@ class _WorkerSinkPath:
         self.layer_ids = layer_ids
         self.version = version
         self.model_path = model_path  # the target's folder: its image processor checks a row's images
-        self._made_s: list[float] = []  # the image threads' seconds making each request of the shard
-        self._images: RowImages | None = None
+        self._made_s: list[float] = []  # the pool's seconds making each request of the shard
         self._image_rows: dict[str, list[int]] = {}  # tag -> tokenized ids of a row with images, until it ends
         self.window_tokens = 0  # set by the driver once the engine's step size is known
         self.logprobs: dict[int, Any] = {}
@@ -166,31 +158,27 @@ class _WorkerSinkPath:
     def _prefetched(
         self, batches: Iterator[list[list[int]]], engine: Any, params_of: Callable[[int], tuple[str, Any]]
     ) -> Iterator[_Row]:
-        """Each row in order, with its tag and params and whether it ends its batch. A row with images is made ready on IMAGE_THREADS threads, at most AHEAD_ROWS rows ahead of the
-        one handed out: its images loaded (RowImages) and its request made by vLLM's input processor
-        (compat.request_maker), so the driver's thread only adds it. The pool is made on the first row with
-        images (a text-only shard starts no thread) and shut down when the generator ends or is closed, its
-        pending work cancelled."""
+        """Each row in order, with its tag and params and whether it ends its batch. A row with images is made
+        ready on a pool (image_requests.RequestPool), at most AHEAD_ROWS rows ahead of the one handed out: its
+        images loaded and its request made by vLLM's input processor (compat.request_maker), so the driver's
+        thread only adds it. The pool is made on the first row with images (a text-only shard starts none) and
+        closed when the generator ends or is closed."""
         import torch
 
-        pool: ThreadPoolExecutor | None = None
-        make: Callable[[str, Any, Any], Any] | None = None
+        pool: image_requests.RequestPool | None = None
         # vLLM's processor sets torch's (process-wide) thread count around each call and puts it back: calls on
         # several threads at once can leave another count behind, so the pool's end puts the first one back
         torch_threads = 0
         ahead: collections.deque[_Row] = collections.deque()
 
         def ready(ids: list[int], tag: str, params: Any) -> Future | None:
-            nonlocal pool, make, torch_threads
+            nonlocal pool, torch_threads
             if not isinstance(ids, ImageRow):
                 return None
-            if self._images is None or self._images.tokenized != ids.tokenized:
-                self._images = RowImages(self.model_path, ids.tokenized)
             if pool is None:
-                make = compat.request_maker(engine, self.version)
-                pool = ThreadPoolExecutor(IMAGE_THREADS, thread_name_prefix="e3p-images")
                 torch_threads = torch.get_num_threads()
-            return pool.submit(self._timed_request, self._images, ids, make, tag, params)
+                pool = image_requests.RequestPool(compat.request_maker(engine, self.version), self.model_path)
+            return pool.submit(ids, tag, params)
 
         try:
             index = 0
@@ -199,47 +187,27 @@ class _WorkerSinkPath:
                     tag, params = params_of(index)
                     ahead.append(_Row(tag, params, ids, ready(ids, tag, params), k == len(batch) - 1))
                     index += 1
-                    if len(ahead) > AHEAD_ROWS:
+                    if len(ahead) > image_requests.AHEAD_ROWS:
                         yield ahead.popleft()
             while ahead:
                 yield ahead.popleft()
         finally:
             if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
+                pool.close()
                 torch.set_num_threads(torch_threads)
 
-    def _timed_request(self, *args: Any) -> Any:
-        """_request on an image thread, its seconds kept (list.append is atomic: no lock)."""
-        t0 = time.perf_counter()
-        try:
-            return self._request(*args)
-        finally:
-            self._made_s.append(time.perf_counter() - t0)
-
-    @staticmethod
-    def _request(images: RowImages, ids: ImageRow, make: Callable[[str, Any, Any], Any], tag: str, params: Any) -> Any:
-        """On an image thread: a row's request, from its images re-read and checked against their sha256 (a
-        missing or changed image raises its row's UserError, passed on as the row is submitted)."""
-        from vllm import TokensPrompt
-
-        # vLLM's processor expands each image's placeholder itself and does not recognize one tokenize already
-        # expanded (it would expand its first token again): it is given one placeholder an image, and
-        # _check_expansion verifies, when the request ends, that it gave back the row's ids.
-        pils = images.images(ids.row)  # first: it names the row when the target takes no images
-        prompt = collapse_runs(list(ids), images.image_token_id)
-        return make(tag, TokensPrompt(prompt_token_ids=prompt, multi_modal_data={"image": pils}), params)
-
     def _prompt(self, row: _Row) -> Any:
-        """What add_request is given: a text row's token ids, or the request an image thread made of a row with
-        images (_request; the row's ids kept to check what vLLM expanded when it ends)."""
+        """What add_request is given: a text row's token ids, or the request the pool made of a row with images
+        (image_requests.make_request; the row's ids kept to check what vLLM expanded when it ends)."""
         from vllm import TokensPrompt
 
         if row.ready is None:
             return TokensPrompt(prompt_token_ids=list(row.ids))
         self._image_rows[row.tag] = list(row.ids)
         t0 = time.perf_counter()
-        request = row.ready.result()
+        request, made_s = row.ready.result()
         self._clock["driver_wait_s"] += time.perf_counter() - t0
+        self._made_s.append(made_s)
         return request
 
     def _check_expansion(self, out: Any) -> None:
