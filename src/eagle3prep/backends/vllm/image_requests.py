@@ -39,7 +39,16 @@ def make_request(images: RowImages, ids: ImageRow, make: Callable[[str, Any, Any
     # verifies, when the request ends, that it gave back the row's ids.
     pils = images.images(ids.row)  # first: it names the row when the target takes no images
     prompt = collapse_runs(list(ids), images.image_token_id)
-    request = make(tag, TokensPrompt(prompt_token_ids=prompt, multi_modal_data={"image": pils}), params)
+    # Each image's identifier keys the engine's encoder cache. Without vLLM's processor cache vLLM numbers them
+    # per request from a counter of its renderer, which every forked worker holds a copy of: they would give two
+    # images one name, and one image's encoder output would be taken for the other's (tests/test_vllm_images.py).
+    # The request's tag is unique for the engine's lifetime, so the name is set from it (vLLM's public
+    # multi_modal_uuids, which must be unique per item).
+    uuids = [f"{tag}-image-{k}" for k in range(len(pils))]
+    prompt = TokensPrompt(
+        prompt_token_ids=prompt, multi_modal_data={"image": pils}, multi_modal_uuids={"image": uuids}
+    )
+    request = make(tag, prompt, params)
     return request, time.perf_counter() - t0
 
 
