@@ -66,8 +66,8 @@ def best_cpu(fn, repeat: int) -> tuple[float, float]:
 
 
 def engine_of(model: Path, max_len: int):
-    """An LLMEngine on the CPU whose input processor is the one extract's engine has (no processor cache)."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    """An LLMEngine on the CPU whose input processor is the one extract's engine has (no processor cache). Its
+    engine core runs in a process of its own, as extract's does: the driver's pool may fork (image_requests)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the CPU engine warns on every processor call
     from vllm import LLM

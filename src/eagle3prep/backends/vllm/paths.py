@@ -177,9 +177,13 @@ class _WorkerSinkPath:
                 return None
             if pool is None:
                 torch_threads = torch.get_num_threads()
-                pool = image_requests.RequestPool(compat.request_maker(engine, self.version), self.model_path)
+                fork = image_requests.IMAGE_PROCESSES and not compat.engine_in_process(engine)
+                if image_requests.IMAGE_PROCESSES and not fork:
+                    log("image rows' requests are made on threads: the engine runs in this process (image_requests)")
+                pool = image_requests.RequestPool(compat.request_maker(engine, self.version), self.model_path, fork)
             return pool.submit(ids, tag, params)
 
+        done = False
         try:
             index = 0
             for batch in batches:
@@ -191,9 +195,10 @@ class _WorkerSinkPath:
                         yield ahead.popleft()
             while ahead:
                 yield ahead.popleft()
+            done = True
         finally:
             if pool is not None:
-                pool.close()
+                pool.close(abandon=not done)  # closed early (a failure): nothing more is waited for
                 torch.set_num_threads(torch_threads)
 
     def _prompt(self, row: _Row) -> Any:
@@ -205,7 +210,12 @@ class _WorkerSinkPath:
             return TokensPrompt(prompt_token_ids=list(row.ids))
         self._image_rows[row.tag] = list(row.ids)
         t0 = time.perf_counter()
-        request, made_s = row.ready.result()
+        try:
+            request, made_s = row.ready.result(timeout=image_requests.WAIT_S)
+        except TimeoutError:
+            raise CaptureError(
+                f"request {row.tag}: no image worker made it in {image_requests.WAIT_S:.0f} s (a worker is stuck)"
+            ) from None
         self._clock["driver_wait_s"] += time.perf_counter() - t0
         self._made_s.append(made_s)
         return request
