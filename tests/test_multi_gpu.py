@@ -115,8 +115,10 @@ def test_moe_phase_namespace_feeds_bench_extracts_workloads(moe, tmp_path):
         out=tmp_path, phase="b", device="cpu", rows=4, seq=32, min_len=8, max_len=40, capture_path="hooks",
         batched_tokens=512, batch_tokens=2048, gpu_mem=0.5, tp=1,
     )  # fmt: skip
-    work = workload.workloads(moe.phase_namespace(args, {"hidden_size": 256}))
+    ns = moe.phase_namespace(args, {"hidden_size": 256})
+    work = workload.workloads(ns)
     assert [len(r) for r in work["uniform"]] == [32] * 4 and sum(map(len, work["mixed"])) >= 4 * 32
+    assert ns.image_threads == ns.image_processes == 0  # phase_b reads them: the image pool as the code has it
 
 
 def test_moe_table_from_the_h200_run(moe):

@@ -140,7 +140,7 @@ def features(request) -> list[tuple]:
 def test_requests_made_by_the_image_pool_are_the_ones_vllm_makes_on_one_thread(vl, engine, tmp_path, processes):
     """The driver makes rows' requests with vLLM's input processor on image_requests.RequestPool: IMAGE_THREADS
     threads at once, or as many processes forked from the driver (IMAGE_PROCESSES), whose requests come back
-    pickled. Each must equal the request the same processor makes on the driver's thread, image by image. The
+    pickled: the forked workers' copies of vLLM's per-request image counter once gave two images one name. Each must equal the request the same processor makes on the driver's thread, image by image. The
     engine was started without vLLM's processor cache, which is not made for that."""
     import torch
 
@@ -167,17 +167,13 @@ def test_requests_made_by_the_image_pool_are_the_ones_vllm_makes_on_one_thread(v
         image_requests.make_request(images, r, make, t, paths.sampling_params(t))[0]
         for r, t in zip(rows, tags, strict=True)
     ]
-    saved = image_requests.IMAGE_PROCESSES
-    image_requests.IMAGE_PROCESSES = processes
+    assert not compat.engine_in_process(llm_engine)  # extract's engine: the driver may fork
+    pool = image_requests.RequestPool(make, str(vl.model), fork=processes)
     try:
-        pool = image_requests.RequestPool(make, str(vl.model))
-        try:
-            futures = [pool.submit(r, t, paths.sampling_params(t)) for r, t in zip(rows, tags, strict=True)]
-            made = [f.result()[0] for f in futures]
-        finally:
-            pool.close()
+        futures = [pool.submit(r, t, paths.sampling_params(t)) for r, t in zip(rows, tags, strict=True)]
+        made = [f.result()[0] for f in futures]
     finally:
-        image_requests.IMAGE_PROCESSES = saved
+        pool.close()
     by_tag = {r.request_id: r for r in made}
     assert sorted(by_tag) == sorted(tags)
     # Without the processor cache an image's identifier is made per request, not from its pixels: no two may meet,
