@@ -2,7 +2,8 @@
 # Every H200 measurement the open issues still wait for, in one background run on `nvidia-h200` (one GPU): the
 # correctness cells first, then the timed steps one at a time on an idle GPU (earlier runs:
 # docs/runs/h200_2026-12-0*_pending/):
-#   issue 28 item 5   the image cells on both vLLM paths (passed on 2026-12-03, second session: docs/gpu-validation.md);
+#   issue 28 item 5   the image cells on both vLLM paths, their requests made in forked processes
+#                     (EAGLE3PREP_IMAGE_PROCESSES=1; with threads they passed on 2026-12-03, docs/gpu-validation.md);
 #                     cheap, and they check the code the timed steps run
 #   issue 28 item 7   bench_extract --images 4 (a Qwen2.5-VL-7B shape, image-heavy rows): (a), (b) hooks, (f) built-in.
 #                     On 2026-12-03 b/a was 0.85-0.96 and f/a 0.90-0.98 with the requests made on 4 threads, and
@@ -44,7 +45,7 @@ keep() { mv "$O/$1/work/bench_extract.json" "$O/$1/" 2>/dev/null; rm -rf "$O/$1/
 # Correctness first: the image cells of both vLLM paths, side by side with a fixed KV cache each (--share-gpu).
 cells=()
 for path in hooks builtin; do
-  step "vm28_$path" python3 bench/validation_matrix.py "$O/vm28_$path" --device cuda --tp 1 --families qwen2_5_vl \
+  EAGLE3PREP_IMAGE_PROCESSES=1 step "vm28_$path" python3 bench/validation_matrix.py "$O/vm28_$path" --device cuda --tp 1 --families qwen2_5_vl \
     --backends vllm --capture-path "$path" --dump --share-gpu &
   cells+=($!)
 done

@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 
 IMAGE_THREADS = 4  # the pool's workers, threads or processes
 AHEAD_ROWS = 4 * IMAGE_THREADS  # rows made ready ahead of the one added (their pixel values held until then)
-IMAGE_PROCESSES = False  # make the requests in forked processes instead of threads
+# Make the requests in forked processes instead of threads. The environment variable lets a run through the
+# workflow (its GPU rule is a subprocess) try them: bench/device/pending.sh validates the image cells that way.
+IMAGE_PROCESSES = os.environ.get("EAGLE3PREP_IMAGE_PROCESSES", "0") == "1"
 WAIT_S = 300.0  # a row's request takes well under a second: a worker this late is stuck, not slow
 
 
