@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import itertools
 import json
 import multiprocessing
 import os
@@ -66,19 +67,28 @@ def same_images(a: list, b: list) -> bool:
     return [(x.mode, x.size, x.tobytes()) for x in a] == [(x.mode, x.size, x.tobytes()) for x in b]
 
 
+MADE = itertools.count()  # vLLM 0.26's per-process request counter: a forked worker counts on from its copy
+
+
+class Request(dict):
+    """What the stand-in makes: what it was given, and where; `mm_features` as an EngineCoreRequest has them."""
+
+
 class Processor:
-    """vLLM's input processor as compat.request_maker calls it: the request is what it was given, and where."""
+    """vLLM's input processor as compat.request_maker calls it. Like vLLM 0.26 with both caches off, it names each
+    image from its process's request counter, whatever multi_modal_uuids says."""
 
     def process_inputs(self, tag, prompt, params, supported_tasks):
         assert supported_tasks == ("generate",)
         torch.set_num_threads(1)  # as vLLM's processor may leave it, called on several threads at once
-        return {
-            "request": tag,
-            "prompt": prompt,
-            "params": params,
-            "thread": threading.current_thread().name,
-            "pid": os.getpid(),
-        }
+        request = Request(request=tag, prompt=prompt, params=params, thread=threading.current_thread().name)
+        request.update(pid=os.getpid())
+        n = next(MADE)
+        images = prompt["multi_modal_data"]["image"]
+        request.mm_features = [
+            SimpleNamespace(modality="image", identifier=f"mm-{n}-image-{k}") for k in range(len(images))
+        ]
+        return request
 
 
 class SyncMPClient:
@@ -171,6 +181,10 @@ def test_forked_processes_make_the_requests_the_threads_make(fake_vllm, tiny_vl_
         assert (a["request"], a["params"]) == (b["request"], b["params"])
         assert a["prompt"]["prompt_token_ids"] == b["prompt"]["prompt_token_ids"]
         assert a["prompt"]["multi_modal_uuids"] == b["prompt"]["multi_modal_uuids"]  # named from the tag
+        # ...and so is each image the engine's encoder cache keys: the workers' copied counters gave two images
+        # one name (vLLM 0.26 on the H200, 2026-12-03)
+        names = a["prompt"]["multi_modal_uuids"]["image"]
+        assert [f.identifier for f in a.mm_features] == [f.identifier for f in b.mm_features] == names
         assert same_images(a["prompt"]["multi_modal_data"]["image"], b["prompt"]["multi_modal_data"]["image"])
     assert not multiprocessing.active_children()
     # An engine in the driver's process: its torch ran the model's OpenMP pool, which a forked child deadlocks in

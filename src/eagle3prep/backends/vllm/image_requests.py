@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...tokenization.row_inputs import ImageRow, RowImages
 from ...tokenization.vision import collapse_runs
+from .internals import VLLMInternalError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -55,7 +56,23 @@ def make_request(images: RowImages, ids: ImageRow, make: Callable[[str, Any, Any
         prompt_token_ids=prompt, multi_modal_data={"image": pils}, multi_modal_uuids={"image": uuids}
     )
     request = make(tag, prompt, params)
+    name_images(request, uuids)
     return request, time.perf_counter() - t0
+
+
+def name_images(request: Any, uuids: list[str]) -> None:
+    """Sets the request's image identifiers to `uuids`. vLLM 0.32 keeps the multi_modal_uuids it is given, but
+    0.26, when both its processor cache and prefix caching are off (as extract runs), overrides them with its
+    per-request counter's names: forked workers then named two images alike, and the engine died on the H200
+    (docs/performance.md, 2026-12-03, third session). A request without the field stops in one line."""
+    features = [f for f in getattr(request, "mm_features", None) or [] if getattr(f, "modality", None) == "image"]
+    if len(features) != len(uuids) or not all(hasattr(f, "identifier") for f in features):
+        raise VLLMInternalError(
+            f"vLLM's request for {len(uuids)} image(s) has {len(features)} image mm_features with an identifier "
+            "(the encoder cache's key, set per image): install the vLLM pinned in envs/vllm.txt"
+        )
+    for feature, name in zip(features, uuids, strict=True):
+        feature.identifier = name
 
 
 class RequestPool:
