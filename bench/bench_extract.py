@@ -81,15 +81,13 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=0, help="images per row: the image-heavy workload (0: text)")
     ap.add_argument("--image-size", type=int, default=448, help="--images: pixels a side (448: 256 vision tokens)")
     ap.add_argument("--text-words", type=int, default=96, help="--images: words of text a row")
-    pool = ap.add_mutually_exclusive_group()
-    pool.add_argument(
+    ap.add_argument(
         "--image-threads", type=int, default=0, help="(b), (f): image_requests.IMAGE_THREADS (0: the code's)"
     )
-    pool.add_argument("--image-processes", type=int, default=0, help="(b), (f): that many forked processes instead")
     args = ap.parse_args()
     args.shape, args.vision = shapes(args)
-    if min(args.image_threads, args.image_processes) < 0:
-        ap.error("--image-threads / --image-processes: a number of workers, or 0 for the code's")
+    if args.image_threads < 0:
+        ap.error("--image-threads: a number of threads, or 0 for the code's")
     if args.images and set(args.phases) - set("abefg"):
         ap.error(f"--images runs phases a, b, e, f and g (not {''.join(sorted(set(args.phases) - set('abefg')))})")
     args.out.mkdir(parents=True, exist_ok=True)

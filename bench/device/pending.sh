@@ -2,17 +2,16 @@
 # Every H200 measurement the open issues still wait for, in one background run on `nvidia-h200` (one GPU): the
 # correctness cells first, then the timed steps one at a time on an idle GPU (earlier runs:
 # docs/runs/h200_2026-12-0*_pending/):
-#   issue 28 item 5   the image cells on both vLLM paths, their requests made in forked processes
-#                     (EAGLE3PREP_IMAGE_PROCESSES=1; with threads they passed on 2026-12-03, docs/gpu-validation.md);
-#                     cheap, and they check the code the timed steps run
+#   issue 28 item 5   the image cells on both vLLM paths (passed on 2026-12-03 with the requests made on threads,
+#                     and with them made in forked processes once each image was named on the request itself;
+#                     docs/gpu-validation.md); cheap, and they check the code the timed steps run
 #   issue 28 item 7   bench_extract --images 4 (a Qwen2.5-VL-7B shape, image-heavy rows): (a), (b) hooks, (f) built-in.
-#                     On 2026-12-03 b/a was 0.85-0.96 and f/a 0.90-0.98 with the requests made on 4 threads, and
-#                     the GPU sat idle 20-30 % of the time in all three phases: the driver's process paces them (its
-#                     threads share one interpreter lock; 8 threads, or 4 x the tokens in flight, changed nothing).
-#                     be28p makes the requests in 4 processes forked from the driver (--image-processes 4,
-#                     image_requests.IMAGE_PROCESSES), be28 again as the code ships (threads), in the same run.
-#                     gpu_util.txt samples the GPU's utilization every second through all the steps (nvidia-smi
-#                     dmon, timestamped; bench/gpu_util_summary.py gives each phase's busy share).
+#                     On 2026-12-03 b/a was 0.85-0.96 and f/a 0.90-0.98, the GPU idle 20-30 % of the timed
+#                     seconds in all three phases; neither 8 threads, 4 x the tokens in flight nor 4 forked processes
+#                     making the requests moved (b). What is left to see is which process paces it: top.txt samples
+#                     every process's CPU every 2 s (the driver, vLLM's EngineCore, the GPU worker), beside
+#                     gpu_util.txt (nvidia-smi dmon, timestamped; bench/gpu_util_summary.py gives each phase's
+#                     busy share).
 # After the vLLM payload (bench/device/README.md), from the project root:
 #   setsid nohup bash bench/device/pending.sh /tmp/pend > /tmp/pend.log 2>&1 &
 # Each step's log and results land in OUT/<step>/; OUT/done lists the steps that finished (rc per step). A step
@@ -40,12 +39,16 @@ python3 -c "import torchvision; from transformers.models.qwen2_vl.image_processi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$O/gpu.txt" 2>&1
 nvidia-smi dmon -s u -o T -d 1 > "$O/gpu_util.txt" 2>&1 &
 DMON=$!
+# each 2 s: the clock, then the processes over 20 % of a core (pid, user, ..., %CPU, %MEM, TIME+, command line)
+top -b -d 2 -c -w 200 | awk '/^top -/ {print $3; fflush()} $1 ~ /^[0-9]+$/ && $9 + 0 > 20 {print; fflush()}' \
+  > "$O/top.txt" 2>&1 &
+TOP=$!
 keep() { mv "$O/$1/work/bench_extract.json" "$O/$1/" 2>/dev/null; rm -rf "$O/$1/work"; }  # the shards: up to 40 GB
 
 # Correctness first: the image cells of both vLLM paths, side by side with a fixed KV cache each (--share-gpu).
 cells=()
 for path in hooks builtin; do
-  EAGLE3PREP_IMAGE_PROCESSES=1 step "vm28_$path" python3 bench/validation_matrix.py "$O/vm28_$path" --device cuda --tp 1 --families qwen2_5_vl \
+  step "vm28_$path" python3 bench/validation_matrix.py "$O/vm28_$path" --device cuda --tp 1 --families qwen2_5_vl \
     --backends vllm --capture-path "$path" --dump --share-gpu &
   cells+=($!)
 done
@@ -53,9 +56,7 @@ wait "${cells[@]}"  # not a bare wait: dmon runs in the background to the end
 
 # Timed: nothing else on the GPU.
 B="python3 bench/bench_extract.py"
-step be28p $B "$O/be28p/work" --images 4 --phases abf --rows "${ROWS:-512}" --image-processes 4
-keep be28p
 step be28 $B "$O/be28/work" --images 4 --phases abf --rows "${ROWS:-512}"
 keep be28
-kill $DMON 2>/dev/null
+kill $DMON $TOP 2>/dev/null
 log "all done"

@@ -151,13 +151,13 @@ def phase_d(args, model: Path, work: dict) -> dict:
     return out
 
 
-def use_image_threads(n: int, processes: bool = False) -> None:
-    """The driver's pool (image_requests.IMAGE_THREADS) at n workers, threads or forked processes, its rows ahead
-    (AHEAD_ROWS) in the ratio image_requests sets."""
+def use_image_threads(n: int) -> None:
+    """The driver's pool (image_requests.IMAGE_THREADS) at n threads, its rows ahead (AHEAD_ROWS) in the ratio
+    image_requests sets."""
     from eagle3prep.backends.vllm import image_requests as pool
 
     per_worker = pool.AHEAD_ROWS // pool.IMAGE_THREADS
-    pool.IMAGE_THREADS, pool.AHEAD_ROWS, pool.IMAGE_PROCESSES = n, per_worker * n, processes
+    pool.IMAGE_THREADS, pool.AHEAD_ROWS = n, per_worker * n
 
 
 def phase_b(args, model: Path, work: dict, **over) -> dict:
@@ -169,8 +169,8 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
     from eagle3prep.extract import extract_shard
     from eagle3prep.settings import ExtractSettings
 
-    if args.image_threads or args.image_processes:  # the driver's pool that makes image rows' requests
-        use_image_threads(args.image_processes or args.image_threads, processes=bool(args.image_processes))
+    if args.image_threads:  # the driver's pool that makes image rows' requests
+        use_image_threads(args.image_threads)
 
     spec = CaptureSpec(
         backend="vllm",

@@ -150,8 +150,7 @@ def phase_namespace(args, cfg: dict) -> argparse.Namespace:
         tp=args.tp,
         images=0,  # text rows: the image-heavy workload is bench_extract --images
         vision=None,
-        image_threads=0,  # phase_b reads them (the pool of image rows' requests): the code's
-        image_processes=0,
+        image_threads=0,  # phase_b reads it (the pool of image rows' requests): the code's
     )
 
 

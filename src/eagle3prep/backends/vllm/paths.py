@@ -177,12 +177,7 @@ class _WorkerSinkPath:
                 return None
             if pool is None:
                 torch_threads = torch.get_num_threads()
-                fork = image_requests.IMAGE_PROCESSES and not compat.engine_in_process(engine)
-                if image_requests.IMAGE_PROCESSES and not fork:
-                    log("image rows' requests are made on threads: the engine runs in this process (image_requests)")
-                elif fork:
-                    log(f"image rows' requests are made in {image_requests.IMAGE_THREADS} forked processes")
-                pool = image_requests.RequestPool(compat.request_maker(engine, self.version), self.model_path, fork)
+                pool = image_requests.RequestPool(compat.request_maker(engine, self.version), self.model_path)
             return pool.submit(ids, tag, params)
 
         done = False
