@@ -6,6 +6,11 @@ Per run: b/a (and f/a, g/a: the built-in path) to disk and to /dev/shm, what wri
 the /dev/shm run, tokens / rate), (d)'s share of (a) and the b/d that (b) would reach at (a)'s rate,
 and the disk's own speeds measured before and after the phases. Then the shard size `snakemake plan`
 recommends from the Llama example's `plan` numbers.
+
+    python bench/summarize_extract_runs.py --against BASE.log RUN.log
+
+Two runs of the same workloads on different code (no phase in common is needed): each phase's rate per workload
+in RUN, and RUN / BASE, the change between runs, which is not a same-run ratio.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ DISK = re.compile(r"before / after the phases: ([\d.]+) / ([\d.]+) GB/s one file
 
 def summarize(path: Path) -> None:
     text = path.read_text()
-    phases = {m[1]: json.loads(m[2]) for m in re.finditer(r"^phase (\w): (\{.*\})$", text, re.M)}
+    phases = phases_of(path)
     a, b, d = phases.get("a"), phases.get("b"), phases.get("d")
     print(f"{path.name}:")
     for x in ("b", "f", "g"):  # the capture phases: hooks, built-in, built-in FP8
@@ -61,7 +66,24 @@ def summarize(path: Path) -> None:
         print(f"  disk GB/s before/after, one file and 4 files: {speeds}; spread {max(speeds) - min(speeds):.2f}")
 
 
+def phases_of(path: Path) -> dict:
+    return {m[1]: json.loads(m[2]) for m in re.finditer(r"^phase (\w): (\{.*\})$", path.read_text(), re.M)}
+
+
+def against(base: Path, run: Path) -> None:
+    old, new = phases_of(base), phases_of(run)
+    print(f"{run} against {base} (tok/s, and run / base):")
+    for x in sorted(old.keys() & new.keys()):
+        for w in ("uniform", "mixed", "uniform_shm", "uniform_again"):
+            if w in old[x] and w in new[x]:
+                a, b = old[x][w]["tokens_per_s"], new[x][w]["tokens_per_s"]
+                print(f"  ({x}) {w}: {b:,.0f} against {a:,.0f}: {b / a:.2f}")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--against"]:
+        against(Path(sys.argv[2]), Path(sys.argv[3]))
+        return
     for name in sys.argv[1:]:
         summarize(Path(name))
     sys.path.insert(0, str(REPO / "src"))
