@@ -4,7 +4,7 @@ runs the image processor):
 
 - on the thread: the thread reads, hashes and decodes a row's images (RowImages.images), then vLLM's input
   processor makes its request (the code before 2026-12-02);
-- loads ahead: the images are loaded on paths.IMAGE_THREADS threads ahead of the loop (the code of 2026-12-02
+- loads ahead: the images are loaded on image_requests.IMAGE_THREADS threads ahead of the loop (the code of 2026-12-02
   loaded them one batch ahead), the input processor still runs on the thread;
 - requests ahead: the whole request is made on the threads (paths._WorkerSinkPath._prefetched with
   compat.request_maker, the code now); the thread only takes each request;

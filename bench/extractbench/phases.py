@@ -81,16 +81,43 @@ def prompts(work, model: Path) -> tuple[list, int]:
     return work, sum(map(len, work))
 
 
-def timed_generate(llm, rows: list) -> float:
-    """Seconds for one prefill (max_tokens=1) of `rows` (token ids, or prompts), after a two-row warm-up."""
+class ProcessCPU:
+    """CPU seconds (user + system, all threads) of this process and of each process under it over a window, by
+    name and pid: a process near 1 CPU second a second paces the phase. vLLM names its engine core's process
+    (VLLM::EngineCore), whose one thread schedules, receives each request's pixel values and, at TP 1, runs the
+    model and the hooks; the GPU sat idle 20-30 % of image phases on the H200 (docs/performance.md)."""
+
+    def __init__(self):
+        import psutil
+
+        self.proc = psutil.Process()
+        self.start = self._now()
+
+    def _now(self) -> dict[str, float]:
+        out = {}
+        for p in [self.proc, *self.proc.children(recursive=True)]:
+            with contextlib.suppress(Exception):  # a child may exit while we look
+                t = p.cpu_times()
+                out["driver" if p.pid == self.proc.pid else f"{p.name()} {p.pid}"] = t.user + t.system
+        return out
+
+    def since(self) -> dict[str, float]:
+        """Each process's CPU seconds since this object was made, those over 0.1 s."""
+        now = self._now()
+        return {k: round(v - self.start.get(k, 0.0), 2) for k, v in now.items() if v - self.start.get(k, 0.0) > 0.1}
+
+
+def timed_generate(llm, rows: list) -> tuple[float, dict]:
+    """Seconds for one prefill (max_tokens=1) of `rows` (token ids, or prompts), after a two-row warm-up, and each
+    process's CPU seconds meanwhile (ProcessCPU)."""
     from vllm import SamplingParams, TokensPrompt
 
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     rows = [r if isinstance(r, dict) else TokensPrompt(prompt_token_ids=r) for r in rows]
     llm.generate(rows[:2], sp, use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
+    t0, cpu = time.perf_counter(), ProcessCPU()
     llm.generate(rows, sp, use_tqdm=False)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, cpu.since()
 
 
 def phase_a(args, model: Path, work: dict, **engine) -> dict:
@@ -105,7 +132,8 @@ def phase_a(args, model: Path, work: dict, **engine) -> dict:
     # --images: the uniform rows once more, last, as (b) and (f) do: whether (a) itself speeds up run after run
     for name in ("uniform", "mixed", *(("uniform_again",) if args.images else ())):
         rows, tokens = prompts(work[name.removesuffix("_again")], model)
-        out[name] = {"tokens": tokens, "tokens_per_s": tokens / timed_generate(llm, rows)}
+        secs, cpu = timed_generate(llm, rows)
+        out[name] = {"tokens": tokens, "tokens_per_s": tokens / secs, "cpu_s": cpu}
     return out
 
 
@@ -140,7 +168,7 @@ def phase_d(args, model: Path, work: dict) -> dict:
     out = {"engine_start_s": time.perf_counter() - t0}
     for name in ("uniform", "mixed"):
         tokens = sum(map(len, work[name]))
-        secs = timed_generate(llm, work[name])
+        secs, _ = timed_generate(llm, work[name])
         t1 = time.perf_counter()
         for lock in shm.rglob("*.lock"):  # vLLM >= 0.22: writer threads hold LOCK_EX until a file is whole
             with open(lock) as lf:
@@ -217,7 +245,7 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
         for name, where in runs:
             rows = work[name.removesuffix("_shm").removesuffix("_again")]  # --images: a tokenized shard already
             tok = rows if isinstance(rows, Path) else write_tokenized(args.out / f"{name}.jsonl", rows)
-            base = rss.reset()
+            base, cpu = rss.reset(), ProcessCPU()
             m = extract_shard(
                 str(tok),
                 str(where / name),
@@ -234,6 +262,7 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
                 "bytes": nbytes,
                 "bytes_per_s": nbytes / timings["capture_s"],
                 "rss_growth_mib": (rss.peak - base) / 2**20,
+                "cpu_s": cpu.since(),  # over the whole job (engine steps, the writer's flush), not capture_s alone
                 "writer": timings.get(
                     "writer"
                 ),  # worker: forward stalled for a slot; busiest file's write/hash/sync s

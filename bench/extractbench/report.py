@@ -24,6 +24,7 @@ def print_report(args, results: dict, disk_before: tuple, disk_after: tuple, str
         print_writers(b)
     print_compiled(results)
     print_builtin(results)
+    print_cpu(results)
     for p in "abcdefg":
         if p in results:
             print(f"engine start ({p}): {results[p]['engine_start_s']:.1f} s")
@@ -66,6 +67,16 @@ def print_builtin(results: dict) -> None:
             f"peak RSS {r['peak_rss_mib']:.0f} MiB; capture path {r['capture_path']}; engine start "
             f"{r['engine_start_s']:.1f} s; worker writer, seconds: {r['uniform'].get('writer')}"
         )
+
+
+def print_cpu(results: dict) -> None:
+    """Each process's CPU seconds a second of the uniform shard (phases.ProcessCPU): one near 1.0 paces it."""
+    for p in "abfg":
+        r = results.get(p, {}).get("uniform", {})
+        if "cpu_s" in r:
+            secs = r["tokens"] / r["tokens_per_s"]
+            per = ", ".join(f"{k} {v / secs:.2f}" for k, v in sorted(r["cpu_s"].items(), key=lambda kv: -kv[1]))
+            print(f"({p}) uniform, CPU seconds a second ({secs:.1f} s): {per}")
 
 
 def print_compiled(results: dict) -> None:
