@@ -19,8 +19,8 @@ once per stage instead of once per point (each prepare or tokenize point had red
 and validate jobs).
 
 `make test` runs CI_POINTS: one point of each kind (the FULL_RERUN points, a job killed alone, an atomic rename
-of a manifest and of the report, a validate job mid-checks), 7 of the 23. `bench/fault_matrix.sh` runs every
-point (EAGLE3PREP_ALL_FAULTS=1) and keeps its output in docs/runs/ (the whole matrix is 15 minutes of CI).
+of a manifest and of the report, a validate job mid-checks), 7 of the 23. `bench/fault_matrix.sh faults` runs
+every point (EAGLE3PREP_ALL_FAULTS=1) and keeps its output in docs/runs/ (the whole matrix is 15 minutes of CI).
 """
 
 from __future__ import annotations
