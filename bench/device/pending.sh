@@ -11,7 +11,9 @@
 #                     making the requests moved (b). What is left to see is which process paces it: top.txt samples
 #                     every process's CPU every 2 s (the driver, vLLM's EngineCore, the GPU worker), beside
 #                     gpu_util.txt (nvidia-smi dmon, timestamped; bench/gpu_util_summary.py gives each phase's
-#                     busy share).
+#                     busy share). 2026-12-03 (fourth session): py-spy found vLLM's engine-core thread pacing (a) and
+#                     (b) alike, 36-48 % of it concatenating pixel values; STEPS=be28n runs (a), (b) and (n), (b)
+#                     with the pixel values in bf16.
 # After the vLLM payload (bench/device/README.md), from the project root:
 #   setsid nohup bash bench/device/pending.sh /tmp/pend > /tmp/pend.log 2>&1 &
 # Each step's log and results land in OUT/<step>/; OUT/done lists the steps that finished (rc per step). A step
@@ -43,6 +45,27 @@ DMON=$!
 top -b -d 2 -c -w 200 | awk '/^top -/ {print $3; fflush()} $1 ~ /^[0-9]+$/ && $9 + 0 > 20 {print; fflush()}' \
   > "$O/top.txt" 2>&1 &
 TOP=$!
+# py-spy (if installed: carry .whl/pyspy, `pip install --target /tmp/pyspy`), while the timed step runs: every 40 s,
+# 15 s of each phase's processes' Python stacks (vLLM's EngineCore, whose one thread at TP 1 also runs the model and
+# the hooks, and the phase's driver), without pausing them (--nonblocking), idle frames kept: which function holds
+# the thread that paces a phase. bench/pyspy_summary.py OUT/pyspy reads them.
+PYSPY=/tmp/pyspy/bin/py-spy
+profile() {
+  mkdir -p "$O/pyspy"
+  while [ ! -e "$O/timed.end" ]; do
+    drv=$(pgrep -f "[b]ench_extract.py .*--phase [a-z]" | head -1)
+    if [ -n "$drv" ]; then
+      ph=$(ps -o args= -p "$drv" | sed 's/.*--phase \([a-z]\).*/\1/')
+      for pid in $drv $(pgrep -f "[V]LLM::EngineCore"); do
+        who=$([ "$pid" = "$drv" ] && echo driver || echo core)
+        PYTHONPATH=/tmp/pyspy timeout 30 "$PYSPY" record --nonblocking --idle --threads --rate 50 -d 15 --format raw \
+          -p "$pid" -o "$O/pyspy/$(date +%H%M%S)_${ph}_${who}_$pid.txt" > /dev/null 2>> "$O/pyspy/errors.txt" &
+      done
+      wait
+    fi
+    sleep 25
+  done
+}
 keep() { mv "$O/$1/work/bench_extract.json" "$O/$1/" 2>/dev/null; rm -rf "$O/$1/work"; }  # the shards: up to 40 GB
 
 # Correctness first: the image cells of both vLLM paths, side by side with a fixed KV cache each (--share-gpu).
@@ -56,7 +79,12 @@ wait "${cells[@]}"  # not a bare wait: dmon runs in the background to the end
 
 # Timed: nothing else on the GPU.
 B="python3 bench/bench_extract.py"
+[ -x "$PYSPY" ] && { profile & PROF=$!; }
 step be28 $B "$O/be28/work" --images 4 --phases abf --rows "${ROWS:-512}"
 keep be28
+# (b) beside (b) with each image's pixel values sent in bf16 (phase n): whether vLLM's engine core, concatenating
+# every step's pixel values on its one thread, paces (b). Not in the default steps: STEPS=be28n.
+case " ${STEPS:-} " in *" be28n "*) step be28n $B "$O/be28n/work" --images 4 --phases abn --rows "${ROWS:-256}"; keep be28n ;; esac
+touch "$O/timed.end"; [ -n "${PROF:-}" ] && wait "$PROF"
 kill $DMON $TOP 2>/dev/null
 log "all done"
