@@ -8,7 +8,6 @@ Runs on a GPU host with vLLM (recipe in docs/performance.md); random weights, no
     python bench/bench_extract.py OUTDIR --phases abfg --rows 192         # hooks, built-in, built-in FP8 vs (a)
     python bench/bench_extract.py OUTDIR --images 4 --phases abf --rows 256  # Qwen2.5-VL-7B shape, image-heavy rows
     python bench/bench_extract.py OUTDIR --images 4 --phases ab --image-threads 8  # the driver's pool, 8 threads
-    python bench/bench_extract.py OUTDIR --images 4 --phases abn --rows 256  # (b) with pixel values in bf16
 
 Each phase runs in its own process (one engine at a time, clean GPU memory, its own peak RSS):
   (a) plain vLLM prefill (max_tokens=1), no capture;
@@ -21,9 +20,7 @@ Each phase runs in its own process (one engine at a time, clean GPU memory, its 
       (a) and (b) are eager, since the hooks path is; a/e and b/e say what that costs;
   (f) (b) on the built-in path (extract_hidden_states + eagle3prep's connector, writing from the worker),
       compiled as vLLM starts by default (not in the default --phases);
-  (g) (f) writing FP8 shards (extract.storage fp8_e4m3, quantized in the worker; not in the default);
-  (n) --images: (b) with each image's pixel values cast to the model's dtype before vLLM gets them, a
-      diagnostic of what paces (b) (phases.narrow_pixels; not in the default).
+  (g) (f) writing FP8 shards (extract.storage fp8_e4m3, quantized in the worker; not in the default).
 --images K (issue #28 item 7): a Qwen2.5-VL-7B-shaped target (its language model and vision tower, dummy
 weights, the demo tokenizer with Qwen's vision tokens, Qwen2.5-VL's image processor settings) and rows made by
 the project's prepare and tokenize: uniform, --rows rows of K images of --image-size pixels square (448: 256
@@ -85,16 +82,20 @@ def main() -> None:
     ap.add_argument("--image-size", type=int, default=448, help="--images: pixels a side (448: 256 vision tokens)")
     ap.add_argument("--text-words", type=int, default=96, help="--images: words of text a row")
     ap.add_argument(
+        "--logprob-rows",
+        type=int,
+        default=None,
+        help="(b)/(f)/(g): extract.logprob_rows (default: the config's, 4 rows a shard whose prompt logprobs vLLM returns)",
+    )
+    ap.add_argument(
         "--image-threads", type=int, default=0, help="(b), (f): image_requests.IMAGE_THREADS (0: the code's)"
     )
     args = ap.parse_args()
     args.shape, args.vision = shapes(args)
     if args.image_threads < 0:
         ap.error("--image-threads: a number of threads, or 0 for the code's")
-    if args.images and set(args.phases) - set("abefgn"):
-        ap.error(f"--images runs phases a, b, e, f, g and n (not {''.join(sorted(set(args.phases) - set('abefgn')))})")
-    if not args.images and "n" in args.phases:
-        ap.error("phase n narrows image rows' pixel values: it needs --images")
+    if args.images and set(args.phases) - set("abefg"):
+        ap.error(f"--images runs phases a, b, e, f and g (not {''.join(sorted(set(args.phases) - set('abefg')))})")
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.out / "model"
     if args.phase:  # child: run one phase, print its JSON on the last line

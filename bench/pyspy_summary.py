@@ -22,7 +22,9 @@ NAME = re.compile(r"\d{6}_(?P<phase>[a-z])_(?P<who>core|driver)_\d+\.txt(\.gz)?$
 
 def main_thread_stacks(path: Path):
     """(frames, samples) of each of the file's MainThread stacks, frames outermost first, thread name dropped."""
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()  # docs/runs keeps them gzipped
+    raw = (
+        gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    )  # docs/runs keeps them gzipped
     for line in raw.decode(errors="replace").splitlines():  # --nonblocking may read a frame mid-change
         stack, _, count = line.rpartition(" ")
         frames = stack.split(";")

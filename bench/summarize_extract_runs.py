@@ -34,7 +34,8 @@ def summarize(path: Path) -> None:
     phases = phases_of(path)
     a, b, d = phases.get("a"), phases.get("b"), phases.get("d")
     print(f"{path.name}:")
-    for x in ("b", "f", "g", "n"):  # the capture phases: hooks, built-in, built-in FP8, hooks with narrowed pixels
+    # the capture phases: hooks, built-in, built-in FP8; n: (b) again, run 2 of 2026-12-03d (docs/performance.md)
+    for x in ("b", "f", "g", "n"):
         if a and phases.get(x):
             for w in ("uniform", "mixed"):
                 print(f"  {x}/a {w}: {phases[x][w]['tokens_per_s'] / a[w]['tokens_per_s']:.2f}")

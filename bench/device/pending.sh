@@ -12,8 +12,9 @@
 #                     every process's CPU every 2 s (the driver, vLLM's EngineCore, the GPU worker), beside
 #                     gpu_util.txt (nvidia-smi dmon, timestamped; bench/gpu_util_summary.py gives each phase's
 #                     busy share). 2026-12-03 (fourth session): py-spy found vLLM's engine-core thread pacing (a) and
-#                     (b) alike, 36-48 % of it concatenating pixel values; STEPS=be28n runs (a), (b) and (n), (b)
-#                     with the pixel values in bf16.
+#                     (b) alike, 37-55 % of it in vLLM's own concatenation of each step's pixel values (already
+#                     bf16: casting them did nothing), and (b) also waiting on the V1 model runner's input-prep sync
+#                     and on the prompt-logprob rows' copies; be28L measures (b) without those rows.
 # After the vLLM payload (bench/device/README.md), from the project root:
 #   setsid nohup bash bench/device/pending.sh /tmp/pend > /tmp/pend.log 2>&1 &
 # Each step's log and results land in OUT/<step>/; OUT/done lists the steps that finished (rc per step). A step
@@ -82,9 +83,10 @@ B="python3 bench/bench_extract.py"
 [ -x "$PYSPY" ] && { profile & PROF=$!; }
 step be28 $B "$O/be28/work" --images 4 --phases abf --rows "${ROWS:-512}"
 keep be28
-# (b) beside (b) with each image's pixel values sent in bf16 (phase n): whether vLLM's engine core, concatenating
-# every step's pixel values on its one thread, paces (b). Not in the default steps: STEPS=be28n.
-case " ${STEPS:-} " in *" be28n "*) step be28n $B "$O/be28n/work" --images 4 --phases abn --rows "${ROWS:-256}"; keep be28n ;; esac
+# (b) without the 4 rows a shard whose prompt logprobs vLLM returns: each such row's copy back syncs the engine
+# core's step (6-10 % of its thread's samples in (b), py-spy 2026-12-03), which (a) never pays.
+step be28L $B "$O/be28L/work" --images 4 --phases ab --rows "${ROWS:-512}" --logprob-rows 0
+keep be28L
 touch "$O/timed.end"; [ -n "${PROF:-}" ] && wait "$PROF"
 kill $DMON $TOP 2>/dev/null
 log "all done"

@@ -4,7 +4,6 @@ writing shards, (c) transformers' hidden states written as the same files, (d) v
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import fcntl
 import json
@@ -219,6 +218,8 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
             "engine_args": {"load_format": "dummy", **(IMAGE_ENGINE_ARGS if args.images else {})},
             "storage": getattr(args, "storage", "model_dtype"),  # fp8_e4m3: half the bytes (extract.storage)
             "batch_tokens": args.batch_tokens,
+            # rows whose prompt logprobs vLLM computes and copies back: each syncs the engine's step (py-spy, 2026-12-03)
+            **({} if getattr(args, "logprob_rows", None) is None else {"logprob_rows": args.logprob_rows}),
             **over,
         }
     )
@@ -360,38 +361,4 @@ def phase_g(args, model: Path, work: dict) -> dict:
     return phase_b(args, model, work, capture_path="builtin", enforce_eager=False, storage="fp8_e4m3")
 
 
-def narrow_pixels(dtype: str) -> dict[str, int]:
-    """Each image row's request with its floating-point pixel values cast to `dtype` on the driver's pool threads
-    (phase n). vLLM's engine core concatenates every image of a step on its one thread (multimodal/inputs.py
-    `_reduce_data`, 36-48 % of that thread's samples in (a) and (b) under py-spy on the H200, 2026-12-03); half the
-    bytes says whether that concatenation paces (b). vLLM 0.26's Qwen2.5-VL tower casts its input to its own dtype
-    first (`x.to(device=self.device, dtype=self.dtype)`), so the hidden states are the same; not so in general
-    (vLLM 0.32 normalizes on the device in float32): a diagnostic, not the backend's behaviour."""
-    import torch
-
-    from eagle3prep.backends.vllm import image_requests
-
-    want, made, seen = getattr(torch, dtype), image_requests.make_request, collections.Counter()
-
-    def make_narrow(*a, **kw):
-        request, secs = made(*a, **kw)
-        for feature in request.mm_features or []:
-            for key, elem in (feature.data or {}).items():
-                if isinstance(elem.data, torch.Tensor) and elem.data.dtype == torch.float32:
-                    elem.data = elem.data.to(want)
-                    seen[key] += 1  # the pool's threads: Counter's += is not atomic, close enough for a count
-        return request, secs
-
-    image_requests.make_request = make_narrow
-    return seen
-
-
-def phase_n(args, model: Path, work: dict) -> dict:
-    """(n) (b) with the image rows' pixel values sent in the model's dtype (narrow_pixels; --images only)."""
-    seen = narrow_pixels(args.dtype)
-    out = phase_b(args, model, work)
-    return {**out, "narrowed_tensors": dict(seen)}  # by key: 0 would mean vLLM sent no float32 pixel values
-
-
 PHASES = {"a": phase_a, "b": phase_b, "c": phase_c, "d": phase_d, "e": phase_e, "f": phase_f, "g": phase_g}
-PHASES["n"] = phase_n

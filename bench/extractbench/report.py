@@ -25,7 +25,7 @@ def print_report(args, results: dict, disk_before: tuple, disk_after: tuple, str
     print_compiled(results)
     print_builtin(results)
     print_cpu(results)
-    for p in "abcdefgn":
+    for p in "abcdefg":
         if p in results:
             print(f"engine start ({p}): {results[p]['engine_start_s']:.1f} s")
     if b:
@@ -48,7 +48,7 @@ def print_images(args) -> None:
 def print_builtin(results: dict) -> None:
     """(f) and (g), the built-in path through our connector (compiled; g: FP8), against (a) and (b): the
     issue #25 targets are f/a and g/a >= 0.95, g at half f's bytes, RSS growth after the first shard < 64 MiB."""
-    for p, what in (("f", "built-in, compiled"), ("g", "built-in, compiled, FP8"), ("n", "hooks, pixels narrowed")):
+    for p, what in (("f", "built-in, compiled"), ("g", "built-in, compiled, FP8")):
         r = results.get(p)
         if not r:
             continue
@@ -71,7 +71,7 @@ def print_builtin(results: dict) -> None:
 
 def print_cpu(results: dict) -> None:
     """Each process's CPU seconds a second of the uniform shard (phases.ProcessCPU): one near 1.0 paces it."""
-    for p in "abfgn":
+    for p in "abfg":
         r = results.get(p, {}).get("uniform", {})
         if "cpu_s" in r:
             secs = r["tokens"] / r["tokens_per_s"]
