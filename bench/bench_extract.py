@@ -8,6 +8,7 @@ Runs on a GPU host with vLLM (recipe in docs/performance.md); random weights, no
     python bench/bench_extract.py OUTDIR --phases abfg --rows 192         # hooks, built-in, built-in FP8 vs (a)
     python bench/bench_extract.py OUTDIR --images 4 --phases abf --rows 256  # Qwen2.5-VL-7B shape, image-heavy rows
     python bench/bench_extract.py OUTDIR --images 4 --phases ab --image-threads 8  # the driver's pool, 8 threads
+    python bench/bench_extract.py OUTDIR --images 4 --phases abf --rounds 3  # a b f a b f a b f: ratios per round
 
 Each phase runs in its own process (one engine at a time, clean GPU memory, its own peak RSS):
   (a) plain vLLM prefill (max_tokens=1), no capture;
@@ -43,7 +44,7 @@ from pathlib import Path
 
 from extractbench.disk import disk_write_speed
 from extractbench.phases import PHASES
-from extractbench.report import print_report
+from extractbench.report import print_report, print_rounds
 from extractbench.workload import (
     layer_ids,
     make_model_dir,
@@ -81,6 +82,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=0, help="images per row: the image-heavy workload (0: text)")
     ap.add_argument("--image-size", type=int, default=448, help="--images: pixels a side (448: 256 vision tokens)")
     ap.add_argument("--text-words", type=int, default=96, help="--images: words of text a row")
+    ap.add_argument("--rounds", type=int, default=1, help="run --phases this many times, in order (a b a b ...)")
     ap.add_argument(
         "--logprob-rows",
         type=int,
@@ -92,6 +94,8 @@ def main() -> None:
     )
     args = ap.parse_args()
     args.shape, args.vision = shapes(args)
+    if args.rounds < 1:
+        ap.error("--rounds: at least 1")
     if args.image_threads < 0:
         ap.error("--image-threads: a number of threads, or 0 for the code's")
     if args.images and set(args.phases) - set("abefg"):
@@ -110,26 +114,46 @@ def main() -> None:
     streams = len(layer_ids(args.shape))
     # the disk's own speed before and after the phases: it moves during a session
     disk_before = (disk_write_speed(args.out, size), disk_write_speed(args.out, size, streams=streams))
-    results = {}
-    for p in args.phases:
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--phase", p]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode or not line:
-            print(f"phase {p} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}", file=sys.stderr)
-            continue
-        results[p] = json.loads(line[-1][7:])
-        results[p]["wall_s"] = time.perf_counter() - t0
-        print(f"phase {p}: {json.dumps(results[p])}", flush=True)
+    rounds = run_rounds(args)
+    results = rounds[0] if rounds else {}
     disk_after = (disk_write_speed(args.out, size), disk_write_speed(args.out, size, streams=streams))
     (args.out / "bench_extract.json").write_text(
         json.dumps(
-            {"results": results, "disk_bytes_per_s": [*disk_before, *disk_after], "disk_streams": [1, streams] * 2},
+            {
+                "results": results,
+                **({"rounds": rounds} if args.rounds > 1 else {}),  # every round's, results being the first
+                "disk_bytes_per_s": [*disk_before, *disk_after],
+                "disk_streams": [1, streams] * 2,
+            },
             indent=1,
         )
     )
     print_report(args, results, disk_before, disk_after, streams)
+    if args.rounds > 1:
+        print_rounds(rounds)
+
+
+def run_rounds(args) -> list[dict]:
+    """--phases in order, --rounds times (a, b, f, a, b, f, ...), each phase in a child process of its own: each
+    round's {phase: result}. One engine's rate moves 6-16 % from run to run on the H200 (docs/performance.md), so
+    a ratio is read over rounds, each against its own round's (a)."""
+    rounds = []
+    for r in range(args.rounds):
+        results = {}
+        for p in args.phases:
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--phase", p]
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            if proc.returncode or not line:
+                print(f"phase {p} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}", file=sys.stderr)
+                continue
+            results[p] = json.loads(line[-1][7:])
+            results[p]["wall_s"] = time.perf_counter() - t0
+            # round 1's lines as without --rounds (summarize_extract_runs reads them); later ones name their round
+            print(f"{f'round {r + 1} ' if r else ''}phase {p}: {json.dumps(results[p])}", flush=True)
+        rounds.append(results)
+    return rounds
 
 
 if __name__ == "__main__":

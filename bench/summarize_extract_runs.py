@@ -24,6 +24,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from extractbench.disk import disk_cost  # noqa: E402
+from extractbench.report import round_ratios  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DISK = re.compile(r"before / after the phases: ([\d.]+) / ([\d.]+) GB/s one file, ([\d.]+) / ([\d.]+) GB/s")
@@ -57,6 +58,11 @@ def summarize(path: Path) -> None:
     if a and d:
         share = d["uniform"]["tokens_per_s"] / a["uniform"]["tokens_per_s"]
         print(f"  (d) = {share:.2f} x (a) (uniform): b/d is at most {1 / share:.2f} at (a)'s rate")
+    rounds = rounds_of(path)
+    if len(rounds) > 1:  # --rounds: each round against its own (a)
+        print(f"  over {len(rounds)} rounds:")
+        for line in round_ratios(rounds):
+            print(f"    {line}")
     disk = DISK.search(text)
     companion = path.with_suffix(".json")  # runs whose report has no disk line keep the speeds in their json
     if not disk and companion.exists():
@@ -69,6 +75,17 @@ def summarize(path: Path) -> None:
 
 def phases_of(path: Path) -> dict:
     return {m[1]: json.loads(m[2]) for m in re.finditer(r"^phase (\w): (\{.*\})$", path.read_text(), re.M)}
+
+
+def rounds_of(path: Path) -> list[dict]:
+    """--rounds runs: each round's {phase: result}, round 1 from its `phase X:` lines, later ones from `round N
+    phase X:` lines."""
+    rounds = [phases_of(path)]
+    for m in re.finditer(r"^round (\d+) phase (\w): (\{.*\})$", path.read_text(), re.M):
+        while len(rounds) < int(m[1]):
+            rounds.append({})
+        rounds[int(m[1]) - 1][m[2]] = json.loads(m[3])
+    return rounds
 
 
 def against(base: Path, run: Path) -> None:

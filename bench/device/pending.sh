@@ -22,7 +22,7 @@
 #   cd OUT && find . -path '*/work' -prune -o -type f -size -400k -print | tar -czf $OUT/pend.tgz -T -
 # To stop it from a later call, match patterns that do not match that call's own command line:
 #   pkill -f "[p]ending\.sh"; pkill -f "[b]ench_extract\.py"
-# STEPS="be28" runs only those steps (default: all, in the order below); ROWS sets the benches' --rows (default 512).
+# STEPS="be28" runs only those steps (default: all, in the order below); ROWS sets the benches' --rows (default 256).
 set -u
 O=${1:?usage: pending.sh OUT}
 mkdir -p "$O"
@@ -81,11 +81,12 @@ wait "${cells[@]}"  # not a bare wait: dmon runs in the background to the end
 # Timed: nothing else on the GPU.
 B="python3 bench/bench_extract.py"
 [ -x "$PYSPY" ] && { profile & PROF=$!; }
-step be28 $B "$O/be28/work" --images 4 --phases abf --rows "${ROWS:-512}"
+# Two rounds (a b f a b f), each ratio against its own round's (a): one engine's rate moved 6-16 % run to run.
+step be28 $B "$O/be28/work" --images 4 --phases abf --rounds 2 --rows "${ROWS:-256}"
 keep be28
 # (b) without the 4 rows a shard whose prompt logprobs vLLM returns: each such row's copy back syncs the engine
 # core's step (6-10 % of its thread's samples in (b), py-spy 2026-12-03), which (a) never pays.
-step be28L $B "$O/be28L/work" --images 4 --phases ab --rows "${ROWS:-512}" --logprob-rows 0
+step be28L $B "$O/be28L/work" --images 4 --phases ab --rounds 2 --rows "${ROWS:-256}" --logprob-rows 0
 keep be28L
 touch "$O/timed.end"; [ -n "${PROF:-}" ] && wait "$PROF"
 kill $DMON $TOP 2>/dev/null
