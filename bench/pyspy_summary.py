@@ -32,6 +32,13 @@ def main_thread_stacks(path: Path):
             yield frames[1:], int(count)
 
 
+def own_code(frames: list[str]) -> bool:
+    """Whether eagle3prep's code runs in this stack of vLLM's engine-core process. Its frames below vLLM's entry
+    (`run_engine_core`) are the ones the process was forked from (our driver starting the engine): not counted."""
+    entry = max((i for i, x in enumerate(frames) if x.startswith("run_engine_core ")), default=-1)
+    return any("eagle3prep/" in x for x in frames[entry + 1 :])
+
+
 def short(frame: str) -> str:
     """`func (path/to/file.py:123)` -> `func file.py:123`."""
     m = re.match(r"(.*) \((?:.*/)?([^/]+)\)$", frame)
@@ -45,13 +52,16 @@ def summarize(folder: Path, top: int) -> None:
         if m:
             groups[m["phase"], m["who"]].append(f)
     for (phase, who), files in sorted(groups.items()):
-        leaf, callers, total = collections.Counter(), collections.defaultdict(collections.Counter), 0
+        leaf, callers, total, ours = collections.Counter(), collections.defaultdict(collections.Counter), 0, 0
         for f in files:
             for frames, n in main_thread_stacks(f):
                 total += n
                 leaf[short(frames[-1])] += n
                 callers[short(frames[-1])][" < ".join(short(x) for x in reversed(frames[-4:-1]))] += n
+                ours += n if own_code(frames) else 0
         print(f"({phase}) {who}: {total} main-thread samples in {len(files)} files")
+        if who == "core":
+            print(f"  {ours / total:6.1%}  in eagle3prep's code (the hooks, the sink, the connector)")
         for func, n in leaf.most_common(top):
             via, _ = callers[func].most_common(1)[0]
             print(f"  {n / total:6.1%}  {func}   < {via}")

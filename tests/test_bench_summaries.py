@@ -74,10 +74,11 @@ def test_a_round_without_a_is_left_out_and_again_uses_a_own_again(report):
 
 
 def test_pyspy_summary_counts_main_thread_leaves_by_phase(pyspy, tmp_path, capsys):
+    fork = "thread (1): MainThread;probe (eagle3prep/backends/vllm/driver.py:61);run_engine_core (vllm/v1/engine/core.py:1)"
     core = (
-        "thread (1): MainThread;run (core.py:10);_reduce_data (vllm/multimodal/inputs.py:571) 6\n"
-        "thread (1): MainThread;run (core.py:10);synchronize (torch/cuda/streams.py:254) 2\n"
-        "thread (1): MainThread;run (core.py:10);wait (threading.py:355) 2\n"
+        f"{fork};_reduce_data (vllm/multimodal/inputs.py:571) 6\n"  # our driver's frames below vLLM's: not ours
+        f"{fork};synchronize (torch/cuda/streams.py:254) 2\n"
+        f"{fork};_e3p_keep (eagle3prep/backends/vllm/worker.py:120);wait (threading.py:355) 2\n"  # the hooks'
         "thread (7): Thread-1 (process_input_sockets);poll (zmq/sugar/poll.py:106) 40\n"  # not the main thread
         "thread (1): MainThread 3\n"  # a stack with no frame: skipped
     )
@@ -89,7 +90,18 @@ def test_pyspy_summary_counts_main_thread_leaves_by_phase(pyspy, tmp_path, capsy
     pyspy.summarize(tmp_path, top=2)
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "(b) core: 10 main-thread samples in 1 files"
-    assert out[1].split() == ["60.0%", "_reduce_data", "inputs.py:571", "<", "run", "core.py:10"]
-    assert out[2].split()[:2] == ["20.0%", "synchronize"]
-    assert len(out) == 5 and out[3] == "(b) driver: 5 main-thread samples in 1 files"
-    assert out[4].split()[:2] == ["100.0%", "get_output"]
+    assert out[1].split()[:3] == ["20.0%", "in", "eagle3prep's"]  # the hooks' 2 samples, not the fork's 10
+    assert out[2].split() == [
+        "60.0%",
+        "_reduce_data",
+        "inputs.py:571",
+        "<",
+        "run_engine_core",
+        "core.py:1",
+        "<",
+        "probe",
+        "driver.py:61",
+    ]
+    assert out[3].split()[:2] == ["20.0%", "synchronize"]
+    assert len(out) == 6 and out[4] == "(b) driver: 5 main-thread samples in 1 files"
+    assert out[5].split()[:2] == ["100.0%", "get_output"]
