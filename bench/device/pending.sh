@@ -14,7 +14,8 @@
 #                     busy share). 2026-12-03 (fourth session): py-spy found vLLM's engine-core thread pacing (a) and
 #                     (b) alike, 37-55 % of it in vLLM's own concatenation of each step's pixel values (already
 #                     bf16: casting them did nothing), and (b) also waiting on the V1 model runner's input-prep sync
-#                     and on the prompt-logprob rows' copies; be28L measures (b) without those rows.
+#                     and on the prompt-logprob rows' copies; be28L measures (b) without those rows. be28 and be28L
+#                     run 2 rounds each (a b f a b f): the same code's rate moved 6-16 % from run to run.
 # After the vLLM payload (bench/device/README.md), from the project root:
 #   setsid nohup bash bench/device/pending.sh /tmp/pend > /tmp/pend.log 2>&1 &
 # Each step's log and results land in OUT/<step>/; OUT/done lists the steps that finished (rc per step). A step
@@ -63,6 +64,7 @@ profile() {
           -p "$pid" -o "$O/pyspy/$(date +%H%M%S)_${ph}_${who}_$pid.txt" > /dev/null 2>> "$O/pyspy/errors.txt" &
       done
       wait
+      gzip -9 -f "$O"/pyspy/[0-9]*.txt 2> /dev/null  # a window's raw stacks reach 400 KiB, the tar line's limit
     fi
     sleep 25
   done
