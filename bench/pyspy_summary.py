@@ -22,13 +22,12 @@ NAME = re.compile(r"\d{6}_(?P<phase>[a-z])_(?P<who>core|driver)_\d+\.txt(\.gz)?$
 
 def main_thread_stacks(path: Path):
     """(frames, samples) of each of the file's MainThread stacks, frames outermost first, thread name dropped."""
-    raw = (
-        gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    )  # docs/runs keeps them gzipped
+    data = path.read_bytes()
+    raw = gzip.decompress(data) if path.suffix == ".gz" else data  # docs/runs keeps them gzipped
     for line in raw.decode(errors="replace").splitlines():  # --nonblocking may read a frame mid-change
         stack, _, count = line.rpartition(" ")
         frames = stack.split(";")
-        if len(frames) > 1 and "MainThread" in frames[0]:
+        if len(frames) > 1 and "MainThread" in frames[0] and count.isdigit():
             yield frames[1:], int(count)
 
 
@@ -60,6 +59,8 @@ def summarize(folder: Path, top: int) -> None:
                 callers[short(frames[-1])][" < ".join(short(x) for x in reversed(frames[-4:-1]))] += n
                 ours += n if own_code(frames) else 0
         print(f"({phase}) {who}: {total} main-thread samples in {len(files)} files")
+        if not total:  # a window that caught the process as it exited
+            continue
         if who == "core":
             print(f"  {ours / total:6.1%}  in eagle3prep's code (the hooks, the sink, the connector)")
         for func, n in leaf.most_common(top):

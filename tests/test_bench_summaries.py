@@ -84,11 +84,16 @@ def test_pyspy_summary_counts_main_thread_leaves_by_phase(pyspy, tmp_path, capsy
     )
     (tmp_path / "120000_b_core_11.txt").write_text(core)
     # gzipped as docs/runs keeps them, with a byte py-spy's --nonblocking read mid-change
-    raw = b"thread (2): MainThread;step (llm_engine.py:304);get_output (core_client.py:853) 5\n\xf9 1\n"
+    raw = (
+        b"thread (2): MainThread;step (llm_engine.py:304);get_output (core_client.py:853) 5\n\xf9 1\n"
+        b"thread (2): MainThread;step (llm_engine.py:304);get_out\xf9 x\n"  # a count read mid-change: skipped
+    )
     (tmp_path / "120040_b_driver_12.txt.gz").write_bytes(gzip.compress(raw))
     (tmp_path / "errors.txt").write_text("ignored")
+    (tmp_path / "120080_a_core_13.txt").write_text("")  # a window that caught an exiting process: no samples
     pyspy.summarize(tmp_path, top=2)
     out = capsys.readouterr().out.splitlines()
+    assert out.pop(0) == "(a) core: 0 main-thread samples in 1 files"  # and no shares divided by zero
     assert out[0] == "(b) core: 10 main-thread samples in 1 files"
     assert out[1].split()[:3] == ["20.0%", "in", "eagle3prep's"]  # the hooks' 2 samples, not the fork's 10
     assert out[2].split() == [

@@ -12,7 +12,7 @@
 #                     every process's CPU every 2 s (the driver, vLLM's EngineCore, the GPU worker), beside
 #                     gpu_util.txt (nvidia-smi dmon, timestamped; bench/gpu_util_summary.py gives each phase's
 #                     busy share). 2026-12-03 (fourth session): py-spy found vLLM's engine-core thread pacing (a) and
-#                     (b) alike, 37-55 % of it in vLLM's own concatenation of each step's pixel values (already
+#                     (b) alike, 36-55 % of it in vLLM's own concatenation of each step's pixel values (already
 #                     bf16: casting them did nothing), and (b) also waiting on the V1 model runner's input-prep sync
 #                     and on the prompt-logprob rows' copies; be28L measures (b) without those rows. be28 and be28L
 #                     run 2 rounds each (a b f a b f): the same code's rate moved 6-16 % from run to run.
@@ -87,7 +87,7 @@ B="python3 bench/bench_extract.py"
 step be28 $B "$O/be28/work" --images 4 --phases abf --rounds 2 --rows "${ROWS:-256}"
 keep be28
 # (b) without the 4 rows a shard whose prompt logprobs vLLM returns: each such row's copy back syncs the engine
-# core's step (6-10 % of its thread's samples in (b), py-spy 2026-12-03), which (a) never pays.
+# core's step (6-10.5 % of its thread's samples in (b), py-spy 2026-12-03), which (a) never pays.
 step be28L $B "$O/be28L/work" --images 4 --phases ab --rounds 2 --rows "${ROWS:-256}" --logprob-rows 0
 keep be28L
 touch "$O/timed.end"; [ -n "${PROF:-}" ] && wait "$PROF"
