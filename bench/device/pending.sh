@@ -14,8 +14,9 @@
 #                     busy share). 2026-12-03 (fourth session): py-spy found vLLM's engine-core thread pacing (a) and
 #                     (b) alike, 36-55 % of it in vLLM's own concatenation of each step's pixel values (already
 #                     bf16: casting them did nothing), and (b) also waiting on the V1 model runner's input-prep sync
-#                     and on the prompt-logprob rows' copies; be28L measures (b) without those rows. be28 and be28L
-#                     run 2 rounds each (a b f a b f): the same code's rate moved 6-16 % from run to run.
+#                     and on the prompt-logprob rows' copies. be28L measures (b) and (f) without those rows, 2 rounds
+#                     (a b f a b f: the same code's rate moved 6-16 % from run to run); be28 one round with them.
+#                     STEPS="be28L be28" skips the cells when src/ is unchanged since they last passed.
 # After the vLLM payload (bench/device/README.md), from the project root:
 #   setsid nohup bash bench/device/pending.sh /tmp/pend > /tmp/pend.log 2>&1 &
 # Each step's log and results land in OUT/<step>/; OUT/done lists the steps that finished (rc per step). A step
@@ -83,13 +84,16 @@ wait "${cells[@]}"  # not a bare wait: dmon runs in the background to the end
 # Timed: nothing else on the GPU.
 B="python3 bench/bench_extract.py"
 [ -x "$PYSPY" ] && { profile & PROF=$!; }
-# Two rounds (a b f a b f), each ratio against its own round's (a): one engine's rate moved 6-16 % run to run.
-step be28 $B "$O/be28/work" --images 4 --phases abf --rounds 2 --rows "${ROWS:-256}"
-keep be28
-# (b) without the 4 rows a shard whose prompt logprobs vLLM returns: each such row's copy back syncs the engine
-# core's step (6-10.5 % of its thread's samples in (b), py-spy 2026-12-03), which (a) never pays.
-step be28L $B "$O/be28L/work" --images 4 --phases ab --rounds 2 --rows "${ROWS:-256}" --logprob-rows 0
+# be28L first: (b) and (f) without the 4 rows a shard whose prompt logprobs vLLM returns. Each such row's copy back
+# syncs the engine core's step (6-10.5 % of its thread's samples in (b), py-spy 2026-12-03), which (a) never pays;
+# a shard the plan sizes (engine start under 5 % of the job: thousands of rows) has the same 4 rows, so the
+# 256-row bench charges them many times over. Two rounds (a b f a b f), each ratio against its own round's (a):
+# one engine's rate moved 6-16 % run to run.
+step be28L $B "$O/be28L/work" --images 4 --phases abf --rounds 2 --rows "${ROWS:-256}" --logprob-rows 0
 keep be28L
+# Then one round with the config's 4 logprob rows, the same session's comparison.
+step be28 $B "$O/be28/work" --images 4 --phases abf --rounds "${ROUNDS:-1}" --rows "${ROWS:-256}"
+keep be28
 touch "$O/timed.end"; [ -n "${PROF:-}" ] && wait "$PROF"
 kill $DMON $TOP 2>/dev/null
 log "all done"
