@@ -18,6 +18,8 @@ import json
 import re
 from pathlib import Path
 
+from summarize_extract_runs import rounds_of
+
 IDLE_GAP = 15  # seconds of 0 % between two phases' bursts (an engine start takes 20 s or more)
 MIN_BUSY = 10.0  # busy seconds under which a burst is not a phase's timed work
 
@@ -58,14 +60,25 @@ def bursts(points: list[tuple[int, int]]) -> list[tuple[int, int, float]]:
     return result
 
 
-def steps(done: Path) -> list[tuple[str, int, int]]:
-    """(name, start s, end s) of each step pending.sh finished."""
-    start, out = {}, []
+def steps(done: Path) -> list[tuple[str, int, int | None]]:
+    """(name, start s, end s) of each step pending.sh started; end None for one cut short (the machine went)."""
+    start, end = {}, {}
     for line in done.read_text().splitlines():
         if m := re.match(r"(\S+) start (\S+):", line):
             start[m[2]] = seconds(m[1])
         elif (m := re.match(r"(\S+) end (\S+) rc", line)) and m[2] in start:
-            out.append((m[2], start[m[2]], seconds(m[1])))
+            end[m[2]] = seconds(m[1])
+    return [(name, t0, end.get(name)) for name, t0 in start.items()]
+
+
+def step_phases(step: Path) -> list[tuple[str, dict]]:
+    """(label, result) of each phase the step's log finished, in order, every round's (--rounds): the log holds
+    them all, also when the step was cut short; bench_extract.json only round 1's."""
+    out = []
+    for r, phases in enumerate(rounds_of(step / "log") if (step / "log").is_file() else [], start=1):
+        out += [(x if r == 1 else f"{x} round {r}", v) for x, v in phases.items()]
+    if not out and (step / "bench_extract.json").is_file():
+        out = list(json.loads((step / "bench_extract.json").read_text())["results"].items())
     return out
 
 
@@ -77,20 +90,23 @@ def phase_work(result: dict) -> tuple[int, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run", type=Path, help="a pending.sh output folder: gpu_util.txt, done, <step>/bench_extract.json")
+    ap.add_argument("run", type=Path, help="a pending.sh output folder: gpu_util.txt, done, <step>/log")
     args = ap.parse_args()
     points = samples(args.run / "gpu_util.txt")
     for name, t0, t1 in steps(args.run / "done"):
-        bench = args.run / name / "bench_extract.json"
-        if not bench.is_file():
+        phases = step_phases(args.run / name)
+        if not phases:
             continue
-        results = json.loads(bench.read_text())["results"]
-        found = [b for b in bursts([p for p in points if t0 <= p[0] <= t1]) if b[2] >= MIN_BUSY]
-        if len(found) != len(results):
-            print(f"{name}: {len(found)} bursts for phases {list(results)}: not matched")
+        window = [p for p in points if t0 <= p[0] <= (t1 if t1 is not None else 10**9)]
+        found = [b for b in bursts(window) if b[2] >= MIN_BUSY]
+        if t1 is None:  # cut short: the last burst may be a phase that never printed its result
+            print(f"{name}: cut short; the {len(phases)} phases it finished, against its first bursts")
+            found = found[: len(phases)]
+        if len(found) != len(phases):
+            print(f"{name}: {len(found)} bursts for phases {[x for x, _ in phases]}: not matched")
             continue
-        for phase, (b0, b1, busy) in zip(results, found, strict=True):
-            tokens, timed = phase_work(results[phase])
+        for (phase, result), (b0, b1, busy) in zip(phases, found, strict=True):
+            tokens, timed = phase_work(result)
             print(
                 f"{name} ({phase}): {tokens:,} tokens timed {timed:.1f} s at {tokens / timed:,.0f} tok/s; burst "
                 f"{b1 - b0 + 1} s, GPU busy {busy:.1f} s = {busy / timed:.2f} of the timed s; "

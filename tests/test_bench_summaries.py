@@ -110,3 +110,43 @@ def test_pyspy_summary_counts_main_thread_leaves_by_phase(pyspy, tmp_path, capsy
     assert out[3].split()[:2] == ["20.0%", "synchronize"]
     assert len(out) == 6 and out[4] == "(b) driver: 5 main-thread samples in 1 files"
     assert out[5].split()[:2] == ["100.0%", "get_output"]
+
+
+@pytest.fixture(scope="module")
+def gpu_util():
+    sys.path.insert(0, str(REPO / "bench"))  # it reads the log with summarize_extract_runs.rounds_of
+    try:
+        return _load("gpu_util_summary", REPO / "bench" / "gpu_util_summary.py")
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+
+
+def _dmon(bursts: list[tuple[int, int]]) -> str:
+    """nvidia-smi dmon lines from 10:00:00: each (busy s, idle s after) at 50 % sm."""
+    lines, t = ["#Time gpu sm mem", "#HH:MM:SS Idx % %"], 0
+    for busy, idle in bursts:
+        for u in [50] * busy + [0] * idle:
+            lines.append(f" 10:{t // 60:02d}:{t % 60:02d} 0 {u} 0")
+            t += 1
+    return "\n".join(lines) + "\n"
+
+
+def test_gpu_util_matches_every_round_and_a_step_cut_short(gpu_util, tmp_path, capsys, monkeypatch):
+    """Each phase of every round gets its own burst; a step the machine's loss cut short is matched on the phases
+    its log finished, the burst still running left out."""
+    phase = '{"uniform": {"tokens": 1000, "tokens_per_s": 100.0}}'
+    (tmp_path / "be").mkdir()
+    (tmp_path / "be" / "log").write_text(f"phase a: {phase}\nphase b: {phase}\nround 2 phase a: {phase}\n")
+    (tmp_path / "done").write_text("10:00:00 start be: python3 bench/bench_extract.py\n")
+    (tmp_path / "gpu_util.txt").write_text(_dmon([(40, 20), (30, 20), (20, 20), (25, 0)]))
+    monkeypatch.setattr(sys, "argv", ["gpu_util_summary.py", str(tmp_path)])
+    gpu_util.main()
+    out = capsys.readouterr().out
+    assert "be: cut short; the 3 phases it finished" in out
+    assert "be (a): 1,000 tokens timed 10.0 s" in out and "GPU busy 20.0 s = 2.00 of the timed s" in out
+    assert "be (b): " in out and "GPU busy 15.0 s" in out
+    assert "be (a round 2): " in out and "GPU busy 10.0 s" in out
+    # Finished: every burst must be a phase; one burst too many is said, not matched by position.
+    (tmp_path / "done").write_text("10:00:00 start be: x\n10:03:00 end be rc 0\n")
+    gpu_util.main()
+    assert "be: 4 bursts for phases ['a', 'b', 'a round 2']: not matched" in capsys.readouterr().out
