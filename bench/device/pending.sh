@@ -17,6 +17,8 @@
 #                     and on the prompt-logprob rows' copies. be28L measures (b) and (f) without those rows, 2 rounds
 #                     (a b f a b f: the same code's rate moved 6-16 % from run to run); be28 one round with them.
 #                     STEPS="be28L be28" skips the cells when src/ is unchanged since they last passed.
+#                     2026-12-04: be28L got through round 1 (b/a 1.03 uniform, 0.87 mixed; f/a 0.98, 0.93) before the
+#                     machine went between two calls (docs/performance.md).
 # After the vLLM payload (bench/device/README.md), from the project root:
 #   setsid nohup bash bench/device/pending.sh /tmp/pend > /tmp/pend.log 2>&1 &
 # Each step's log and results land in OUT/<step>/; OUT/done lists the steps that finished (rc per step). A step
