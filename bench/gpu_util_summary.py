@@ -3,7 +3,7 @@ gpu_util.txt): whether a phase is paced by the GPU or leaves it idle waiting for
 
 For each bench step in pending.sh's `done` file, the dmon samples inside the step's window are cut into bursts at
 IDLE_GAP seconds or more of 0 % (the engine starts between phases); bursts with under MIN_BUSY busy seconds (a
-compile's blips) are dropped and the rest are matched, in order, to the step's phases in bench_extract.json. Per
+compile's blips) are dropped and the rest are matched, in order, to the phases in the step's log (every round's). Per
 phase: the timed seconds (tokens / rate, summed over its workloads), the GPU's busy seconds (sum of sm % / 100 over
 the burst, which also holds warm-ups and the gaps between shards) and the tokens per busy second, the rate the GPU
 would sustain if it were never idle.
@@ -14,7 +14,6 @@ would sustain if it were never idle.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 
@@ -77,8 +76,6 @@ def step_phases(step: Path) -> list[tuple[str, dict]]:
     out = []
     for r, phases in enumerate(rounds_of(step / "log") if (step / "log").is_file() else [], start=1):
         out += [(x if r == 1 else f"{x} round {r}", v) for x, v in phases.items()]
-    if not out and (step / "bench_extract.json").is_file():
-        out = list(json.loads((step / "bench_extract.json").read_text())["results"].items())
     return out
 
 
