@@ -9,6 +9,8 @@ Runs on a GPU host with vLLM (recipe in docs/performance.md); random weights, no
     python bench/bench_extract.py OUTDIR --images 4 --phases abf --rows 256  # Qwen2.5-VL-7B shape, image-heavy rows
     python bench/bench_extract.py OUTDIR --images 4 --phases ab --image-threads 8  # the driver's pool, 8 threads
     python bench/bench_extract.py OUTDIR --images 4 --phases abf --rounds 3  # a b f a b f a b f: ratios per round
+    python bench/bench_extract.py OUTDIR --phases abf --rows 16 --seq 32768 --min-len 16384 --max-len 32768  # long rows
+    python bench/bench_extract.py OUTDIR --shape kimi-vocab --phases abf --rows 8 --seq 65536 --min-len 32768 --max-len 65536
 
 Each phase runs in its own process (one engine at a time, clean GPU memory, its own peak RSS):
   (a) plain vLLM prefill (max_tokens=1), no capture;
@@ -65,6 +67,13 @@ def main() -> None:
     ap.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
     ap.add_argument("--phases", default="abcd")
     ap.add_argument("--tiny", action="store_true", help="tiny model shape (smoke run on CPU)")
+    ap.add_argument(
+        "--shape",
+        dest="shape_name",
+        default="llama-8b",
+        choices=["llama-8b", "kimi-vocab"],
+        help="kimi-vocab: Kimi-K2.5's 163,840-token vocabulary and 7,168 hidden size on 8 Llama layers",
+    )
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--seq", type=int, default=2048)
@@ -128,6 +137,7 @@ def main() -> None:
             indent=1,
         )
     )
+    print("command: python " + " ".join(sys.argv))  # the printout names what made it
     print_report(args, results, disk_before, disk_after, streams)
     if args.rounds > 1:
         print_rounds(rounds)

@@ -278,3 +278,48 @@ def test_fp8_storage_quantizes_where_the_rows_are(engine, rows, tmp_path):
     stored = [lp["logprobs"][offsets[k] : offsets[k + 1]] for k in range(len(picked))]
     verdicts = check_logprobs(backend.spec.model_path, states, [rows[r] for r in picked], stored, info.dtype, fp8=True)
     assert all(v["ok"] for v in verdicts), verdicts
+
+
+def test_long_logits_check_rows_are_checked_on_their_first_window(engine, rows, reference, tmp_path, monkeypatch):
+    """A logits-check row longer than the logprob window: vLLM computes its prompt logprobs on a prefix request of
+    that many tokens (vllm_common/memory.py), whose rows are never written. The layer files still match
+    transformers, the check covers the prefix and passes, and a state one token early still fails it."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from eagle3prep.backends.vllm import paths
+    from eagle3prep.extract import extract_shard
+    from eagle3prep.validate.logits import check_logprobs
+
+    window = 64
+    monkeypatch.setattr(paths, "LOGPROB_WINDOW", window)
+    backend, info = engine
+    tokenized = tmp_path / "shard_0.jsonl"
+    tokenized.write_text(
+        "".join(
+            json.dumps({"row": i, "id": str(i), "input_ids": r, "loss_mask": [1] * len(r), "seq_len": len(r)}) + "\n"
+            for i, r in enumerate(rows)
+        )
+    )
+    settings = ExtractSettings.defaults(**_section(backend.settings), logprob_rows=len(rows), batch_tokens=300)
+    manifest = extract_shard(str(tokenized), str(tmp_path / "out"), backend.spec, settings, 0, engine=engine)
+    out = {i: load_file(tmp_path / "out" / f"layer_{i}.safetensors")["hidden_states"] for i in manifest.layer_ids}
+    assert_matches(out, info, reference["float32"], reference["bfloat16"])  # the prefix requests wrote nothing
+    lp = load_file(tmp_path / "out" / "logprobs.safetensors")
+    picked, offsets = lp["rows"].tolist(), lp["offsets"].tolist()
+    assert picked == list(range(len(rows)))
+    assert [offsets[k + 1] - offsets[k] for k in range(len(rows))] == [min(len(r), window) - 1 for r in rows]
+    notes = backend.capture_stats["logprob_notes"]
+    assert len(notes) == sum(len(r) > window for r in rows) and f"first {window} of 200 tokens" in notes[0]
+    n = max(manifest.layer_ids)
+    starts = [sum(len(r) for r in rows[:i]) for i in range(len(rows))]
+    states = [out[n][starts[r] : starts[r] + len(rows[r])] for r in picked]
+    stored = [lp["logprobs"][offsets[k] : offsets[k + 1]] for k in range(len(picked))]
+    verdicts = check_logprobs(backend.spec.model_path, states, rows, stored, info.dtype)
+    assert all(v["ok"] for v in verdicts), verdicts
+    assert [v["covered_tokens"] for v in verdicts] == [min(len(r), window) for r in rows]
+    early = [torch.cat([s[1:], s[-1:]]) for s in states]  # token t holds t + 1's state
+    long_rows = [k for k, r in enumerate(rows) if len(r) > window]
+    shifted = check_logprobs(backend.spec.model_path, early, rows, stored, info.dtype)
+    assert not any(shifted[k]["ok"] for k in long_rows), shifted

@@ -212,3 +212,25 @@ def test_fp32_mla_on_vllm_cpu_takes_the_reference_mla_backend():
     assert workarounds.cpu_mla_fp32_kwargs(False, deepseek, "float32") == {}  # a GPU has no such preference
     fixes = workarounds.engine_workarounds(vllm.__version__, True, deepseek, disabled=True, dtype="float32")
     assert fixes.engine_kwargs == {"attention_backend": "CPU_MLA"} and fixes.names == []  # applied either way
+
+
+def test_an_engine_that_dies_mid_shard_says_why_in_one_line(tmp_path, capfd, monkeypatch):
+    """An exception inside vLLM's engine core mid-shard (planted at the hooks' step start, in the engine core's own
+    process): the job's one error line carries that exception, the shard and the setting to change, never vLLM's
+    "See stack trace (above)"."""
+    from shard_helpers import write_tokenized
+
+    from eagle3prep.extract import extract_shard
+
+    model = build_family("llama", tmp_path / "llama")
+    tokenized = write_tokenized(tmp_path / "shard_3.jsonl", [24, 30, 17], seed=0)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the engine core in a process of its own
+    monkeypatch.setenv("EAGLE3PREP_KILL_AT", "vllm.engine_step:rows=3")  # the shard's, not the probe's smoke shard
+    monkeypatch.setenv("EAGLE3PREP_KILL_SCOPE", "raise")
+    backend = make_backend(model, "hooks", tmp_path / "staging")
+    with pytest.raises(SystemExit), one_line_errors():
+        extract_shard(str(tokenized), str(tmp_path / "out"), backend.spec, backend.settings, shard=3)
+    last = capfd.readouterr().err.strip().splitlines()[-1]
+    print(last)
+    assert last.startswith("error: shard 3: vLLM ") and "died capturing (hooks path)" in last, last
+    assert "PlantedError: planted fault at vllm.engine_step" in last and "stack trace" not in last, last

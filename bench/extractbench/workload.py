@@ -27,6 +27,17 @@ TINY = dict(
     vocab_size=512,
 )
 
+# Kimi-K2.5's vocabulary and hidden size on a Llama body of 8 layers (--shape kimi-vocab): the logits check's
+# prompt logprobs scale with the vocabulary, the capture's bytes with the hidden size (long rows' memory)
+KIMI_VOCAB = dict(
+    hidden_size=7168,
+    intermediate_size=18432,
+    num_hidden_layers=8,
+    num_attention_heads=56,
+    num_key_value_heads=8,
+    vocab_size=163840,
+)
+
 # Qwen2.5-VL-7B-Instruct's config.json: its language model (as LLAMA_8B's keys) and its vision tower
 QWEN25_VL_7B = dict(
     hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
@@ -41,7 +52,9 @@ QWEN25_VL_7B_VISION = dict(
 def shapes(args) -> tuple[dict, dict | None]:
     """(the language model's shape, the vision tower's or None) that --tiny and --images ask for."""
     if not args.images:
-        return (TINY if args.tiny else LLAMA_8B), None
+        return (
+            TINY if args.tiny else KIMI_VOCAB if getattr(args, "shape_name", "") == "kimi-vocab" else LLAMA_8B
+        ), None
     from eagle3prep.testing.tiny_vl import VISION
 
     return (TINY, VISION) if args.tiny else (QWEN25_VL_7B, QWEN25_VL_7B_VISION)
@@ -98,7 +111,7 @@ def workloads(args) -> dict[str, list[list[int]] | Path]:
     if args.images:
         return {k: Path(v) for k, v in json.loads((args.out / "work.json").read_text()).items()}
     rnd = random.Random(0)
-    vocab = (TINY if args.tiny else LLAMA_8B)["vocab_size"]
+    vocab = args.shape["vocab_size"]
     uniform = [[rnd.randrange(5, vocab) for _ in range(args.seq)] for _ in range(args.rows)]
     mixed, total = [], 0
     while total < args.rows * args.seq:

@@ -34,6 +34,7 @@ from .shard.manifest import ShardManifest
 from .shard.readers import index_of_tokenized
 from .shard.writer import ShardWriter
 from .tokenization.row_inputs import ImageRow
+from .vllm_common.errors import EngineError
 
 
 def iter_batches(tokenized_shard: str | os.PathLike, batch_tokens: int) -> Iterator[list[list[int]]]:
@@ -210,6 +211,9 @@ class _Job:
                 kill_point=("extract.before_manifest", {"shard": self.shard}),
                 logprobs=backend.capture_logprobs,
             )
+        except EngineError as e:  # the engine died mid-shard: the one line names the shard too
+            writer.abort()
+            raise EngineError(f"shard {self.shard}: {e}") from e
         except BaseException:
             writer.abort()
             raise

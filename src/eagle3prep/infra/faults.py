@@ -8,6 +8,8 @@ SIGKILLs itself there, e.g.
 By default the whole process group dies (the Snakemake run and all its jobs, like a node crash);
 EAGLE3PREP_KILL_SCOPE=process kills only the job's own process, and EAGLE3PREP_KILL_SCOPE=interrupt
 sends SIGINT to the group, as a terminal's Ctrl-C does, at that exact point (no race with a fast job).
+EAGLE3PREP_KILL_SCOPE=raise raises PlantedError there instead: an exception inside a process that must
+report it, such as vLLM's engine core running the hooks (tests/test_vllm_failures.py).
 Unset, kill_point() costs one dictionary lookup.
 """
 
@@ -18,6 +20,10 @@ import signal
 
 KILL_ENV = "EAGLE3PREP_KILL_AT"
 SCOPE_ENV = "EAGLE3PREP_KILL_SCOPE"
+
+
+class PlantedError(RuntimeError):
+    """Raised at a kill point with EAGLE3PREP_KILL_SCOPE=raise."""
 
 
 def _matches(spec: str, name: str, ctx: dict[str, object]) -> bool:
@@ -38,6 +44,8 @@ def kill_point(name: str, **ctx: object) -> None:
     scope = os.environ.get(SCOPE_ENV, "group")
     if scope == "process":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif scope == "raise":
+        raise PlantedError(f"planted fault at {name}")
     elif scope == "interrupt":
         os.killpg(os.getpgid(0), signal.SIGINT)  # KeyboardInterrupt here, and Snakemake sees its Ctrl-C
         return

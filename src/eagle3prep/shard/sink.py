@@ -33,6 +33,11 @@ if TYPE_CHECKING:
     import torch
 
 
+# Ends the tag of a logits-check row's prefix request (backends/vllm/paths.logprob_request): the engine computes
+# its tokens for their prompt logprobs alone, so a sink skips them rather than refusing a request it does not know.
+PROBE_SUFFIX = "-lp"
+
+
 @dataclass(frozen=True, slots=True)
 class Segment:
     """The tokens of one request inside one flattened forward step."""
@@ -185,6 +190,8 @@ class LayerSink:
         pieces = []
         for seg in segments:
             place = self.rows.get(seg.tag)
+            if place is None and seg.tag.endswith(PROBE_SUFFIX) and seg.tag[: -len(PROBE_SUFFIX)] in self.rows:
+                continue
             if place is None:
                 self._fail(RuntimeError(f"the step holds request {seg.tag!r}, which is not a row of this shard"))
                 continue

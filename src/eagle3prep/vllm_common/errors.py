@@ -185,3 +185,34 @@ def engine_error(
         f"vLLM {version} could not start {arch} {doing}: {cause}; {fix_hint(path, wanted, cause, section)}",
         any_path=fails_on_every_path(cause),
     )
+
+
+# "CUDA out of memory. Tried to allocate 7.83 GiB. GPU 0 has a total capacity of ..." -> its first two sentences
+_OOM = re.compile(r"(CUDA out of memory\.(?: Tried to allocate [\d.]+ [KMG]iB)?)")
+
+
+def died_fix_hint(cause: str, section: str = "extract") -> str:
+    """The setting that changes an engine death mid-run."""
+    if "out of memory" in cause.lower():
+        logprobs = f" or set {section}.logprob_rows: 0" if section == "extract" else ""
+        return f"lower {section}.max_num_batched_tokens or {section}.gpu_memory_utilization{logprobs}"
+    return f"the engine's traceback is in the job's log; the same command retries the {section} job"
+
+
+def engine_died(exc: BaseException, output: str, *, version: str, doing: str, section: str = "extract") -> UserError:
+    """One line for an engine that died while working (vLLM's client only says "EngineCore encountered an issue.
+    See stack trace (above)"): the engine's own exception, read from its processes' output, and the fix."""
+    if isinstance(exc, UserError):
+        return exc
+    cause = root_cause(output)  # vLLM's EngineDeadError is a wrapper ("... for the root cause"): skipped there
+    if cause is None:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        cause = f"{type(exc).__name__}: {first}".rstrip(": ")
+        if any(w in first.lower() for w in _WRAPPERS + ("stack trace",)):  # its process printed nothing
+            cause = (
+                "the engine core process ended without a traceback (killed by a signal, e.g. the host's OOM killer)"
+            )
+    if m := _OOM.search(cause):
+        cause = f"{cause.split(':', 1)[0]}: {m.group(1)}" if ":" in cause else m.group(1)
+    cause = re.sub(r"^(RuntimeError|Exception): ", "", cause).rstrip(".")
+    return EngineError(f"vLLM {version} died {doing}: {cause}; {died_fix_hint(cause, section)}")

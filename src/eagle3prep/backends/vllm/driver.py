@@ -14,12 +14,13 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from ...config import ConfigError
+from ...errors import UserError
 from ...layers import check_layer_ids
 from ...model_facts import ModelFacts, require_hidden_size
 from ...shard.sink import SinkPlan
 from ...tokenization.vision import EXPANDS
-from ...vllm_common import versions, workarounds
-from ...vllm_common.errors import ChildOutput, EngineError, engine_error
+from ...vllm_common import memory, versions, workarounds
+from ...vllm_common.errors import ChildOutput, EngineError, engine_died, engine_error
 from ...vllm_common.launch import prefer_forked_workers, resolve_workarounds, start_llm
 from ...vllm_common.shutdown import shutdown_engine
 from ..base import CaptureBackend, CaptureSpec, EngineInfo, smoke_shard
@@ -54,6 +55,7 @@ class VLLMBackend(CaptureBackend):
         self._shards = itertools.count()
         self._workarounds = workarounds.Workarounds()
         self._children = ChildOutput()
+        self.memory_note = ""  # how the GPU memory was planned (vllm_common/memory.py), for the manifest
 
     # ---- probe -------------------------------------------------------------------------------
     def probe(self) -> EngineInfo:
@@ -124,6 +126,7 @@ class VLLMBackend(CaptureBackend):
                 "platform": "cpu" if on_cpu else "cuda",
                 "fallback_reason": fallback_reason,
                 "workarounds": self._workarounds.names,
+                **({"memory": self.memory_note} if self.memory_note else {}),
             },
             volatile={"gpu_ids": os.environ.get("CUDA_VISIBLE_DEVICES") if not on_cpu else None},
         )
@@ -188,7 +191,21 @@ class VLLMBackend(CaptureBackend):
             raise ValueError(
                 "extract.engine_args.enable_prefix_caching must stay false: cached tokens are not captured"
             )
+        if not self._on_cpu():
+            kwargs["gpu_memory_utilization"] = self._memory_plan(kwargs).gpu_memory_utilization
         return {k: v for k, v in kwargs.items() if v is not None}
+
+    def _memory_plan(self, kwargs: dict[str, Any]) -> memory.MemoryPlan:
+        """Room outside vLLM's budget for the logits check's prompt logprobs and the hooks' step copies
+        (vllm_common/memory.py), logged and kept for the manifest."""
+        step = int(kwargs.get("max_num_batched_tokens") or self.settings.speed.max_num_batched_tokens)
+        need = memory.hooks_peak_bytes(step, self.facts.hidden_size or 0, len(self.spec.layer_ids))
+        if self.settings.content.logprob_rows:
+            need += memory.logprob_peak_bytes(self.facts.vocab_size or 0, min(memory.LOGPROB_WINDOW, step))
+        plan = memory.plan(float(kwargs["gpu_memory_utilization"]), memory.gpu_total_bytes(), need)
+        log(f"memory: {plan.note}")
+        self.memory_note = plan.note
+        return plan
 
     def _start(self, name: str, version: str, on_cpu: bool) -> None:
         self._children = ChildOutput()  # the engine's processes print the root cause of a failed start
@@ -224,7 +241,15 @@ class VLLMBackend(CaptureBackend):
             raise RuntimeError("capture_shard() before probe(): call probe() first")
         # a full step always waiting, whatever the batches' size
         self.path.window_tokens = max(self.settings.speed.batch_tokens, 2 * sink.step_tokens)
-        entries = self.path.capture_shard(self.llm, batches, sink)
+        try:
+            entries = self.path.capture_shard(self.llm, batches, sink)
+        except (CaptureError, UserError):
+            raise
+        except Exception as e:  # the engine died mid-shard: its own exception, from its processes' output
+            version = self.info.engine_version if self.info else versions.installed_version()
+            raise engine_died(
+                e, self._children.text(), version=version, doing=f"capturing ({self.path.name} path)"
+            ) from e
         self.capture_stats, self.capture_logprobs = self.path.stats, self.path.logprobs
         return entries
 

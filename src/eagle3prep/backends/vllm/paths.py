@@ -21,7 +21,9 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...errors import UserError
+from ...shard.sink import PROBE_SUFFIX
 from ...tokenization.row_inputs import ImageRow
+from ...vllm_common.memory import LOGPROB_WINDOW
 from . import compat, image_requests
 from .connector import CONNECTOR
 
@@ -72,6 +74,14 @@ def prompt_logprobs(out: Any, ids: list[int]) -> Any:
     return torch.tensor([per_pos[t][ids[t]].logprob for t in range(1, len(ids))], dtype=torch.float32)
 
 
+class _Probe(NamedTuple):
+    """The prefix request of a logits-check row longer than LOGPROB_WINDOW: its first tokens, prompt logprobs on."""
+
+    tag: str
+    ids: list[int]
+    params: Any
+
+
 class _Row(NamedTuple):
     """A row as the submission loop takes it: for a row with images, `ready` is the future of its request."""
 
@@ -80,6 +90,21 @@ class _Row(NamedTuple):
     ids: list[int]
     ready: Future | None
     batch_end: bool  # the last row of its batch: the loop may step the engine after it
+    probe: _Probe | None = None  # its logits check's prefix request, added right after it
+
+
+def logprob_request(tag: str, ids: list[int], window: int | None = None) -> tuple[Any, _Probe | None, str]:
+    """How a logits-check row asks for its prompt logprobs without vLLM computing them over a whole long chunk
+    at once (vllm_common/memory.py): (the row's own params, its prefix request or None, a note when the check
+    covers only part of the row or none of it)."""
+    window = window or LOGPROB_WINDOW  # read here: tests shrink the module's window
+    if len(ids) <= window:
+        return sampling_params(tag, logprobs=True), None, ""
+    if isinstance(ids, ImageRow):  # a prefix could cut an image's placeholder tokens in two
+        return sampling_params(tag), None, f"row {tag}: {len(ids)} tokens with images, over {window}: no logits check"
+    probe = tag + PROBE_SUFFIX
+    note = f"row {tag}: logits check on its first {window} of {len(ids)} tokens"
+    return sampling_params(tag), _Probe(probe, list(ids[:window]), sampling_params(probe, logprobs=True)), note
 
 
 class _WorkerSinkPath:
@@ -95,6 +120,7 @@ class _WorkerSinkPath:
         self._image_rows: dict[str, list[int]] = {}  # tag -> tokenized ids of a row with images, until it ends
         self.window_tokens = 0  # set by the driver once the engine's step size is known
         self.logprobs: dict[int, Any] = {}
+        self.logprob_notes: list[str] = []  # logits-check rows covered in part or not at all (logprob_request)
         self.stats: dict[str, Any] = {}  # the worker's sink timings of the last shard
         self._clock: dict[str, float] = {"driver_step_s": 0.0}  # the driver thread's seconds of the shard
 
@@ -102,14 +128,18 @@ class _WorkerSinkPath:
         """Rows are fed to the engine as a stream, at most `window_tokens` prompt tokens in flight,
         so the scheduler always has a full step and no batch boundary leaves the GPU idle."""
         compat.rpc_result(llm.collective_rpc("e3p_open_shard", args=(dataclasses.asdict(spec),)), version=self.version)
+        from vllm import TokensPrompt
+
         engine = llm.llm_engine
         in_flight = submitted = 0
+        probes: list[str] = []
         finished = False
         # where the driver's thread went (with images it can set the pace): waiting for the image threads' requests,
         # adding requests, and in engine steps; and the image threads' own seconds, all threads together
         clock = self._clock = {"driver_wait_s": 0.0, "driver_add_s": 0.0, "driver_step_s": 0.0}
         self._made_s = []
         self.logprobs, wanted = {}, {spec.tag(r): r for r in spec.logprob_rows}
+        self.logprob_notes = []
         self._image_rows = {}
         params_of = functools.partial(self._params, spec, wanted)
         try:
@@ -118,6 +148,12 @@ class _WorkerSinkPath:
                     prompt = self._prompt(row)
                     t0 = time.perf_counter()
                     engine.add_request(row.tag, prompt, row.params)
+                    if row.probe is not None:
+                        engine.add_request(
+                            row.probe.tag, TokensPrompt(prompt_token_ids=row.probe.ids), row.probe.params
+                        )
+                        probes.append(row.probe.tag)
+                        in_flight += len(row.probe.ids)
                     clock["driver_add_s"] += time.perf_counter() - t0
                     submitted += 1
                     in_flight += len(row.ids)
@@ -133,7 +169,7 @@ class _WorkerSinkPath:
         finally:
             if not finished:  # interrupted or failed: drop the requests and the worker's temp files
                 with contextlib.suppress(Exception):
-                    engine.abort_request([spec.tag(i) for i in range(submitted)])
+                    engine.abort_request([spec.tag(i) for i in range(submitted)] + probes)
                 with contextlib.suppress(Exception):
                     llm.collective_rpc("e3p_abort_shard")
         if "error" in reply:
@@ -143,20 +179,36 @@ class _WorkerSinkPath:
             raise CaptureError(message)
         self.stats = {
             "window_tokens": self.window_tokens,
+            **({"logprob_notes": self.logprob_notes} if self.logprob_notes else {}),
             **{k: round(v, 3) for k, v in clock.items()},
             "image_threads_s": round(sum(self._made_s), 3),
             **reply.get("stats", {}),
         }
         return {int(k): v for k, v in reply["entries"].items()}
 
-    @staticmethod
-    def _params(spec: SinkSpec, wanted: dict[str, int], index: int) -> tuple[str, Any]:
-        """The tag and sampling params of the shard's row `index`."""
+    def _params(
+        self, spec: SinkSpec, wanted: dict[str, int], index: int, ids: list[int]
+    ) -> tuple[str, Any, _Probe | None]:
+        """The tag and sampling params of the shard's row `index`, and its logits check's prefix request if any
+        (`wanted` then maps the prefix request's tag to the row)."""
         tag = spec.tag(index)
-        return tag, sampling_params(tag, logprobs=tag in wanted)
+        if tag not in wanted:
+            return tag, sampling_params(tag), None
+        params, probe, note = logprob_request(tag, ids)
+        if note:
+            self.logprob_notes.append(note)
+            log(note)
+        if probe is not None or note:  # the row's own request returns no logprobs
+            row = wanted.pop(tag)
+            if probe is not None:
+                wanted[probe.tag] = row
+        return tag, params, probe
 
     def _prefetched(
-        self, batches: Iterator[list[list[int]]], engine: Any, params_of: Callable[[int], tuple[str, Any]]
+        self,
+        batches: Iterator[list[list[int]]],
+        engine: Any,
+        params_of: Callable[[int, list[int]], tuple[str, Any, _Probe | None]],
     ) -> Iterator[_Row]:
         """Each row in order, with its tag and params and whether it ends its batch. A row with images is made
         ready on a pool (image_requests.RequestPool), at most AHEAD_ROWS rows ahead of the one handed out: its
@@ -185,8 +237,8 @@ class _WorkerSinkPath:
             index = 0
             for batch in batches:
                 for k, ids in enumerate(batch):
-                    tag, params = params_of(index)
-                    ahead.append(_Row(tag, params, ids, ready(ids, tag, params), k == len(batch) - 1))
+                    tag, params, probe = params_of(index, ids)
+                    ahead.append(_Row(tag, params, ids, ready(ids, tag, params), k == len(batch) - 1, probe))
                     index += 1
                     if len(ahead) > image_requests.AHEAD_ROWS:
                         yield ahead.popleft()

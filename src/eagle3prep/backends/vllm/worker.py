@@ -17,6 +17,7 @@ import functools
 import os
 from typing import TYPE_CHECKING, Any
 
+from ...infra import faults
 from ...layers import decoder_stack, hook_point
 from .compat import TAG_KEY, step_layout
 from .connector import PORT
@@ -107,6 +108,9 @@ class HiddenStatesCapture:
 
     def _e3p_on_step_start(self, module: Any, args: tuple) -> None:
         self._e3p_step = step_layout(self.model_runner)  # [] for vLLM's dummy/warm-up runs
+        if self._e3p_sink is not None and self._e3p_step:
+            # crash tests: an exception inside the engine core (rows= tells a shard from the probe's smoke shard)
+            faults.kill_point("vllm.engine_step", rows=len(self._e3p_sink.rows))
         if self._e3p_sink is not None and self._e3p_step:
             self._e3p_sink.begin_step(self._e3p_step)
 
