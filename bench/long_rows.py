@@ -51,6 +51,8 @@ def build_model(folder: Path, shape: dict, max_len: int) -> Path:
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
     model.save_pretrained(folder)
+    del model  # the engine starts in this process next: its memory check wants the GPU free
+    torch.cuda.empty_cache()
     return folder
 
 
