@@ -31,8 +31,8 @@ command of its own. Runs go in descending gpus order: whatever the first engine 
 machine costs lands on the parallel run, not on the baseline. After a run its hidden states are
 deleted (--keep-shards keeps them): an 8B shard takes 32 KiB a token.
 
-Pending GPU runs (docs/performance.md, "Several GPUs on one host (issue 17): pending runs", has the
-device setup, the priorities and why each flag), one device command each, from the project root:
+Pending GPU runs (no multi-GPU figure exists yet; device setup in bench/device/README.md), one device command
+each, from the project root:
   . /tmp/site/env.sh && export PYTHONPATH=$PWD/src:$PYTHONPATH \
       NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   # nvidia-h200-x2

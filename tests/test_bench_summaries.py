@@ -1,4 +1,4 @@
-"""The pure readers behind two of docs/performance.md's measurements: bench_extract's ratios over --rounds (each
+"""The pure readers behind two of docs/evidence.md's measurements: bench_extract's ratios over --rounds (each
 capture phase against its own round's (a)) and bench/pyspy_summary.py's account of where a process's main thread
 was, from py-spy's raw samples."""
 
