@@ -8,7 +8,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from workflow_helpers import REPO
 
 from eagle3prep.config import validate_config

@@ -303,7 +303,7 @@ def quality_note(doc: Path | None = None) -> str:
         "validated rows were accepted by their target when vLLM served them, as often as drafts trained on "
         "the peer pipeline's rows; validation failed every planted mistake on every row, two of which lowered "
         "acceptance and one of which (the post-norm final state) acceptance could not tell. "
-        f"The measurement: {name} (\"Draft quality\") in the eagle3prep repository.</p>"
+        f'The measurement: {name} ("Draft quality") in the eagle3prep repository.</p>'
     )
 
 
