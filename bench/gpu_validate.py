@@ -1,6 +1,6 @@
 """GPU validation of the vllm backend through the workflow's own GPU rule (issue: vLLM backend).
 
-Runs on a GPU host (see docs/gpu-validation.md for the exact device command):
+Runs on a GPU host (device setup: bench/device/README.md; the commands behind each figure: docs/evidence.md):
     python bench/gpu_validate.py OUTDIR [--runs 1:auto 2:auto 2:hooks] [--target llama|kimi-int4|kimi-bf16]
 
 For each run TP:PATH it builds (once) a random-init Llama on the machine (hidden 1024, 8 layers,

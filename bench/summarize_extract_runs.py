@@ -35,7 +35,7 @@ def summarize(path: Path) -> None:
     phases = phases_of(path)
     a, b, d = phases.get("a"), phases.get("b"), phases.get("d")
     print(f"{path.name}:")
-    # the capture phases: hooks, built-in, built-in FP8; n: (b) again, run 2 of 2026-12-03d (docs/performance.md)
+    # the capture phases: hooks, built-in, built-in FP8; n: (b) again (an A/A pair, docs/evidence.md)
     for x in ("b", "f", "g", "n"):
         if a and phases.get(x):
             for w in ("uniform", "mixed"):

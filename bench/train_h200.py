@@ -14,8 +14,8 @@
    sampler), the same seed: from the copy with `--hidden-states-backend file` (a copy of FP8 shards:
    `fp8`) and from the direct export with `--hidden-states-backend eagle3prep`, each with
    --deterministic. Metrics per step: OUT/<way>.jsonl.
-4. The last checkpoint of the direct run in vLLM (--vllm-python: a Python with vLLM, e.g. the one the GPU
-   runs of docs/gpu-validation.md set up): greedy generation on prompts of the data with the draft
+4. The last checkpoint of the direct run in vLLM (--vllm-python: a Python with vLLM, e.g. the one
+   bench/device/README.md sets up): greedy generation on prompts of the data with the draft
    (speculative_config eagle3) and without; spec-decode counters and how many outputs agree.
 OUT/summary.json holds it all. `--stage data|train|vllm` runs one step per call (same OUT, the
 same warm machine) when the whole outlasts a device call: the data takes minutes, the training

@@ -219,7 +219,7 @@ def rejudge(run: Path, rows_per_shard: int) -> None:
     for cell in json.loads((run / "matrix.json").read_text()):
         name = f"{cell['family']}-{cell['backend']}-{cell['dtype']}"
         dump = run / "cells" / name / "tokens.npz"
-        dump = dump if dump.exists() else run / f"{name}.npz"  # as committed under docs/runs/
+        dump = dump if dump.exists() else run / f"{name}.npz"  # the older layout
         if "error" in cell or not dump.exists():
             print(summary_row(cell))
             continue

@@ -1,7 +1,7 @@
 """Render a report.html in headless Chromium at a 1,000-pixel-wide window and save a PNG screenshot.
 
-Look at the page as a person would (docs/report.png is made this way from the demo's report):
-    .venv/bin/python scripts/screenshot_report.py results/report/report.html docs/report.png [--height 3500]
+Look at the page as a person would (the picture stays out of the repository: write it under results/):
+    .venv/bin/python scripts/screenshot_report.py results/report/report.html results/report/report.png [--height 3500]
 Needs Debian's `chromium` (apt-get install -y chromium); runs offline (the report inlines its figures).
 """
 

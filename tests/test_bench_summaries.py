@@ -1,4 +1,4 @@
-"""The pure readers behind two of docs/performance.md's measurements: bench_extract's ratios over --rounds (each
+"""The pure readers behind two of docs/evidence.md's measurements: bench_extract's ratios over --rounds (each
 capture phase against its own round's (a)) and bench/pyspy_summary.py's account of where a process's main thread
 was, from py-spy's raw samples."""
 
@@ -83,7 +83,7 @@ def test_pyspy_summary_counts_main_thread_leaves_by_phase(pyspy, tmp_path, capsy
         "thread (1): MainThread 3\n"  # a stack with no frame: skipped
     )
     (tmp_path / "120000_b_core_11.txt").write_text(core)
-    # gzipped as docs/runs keeps them, with a byte py-spy's --nonblocking read mid-change
+    # gzipped, as a run folder may hold them, with a byte py-spy's --nonblocking read mid-change
     raw = (
         b"thread (2): MainThread;step (llm_engine.py:304);get_output (core_client.py:853) 5\n\xf9 1\n"
         b"thread (2): MainThread;step (llm_engine.py:304);get_out\xf9 x\n"  # a count read mid-change: skipped

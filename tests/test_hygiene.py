@@ -1,9 +1,13 @@
 """Project hygiene that no single module owns: no pickle for data, offline model access, no remote code by default,
-no test fixture in the stages."""
+no test fixture in the stages, and a repository that holds the product: no binary, dump or model file, and
+docs/runs/ only the small text printouts behind the docs' figures."""
 
 import ast
 import re
+import subprocess
+from pathlib import Path
 
+import pytest
 from workflow_helpers import REPO
 
 from eagle3prep.config import validate_config
@@ -113,3 +117,80 @@ def test_the_fixture_check_sees_relative_and_absolute_imports(tmp_path):
         path.write_text(code + "\n")
         package = "eagle3prep.shard" if code.startswith("from ..") else "eagle3prep"
         assert any(m.startswith("eagle3prep.testing") for m in _imported_modules(path, package)), code
+
+
+# What the repository holds: the product, its inputs and the small text printouts behind the docs' figures.
+# Binary files are inputs only: the demo's sample data and the tests' planted bad sources.
+BINARY_INPUTS = ("resources/demo/", "tests/data/")
+# Model weights, tensors, dumps, archives and images of runs: none is tracked anywhere (git history keeps the
+# old ones; a bench writes them under its OUT folder).
+REFUSED_SUFFIXES = {
+    ".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".npz", ".npy", ".pkl", ".pickle", ".onnx", ".gguf", ".h5",
+    ".arrow", ".gz", ".tgz", ".tar", ".zip", ".xz", ".bz2", ".zst", ".7z", ".whl", ".so", ".png", ".jpg",
+    ".jpeg", ".gif", ".webp", ".svg", ".pdf", ".lock", ".parquet",
+}  # fmt: skip
+RUNS, RUNS_SUFFIXES = "docs/runs/", {".txt", ".md", ".json", ""}  # "" : a step's `log`
+RUN_FILE_MAX, RUNS_MAX = 100 * 1024, 3 * 1024 * 1024
+
+
+def _tracked_files():
+    """Every file git tracks in this checkout (a copy without .git: every file outside the ignored folders)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+        return [p for p in out.decode().split("\0") if p and (REPO / p).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+
+
+def tracking_problems(files, root=REPO):
+    """What breaks the repository's hygiene among `files` (paths relative to `root`): a binary, dump or model
+    file outside the inputs, a docs/runs file that is not a small text printout, docs/runs over its size."""
+    problems, runs_bytes = [], 0
+    for rel in files:
+        path, suffix = root / rel, Path(rel).suffix.lower()
+        data = path.read_bytes()
+        if rel.startswith(BINARY_INPUTS):
+            continue
+        if suffix in REFUSED_SUFFIXES or b"\0" in data:
+            problems.append(f"{rel}: binary, dump or model file (keep it out of git)")
+        elif rel.startswith(RUNS):
+            if suffix not in RUNS_SUFFIXES or "pyspy" in Path(rel).parts:
+                problems.append(f"{rel}: docs/runs keeps text printouts only (.txt, .md, .json, log)")
+            if len(data) > RUN_FILE_MAX:
+                problems.append(f"{rel}: {len(data):,} bytes, over {RUN_FILE_MAX:,}: keep a trimmed summary")
+            runs_bytes += len(data)
+    if runs_bytes > RUNS_MAX:
+        problems.append(f"docs/runs: {runs_bytes:,} bytes in all, over {RUNS_MAX:,}")
+    return problems
+
+
+def test_no_binary_dump_or_model_file_is_tracked_and_docs_runs_is_small_text():
+    assert not tracking_problems(_tracked_files())
+
+
+def test_the_tracking_check_refuses_binaries_dumps_and_big_printouts(tmp_path):
+    """The check above would pass in silence if it missed a kind: one planted file of each."""
+    planted = {
+        "docs/runs/x/layer_2.safetensors": b"{}",
+        "docs/runs/x/pyspy/core.txt.gz": b"\x1f\x8b\x08\0",
+        "docs/runs/x/pyspy/core.txt": b"thread (1): MainThread 3\n",
+        "docs/runs/x/dump.npz": b"PK",
+        "docs/runs/x/screenshot.png": b"\x89PNG",
+        "src/model.pt": b"\x80\x02",
+        "bench/blob": b"a\0b",
+        "docs/runs/big.txt": b"x" * (RUN_FILE_MAX + 1),
+    }
+    for rel, data in planted.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(data)
+    problems = tracking_problems(list(planted), tmp_path)
+    assert [p.split(":")[0] for p in problems] == list(planted)
+    for rel, data in {"docs/runs/ok/log": b"phase a\n", "resources/demo/sample.parquet": b"PAR1\0"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(data)
+    assert not tracking_problems(["docs/runs/ok/log", "resources/demo/sample.parquet"], tmp_path)
+    many = []
+    for i in range(31):  # 31 files of 100 KB: each fine, over 3 MB in all
+        (tmp_path / f"docs/runs/m{i}.txt").write_bytes(b"x" * RUN_FILE_MAX)
+        many.append(f"docs/runs/m{i}.txt")
+    assert tracking_problems(many, tmp_path)[-1].startswith("docs/runs: ")

@@ -296,8 +296,8 @@ def test_sample_rows_show_trained_tokens_and_template_tokens(demo_model_dir, tmp
 def test_page_links_the_quality_measurement(tmp_path):
     from eagle3prep.report.page import quality_note
 
-    doc = tmp_path / "quality.md"
-    assert "docs/quality.md" in quality_note(doc) and "href" not in quality_note(doc)  # absent: named, not linked
+    doc = tmp_path / "evidence.md"
+    assert "docs/evidence.md" in quality_note(doc) and "href" not in quality_note(doc)  # absent: named, not linked
     doc.write_text("x")
     assert f"href='{doc.as_uri()}'" in quality_note(doc)
-    assert (Path(__file__).parents[1] / "docs/quality.md").as_uri() in quality_note()  # the repository's own
+    assert (Path(__file__).parents[1] / "docs/evidence.md").as_uri() in quality_note()  # the repository's own

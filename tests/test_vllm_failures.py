@@ -130,7 +130,7 @@ def rel_errors(out, ref):
 
 def test_deepseek_on_cpu_gets_the_native_rotary_and_matches_transformers(with_workaround, reference):
     info, (manifest, layers), lines = with_workaround
-    assert info.capture_path == "hooks"  # auto's first choice on DeepSeek too (docs/performance.md)
+    assert info.capture_path == "hooks"  # auto's first choice on DeepSeek too (docs/DESIGN.md §5)
     assert manifest.engine["workarounds"] == ["cpu-mla-native-rotary"]  # validation can tell later
     assert [x for x in lines if "workaround cpu-mla-native-rotary applied" in x and "forward_cpu" in x]
     errs = rel_errors(layers, reference)

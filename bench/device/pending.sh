@@ -4,7 +4,7 @@
 # docs/runs/h200_2026-12-0*_pending/):
 #   issue 28 item 5   the image cells on both vLLM paths (passed on 2026-12-03 with the requests made on threads,
 #                     and with them made in forked processes once each image was named on the request itself;
-#                     docs/gpu-validation.md); cheap, and they check the code the timed steps run
+#                     docs/evidence.md); cheap, and they check the code the timed steps run
 #   issue 28 item 7   bench_extract --images 4 (a Qwen2.5-VL-7B shape, image-heavy rows): (a), (b) hooks, (f) built-in.
 #                     On 2026-12-03 b/a was 0.85-0.96 and f/a 0.90-0.98, the GPU idle 20-30 % of the timed
 #                     seconds in all three phases; neither 8 threads, 4 x the tokens in flight nor 4 forked processes
@@ -18,7 +18,7 @@
 #                     (a b f a b f: the same code's rate moved 6-16 % from run to run); be28 one round with them.
 #                     STEPS="be28L be28" skips the cells when src/ is unchanged since they last passed.
 #                     2026-12-04: be28L got through round 1 (b/a 1.03 uniform, 0.87 mixed; f/a 0.98, 0.93) before the
-#                     machine went between two calls (docs/performance.md).
+#                     machine went between two calls (docs/evidence.md).
 # After the vLLM payload (bench/device/README.md), from the project root:
 #   setsid nohup bash bench/device/pending.sh /tmp/pend > /tmp/pend.log 2>&1 &
 # Each step's log and results land in OUT/<step>/; OUT/done lists the steps that finished (rc per step). A step

@@ -85,7 +85,7 @@ class ProcessCPU:
     """CPU seconds (user + system, all threads) of this process and of each process under it over a window, by
     name and pid: a process near 1 CPU second a second paces the phase. vLLM names its engine core's process
     (VLLM::EngineCore), whose one thread schedules, receives each request's pixel values and, at TP 1, runs the
-    model and the hooks; the GPU sat idle 20-30 % of image phases on the H200 (docs/performance.md)."""
+    model and the hooks; the GPU sat idle 20-30 % of image phases on the H200 (docs/evidence.md)."""
 
     def __init__(self):
         import psutil

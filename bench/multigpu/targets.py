@@ -14,7 +14,7 @@ from multigpu import REPO, SCRIPT
 
 CORPUS = REPO / "resources/demo/tokenizer_corpus.txt"
 DEMO_SOURCES = ["resources/demo/sharegpt.jsonl", "resources/demo/openai.jsonl"]
-TOKENS_PER_CONVERSATION = 549  # bench_cpu_stages' synthetic conversations with the demo tokenizer (performance.md)
+TOKENS_PER_CONVERSATION = 549  # bench_cpu_stages' synthetic conversations, demo tokenizer (docs/runs/cpu_bench.txt)
 
 # DeepSeek-V3's config.json shapes (MLA, 256 routed experts of 2048, top 8 in 4 of 8 groups, one shared
 # expert), with fewer layers: layer 0 dense (V3 has 3), the rest MoE, so most of the model is experts.

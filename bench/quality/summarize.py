@@ -1,6 +1,6 @@
-"""Print every figure docs/quality.md quotes from one quality-bench run folder (OUT of run.py).
+"""Print every figure docs/evidence.md quotes on draft quality from one quality-bench run folder (OUT of run.py).
 
-    python bench/quality/summarize.py docs/runs/quality/h200_2026-12-01 [LATER_RUN ...]
+    python bench/quality/summarize.py OUT [LATER_RUN ...]    # docs/runs/quality/h200_2026-12-02b/summary.txt
 
 Later runs (device_more.sh: the same target rebuilt bit-identically) add cells to the first run's table:
 each section is printed per run, and the table pools every (variant, seed) of all runs.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def _text(path: Path) -> str:
-    """A file of the run folder, or its .gz (docs/runs keeps the large logs compressed)."""
+    """A file of the run folder, or its .gz (a run folder may hold large logs compressed)."""
     gz = path.with_name(path.name + ".gz")
     return path.read_text() if path.exists() else gzip.decompress(gz.read_bytes()).decode()
 

@@ -296,13 +296,14 @@ def margin_note(margins: dict[str, list[float | None]]) -> str:
 
 def quality_note(doc: Path | None = None) -> str:
     """What a validation pass has been shown to mean for a draft, linked to the measurement."""
-    doc = doc or Path(__file__).resolve().parents[3] / "docs/quality.md"  # the repository's, when run from it
-    name = f"<a href='{esc(doc.as_uri())}'>docs/quality.md</a>" if doc.exists() else "docs/quality.md"
+    doc = doc or Path(__file__).resolve().parents[3] / "docs/evidence.md"  # the repository's, when run from it
+    name = f"<a href='{esc(doc.as_uri())}'>docs/evidence.md</a>" if doc.exists() else "docs/evidence.md"
     return (
         "<p class='note'>What a pass means for a draft: on the quality bench, EAGLE-3 drafts trained on "
         "validated rows were accepted by their target when vLLM served them, as often as drafts trained on "
-        "the peer pipeline's rows, and each planted mistake that validation fails lowered acceptance. "
-        f"The measurement: {name} in the eagle3prep repository.</p>"
+        "the peer pipeline's rows; validation failed every planted mistake on every row, two of which lowered "
+        "acceptance and one of which (the post-norm final state) acceptance could not tell. "
+        f'The measurement: {name} ("Draft quality") in the eagle3prep repository.</p>'
     )
 
 

@@ -119,7 +119,7 @@ class StreamingSafetensorsWriter:
 
 
 # BackgroundFlush defaults. A shorter interval leaves less for finish()'s final fsync, the shard's tail,
-# at the same throughput down to 64 MiB (docs/performance.md, "The flush interval").
+# at the same throughput down to 64 MiB (docs/DESIGN.md §5; docs/runs/bench_sink_h200_paced.txt).
 FLUSH_EVERY = 64 << 20
 # How far (per file) the writer may run ahead of the disk before it waits: room for the disk's hiccups.
 FLUSH_MAX_BEHIND = 1 << 30

@@ -10,7 +10,7 @@ per step's finished requests).
 
 Rows are copied into a pooled host slot (pinned, on a side CUDA stream, so the copy overlaps the next
 layers' compute); writer threads place them by position and hash them in file order
-(docs/performance.md has the measurements behind the thread layout and the slot count). With
+(docs/DESIGN.md §5 has the decisions behind the slot count and the flush interval). With
 `storage: fp8_e4m3` each layer is quantized on its own device first, on the same side stream, so half
 the bytes cross to the host and reach the disk (shard/fp8.py; on a CPU it is the same code).
 """

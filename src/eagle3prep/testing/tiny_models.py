@@ -86,7 +86,7 @@ _SPECS = {
 # Expert weights (routed and shared) of the MoE families: with the 0.1 of the other weights, a token
 # whose experts flip in bf16 moved so far that most of the tiny DeepSeek's last-layer tokens left
 # cosine 0.99 against fp32 (measured by hand while building these, not kept); with these, the bf16
-# runs of the validation matrix diverge at most 2.4 % of a layer's tokens (docs/gpu-validation.md).
+# runs of the validation matrix diverge at most 2.4 % of a layer's tokens (docs/evidence.md, "Validation matrix").
 EXPERT_STD = {"qwen3_moe": 0.065, "qwen2_moe": 0.065, "deepseek_v3": 0.04}
 
 

@@ -219,7 +219,7 @@ def _stats(tally: _Tally, conversations_path, model_path, max_seq_len, shards, e
 
 def copy_lines(src: BinaryIO, dst: BinaryIO, n: int, block: int = 1 << 20) -> None:
     """Copy the next `n` lines of `src` to `dst` a block at a time, newlines found by bytes.count and
-    bytes.index: a readline and a write per row was slower (docs/performance.md, CPU stages)."""
+    bytes.index: a readline and a write per row was slower (bench/bench_cpu_stages.py)."""
     while n > 0:
         buf = src.read(block)
         if not buf:

@@ -16,7 +16,7 @@ from .workarounds import Workarounds, engine_workarounds, workarounds_disabled
 
 def prefer_forked_workers() -> None:
     """vLLM forks its GPU workers unless this process has initialized CUDA (then it spawns them), and forked
-    workers start sooner: spawned ones import torch and vLLM again (docs/performance.md, engine start).
+    workers start sooner: spawned ones import torch and vLLM again (docs/DESIGN.md §5).
     torch.cuda.is_available()/device_count() initialize the CUDA driver without torch noticing, and a forked
     worker then dies with "CUDA error: initialization error": make them ask NVML instead."""
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")

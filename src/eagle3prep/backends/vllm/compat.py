@@ -96,7 +96,7 @@ def builtin_blocker(
         return f"final-layer capture on {arch} needs vLLM >= 0.25 (installed {version})"
     if 0 in layer_ids:
         # vLLM keeps id 0 as a reference to the embedding output, which layer 0 overwrites in place
-        # (docs/gpu-validation.md, "layer id 0 on the built-in path"). The hooks copy it at once.
+        # (docs/DESIGN.md §5). The hooks copy it at once.
         return "layer id 0 (the embeddings) is not reliable on the built-in path (vLLM aliases it)"
     return None
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 SMOKE_TOKENS = 16  # length of the smoke-capture prompt
 # Pinned host slots of the hooks path, each one forward step of every requested layer (8B shape,
-# 16k-token steps: 512 MiB): one being filled, up to two with the writer threads (docs/performance.md).
+# 16k-token steps: 512 MiB): one being filled, up to two with the writer threads (docs/DESIGN.md §5).
 HOST_SLOTS = 3
 
 
@@ -155,7 +155,7 @@ class VLLMBackend(CaptureBackend):
             return ["hooks"], blocker
         # Hooks first on every family: on the H200 they beat the built-in path on the 8B shape (b/a 0.97 against
         # f/a 0.92) and on the DeepSeek-V3 MoE (0.40 against 0.24 to disk), with the same validation verdicts on
-        # DeepSeek-V3 and the Kimi-shaped INT4 target (docs/performance.md, "`auto`'s order on the DeepSeek backbone").
+        # DeepSeek-V3 and the Kimi-shaped INT4 target (docs/DESIGN.md §5, docs/evidence.md).
         return ["hooks", "builtin"], None
 
     def _engine_kwargs(self, path: BuiltinPath | HooksPath) -> dict[str, Any]:

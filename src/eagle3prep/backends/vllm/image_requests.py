@@ -4,7 +4,7 @@ A row with images costs vLLM's input processor (its multimodal processor runs th
 image, too much for the driver's one thread at a 7B target's rate. A pool of `IMAGE_THREADS` threads makes the
 next rows' requests while the driver's thread adds requests and steps the engine. The threads share the
 interpreter lock with the driver's thread; on the H200 neither 8 threads nor 4 processes forked from the driver
-(each with its own lock, tried on 2026-12-03) moved extract's rate or the GPU's idle share (docs/performance.md),
+(each with its own lock) moved extract's rate or the GPU's idle share (docs/evidence.md),
 so the pool stays this simple.
 """
 
