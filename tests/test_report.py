@@ -301,3 +301,13 @@ def test_page_links_the_quality_measurement(tmp_path):
     doc.write_text("x")
     assert f"href='{doc.as_uri()}'" in quality_note(doc)
     assert (Path(__file__).parents[1] / "docs/quality.md").as_uri() in quality_note()  # the repository's own
+
+
+def test_funnel_notes_rows_that_end_in_a_user_turn():
+    """Such a row is kept and its replies trained on, but its last user message is context no reply follows."""
+    counts = {"totals": {"rows_in": 5, "duplicates": 0, "kept": 5, "files": 1, "quarantined": {}}}
+    stats = {"rows": 5, "tokens": 500, "max_seq_len": 64, "quarantined": {}}
+    assert not any("user turn" in step for step, _, _ in rd.funnel(counts, stats))
+    steps = {step: (n, note) for step, n, note in rd.funnel(counts, {**stats, "trailing_user_rows": 2})}
+    n, note = steps["ending in a user turn (kept)"]
+    assert n == 2 and note.startswith("40.0% of rows; the last user message has no reply after it")

@@ -70,6 +70,9 @@ def funnel(counts: dict[str, Any], stats: dict[str, Any]) -> list[tuple[str, int
     out.append(
         (f"truncated to {stats.get('max_seq_len', '?')} tokens (kept)", trunc, f"{share(trunc, rows)} of rows; {note}")
     )
+    if trailing := stats.get("trailing_user_rows"):  # kept: their replies are trained on; the last turn is not
+        note = "the last user message has no reply after it: its tokens are context, never trained on"
+        out.append(("ending in a user turn (kept)", trailing, f"{share(trailing, rows)} of rows; {note}"))
     out.append(("rows out (tokenized, captured)", rows, f"{stats['tokens']:,} tokens"))
     return out
 
