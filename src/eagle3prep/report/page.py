@@ -89,7 +89,24 @@ def banners(ctx: dict[str, Any]) -> list[str]:
         )
     if not out:
         out.append("<div class='banner good'>Every check passed on every shard, the reference check included.</div>")
-    return out
+    return out + tool_banner(ctx.get("tool_quarantine"))
+
+
+def tool_banner(tools: dict[str, Any] | None) -> list[str]:
+    """An amber line when conversations with tool calls were quarantined: how many, by which stage and why (the
+    first one's detail, where the stage's quarantine file was read)."""
+    if not tools:
+        return []
+    parts = []
+    for stage, reason, n, first in tools["stages"]:
+        why = f"{first[1]}; the first from {first[0]}" if first else data.TOOL_REASONS[(stage, reason)]
+        parts.append(f"{n:,} by {stage} as {reason} ({why})")
+    n = tools["total"]
+    were = "conversations with tool calls were" if n != 1 else "conversation with tool calls was"
+    return [
+        f"<div class='banner warn'>{n:,} {were} quarantined: {esc('; '.join(parts))}. None of them is in the "
+        "training rows; each one, with its file and line, is in its stage's <code>quarantine.jsonl</code>.</div>"
+    ]
 
 
 def gate_banner(gate: dict[str, Any] | None) -> list[str]:
@@ -161,6 +178,34 @@ def images_section(facts: dict[str, Any] | None) -> list[str]:
         + "<p>The target's image processor decides each image's vision tokens; they are context for the "
         "replies, never trained on. The draft reads them as the target's hidden states at those tokens.</p>"
     ]  # fmt: skip
+
+
+MAX_SOURCE_ROWS = 20  # source files listed; with more, those that lost the most rows
+
+
+def source_table(rows: list[dict[str, Any]]) -> str:
+    """Per source file: rows in, duplicates, each stage's quarantine with its reasons, rows out."""
+    if not rows:
+        return ""
+    stages = list(dict.fromkeys(stage for r in rows for stage in r["lost"]))
+    shown = rows
+    if len(rows) > MAX_SOURCE_ROWS:
+        lost = lambda r: (r["duplicates"] or 0) + sum(n for x in r["lost"].values() for n in x.values())  # noqa: E731
+        shown = sorted(rows, key=lost, reverse=True)[:MAX_SOURCE_ROWS]
+    body = [
+        [esc(str(r["file"])), num(r["rows_in"]), num(r["duplicates"])]
+        + [esc(", ".join(f"{reason} {n:,}" for reason, n in r["lost"].get(stage, {}).items())) for stage in stages]
+        + [num(r["rows_out"])]
+        for r in shown
+    ]
+    header = ["source file", "rows in", "duplicates", *(f"quarantined by {s}" for s in stages), "rows out"]
+    more = (
+        f"<p>The {MAX_SOURCE_ROWS} of {len(rows)} files that lost the most rows; every file's counts: "
+        "<code>counts.json</code> of the prepare stage.</p>"
+        if len(shown) < len(rows)
+        else ""
+    )
+    return "<h2>Rows lost per source file</h2>" + _table(header, body, text=(0, *range(3, 3 + len(stages)))) + more
 
 
 FIRST_SCREEN_SHARDS = 12  # beyond this, the first screen's shard table shows the spread instead
@@ -258,11 +303,25 @@ def provenance_table(ctx: dict[str, Any]) -> str:
             ),
         ),
         ("code version", esc(", ".join(sorted(ctx["code_versions"])))),
-        ("validation reference", esc(ctx["reference_line"])),
+        *reference_rows(ctx),
         ("speculators export", export_line),
         ("sources", esc(", ".join(map(str, d.get("sources") or [])))),
     ]
     return _table([], [[k, v] for k, v in rows], text=(0, 1))
+
+
+def reference_rows(ctx: dict[str, Any]) -> list[tuple[str, str]]:
+    """Provenance of validation: which run is the reference and which the floor run (whose error sets the bound);
+    one line when no row was recomputed."""
+    runs = data.reference_runs(ctx["reports"])
+    if runs is None:
+        return [("validation reference", esc(ctx["reference_line"]))]
+    reference, floor = runs
+    skipped = ctx.get("reference_skipped")
+    return [
+        ("validation reference", esc(reference + (f"; SKIPPED on shards {skipped}" if skipped else ""))),
+        ("validation floor run", esc(floor)),
+    ]
 
 
 def coverage_table(cov: dict[str, Any]) -> str:
@@ -347,7 +406,7 @@ def write_page(path: str, ctx: dict[str, Any], figs: dict[str, str]) -> None:
         "<!doctype html><html><head><meta charset='utf-8'><title>eagle3prep report</title>",
         f"<style>{STYLE}</style></head><body>",
         "<h1>eagle3prep dataset report</h1>",
-        f"<p>{d['rows']:,} rows, {d['tokens']:,} tokens in {len(d['shards'])} shards of "
+        f"<p>{d['rows']:,} rows, {d['tokens']:,} tokens in {len(d['shards'])} shard{'s' * (len(d['shards']) != 1)} of "
         f"<code>{esc(str(d['model'].get('path')))}</code> hidden states, layer ids {esc(str(d['layer_ids']))}, "
         f"{esc(d['dtype'])}.</p>",
         *banners(ctx),
@@ -358,6 +417,7 @@ def write_page(path: str, ctx: dict[str, Any], figs: dict[str, str]) -> None:
         "</div><div style='flex:0 0 auto'><h2>Tokens per shard</h2>",
         shard_tokens_table(ctx["summary"]),
         "</div></div>",
+        source_table(ctx.get("source_losses", [])),
         *images_section(ctx.get("images")),
         "<h2>Validation: every check per shard (hover a cell for its detail)</h2>",
         check_grid_table(cols, grid),
