@@ -455,3 +455,17 @@ def test_a_banner_says_how_many_tool_call_conversations_were_quarantined_and_why
     one = {"total": 1, "stages": [("prepare", "invalid_tool_call", 1, None)]}
     assert "1 conversation with tool calls was quarantined" in page.tool_banner(one)[0]
     assert rd.tool_quarantine({"totals": {"quarantined": {}}}, {"quarantined": {}}, {}) is None
+
+
+def test_values_at_zero_are_not_cut_by_the_axis(monkeypatch):
+    """A layer at 0 (the capture equal to the reference; no outlier token) sat on the x axis, its marker cut in half:
+    the flat line read as no data. Both plots leave a margin below 0."""
+    plots, figs = _figures(monkeypatch)
+    zero = {lid: [0.0, 0.0, 0.0] for lid in ("2", "4", "5", "8")}
+    plots.reference_margin(zero, 3)
+    plots.layer_stats({"mean": zero, "std": zero, "max_abs": zero, "outlier_share": zero}, 3)
+    reference, outliers = figs[0].axes[0], figs[1].axes[3]
+    for ax in (reference, outliers):
+        bottom, top = ax.get_ylim()
+        assert -0.1 * top < bottom < 0 < top
+    assert reference.get_ylim()[1] == 1.2  # the bound stays in view

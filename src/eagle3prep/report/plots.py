@@ -69,6 +69,9 @@ DODGE = 0.07  # shards apart: layers with equal values drawn side by side, withi
 # Reference margins closer than this share of the axis's height draw as one line at the figure's size (about 3 px
 # of its 2.4 inches): such layers are drawn side by side too.
 NEAR = 0.02
+# Axes that start at 0 start this share of their height below it: a marker at 0 (a capture equal to its reference,
+# no outlier token) is drawn whole, not cut in half by the axis as if there were no data.
+BELOW_ZERO = 0.05
 
 
 def _series(ax, series: dict[str, list[float | None]], label: str, tol: float = 0.0) -> list[list[str]]:
@@ -108,7 +111,7 @@ def reference_margin(margins: dict[str, list[float | None]], n_shards: int) -> s
     groups = _series(ax, margins, "layer", tol=NEAR * top)
     ax.axhline(1.0, color="crimson", lw=1.5, ls="--", label="bound (passes below 1)")
     _equal_note(ax, groups, margins)
-    ax.set_ylim(0, top)
+    ax.set_ylim(-BELOW_ZERO * top, top)
     ax.set(ylabel="worst error / bound", title="Reference check: worst sampled row per layer, against its bound")
     _shard_axis(ax, n_shards)
     _legend_outside(ax)
@@ -131,8 +134,8 @@ def layer_stats(series: dict[str, dict[str, list[float | None]]], n_shards: int)
         ax.set_title(title, fontsize=9)
         ax.tick_params(labelsize=8)
         _shard_axis(ax, n_shards)
-        if stat == "outlier_share":
-            ax.set_ylim(bottom=0)
+        if stat == "outlier_share":  # a share is never negative: the margin below 0 is only the markers'
+            ax.set_ylim(bottom=-BELOW_ZERO * ax.get_ylim()[1])
             ax.yaxis.set_major_formatter(lambda y, _: f"{y:.1%}")
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:
