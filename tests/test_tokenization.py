@@ -597,3 +597,17 @@ def test_rows_that_end_in_a_user_turn_are_counted(tmp_path, demo_model_dir):
     assert stats["rows"] == 4 and stats["trailing_user_rows"] == 1
     *_, stats, _, _ = run(tmp_path / "b", demo_model_dir, MIXED[:3])
     assert "trailing_user_rows" not in stats
+
+
+def test_a_tokenizer_of_the_models_own_code_is_not_held_to_the_file_names(tmp_path):
+    """Its code may read a vocabulary of any name: only with trust_remote_code does the folder pass unread."""
+    from eagle3prep.tokenization.template import check_tokenizer_files
+
+    config = {"auto_map": {"AutoTokenizer": ["tokenization_x.XTokenizer", None]}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "x.vocab").write_text("{}")
+    check_tokenizer_files(tmp_path, trust_remote_code=True)
+    with pytest.raises(TokenizeError, match="the folder has no tokenizer files"):
+        check_tokenizer_files(tmp_path, trust_remote_code=False)
+    (tmp_path / "spiece.model").write_bytes(b"x")  # a SentencePiece vocabulary under its T5 name
+    check_tokenizer_files(tmp_path, trust_remote_code=False)

@@ -66,7 +66,8 @@ def load_tokenizer(model_path: str | os.PathLike, trust_remote_code: bool = Fals
 
 
 # The files a tokenizer's vocabulary is read from (fast tokenizers, SentencePiece, BPE, WordPiece, tiktoken).
-VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "*.model", "*.tiktoken")
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json", "merges.txt", "vocab.txt", "*.model",
+               "*.tiktoken")  # fmt: skip
 
 
 def check_tokenizer_files(model_path: str | os.PathLike, trust_remote_code: bool = False) -> None:
