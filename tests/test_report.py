@@ -409,7 +409,7 @@ TOOL_DETAIL = "the chat template does not render tool turns: the call's name, it
 
 def test_rows_lost_per_source_file(tmp_path):
     """A run of several sources told only the totals: which file lost its rows, and why, was not on the page."""
-    from eagle3prep.report import page
+    from eagle3prep.report import tables
 
     counts = _counts([
         {"file": "a.jsonl", "rows_in": 10, "kept": 7, "duplicates": 1, "quarantined": {"invalid_json": 2}},
@@ -425,13 +425,13 @@ def test_rows_lost_per_source_file(tmp_path):
         {"file": "tools.jsonl", "rows_in": 5, "duplicates": 0,
          "lost": {"prepare": {}, "tokenize": {"tool_turns_unsupported_by_template": 3}}, "rows_out": 2},
     ]  # fmt: skip
-    html = page.source_table(rows)
+    html = tables.source_table(rows)
     assert "<td class='l'>tools.jsonl</td><td>5</td><td>0</td><td class='l'></td>" in html
     assert "tool_turns_unsupported_by_template 3</td><td>2</td>" in html
 
 
 def test_a_banner_says_how_many_tool_call_conversations_were_quarantined_and_why(tmp_path):
-    from eagle3prep.report import page
+    from eagle3prep.report import page, tables
 
     quarantine = tmp_path / "quarantine.jsonl"
     _write_quarantine(
@@ -453,7 +453,7 @@ def test_a_banner_says_how_many_tool_call_conversations_were_quarantined_and_why
     )
     assert "1 by prepare as invalid_tool_call (a tool call without a function name" in banner
     one = {"total": 1, "stages": [("prepare", "invalid_tool_call", 1, None)]}
-    assert "1 conversation with tool calls was quarantined" in page.tool_banner(one)[0]
+    assert "1 conversation with tool calls was quarantined" in tables.tool_banner(one)[0]
     assert rd.tool_quarantine({"totals": {"quarantined": {}}}, {"quarantined": {}}, {}) is None
 
 

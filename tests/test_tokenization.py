@@ -601,13 +601,12 @@ def test_rows_that_end_in_a_user_turn_are_counted(tmp_path, demo_model_dir):
 
 def test_a_tokenizer_of_the_models_own_code_is_not_held_to_the_file_names(tmp_path):
     """Its code may read a vocabulary of any name: only with trust_remote_code does the folder pass unread."""
-    from eagle3prep.tokenization.template import check_tokenizer_files
+    from eagle3prep.tokenization.files import missing_tokenizer_files
 
     config = {"auto_map": {"AutoTokenizer": ["tokenization_x.XTokenizer", None]}}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     (tmp_path / "x.vocab").write_text("{}")
-    check_tokenizer_files(tmp_path, trust_remote_code=True)
-    with pytest.raises(TokenizeError, match="the folder has no tokenizer files"):
-        check_tokenizer_files(tmp_path, trust_remote_code=False)
+    assert missing_tokenizer_files(tmp_path, trust_remote_code=True) is None
+    assert "the folder has no tokenizer files" in missing_tokenizer_files(tmp_path, trust_remote_code=False)
     (tmp_path / "spiece.model").write_bytes(b"x")  # a SentencePiece vocabulary under its T5 name
-    check_tokenizer_files(tmp_path, trust_remote_code=False)
+    assert missing_tokenizer_files(tmp_path, trust_remote_code=False) is None

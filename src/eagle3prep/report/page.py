@@ -12,6 +12,8 @@ from typing import Any
 
 from ..infra.atomic import atomic_open
 from . import data
+from .tables import source_table, tool_banner
+from .tables import table as _table
 
 # A layer whose worst sampled row reaches this share of its bound is flagged before it fails.
 NEAR_MISS = 0.8
@@ -57,14 +59,6 @@ def _nan(x: Any) -> bool:
     return isinstance(x, float) and math.isnan(x)
 
 
-def _table(header: list[str], rows: list[list[str]], text: tuple[int, ...] = (0,)) -> str:
-    """Cells are already escaped HTML; columns in `text` are left-aligned and wrap, numbers align right."""
-    cls = lambda i: " class='l'" if i in text else ""  # noqa: E731
-    head = "".join(f"<th{cls(i)}>{h}</th>" for i, h in enumerate(header))
-    body = "".join("<tr>" + "".join(f"<td{cls(i)}>{c}</td>" for i, c in enumerate(r)) + "</tr>" for r in rows)
-    return f"<table>{head and f'<tr>{head}</tr>'}{body}</table>"
-
-
 def banners(ctx: dict[str, Any]) -> list[str]:
     """Red or amber lines for what must not be missed: a skipped reference check, failed checks, near misses."""
     out = []
@@ -90,23 +84,6 @@ def banners(ctx: dict[str, Any]) -> list[str]:
     if not out:
         out.append("<div class='banner good'>Every check passed on every shard, the reference check included.</div>")
     return out + tool_banner(ctx.get("tool_quarantine"))
-
-
-def tool_banner(tools: dict[str, Any] | None) -> list[str]:
-    """An amber line when conversations with tool calls were quarantined: how many, by which stage and why (the
-    first one's detail, where the stage's quarantine file was read)."""
-    if not tools:
-        return []
-    parts = []
-    for stage, reason, n, first in tools["stages"]:
-        why = f"{first[1]}; the first from {first[0]}" if first else data.TOOL_REASONS[(stage, reason)]
-        parts.append(f"{n:,} by {stage} as {reason} ({why})")
-    n = tools["total"]
-    were = "conversations with tool calls were" if n != 1 else "conversation with tool calls was"
-    return [
-        f"<div class='banner warn'>{n:,} {were} quarantined: {esc('; '.join(parts))}. None of them is in the "
-        "training rows; each one, with its file and line, is in its stage's <code>quarantine.jsonl</code>.</div>"
-    ]
 
 
 def gate_banner(gate: dict[str, Any] | None) -> list[str]:
@@ -178,34 +155,6 @@ def images_section(facts: dict[str, Any] | None) -> list[str]:
         + "<p>The target's image processor decides each image's vision tokens; they are context for the "
         "replies, never trained on. The draft reads them as the target's hidden states at those tokens.</p>"
     ]  # fmt: skip
-
-
-MAX_SOURCE_ROWS = 20  # source files listed; with more, those that lost the most rows
-
-
-def source_table(rows: list[dict[str, Any]]) -> str:
-    """Per source file: rows in, duplicates, each stage's quarantine with its reasons, rows out."""
-    if not rows:
-        return ""
-    stages = list(dict.fromkeys(stage for r in rows for stage in r["lost"]))
-    shown = rows
-    if len(rows) > MAX_SOURCE_ROWS:
-        lost = lambda r: (r["duplicates"] or 0) + sum(n for x in r["lost"].values() for n in x.values())  # noqa: E731
-        shown = sorted(rows, key=lost, reverse=True)[:MAX_SOURCE_ROWS]
-    body = [
-        [esc(str(r["file"])), num(r["rows_in"]), num(r["duplicates"])]
-        + [esc(", ".join(f"{reason} {n:,}" for reason, n in r["lost"].get(stage, {}).items())) for stage in stages]
-        + [num(r["rows_out"])]
-        for r in shown
-    ]
-    header = ["source file", "rows in", "duplicates", *(f"quarantined by {s}" for s in stages), "rows out"]
-    more = (
-        f"<p>The {MAX_SOURCE_ROWS} of {len(rows)} files that lost the most rows; every file's counts: "
-        "<code>counts.json</code> of the prepare stage.</p>"
-        if len(shown) < len(rows)
-        else ""
-    )
-    return "<h2>Rows lost per source file</h2>" + _table(header, body, text=(0, *range(3, 3 + len(stages)))) + more
 
 
 FIRST_SCREEN_SHARDS = 12  # beyond this, the first screen's shard table shows the spread instead

@@ -12,7 +12,6 @@ apply_chat_template gets keyword arguments; names the encoder passes itself are 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -22,6 +21,7 @@ from typing import Any
 
 from eagle3prep.config import template_kwarg_clash, template_kwargs_error
 from eagle3prep.errors import UserError
+from eagle3prep.tokenization.files import missing_tokenizer_files
 
 # The test transformers itself uses to decide whether a template tracks generation spans.
 GENERATION_RE = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
@@ -53,7 +53,8 @@ def load_tokenizer(model_path: str | os.PathLike, trust_remote_code: bool = Fals
             f"model folder {model_path} not found; set model.path to a Hugging Face model folder "
             "(or model.build_demo: true to build the demo model there)"
         )
-    check_tokenizer_files(model_path, trust_remote_code)
+    if missing := missing_tokenizer_files(model_path, trust_remote_code):
+        raise TokenizeError(missing)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code, local_files_only=True)
@@ -63,29 +64,6 @@ def load_tokenizer(model_path: str | os.PathLike, trust_remote_code: bool = Fals
             "add a tokenizer.json (a fast tokenizer) to the model folder"
         )
     return tokenizer
-
-
-# The files a tokenizer's vocabulary is read from (fast tokenizers, SentencePiece, BPE, WordPiece, tiktoken).
-VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json", "merges.txt", "vocab.txt", "*.model",
-               "*.tiktoken")  # fmt: skip
-
-
-def check_tokenizer_files(model_path: str | os.PathLike, trust_remote_code: bool = False) -> None:
-    """TokenizeError when the folder holds no vocabulary file: transformers then builds an empty tokenizer for
-    some families (Qwen2, GPT-2) and the run was refused for its chat template, then its {% generation %} block.
-    A tokenizer of the model's own code (auto_map, trust_remote_code) may read files of any name: not checked."""
-    folder = Path(model_path)
-    if any(next(folder.glob(pattern), None) for pattern in VOCAB_FILES):
-        return
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-        if trust_remote_code and "AutoTokenizer" in config.get("auto_map", {}):
-            return
-    raise TokenizeError(
-        f"{model_path}: the folder has no tokenizer files (no tokenizer.json, tokenizer.model, vocab.json and "
-        "merges.txt, vocab.txt or *.tiktoken); copy the model's tokenizer files (tokenizer.json, "
-        "tokenizer_config.json, chat_template.jinja if it has one) into the folder"
-    )
 
 
 def get_chat_template(tokenizer, model_path: str | os.PathLike) -> str:
