@@ -404,7 +404,7 @@ def test_cli_a_model_folder_without_a_tokenizer_fails_the_dry_run_in_one_line(tm
     proc = snakemake(wd, "-n", check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     [line] = error_lines(proc.stderr)
-    assert line.startswith(f"config error: model.path = '{model}' has no tokenizer that loads (")
+    assert line.startswith(f"config error: model.path = {model}: the folder has no tokenizer files (")
 
 
 @pytest.mark.integration

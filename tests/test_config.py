@@ -239,6 +239,11 @@ def test_a_model_folder_without_a_loadable_tokenizer_is_refused_at_parse_time(tm
             f.unlink()
     with pytest.raises(ConfigError) as e:  # other files than the recorded pass: checked again
         check_tokenizer(config, stamp)
+    assert str(e.value).startswith(f"config error: model.path = {model}: the folder has no tokenizer files (")
+    assert "\n" not in str(e.value)
+    (model / "tokenizer.json").write_text("{}")  # a tokenizer file that does not load: transformers' reason
+    with pytest.raises(ConfigError) as e:
+        check_tokenizer(config, stamp)
     assert str(e.value).startswith(f"config error: model.path = '{model}' has no tokenizer that loads (")
     assert "\n" not in str(e.value)
 
@@ -283,3 +288,14 @@ def test_extract_engine_args_that_still_capture_every_row_pass():
 
     check_extract_engine_args({"max_model_len": 257, "data_parallel_size": 1, "enable_prefix_caching": "false"}, 256)
     check_extract_engine_args({"max_model_len": "4096", "enforce_eager": True}, 256)
+
+
+@pytest.mark.parametrize("value", ["all", -1])
+def test_a_value_no_alternative_allows_lists_the_allowed_values(value):
+    """validate.sample_rows: all said "'all' is not valid under any of the given schemas", naming no value."""
+    with pytest.raises(ConfigError) as e:
+        validate_config(base(validate={"sample_rows": value}))
+    assert str(e.value).startswith(
+        f"config error: validate.sample_rows = {value!r} is not allowed; choose an integer >= 0 or 'auto'"
+    )
+    assert "not valid under any of the given schemas" not in str(e.value) and "\n" not in str(e.value)

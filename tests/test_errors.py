@@ -81,3 +81,26 @@ def test_a_rerun_removes_what_the_earlier_built_in_path_staged_before_the_engine
     with pytest.raises(RuntimeError, match="no engine here"):
         extract.extract_shard(str(tokens), str(shard), spec, ExtractSettings.defaults(), 0, facts=facts)
     assert seen == [[]]
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RuntimeError("Device string must not be empty"),  # vLLM 0.26 (CUDA build), no GPU: torch.device("")
+        RuntimeError("Failed to infer device type"),  # older vLLM's DeviceConfig, the same host
+    ],
+)
+@pytest.mark.parametrize("section", ["extract", "regenerate"])
+def test_vllm_on_a_host_without_a_gpu_says_so_in_one_line(exc, section):
+    """It read "vLLM 0.26.0 could not start ...: Device string must not be empty; the engine's traceback is in the
+    log above", with no traceback there: the driver raised it before any child started."""
+    from eagle3prep.vllm_common.errors import engine_error
+
+    err = engine_error(exc, "", version="0.26.0", arch="LlamaForCausalLM", path="hooks", section=section)
+    text = str(err)
+    assert "\n" not in text and "traceback" not in text
+    assert "vLLM 0.26.0 finds no usable GPU on this host" in text
+    assert str(exc) in text  # what vLLM said, for a search
+    assert err.any_path  # the other capture path would fail the same way: no second engine start
+    if section == "extract":
+        assert "extract.backend: hf" in text

@@ -85,3 +85,11 @@ def test_plan_run_reads_layers_and_hidden_size_from_the_model(tmp_path, demo_mod
 def test_a_throughput_of_zero_is_a_config_error():
     with pytest.raises(ConfigError, match="plan.tokens_per_s = 0"):
         validate_config({"data": {"sources": ["x"]}, "model": {"path": "m"}, "plan": {"tokens_per_s": 0}})
+
+
+def test_one_shard_is_singular(tmp_path):
+    """It printed "at most 1 shards" (and "1 shards" in the table's header) for a small run."""
+    sizes = [{"shard": 0, "rows": 10, "tokens": 3000}]
+    text = format_plan(make_plan(sizes, 4, 4096, "bfloat16", tmp_path, tokens_per_s=100.0, engine_start_s=60.0))
+    assert "at most 1 shard for 3,000 tokens" in text and text.startswith("eagle3prep plan: 1 shard, ")
+    assert "1 shards" not in text

@@ -406,6 +406,8 @@ def test_json_list(tmp_path, run):
         ('{"data": []}', r"a\.json: expected a top-level JSON list .* found an object with keys \[data\]"),
         ('[{"messages": [}]', r"a\.json: invalid JSON at line 1 column 16: Expecting value$"),
         ("[1]\n[2]\n", r"a\.json: invalid JSON at line 2 column 1: Extra data .*named \.jsonl\)$"),
+        # json ends this message with "at"; the position is said once ("starting at at column" before)
+        ('[{"messages": "hi', r"a\.json: invalid JSON at line 1 column 15: Unterminated string starting there$"),
     ],
 )
 def test_json_file_errors_are_one_line(tmp_path, text, match):
@@ -586,3 +588,13 @@ def test_snakemake_script_passes_allow_no_user_turn(tmp_path, monkeypatch, allow
         assert "2 rows in, 2 kept, 0 duplicates, 0 quarantined" in log
     else:
         assert "2 rows in, 1 kept, 0 duplicates, 1 quarantined (no_user_turn 1)" in log
+
+
+def test_a_jsonl_line_that_does_not_parse_names_its_column_once(tmp_path, run):
+    """json ends some messages with "at" ("Unterminated string starting at"): the detail read "at at column"."""
+    src = write_jsonl(tmp_path / "a.jsonl", [openai(), '{"messages": "hi', '{"messages": "a\tb"}'])
+    _, _, quar = run([src])
+    assert [(q["reason"], q["detail"]) for q in quar] == [
+        ("invalid_json", "Unterminated string starting at column 14"),
+        ("invalid_json", "Invalid control character at column 16"),
+    ]

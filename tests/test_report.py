@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import html
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -236,7 +238,7 @@ def test_length_histogram_marks_the_truncation_cap(monkeypatch):
     plots.distributions(rows, 128, 3)
     ax = figs[0].axes[0]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert "max_seq_len 128" in labels and "at max_seq_len (3 rows cut to it)" in labels
+    assert "max_seq_len 128" in labels and "at max_seq_len: 3 rows (3 cut to it)" in labels
     cap_bars = [p for p in ax.patches if p.get_height() > 0 and p.get_x() >= 128]
     assert [p.get_height() for p in cap_bars] == [3]  # the cap's rows are one bar of their own, not mixed with 127
 
@@ -301,3 +303,169 @@ def test_page_links_the_quality_measurement(tmp_path):
     doc.write_text("x")
     assert f"href='{doc.as_uri()}'" in quality_note(doc)
     assert (Path(__file__).parents[1] / "docs/evidence.md").as_uri() in quality_note()  # the repository's own
+
+
+def test_funnel_notes_rows_that_end_in_a_user_turn():
+    """Such a row is kept and its replies trained on, but its last user message is context no reply follows."""
+    counts = {"totals": {"rows_in": 5, "duplicates": 0, "kept": 5, "files": 1, "quarantined": {}}}
+    stats = {"rows": 5, "tokens": 500, "max_seq_len": 64, "quarantined": {}}
+    assert not any("user turn" in step for step, _, _ in rd.funnel(counts, stats))
+    steps = {step: (n, note) for step, n, note in rd.funnel(counts, {**stats, "trailing_user_rows": 2})}
+    n, note = steps["ending in a user turn (kept)"]
+    assert n == 2 and note.startswith("40.0% of rows; the last user message has no reply after it")
+
+
+# ---- the reference plot when every layer sits at one value; provenance; the length legend; losses per source;
+# tool calls quarantined (run before the fix, each of these failed: see the commit message)
+
+DEMO_MARGINS = {  # the demo run's: every layer within 0.002 of 0.25 on every shard (captured == floor run)
+    "2": [0.25043, 0.25050, 0.25049, 0.25055],
+    "4": [0.25101, 0.25044, 0.25082, 0.25158],
+    "5": [0.25161, 0.25068, 0.25092, 0.25190],
+    "8": [0.25147, 0.25106, 0.25140, 0.25136],
+}
+
+
+def test_reference_plot_keeps_layers_apart_when_they_all_sit_at_one_value(monkeypatch):
+    """Not equal to three digits, so they were drawn on top of each other: one line, three of four layers hidden."""
+    plots, figs = _figures(monkeypatch)
+    plots.reference_margin(DEMO_MARGINS, 4)
+    ax = figs[0].axes[0]
+    layer_lines = [line for line in ax.lines if line.get_label().startswith("layer ")]
+    xs = [tuple(line.get_xdata()) for line in layer_lines]
+    assert len(layer_lines) == 4 and len(set(xs)) == 4  # side by side: each visible
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any(t.startswith("layers 2, 4, 5, 8: 0.250–0.252") for t in labels), labels
+
+
+def test_layers_far_apart_are_not_moved(monkeypatch):
+    plots, figs = _figures(monkeypatch)
+    plots.reference_margin({"2": [0.25, 0.3], "4": [0.6, 0.7]}, 2)
+    xs = {tuple(line.get_xdata()) for line in figs[0].axes[0].lines if line.get_label().startswith("layer ")}
+    assert xs == {(0, 1)}
+
+
+def test_length_legend_counts_the_rows_its_bar_holds(monkeypatch):
+    """The red bar holds every row at max_seq_len; the legend said "25 rows cut to it" over a bar of 27 (two rows
+    were exactly max_seq_len long, not cut)."""
+    import pandas as pd
+
+    plots, figs = _figures(monkeypatch)
+    rows = pd.DataFrame({"seq_len": [40, 60, 90, 127, 128, 128, 128], "mask_share": [0.5] * 7})
+    plots.distributions(rows, 128, truncated_rows=2)
+    ax = figs[0].axes[0]
+    [cap] = [p for p in ax.patches if p.get_height() > 0 and p.get_x() >= 128]
+    [label] = [t.get_text() for t in ax.get_legend().get_texts() if t.get_text().startswith("at max_seq_len")]
+    assert cap.get_height() == 3 and label == "at max_seq_len: 3 rows (2 cut to it)"
+
+
+def _provenance_ctx(reports):
+    from eagle3prep.report import data
+
+    return {
+        "dataset": {"model": {}, "tokenizer": {}, "engine": {}, "dtype": "bfloat16", "hidden_size": 128,
+                    "num_hidden_layers": 8, "sources": ["a.jsonl"]},
+        "stats": {}, "export": None, "code_versions": {"1"}, "reports": reports,
+        "reference_line": data.reference_summary(reports),
+    }  # fmt: skip
+
+
+def test_provenance_names_the_reference_run_and_the_floor_run():
+    """It said "54 of 91 rows recomputed with transformers bfloat16 on cpu": the floor run, under "validation
+    reference", and no word of the float32 reference every capture is compared with."""
+    from eagle3prep.report import page
+
+    sample = {"rows": 54, "of": 91, "miss_probability": 0.009}
+    v = {"reference_mode": "full", "reference_sample": sample, "reference_floor": "transformers bfloat16 on cpu"}
+    rows = dict(re.findall(r"<tr><td class='l'>([^<]*)</td><td class='l'>(.*?)</td></tr>", page.provenance_table(
+        _provenance_ctx([v]))))  # fmt: skip
+    assert rows["validation reference"].startswith("transformers float32 on cpu (exact): 54 of 91 rows recomputed")
+    assert rows["validation floor run"].startswith("transformers bfloat16 on cpu: the same forward at the capture")
+    exact = {**v, "reference_floor": "none (fp32 on a CPU: the reference is exact)"}  # an fp32 capture on a CPU
+    rows = dict(re.findall(r"<tr><td class='l'>([^<]*)</td><td class='l'>(.*?)</td></tr>", page.provenance_table(
+        _provenance_ctx([exact]))))  # fmt: skip
+    assert rows["validation reference"].startswith("transformers float32 on cpu (exact)")
+    assert rows["validation floor run"].startswith("none (fp32 on a CPU: the reference is exact)")
+
+
+def _write_quarantine(path: Path, entries: list[tuple[str, str, str]]) -> None:
+    """Quarantine lines of (reason, detail, the conversation's source "file:line")."""
+    lines = [
+        {"file": "conversations.jsonl", "line": i + 1, "reason": r, "detail": d, "record": {"id": "x", "source": s}}
+        for i, (r, d, s) in enumerate(entries)
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def _counts(files: list[dict]) -> dict:
+    totals = {k: sum(f[k] for f in files) for k in ("rows_in", "kept", "duplicates")}
+    reasons = {r for f in files for r in f["quarantined"]}
+    totals["quarantined"] = {r: sum(f["quarantined"].get(r, 0) for f in files) for r in sorted(reasons)}
+    return {"files": files, "totals": {**totals, "files": len(files)}}
+
+
+TOOL_DETAIL = "the chat template does not render tool turns: the call's name, its arguments"
+
+
+def test_rows_lost_per_source_file(tmp_path):
+    """A run of several sources told only the totals: which file lost its rows, and why, was not on the page."""
+    from eagle3prep.report import tables
+
+    counts = _counts([
+        {"file": "a.jsonl", "rows_in": 10, "kept": 7, "duplicates": 1, "quarantined": {"invalid_json": 2}},
+        {"file": "tools.jsonl", "rows_in": 5, "kept": 5, "duplicates": 0, "quarantined": {"invalid_json": 0}},
+    ])  # fmt: skip
+    quarantine = tmp_path / "quarantine.jsonl"
+    _write_quarantine(quarantine, [("no_assistant_tokens", "cut", "a.jsonl:3")]
+                      + [("tool_turns_unsupported_by_template", TOOL_DETAIL, f"tools.jsonl:{i}") for i in (1, 2, 4)])  # fmt: skip
+    rows = rd.source_losses(counts, {"tokenize": rd.quarantine_facts(quarantine)})
+    assert rows == [
+        {"file": "a.jsonl", "rows_in": 10, "duplicates": 1, "lost": {"prepare": {"invalid_json": 2},
+                                                                      "tokenize": {"no_assistant_tokens": 1}}, "rows_out": 6},
+        {"file": "tools.jsonl", "rows_in": 5, "duplicates": 0,
+         "lost": {"prepare": {}, "tokenize": {"tool_turns_unsupported_by_template": 3}}, "rows_out": 2},
+    ]  # fmt: skip
+    html = tables.source_table(rows)
+    assert "<td class='l'>tools.jsonl</td><td>5</td><td>0</td><td class='l'></td>" in html
+    assert "tool_turns_unsupported_by_template 3</td><td>2</td>" in html
+
+
+def test_a_banner_says_how_many_tool_call_conversations_were_quarantined_and_why(tmp_path):
+    from eagle3prep.report import page, tables
+
+    quarantine = tmp_path / "quarantine.jsonl"
+    _write_quarantine(
+        quarantine, [("tool_turns_unsupported_by_template", TOOL_DETAIL, f"t.jsonl:{i}") for i in (1, 2, 3)]
+    )
+    counts = {"totals": {"quarantined": {"invalid_tool_call": 1, "invalid_json": 4}}}
+    stats = {"quarantined": {"tool_turns_unsupported_by_template": 3, "no_assistant_tokens": 2}}
+    tools = rd.tool_quarantine(counts, stats, {"tokenize": rd.quarantine_facts(quarantine)})
+    assert tools == {"total": 4, "stages": [
+        ("prepare", "invalid_tool_call", 1, None),
+        ("tokenize", "tool_turns_unsupported_by_template", 3, ("t.jsonl:1", TOOL_DETAIL)),
+    ]}  # fmt: skip
+    ctx = {"reference_skipped": [], "reports": [], "margins": {}, "tool_quarantine": tools}
+    [banner] = [b for b in page.banners(ctx) if "tool calls" in b]
+    assert banner.startswith("<div class='banner warn'>4 conversations with tool calls were quarantined")
+    assert (
+        f"3 by tokenize as tool_turns_unsupported_by_template ({html.escape(TOOL_DETAIL)}; the first from t.jsonl:1)"
+        in banner
+    )
+    assert "1 by prepare as invalid_tool_call (a tool call without a function name" in banner
+    one = {"total": 1, "stages": [("prepare", "invalid_tool_call", 1, None)]}
+    assert "1 conversation with tool calls was quarantined" in tables.tool_banner(one)[0]
+    assert rd.tool_quarantine({"totals": {"quarantined": {}}}, {"quarantined": {}}, {}) is None
+
+
+def test_values_at_zero_are_not_cut_by_the_axis(monkeypatch):
+    """A layer at 0 (the capture equal to the reference; no outlier token) sat on the x axis, its marker cut in half:
+    the flat line read as no data. Both plots leave a margin below 0."""
+    plots, figs = _figures(monkeypatch)
+    zero = {lid: [0.0, 0.0, 0.0] for lid in ("2", "4", "5", "8")}
+    plots.reference_margin(zero, 3)
+    plots.layer_stats({"mean": zero, "std": zero, "max_abs": zero, "outlier_share": zero}, 3)
+    reference, outliers = figs[0].axes[0], figs[1].axes[3]
+    for ax in (reference, outliers):
+        bottom, top = ax.get_ylim()
+        assert -0.1 * top < bottom < 0 < top
+    assert reference.get_ylim()[1] == 1.2  # the bound stays in view

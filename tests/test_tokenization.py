@@ -568,3 +568,45 @@ def test_tool_probe_sentinels_are_new_words_and_text_arguments_are_probed_whole(
     call = probe[1]["tool_calls"][0]["function"]
     assert (call["name"], call["arguments"], probe[2]["content"], probe_tools[0]["function"]["name"]) == tuple(words)
     assert messages[1]["tool_calls"][0]["function"]["name"] == "w"  # the conversation itself is left as it was
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_a_model_folder_without_tokenizer_files_is_refused_naming_them(tmp_path, demo_model_dir, model_type):
+    """A Qwen2 folder of config.json and weights only loaded an empty tokenizer (transformers builds one from
+    nothing), then was refused for its chat template; with a template copied in, for its {% generation %} block."""
+    from eagle3prep.tokenization import load_tokenizer
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": ["X"]}))
+    (folder / "chat_template.jinja").write_text(demo_template(demo_model_dir))
+    with pytest.raises(TokenizeError) as e:
+        load_tokenizer(folder)
+    text = str(e.value)
+    assert text.startswith(f"{folder}: the folder has no tokenizer files (no tokenizer.json, tokenizer.model, ")
+    assert "chat template" not in text and "generation" not in text and "\n" not in text
+
+
+def test_rows_that_end_in_a_user_turn_are_counted(tmp_path, demo_model_dir):
+    """Kept (their earlier replies are trained on), but the last user message is context no reply follows:
+    stats.json counts them for the report, and a run without them keeps its stats.json keys."""
+    trailing = conv(("How do I fix a chain?", "Clean it, then oil it."), ("And the brakes?", None))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    *_, stats, _, _ = run(tmp_path / "a", demo_model_dir, [*MIXED[:3], trailing])
+    assert stats["rows"] == 4 and stats["trailing_user_rows"] == 1
+    *_, stats, _, _ = run(tmp_path / "b", demo_model_dir, MIXED[:3])
+    assert "trailing_user_rows" not in stats
+
+
+def test_a_tokenizer_of_the_models_own_code_is_not_held_to_the_file_names(tmp_path):
+    """Its code may read a vocabulary of any name: only with trust_remote_code does the folder pass unread."""
+    from eagle3prep.tokenization.files import missing_tokenizer_files
+
+    config = {"auto_map": {"AutoTokenizer": ["tokenization_x.XTokenizer", None]}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "x.vocab").write_text("{}")
+    assert missing_tokenizer_files(tmp_path, trust_remote_code=True) is None
+    assert "the folder has no tokenizer files" in missing_tokenizer_files(tmp_path, trust_remote_code=False)
+    (tmp_path / "spiece.model").write_bytes(b"x")  # a SentencePiece vocabulary under its T5 name
+    assert missing_tokenizer_files(tmp_path, trust_remote_code=False) is None

@@ -58,10 +58,27 @@ def _one_line(error) -> str:
         where = f"{key}.{missing}" if error.absolute_path else str(missing)
         desc = sub.get("properties", {}).get(missing, {}).get("description", "")
         return f"config error: {where} is required and missing" + (f" ({desc.rstrip('.')})" if desc else "")
+    if error.validator in ("oneOf", "anyOf"):  # jsonschema's "not valid under any of the given schemas" names none
+        choices = " or ".join(_alternative(s) for s in sub[error.validator])
+        desc = f" ({sub['description']})" if "description" in sub else ""
+        return f"config error: {key} = {error.instance!r} is not allowed; choose {choices}{desc}"
     if error.validator in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minItems"):
         return f"config error: {key} = {error.instance!r}: {error.message}"
     desc = f" ({sub['description']})" if "description" in sub else ""
     return f"config error: {key} = {error.instance!r}: {error.message}{desc}"
+
+
+def _alternative(schema: dict[str, Any]) -> str:
+    """One branch of a oneOf/anyOf in words: its values ('auto'), or its type and bounds (an integer >= 0)."""
+    if "enum" in schema:
+        return " or ".join(repr(v) for v in schema["enum"])
+    if "const" in schema:
+        return repr(schema["const"])
+    kind = schema.get("type", "value")
+    kind = " or ".join(kind) if isinstance(kind, list) else str(kind)
+    ops = (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<"))
+    bounds = " and ".join(f"{op} {schema[k]}" for k, op in ops if k in schema)
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}" + (f" {bounds}" if bounds else "")
 
 
 _TRUE, _FALSE, _NULL = ("true", "yes", "on"), ("false", "no", "off"), ("null", "none", "~")

@@ -148,7 +148,7 @@ def format_plan(plan: dict[str, Any], num_shards_key: str = "tokenize.num_shards
 def _table(plan: dict[str, Any]) -> list[str]:
     """The plan's first line (what each token stores) and one line per shard."""
     lines = [
-        f"eagle3prep plan: {plan['num_shards']} shards, {plan['rows']:,} rows, {plan['tokens']:,} tokens; "
+        f"eagle3prep plan: {_shards(plan['num_shards'])}, {plan['rows']:,} rows, {plan['tokens']:,} tokens; "
         f"each token stores {plan['num_layers']} layers x hidden {plan['hidden_size']} in "
         + ("FP8 e4m3 with a float32 scale per layer" if plan.get("storage") == "fp8_e4m3" else plan["dtype"]),
         "",
@@ -214,11 +214,15 @@ def _time(plan: dict[str, Any], num_shards_key: str) -> list[str]:
         + f", {plan['job_hours_total']:.2f} for every shard, at {plan['tokens_per_s']:,} tokens/s and "
         f"{plan['engine_start_s']:g} s engine start-up per job",
         f"shard size: start-up stays under {rec['max_start_share']:.0%} of a job with at least "
-        f"{rec['min_tokens_per_shard']:,} tokens per shard, i.e. at most {rec['max_num_shards']} shards for "
+        f"{rec['min_tokens_per_shard']:,} tokens per shard, i.e. at most {_shards(rec['max_num_shards'])} for "
         f"{plan['tokens']:,} tokens; now {num_shards_key} = {plan['num_shards']}, whose smallest shard spends "
         f"{plan['start_share_worst']:.1%} of its time starting up"
         + (" (fewer shards would waste less)" if plan["num_shards"] > rec["max_num_shards"] else ""),
     ]
+
+
+def _shards(n: int) -> str:
+    return f"{n} shard" + "s" * (n != 1)
 
 
 def _duration(seconds: float) -> str:

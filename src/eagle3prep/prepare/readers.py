@@ -89,7 +89,7 @@ class JsonlReader:
         try:
             record = json.loads(text)
         except json.JSONDecodeError as e:
-            yield RawRecord(lineno, text, "invalid_json", f"{e.msg} at column {e.colno}")
+            yield RawRecord(lineno, text, "invalid_json", f"{e.msg.removesuffix(' at')} at column {e.colno}")
             return
         except RecursionError:
             yield RawRecord(lineno, text[:PREFIX_BYTES], "invalid_json", "JSON nested too deeply to parse")
@@ -116,7 +116,9 @@ class JsonReader:
             records = json.loads(text)
         except json.JSONDecodeError as e:
             hint = " (a file of one JSON record per line must be named .jsonl)" if e.msg == "Extra data" else ""
-            raise InputError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}{hint}") from None
+            # json ends some messages with "at" ("Unterminated string starting at"): the position is said first
+            msg = e.msg.removesuffix(" at") + (" there" if e.msg.endswith(" at") else "")
+            raise InputError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {msg}{hint}") from None
         except RecursionError:
             raise InputError(f"{path}: JSON nested too deeply to parse") from None
         if not isinstance(records, list):

@@ -165,6 +165,7 @@ def build_report(
     row_stats = _row_stats(tokenized)
     coverage = data.vocab_coverage(data.load_json(token_freq_path))
     ctx = _page_context(dataset, stats, counts, reports, summary, margins, row_stats, coverage)
+    ctx.update(_quarantine_context(counts, stats, counts_path, stats_path))
     ctx.update(outlier_note=outlier_note, code_versions={str(m.code_version) for m in manifests},
                export=_export_facts(export_dir), overfit_gate=data.load_json(overfit_gate) if overfit_gate else None)  # fmt: skip
     # The tokenizer the rows were made with (trust_remote_code as the shards recorded it).
@@ -190,6 +191,22 @@ def _layer_series(shard_dirs: list[str], reports: list[dict[str, Any]]) -> tuple
            f"share over up to {data.OUTLIER_SAMPLE_TOKENS:,} sampled tokens per layer and shard.")
     )  # fmt: skip
     return outlier_note, data.layer_stat_series(reports, outliers)
+
+
+def _quarantine_context(counts: dict[str, Any], stats: dict[str, Any], counts_path: str, stats_path: str) -> dict:
+    """Rows lost per source file and the tool-call quarantine, from the quarantine.jsonl beside each stage's counts
+    (prepare's or the regenerate stage's beside counts.json, tokenize's beside stats.json)."""
+    later = {"tokenize": data.quarantine_facts(Path(stats_path).parent / "quarantine.jsonl")}
+    beside_counts = Path(counts_path).parent / "quarantine.jsonl"
+    if counts.get("stage") == "regenerate":
+        later = {"regenerate": data.quarantine_facts(beside_counts), **later}
+        prepare = {}  # prepare's quarantine is not among the report's inputs then: its counts say enough
+    else:  # prepare's file holds every bad raw record: only its tool-call lines are read
+        prepare = {"prepare": data.quarantine_facts(beside_counts, reasons=("invalid_tool_call",))}
+    return {
+        "source_losses": data.source_losses(counts, later),
+        "tool_quarantine": data.tool_quarantine(counts, stats, {**prepare, **later}),
+    }
 
 
 def _page_context(dataset, stats, counts, reports, summary, margins, row_stats, coverage) -> dict[str, Any]:

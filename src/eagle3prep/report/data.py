@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,9 @@ def funnel(counts: dict[str, Any], stats: dict[str, Any]) -> list[tuple[str, int
     out.append(
         (f"truncated to {stats.get('max_seq_len', '?')} tokens (kept)", trunc, f"{share(trunc, rows)} of rows; {note}")
     )
+    if trailing := stats.get("trailing_user_rows"):  # kept: their replies are trained on; the last turn is not
+        note = "the last user message has no reply after it: its tokens are context, never trained on"
+        out.append(("ending in a user turn (kept)", trailing, f"{share(trailing, rows)} of rows; {note}"))
     out.append(("rows out (tokenized, captured)", rows, f"{stats['tokens']:,} tokens"))
     return out
 
@@ -232,6 +236,111 @@ def reference_summary(reports: list[dict[str, Any]]) -> str:
         f"{rows:,} of {of:,} rows recomputed with {', '.join(floors) or 'no reference'}; "
         f"worst shard's chance of missing a mistake on 5 % of its rows: {miss:.1%}"
     )
+
+
+def reference_runs(reports: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """The two recomputations validation compares a capture with, each in words: the reference (transformers in
+    float32, exact) with how many rows were recomputed, and the floor run (the same forward at the capture's
+    precision, whose error sets each row's bound). None when no row was recomputed against them."""
+    from ..validate.passrule import FLOOR_FACTOR
+
+    sampled = [v["reference_sample"] for v in reports if v.get("reference_sample")]
+    floors = sorted({str(v["reference_floor"]) for v in reports if v.get("reference_floor")})
+    scalable = any(v.get("reference_mode") == "scalable" for v in reports)
+    if not sampled or not (floors or scalable):
+        return None
+    rows, of = sum(s["rows"] for s in sampled), sum(s["of"] for s in sampled)
+    miss = max(s.get("miss_probability", 0.0) for s in sampled)
+    counted = (
+        f"{rows:,} of {of:,} rows recomputed; worst shard's chance of missing a mistake on 5 % of its rows: {miss:.1%}"
+    )
+    if scalable:
+        return f"the window and logits checks (validate.reference: scalable): {counted}", ", ".join(floors) or "none"
+    # ReferencePair.describe: "transformers <dtype> on <device>", or "none (fp32 on a CPU: ...)"; the exact
+    # reference runs on the same device.
+    devices = {m.group(1) for f in floors if (m := re.search(r" on (\w+)$", f))}
+    devices |= {"cpu"} if any(f.startswith("none") for f in floors) else set()
+    floor = "; ".join(
+        f if f.startswith("none") else f"{f}: the same forward at the capture's precision; each row's bound is at least "
+        f"{FLOOR_FACTOR:g}x this run's error on it"
+        for f in floors
+    )  # fmt: skip
+    return f"transformers float32 on {', '.join(sorted(devices))} (exact): {counted}", floor
+
+
+# The quarantine reasons of conversations with tool calls or tool schemas, per stage (prepare.errors,
+# regenerate.counts, tokenization.template.TOOL_REASON), and what each means when no record says more.
+TOOL_REASONS = {
+    ("prepare", "invalid_tool_call"): "a tool call without a function name, or tool calls or tools that are not JSON",
+    ("regenerate", "tool_turns"): "regenerate.turns: all on a conversation with tool calls or results",
+    ("tokenize", "tool_turns_unsupported_by_template"): "the chat template does not render tool turns",
+}
+
+
+def quarantine_facts(path: str | Path, reasons: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """One stage's quarantine.jsonl: {"by_source": {source file: {reason: n}}, "first": {reason: (where, detail)}},
+    `where` the conversation's source ("file:line") when the record has one. `reasons`: only those are read (a
+    line that does not name one is not parsed: prepare's file holds every bad raw record). A missing file: empty."""
+    by_source: dict[str, dict[str, int]] = {}
+    first: dict[str, tuple[str, str]] = {}
+    if not Path(path).is_file():
+        return {"by_source": by_source, "first": first}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if reasons is not None and not any(r in line for r in reasons):
+                continue
+            try:
+                q = json.loads(line)
+                reason, record = str(q["reason"]), q.get("record")
+            except (ValueError, KeyError, TypeError):
+                continue  # not a quarantine line: the stage's own check owns that file
+            if reasons is not None and reason not in reasons:
+                continue
+            source = record.get("source") if isinstance(record, dict) else None
+            file = str(source).rsplit(":", 1)[0] if source else "(no source recorded)"
+            by_source.setdefault(file, {})
+            by_source[file][reason] = by_source[file].get(reason, 0) + 1
+            first.setdefault(reason, (str(source or f"{q.get('file')}:{q.get('line')}"), str(q.get("detail", ""))))
+    return {"by_source": by_source, "first": first}
+
+
+def source_losses(counts: dict[str, Any], later: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per source file: rows in, duplicates, what each stage quarantined ({stage: {reason: n}}; prepare's from
+    counts.json, later stages' from `later`, {stage: quarantine_facts}) and the rows it still gives."""
+    out = []
+    files = prepared_counts(counts).get("files", [])
+    for f in files:
+        lost = {"prepare": {r: n for r, n in f["quarantined"].items() if n}}
+        lost |= {stage: dict(sorted(facts["by_source"].get(f["file"], {}).items())) for stage, facts in later.items()}
+        later_lost = sum(n for stage, reasons in lost.items() if stage != "prepare" for n in reasons.values())
+        out.append({"file": f["file"], "rows_in": f["rows_in"], "duplicates": f["duplicates"], "lost": lost,
+                    "rows_out": f["kept"] - later_lost})  # fmt: skip
+    known = {f["file"] for f in files}
+    for stage, facts in later.items():  # conversations whose source names no file of prepare's (none expected)
+        for file, reasons in facts["by_source"].items():
+            if file not in known:
+                out.append({"file": file, "rows_in": None, "duplicates": None, "lost": {stage: reasons},
+                            "rows_out": None})  # fmt: skip
+    return out
+
+
+def tool_quarantine(
+    counts: dict[str, Any], stats: dict[str, Any], facts: dict[str, dict[str, Any]]
+) -> dict[str, Any] | None:
+    """How many conversations with tool calls each stage quarantined and why: {"total", "stages": [(stage, reason,
+    n, (where, detail) of the first or None)]}; None when no stage quarantined one. `facts`: {stage:
+    quarantine_facts} where read."""
+    quarantined = {
+        "prepare": prepared_counts(counts)["totals"].get("quarantined", {}),
+        "regenerate": counts["totals"].get("quarantined", {}) if counts.get("stage") == "regenerate" else {},
+        "tokenize": stats.get("quarantined", {}),
+    }
+    stages = [
+        (stage, reason, n, facts.get(stage, {}).get("first", {}).get(reason))
+        for stage, reason in TOOL_REASONS
+        if (n := quarantined[stage].get(reason, 0))
+    ]
+    return {"total": sum(n for _, _, n, _ in stages), "stages": stages} if stages else None
 
 
 def vocab_coverage(token_freq: dict[str, int], sizes: tuple[int, ...] = DRAFT_VOCAB_SIZES) -> dict[str, Any]:

@@ -12,6 +12,8 @@ from typing import Any
 
 from ..infra.atomic import atomic_open
 from . import data
+from .tables import source_table, tool_banner
+from .tables import table as _table
 
 # A layer whose worst sampled row reaches this share of its bound is flagged before it fails.
 NEAR_MISS = 0.8
@@ -57,14 +59,6 @@ def _nan(x: Any) -> bool:
     return isinstance(x, float) and math.isnan(x)
 
 
-def _table(header: list[str], rows: list[list[str]], text: tuple[int, ...] = (0,)) -> str:
-    """Cells are already escaped HTML; columns in `text` are left-aligned and wrap, numbers align right."""
-    cls = lambda i: " class='l'" if i in text else ""  # noqa: E731
-    head = "".join(f"<th{cls(i)}>{h}</th>" for i, h in enumerate(header))
-    body = "".join("<tr>" + "".join(f"<td{cls(i)}>{c}</td>" for i, c in enumerate(r)) + "</tr>" for r in rows)
-    return f"<table>{head and f'<tr>{head}</tr>'}{body}</table>"
-
-
 def banners(ctx: dict[str, Any]) -> list[str]:
     """Red or amber lines for what must not be missed: a skipped reference check, failed checks, near misses."""
     out = []
@@ -89,7 +83,7 @@ def banners(ctx: dict[str, Any]) -> list[str]:
         )
     if not out:
         out.append("<div class='banner good'>Every check passed on every shard, the reference check included.</div>")
-    return out
+    return out + tool_banner(ctx.get("tool_quarantine"))
 
 
 def gate_banner(gate: dict[str, Any] | None) -> list[str]:
@@ -258,11 +252,25 @@ def provenance_table(ctx: dict[str, Any]) -> str:
             ),
         ),
         ("code version", esc(", ".join(sorted(ctx["code_versions"])))),
-        ("validation reference", esc(ctx["reference_line"])),
+        *reference_rows(ctx),
         ("speculators export", export_line),
         ("sources", esc(", ".join(map(str, d.get("sources") or [])))),
     ]
     return _table([], [[k, v] for k, v in rows], text=(0, 1))
+
+
+def reference_rows(ctx: dict[str, Any]) -> list[tuple[str, str]]:
+    """Provenance of validation: which run is the reference and which the floor run (whose error sets the bound);
+    one line when no row was recomputed."""
+    runs = data.reference_runs(ctx["reports"])
+    if runs is None:
+        return [("validation reference", esc(ctx["reference_line"]))]
+    reference, floor = runs
+    skipped = ctx.get("reference_skipped")
+    return [
+        ("validation reference", esc(reference + (f"; SKIPPED on shards {skipped}" if skipped else ""))),
+        ("validation floor run", esc(floor)),
+    ]
 
 
 def coverage_table(cov: dict[str, Any]) -> str:
@@ -348,7 +356,7 @@ def write_page(path: str, ctx: dict[str, Any], figs: dict[str, str]) -> None:
         "<!doctype html><html><head><meta charset='utf-8'><title>eagle3prep report</title>",
         f"<style>{STYLE}</style></head><body>",
         "<h1>eagle3prep dataset report</h1>",
-        f"<p>{d['rows']:,} rows, {d['tokens']:,} tokens in {len(d['shards'])} shards of "
+        f"<p>{d['rows']:,} rows, {d['tokens']:,} tokens in {len(d['shards'])} shard{'s' * (len(d['shards']) != 1)} of "
         f"<code>{esc(str(d['model'].get('path')))}</code> hidden states, layer ids {esc(str(d['layer_ids']))}, "
         f"{esc(d['dtype'])}.</p>",
         *banners(ctx),
@@ -359,6 +367,7 @@ def write_page(path: str, ctx: dict[str, Any], figs: dict[str, str]) -> None:
         "</div><div style='flex:0 0 auto'><h2>Tokens per shard</h2>",
         shard_tokens_table(ctx["summary"]),
         "</div></div>",
+        source_table(ctx.get("source_losses", [])),
         *images_section(ctx.get("images")),
         "<h2>Validation: every check per shard (hover a cell for its detail)</h2>",
         check_grid_table(cols, grid),

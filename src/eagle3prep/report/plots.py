@@ -44,23 +44,40 @@ def _legend_outside(ax) -> None:
 MARKERS = "os^Dv<>p"
 
 
-def coinciding(series: dict[str, list[float | None]], digits: int = 3) -> list[list[str]]:
-    """Groups of layers whose values agree on every shard (to `digits` significant digits): their lines
-    would draw as one."""
-    groups: dict[tuple, list[str]] = {}
-    for lid, values in series.items():
-        key = tuple(None if v is None else float(f"{v:.{digits}g}") for v in values)
-        groups.setdefault(key, []).append(lid)
-    return [g for g in groups.values() if len(g) > 1]
+def coinciding(series: dict[str, list[float | None]], digits: int = 3, tol: float = 0.0) -> list[list[str]]:
+    """Groups of layers whose values agree on every shard (to `digits` significant digits, or within `tol`):
+    their lines would draw as one."""
+
+    def same(a: list[float | None], b: list[float | None]) -> bool:
+        return all(
+            (x is None) == (y is None)
+            and (x is None or float(f"{x:.{digits}g}") == float(f"{y:.{digits}g}") or abs(x - y) <= tol)
+            for x, y in zip(a, b, strict=True)
+        )
+
+    groups: list[list[str]] = []
+    for lid, values in series.items():  # each layer joins the first group it agrees with on every member
+        group = next((g for g in groups if all(same(values, series[m]) for m in g)), None)
+        if group is None:
+            groups.append([lid])
+        else:
+            group.append(lid)
+    return [g for g in groups if len(g) > 1]
 
 
 DODGE = 0.07  # shards apart: layers with equal values drawn side by side, within one shard's slot
+# Reference margins closer than this share of the axis's height draw as one line at the figure's size (about 3 px
+# of its 2.4 inches): such layers are drawn side by side too.
+NEAR = 0.02
+# Axes that start at 0 start this share of their height below it: a marker at 0 (a capture equal to its reference,
+# no outlier token) is drawn whole, not cut in half by the axis as if there were no data.
+BELOW_ZERO = 0.05
 
 
-def _series(ax, series: dict[str, list[float | None]], label: str) -> list[list[str]]:
-    """One line per layer, each its own marker; layers with equal values are moved apart along x
-    (by DODGE) so each stays visible. Returns those groups, for a note in the legend."""
-    groups = coinciding(series)
+def _series(ax, series: dict[str, list[float | None]], label: str, tol: float = 0.0) -> list[list[str]]:
+    """One line per layer, each its own marker; layers with equal values (within `tol`) are moved apart along
+    x (by DODGE) so each stays visible. Returns those groups, for a note in the legend."""
+    groups = coinciding(series, tol=tol)
     shift = {lid: (j - (len(g) - 1) / 2) * DODGE for g in groups for j, lid in enumerate(g)}
     for i, (lid, values) in enumerate(series.items()):
         xs = [k for k, v in enumerate(values) if v is not None]
@@ -75,21 +92,26 @@ def _series(ax, series: dict[str, list[float | None]], label: str) -> list[list[
     return groups
 
 
-def _equal_note(ax, groups: list[list[str]]) -> None:
-    """A legend line per group of equal layers: they are drawn side by side, not hidden behind each other."""
+def _equal_note(ax, groups: list[list[str]], series: dict[str, list[float | None]]) -> None:
+    """A legend line per group of equal layers: they are drawn side by side, not hidden behind each other. A group
+    that is only near-equal gives its range, which the eye cannot read off the plot."""
     for g in groups:
-        ax.plot([], [], " ", label=f"layers {', '.join(g)}: equal,\ndrawn side by side")
+        values = [v for lid in g for v in series[lid] if v is not None]
+        lo, hi = min(values, default=0.0), max(values, default=0.0)
+        exact = coinciding({lid: series[lid] for lid in g}) == [g]
+        what = "equal" if exact else f"{lo:.3f}–{hi:.3f}"
+        ax.plot([], [], " ", label=f"layers {', '.join(g)}: {what},\ndrawn side by side")
 
 
 def reference_margin(margins: dict[str, list[float | None]], n_shards: int) -> str:
     """Per layer: the worst row's error / bound per shard; the check fails above the 1.0 line."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(WIDTH_IN, 2.4), layout="constrained")
-    groups = _series(ax, margins, "layer")
     top = max([1.2] + [v * 1.1 for vals in margins.values() for v in vals if v is not None and v < 1e9])
+    groups = _series(ax, margins, "layer", tol=NEAR * top)
     ax.axhline(1.0, color="crimson", lw=1.5, ls="--", label="bound (passes below 1)")
-    _equal_note(ax, groups)
-    ax.set_ylim(0, top)
+    _equal_note(ax, groups, margins)
+    ax.set_ylim(-BELOW_ZERO * top, top)
     ax.set(ylabel="worst error / bound", title="Reference check: worst sampled row per layer, against its bound")
     _shard_axis(ax, n_shards)
     _legend_outside(ax)
@@ -112,8 +134,8 @@ def layer_stats(series: dict[str, dict[str, list[float | None]]], n_shards: int)
         ax.set_title(title, fontsize=9)
         ax.tick_params(labelsize=8)
         _shard_axis(ax, n_shards)
-        if stat == "outlier_share":
-            ax.set_ylim(bottom=0)
+        if stat == "outlier_share":  # a share is never negative: the margin below 0 is only the markers'
+            ax.set_ylim(bottom=-BELOW_ZERO * ax.get_ylim()[1])
             ax.yaxis.set_major_formatter(lambda y, _: f"{y:.1%}")
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:
@@ -153,7 +175,8 @@ def distributions(rows, max_seq_len: int | None = None, truncated_rows: int = 0)
             bins=edges,
             stacked=True,
             color=["tab:blue", "crimson"],
-            label=["rows", f"at max_seq_len ({truncated_rows:,} rows cut to it)"],
+            # the bar holds every row at the cap, the cut ones and any exactly that long
+            label=["rows", f"at max_seq_len: {_rows(int(at_cap.sum()))} ({truncated_rows:,} cut to it)"],
         )
         a.axvline(max_seq_len, color="crimson", ls="--", lw=1, label=f"max_seq_len {max_seq_len:,}")
         a.legend(fontsize=8, loc="upper left", frameon=False)
@@ -163,6 +186,10 @@ def distributions(rows, max_seq_len: int | None = None, truncated_rows: int = 0)
     b.hist(rows["mask_share"], bins=40, range=(0, 1))
     b.set(xlabel="share of the row's tokens with loss_mask = 1", ylabel="rows", title="Loss-mask share per row")
     return _png(fig)
+
+
+def _rows(n: int) -> str:
+    return f"{n:,} row" + "s" * (n != 1)
 
 
 def _length_bins(low: int, cap: int, n: int = 40) -> list[float]:

@@ -21,6 +21,7 @@ On a vision-language target, a row whose text writes a vision placeholder token 
 image to fill it) is quarantined as `media_token_in_text`: the engine would stop the extract job on it.
 
 Modules, in the order a conversation meets them:
+    files     the model folder's tokenizer files, checked before transformers reads them
     template  the tokenizer and chat template; ChatEncoder: conversation -> (input_ids, loss_mask)
     vision    images: loaded, checked against prepare's sha256, processed, placeholders expanded
     rows      a chunk of lines -> truncated, serialized rows or quarantine records, token counts

@@ -24,6 +24,7 @@ class EncodedChunk:
     n_truncated: int
     truncated_tokens: int = 0  # tokens cut from the truncated rows (what training loses)
     images: tuple[int, int, int] = (0, 0, 0)  # kept rows with images, their images, their vision tokens
+    trailing_user: int = 0  # kept rows whose conversation ends with a user message (context no reply follows)
 
 
 def mask_runs(mask: bytearray) -> list[tuple[int, int]]:
@@ -66,7 +67,7 @@ def encode_lines(
     results = refuse_media_in_text(encoder, convs, results, max_seq_len)
     rows: list[tuple[str, int] | Quarantined] = []
     masked: list[int] = []  # the loss-masked token ids of the chunk's kept rows, counted once at the end
-    n_truncated = truncated_tokens = 0
+    n_truncated = truncated_tokens = trailing_user = 0
     image_rows = n_images = image_tokens = 0
     for (line_no, _), conv, result in zip(lines, convs, results, strict=True):
         if isinstance(result, Rejected):
@@ -93,6 +94,7 @@ def encode_lines(
             )  # fmt: skip
             continue
         n_truncated += full_len > max_seq_len
+        trailing_user += conv["messages"][-1]["role"] == "user"
         truncated_tokens += max(full_len - max_seq_len, 0)
         for start, end in runs:
             masked += ids[start:end]
@@ -108,8 +110,9 @@ def encode_lines(
     counts = np.bincount(np.fromiter(masked, dtype=np.int64, count=len(masked)))
     distinct = np.flatnonzero(counts)
     return EncodedChunk(
-        rows, (distinct, counts[distinct]), n_truncated, truncated_tokens, (image_rows, n_images, image_tokens)
-    )
+        rows, (distinct, counts[distinct]), n_truncated, truncated_tokens, (image_rows, n_images, image_tokens),
+        trailing_user,
+    )  # fmt: skip
 
 
 def parse_conversation(path: str, line_no: int, line: str) -> dict[str, Any]:

@@ -76,7 +76,7 @@ def tokenize_conversations(
     print(
         f"tokenize: {tally.n_in} conversations -> {stats['rows']} rows, {stats['tokens']} tokens "
         f"({stats['assistant_token_share']:.1%} assistant), {tally.n_truncated} truncated, "
-        f"{len(tally.quarantined)} quarantined {stats['quarantined']}, {len(out_shards)} shards",
+        f"{len(tally.quarantined)} quarantined {stats['quarantined']}, {len(out_shards)} shard{'s' * (len(out_shards) != 1)}",
         file=sys.stderr,
     )
     return stats
@@ -127,6 +127,7 @@ class _Tally:
     n_in: int = 0
     n_truncated: int = 0
     truncated_tokens: int = 0
+    trailing_user: int = 0  # kept rows that end with a user message
     images: list[int] = field(default_factory=lambda: [0, 0, 0])  # rows with images, images, vision tokens
     token_freq: Any = None  # [vocab] int64 count of each token id, loss-masked
 
@@ -163,6 +164,7 @@ def _spill_rows(spill: Path, conversations_path, encoder, max_seq_len, batch_siz
             tally.token_freq[distinct] += counts
             tally.n_truncated += chunk.n_truncated
             tally.truncated_tokens += chunk.truncated_tokens
+            tally.trailing_user += chunk.trailing_user
             tally.images = [a + b for a, b in zip(tally.images, chunk.images, strict=True)]
 
 
@@ -203,6 +205,8 @@ def _stats(tally: _Tally, conversations_path, model_path, max_seq_len, shards, e
         "max_seq_len": max_seq_len,
         "truncated_rows": tally.n_truncated,
         "truncated_tokens": tally.truncated_tokens,
+        # Only when there are some, like the image counts: other runs keep their stats.json bytes.
+        **({"trailing_user_rows": tally.trailing_user} if tally.trailing_user else {}),
         **images,
         "quarantined": dict(sorted(Counter(q.reason for q in tally.quarantined).items())),
         "quarantined_total": len(tally.quarantined),

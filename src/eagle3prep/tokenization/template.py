@@ -21,6 +21,7 @@ from typing import Any
 
 from eagle3prep.config import template_kwarg_clash, template_kwargs_error
 from eagle3prep.errors import UserError
+from eagle3prep.tokenization.files import missing_tokenizer_files
 
 # The test transformers itself uses to decide whether a template tracks generation spans.
 GENERATION_RE = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
@@ -52,6 +53,8 @@ def load_tokenizer(model_path: str | os.PathLike, trust_remote_code: bool = Fals
             f"model folder {model_path} not found; set model.path to a Hugging Face model folder "
             "(or model.build_demo: true to build the demo model there)"
         )
+    if missing := missing_tokenizer_files(model_path, trust_remote_code):
+        raise TokenizeError(missing)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code, local_files_only=True)

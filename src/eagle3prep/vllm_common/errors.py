@@ -138,6 +138,26 @@ def missing_internal(exc: BaseException, output: str) -> str | None:
     return m.group(0).rstrip() if m else None
 
 
+# vLLM's CUDA build on a host where it finds no usable GPU picks no platform, and its device type is "": torch then
+# refuses torch.device("") (vLLM 0.26), or older vLLM's DeviceConfig says it cannot infer one. Raised in the driver,
+# so no child wrote a traceback to point at.
+_NO_DEVICE = re.compile(r"Device string must not be empty|Failed to infer device type")
+
+
+def no_gpu_error(cause: str, version: str, section: str) -> EngineError | None:
+    """The one line for a vLLM without a device, the way the hf backend says extract.device: cuda has no GPU;
+    None for any other cause."""
+    if not _NO_DEVICE.search(cause):
+        return None
+    where = "extract.backend = vllm" if section == "extract" else f"the {section} stage starts vLLM"
+    cpu = "extract.backend: hf (extract.device: cpu) or " if section == "extract" else ""
+    return EngineError(
+        f"{where}, but vLLM {version} finds no usable GPU on this host (vLLM: {cause}); run the {section} jobs on a "
+        f"host with an NVIDIA GPU, or on the CPU with {cpu}vLLM's CPU build (docs/guides/install.md)",
+        any_path=True,
+    )
+
+
 def fails_on_every_path(cause: str) -> bool:
     return bool(_NO_MOE_KERNEL.search(cause)) or "out of memory" in cause.lower()
 
@@ -180,6 +200,8 @@ def engine_error(
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         cause = f"{type(exc).__name__}: {first}".rstrip(": ")
     cause = re.sub(r"^(RuntimeError|Exception): ", "", cause).rstrip(".")  # the message alone says it
+    if err := no_gpu_error(cause, version, section):
+        return err
     doing = doing or f"with capture_path {path}"
     return EngineError(
         f"vLLM {version} could not start {arch} {doing}: {cause}; {fix_hint(path, wanted, cause, section)}",
