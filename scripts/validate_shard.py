@@ -7,7 +7,7 @@ os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM workers, tokenizers) lo
 from eagle3prep.errors import one_line_errors
 from eagle3prep.validate import validate_shard
 
-with one_line_errors():
+with one_line_errors(oom_fix="set validate.device: cpu, or lower validate.sample_rows"):
     opts = snakemake.params.validate
     validate_shard(
         snakemake.input.shard,

@@ -109,3 +109,38 @@ def test_a_sink_skips_a_logits_check_prefix_request_and_refuses_any_other_strang
     stranger.begin_step([Segment("u-0" + PROBE_SUFFIX, 0, 0, 2)])
     with pytest.raises(RuntimeError, match="not a row of this shard"):
         stranger.finish()
+
+
+def test_a_regenerate_engine_that_dies_mid_run_says_why_in_one_line():
+    """The regenerate stage and the overfit gate step vLLM through VLLMEngine.step: its death is one EngineError line."""
+    from types import SimpleNamespace
+
+    from eagle3prep.regenerate.engine import VLLMEngine
+    from eagle3prep.vllm_common.errors import ChildOutput, EngineError
+
+    def step():
+        raise DEAD
+
+    engine = object.__new__(VLLMEngine)
+    engine.llm = SimpleNamespace(llm_engine=SimpleNamespace(step=step))
+    engine.info, engine._children = {"engine_version": "0.26.0"}, ChildOutput()
+    engine._children._tails[2] += OOM_OUTPUT.encode()
+    with pytest.raises(EngineError) as e:
+        engine.step()
+    assert str(e.value).startswith("vLLM 0.26.0 died generating replies: torch.OutOfMemoryError: CUDA out of memory.")
+    assert str(e.value).endswith("lower regenerate.max_num_batched_tokens or regenerate.gpu_memory_utilization")
+
+
+def test_a_validation_job_out_of_gpu_memory_is_one_line_naming_the_settings(capsys):
+    """validate_shard recomputes rows with transformers on validate.device: a CUDA OOM there is one line too."""
+    import torch
+
+    from eagle3prep.errors import one_line_errors
+
+    fix = "set validate.device: cpu, or lower validate.sample_rows"
+    with pytest.raises(SystemExit) as e, one_line_errors(oom_fix=fix):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has 1 GiB free.")
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 1 and last == f"error: CUDA out of memory. Tried to allocate 3.00 GiB; {fix}"
+    with pytest.raises(ValueError), one_line_errors(oom_fix=fix):  # anything else keeps its traceback
+        raise ValueError("x")

@@ -16,7 +16,7 @@ from eagle3prep.regenerate.runner import Finished, RequestRejected
 from eagle3prep.settings import RegenerateSettings, Sampling
 from eagle3prep.tokenization.vision import EXPANDS
 from eagle3prep.vllm_common import versions
-from eagle3prep.vllm_common.errors import ChildOutput, engine_error
+from eagle3prep.vllm_common.errors import ChildOutput, engine_died, engine_error
 from eagle3prep.vllm_common.launch import prefer_forked_workers, resolve_workarounds, start_llm
 from eagle3prep.vllm_common.shutdown import shutdown_engine
 from eagle3prep.vllm_common.workarounds import merge_engine_kwargs
@@ -161,7 +161,14 @@ class VLLMEngine:
 
     def step(self) -> list[Finished]:
         out = []
-        for o in self.llm.llm_engine.step():
+        try:
+            outputs = self.llm.llm_engine.step()
+        except Exception as e:  # the engine died mid-run: its own exception, from its processes' output
+            version = self.info.get("engine_version", "?")
+            raise engine_died(
+                e, self._children.text(), version=version, doing="generating replies", section="regenerate"
+            ) from e
+        for o in outputs:
             if o.finished:
                 c = o.outputs[0]
                 reason = str(c.finish_reason or "error")
