@@ -165,6 +165,8 @@ NAMES: tuple[Name, ...] = (
     _n("GPUModelRunner.input_batch", _RUNNER, "member", HOOKS, "the step's requests, in row order", **_HOOKS_RUNNER),
     _n("GPUModelRunner.query_start_loc", _RUNNER, "member", HOOKS, "the step's row offsets (.np)", **_HOOKS_RUNNER),
     _n("GPUModelRunner.requests", _RUNNER, "member", HOOKS, "each request's state (its tag)", **_HOOKS_RUNNER),
+    _n("GPUModelRunner.query_start_loc_np", _RUNNER, "member", HOOKS, "query_start_loc's host copy before 0.10.2",
+       until="0.10.2", optional=True),
     *(_n(f"CpuGpuBuffer.{m}", "vllm.v1.utils", "member", HOOKS, "query_start_loc's host copy") for m in ("np", "cpu")),
     _n("InputBatch.req_ids", _BATCH, "member", HOOKS, "the step's request ids", **_HOOKS_RUNNER),
     _n("InputBatch.num_reqs", _BATCH, "member", HOOKS, "the step's request count", **_HOOKS_RUNNER),
@@ -255,7 +257,7 @@ def fix(name: Name, version: str) -> str:
             if v and v >= parse_version(V1_RUNNER_GONE)
             else " (or set VLLM_USE_V2_MODEL_RUNNER=0: the hooks read the V1 model runner)"
         )
-    if name.needed_by == BUILTIN and v is not None and v < parse_version(V1_RUNNER_GONE):
+    if name.needed_by == BUILTIN and (v is None or v < parse_version(V1_RUNNER_GONE)):
         return "set extract.capture_path: hooks"
     return f"install a vLLM from {OLDEST} to {NEWEST_CHECKED}, the range eagle3prep is checked against (make gpu-env)"
 
@@ -265,13 +267,15 @@ def missing_line(name: Name | str, owner: Any = None, fix_text: str | None = Non
     name = entry(name) if isinstance(name, str) else name
     version = version or installed()
     on = f" (on {type(owner).__name__})" if owner is not None and not name.path.startswith(type(owner).__name__) else ""
-    need = f"{name.needed_by}: {name.why}"
+    need = f"{name.needed_by}: {name.why}" + (f"; {name.range_text()}" if name.since or name.until else "")
     line = f"vLLM {version} has no {name.label}{on} [{need}], {INTERNAL_PHRASE}: {fix_text or fix(name, version)}"
     return " ".join(line.replace("'", "").split())
 
 
-def missing(name: Name | str, owner: Any = None, fix_text: str | None = None) -> VLLMInternalError:
-    return VLLMInternalError(missing_line(name, owner, fix_text))
+def missing(
+    name: Name | str, owner: Any = None, fix_text: str | None = None, version: str | None = None
+) -> VLLMInternalError:
+    return VLLMInternalError(missing_line(name, owner, fix_text, version))
 
 
 def load(path: str) -> Any:
@@ -296,13 +300,13 @@ def load_optional(path: str) -> Any | None:
         return None
 
 
-def member(owner: Any, path: str, fix_text: str | None = None) -> Any:
+def member(owner: Any, path: str, fix_text: str | None = None, version: str | None = None) -> Any:
     """owner.<member `path` names>, or its one line when this vLLM has no such attribute (None is a value)."""
     name = entry(path)
     try:
         return getattr(owner, name.path.rsplit(".", 1)[-1])
     except AttributeError:
-        raise missing(name, owner, fix_text) from None
+        raise missing(name, owner, fix_text, version) from None
 
 
 def blocked(needed_by: str, version: str) -> list[Name]:

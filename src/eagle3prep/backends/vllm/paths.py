@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...errors import UserError
 from ...tokenization.row_inputs import ImageRow
+from ...vllm_common import registry
 from . import compat, image_requests
 from .connector import CONNECTOR
 
@@ -48,7 +49,7 @@ class WorkerUserError(UserError):
 
 
 def sampling_params(tag: str, extra: dict[str, Any] | None = None, logprobs: bool = False) -> Any:
-    from vllm import SamplingParams
+    SamplingParams = registry.load("SamplingParams")  # noqa: N806 - a class
 
     # One output token: the prompt's forward is all we need. The tag lets the worker (hooks) and
     # the connector (builtin) attribute rows to requests whatever ids vLLM assigns internally.
@@ -201,7 +202,7 @@ class _WorkerSinkPath:
     def _prompt(self, row: _Row) -> Any:
         """What add_request is given: a text row's token ids, or the request the pool made of a row with images
         (image_requests.make_request; the row's ids kept to check what vLLM expanded when it ends)."""
-        from vllm import TokensPrompt
+        TokensPrompt = registry.load("TokensPrompt")  # noqa: N806 - a class
 
         if row.ready is None:
             return TokensPrompt(prompt_token_ids=list(row.ids))
