@@ -242,7 +242,7 @@ def installed() -> str:
     try:
         return installed_version()
     except Exception:  # no vLLM at all (a test's fake runner): the line still names what is missing
-        return "(version unknown)"
+        return "(unknown)"  # one word: errors.missing_internal reads "vLLM <version> has no"
 
 
 def fix(name: Name, version: str) -> str:
@@ -266,7 +266,9 @@ def missing_line(name: Name | str, owner: Any = None, fix_text: str | None = Non
     """The one line for `name` missing (on `owner`): the name, the installed version, a fix that works there."""
     name = entry(name) if isinstance(name, str) else name
     version = version or installed()
-    on = f" (on {type(owner).__name__})" if owner is not None and not name.path.startswith(type(owner).__name__) else ""
+    on = (
+        f" (on {type(owner).__name__})" if owner is not None and not name.path.startswith(type(owner).__name__) else ""
+    )
     need = f"{name.needed_by}: {name.why}" + (f"; {name.range_text()}" if name.since or name.until else "")
     line = f"vLLM {version} has no {name.label}{on} [{need}], {INTERNAL_PHRASE}: {fix_text or fix(name, version)}"
     return " ".join(line.replace("'", "").split())
