@@ -53,8 +53,11 @@ class Name:
     why: str
     call: tuple[int, tuple[str, ...]] | None = None
     arg_names: tuple[str, ...] = ()
-    since: str | None = None  # first vLLM that has it (None: every supported one)
-    until: str | None = None  # first vLLM without it (None: still there in NEWEST_CHECKED)
+    # The range the code reads it on, checked at the contract test's versions: `since` is the first vLLM the code
+    # uses it on (None: every supported one; where the exact release is unknown, the first checked one that has
+    # it), `until` the first without it (None: still there in NEWEST_CHECKED).
+    since: str | None = None
+    until: str | None = None
     optional: bool = False  # the code has a fallback when it is absent (named in `why`)
 
     @property
