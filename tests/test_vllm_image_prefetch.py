@@ -271,7 +271,7 @@ def test_a_vllm_without_the_input_processor_stops_in_one_line(fake_vllm, tiny_vl
     engine = Engine()
     del engine.input_processor
     with pytest.raises(
-        UserError, match=r"^vLLM 0\.0 has no LLMEngine\.input_processor\.process_inputs .*envs/vllm\.txt$"
+        UserError, match=r"^vLLM 0\.0 has no LLMEngine\.input_processor \(on Engine\) .*make gpu-env\)$"
     ):
         capture(tiny_vl_dir, list(iter_batches(shard, BATCH_TOKENS)), engine=engine)
 

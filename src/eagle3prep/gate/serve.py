@@ -7,13 +7,16 @@ settings, its one-line start errors and known-bug workarounds); the second adds 
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ..model_facts import ModelFacts
 from ..settings import RegenerateSettings, Sampling
+from ..vllm_common import registry
 from ..vllm_common.errors import EngineError
+from ..vllm_common.registry import VLLMInternalError
 from . import acceptance
 
 
@@ -40,14 +43,15 @@ def eagle3_blocker(model_path: str, trust_remote_code: bool = False) -> str | No
     unsupported target costs seconds. The registry calls are vLLM's own, not a list of ours."""
     archs = ModelFacts.read(model_path).architectures
     try:
-        from vllm.model_executor.models import ModelRegistry
-        from vllm.model_executor.models.interfaces import supports_eagle3
-    except ImportError as e:
-        return f"vLLM is not installed here ({e}); the gate needs it to serve the draft"
+        model_registry, supports_eagle3 = registry.load("ModelRegistry"), registry.load("supports_eagle3")
+    except VLLMInternalError as e:
+        if importlib.util.find_spec("vllm") is None:
+            return "vLLM is not installed here; the gate needs it to serve the draft"
+        return f"{e}; the gate needs it to serve the draft"
     if not archs:
         return None
     try:
-        cls = ModelRegistry._try_load_model_cls(archs[0])  # noqa: SLF001 - the class vLLM would build
+        cls = model_registry._try_load_model_cls(archs[0])  # noqa: SLF001 - the class vLLM would build
     except Exception:  # an API that moved, or a model vLLM loads only from its folder: decide at start
         return None
     if cls is None:

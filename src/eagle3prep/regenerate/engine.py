@@ -15,7 +15,7 @@ from eagle3prep.model_facts import ModelFacts
 from eagle3prep.regenerate.runner import Finished, RequestRejected
 from eagle3prep.settings import RegenerateSettings, Sampling
 from eagle3prep.tokenization.vision import EXPANDS
-from eagle3prep.vllm_common import versions
+from eagle3prep.vllm_common import registry, versions
 from eagle3prep.vllm_common.errors import ChildOutput, engine_died, engine_error
 from eagle3prep.vllm_common.launch import prefer_forked_workers, resolve_workarounds, start_llm
 from eagle3prep.vllm_common.shutdown import shutdown_engine
@@ -29,11 +29,8 @@ def log(msg: str) -> None:
 def _request_errors() -> tuple[type[Exception], ...]:
     """What vLLM raises for a request it refuses: VLLMClientError (VLLMValidationError: a prompt longer than
     max_model_len, ...), which is no ValueError in recent releases; ValueError in older ones."""
-    try:
-        from vllm.exceptions import VLLMClientError
-    except ImportError:
-        return (ValueError, TypeError)
-    return (ValueError, TypeError, VLLMClientError)
+    client_error = registry.load_optional("VLLMClientError")
+    return (ValueError, TypeError) if client_error is None else (ValueError, TypeError, client_error)
 
 
 class VLLMEngine:
@@ -94,9 +91,7 @@ class VLLMEngine:
         version = versions.installed_version()
         facts = ModelFacts.read(self.model_path)
         self.vision = facts.vision_model_type in EXPANDS
-        from vllm.platforms import current_platform
-
-        on_cpu = current_platform.is_cpu()
+        on_cpu = registry.load("current_platform").is_cpu()
         fixes = resolve_workarounds(version, on_cpu, facts.architectures, self.settings.content.dtype, log)
         kwargs = self.engine_kwargs(fixes.engine_kwargs)
         log(f"starting vLLM {version}: {kwargs}")
@@ -130,14 +125,11 @@ class VLLMEngine:
 
     def params(self, seed: int) -> Any:
         """One request's SamplingParams. Greedy requests get no seed: it would not change them."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         s = self.sampling
-        return SamplingParams(
+        return registry.load("SamplingParams")(
             # One output per request, when it finishes, as LLM.generate asks for: the default streams a growing
             # copy of every request's tokens at every step, work in this process that grows with the reply.
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            output_kind=registry.load("RequestOutputKind").FINAL_ONLY,
             temperature=s.temperature,
             top_p=s.top_p,
             **({"top_k": s.top_k} if s.top_k else {}),
@@ -148,7 +140,7 @@ class VLLMEngine:
         )
 
     def add(self, request_id: str, prompt_ids: list[int], seed: int, images: list | None = None) -> None:
-        from vllm import TokensPrompt
+        TokensPrompt = registry.load("TokensPrompt")  # noqa: N806 - a class
 
         prompt = TokensPrompt(prompt_token_ids=prompt_ids)
         if images:  # one placeholder an image in prompt_ids: vLLM's processor expands each

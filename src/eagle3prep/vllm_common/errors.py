@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from ..errors import UserError
 
 KEEP_BYTES = 1 << 18  # tail of the children's output kept for the root cause
-# Marks the one line of a vLLM internal that the hooks capture path reads and this vLLM lacks (written by
-# backends/vllm/internals.py); engine_error finds it inside vLLM's wrappers ("Worker failed with error '...'").
-INTERNAL_PHRASE = "an internal the hooks capture path reads"
+# Marks the one line of a vLLM name eagle3prep reads and this vLLM lacks (written by vllm_common/registry.py);
+# engine_error finds it inside vLLM's wrappers ("Worker failed with error '...'").
+INTERNAL_PHRASE = "a name eagle3prep reads of vLLM"
 
 
 class EngineError(UserError):
@@ -127,13 +127,13 @@ def root_cause(output: str) -> str | None:
 _NO_MOE_KERNEL = re.compile(r"No \w+ MoE backend supports")
 
 
-# A vLLM internal the hooks read is missing (backends/vllm/internals.py): its one line, wherever vLLM wrapped it
+# A vLLM name eagle3prep reads is missing (vllm_common/registry.py): its one line, wherever vLLM wrapped it
 # (in-process, in the worker's traceback, or quoted in "Worker failed with error '...'").
 _MISSING_INTERNAL = re.compile(rf"vLLM \S+ has no [^'\n]*?, {re.escape(INTERNAL_PHRASE)}: [^'\n]*")
 
 
 def missing_internal(exc: BaseException, output: str) -> str | None:
-    """The one line of backends/vllm/internals.VLLMInternalError in the exception or the children's output, or None."""
+    """The one line of registry.VLLMInternalError in the exception or the children's output, or None."""
     m = _MISSING_INTERNAL.search(str(exc)) or _MISSING_INTERNAL.search(_ANSI.sub("", output))
     return m.group(0).rstrip() if m else None
 

