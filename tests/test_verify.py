@@ -123,6 +123,19 @@ def test_the_export_is_checked_against_its_own_manifest(results):
     assert verdict.bad_places == {"export/speculators"}
 
 
+def test_snakemakes_marker_in_the_export_folder_is_not_damage(results):
+    # Snakemake writes .snakemake_timestamp into every directory() output, the export's included.
+    export = results / "export" / "speculators"
+    export.mkdir(parents=True)
+    (export / "token_freq.pt").write_bytes(b"t" * 10)
+    files = {"token_freq.pt": {"sha256": sha256_file(export / "token_freq.pt"), "bytes": 10}}
+    (export / MANIFEST).write_text(json.dumps({"files": files, "sources": []}))
+    (export / ".snakemake_timestamp").write_text("")
+    verdict = verify(results)
+    assert verdict.ok, verdict.damaged
+    assert verdict.export_files == 1
+
+
 def test_a_results_folder_that_is_not_one_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path)])

@@ -24,7 +24,7 @@ from typing import Any
 from .infra.atomic import sha256_file
 from .infra.disk import human_bytes
 from .shard.layout import MANIFEST
-from .shard.manifest import check_listed_file, read_manifest, stray_files
+from .shard.manifest import EXPORT_EXTRAS, check_listed_file, read_manifest, stray_files
 
 HIDDEN_STATES = "hidden_states"  # under the results folder, as heal.HIDDEN_STATES
 DATASET_MANIFEST = "report/dataset_manifest.json"
@@ -133,7 +133,7 @@ def _export_jobs(export: Path, verdict: Verdict) -> Iterator[tuple[str, Path, di
         verdict.bad_places.add(EXPORT)
         return
     verdict.export_files = len(files)
-    stray = stray_files(export, set(files), frozenset({MANIFEST}))
+    stray = stray_files(export, set(files), EXPORT_EXTRAS)
     if stray:
         verdict.damaged += [f"{EXPORT}/{s}: not in the manifest" for s in stray]
         verdict.bad_places.add(EXPORT)
