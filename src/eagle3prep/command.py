@@ -90,6 +90,11 @@ def export(command: Command) -> None:
     os.environ[ENV] = str(command)
 
 
+def known() -> bool:
+    """Whether a run handed its command down (else same_command() is a bare `snakemake`)."""
+    return bool(os.environ.get(ENV))
+
+
 def same_command(*args: str) -> str:
     """The user's command with `args` after it, as the main process handed it down; `snakemake` alone outside a
     run (python -m eagle3prep.verify, tests)."""
