@@ -1,6 +1,7 @@
 """The plan target's numbers: bytes per shard, free space, job time, a shard size under 5 % start-up."""
 
 import json
+import os
 
 import pytest
 
@@ -85,3 +86,26 @@ def test_plan_run_reads_layers_and_hidden_size_from_the_model(tmp_path, demo_mod
 def test_a_throughput_of_zero_is_a_config_error():
     with pytest.raises(ConfigError, match="plan.tokens_per_s = 0"):
         validate_config({"data": {"sources": ["x"]}, "model": {"path": "m"}, "plan": {"tokens_per_s": 0}})
+
+
+def test_a_finished_shard_of_another_config_or_older_tokens_is_to_redo_as_the_workflow_does(tmp_path):
+    # Before: any folder with a manifest was "done" ("0 B still to write") while `snakemake -n` redid it.
+    hs, tokenized = tmp_path / "hidden_states", tmp_path / "tokenized"
+    tokenized.mkdir()
+    (tokenized / ".snakemake_timestamp").write_text("")
+    made = {"layer_ids": [2, 4, 5, 8], "dtype": "bfloat16", "model": {"path": "m"}}
+    for k, over in enumerate([{}, {"layer_ids": [1, 2, 3, 8]}, {"model": {"path": "other"}}]):
+        (hs / f"shard_{k}").mkdir(parents=True)
+        (hs / f"shard_{k}" / "manifest.json").write_text(json.dumps(made | over))
+    sizes = [{"shard": k, "rows": 1, "tokens": 100} for k in range(4)]
+    now = {"layer_ids": [2, 4, 5, 8], "dtype": "bfloat16", "storage": "model_dtype", "model_path": "m"}
+    plan = make_plan(sizes, 4, 128, "bfloat16", hs, tokens_per_s=100.0, made_with=now | {"tokenized": tokenized})
+    assert [s["done"] for s in plan["shards"]] == [True, False, False, False]
+    assert plan["shards"][1]["redo"] == "made with layer_ids [1, 2, 3, 8] (now [2, 4, 5, 8])"
+    assert plan["shards"][2]["redo"] == "made with model_path other (now m)"
+    text = format_plan(plan)
+    assert "to redo: made with layer_ids [1, 2, 3, 8]" in text and plan["job_hours_left"] > 0
+    later = (hs / "shard_0" / "manifest.json").stat().st_mtime_ns + 10**9
+    os.utime(tokenized / ".snakemake_timestamp", ns=(later, later))  # tokenized again since shard_0 was made
+    plan = make_plan(sizes, 4, 128, "bfloat16", hs, made_with=now | {"tokenized": tokenized})
+    assert plan["shards"][0]["redo"] == "older than the tokenized shards" and plan["bytes_to_write"] == plan["bytes_total"]

@@ -184,3 +184,17 @@ def test_what_verify_finds_is_recorded_for_the_next_run_and_its_command_is_the_u
     assert list(places) == ["hidden_states/shard_2"] and places["hidden_states/shard_2"].startswith(
         "shard_2/layer_4.safetensors: sha256 "
     )
+
+
+def test_both_verify_commands_check_the_shards_of_the_dataset_and_leave_another_configs_alone(results, capsys):
+    # Before: `snakemake verify` checked the config's num_shards, python -m eagle3prep.verify every folder.
+    (results / "tokenized").mkdir()
+    stats = {"shards": [{"shard": k, "rows": 3, "tokens": 81} for k in (0, 1)]}
+    (results / "tokenized" / "stats.json").write_text(json.dumps(stats))
+    (results / "hidden_states" / "shard_3" / "layer_4.safetensors").unlink()  # another config's, left behind
+    verdict = verify(results)  # what scripts/verify.py (snakemake verify) runs
+    assert verdict.ok and verdict.shards == 2 and verdict.left_alone == ["shard_2", "shard_3"]
+    assert main([str(results)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("not checked: shard_2, shard_3 (not in ") and "left by a config with more shards" in out[0]
+    assert out[1].startswith("verify: ok: 12 files of 2 shards")

@@ -5,8 +5,9 @@ No reference recomputation and no job: each listed file's size and sha256 agains
 the layer ids, and each shard manifest's own sha256 where the dataset manifest or the export recorded
 it. One line per damaged file, one summary line; damaged or missing means a non-zero exit.
 
-    snakemake verify                          # the config's shards, in the working directory
-    python -m eagle3prep.verify [RESULTS]     # every shard_* folder under RESULTS/hidden_states
+    snakemake verify                          # the shards in the working directory's results/
+    python -m eagle3prep.verify [RESULTS]     # the same, under RESULTS
+Both check the shards results/tokenized/stats.json lists (dataset_shards), or every shard_* folder without it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Verdict:
     files: int = 0
     bytes: int = 0
     export_files: int | None = None  # None: no export to check
+    left_alone: list[str] = field(default_factory=list)  # shard folders the tokenized shards do not list
     bad_places: dict[str, str] = field(default_factory=dict)  # shard folder / the export -> its first damaged line
 
     @property
@@ -147,17 +149,30 @@ def _export_jobs(export: Path, verdict: Verdict) -> Iterator[tuple[str, Path, di
         yield f"{EXPORT}/{file}", export / file, entry, EXPORT
 
 
+def dataset_shards(results: str | Path) -> list[int] | None:
+    """The shards of the dataset in `results`: those results/tokenized/stats.json lists (written with the
+    tokenized shards the last run made), None without it. A shard folder beyond them was left by a config with
+    more shards; `snakemake verify`, python -m eagle3prep.verify and HiddenStatesDataset.from_results leave it alone."""
+    try:
+        stats = json.loads((Path(results) / "tokenized" / "stats.json").read_text(encoding="utf-8"))
+        return sorted(int(s["shard"]) for s in stats["shards"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def verify(results: str | Path = "results", shards: list[int] | None = None, threads: int = THREADS) -> Verdict:
-    """Check the shards `shards` (None: every shard_* folder or tokenized shard) under `results`, and the
-    export if it exists."""
+    """Check the shards `shards` (None: dataset_shards, else every shard_* folder or tokenized shard) under
+    `results`, and the export if it exists."""
     results = Path(results)
     hs = results / HIDDEN_STATES
+    folders = [p.name for p in hs.glob("shard_*") if re.fullmatch(r"shard_\d+", p.name)]
+    shards = dataset_shards(results) if shards is None else shards
     if shards is None:  # the folders there, and one per tokenized shard (a removed folder is missing, not gone)
-        found = [p.name for p in hs.glob("shard_*")] + [p.stem for p in (results / "tokenized").glob("shard_*.jsonl")]
+        found = folders + [p.stem for p in (results / "tokenized").glob("shard_*.jsonl")]
         names = sorted({n for n in found if re.fullmatch(r"shard_\d+", n)}, key=_natural)
     else:
         names = [f"shard_{k}" for k in shards]
-    verdict = Verdict()
+    verdict = Verdict(left_alone=sorted(set(folders) - set(names), key=_natural))
     recorded = _recorded_manifest_sha(results)
     jobs = [j for name in names for j in _shard_jobs(hs / name, name, recorded, verdict)]
     verdict.files = len(jobs)
@@ -176,9 +191,15 @@ def verify(results: str | Path = "results", shards: list[int] | None = None, thr
 
 
 def report(verdict: Verdict, results: str | Path, out=sys.stderr) -> None:
-    """The damaged lines, then the summary line."""
+    """The damaged lines, a line for the folders left alone, then the summary line."""
     for line in verdict.damaged:
         print(line, file=out)
+    if verdict.left_alone:
+        print(
+            f"not checked: {', '.join(verdict.left_alone)} (not in {Path(results) / 'tokenized/stats.json'}: left "
+            "by a config with more shards, not part of this dataset)",
+            file=out,
+        )
     print(verdict.summary(Path(results)), file=out)
 
 
