@@ -30,7 +30,9 @@ os.environ.update(EAGLE3PREP_ROOT=str(workflow.basedir))
 
 _overrides = bool(getattr(workflow.config_settings, "config", None))
 # The config files as the user sees them, and a --config that may set keys over them (results/config.json).
-CONFIG_SHOWN = [shown_path(f, os.getcwd()) for f in CONFIGFILES] or ["config/config.yaml"]
+CONFIG_SHOWN = [shown_path(f, os.getcwd()) for f in CONFIGFILES] or [
+    "config/config.yaml"
+]
 CONFIG_SHOWN += ["--config"] if _overrides else []
 if workflow.is_main_process:
     # The user's --configfile/--directory, for every command a job or a check suggests (eagle3prep.command).

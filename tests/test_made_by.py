@@ -62,7 +62,7 @@ def test_what_only_adds_work_or_replaces_on_purpose_runs(folder):
 
 def test_nothing_is_refused_without_finished_shards_or_a_record(folder):
     other = cfg(model={"path": "/models/other"})
-    shutil.rmtree(folder / "results" / "hidden_states" / "shard_0" )
+    shutil.rmtree(folder / "results" / "hidden_states" / "shard_0")
     (folder / "results" / "hidden_states" / "shard_1" / "manifest.json").unlink()  # unfinished
     assert made_by.check(other, ["other.yaml"], demo=False) == (None, None)
     finished(folder, 0)

@@ -108,4 +108,7 @@ def test_a_finished_shard_of_another_config_or_older_tokens_is_to_redo_as_the_wo
     later = (hs / "shard_0" / "manifest.json").stat().st_mtime_ns + 10**9
     os.utime(tokenized / ".snakemake_timestamp", ns=(later, later))  # tokenized again since shard_0 was made
     plan = make_plan(sizes, 4, 128, "bfloat16", hs, made_with=now | {"tokenized": tokenized})
-    assert plan["shards"][0]["redo"] == "older than the tokenized shards" and plan["bytes_to_write"] == plan["bytes_total"]
+    assert (
+        plan["shards"][0]["redo"] == "older than the tokenized shards"
+        and plan["bytes_to_write"] == plan["bytes_total"]
+    )

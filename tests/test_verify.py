@@ -196,5 +196,7 @@ def test_both_verify_commands_check_the_shards_of_the_dataset_and_leave_another_
     assert verdict.ok and verdict.shards == 2 and verdict.left_alone == ["shard_2", "shard_3"]
     assert main([str(results)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("not checked: shard_2, shard_3 (not in ") and "left by a config with more shards" in out[0]
+    assert (
+        out[0].startswith("not checked: shard_2, shard_3 (not in ") and "left by a config with more shards" in out[0]
+    )
     assert out[1].startswith("verify: ok: 12 files of 2 shards")

@@ -262,13 +262,13 @@ def test_a_deleted_layer_file_and_what_verify_finds_are_healed_by_one_run_of_the
     import shutil
 
     wd = shutil.copytree(full_run, tmp_path / "run", symlinks=True)
-    (wd / "results/hidden_states/shard_0/layer_2.safetensors").unlink()
     damaged = wd / "results/hidden_states/shard_1/layer_5.safetensors"
     data = bytearray(damaged.read_bytes())
     data[-8] ^= 0xFF  # in place: same name, same size, the folder's date unchanged
     damaged.write_bytes(data)
     bad = snakemake(wd, "verify", check=False)
     assert bad.returncode != 0 and "the next run of the same command makes them again: " in bad.stderr
+    (wd / "results/hidden_states/shard_0/layer_2.safetensors").unlink()  # after verify: the listing tells
     rerun = snakemake(wd, check=False)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert (
