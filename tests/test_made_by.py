@@ -94,10 +94,10 @@ def test_the_header_says_when_the_demo_config_is_read_and_which_configfile_count
 def test_suggested_commands_carry_the_users_configfile_and_directory(monkeypatch):
     argv = ["snakemake", "--cores", "4", "--configfile", "my run.yaml", "-d", "runs/a", "--config", "x=1", "-n"]
     cmd = command.from_argv(argv)
-    assert str(cmd) == "snakemake --directory runs/a --configfile 'my run.yaml' --config x=1"
+    assert str(cmd) == "snakemake --configfile 'my run.yaml' --config x=1 --directory runs/a"
     command.export(cmd)
     assert command.same_command("-R", "validate_shard") == (
-        "snakemake --directory runs/a --configfile 'my run.yaml' --config x=1 -R validate_shard"
+        "snakemake --configfile 'my run.yaml' --config x=1 --directory runs/a -R validate_shard"
     )
     monkeypatch.delenv(command.ENV)
     assert command.same_command() == "snakemake"

@@ -112,3 +112,23 @@ def test_a_finished_shard_of_another_config_or_older_tokens_is_to_redo_as_the_wo
         plan["shards"][0]["redo"] == "older than the tokenized shards"
         and plan["bytes_to_write"] == plan["bytes_total"]
     )
+
+
+@pytest.mark.integration
+def test_plan_and_the_dry_run_agree_on_a_folder_of_shards_another_config_made(small_demo_run, tmp_path):
+    # Before: plan listed them as done ("0 B still to write") while -n planned to extract them again.
+    import re
+    import shutil
+
+    from workflow_helpers import snakemake
+
+    wd = shutil.copytree(small_demo_run, tmp_path / "wd", symlinks=True)
+    snakemake(wd, "plan")
+    assert (wd / "results/plan/plan.txt").read_text().count("done (has manifest)") == 3
+    other = ("--config", "extract={dtype: float32}")
+    assert re.search(r"^extract_hidden_states\s+3$", snakemake(wd, "-n", *other).stdout, re.M)
+    snakemake(wd, "plan", *other)
+    text = (wd / "results/plan/plan.txt").read_text()
+    assert text.count("to redo: made with dtype bfloat16 (now float32)") == 3 and "done (has manifest)" not in text
+    plan = json.loads((wd / "results/plan/plan.json").read_text())
+    assert plan["bytes_to_write"] == plan["bytes_total"]

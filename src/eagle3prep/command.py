@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 ENV = "EAGLE3PREP_COMMAND"
 # The flags that decide which workflow, config and folder a command works on; the rest (--cores, -n, targets)
-# is the user's choice for each command.
-KEPT = ("snakefile", "directory", "configfile", "config", "profile", "workflow_profile")
+# is the user's choice for each command. The flags that take several values come first: a target typed after
+# `--configfile a.yaml` would be read as a config file.
+KEPT = ("configfile", "config", "snakefile", "directory", "profile", "workflow_profile")
 CONFIGFILE_FLAGS = ("--configfile", "--configfiles")
 
 
