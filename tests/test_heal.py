@@ -236,3 +236,10 @@ def test_what_verify_found_damaged_is_made_again_once():
     for manifest in (Path(heal.shard_dir(1)) / "manifest.json", export / "manifest.json"):
         os.utime(manifest, ns=(later + 10**9, later + 10**9))
     assert heal.find(range(3)) == []
+
+
+def test_the_files_a_shard_may_hold_beyond_its_listing_are_the_shard_modules():
+    # heal keeps its own copy (the Snakefile's parse does not import the shard package).
+    from eagle3prep.shard.manifest import SHARD_EXTRAS
+
+    assert heal.SHARD_EXTRAS == SHARD_EXTRAS
