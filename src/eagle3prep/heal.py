@@ -119,7 +119,7 @@ def find(shards: Iterable[int], keep_failed: bool = False) -> list[Heal]:
     made_from: set[str] | None = None  # the shard folders `downstream` was made from, read when first needed
     damaged, export_damage = verified_damage()
     heals = []
-    if export_damage:
+    if export_damage and os.path.isdir(EXPORT):  # a removed export is made again as a missing output
         heals.append(Heal(None, f"{EXPORT}: {export_damage} ({VERIFIED}): exporting it again", EXPORT))
     for k in shards:
         folder, val = shard_dir(k), validation_json(k)
