@@ -92,7 +92,9 @@ if workflow.is_main_process:
         settings = workflow.dag_settings
         # Another config's finished shards: refused before any job, in a run and in -n (eagle3prep.made_by).
         if set(settings.targets) != {"verify"}:
-            _error, _note = made_by.check(config, CONFIG_SHOWN, demo=not CONFIGFILES)
+            _error, _note = made_by.check(
+                config, CONFIG_SHOWN, demo=not CONFIGFILES, command=_command
+            )
             if _error:
                 sys.exit(_error)
             if _note:

@@ -41,6 +41,10 @@ def test_another_configs_sources_are_refused_in_one_line_naming_both(folder):
     assert "config/config.yaml (the demo's, read because no --configfile was given)" in error
     assert "differs in data.sources [mine.jsonl] there, [resources/demo/a.jsonl] here" in error
     assert "--directory OTHER_FOLDER" in error and "replace_results: true" in error
+    mine = command.Command("snakemake", {"--configfile": ["b.yaml"], "--config": ["x=1"]})
+    error, _ = made_by.check(demo, ["b.yaml", "--config"], demo=False, command=mine)
+    assert "another folder: snakemake --configfile b.yaml --config x=1 --directory OTHER_FOLDER; " in error
+    assert "replace them: snakemake --configfile b.yaml --config x=1 replace_results=true (or" in error
 
 
 @pytest.mark.parametrize(
@@ -93,6 +97,7 @@ def test_the_header_says_when_the_demo_config_is_read_and_which_configfile_count
 
 def test_suggested_commands_carry_the_users_configfile_and_directory(monkeypatch):
     argv = ["snakemake", "--cores", "4", "--configfile", "my run.yaml", "-d", "runs/a", "--config", "x=1", "-n"]
+    monkeypatch.setenv(command.ENV, "")  # restored (unset) after the test: export() writes os.environ
     cmd = command.from_argv(argv)
     assert str(cmd) == "snakemake --configfile 'my run.yaml' --config x=1 --directory runs/a"
     command.export(cmd)

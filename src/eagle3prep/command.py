@@ -23,19 +23,24 @@ CONFIGFILE_FLAGS = ("--configfile", "--configfiles")
 
 @dataclass(frozen=True, slots=True)
 class Command:
-    """What the user typed: the executable, the kept flags (as typed), and --configfile groups that a later
-    --configfile flag replaced (Snakemake reads only the last flag's files)."""
+    """What the user typed: the executable, the kept flags ({flag: values as typed}, in KEPT's order), and
+    --configfile groups that a later --configfile flag replaced (Snakemake reads only the last flag's files)."""
 
     executable: str = "snakemake"
-    flags: list[str] = field(default_factory=list)
+    flags: dict[str, list[str]] = field(default_factory=dict)
     dropped_configfiles: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
-        return shlex.join([self.executable, *self.flags])
+        return shlex.join([self.executable, *(a for flag, values in self.flags.items() for a in (flag, *values))])
 
-    def with_args(self, *args: str) -> str:
-        """This command with `args` after it (a target, -R RULE)."""
-        return shlex.join([self.executable, *self.flags, *args])
+    def setting(self, flag: str, *values: str) -> Command:
+        """This command with `flag` given `values` (replacing its own), e.g. another --directory."""
+        return Command(self.executable, {**self.flags, flag: list(values)}, self.dropped_configfiles)
+
+    def adding(self, flag: str, *values: str) -> Command:
+        """This command with `values` after the flag's own (another --config key=value): a second flag of the
+        same name would replace the first's values."""
+        return self.setting(flag, *self.flags.get(flag, []), *values)
 
 
 def _executable(argv0: str) -> str:
@@ -57,14 +62,12 @@ def from_argv(argv: Sequence[str]) -> Command:
         args = get_argument_parser().parse_args(list(argv[1:]))
     except SystemExit:  # argparse exits on a line it cannot read; Snakemake itself would have stopped first
         return Command(_executable(argv[0]) if argv else "snakemake")
-    flags: list[str] = []
+    flags: dict[str, list[str]] = {}
     for dest in KEPT:
         value = getattr(args, dest, None)
         if value in (None, [], ""):
             continue
-        flag = "--" + dest.replace("_", "-")
-        values = [str(v) for v in value] if isinstance(value, list) else [str(value)]
-        flags += [flag, *values]
+        flags["--" + dest.replace("_", "-")] = [str(v) for v in value] if isinstance(value, list) else [str(value)]
     return Command(_executable(argv[0]), flags, _dropped_configfiles(argv[1:]))
 
 

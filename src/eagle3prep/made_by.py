@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .command import Command
+
 RECORD = "results/config.json"
 HIDDEN_STATES = "results/hidden_states"  # as heal.HIDDEN_STATES
 MANIFEST = "manifest.json"  # shard.MANIFEST; not imported, to keep torch out of the Snakefile's parse
@@ -97,12 +99,14 @@ def check(
     config: dict[str, Any],
     config_files: list[str],
     demo: bool,
+    command: Command | None = None,
     record_path: str | os.PathLike = RECORD,
     hidden_states: str | os.PathLike = HIDDEN_STATES,
 ) -> tuple[str | None, str | None]:
     """(error, note): the one line that refuses this run, or the note that it replaces another config's shards
     (config key REPLACE); (None, None) when the folder holds no finished shard of another config.
-    `config_files`: this run's, as shown; `demo`: none was given and the demo's config/config.yaml is read."""
+    `config_files`: this run's, as shown; `demo`: none was given and the demo's config/config.yaml is read;
+    `command`: the user's, for the two commands the line suggests."""
     old = read_record(record_path)
     if old is None:
         return None, None
@@ -118,9 +122,12 @@ def check(
     shards = f"{n} finished shard{'s' if n != 1 else ''}"
     if config.get(REPLACE):
         return None, f"{REPLACE}: replacing the {shards} of {theirs} in results/ ({what})"
+    command = command or Command()
+    elsewhere = command.setting("--directory", "OTHER_FOLDER")
+    replace = command.adding("--config", f"{REPLACE}=true")
     return (
         f"config error: results/ holds {shards} made by {theirs}; this run's config {_files(config_files, demo)} "
-        f"differs in {what}, so it would extract them again. Run this config in another folder "
-        f"(--directory OTHER_FOLDER), or replace them: set {REPLACE}: true (or --config {REPLACE}=true)",
+        f"differs in {what}, so it would extract them again. Run this config in another folder: {elsewhere}; or "
+        f"replace them: {replace} (or {REPLACE}: true in the config)",
         None,
     )
