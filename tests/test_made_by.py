@@ -37,7 +37,9 @@ def test_another_configs_sources_are_refused_in_one_line_naming_both(folder):
     demo = cfg(data={"sources": ["resources/demo/a.jsonl"]})
     error, note = made_by.check(demo, ["config/config.yaml"], demo=True)
     assert note is None and "\n" not in error
-    assert error.startswith("config error: results/ holds 2 finished shards made by my-run.yaml; this run's config ")
+    assert error.startswith(
+        "config error: results/ holds 2 finished shards and was last run with my-run.yaml; this run's config "
+    )
     assert "config/config.yaml (the demo's, read because no --configfile was given)" in error
     assert "differs in data.sources [mine.jsonl] there, [resources/demo/a.jsonl] here" in error
     assert "--directory OTHER_FOLDER" in error and "replace_results: true" in error
@@ -119,7 +121,10 @@ def test_a_forgotten_configfile_is_refused_before_any_job_and_adding_work_is_not
     refused = snakemake(wd, "-n", "--configfile", "other.yaml", check=False)
     errors = [x for x in refused.stderr.splitlines() if x.startswith("config error")]
     assert refused.returncode == 1 and len(errors) == 1, refused.stderr[-3000:]
-    assert "holds 3 finished shards made by config/config.yaml; this run's config other.yaml differs" in errors[0]
+    assert (
+        "holds 3 finished shards and was last run with config/config.yaml; this run's config other.yaml differs"
+        in errors[0]
+    )
     assert "rule extract_hidden_states" not in refused.stdout
     replaced = snakemake(wd, "-n", "--configfile", "other.yaml", "--config", "replace_results=true")
     assert "replace_results: replacing the 3 finished shards of config/config.yaml" in replaced.stderr

@@ -126,7 +126,7 @@ def check(
     elsewhere = command.setting("--directory", "OTHER_FOLDER")
     replace = command.adding("--config", f"{REPLACE}=true")
     return (
-        f"config error: results/ holds {shards} made by {theirs}; this run's config {_files(config_files, demo)} "
+        f"config error: results/ holds {shards} and was last run with {theirs}; this run's config {_files(config_files, demo)} "
         f"differs in {what}, so it would extract them again. Run this config in another folder: {elsewhere}; or "
         f"replace them: {replace} (or {REPLACE}: true in the config)",
         None,
