@@ -10,13 +10,14 @@ from eagle3prep.config import (
     template_kwargs_params,
     validate_config,
 )
-from eagle3prep import heal
+from eagle3prep import command, heal, made_by
 from eagle3prep.settings import ExtractSettings, RegenerateSettings
 from eagle3prep.parse import (
     check_model_files,
     check_target_marker,
     check_tokenizer,
     config_source_line,
+    shown_path,
 )
 from eagle3prep.infra.runlock import clear_stale_locks, record_owner
 
@@ -27,12 +28,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # envs/*.post-deploy.sh install this checkout's package into a rule's conda env (--sdm conda).
 os.environ.update(EAGLE3PREP_ROOT=str(workflow.basedir))
 
+_overrides = bool(getattr(workflow.config_settings, "config", None))
+# The config files as the user sees them, and a --config that may set keys over them (results/config.json).
+CONFIG_SHOWN = [shown_path(f, os.getcwd()) for f in CONFIGFILES] or [
+    "config/config.yaml"
+]
+CONFIG_SHOWN += ["--config"] if _overrides else []
 if workflow.is_main_process:
-    _overrides = bool(getattr(workflow.config_settings, "config", None))
-    print(
-        f"eagle3prep: {config_source_line(CONFIGFILES, _overrides, os.getcwd())}",
-        file=sys.stderr,
+    # The user's --configfile/--directory, for every command a job or a check suggests (eagle3prep.command).
+    _command = command.from_argv(sys.argv)
+    command.export(_command)
+    _line = config_source_line(
+        CONFIGFILES, _overrides, os.getcwd(), _command.dropped_configfiles
     )
+    print(f"eagle3prep: {_line}", file=sys.stderr)
 try:
     check_target_marker(config, CONFIGFILES, os.getcwd())
     validate_config(config, workflow.source_path("../config/schema.yaml"))
@@ -81,6 +90,18 @@ if workflow.is_main_process:
 
     def _prepare_dag_healed(*args, **kwargs):
         settings = workflow.dag_settings
+        # Another config's finished shards: refused before any job, in a run and in -n (eagle3prep.made_by).
+        if set(settings.targets) != {"verify"}:
+            _error, _note = made_by.check(
+                config, CONFIG_SHOWN, demo=not CONFIGFILES, command=_command
+            )
+            if _error:
+                sys.exit(_error)
+            if _note:
+                print(f"eagle3prep: {_note}", file=sys.stderr)
+            # Before the DAG, since onstart does not run when there is nothing to do; -n writes nothing.
+            if not workflow.dryrun:
+                made_by.write_record(config, CONFIG_SHOWN)
         if not workflow.touch and set(settings.targets) <= {"all"}:
             HEALS[:] = heal.find(SHARDS, config["heal"]["keep_failed"])
             for line in heal.summary(HEALS):

@@ -40,7 +40,5 @@ rule verify:
     conda:
         "../envs/cpu.yaml"
     threads: 4
-    params:
-        shards=SHARDS,
     script:
         "../scripts/verify.py"

@@ -79,6 +79,12 @@ def render(schema: dict) -> str:
     parts = [HEADER]
     top_required = set(schema.get("required", []))
     for section, spec in schema["properties"].items():
+        if spec.get("type") != "object":  # a top-level key of its own (replace_results): a one-row table
+            parts.append(f"\n## `{section}`\n\n| key | type | default | what it does |\n|---|---|---|---|\n")
+            parts.append(
+                f"| `{section}` | {_cell(_type(spec))} | {_code(spec['default'])} | {_cell(spec['description'])} |\n"
+            )
+            continue
         need = " (the section is required)" if section in top_required else ""
         parts.append(f"\n## `{section}`{need}\n")
         if spec.get("description"):

@@ -89,6 +89,19 @@ def test_flipped_bytes(shard, good, demo_model_dir, capsys, tmp_path):
     assert failed_checks(shard, good, demo_model_dir, capsys, tmp_path) == {"file:layer_5.safetensors"}
 
 
+def test_a_failed_shard_names_the_users_own_command_that_redoes_it(shard, good, demo_model_dir, tmp_path, monkeypatch):
+    from eagle3prep import command
+
+    monkeypatch.setenv(command.ENV, "snakemake --configfile mine.yaml --directory runs/a")
+    (shard / "layer_5.safetensors").unlink()
+    with pytest.raises(ValidationError) as e:
+        validate_shard(str(shard), str(good[0][1]), str(tmp_path / "v.json"), str(demo_model_dir), sample_rows=2)
+    assert str(e.value).endswith(
+        "the next run of the same command moves it to results/failed/ and extracts it again: "
+        "snakemake --configfile mine.yaml --directory runs/a"
+    )
+
+
 def test_swapped_layer_files(shard, good, demo_model_dir, capsys, tmp_path):
     a, b = shard / "layer_2.safetensors", shard / "layer_4.safetensors"
     a.rename(shard / "x")

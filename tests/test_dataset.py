@@ -130,3 +130,17 @@ def test_fp8_shards_read_dequantized_to_bf16(tmp_path_factory, demo_model_dir):
             assert torch.equal(item[k], want[k]), k
         assert rel_per_token(item["verifier_last_hidden_states"], want["verifier_last_hidden_states"]) < BF16_READ_MAX
         assert rel_per_token(item["hidden_states"][:, :H], want["hidden_states"][:, :H]) < BF16_READ_MAX
+
+
+def test_from_results_reads_the_datasets_shards_not_a_folder_another_config_left(results, tmp_path):
+    # Before: every shard_* folder was read, and a leftover without its tokenized shard stopped the load.
+    import json
+    import shutil
+
+    copy = shutil.copytree(results, tmp_path / "results")
+    stats = {"shards": [{"shard": k, "rows": 1, "tokens": 1} for k in (0, 1)]}
+    (copy / "tokenized" / "stats.json").write_text(json.dumps(stats))
+    shutil.copytree(copy / "hidden_states" / "shard_0", copy / "hidden_states" / "shard_2")
+    ds = HiddenStatesDataset.from_results(copy)
+    assert len(ds) == len(HiddenStatesDataset.from_results(results))
+    assert [d.name for d in ds.shard_dirs] == ["shard_0", "shard_1"]

@@ -181,3 +181,65 @@ def test_an_export_manifest_lists_its_shards_too():
     (export / "manifest.json").write_text(json.dumps({"sources": [{"shard_dir": heal.shard_dir(0)}]}))
     assert heal.shards_made_into(str(export)) == {os.path.normpath(heal.shard_dir(0))}
     assert heal.shards_made_into("results/nothing.json") is None
+
+
+def listed(k: int) -> Path:
+    """A finished, validated shard whose manifest lists its layer file, as extract writes it."""
+    folder = finished(k)
+    (folder / "manifest.json").write_text(json.dumps({"files": {"layer_2.safetensors": {"sha256": "s", "bytes": 1}}}))
+    val = Path(heal.validation_json(k))
+    later = folder.stat().st_mtime_ns + 10**9
+    os.utime(val, ns=(later, later))
+    return folder
+
+
+def test_a_deleted_or_added_file_is_extracted_again_at_once_not_validated_to_fail_first():
+    # Before: "validating it again", a validation that fails ("listed in the manifest but missing"), then a
+    # second run to set the shard aside and extract it.
+    for k in range(3):
+        listed(k)
+    (Path(heal.shard_dir(0)) / "layer_2.safetensors").unlink()
+    (Path(heal.shard_dir(1)) / "notes.txt").write_text("x")
+    (Path(heal.shard_dir(2)) / ".snakemake_timestamp").write_text("")  # Snakemake's own marker: no change
+    for k in range(3):
+        os.utime(heal.shard_dir(k), ns=(2 * 10**18, 2 * 10**18))
+    heals = {h.shard: h for h in heal.find(range(3))}
+    assert heals[0].force == heal.shard_dir(0) and heals[0].why == (
+        "results/hidden_states/shard_0: layer_2.safetensors is listed in its manifest.json but missing: "
+        "extracting it again"
+    )
+    assert heals[1].force == heal.shard_dir(1) and "notes.txt is not in its manifest.json" in heals[1].why
+    assert heals[2].force == heal.validation_json(2) and "validating it again" in heals[2].why
+
+
+def test_what_verify_found_damaged_is_made_again_once():
+    for k in range(3):
+        finished(k)
+    export = Path(heal.EXPORT)
+    export.mkdir(parents=True)
+    (export / "manifest.json").write_text("{}")
+    places = {
+        "hidden_states/shard_1": "shard_1/layer_2.safetensors: sha256 aaa != bbb",
+        "export/speculators": "export/speculators/token_freq.pt: sha256 ccc != ddd",
+    }
+    Path(heal.VERIFIED).write_text(json.dumps({"places": places}))
+    later = (export / "manifest.json").stat().st_mtime_ns + 10**9
+    os.utime(heal.VERIFIED, ns=(later, later))
+    heals = {h.shard: h for h in heal.find(range(3))}
+    assert heals[1].force == heal.shard_dir(1) and heals[1].why == (
+        "results/hidden_states/shard_1: shard_1/layer_2.safetensors: sha256 aaa != bbb (results/verify.json): "
+        "extracting it again"
+    )
+    assert heals[None].force == heal.EXPORT and "exporting it again" in heals[None].why
+    assert set(heals) == {1, None}
+    # made again after verify ran: nothing more to do
+    for manifest in (Path(heal.shard_dir(1)) / "manifest.json", export / "manifest.json"):
+        os.utime(manifest, ns=(later + 10**9, later + 10**9))
+    assert heal.find(range(3)) == []
+
+
+def test_the_files_a_shard_may_hold_beyond_its_listing_are_the_shard_modules():
+    # heal keeps its own copy (the Snakefile's parse does not import the shard package).
+    from eagle3prep.shard.manifest import SHARD_EXTRAS
+
+    assert heal.SHARD_EXTRAS == SHARD_EXTRAS

@@ -1,6 +1,7 @@
 """The plan target's numbers: bytes per shard, free space, job time, a shard size under 5 % start-up."""
 
 import json
+import os
 
 import pytest
 
@@ -93,3 +94,49 @@ def test_one_shard_is_singular(tmp_path):
     text = format_plan(make_plan(sizes, 4, 4096, "bfloat16", tmp_path, tokens_per_s=100.0, engine_start_s=60.0))
     assert "at most 1 shard for 3,000 tokens" in text and text.startswith("eagle3prep plan: 1 shard, ")
     assert "1 shards" not in text
+
+
+def test_a_finished_shard_of_another_config_or_older_tokens_is_to_redo_as_the_workflow_does(tmp_path):
+    # Before: any folder with a manifest was "done" ("0 B still to write") while `snakemake -n` redid it.
+    hs, tokenized = tmp_path / "hidden_states", tmp_path / "tokenized"
+    tokenized.mkdir()
+    (tokenized / ".snakemake_timestamp").write_text("")
+    made = {"layer_ids": [2, 4, 5, 8], "dtype": "bfloat16", "model": {"path": "m"}}
+    for k, over in enumerate([{}, {"layer_ids": [1, 2, 3, 8]}, {"model": {"path": "other"}}]):
+        (hs / f"shard_{k}").mkdir(parents=True)
+        (hs / f"shard_{k}" / "manifest.json").write_text(json.dumps(made | over))
+    sizes = [{"shard": k, "rows": 1, "tokens": 100} for k in range(4)]
+    now = {"layer_ids": [2, 4, 5, 8], "dtype": "bfloat16", "storage": "model_dtype", "model_path": "m"}
+    plan = make_plan(sizes, 4, 128, "bfloat16", hs, tokens_per_s=100.0, made_with=now | {"tokenized": tokenized})
+    assert [s["done"] for s in plan["shards"]] == [True, False, False, False]
+    assert plan["shards"][1]["redo"] == "made with layer_ids [1, 2, 3, 8] (now [2, 4, 5, 8])"
+    assert plan["shards"][2]["redo"] == "made with model_path other (now m)"
+    text = format_plan(plan)
+    assert "to redo: made with layer_ids [1, 2, 3, 8]" in text and plan["job_hours_left"] > 0
+    later = (hs / "shard_0" / "manifest.json").stat().st_mtime_ns + 10**9
+    os.utime(tokenized / ".snakemake_timestamp", ns=(later, later))  # tokenized again since shard_0 was made
+    plan = make_plan(sizes, 4, 128, "bfloat16", hs, made_with=now | {"tokenized": tokenized})
+    assert (
+        plan["shards"][0]["redo"] == "older than the tokenized shards"
+        and plan["bytes_to_write"] == plan["bytes_total"]
+    )
+
+
+@pytest.mark.integration
+def test_plan_and_the_dry_run_agree_on_a_folder_of_shards_another_config_made(small_demo_run, tmp_path):
+    # Before: plan listed them as done ("0 B still to write") while -n planned to extract them again.
+    import re
+    import shutil
+
+    from workflow_helpers import snakemake
+
+    wd = shutil.copytree(small_demo_run, tmp_path / "wd", symlinks=True)
+    snakemake(wd, "plan")
+    assert (wd / "results/plan/plan.txt").read_text().count("done (has manifest)") == 3
+    other = ("--config", "extract={dtype: float32}")
+    assert re.search(r"^extract_hidden_states\s+3$", snakemake(wd, "-n", *other).stdout, re.M)
+    snakemake(wd, "plan", *other)
+    text = (wd / "results/plan/plan.txt").read_text()
+    assert text.count("to redo: made with dtype bfloat16 (now float32)") == 3 and "done (has manifest)" not in text
+    plan = json.loads((wd / "results/plan/plan.json").read_text())
+    assert plan["bytes_to_write"] == plan["bytes_total"]

@@ -67,7 +67,9 @@ def test_a_flipped_byte_is_one_line_naming_the_file_and_both_hashes(results, cap
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"shard_3/layer_4.safetensors: sha256 {now[:12]} != {recorded[:12]}"
     assert len(out) == 2 and out[1].startswith("verify: 1 damaged of 24 files of 4 shards")
-    assert f"rm -r {results}/hidden_states/shard_3 && snakemake" in out[1]
+    assert out[1].endswith(
+        "the next run of the same command makes them again: snakemake (with your --configfile and --directory)"
+    )
     assert layer.stat().st_mtime_ns == mtime and sha256_file(layer) == now  # verify only reads
 
 
@@ -83,7 +85,7 @@ def test_truncated_missing_stray_and_absent_shard_each_get_their_line(results):
     assert "shard_1/token_ids.safetensors: listed in the manifest but missing" in lines
     assert "shard_2/notes.txt: not in the manifest" in lines
     assert "shard_4: missing (not extracted yet, or removed)" in lines
-    assert not verdict.ok and verdict.bad_places == {f"hidden_states/shard_{k}" for k in (0, 1, 2, 4)}
+    assert not verdict.ok and set(verdict.bad_places) == {f"hidden_states/shard_{k}" for k in (0, 1, 2, 4)}
 
 
 def test_an_unfinished_shard_and_a_changed_manifest(results):
@@ -120,7 +122,20 @@ def test_the_export_is_checked_against_its_own_manifest(results):
     flip_byte(export / "hidden_states" / "hs_0.safetensors", 7)
     verdict = verify(results)
     assert [x.split(": ")[0] for x in verdict.damaged] == ["export/speculators/hidden_states/hs_0.safetensors"]
-    assert verdict.bad_places == {"export/speculators"}
+    assert set(verdict.bad_places) == {"export/speculators"}
+
+
+def test_snakemakes_marker_in_the_export_folder_is_not_damage(results):
+    # Snakemake writes .snakemake_timestamp into every directory() output, the export's included.
+    export = results / "export" / "speculators"
+    export.mkdir(parents=True)
+    (export / "token_freq.pt").write_bytes(b"t" * 10)
+    files = {"token_freq.pt": {"sha256": sha256_file(export / "token_freq.pt"), "bytes": 10}}
+    (export / MANIFEST).write_text(json.dumps({"files": files, "sources": []}))
+    (export / ".snakemake_timestamp").write_text("")
+    verdict = verify(results)
+    assert verdict.ok, verdict.damaged
+    assert verdict.export_files == 1
 
 
 def test_a_results_folder_that_is_not_one_is_one_line(tmp_path, capsys):
@@ -137,7 +152,7 @@ def test_the_cli_counts_a_removed_shard_that_tokenize_made(results):
         (results / "tokenized" / f"shard_{k}.jsonl").write_text("")
     verdict = verify(results)  # no shard list: the folders and the tokenized shards
     assert verdict.damaged == ["shard_4: missing (not extracted yet, or removed)"]
-    assert verdict.summary(results).endswith("to make them again: snakemake")
+    assert "makes them again: snakemake" in verdict.summary(results)
 
 
 @pytest.mark.integration
@@ -153,3 +168,35 @@ def test_snakemake_verify_runs_only_itself_and_fails_on_a_flipped_byte(small_dem
     assert bad.returncode != 0 and len(lines) == 1 and lines[0].startswith("shard_1/layer_5.safetensors: sha256 ")
     jobs = re.findall(r"^(?:local)?rule (\w+):", ok.stderr + bad.stderr, re.M)
     assert set(jobs) == {"verify"}  # no extract, validate or report job was queued
+
+
+def test_what_verify_finds_is_recorded_for_the_next_run_and_its_command_is_the_users(results, monkeypatch):
+    from eagle3prep import command
+
+    monkeypatch.setenv(command.ENV, "snakemake --directory runs/a --configfile mine.yaml")
+    flip_byte(results / "hidden_states" / "shard_2" / "layer_4.safetensors")
+    verdict = verify(results, [0, 1, 2, 3])
+    assert verdict.summary(results).endswith(
+        "the next run of the same command makes them again: snakemake --directory runs/a --configfile mine.yaml"
+    )
+    verdict.write_record(results)
+    places = json.loads((results / "verify.json").read_text())["places"]
+    assert list(places) == ["hidden_states/shard_2"] and places["hidden_states/shard_2"].startswith(
+        "shard_2/layer_4.safetensors: sha256 "
+    )
+
+
+def test_both_verify_commands_check_the_shards_of_the_dataset_and_leave_another_configs_alone(results, capsys):
+    # Before: `snakemake verify` checked the config's num_shards, python -m eagle3prep.verify every folder.
+    (results / "tokenized").mkdir()
+    stats = {"shards": [{"shard": k, "rows": 3, "tokens": 81} for k in (0, 1)]}
+    (results / "tokenized" / "stats.json").write_text(json.dumps(stats))
+    (results / "hidden_states" / "shard_3" / "layer_4.safetensors").unlink()  # another config's, left behind
+    verdict = verify(results)  # what scripts/verify.py (snakemake verify) runs
+    assert verdict.ok and verdict.shards == 2 and verdict.left_alone == ["shard_2", "shard_3"]
+    assert main([str(results)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert (
+        out[0].startswith("not checked: shard_2, shard_3 (not in ") and "left by a config with more shards" in out[0]
+    )
+    assert out[1].startswith("verify: ok: 12 files of 2 shards")

@@ -254,3 +254,29 @@ def test_the_same_command_heals_deleted_damaged_interrupted_and_failed_shards(tm
     digest = tree_digest(wd / "results")
     assert {p: h for p, h in digest.items() if not p.startswith("failed/")} == tree_digest(full_run / "results")
     assert "Nothing to be done" in snakemake(wd, "-n").stdout
+
+
+def test_a_deleted_layer_file_and_what_verify_finds_are_healed_by_one_run_of_the_same_command(tmp_path, full_run):
+    """Before: a deleted layer file took two reruns (the first failed validation: "listed in the manifest but
+    missing"), and a file damaged in place that verify found was never redone by the same command."""
+    import shutil
+
+    wd = shutil.copytree(full_run, tmp_path / "run", symlinks=True)
+    damaged = wd / "results/hidden_states/shard_1/layer_5.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-8] ^= 0xFF  # in place: same name, same size, the folder's date unchanged
+    damaged.write_bytes(data)
+    bad = snakemake(wd, "verify", check=False)
+    assert bad.returncode != 0 and "the next run of the same command makes them again: " in bad.stderr
+    (wd / "results/hidden_states/shard_0/layer_2.safetensors").unlink()  # after verify: the listing tells
+    rerun = snakemake(wd, check=False)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert (
+        "eagle3prep: results/hidden_states/shard_0: layer_2.safetensors is listed in its manifest.json but missing: "
+        "extracting it again" in rerun.stderr
+    )
+    assert "eagle3prep: results/hidden_states/shard_1: shard_1/layer_5.safetensors: sha256 " in rerun.stderr
+    assert "verify: ok: " in snakemake(wd, "verify").stderr
+    assert tree_digest(wd / "results") == {
+        p: h for p, h in tree_digest(full_run / "results").items() if p != "verify.json"
+    } | {"verify.json": tree_digest(wd / "results")["verify.json"]}

@@ -72,9 +72,18 @@ class HiddenStatesDataset(Dataset):
 
     @classmethod
     def from_results(cls, results_dir: str | os.PathLike = "results", **kwargs: Any) -> HiddenStatesDataset:
-        """Every shard under results_dir/hidden_states, with results_dir/tokenized/shard_{k}.jsonl."""
+        """Every shard of the dataset under results_dir/hidden_states (those results_dir/tokenized/stats.json lists,
+        as verify checks them: a folder left by a config with more shards is not read), with
+        results_dir/tokenized/shard_{k}.jsonl."""
+        from .verify import dataset_shards
+
         root = Path(results_dir)
-        shards = sorted((root / "hidden_states").glob("shard_*"), key=lambda p: int(p.name.removeprefix("shard_")))
+        listed = dataset_shards(root)
+        if listed is not None:
+            shards = [root / "hidden_states" / f"shard_{k}" for k in listed]
+        else:
+            found = [p for p in (root / "hidden_states").glob("shard_*") if p.name.removeprefix("shard_").isdigit()]
+            shards = sorted(found, key=lambda p: int(p.name.removeprefix("shard_")))
         if not shards:
             raise FileNotFoundError(f"no shard folders under {root / 'hidden_states'}; run the workflow first")
         tokenized = [root / "tokenized" / f"{d.name}.jsonl" for d in shards]

@@ -21,8 +21,13 @@ HIDDEN_STATES = "results/hidden_states"
 VALIDATION = "results/validation"
 FAILED = "results/failed"
 # Outputs that are made from every validated shard: when one exists, a missing shard is not "not made yet".
-DOWNSTREAM = ("results/report/dataset_manifest.json", "results/export/speculators")
 MANIFEST = "manifest.json"  # shard.MANIFEST; not imported, to keep torch out of the Snakefile's parse
+EXPORT = "results/export/speculators"
+DOWNSTREAM = ("results/report/dataset_manifest.json", EXPORT)
+# What the last `snakemake verify` (or python -m eagle3prep.verify) found damaged: the next run redoes it.
+VERIFIED = "results/verify.json"
+SNAKEMAKE_MARKER = ".snakemake_timestamp"  # shard.manifest.SNAKEMAKE_MARKER; allowed beside the listed files
+SHARD_EXTRAS = frozenset({MANIFEST, "timings.json", SNAKEMAKE_MARKER})  # shard.manifest.SHARD_EXTRAS
 FAIL_MARK = "[validate] FAIL"  # a check that failed, as the validate job logs it
 MAX_REDOS = 2  # a shard that fails validation this many times is not extracted a third time
 SHOWN = 10  # lines printed at parse time; the rest are counted
@@ -30,9 +35,9 @@ SHOWN = 10  # lines printed at parse time; the rest are counted
 
 @dataclass(frozen=True, slots=True)
 class Heal:
-    """One shard to redo (or to leave as it is), and why, in one line."""
+    """One shard (or the export, shard None) to redo (or to leave as it is), and why, in one line."""
 
-    shard: int
+    shard: int | None
     why: str
     force: str | None = None  # the output to force (Snakemake's --forcerun); None: nothing is forced
     set_aside: bool = False  # move the shard folder to results/failed/ before the run starts
@@ -112,7 +117,10 @@ def find(shards: Iterable[int], keep_failed: bool = False) -> list[Heal]:
         return []  # a fresh folder: nothing to heal, no cost
     downstream = next((p for p in DOWNSTREAM if os.path.exists(p)), None)
     made_from: set[str] | None = None  # the shard folders `downstream` was made from, read when first needed
+    damaged, export_damage = verified_damage()
     heals = []
+    if export_damage and os.path.isdir(EXPORT):  # a removed export is made again as a missing output
+        heals.append(Heal(None, f"{EXPORT}: {export_damage} ({VERIFIED}): exporting it again", EXPORT))
     for k in shards:
         folder, val = shard_dir(k), validation_json(k)
         val_ns = validated.get(f"shard_{k}.json")
@@ -136,9 +144,16 @@ def find(shards: Iterable[int], keep_failed: bool = False) -> list[Heal]:
                 Heal(k, f"{folder} has no {MANIFEST} (a run stopped while writing it): extracting it again", folder)
             )
             continue
+        if k in damaged:
+            heals.append(Heal(k, f"{folder}: {damaged[k]} ({VERIFIED}): extracting it again", folder))
+            continue
         if val_ns is not None:
             if present[f"shard_{k}"] > val_ns:  # a file was added, removed or renamed after validation
-                heals.append(Heal(k, f"{folder} changed after {val} was written: validating it again", val))
+                # A listed file gone or an unlisted one there fails validation for certain: extract at once.
+                if listing := listing_mismatch(folder):
+                    heals.append(Heal(k, f"{folder}: {listing}: extracting it again", folder))
+                else:
+                    heals.append(Heal(k, f"{folder} changed after {val} was written: validating it again", val))
             continue
         failure = validation_failure(k, manifest_ns)
         if failure:
@@ -146,6 +161,53 @@ def find(shards: Iterable[int], keep_failed: bool = False) -> list[Heal]:
         elif downstream:
             heals.append(Heal(k, f"{val} is missing but {downstream} exists: validating {folder} again", val))
     return heals
+
+
+def listing_mismatch(folder: str) -> str | None:
+    """A file the shard's manifest lists that is not in the folder, or one there it does not list, in words;
+    None when the listing matches or the manifest cannot tell (then validation judges the shard)."""
+    try:
+        with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
+            listed = json.load(f).get("files")
+        with os.scandir(folder) as entries:
+            there = {e.name for e in entries}
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(listed, dict) or not listed:
+        return None
+    missing = sorted(set(listed) - there)
+    if missing:
+        return f"{missing[0]} is listed in its {MANIFEST} but missing" + (
+            f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        )
+    stray = sorted(there - set(listed) - SHARD_EXTRAS)
+    return f"{stray[0]} is not in its {MANIFEST}" if stray else None
+
+
+def verified_damage(record: str = VERIFIED) -> tuple[dict[int, str], str | None]:
+    """({shard: first damaged line}, the export's first damaged line or None) from the last verify, for the
+    places not made again since it ran (their manifest is older than the record)."""
+    try:
+        since = os.stat(record).st_mtime_ns
+        with open(record, encoding="utf-8") as f:
+            places = json.load(f)["places"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}, None
+    shards: dict[int, str] = {}
+    export = None
+    for place, line in places.items() if isinstance(places, dict) else ():
+        where = f"results/{place}"
+        try:
+            if os.stat(os.path.join(where, MANIFEST)).st_mtime_ns > since:
+                continue  # made again after verify ran
+        except FileNotFoundError:
+            pass  # gone or unfinished: the other checks name it
+        name = os.path.basename(place)
+        if place == EXPORT.removeprefix("results/"):
+            export = line
+        elif name.startswith("shard_") and name[6:].isdigit():
+            shards[int(name[6:])] = line
+    return shards, export
 
 
 def shards_made_into(downstream: str) -> set[str] | None:
@@ -174,7 +236,7 @@ def _failed(k: int, failure: str, keep_failed: bool) -> Heal:
         )
     return Heal(
         k,
-        f"{folder} failed validation ({failure.removeprefix('error: ')[:200]}): moving it to "
+        f"{folder} failed validation ({failure.removeprefix('error: ').split('; the next run')[0][:200]}): moving it to "
         f"{next_failed_dir(k)} and extracting it again",
         folder,
         set_aside=True,

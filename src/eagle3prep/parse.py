@@ -50,20 +50,33 @@ def demo_config_error(cwd: str | os.PathLike) -> str | None:
     )
 
 
-def config_source_line(configfiles: list[str], overrides: bool, cwd: str | os.PathLike) -> str:
-    """The one line that says which config is in force, and where results go."""
+def config_source_line(
+    configfiles: list[str], overrides: bool, cwd: str | os.PathLike, dropped: list[str] | None = None
+) -> str:
+    """The one line that says which config is in force, and where results go. `dropped`: the files of an earlier
+    --configfile flag, which Snakemake does not read (only the last flag counts)."""
     if configfiles:
-        shown = " + ".join(_shown_path(f, cwd) for f in configfiles)
-        source = (
-            f"config {shown} over the schema's defaults (config/schema.yaml; the demo's {DEMO_CONFIG} is not read)"
-        )
+        shown = " + ".join(shown_path(f, cwd) for f in configfiles)
+        demo = (Path(cwd) / DEMO_CONFIG).resolve()
+        if any(Path(f).resolve() == demo for f in configfiles):
+            demo_note = f"the demo's {DEMO_CONFIG} is one of them"
+        else:
+            demo_note = f"the demo's {DEMO_CONFIG} is not read"
+        later = ", later files win" if len(configfiles) > 1 else ""
+        source = f"config {shown} over the schema's defaults (config/schema.yaml; {demo_note}{later})"
     else:
         source = f"config {DEMO_CONFIG} (the demo's; pass --configfile for your own)"
     extra = " + --config" if overrides else ""
-    return f"{source}{extra}; results in {Path(cwd).resolve() / 'results'}"
+    line = f"{source}{extra}; results in {Path(cwd).resolve() / 'results'}"
+    if dropped:
+        line += (
+            f"; not read: {' '.join(dropped)} (only the last --configfile flag counts: "
+            "give every file after one --configfile)"
+        )
+    return line
 
 
-def _shown_path(path: str, cwd: str | os.PathLike) -> str:
+def shown_path(path: str, cwd: str | os.PathLike) -> str:
     """`path` relative to the working directory when it lies under it, else absolute (normalized)."""
     path = os.path.normpath(path)
     rel = os.path.relpath(path, cwd)
@@ -74,7 +87,7 @@ def check_target_marker(config: dict[str, Any], configfiles: list[str], cwd: str
     """One line for `snakemake --configfile my.yaml plan`, where Snakemake took `plan` for a config file."""
     if TARGET_MARKER in config:
         target = config[TARGET_MARKER]
-        files = [_shown_path(f, cwd) for f in configfiles if Path(f).name != target] or ["my-run.yaml"]
+        files = [shown_path(f, cwd) for f in configfiles if Path(f).name != target] or ["my-run.yaml"]
         raise ConfigError(
             f"config error: `{target}` after --configfile was read as a config file (--configfile takes several); "
             f"put the target first: snakemake {target} --configfile {' '.join(files)}"

@@ -33,8 +33,9 @@ class ShardPlan:
     rows: int
     tokens: int
     bytes: int  # extract.shard_bytes: layer files + token ids + index + manifest
-    done: bool  # a manifest is there already: its bytes are on disk, not still to be written
+    done: bool  # a manifest is there, of this config's capture: its bytes are on disk, not still to be written
     job_s: float | None  # engine start + tokens / tokens_per_s; None without a throughput
+    redo: str | None = None  # why a finished shard there is extracted again (another config made it)
 
 
 def min_tokens_per_shard(tokens_per_s: float, engine_start_s: float, share: float = START_SHARE) -> int:
@@ -53,6 +54,7 @@ def make_plan(
     engine_start_s: float = 60.0,
     gpus_per_job: int = 1,
     storage: str = "model_dtype",
+    made_with: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The plan as a JSON-able dict.
 
@@ -66,10 +68,14 @@ def make_plan(
         engine_start_s: seconds from job start to the first batch (model load, engine start-up).
         gpus_per_job: GPUs one extract job holds (tp_size for vllm, 1 for hf on cuda, 0 on cpu).
         storage: extract.storage; fp8_e4m3 stores 1 byte per value plus a 4-byte scale per token and layer.
+        made_with: what this config's shards hold ({"layer_ids", "dtype", "storage", "model_path", "tokenized"}, the
+            tokenized folder): a finished shard that differs, or is older than the tokenized shards, is not done,
+            as the workflow extracts it again (shard_state); None: every shard with a manifest is done.
     """
     out = Path(hidden_states_dir)
     shards = [
-        _shard_plan(s, out, num_layers, hidden_size, dtype, storage, tokens_per_s, engine_start_s) for s in shard_sizes
+        _shard_plan(s, out, num_layers, hidden_size, dtype, storage, tokens_per_s, engine_start_s, made_with)
+        for s in shard_sizes
     ]
     probe = free_space_probe(out.resolve())
     free = shutil.disk_usage(probe).free
@@ -104,18 +110,52 @@ def make_plan(
 
 
 def _shard_plan(size: dict[str, int], out: Path, num_layers: int, hidden_size: int, dtype: str, storage: str,
-                tokens_per_s: float | None, engine_start_s: float) -> ShardPlan:  # fmt: skip
-    """One shard's plan from its stats.json entry; done when its folder has a manifest."""
+                tokens_per_s: float | None, engine_start_s: float,
+                made_with: dict[str, Any] | None) -> ShardPlan:  # fmt: skip
+    """One shard's plan from its stats.json entry; done when its folder has a manifest of this config's capture."""
     k, tokens = int(size["shard"]), int(size["tokens"])
     job_s = engine_start_s + tokens / tokens_per_s if tokens_per_s else None
+    done, redo = shard_state(out / f"shard_{k}", made_with)
     return ShardPlan(
         shard=k,
         rows=int(size["rows"]),
         tokens=tokens,
         bytes=shard_bytes(tokens, int(size["rows"]), num_layers, hidden_size, dtype, storage),
-        done=(out / f"shard_{k}" / MANIFEST).is_file(),
+        done=done,
         job_s=round(job_s, 1) if job_s is not None else None,
+        redo=redo,
     )
+
+
+def shard_state(folder: Path, made_with: dict[str, Any] | None) -> tuple[bool, str | None]:
+    """(done, why it is extracted again): a shard is done when its manifest is there and records what this config
+    captures (layer ids, dtype, storage, model folder) from the tokenized shards as they are now (its manifest is
+    newer than them), the checks Snakemake's params and dates make; `made_with` None checks the manifest alone."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return False, None
+    if made_with is None:
+        return True, None
+    try:
+        m = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False, f"its {MANIFEST} does not read"
+    if not isinstance(m, dict):
+        return False, f"its {MANIFEST} is not a manifest"
+    made = {
+        "layer_ids": m.get("layer_ids"),
+        "dtype": m.get("dtype"),
+        "storage": (m.get("storage") or {}).get("name", "model_dtype"),
+        "model_path": (m.get("model") or {}).get("path"),
+    }
+    differ = [f"{key} {made[key]} (now {made_with[key]})" for key in made if made[key] != made_with[key]]
+    if differ:
+        return False, "made with " + ", ".join(differ)
+    tokenized = Path(made_with["tokenized"])
+    stamp = next((p for p in (tokenized / ".snakemake_timestamp", tokenized / "stats.json") if p.is_file()), None)
+    if stamp is not None and stamp.stat().st_mtime_ns > manifest.stat().st_mtime_ns:
+        return False, "older than the tokenized shards"
+    return True, None
 
 
 def _times(shards: list[ShardPlan], tokens_per_s: float, engine_start_s: float, gpus_per_job: int) -> dict[str, Any]:
@@ -156,7 +196,7 @@ def _table(plan: dict[str, Any]) -> list[str]:
     ]
     for s in plan["shards"]:
         job = _duration(s["job_s"]) if s["job_s"] is not None else "-"
-        status = "done (has manifest)" if s["done"] else "to do"
+        status = "done (has manifest)" if s["done"] else f"to redo: {s['redo']}" if s.get("redo") else "to do"
         lines.append(
             f"{s['shard']:>5}  {s['rows']:>9,}  {s['tokens']:>13,}  {human_bytes(s['bytes']):>10}  {job:>9}  {status}"
         )
@@ -273,6 +313,13 @@ def plan_run(
         tokens_per_s=plan["tokens_per_s"],
         engine_start_s=plan["engine_start_s"],
         gpus_per_job=gpus_per_job,
+        made_with={
+            "layer_ids": ids,
+            "dtype": dtype,
+            "storage": storage or "model_dtype",
+            "model_path": model_path,
+            "tokenized": Path(stats_path).parent,
+        },
     )
     if reference_mode(reference) == "scalable":
         result["validation_memory"] = validation_memory(model_path, ids, windows)

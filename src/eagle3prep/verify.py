@@ -5,8 +5,9 @@ No reference recomputation and no job: each listed file's size and sha256 agains
 the layer ids, and each shard manifest's own sha256 where the dataset manifest or the export recorded
 it. One line per damaged file, one summary line; damaged or missing means a non-zero exit.
 
-    snakemake verify                          # the config's shards, in the working directory
-    python -m eagle3prep.verify [RESULTS]     # every shard_* folder under RESULTS/hidden_states
+    snakemake verify                          # the shards in the working directory's results/
+    python -m eagle3prep.verify [RESULTS]     # the same, under RESULTS
+Both check the shards results/tokenized/stats.json lists (dataset_shards), or every shard_* folder without it.
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .infra.atomic import sha256_file
+from . import command
+from .infra.atomic import sha256_file, write_json
 from .infra.disk import human_bytes
 from .shard.layout import MANIFEST
-from .shard.manifest import check_listed_file, read_manifest, stray_files
+from .shard.manifest import EXPORT_EXTRAS, check_listed_file, read_manifest, stray_files
 
 HIDDEN_STATES = "hidden_states"  # under the results folder, as heal.HIDDEN_STATES
 DATASET_MANIFEST = "report/dataset_manifest.json"
 EXPORT = "export/speculators"
+RECORD = "verify.json"  # under the results folder, as heal.VERIFIED
 # hashlib and file reads release the GIL: a few threads keep several disks (or one NVMe) busy.
 THREADS = 4
 
@@ -42,11 +45,17 @@ class Verdict:
     files: int = 0
     bytes: int = 0
     export_files: int | None = None  # None: no export to check
-    bad_places: set[str] = field(default_factory=set)  # shard folders / the export that need redoing
+    left_alone: list[str] = field(default_factory=list)  # shard folders the tokenized shards do not list
+    bad_places: dict[str, str] = field(default_factory=dict)  # shard folder / the export -> its first damaged line
 
     @property
     def ok(self) -> bool:
         return not self.damaged
+
+    def add(self, place: str, line: str) -> None:
+        """One damaged or missing file (`line`) in `place`, which needs redoing."""
+        self.damaged.append(line)
+        self.bad_places.setdefault(place, line)
 
     def summary(self, results: str | Path) -> str:
         export = "" if self.export_files is None else f" and the export's {self.export_files}"
@@ -54,12 +63,16 @@ class Verdict:
         if self.ok:
             return f"verify: ok: {checked} match their manifests"
         places = sorted(self.bad_places, key=_natural)
-        # heal (rules/common.smk) makes a removed shard folder again; a missing one needs no rm
-        again = " ".join(str(Path(results) / p) for p in places if (Path(results) / p).exists())
+        # heal (eagle3prep.heal) reads RECORD and redoes these places in the workflow's next run
+        yours = "" if command.known() else " (with your --configfile and --directory)"
         return (
-            f"verify: {len(self.damaged)} damaged of {checked}, in {', '.join(places)}; "
-            f"to make them again: {f'rm -r {again} && ' if again else ''}snakemake"
+            f"verify: {len(self.damaged)} damaged of {checked}, in {', '.join(places)}; the next run of the same "
+            f"command makes them again: {command.same_command()}{yours}"
         )
+
+    def write_record(self, results: str | Path) -> None:
+        """RECORD under `results`: the places found damaged, for the next run to redo (heal.verified_damage)."""
+        write_json(Path(results) / RECORD, {"places": dict(sorted(self.bad_places.items()))})
 
 
 def _natural(name: str) -> tuple:
@@ -100,15 +113,13 @@ def _load_json(path: Path) -> dict[str, Any]:
 def _shard_jobs(folder: Path, name: str, recorded: dict, verdict: Verdict) -> Iterator[tuple[str, Path, dict, str]]:
     """Problems found without reading data go straight to `verdict`; the files to hash are yielded."""
     if not folder.is_dir():
-        verdict.damaged.append(f"{name}: missing (not extracted yet, or removed)")
-        verdict.bad_places.add(f"{HIDDEN_STATES}/{name}")
+        verdict.add(f"{HIDDEN_STATES}/{name}", f"{name}: missing (not extracted yet, or removed)")
         return
     try:
         m = read_manifest(folder)
     except (FileNotFoundError, ValueError, AttributeError) as e:  # AttributeError: JSON that is not an object
         what = "missing: the capture did not finish" if isinstance(e, FileNotFoundError) else str(e)
-        verdict.damaged.append(f"{name}/{MANIFEST}: {what}")
-        verdict.bad_places.add(f"{HIDDEN_STATES}/{name}")
+        verdict.add(f"{HIDDEN_STATES}/{name}", f"{name}/{MANIFEST}: {what}")
         return
     verdict.shards += 1
     problems = []
@@ -118,9 +129,8 @@ def _shard_jobs(folder: Path, name: str, recorded: dict, verdict: Verdict) -> It
     if name in recorded and (sha := sha256_file(folder / MANIFEST)) != recorded[name][0]:
         problems.append(f"{name}/{MANIFEST}: sha256 {sha[:12]} != {recorded[name][0][:12]} ({recorded[name][1]})")
     problems += [f"{name}/{stray}: not in the manifest" for stray in stray_files(folder, set(m.files))]
-    if problems:
-        verdict.damaged += problems
-        verdict.bad_places.add(f"{HIDDEN_STATES}/{name}")
+    for line in problems:
+        verdict.add(f"{HIDDEN_STATES}/{name}", line)
     for file, entry in sorted(m.files.items()):
         yield f"{name}/{file}", folder / file, entry, f"{HIDDEN_STATES}/{name}"
 
@@ -129,29 +139,40 @@ def _export_jobs(export: Path, verdict: Verdict) -> Iterator[tuple[str, Path, di
     m = _load_json(export / MANIFEST)
     files = m.get("files")
     if not isinstance(files, dict):
-        verdict.damaged.append(f"{EXPORT}/{MANIFEST}: no `files` listing")
-        verdict.bad_places.add(EXPORT)
+        verdict.add(EXPORT, f"{EXPORT}/{MANIFEST}: no `files` listing")
         return
     verdict.export_files = len(files)
-    stray = stray_files(export, set(files), frozenset({MANIFEST}))
-    if stray:
-        verdict.damaged += [f"{EXPORT}/{s}: not in the manifest" for s in stray]
-        verdict.bad_places.add(EXPORT)
+    stray = stray_files(export, set(files), EXPORT_EXTRAS)
+    for name in stray:
+        verdict.add(EXPORT, f"{EXPORT}/{name}: not in the manifest")
     for file, entry in sorted(files.items()):
         yield f"{EXPORT}/{file}", export / file, entry, EXPORT
 
 
+def dataset_shards(results: str | Path) -> list[int] | None:
+    """The shards of the dataset in `results`: those results/tokenized/stats.json lists (written with the
+    tokenized shards the last run made), None without it. A shard folder beyond them was left by a config with
+    more shards; `snakemake verify`, python -m eagle3prep.verify and HiddenStatesDataset.from_results leave it alone."""
+    try:
+        stats = json.loads((Path(results) / "tokenized" / "stats.json").read_text(encoding="utf-8"))
+        return sorted(int(s["shard"]) for s in stats["shards"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def verify(results: str | Path = "results", shards: list[int] | None = None, threads: int = THREADS) -> Verdict:
-    """Check the shards `shards` (None: every shard_* folder or tokenized shard) under `results`, and the
-    export if it exists."""
+    """Check the shards `shards` (None: dataset_shards, else every shard_* folder or tokenized shard) under
+    `results`, and the export if it exists."""
     results = Path(results)
     hs = results / HIDDEN_STATES
+    folders = [p.name for p in hs.glob("shard_*") if re.fullmatch(r"shard_\d+", p.name)]
+    shards = dataset_shards(results) if shards is None else shards
     if shards is None:  # the folders there, and one per tokenized shard (a removed folder is missing, not gone)
-        found = [p.name for p in hs.glob("shard_*")] + [p.stem for p in (results / "tokenized").glob("shard_*.jsonl")]
+        found = folders + [p.stem for p in (results / "tokenized").glob("shard_*.jsonl")]
         names = sorted({n for n in found if re.fullmatch(r"shard_\d+", n)}, key=_natural)
     else:
         names = [f"shard_{k}" for k in shards]
-    verdict = Verdict()
+    verdict = Verdict(left_alone=sorted(set(folders) - set(names), key=_natural))
     recorded = _recorded_manifest_sha(results)
     jobs = [j for name in names for j in _shard_jobs(hs / name, name, recorded, verdict)]
     verdict.files = len(jobs)
@@ -165,15 +186,20 @@ def verify(results: str | Path = "results", shards: list[int] | None = None, thr
         for (label, _, entry, place), (ok, detail) in zip(jobs, pool.map(check, jobs), strict=True):
             verdict.bytes += entry.get("bytes", 0)
             if not ok:
-                verdict.damaged.append(f"{label}: {detail}")
-                verdict.bad_places.add(place)
+                verdict.add(place, f"{label}: {detail}")
     return verdict
 
 
 def report(verdict: Verdict, results: str | Path, out=sys.stderr) -> None:
-    """The damaged lines, then the summary line."""
+    """The damaged lines, a line for the folders left alone, then the summary line."""
     for line in verdict.damaged:
         print(line, file=out)
+    if verdict.left_alone:
+        print(
+            f"not checked: {', '.join(verdict.left_alone)} (not in {Path(results) / 'tokenized/stats.json'}: left "
+            "by a config with more shards, not part of this dataset)",
+            file=out,
+        )
     print(verdict.summary(Path(results)), file=out)
 
 
@@ -190,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
             raise UserError(f"{args.results}: no {HIDDEN_STATES}/ folder; give the results folder of a run")
         verdict = verify(args.results, threads=args.threads)
+        verdict.write_record(args.results)
         report(verdict, args.results, sys.stdout)
     return 0 if verdict.ok else 1
 

@@ -87,9 +87,12 @@ def check_listed_file(path: Path, entry: dict[str, Any]) -> tuple[bool, str]:
     return True, "sha256 matches"
 
 
-# Files a finished shard folder may hold besides those its manifest lists (.snakemake_timestamp:
-# Snakemake's marker in directory() outputs).
-SHARD_EXTRAS = frozenset({MANIFEST, TIMINGS, ".snakemake_timestamp"})
+# Snakemake's marker in every directory() output: shard folders and the export both hold one.
+SNAKEMAKE_MARKER = ".snakemake_timestamp"
+# Files a finished shard folder may hold besides those its manifest lists.
+SHARD_EXTRAS = frozenset({MANIFEST, TIMINGS, SNAKEMAKE_MARKER})
+# Files the export folder may hold besides those its manifest lists.
+EXPORT_EXTRAS = frozenset({MANIFEST, SNAKEMAKE_MARKER})
 
 
 def stray_files(folder: Path, listed: set[str], extras: frozenset[str] = SHARD_EXTRAS) -> list[str]:

@@ -129,6 +129,12 @@ def _finish(report: dict[str, Any], checks: Checks, out_json: str, shard_dir: st
     if checks.failed:
         Path(out_json).unlink()  # a failed shard must not leave a report that looks like a pass
         names = ", ".join(f"{c.name} ({c.detail})" for c in checks.failed[:5])
-        error = ValidationError(f"{shard_dir}: {len(checks.failed)} check(s) failed: {names}")
+        from ..command import same_command
+
+        # heal (rules/common.smk) sets a failed shard aside and extracts it again in the next run.
+        error = ValidationError(
+            f"{shard_dir}: {len(checks.failed)} check(s) failed: {names}; the next run of the same command moves it "
+            f"to results/failed/ and extracts it again: {same_command()}"
+        )
         error.failed = [c.name for c in checks.failed]
         raise error

@@ -1,0 +1,133 @@
+"""A results folder remembers the config that made it (results/config.json), so that a run which would extract
+its finished shards again with another model, other sources or other layer ids (a forgotten --configfile, the
+demo's config, a second --configfile) is refused when the workflow is parsed, in one line naming both configs.
+
+Only those keys count: Snakemake redoes every shard when one of them changes (an input or a param of the chain
+prepare -> tokenize -> extract), and they decide what the dataset is. A change that only adds work (turning the
+export on) or that the user makes on purpose to a shard's bytes (extract.dtype) is not refused. The record is
+written when a run starts (onstart), with the same bytes whenever the config is the same, and is never read by a
+job; `replace_results: true` lets one run replace the shards of another config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .command import Command
+
+RECORD = "results/config.json"
+HIDDEN_STATES = "results/hidden_states"  # as heal.HIDDEN_STATES
+MANIFEST = "manifest.json"  # shard.MANIFEST; not imported, to keep torch out of the Snakefile's parse
+REPLACE = "replace_results"  # the config key that lets a run replace another config's shards
+IDENTITY = ("model.path", "data.sources", "layers")
+
+
+def identity(config: dict[str, Any]) -> dict[str, Any]:
+    """The values of the IDENTITY keys in a validated config, as the rules pass them to Snakemake."""
+    return {
+        "model.path": config["model"]["path"],
+        "data.sources": list(config["data"]["sources"]),
+        "layers": dict(config["layers"]),
+    }
+
+
+def record(config: dict[str, Any], config_files: list[str]) -> dict[str, Any]:
+    """What results/config.json holds: the config files as shown to the user (relative to the working directory
+    when under it) and the identity of the config they made."""
+    return {"config_files": list(config_files), "identity": identity(config)}
+
+
+def read_record(path: str | os.PathLike = RECORD) -> dict[str, Any] | None:
+    """The record, or None when there is none or it cannot be read (then nothing is refused)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if isinstance(data, dict) and isinstance(data.get("identity"), dict):
+        return data
+    return None
+
+
+def write_record(config: dict[str, Any], config_files: list[str], path: str | os.PathLike = RECORD) -> bool:
+    """Write the record when it differs from the one on disk (an unchanged file keeps its date); True if written."""
+    text = json.dumps(record(config, config_files), indent=1, sort_keys=True) + "\n"
+    path = Path(path)
+    try:
+        if path.read_text(encoding="utf-8") == text:
+            return False
+    except OSError:
+        pass
+    from .infra.atomic import atomic_open
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return True
+
+
+def finished_shards(hidden_states: str | os.PathLike = HIDDEN_STATES) -> int:
+    """Shard folders with a manifest (one listing, one stat each)."""
+    try:
+        with os.scandir(hidden_states) as entries:
+            names = [e.name for e in entries if e.name.startswith("shard_") and e.is_dir()]
+    except FileNotFoundError:
+        return 0
+    return sum(os.path.isfile(os.path.join(hidden_states, n, MANIFEST)) for n in names)
+
+
+def _short(value: Any) -> str:
+    """A value for the one-line message: long lists cut to their first two items."""
+    if isinstance(value, list) and len(value) > 2:
+        return "[" + ", ".join(str(v) for v in value[:2]) + f", +{len(value) - 2} more]"
+    if isinstance(value, list):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _files(files: list[str], demo: bool = False) -> str:
+    if not files:
+        return "an unnamed config"
+    return " + ".join(files) + (" (the demo's, read because no --configfile was given)" if demo else "")
+
+
+def check(
+    config: dict[str, Any],
+    config_files: list[str],
+    demo: bool,
+    command: Command | None = None,
+    record_path: str | os.PathLike = RECORD,
+    hidden_states: str | os.PathLike = HIDDEN_STATES,
+) -> tuple[str | None, str | None]:
+    """(error, note): the one line that refuses this run, or the note that it replaces another config's shards
+    (config key REPLACE); (None, None) when the folder holds no finished shard of another config.
+    `config_files`: this run's, as shown; `demo`: none was given and the demo's config/config.yaml is read;
+    `command`: the user's, for the two commands the line suggests."""
+    old = read_record(record_path)
+    if old is None:
+        return None, None
+    now = identity(config)
+    differ = [k for k in IDENTITY if old["identity"].get(k) != now[k]]
+    if not differ:
+        return None, None
+    n = finished_shards(hidden_states)
+    if not n:
+        return None, None
+    theirs = _files(old.get("config_files") or [])
+    what = "; ".join(f"{k} {_short(old['identity'].get(k))} there, {_short(now[k])} here" for k in differ)
+    shards = f"{n} finished shard{'s' if n != 1 else ''}"
+    if config.get(REPLACE):
+        return None, f"{REPLACE}: replacing the {shards} of {theirs} in results/ ({what})"
+    command = command or Command()
+    elsewhere = command.setting("--directory", "OTHER_FOLDER")
+    replace = command.adding("--config", f"{REPLACE}=true")
+    return (
+        f"config error: results/ holds {shards} and was last run with {theirs}; this run's config {_files(config_files, demo)} "
+        f"differs in {what}, so it would extract them again. Run this config in another folder: {elsewhere}; or "
+        f"replace them: {replace} (or {REPLACE}: true in the config)",
+        None,
+    )
