@@ -78,6 +78,18 @@ def reference(model_path, rows):
     }
 
 
+def write_rows(path, rows: list[list[int]]):
+    """A tokenized shard (DESIGN.md §3) of `rows`, every token trained on."""
+    import json
+
+    lines = [
+        {"row": i, "id": str(i), "input_ids": r, "loss_mask": [1] * len(r), "seq_len": len(r)}
+        for i, r in enumerate(rows)
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
 def _section(settings: ExtractSettings) -> dict:
     """The engine's extract settings as config keys, to vary a few for one shard."""
     return {"capture_path": settings.content.capture_path, "enforce_eager": settings.content.enforce_eager,
@@ -195,20 +207,13 @@ def test_extract_shard_matches_transformers(engine, rows, reference, tmp_path):
     """A whole shard through extract_shard: on both paths TP rank 0's worker's LayerSink writes the layer
     files (the built-in path's rows come through our connector from vLLM's hidden-states cache)."""
     import hashlib
-    import json
 
     from safetensors.torch import load_file
 
     from eagle3prep.extract import extract_shard
 
     backend, info = engine
-    tokenized = tmp_path / "shard_0.jsonl"
-    tokenized.write_text(
-        "".join(
-            json.dumps({"row": i, "id": str(i), "input_ids": r, "loss_mask": [1] * len(r), "seq_len": len(r)}) + "\n"
-            for i, r in enumerate(rows)
-        )
-    )
+    tokenized = write_rows(tmp_path / "shard_0.jsonl", rows)
     # batch_tokens 300: several batches, so rows of two batches share the engine's steps on the hooks path
     # the engine's prompt logprobs of rows 0 and 3
     settings = ExtractSettings.defaults(**_section(backend.settings), logprob_rows=2, batch_tokens=300)
@@ -238,7 +243,6 @@ def test_fp8_storage_quantizes_where_the_rows_are(engine, rows, tmp_path):
     """extract.storage fp8_e4m3 on the same engine: both paths quantize in TP rank 0's worker (the
     SinkSpec's storage travels by RPC), where the rows are. The FP8 shard reads back as the
     model-dtype capture within FP8 rounding, and its id N still reproduces vLLM's logprobs."""
-    import json
 
     from eagle3prep.extract import extract_shard
     from eagle3prep.shard.layout import FORMAT_FP8
@@ -249,13 +253,7 @@ def test_fp8_storage_quantizes_where_the_rows_are(engine, rows, tmp_path):
     backend, info = engine
     if info.dtype != "bfloat16":
         pytest.skip("one dtype is enough: the storage step does not depend on it")
-    tokenized = tmp_path / "shard_0.jsonl"
-    tokenized.write_text(
-        "".join(
-            json.dumps({"row": i, "id": str(i), "input_ids": r, "loss_mask": [1] * len(r), "seq_len": len(r)}) + "\n"
-            for i, r in enumerate(rows)
-        )
-    )
+    tokenized = write_rows(tmp_path / "shard_0.jsonl", rows)
     out = {}
     for storage in ("model_dtype", "fp8_e4m3"):
         settings = ExtractSettings.defaults(
@@ -284,7 +282,6 @@ def test_long_logits_check_rows_are_checked_on_their_first_window(engine, rows, 
     """A logits-check row longer than the logprob window: vLLM computes its prompt logprobs on a prefix request of
     that many tokens (vllm_common/memory.py), whose rows are never written. The layer files still match
     transformers, the check covers the prefix and passes, and a state one token early still fails it."""
-    import json
 
     from safetensors.torch import load_file
 
@@ -295,13 +292,7 @@ def test_long_logits_check_rows_are_checked_on_their_first_window(engine, rows, 
     window = 64
     monkeypatch.setattr(paths, "LOGPROB_WINDOW", window)
     backend, info = engine
-    tokenized = tmp_path / "shard_0.jsonl"
-    tokenized.write_text(
-        "".join(
-            json.dumps({"row": i, "id": str(i), "input_ids": r, "loss_mask": [1] * len(r), "seq_len": len(r)}) + "\n"
-            for i, r in enumerate(rows)
-        )
-    )
+    tokenized = write_rows(tmp_path / "shard_0.jsonl", rows)
     settings = ExtractSettings.defaults(**_section(backend.settings), logprob_rows=len(rows), batch_tokens=300)
     manifest = extract_shard(str(tokenized), str(tmp_path / "out"), backend.spec, settings, 0, engine=engine)
     out = {i: load_file(tmp_path / "out" / f"layer_{i}.safetensors")["hidden_states"] for i in manifest.layer_ids}
