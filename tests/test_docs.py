@@ -230,3 +230,24 @@ def test_the_real_model_guide_gives_every_input_shape_and_prepare_keeps_its_exam
     eval(snippet[1], {"pd": pd})
     counts = prepare(["chat.parquet"], "c.jsonl", "q.jsonl", "counts.json")
     assert counts["totals"]["kept"] == 1, counts
+
+
+def test_the_readme_keeps_numbers_but_no_dated_session_notes():
+    """The README says what is true now and where it was measured; which session measured it, and when,
+    is the measurement docs' business (docs/performance.md and the raw output in docs/runs/)."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    dates = re.findall(r"\b20\d\d-\d\d-\d\d\b", readme)
+    assert not dates, f"README.md names dates {dates}: keep the numbers, point to the docs that date them"
+    assert re.search(r"\d\.\d\d×", readme) and "(docs/performance.md)" in readme  # the numbers and their source
+
+
+def test_the_readme_says_what_make_test_builds_and_installs():
+    """`make test` builds three venvs and, run as root, installs Debian's Slurm on the machine: a reader
+    deciding whether to run it is told both."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    make = (REPO / "Makefile").read_text(encoding="utf-8")
+    venvs = re.findall(r"^(?:VENV|VLLM_VENV|VLLM016_VENV) := (\S+)$", make, re.M)
+    assert len(venvs) == 3 and all(re.search(re.escape(v) + r"(?![\w-])", readme) for v in venvs), venvs
+    assert "install-slurm.sh" in make.split("\ntest-engines:")[1].split("\n\n")[0]  # the test target installs it
+    said = readme.split("make test", 1)[1].split("\n## ", 1)[0]
+    assert "three venvs" in said and re.search(r"as root, it also installs Debian's Slurm", said), said
