@@ -97,6 +97,8 @@ test-vllm016: $(VLLM016_VENV)/.installed
 test-slurm: $(VENV)/.installed
 	.ci/install-slurm.sh
 	$(VENV)/bin/pytest -m slurm
+	# The same cluster run with .venv-gpu's numpy (< 2.4) under the plugin (envs/gpu-slurm.txt says why).
+	bash envs/check_gpu_slurm_cluster.sh
 
 clean:
 	rm -rf results logs benchmarks .snakemake

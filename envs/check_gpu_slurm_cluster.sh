@@ -3,7 +3,8 @@
 # to a local run) with envs/gpu.txt's numpy put in front of .venv's: the SLURM plugin as .venv-gpu has it, the
 # versions of envs/gpu-slurm.txt beside numpy < 2.4. The main Snakemake process runs the executor plugin; its
 # jobs get the same PYTHONPATH (the plugin submits with --export=ALL).
-# Needs root, .venv (make .venv/.installed) and Slurm (.ci/install-slurm.sh).
+# `make test-slurm` runs it after tests/test_slurm.py. Needs .venv and PyPI; as root with Slurm installed
+# (.ci/install-slurm.sh) the cluster test runs, otherwise it is skipped as in `make test-slurm`.
 # Usage: bash envs/check_gpu_slurm_cluster.sh   (printout: docs/runs/gpu_env_slurm.txt, its second part)
 set -euo pipefail
 cd "$(dirname "$0")/.."

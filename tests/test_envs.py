@@ -183,14 +183,17 @@ PLUGINS = ("snakemake-executor-plugin-slurm", "snakemake-executor-plugin-slurm-j
 
 def test_the_gpu_environment_has_the_slurm_plugin_that_the_cpu_cluster_test_runs():
     """`--executor slurm` from .venv-gpu (docs/guides/cluster.md): make gpu-env installs the plugin --no-deps from
-    envs/gpu-slurm.txt, at envs/base.txt's versions, which `make test`'s one-node cluster runs
-    (tests/test_slurm.py)."""
+    envs/gpu-slurm.txt, at envs/base.txt's versions, which `make test`'s one-node cluster runs (tests/test_slurm.py),
+    once in .venv and once with envs/gpu.txt's numpy first on the path (envs/check_gpu_slurm_cluster.sh)."""
     gpu_slurm, base = pins("gpu-slurm.txt"), pins("base.txt")
     assert set(gpu_slurm) == set(PLUGINS), gpu_slurm
     assert {p: gpu_slurm[p] for p in PLUGINS} == {p: base[p] for p in PLUGINS}
     make = (REPO / "Makefile").read_text(encoding="utf-8")
     target = re.search(r"^\$\(GPU_VENV\)/\.installed:.*?\n\n", make, re.M | re.S)[0]
     assert "envs/gpu-slurm.txt" in target.splitlines()[0] and "--no-deps -r envs/gpu-slurm.txt" in target
+    # CI's one-node cluster also runs the plugin beside envs/gpu.txt's numpy, which .venv's resolution would not pick.
+    slurm = re.search(r"^test-slurm:.*?\n\n", make, re.M | re.S)[0]
+    assert "$(VENV)/bin/pytest -m slurm" in slurm and "envs/check_gpu_slurm_cluster.sh" in slurm
 
 
 def test_the_gpu_environment_meets_every_requirement_of_the_slurm_plugin_but_its_numpy_floor():
