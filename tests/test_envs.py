@@ -5,6 +5,7 @@ imports, so that one environment runs the whole workflow, the report included.""
 import ast
 import re
 import sys
+from pathlib import Path
 
 import yaml
 from workflow_helpers import REPO
@@ -179,3 +180,55 @@ def test_every_rule_names_a_conda_env_that_pip_can_read():
         got = dict(line.split("==") for line in lines)
         assert got and all(wanted.get(name) == version for name, version in got.items()), f"envs/{env} != envs/{src}"
         assert (REPO / "envs" / env.replace(".yaml", ".post-deploy.sh")).is_file()
+
+
+PLUGINS = ("snakemake-executor-plugin-slurm", "snakemake-executor-plugin-slurm-jobstep")
+
+
+def test_the_gpu_environment_has_the_slurm_plugin_that_the_cpu_cluster_test_runs():
+    """`--executor slurm` from .venv-gpu (docs/guides/cluster.md): make gpu-env installs the plugin --no-deps from
+    envs/gpu-slurm.txt, at envs/base.txt's versions, which `make test`'s one-node cluster runs (tests/test_slurm.py),
+    once in .venv and once with envs/gpu.txt's numpy first on the path (envs/check_gpu_slurm_cluster.sh)."""
+    gpu_slurm, base = pins("gpu-slurm.txt"), pins("base.txt")
+    assert set(gpu_slurm) == set(PLUGINS), gpu_slurm
+    assert {p: gpu_slurm[p] for p in PLUGINS} == {p: base[p] for p in PLUGINS}
+    make = (REPO / "Makefile").read_text(encoding="utf-8")
+    target = re.search(r"^\$\(GPU_VENV\)/\.installed:.*?\n\n", make, re.M | re.S)[0]
+    assert "envs/gpu-slurm.txt" in target.splitlines()[0] and "--no-deps -r envs/gpu-slurm.txt" in target
+    # CI's one-node cluster also runs the plugin beside envs/gpu.txt's numpy, which .venv's resolution would not pick.
+    slurm = re.search(r"^test-slurm:.*?\n\n", make, re.M | re.S)[0]
+    assert "$(VENV)/bin/pytest -m slurm" in slurm and "envs/check_gpu_slurm_cluster.sh" in slurm
+
+
+def test_the_gpu_environment_meets_every_requirement_of_the_slurm_plugin_but_its_numpy_floor():
+    """Installed --no-deps, the plugin gets no say in envs/gpu.txt's resolution: each of its requirements must be
+    pinned there at a version that meets it. numpy is the one exception (vLLM 0.26.0 keeps it < 2.4); the plugin
+    uses numpy for `np.inf` alone, which every numpy has, and a new use would show here."""
+    from importlib.metadata import distribution
+
+    from packaging.requirements import Requirement
+
+    gpu = {k.lower(): v for k, v in pins("gpu.txt").items()}
+    unmet = {}
+    for plugin, version in pins("gpu-slurm.txt").items():
+        dist = distribution(plugin)
+        assert dist.version == version, f"{plugin} {dist.version} here, {version} pinned: rebuild .venv"
+        for req in map(Requirement, dist.requires or []):
+            name = req.name.lower().replace("_", "-")
+            if name in PLUGINS:
+                assert pins("gpu-slurm.txt")[name] in req.specifier, (plugin, str(req))
+            elif name != "numpy" and not (name in gpu and gpu[name] in req.specifier):
+                unmet[name] = (str(req.specifier), gpu.get(name))
+    assert not unmet, f"envs/gpu.txt does not pin what the plugin needs: {unmet}"
+    assert "numpy" in gpu  # pinned: the version envs/check_gpu_slurm.sh ran the plugin with
+
+    package = Path(distribution(PLUGINS[0]).locate_file("snakemake_executor_plugin_slurm"))
+    used = set()
+    for path in package.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        aliases = set(re.findall(r"^\s*import numpy as (\w+)$", text, re.M)) | (
+            {"numpy"} if "import numpy\n" in text else set()
+        )
+        assert "from numpy" not in text, path
+        used |= {m for a in aliases for m in re.findall(rf"\b{a}\.(\w+)", text)}
+    assert used == {"inf"}, used

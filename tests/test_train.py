@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -267,3 +268,55 @@ def test_train_help_shows_our_options_first_without_importing_speculators():
     assert proc.stdout.startswith("usage: eagle3prep-train [--metrics-jsonl FILE]")
     assert "--deterministic" in proc.stdout and "--cpu" in proc.stdout and "-- --help" in proc.stdout
     assert "IMPORTED []" in proc.stdout  # nothing of the slow imports
+
+
+def guide_commands() -> dict[str, list[str]]:
+    """The `eagle3prep-train` commands of docs/guides/training.md, by host ("cpu" or "gpu"), as argument
+    lists without the program (shell continuations joined, comments dropped)."""
+    import shlex
+
+    guide = (REPO / "docs" / "guides" / "training.md").read_text(encoding="utf-8")
+    found = {}
+    for block in re.findall(r"```bash\n(.*?)```", guide, re.S):
+        text = re.sub(r"#[^\n]*", "", block.replace("\\\n", " "))
+        for line in text.splitlines():
+            words = shlex.split(line)
+            if words and words[0].split("/")[-1] == "eagle3prep-train":
+                found["cpu" if "--cpu" in words else "gpu"] = words[1:]
+    return found
+
+
+def flags(argv: list[str]) -> set[str]:
+    return {a for a in argv if a.startswith("--")}
+
+
+def test_the_guides_cpu_training_command_trains_one_epoch(small, demo_model_dir, tmp_path):
+    """docs/guides/training.md's CPU command, as it stands there, run in a fresh process on a small direct
+    export of the demo model: `--cpu` with `--draft-attn-impl sdpa --loss-implementation eager` trains
+    an epoch and saves a draft whose config names the layer ids."""
+    commands = guide_commands()
+    assert {"cpu", "gpu"} <= commands.keys(), f"the guide gives no CPU and GPU eagle3prep-train command: {commands}"
+    argv = commands["cpu"]
+    assert {"--cpu", "--draft-attn-impl", "--loss-implementation", "--epochs"} <= flags(argv)
+    # The GPU example is complete: every flag the CPU run needs, but --cpu and the CPU's loader setting.
+    assert flags(argv) - {"--cpu", "--num-workers"} <= flags(commands["gpu"]), flags(argv) - flags(commands["gpu"])
+
+    # The guide's paths, in a folder laid out as the workflow's: the demo model and a direct export.
+    (tmp_path / "results/demo").mkdir(parents=True)
+    (tmp_path / "results/demo/model").symlink_to(demo_model_dir)
+    export_speculators(
+        **export_inputs(small), out_dir=str(tmp_path / "results/export/speculators"), hidden_states="direct"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle3prep.train", *argv],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    save = tmp_path / argv[argv.index("--save-path") + 1]
+    metrics = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["train"]["loss"] for m in metrics if "train" in m]
+    assert losses and all(math.isfinite(x) and x > 0 for x in losses), metrics
+    assert any("val" in m for m in metrics)  # the epoch ended with speculators' validation pass
+    draft = json.loads((save / "0/config.json").read_text())  # one folder per epoch
+    assert draft["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
