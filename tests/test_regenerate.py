@@ -531,3 +531,20 @@ def test_the_engine_is_configured_from_regenerate_and_fails_in_one_line():
         "vLLM 0.32.0 could not start LlamaForCausalLM for generation: torch.OutOfMemoryError: CUDA out of memory; "
         "lower regenerate.gpu_memory_utilization or regenerate.max_num_batched_tokens"
     )
+
+
+def test_an_engine_that_dies_mid_shard_is_one_line_naming_the_shard(renderer):
+    """VLLMEngine.step turns a dead engine into one EngineError line (tests/test_engine_memory.py); the runner adds
+    which regenerate shard it was on."""
+    from eagle3prep.vllm_common.errors import EngineError
+
+    class Dying(FakeEngine):
+        def step(self):
+            raise EngineError("vLLM 0.26.0 died generating replies: CUDA out of memory; lower regenerate.x")
+
+    settings = RegenerateSettings.defaults()
+    plan = th.ThinkingPlan("auto", "keep", "inline", ("<think>", "</think>"), "test")
+    runner = Runner(Dying(renderer, echo), renderer, settings, plan, renderer.stop_token_ids(), 1024, "p.jsonl",
+                    ShardTally("prompts.jsonl"), shard=7)  # fmt: skip
+    with pytest.raises(EngineError, match=r"^regenerate shard 7: vLLM 0.26.0 died generating replies: CUDA out"):
+        list(runner.run([(1, conv([U1]))]))

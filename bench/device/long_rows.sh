@@ -1,8 +1,10 @@
 #!/bin/bash
 # Reasoning-length rows on the H200 (one GPU), as one background run after the vLLM payload (README.md here):
-#   setsid nohup bash bench/device/long_rows.sh /tmp/lr > /tmp/lr.log 2>&1 &
+#   mkdir -p .old && git archive <commit before the fix> src config | tar -x -C .old   # here; carry .old
+#   mkdir /tmp/repo && cp -r src bench config resources .old /tmp/repo && cd /tmp/repo   # there: a copy that
+#   setsid nohup bash bench/device/long_rows.sh /tmp/lr > /tmp/lr.log 2>&1 &          # outlives the next call
 # Each step's printout lands in OUT/<step>.txt (its command line first); OUT/done lists the steps and their rc.
-#   before   the reproduction on the code before the logprob window (OLD=.old/src: `git archive <commit> src`):
+#   before   the reproduction on the code before the logprob window (.old/src, 43994c8 for docs/runs/long_rows):
 #            (b), the hooks path, on 4 rows of 20k-32k tokens: vLLM's engine died of CUDA OOM there
 #   after    the same reproduction as reported: (a) plain prefill, (b) hooks, (f) built-in, 16 rows of 16k-32k
 #   valid_*  bench/long_rows.py: capture and validation (logits check on) of 32k and 64k rows, 8B vocabulary and

@@ -25,6 +25,7 @@ from eagle3prep.regenerate.turns import Rejection, TurnPlan, assemble, context_b
 from eagle3prep.settings import RegenerateSettings, conversation_seed
 from eagle3prep.tokenization.template import Rejected, has_images
 from eagle3prep.tokenization.vision import media_in_text
+from eagle3prep.vllm_common.errors import EngineError
 
 # Conversations admitted (prompts rendered and added) per turn of the loop. Admitting a whole window before the
 # first step would leave the engine idle while thousands of prompts render; in chunks, the engine (its own
@@ -219,7 +220,10 @@ class Runner:
         self.steps += 1
         faults.kill_point("regenerate.step", shard=self.shard, step=self.steps)
         t0 = time.perf_counter()
-        finished = self.engine.step()
+        try:
+            finished = self.engine.step()
+        except EngineError as e:  # the engine died mid-run (VLLMEngine.step): the one line names the shard too
+            raise EngineError(f"regenerate shard {self.shard}: {e}") from e
         self.step_s += time.perf_counter() - t0
         arrived = [(conv, done) for done in finished if (conv := self.active.pop(done.request_id, None)) is not None]
         for (conv, done), reply in zip(arrived, self._texts(arrived), strict=True):
