@@ -128,8 +128,8 @@ def logprobs(ids: list[int]) -> list:
     return [None] + [{t: SimpleNamespace(logprob=-1.0)} for t in ids[1:]]
 
 
-def params_of(index: int) -> tuple[str, dict]:
-    return f"t-{index}", {"tag": f"t-{index}"}
+def params_of(index: int, ids: list[int]) -> tuple[str, dict, None]:
+    return f"t-{index}", {"tag": f"t-{index}"}, None  # no logits-check prefix request
 
 
 def prefetched(model: Path, batches, engine: Engine | None = None):
