@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from eagle3prep.testing.rounds import round_ratios
 from extractbench.disk import disk_cost
 from extractbench.workload import PEAK_TFLOPS, flops_per_token, layer_ids
 
@@ -219,30 +220,6 @@ def print_shard_size(b: dict) -> None:
         f"shard size that keeps (b)'s engine start under {100 * START_SHARE:.0f} % of a job: "
         f">= {min_tokens_per_shard(rate, start):,} tokens ({start:.0f} s start at {rate:,.0f} tok/s)"
     )
-
-
-def round_ratios(rounds: list[dict]) -> list[str]:
-    """--rounds: each capture phase's ratio to its own round's (a), per workload and round, then the median and
-    range over rounds (a shard (b) also wrote to /dev/shm or again, last, is set against (a)'s uniform rate, or its
-    own run again when (a) ran one)."""
-    import statistics
-
-    lines = []
-    for x in "bfg":
-        for w in ("uniform", "mixed", "uniform_shm", "uniform_again"):
-            base = w if w != "uniform_shm" else "uniform"
-            ratios = [
-                r[x][w]["tokens_per_s"] / r["a"].get(base, r["a"]["uniform"])["tokens_per_s"]
-                for r in rounds
-                if x in r and "a" in r and w in r[x]
-            ]
-            if ratios:
-                each = " ".join(f"{v:.2f}" for v in ratios)
-                lines.append(
-                    f"{x}/a {w}: rounds {each}; median {statistics.median(ratios):.2f}, "
-                    f"{min(ratios):.2f}-{max(ratios):.2f}"
-                )
-    return lines
 
 
 def print_rounds(rounds: list[dict]) -> None:
