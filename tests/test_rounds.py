@@ -27,18 +27,15 @@ def test_each_round_is_set_against_its_own_a():
     assert lines[1] == "b/a mixed: rounds 0.80 0.90 0.99; median 0.90, 0.80-0.99"
     # to /dev/shm: against (a)'s uniform rate of the same round, in the rounds that wrote one
     assert lines[2] == "b/a uniform_shm: rounds 0.95 0.95; median 0.95, 0.95-0.95"
-    assert len(lines) == 3  # no (f), no uniform_again: nothing made up
+    assert len(lines) == 3  # no (f): nothing made up
 
 
-def test_a_round_without_a_is_left_out_and_again_uses_a_own_again():
+def test_a_round_without_a_is_left_out():
     rounds = [
         {"b": {"uniform": rate(90)}},  # (a) failed this round: no ratio from another round's (a)
-        {
-            "a": {"uniform": rate(100), "uniform_again": rate(50)},
-            "b": {"uniform": rate(90), "uniform_again": rate(45)},
-        },
+        {"a": {"uniform": rate(100)}, "b": {"uniform": rate(90)}, "f": {"uniform": rate(95)}},
     ]
     assert round_ratios(rounds) == [
         "b/a uniform: rounds 0.90; median 0.90, 0.90-0.90",
-        "b/a uniform_again: rounds 0.90; median 0.90, 0.90-0.90",
+        "f/a uniform: rounds 0.95; median 0.95, 0.95-0.95",
     ]

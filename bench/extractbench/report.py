@@ -23,10 +23,8 @@ def print_report(args, results: dict, disk_before: tuple, disk_after: tuple, str
         print_phase_b(args, b)
         print_disk(results, b, disk_before, disk_after, streams)
         print_writers(b)
-    print_compiled(results)
     print_builtin(results)
-    print_cpu(results)
-    for p in "abcdefg":
+    for p in "abcdfg":
         if p in results:
             print(f"engine start ({p}): {results[p]['engine_start_s']:.1f} s")
     if b:
@@ -68,27 +66,6 @@ def print_builtin(results: dict) -> None:
             f"peak RSS {r['peak_rss_mib']:.0f} MiB; capture path {r['capture_path']}; engine start "
             f"{r['engine_start_s']:.1f} s; worker writer, seconds: {r['uniform'].get('writer')}"
         )
-
-
-def print_cpu(results: dict) -> None:
-    """Each process's CPU seconds a second of the uniform shard (phases.ProcessCPU): one near 1.0 paces it."""
-    for p in "abfg":
-        r = results.get(p, {}).get("uniform", {})
-        if "cpu_s" in r:
-            secs = r["tokens"] / r["tokens_per_s"]
-            per = ", ".join(f"{k} {v / secs:.2f}" for k, v in sorted(r["cpu_s"].items(), key=lambda kv: -kv[1]))
-            print(f"({p}) uniform, CPU seconds a second ({secs:.1f} s): {per}")
-
-
-def print_compiled(results: dict) -> None:
-    """(e), vLLM's default compiled prefill, against the eager (a) and (b)."""
-    if "e" not in results:
-        return
-    for w in ("uniform", "mixed"):
-        e = results["e"][w]["tokens_per_s"]
-        parts = [f"(e) compiled {e:,.0f} tok/s"]
-        parts += [f"{p}/e {results[p][w]['tokens_per_s'] / e:.2f}" for p in "ab" if p in results]
-        print(f"{w}, against vLLM's default (compiled, CUDA graphs): " + ", ".join(parts))
 
 
 def print_table(args, results: dict) -> None:
@@ -203,7 +180,7 @@ def print_disk(results: dict, b: dict, disk_before: tuple, disk_after: tuple, st
 
 def print_writers(b: dict) -> None:
     """The worker's writer seconds per workload and (b)'s engine start, split into LLM() and smoke capture."""
-    for w in ("uniform_half", "uniform", "mixed", "uniform_shm", "uniform_again"):
+    for w in ("uniform_half", "uniform", "mixed", "uniform_shm"):
         if b.get(w, {}).get("writer"):
             print(f"(b) {w} worker writer, seconds: {b[w]['writer']}")
     print(

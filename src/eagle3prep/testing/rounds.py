@@ -9,14 +9,13 @@ import statistics
 
 def round_ratios(rounds: list[dict]) -> list[str]:
     """--rounds: each capture phase's ratio to its own round's (a), per workload and round, then the median and
-    range over rounds (a shard (b) also wrote to /dev/shm or again, last, is set against (a)'s uniform rate, or its
-    own run again when (a) ran one)."""
+    range over rounds (the uniform shard (b) also wrote to /dev/shm is set against (a)'s uniform rate)."""
     lines = []
     for x in "bfg":
-        for w in ("uniform", "mixed", "uniform_shm", "uniform_again"):
-            base = w if w != "uniform_shm" else "uniform"
+        for w in ("uniform", "mixed", "uniform_shm"):
+            base = "uniform" if w == "uniform_shm" else w
             ratios = [
-                r[x][w]["tokens_per_s"] / r["a"].get(base, r["a"]["uniform"])["tokens_per_s"]
+                r[x][w]["tokens_per_s"] / r["a"][base]["tokens_per_s"]
                 for r in rounds
                 if x in r and "a" in r and w in r[x]
             ]
