@@ -46,7 +46,7 @@ def print_images(args) -> None:
 
 def print_builtin(results: dict) -> None:
     """(f) and (g), the built-in path through our connector (compiled; g: FP8), against (a) and (b): the
-    issue #25 targets are f/a and g/a >= 0.95, g at half f's bytes, RSS growth after the first shard < 64 MiB."""
+    targets are f/a and g/a >= 0.95, g at half f's bytes, RSS growth after the first shard < 64 MiB."""
     for p, what in (("f", "built-in, compiled"), ("g", "built-in, compiled, FP8")):
         r = results.get(p)
         if not r:

@@ -1,4 +1,4 @@
-"""Issue #23's bench: drafts trained on this workflow's data, served by vLLM against their target.
+"""The quality bench: drafts trained on this workflow's data, served by vLLM against their target.
 
     python bench/quality/run.py OUT --stage target|data|train|serve|summary [--variants ours ...]
                                 [--seeds 0 1] [--size h200|toy] [--device cuda|cpu]
