@@ -83,6 +83,10 @@ test-engines:
 test-base: $(VENV)/.installed
 	$(VENV)/bin/pytest -m "not vllm and not slurm"
 
+# Every unit test, without a Snakemake run, vLLM or Slurm (docs/guides/development.md gives its time).
+test-fast: $(VENV)/.installed
+	$(VENV)/bin/pytest -m "not vllm and not slurm and not integration"
+
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/pytest -m vllm
 
