@@ -15,7 +15,7 @@ GPU_VENV := .venv-gpu
 # would double that, and a CI machine ran out of disk (ENOSPC) with the cache on.
 PIP_FLAGS ?= -q --disable-pip-version-check --no-cache-dir
 
-.PHONY: demo test test-cpu test-engines test-base test-vllm test-vllm016 test-slurm gpu-env vllm-contract-newest lint clean
+.PHONY: demo test test-fast test-cpu test-engines test-base test-vllm test-vllm016 test-slurm gpu-env vllm-contract-newest lint clean
 
 $(VENV)/.installed: envs/base.txt envs/speculators.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -92,6 +92,10 @@ test-base: $(VENV)/.installed
 # wheel's source: one line per name it removed or changed (a maintainer's monthly look; docs/guides/development.md).
 vllm-contract-newest: $(VENV)/.installed
 	EAGLE3PREP_VLLM_CONTRACT=newest $(VENV)/bin/pytest tests/test_vllm_contract.py
+
+# Every unit test, without a Snakemake run, vLLM or Slurm (docs/guides/development.md gives its time).
+test-fast: $(VENV)/.installed
+	$(VENV)/bin/pytest -m "not vllm and not slurm and not integration"
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/pytest -m vllm

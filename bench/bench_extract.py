@@ -7,7 +7,6 @@ Runs on a GPU host with vLLM (recipe in bench/device/README.md); random weights,
     python bench/bench_extract.py OUTDIR --phases ab --rows 1500          # (b) on a 3M-token shard
     python bench/bench_extract.py OUTDIR --phases abfg --rows 192         # hooks, built-in, built-in FP8 vs (a)
     python bench/bench_extract.py OUTDIR --images 4 --phases abf --rows 256  # Qwen2.5-VL-7B shape, image-heavy rows
-    python bench/bench_extract.py OUTDIR --images 4 --phases ab --image-threads 8  # the driver's pool, 8 threads
     python bench/bench_extract.py OUTDIR --images 4 --phases abf --rounds 3  # a b f a b f a b f: ratios per round
     python bench/bench_extract.py OUTDIR --phases abf --rows 16 --seq 32768 --min-len 16384 --max-len 32768  # long rows
     python bench/bench_extract.py OUTDIR --shape kimi-vocab --phases abf --rows 8 --seq 65536 --min-len 32768 --max-len 65536
@@ -19,17 +18,15 @@ Each phase runs in its own process (one engine at a time, clean GPU memory, its 
       shard) and a mixed-length workload (200-4096 tokens);
   (c) transformers `output_hidden_states`, the same layers copied to host and written as the same files;
   (d) vLLM's built-in extract_hidden_states + ExampleHiddenStatesConnector as is, files to /dev/shm;
-  (e) (a) as vLLM starts by default, torch.compile and CUDA graphs on (not in the default --phases):
-      (a) and (b) are eager, since the hooks path is; a/e and b/e say what that costs;
   (f) (b) on the built-in path (extract_hidden_states + eagle3prep's connector, writing from the worker),
       compiled as vLLM starts by default (not in the default --phases);
   (g) (f) writing FP8 shards (extract.storage fp8_e4m3, quantized in the worker; not in the default).
---images K (issue #28 item 7): a Qwen2.5-VL-7B-shaped target (its language model and vision tower, dummy
+(a) and (b) run eager, as the hooks path needs. --images K: a Qwen2.5-VL-7B-shaped target (its language model and vision tower, dummy
 weights, the demo tokenizer with Qwen's vision tokens, Qwen2.5-VL's image processor settings) and rows made by
 the project's prepare and tokenize: uniform, --rows rows of K images of --image-size pixels square (448: 256
 vision tokens each) and about --text-words words; mixed, 0 to 2K images of several sizes and varied text.
 (a) prefills the same prompts (token ids + the rows' images, as our backend feeds them), (b)/(f) capture the
-shards through extract_shard; vLLM's multimodal processor cache is off in both. Phases a, b, e, f, g only.
+shards through extract_shard; vLLM's multimodal processor cache is off in both. Phases a, b, f, g only.
 Then the ratios b/a, b/c, b/d, b's model-FLOP utilisation against 790 TFLOP/s (bf16 dense peak of
 an H200 as measured on the lent machine), bytes written per second, peak host RSS, and the disk's
 own sequential write speed measured in the same run.
@@ -62,7 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 def main() -> None:
     """Each phase of --phases in a child process of its own (this script with --phase), the disk's speed
     before and after them; the results to OUT/bench_extract.json, the report to stdout."""
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
     ap.add_argument("--phases", default="abcd")
@@ -98,17 +95,12 @@ def main() -> None:
         default=None,
         help="(b)/(f)/(g): extract.logprob_rows (default: the config's, 4 rows a shard whose prompt logprobs vLLM returns)",
     )
-    ap.add_argument(
-        "--image-threads", type=int, default=0, help="(b), (f): image_requests.IMAGE_THREADS (0: the code's)"
-    )
     args = ap.parse_args()
     args.shape, args.vision = shapes(args)
     if args.rounds < 1:
         ap.error("--rounds: at least 1")
-    if args.image_threads < 0:
-        ap.error("--image-threads: a number of threads, or 0 for the code's")
-    if args.images and set(args.phases) - set("abefg"):
-        ap.error(f"--images runs phases a, b, e, f and g (not {''.join(sorted(set(args.phases) - set('abefg')))})")
+    if args.images and set(args.phases) - set("abfg"):
+        ap.error(f"--images runs phases a, b, f and g (not {''.join(sorted(set(args.phases) - set('abfg')))})")
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.out / "model"
     if args.phase:  # child: run one phase, print its JSON on the last line
@@ -160,7 +152,7 @@ def run_rounds(args) -> list[dict]:
                 continue
             results[p] = json.loads(line[-1][7:])
             results[p]["wall_s"] = time.perf_counter() - t0
-            # round 1's lines as without --rounds (summarize_extract_runs reads them); later ones name their round
+            # round 1's lines as without --rounds; later ones name their round
             print(f"{f'round {r + 1} ' if r else ''}phase {p}: {json.dumps(results[p])}", flush=True)
         rounds.append(results)
     return rounds

@@ -8,6 +8,7 @@ file and exits 1 on any difference: the evidence that a refactor changed nothing
 
 from __future__ import annotations
 
+import argparse
 import filecmp
 import json
 import sys
@@ -39,8 +40,10 @@ def compare(a: Path, b: Path) -> list[str]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit(__doc__.splitlines()[0])
-    out = compare(Path(sys.argv[1]), Path(sys.argv[2]))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("a", type=Path, help="RESULTS_A: a run's results/ folder")
+    ap.add_argument("b", type=Path, help="RESULTS_B: the other run's")
+    args = ap.parse_args()
+    out = compare(args.a, args.b)
     print("\n".join(out) or "no shard folders found")
     sys.exit(1 if not out or any(line.startswith("DIFF") for line in out) else 0)

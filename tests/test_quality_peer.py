@@ -1,4 +1,4 @@
-"""The quality bench's verdict on the peer's files (bench/quality/peer.py, issue #23 item 3).
+"""The quality bench's verdict on the peer's files (eagle3prep.testing.peer_files).
 
 The peer (speculators' generate-offline-data) writes one `hs_{row}.safetensors` per row in the layout
 our export's `copy` mode writes, so a finished demo run's export stands in for it here.
@@ -7,15 +7,12 @@ our export's `copy` mode writes, so a finished demo run's export stands in for i
 from __future__ import annotations
 
 import shutil
-import sys
 
 import pytest
 from safetensors.torch import load_file, save_file
 from test_export import finished_results
-from workflow_helpers import REPO
 
-sys.path.insert(0, str(REPO / "bench/quality"))
-import peer  # noqa: E402
+from eagle3prep.testing import peer_files as peer
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The quality bench's target (bench/quality/target.py, issue #23 item 1), its CPU-sized build.
+"""The quality bench's target (eagle3prep.testing.stdlib_target), its CPU-sized build.
 
 The H200 build is the same code with SIZES["h200"]; its record is docs/runs/quality/*/target/target.json.
 """
@@ -6,15 +6,12 @@ The H200 build is the same code with SIZES["h200"]; its record is docs/runs/qual
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
-from workflow_helpers import REPO
 
-sys.path.insert(0, str(REPO / "bench/quality"))
-import corpus  # noqa: E402
-import target  # noqa: E402
+from eagle3prep.testing import stdlib_corpus as corpus
+from eagle3prep.testing import stdlib_target as target
 
 
 @pytest.fixture(scope="module")

@@ -195,6 +195,7 @@ def test_worker_processes_give_the_same_rows(tmp_path, monkeypatch, vl_model):
     assert out[1] == out[2]
 
 
+@pytest.mark.integration
 def test_the_workflow_takes_the_demo_images_through_hf_extract_to_validation_pass(tmp_path, vl_model):
     from workflow_helpers import make_workdir, snakemake
 

@@ -4,7 +4,6 @@ from a copy export (hs files, speculators' `file` backend) and once from a direc
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -28,30 +27,22 @@ from eagle3prep.export import export_speculators
 
 pytest.importorskip("speculators.train.cli", reason="speculators 0.9.0: make .venv/.installed")
 
+from train_both import Recipe, cpu_runner, make_exports, train_both  # noqa: E402  (speculators_cpu needs speculators)
+
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.train.backend import Eagle3PrepBackend, ShardTransfer  # noqa: E402
 from eagle3prep.train.rows import ExportRows, ExportRowsError  # noqa: E402
 
 STEPS = 6
-# bench/train_h200.py options for a CPU run: a 1-layer draft over 64 draft tokens, 128-token batches.
-TRAIN_ARGS = ["--steps", str(STEPS), "--seq-len", "128", "--draft-vocab-size", "64", "--ratio", "0.97"]
-TRAIN_ARGS += ["--num-workers", "0"]
-
-
-def load_bench():
-    """bench/train_h200.py, the GPU run of item 4, whose CPU dry path these tests run."""
-    spec = importlib.util.spec_from_file_location("train_h200", REPO / "bench" / "train_h200.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# a 1-layer draft over 64 draft tokens, 128-token batches
+RECIPE = Recipe(seq_len=128, draft_vocab_size=64, ratio=0.97)
 
 
 def train_both_ways(workdir: Path, model: Path, out: Path) -> dict:
-    """bench/train_h200.py --cpu on a finished workflow run: both exports, then speculators' trainer
-    (eagle3, eager loss, sdpa attention, a 1-layer draft) for STEPS steps from each; its summary."""
-    argv = [str(out), "--cpu", "--workdir", str(workdir), "--model", str(model), *TRAIN_ARGS]
-    assert load_bench().main(argv) == 0
-    return json.loads((out / "summary.json").read_text())
+    """Both exports of a finished workflow run, then speculators' trainer (eagle3, eager loss, sdpa attention,
+    a 1-layer draft) for STEPS steps from each; the summary."""
+    exports = make_exports(workdir, out / "exports")
+    return train_both(model, exports, out, STEPS, RECIPE, cpu_runner())
 
 
 @pytest.fixture(scope="module")
@@ -116,19 +107,10 @@ def fp8(small_demo_run, tmp_path_factory) -> dict:
     direct export (ours)."""
     out = tmp_path_factory.mktemp("train_fp8")
     wd = fp8_workdir(small_demo_run, out / "wd")
-    bench = load_bench()
-    exports = bench.make_exports(wd, out / "exports")
-    opts = bench.parse([str(out), "--cpu", *TRAIN_ARGS])
+    exports = make_exports(wd, out / "exports")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "'pin_memory' argument is set as true but no accelerator")
-        summary = bench.train_both(
-            small_demo_run / "results/demo/model",
-            {"copy": exports["copy"], "direct": exports["direct"]},
-            out,
-            STEPS,
-            opts,
-            bench.cpu_runner(),
-        )
+        summary = train_both(small_demo_run / "results/demo/model", exports, out, STEPS, RECIPE, cpu_runner())
     return {"out": out, "wd": wd, "summary": summary, "exports": exports}
 
 

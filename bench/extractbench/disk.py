@@ -1,5 +1,5 @@
 """The disk's own write speed where the shards go, measured in the same run as the phases, and what
-writing to disk costs phase (b) against /dev/shm (bench_sink and summarize_extract_runs use these too)."""
+writing to disk costs phase (b) against /dev/shm."""
 
 from __future__ import annotations
 

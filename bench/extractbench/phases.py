@@ -1,6 +1,6 @@
 """bench_extract's phases, each run in its own process: (a) plain vLLM prefill, (b) our vllm backend
 writing shards, (c) transformers' hidden states written as the same files, (d) vLLM's own connector,
-(e) (a) compiled, (f) (b) on the built-in path compiled, (g) (f) writing FP8."""
+(f) (b) on the built-in path compiled, (g) (f) writing FP8."""
 
 from __future__ import annotations
 
@@ -62,7 +62,6 @@ def engine_kwargs(args, model: Path) -> dict:
         max_model_len=args.max_len + 1,
         max_num_batched_tokens=args.batched_tokens,
         gpu_memory_utilization=args.gpu_mem,
-        tensor_parallel_size=getattr(args, "tp", 1),  # bench/multi_gpu.py moe-prefill runs (a) and (b) at TP 8
         seed=0,
     )
     return {**kw, **(IMAGE_ENGINE_ARGS if args.images else {})}
@@ -81,66 +80,29 @@ def prompts(work, model: Path) -> tuple[list, int]:
     return work, sum(map(len, work))
 
 
-class ProcessCPU:
-    """CPU seconds (user + system, all threads) of this process and of each process under it over a window, by
-    name and pid: a process near 1 CPU second a second paces the phase. vLLM names its engine core's process
-    (VLLM::EngineCore), whose one thread schedules, receives each request's pixel values and, at TP 1, runs the
-    model and the hooks; the GPU sat idle 20-30 % of image phases on the H200 (docs/evidence.md)."""
-
-    def __init__(self):
-        import psutil
-
-        self.proc = psutil.Process()
-        self.start = self._now()
-
-    def _now(self) -> dict[str, float]:
-        out = {}
-        for p in [self.proc, *self.proc.children(recursive=True)]:
-            with contextlib.suppress(Exception):  # a child may exit while we look
-                t = p.cpu_times()
-                out["driver" if p.pid == self.proc.pid else f"{p.name()} {p.pid}"] = t.user + t.system
-        return out
-
-    def since(self) -> dict[str, float]:
-        """Each process's CPU seconds since this object was made, those over 0.1 s."""
-        now = self._now()
-        return {k: round(v - self.start.get(k, 0.0), 2) for k, v in now.items() if v - self.start.get(k, 0.0) > 0.1}
-
-
-def timed_generate(llm, rows: list) -> tuple[float, dict]:
-    """Seconds for one prefill (max_tokens=1) of `rows` (token ids, or prompts), after a two-row warm-up, and each
-    process's CPU seconds meanwhile (ProcessCPU)."""
+def timed_generate(llm, rows: list) -> float:
+    """Seconds for one prefill (max_tokens=1) of `rows` (token ids, or prompts), after a two-row warm-up."""
     from vllm import SamplingParams, TokensPrompt
 
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     rows = [r if isinstance(r, dict) else TokensPrompt(prompt_token_ids=r) for r in rows]
     llm.generate(rows[:2], sp, use_tqdm=False)  # warm-up
-    t0, cpu = time.perf_counter(), ProcessCPU()
+    t0 = time.perf_counter()
     llm.generate(rows, sp, use_tqdm=False)
-    return time.perf_counter() - t0, cpu.since()
+    return time.perf_counter() - t0
 
 
-def phase_a(args, model: Path, work: dict, **engine) -> dict:
-    """(a) plain vLLM prefill, no capture: the engine start and tokens/s per workload. `engine`: LLM()
-    arguments over engine_kwargs (phase (e))."""
+def phase_a(args, model: Path, work: dict) -> dict:
+    """(a) plain vLLM prefill, no capture: the engine start and tokens/s per workload."""
     from vllm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(**{**engine_kwargs(args, model), **engine})
-    start = time.perf_counter() - t0
-    out = {"engine_start_s": start}
-    # --images: the uniform rows once more, last, as (b) and (f) do: whether (a) itself speeds up run after run
-    for name in ("uniform", "mixed", *(("uniform_again",) if args.images else ())):
-        rows, tokens = prompts(work[name.removesuffix("_again")], model)
-        secs, cpu = timed_generate(llm, rows)
-        out[name] = {"tokens": tokens, "tokens_per_s": tokens / secs, "cpu_s": cpu}
+    llm = LLM(**engine_kwargs(args, model))
+    out = {"engine_start_s": time.perf_counter() - t0}
+    for name in ("uniform", "mixed"):
+        rows, tokens = prompts(work[name], model)
+        out[name] = {"tokens": tokens, "tokens_per_s": tokens / timed_generate(llm, rows)}
     return out
-
-
-def phase_e(args, model: Path, work: dict) -> dict:
-    """(e) plain vLLM prefill as vLLM starts by default: (a) with torch.compile and CUDA graphs on. (a) is
-    eager because (b)'s hooks path is; (e) says what eager costs against what a user's own prefill runs."""
-    return phase_a(args, model, work, enforce_eager=False)
 
 
 def phase_d(args, model: Path, work: dict) -> dict:
@@ -168,7 +130,7 @@ def phase_d(args, model: Path, work: dict) -> dict:
     out = {"engine_start_s": time.perf_counter() - t0}
     for name in ("uniform", "mixed"):
         tokens = sum(map(len, work[name]))
-        secs, _ = timed_generate(llm, work[name])
+        secs = timed_generate(llm, work[name])
         t1 = time.perf_counter()
         for lock in shm.rglob("*.lock"):  # vLLM >= 0.22: writer threads hold LOCK_EX until a file is whole
             with open(lock) as lf:
@@ -177,15 +139,6 @@ def phase_d(args, model: Path, work: dict) -> dict:
         out[name] = {"tokens": tokens, "tokens_per_s": tokens / secs}
         shutil.rmtree(shm, ignore_errors=True)
     return out
-
-
-def use_image_threads(n: int) -> None:
-    """The driver's pool (image_requests.IMAGE_THREADS) at n threads, its rows ahead (AHEAD_ROWS) in the ratio
-    image_requests sets."""
-    from eagle3prep.backends.vllm import image_requests as pool
-
-    per_worker = pool.AHEAD_ROWS // pool.IMAGE_THREADS
-    pool.IMAGE_THREADS, pool.AHEAD_ROWS = n, per_worker * n
 
 
 def phase_b(args, model: Path, work: dict, **over) -> dict:
@@ -197,15 +150,12 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
     from eagle3prep.extract import extract_shard
     from eagle3prep.settings import ExtractSettings
 
-    if args.image_threads:  # the driver's pool that makes image rows' requests
-        use_image_threads(args.image_threads)
-
     spec = CaptureSpec(
         backend="vllm",
         model_path=str(model),
         layer_ids=layer_ids(args.shape),
         dtype=args.dtype,
-        tp_size=getattr(args, "tp", 1),
+        tp_size=1,
         max_seq_len=args.max_len,
         device="cpu",
     )
@@ -216,10 +166,10 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
             "max_num_batched_tokens": args.batched_tokens,
             "enforce_eager": True,
             "engine_args": {"load_format": "dummy", **(IMAGE_ENGINE_ARGS if args.images else {})},
-            "storage": getattr(args, "storage", "model_dtype"),  # fp8_e4m3: half the bytes (extract.storage)
+            "storage": args.storage,  # fp8_e4m3: half the bytes (extract.storage)
             "batch_tokens": args.batch_tokens,
-            # rows whose prompt logprobs vLLM computes and copies back: each syncs the engine's step (py-spy, 2026-12-03)
-            **({} if getattr(args, "logprob_rows", None) is None else {"logprob_rows": args.logprob_rows}),
+            # rows whose prompt logprobs vLLM computes and copies back: each syncs the engine's step
+            **({} if args.logprob_rows is None else {"logprob_rows": args.logprob_rows}),
             **over,
         }
     )
@@ -241,13 +191,10 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
         # and the like-for-like comparison with (d), whose files go to /dev/shm
         runs = [("uniform_half", shards), ("uniform", shards), ("mixed", shards)]
         runs += [("uniform_shm", shm / "e3p-bench")] if shm.is_dir() else []
-        # With images the rates rose shard after shard (2026-12-02): the uniform shard to disk once more, last,
-        # tells the disk's cost from what the first shards paid to warm up.
-        runs += [("uniform_again", shards)] if args.images else []
         for name, where in runs:
-            rows = work[name.removesuffix("_shm").removesuffix("_again")]  # --images: a tokenized shard already
+            rows = work[name.removesuffix("_shm")]  # --images: a tokenized shard already
             tok = rows if isinstance(rows, Path) else write_tokenized(args.out / f"{name}.jsonl", rows)
-            base, cpu = rss.reset(), ProcessCPU()
+            base = rss.reset()
             m = extract_shard(
                 str(tok),
                 str(where / name),
@@ -264,7 +211,6 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
                 "bytes": nbytes,
                 "bytes_per_s": nbytes / timings["capture_s"],
                 "rss_growth_mib": (rss.peak - base) / 2**20,
-                "cpu_s": cpu.since(),  # over the whole job (engine steps, the writer's flush), not capture_s alone
                 "writer": timings.get(
                     "writer"
                 ),  # worker: forward stalled for a slot; busiest file's write/hash/sync s
@@ -361,4 +307,4 @@ def phase_g(args, model: Path, work: dict) -> dict:
     return phase_b(args, model, work, capture_path="builtin", enforce_eager=False, storage="fp8_e4m3")
 
 
-PHASES = {"a": phase_a, "b": phase_b, "c": phase_c, "d": phase_d, "e": phase_e, "f": phase_f, "g": phase_g}
+PHASES = {"a": phase_a, "b": phase_b, "c": phase_c, "d": phase_d, "f": phase_f, "g": phase_g}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from eagle3prep.testing.rounds import round_ratios
 from extractbench.disk import disk_cost
 from extractbench.workload import PEAK_TFLOPS, flops_per_token, layer_ids
 
@@ -22,10 +23,8 @@ def print_report(args, results: dict, disk_before: tuple, disk_after: tuple, str
         print_phase_b(args, b)
         print_disk(results, b, disk_before, disk_after, streams)
         print_writers(b)
-    print_compiled(results)
     print_builtin(results)
-    print_cpu(results)
-    for p in "abcdefg":
+    for p in "abcdfg":
         if p in results:
             print(f"engine start ({p}): {results[p]['engine_start_s']:.1f} s")
     if b:
@@ -47,7 +46,7 @@ def print_images(args) -> None:
 
 def print_builtin(results: dict) -> None:
     """(f) and (g), the built-in path through our connector (compiled; g: FP8), against (a) and (b): the
-    issue #25 targets are f/a and g/a >= 0.95, g at half f's bytes, RSS growth after the first shard < 64 MiB."""
+    targets are f/a and g/a >= 0.95, g at half f's bytes, RSS growth after the first shard < 64 MiB."""
     for p, what in (("f", "built-in, compiled"), ("g", "built-in, compiled, FP8")):
         r = results.get(p)
         if not r:
@@ -67,27 +66,6 @@ def print_builtin(results: dict) -> None:
             f"peak RSS {r['peak_rss_mib']:.0f} MiB; capture path {r['capture_path']}; engine start "
             f"{r['engine_start_s']:.1f} s; worker writer, seconds: {r['uniform'].get('writer')}"
         )
-
-
-def print_cpu(results: dict) -> None:
-    """Each process's CPU seconds a second of the uniform shard (phases.ProcessCPU): one near 1.0 paces it."""
-    for p in "abfg":
-        r = results.get(p, {}).get("uniform", {})
-        if "cpu_s" in r:
-            secs = r["tokens"] / r["tokens_per_s"]
-            per = ", ".join(f"{k} {v / secs:.2f}" for k, v in sorted(r["cpu_s"].items(), key=lambda kv: -kv[1]))
-            print(f"({p}) uniform, CPU seconds a second ({secs:.1f} s): {per}")
-
-
-def print_compiled(results: dict) -> None:
-    """(e), vLLM's default compiled prefill, against the eager (a) and (b)."""
-    if "e" not in results:
-        return
-    for w in ("uniform", "mixed"):
-        e = results["e"][w]["tokens_per_s"]
-        parts = [f"(e) compiled {e:,.0f} tok/s"]
-        parts += [f"{p}/e {results[p][w]['tokens_per_s'] / e:.2f}" for p in "ab" if p in results]
-        print(f"{w}, against vLLM's default (compiled, CUDA graphs): " + ", ".join(parts))
 
 
 def print_table(args, results: dict) -> None:
@@ -202,7 +180,7 @@ def print_disk(results: dict, b: dict, disk_before: tuple, disk_after: tuple, st
 
 def print_writers(b: dict) -> None:
     """The worker's writer seconds per workload and (b)'s engine start, split into LLM() and smoke capture."""
-    for w in ("uniform_half", "uniform", "mixed", "uniform_shm", "uniform_again"):
+    for w in ("uniform_half", "uniform", "mixed", "uniform_shm"):
         if b.get(w, {}).get("writer"):
             print(f"(b) {w} worker writer, seconds: {b[w]['writer']}")
     print(
@@ -219,30 +197,6 @@ def print_shard_size(b: dict) -> None:
         f"shard size that keeps (b)'s engine start under {100 * START_SHARE:.0f} % of a job: "
         f">= {min_tokens_per_shard(rate, start):,} tokens ({start:.0f} s start at {rate:,.0f} tok/s)"
     )
-
-
-def round_ratios(rounds: list[dict]) -> list[str]:
-    """--rounds: each capture phase's ratio to its own round's (a), per workload and round, then the median and
-    range over rounds (a shard (b) also wrote to /dev/shm or again, last, is set against (a)'s uniform rate, or its
-    own run again when (a) ran one)."""
-    import statistics
-
-    lines = []
-    for x in "bfg":
-        for w in ("uniform", "mixed", "uniform_shm", "uniform_again"):
-            base = w if w != "uniform_shm" else "uniform"
-            ratios = [
-                r[x][w]["tokens_per_s"] / r["a"].get(base, r["a"]["uniform"])["tokens_per_s"]
-                for r in rounds
-                if x in r and "a" in r and w in r[x]
-            ]
-            if ratios:
-                each = " ".join(f"{v:.2f}" for v in ratios)
-                lines.append(
-                    f"{x}/a {w}: rounds {each}; median {statistics.median(ratios):.2f}, "
-                    f"{min(ratios):.2f}-{max(ratios):.2f}"
-                )
-    return lines
 
 
 def print_rounds(rounds: list[dict]) -> None:

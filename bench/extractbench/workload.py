@@ -1,7 +1,7 @@
 """bench_extract's model shapes (Llama-3.1-8B, a tiny one for the CPU smoke) and token workloads: random
 ids in uniform and mixed-length rows, a config-only model folder, and the FLOPs a token costs. With
 --images: a Qwen2.5-VL-7B-shaped folder (a tiny one with --tiny) and image-heavy rows made by the project's
-prepare and tokenize (issue #28 item 7)."""
+prepare and tokenize."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The quality bench's planted rows: ours' data made wrong as a careless pipeline writes it (issue #23 item 3).
+"""The quality bench's planted rows: ours' data made wrong as a careless pipeline writes it.
 
 Source: the variant `all_ids` (the same rows as `ours`, every id 1..N captured, validated). For each
 mistake, `eagle3prep.testing.planted` writes a shard with the default ids [2, N/2, N-3, N] whose manifest

@@ -1,17 +1,18 @@
-"""Issue #23's bench: drafts trained on this workflow's data, served by vLLM against their target.
+"""The quality bench: drafts trained on this workflow's data, served by vLLM against their target.
 
     python bench/quality/run.py OUT --stage target|data|train|serve|summary [--variants ours ...]
                                 [--seeds 0 1] [--size h200|toy] [--device cuda|cpu]
 
 One stage per device call (each reads what the earlier wrote to OUT, on the same warm machine):
-  target   bench/quality/target.py: the Llama trained on the stdlib, its conversations (OUT/target)
+  target   eagle3prep.testing.stdlib_target: the Llama trained on the stdlib, its conversations (OUT/target)
   data     the workflow as a user runs it, one folder per variant under OUT/wd/<variant>:
            ours:      prepare -> regenerate (greedy) -> tokenize -> extract (vLLM, bf16) -> validate -> export
            fp8:       the same rows (ours' regenerated conversations), extract.storage fp8_e4m3
            offpolicy: the conversations' own replies (regenerate off)
            all_ids:   ours' rows with every id 1..N captured (the planted rows' source)
   plant    planted mistakes on all_ids' rows (bench/quality/planted_rows.py), validated and exported carelessly
-  peer     ours' rows with hidden states from speculators' generate-offline-data (bench/quality/peer.py),
+  peer     ours' rows with hidden states from speculators' generate-offline-data (bench/quality/peer.py;
+           eagle3prep.testing.peer_files rebuilds and judges them),
            then the workflow's validation on them
   train    speculators' trainer (eagle3prep-train, eagle3, the direct backend) on each variant's export,
            a fixed recipe (RECIPE), one draft per seed: OUT/drafts/<variant>_s<seed>
@@ -132,7 +133,9 @@ def stage_plant(opts: argparse.Namespace) -> dict:
 
 def stage_peer(opts: argparse.Namespace) -> dict:
     """The peer's files, then the workflow's validation verdict on them (every row, as for the planted rows)."""
-    from peer import make_peer, peer_verdict
+    from peer import make_peer
+
+    from eagle3prep.testing.peer_files import peer_verdict
 
     made = make_peer(opts.out)
     return {"peer": {**made, "validation": peer_verdict(opts.out, opts.device) if made["rc"] == 0 else "not run"}}
@@ -260,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = ap.parse_args(argv)
     opts.out = opts.out.resolve()
     if opts.stage == "target":
-        from target import main as target_main
+        from eagle3prep.testing.stdlib_target import main as target_main
 
         extra = ["--expect-weights", opts.expect_weights] if opts.expect_weights else []
         return target_main([str(opts.out / "target"), "--size", opts.size, "--device", opts.device, *extra])

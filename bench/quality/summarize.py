@@ -13,10 +13,10 @@ wall, and how many greedy outputs equal the target's alone).
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import re
-import sys
 from pathlib import Path
 
 
@@ -162,4 +162,6 @@ def table(serve: dict, summaries: list[dict], folders: list[Path]) -> None:
 
 
 if __name__ == "__main__":
-    main([Path(a) for a in sys.argv[1:]])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", type=Path, nargs="+", help="run.py's OUT, then later runs that add cells")
+    main(ap.parse_args().runs)

@@ -107,7 +107,7 @@ def build_model(name: str, tokenizer, seed: int = 0, overrides: dict | None = No
 
     Weights N(0, 0.1) (experts: EXPERT_STD), norm weights 1 + 0.2*N(0,1), biases and routing correction
     biases 0.05*N(0,1): far from identity and from each other, so a capture one layer off fails any check.
-    `overrides` replace config fields (bench/seed_sweep.py's other DeepSeek-V3 shape); `expert_scale`
+    `overrides` replace config fields (testing.matrix.VARIANTS' other DeepSeek-V3 shape); `expert_scale`
     multiplies EXPERT_STD (2.5 gives the experts the other weights' 0.1: a re-routed token then moves ~0.5).
     """
     import transformers

@@ -1,4 +1,4 @@
-"""The quality bench's text: the running interpreter's standard library, split by whole modules.
+"""The text of the quality bench's target (stdlib_target): the running interpreter's standard library, split by whole modules.
 
 Every machine with Python has it and no network is needed. A module is held out for evaluation when
 the sha256 of its path relative to the stdlib folder falls in the last tenth, so the split does not

@@ -1,6 +1,6 @@
-"""A target with structure for the quality bench: a Llama trained on the Python standard library.
+"""A target with structure for the quality bench (bench/quality/): a Llama trained on the Python standard library.
 
-    python bench/quality/target.py OUT [--size h200|toy] [--device cuda|cpu]
+    python -m eagle3prep.testing.stdlib_target OUT [--size h200|toy] [--device cuda|cpu]
 
 Writes OUT/model (config, bf16 safetensors, tokenizer with the demo's ChatML template), OUT/conversations
 (train.jsonl from the training modules, heldout.jsonl from the held-out ones) and OUT/target.json (sizes,
@@ -25,8 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corpus import Module, conversations, corpus_sha256, stdlib_modules, write_jsonl  # noqa: E402
+from eagle3prep.testing.stdlib_corpus import Module, conversations, corpus_sha256, stdlib_modules, write_jsonl
 
 # Deterministic cuBLAS; must be set before CUDA initialises (torch.use_deterministic_algorithms asks for it).
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
