@@ -85,8 +85,8 @@ def test_nothing_kept_stops_the_tokenize_job_with_one_line(case, tmp_path, demo_
         ]
     else:
         assert quarantine == [] and counts["rows_in"] == 0
-    # Nothing after it ran: no empty "successful" dataset.
-    assert sorted(p.name for p in (wd / "results").iterdir()) == ["prepared"]
+    # Nothing after it ran: no empty "successful" dataset (config.json: the record of the config that made the folder).
+    assert sorted(p.name for p in (wd / "results").iterdir()) == ["config.json", "prepared"]
 
 
 # ------------------------------------------------------------------------------- fewer rows than shards

@@ -23,6 +23,10 @@ def installed_version() -> str:
             return version(dist)
         except PackageNotFoundError:
             continue
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:  # not installed: callers tell that apart from a moved name
+        raise ImportError("vLLM is not installed")
     from . import registry
 
     return registry.load("__version__")
