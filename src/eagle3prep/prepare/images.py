@@ -23,8 +23,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from eagle3prep.config import schema_default
 from eagle3prep.prepare.errors import InputError, Rejected
-from eagle3prep.settings import schema_default
 
 # What the OpenAI API accepts (PNG, JPEG, WEBP, non-animated GIF): the formats servers and processors agree on.
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
