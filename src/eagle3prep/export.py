@@ -50,6 +50,7 @@ from .shard.fp8 import SCALES_KEY
 from .shard.layout import FP8_E4M3, MANIFEST, TOKEN_IDS, layer_file
 from .shard.readers import LayerReader
 from .shard.shardset import Shard, ShardSet, ShardSetError
+from .shard.tokenized import rows as tokenized_rows
 
 FORMAT = "eagle3prep.speculators_export/1"
 HIDDEN_STATES = "hidden_states"
@@ -80,9 +81,7 @@ def check_shards(shard_dirs: list[str], validations: list[str], tokenized: list[
 
 def _rows(shard: Shard) -> Iterator[tuple[Any, dict[str, Any]]]:
     """(index entry, tokenized row) pairs of one shard (ShardSet checked they are the same rows)."""
-    with open(shard.tokenized, encoding="utf-8") as f:
-        for e, line in zip(shard.index, f, strict=True):
-            yield e, json.loads(line)
+    yield from zip(shard.index, tokenized_rows(shard.tokenized), strict=True)
 
 
 def _write_hidden_states(out: Path, shard: Shard, layer_ids: list[int], files: dict[str, dict[str, Any]]) -> int:

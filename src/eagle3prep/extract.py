@@ -8,7 +8,6 @@ typed ExtractSettings (settings.py); the model's config.json is read once per jo
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -32,6 +31,7 @@ from .settings import ExtractSettings
 from .shard.layout import MANIFEST, MODEL_DTYPE, check_storage, layer_file, token_bytes
 from .shard.manifest import ShardManifest
 from .shard.readers import index_of_tokenized
+from .shard.tokenized import rows as tokenized_rows
 from .shard.writer import ShardWriter
 from .tokenization.row_inputs import ImageRow
 from .vllm_common.errors import EngineError
@@ -41,15 +41,13 @@ def iter_batches(tokenized_shard: str | os.PathLike, batch_tokens: int) -> Itera
     """Second pass: contiguous rows, padded size (rows x longest) within `batch_tokens` (one row at least)."""
     batch: list[list[int]] = []
     longest = 0
-    with open(tokenized_shard, encoding="utf-8") as f:
-        for line in f:
-            rec = json.loads(line)
-            ids = ImageRow(rec, tokenized_shard) if "images" in rec else rec["input_ids"]  # pixels on the backend
-            if batch and (len(batch) + 1) * max(longest, len(ids)) > batch_tokens:
-                yield batch
-                batch, longest = [], 0
-            batch.append(ids)
-            longest = max(longest, len(ids))
+    for rec in tokenized_rows(tokenized_shard):
+        ids = ImageRow(rec, tokenized_shard) if "images" in rec else rec["input_ids"]  # pixels on the backend
+        if batch and (len(batch) + 1) * max(longest, len(ids)) > batch_tokens:
+            yield batch
+            batch, longest = [], 0
+        batch.append(ids)
+        longest = max(longest, len(ids))
     if batch:
         yield batch
 

@@ -4,10 +4,11 @@ What a practitioner checks before spending GPU-days: does the mask cover the rep
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ..shard.tokenized import rows as tokenized_rows
 
 SAMPLE_ROWS = 3  # rows per run, from shards spread over the run
 SAMPLE_MAX_TOKENS = 400  # tokens shown per row; a longer row shows a window from before its first trained token
@@ -47,11 +48,9 @@ def pick_rows(tokenized: list[str], k: int = SAMPLE_ROWS) -> list[tuple[int, dic
         candidates = []
         if not Path(tokenized[shard]).is_file():
             continue
-        with open(tokenized[shard], encoding="utf-8") as f:
-            for _, line in zip(range(SCAN_LINES), f, strict=False):
-                r = json.loads(line)
-                if 0 < sum(r["loss_mask"]) < r["seq_len"] and (shard, r["row"]) not in used:
-                    candidates.append(r)
+        for r in tokenized_rows(tokenized[shard], limit=SCAN_LINES):
+            if 0 < sum(r["loss_mask"]) < r["seq_len"] and (shard, r["row"]) not in used:
+                candidates.append(r)
         if candidates:
             # the first row short enough to show whole, else the shortest one scanned
             r = next((c for c in candidates if c["seq_len"] <= SAMPLE_MAX_TOKENS), None)
