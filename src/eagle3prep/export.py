@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .config import schema_default
 from .errors import UserError
 from .infra.atomic import TMP_PREFIX, atomic_open, fsync_dir, sha256_file
 from .infra.folder import file_entry, finish_folder, open_folder
@@ -218,7 +219,7 @@ def export_speculators(
     tokenized: list[str],
     token_freq_json: str,
     out_dir: str,
-    hidden_states: str = "copy",
+    hidden_states: str = schema_default("export", "hidden_states"),
 ) -> dict[str, Any]:
     """Write `out_dir` in speculators' layout; manifest.json last. Shards must come in row order.
 

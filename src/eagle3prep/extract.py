@@ -19,6 +19,7 @@ from typing import Any
 from .backends import make_backend
 from .backends.base import CaptureBackend, CaptureSpec, EngineInfo
 from .backends.empty import EmptyShardBackend
+from .config import schema_default
 from .infra import faults
 from .infra.atomic import sha256_file
 from .infra.disk import DiskSpaceError, human_bytes
@@ -28,7 +29,7 @@ from .infra.provenance import code_version, model_identity, tokenizer_identity
 from .layers import CONVENTION, check_layer_ids, resolve_layer_ids
 from .model_facts import ModelFacts, require_hidden_size
 from .settings import ExtractSettings
-from .shard.layout import MANIFEST, MODEL_DTYPE, check_storage, layer_file, token_bytes
+from .shard.layout import MANIFEST, check_storage, layer_file, token_bytes
 from .shard.manifest import ShardManifest
 from .shard.readers import index_of_tokenized
 from .shard.tokenized import rows as tokenized_rows
@@ -53,7 +54,12 @@ def iter_batches(tokenized_shard: str | os.PathLike, batch_tokens: int) -> Itera
 
 
 def shard_bytes(
-    tokens: int, rows: int, num_layers: int, hidden_size: int, dtype: str, storage: str = MODEL_DTYPE
+    tokens: int,
+    rows: int,
+    num_layers: int,
+    hidden_size: int,
+    dtype: str,
+    storage: str = schema_default("extract", "storage"),
 ) -> int:
     """Bytes a shard will take: layer files (FP8: values and per-token scales) + token ids +
     index/manifest (a generous 200 B per row)."""

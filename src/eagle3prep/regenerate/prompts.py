@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from eagle3prep.config import schema_default
 from eagle3prep.tokenization.template import (
     Rejected,
     get_chat_template,
@@ -48,7 +49,10 @@ class PromptRenderer:
 
     @classmethod
     def load(
-        cls, model_path: str | os.PathLike, trust_remote_code: bool = False, chat_template_kwargs: dict | None = None
+        cls,
+        model_path: str | os.PathLike,
+        trust_remote_code: bool = schema_default("model", "trust_remote_code"),
+        chat_template_kwargs: dict | None = None,
     ) -> PromptRenderer:
         return cls(load_tokenizer(model_path, trust_remote_code), model_path, chat_template_kwargs)
 

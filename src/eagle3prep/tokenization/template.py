@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3prep.config import template_kwarg_clash, template_kwargs_error
+from eagle3prep.config import schema_default, template_kwarg_clash, template_kwargs_error
 from eagle3prep.errors import UserError
 from eagle3prep.tokenization.files import missing_tokenizer_files
 
@@ -46,7 +46,9 @@ class ModelNotFoundError(UserError, FileNotFoundError):
     """model.path is not a folder."""
 
 
-def load_tokenizer(model_path: str | os.PathLike, trust_remote_code: bool = False):
+def load_tokenizer(
+    model_path: str | os.PathLike, trust_remote_code: bool = schema_default("model", "trust_remote_code")
+):
     """The target model's tokenizer, from its local folder only (no hub access)."""
     if not Path(model_path).is_dir():
         raise ModelNotFoundError(
@@ -128,7 +130,7 @@ class ChatEncoder:
         self,
         tokenizer,
         model_path: str | os.PathLike,
-        template_fallback: bool = True,
+        template_fallback: bool = schema_default("tokenize", "template_fallback"),
         chat_template_kwargs: dict[str, Any] | None = None,
     ):
         """Set up the template, the Rust tokenizer and the mask source; raise TokenizeError if no mask comes out."""
