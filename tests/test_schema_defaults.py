@@ -1,6 +1,7 @@
-"""config/schema.yaml holds every default of a config key, and the code no second one: a parameter, a field or a
-`.get(key, default)` named like a schema key either has no default, or takes it from the schema with
-`schema_default(section, key)`. Names that mean something else than the config key are listed with why."""
+"""config/schema.yaml holds every default of a config key, and the code (the package and scripts/) no second one:
+a parameter, a field or a `.get(key, default)` named like a schema key either has no default, or takes it from
+the schema with `schema_default(section, key)`. Names that mean something else than the config key are listed
+with why."""
 
 import ast
 
@@ -49,17 +50,9 @@ NOT_CONFIG = {
     "vllm_common/workarounds.py:engine_workarounds:dtype": "None: the engine's own choice",
 }
 
-# Config values still defaulted in code, to be passed by every caller: chat_template_kwargs' None stands for the
-# schema's {} (a dict default would be one object shared by every call); index_of_tokenized's None for a backend
-# that feeds no images, which bench/extractbench/phases.py relies on.
-LEFT = {
-    "regenerate/prompts.py:PromptRenderer:chat_template_kwargs",
-    "regenerate/prompts.py:load:chat_template_kwargs",
-    "tokenization/stage.py:tokenize_conversations:chat_template_kwargs",
-    "tokenization/stage.py:_load_encoder:chat_template_kwargs",
-    "tokenization/template.py:ChatEncoder:chat_template_kwargs",
-    "shard/readers.py:index_of_tokenized:backend",
-}
+# Config values still defaulted in code, to be passed by every caller: index_of_tokenized's None stands for a
+# backend that feeds no images, which bench/extractbench/phases.py relies on.
+LEFT = {"shard/readers.py:index_of_tokenized:backend"}
 
 
 def schema_keys():
@@ -135,10 +128,10 @@ def defaults(tree):
 
 def second_defaults():
     keys, found = schema_keys(), []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted([*PACKAGE.rglob("*.py"), *(REPO / "scripts").glob("*.py")]):
         if path.is_relative_to(FIXTURES):
             continue
-        rel = path.relative_to(PACKAGE).as_posix()
+        rel = path.relative_to(PACKAGE if path.is_relative_to(PACKAGE) else REPO).as_posix()
         for where, name, default in defaults(ast.parse(path.read_text(encoding="utf-8"))):
             if name in keys and not from_schema(default, name, keys[name]):
                 found.append((f"{rel}:{where}:{name}", ast.unparse(default)))

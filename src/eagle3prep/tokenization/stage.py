@@ -9,6 +9,7 @@ import os
 import sys
 from array import array
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -36,7 +37,7 @@ def tokenize_conversations(
     trust_remote_code: bool = schema_default("model", "trust_remote_code"),
     batch_size: int = BATCH_SIZE,
     workers: int = schema_default("tokenize", "workers"),
-    chat_template_kwargs: dict[str, Any] | None = None,
+    chat_template_kwargs: Mapping[str, Any] = schema_default("tokenize", "chat_template_kwargs"),
 ) -> dict[str, Any]:
     """Tokenize every conversation with the target's chat template into len(out_shards) contiguous shards.
 
@@ -100,7 +101,7 @@ def _encode_into_shards(conversations_path, out_shards, encoder: ChatEncoder, ma
 
 
 def _load_encoder(
-    model_path, max_seq_len: int, template_fallback: bool, trust_remote_code: bool, chat_template_kwargs=None
+    model_path, max_seq_len: int, template_fallback: bool, trust_remote_code: bool, chat_template_kwargs
 ) -> ChatEncoder:
     """The target's ChatEncoder, after checking max_seq_len against the model's config (an error) and the
     tokenizer's model_max_length (a warning)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,7 @@ def rust_backend(tokenizer):
     return backend
 
 
-def template_kwargs(tokenizer, kwargs: dict[str, Any] | None, model_path: str | os.PathLike) -> dict[str, Any]:
+def template_kwargs(tokenizer, kwargs: Mapping[str, Any] | None, model_path: str | os.PathLike) -> dict[str, Any]:
     """tokenize.chat_template_kwargs as a new dict, or TokenizeError naming a key the encoder passes the template
     itself: an apply_chat_template argument, or a special token of this tokenizer (some name their own)."""
     kwargs = dict(kwargs or {})
@@ -131,7 +132,7 @@ class ChatEncoder:
         tokenizer,
         model_path: str | os.PathLike,
         template_fallback: bool = schema_default("tokenize", "template_fallback"),
-        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] = schema_default("tokenize", "chat_template_kwargs"),
     ):
         """Set up the template, the Rust tokenizer and the mask source; raise TokenizeError if no mask comes out."""
         self.tokenizer = tokenizer
