@@ -3,8 +3,6 @@ import sys
 
 from eagle3prep.config import (
     ConfigError,
-    check_model,
-    config_sources,
     image_params,
     reference_mode,
     template_kwargs_params,
@@ -13,10 +11,12 @@ from eagle3prep.config import (
 from eagle3prep import command, heal, made_by
 from eagle3prep.settings import ExtractSettings, RegenerateSettings
 from eagle3prep.parse import (
+    check_model,
     check_model_files,
     check_target_marker,
     check_tokenizer,
     config_source_line,
+    config_sources,
     shown_path,
 )
 from eagle3prep.infra.runlock import clear_stale_locks, record_owner

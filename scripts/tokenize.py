@@ -4,6 +4,7 @@ import sys
 sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: SIM115 (open for the whole job)
 os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM workers, tokenizers) log there too
 
+from eagle3prep.config import schema_default
 from eagle3prep.errors import one_line_errors
 from eagle3prep.prepare import require_conversations
 from eagle3prep.tokenization import tokenize_conversations
@@ -22,5 +23,7 @@ with one_line_errors():
         trust_remote_code=snakemake.params.trust_remote_code,
         workers=snakemake.threads,
         # a param only when set (config.template_kwargs_params)
-        chat_template_kwargs=snakemake.params.get("chat_template_kwargs", {}),
+        chat_template_kwargs=snakemake.params.get(
+            "chat_template_kwargs", schema_default("tokenize", "chat_template_kwargs")
+        ),
     )

@@ -21,9 +21,9 @@ import yaml
 from workflow_helpers import REPO, make_workdir, snakemake
 
 from eagle3prep.backends.base import CaptureSpec
-from eagle3prep.config import check_model, config_sources, layer_ids, validate_config
+from eagle3prep.config import layer_ids, validate_config
 from eagle3prep.errors import UserError
-from eagle3prep.parse import check_tokenizer
+from eagle3prep.parse import check_model, check_tokenizer, config_sources
 from eagle3prep.prepare import expand_sources, prepare
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.tokenization import tokenize_conversations

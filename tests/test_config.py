@@ -2,17 +2,14 @@ import json
 
 import pytest
 
-from eagle3prep.config import (
-    ConfigError,
-    check_model,
-    config_sources,
-    validate_config,
-)
+from eagle3prep.config import ConfigError, validate_config
 from eagle3prep.parse import (
+    check_model,
     check_target_marker,
     check_tokenizer,
     cli_configfiles,
     config_source_line,
+    config_sources,
     demo_config_error,
 )
 

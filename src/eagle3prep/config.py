@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import copy
 import difflib
-import json
-import os
+import functools
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from .errors import UserError
-from .layers import convert_layer_ids, default_layer_ids, resolve_layer_ids
+from .layers import convert_layer_ids, resolve_layer_ids
 from .model_facts import ModelFacts
 
 SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
@@ -22,6 +21,29 @@ SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 
 class ConfigError(UserError, ValueError):
     """A config value is wrong; the message names the key, the value and what is allowed."""
+
+
+@functools.cache
+def load_schema() -> dict[str, Any]:
+    """config/schema.yaml, read once (callers must not change it: schema_default hands out copies)."""
+    return yaml.safe_load(SCHEMA.read_text(encoding="utf-8"))
+
+
+def schema_default(section: str, key: str) -> Any:
+    """config/schema.yaml's default of `section`.`key` (a copy: callers may change it)."""
+    return copy.deepcopy(load_schema()["properties"][section]["properties"][key]["default"])
+
+
+def section_defaults(section: str, values: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`values` for config section `section`, checked and completed with the schema's defaults."""
+    import jsonschema
+
+    instance = {section: copy.deepcopy(dict(values or {}))}
+    validator = _with_defaults(jsonschema.Draft202012Validator)(load_schema())
+    errors = [e for e in validator.iter_errors(instance) if list(e.absolute_path)[:1] == [section]]
+    if errors:
+        raise ConfigError(_one_line(sorted(errors, key=lambda e: list(e.absolute_path))[0]))
+    return instance[section]
 
 
 def _with_defaults(validator_class):
@@ -234,81 +256,6 @@ def model_layer_ids(model_path: str, layers: dict[str, Any]) -> list[int]:
         raise ConfigError(f"config error: {e}") from None
 
 
-def check_model(config: dict[str, Any]) -> list[str]:
-    """What the model folder decides, checked when the workflow is parsed, before any job: the folder and its
-    config.json exist, the layer ids fit its depth, max_seq_len its context. Returns notes for the user (one
-    line each). Skipped while the folder does not exist yet and model.build_demo will build it."""
-    path = Path(config["model"]["path"])
-    if not path.is_dir():
-        if config["model"]["build_demo"]:
-            return []
-        raise ConfigError(
-            f"config error: model.path = '{path}': no such folder (cwd: {os.getcwd()}); set model.path to a local "
-            "Hugging Face model folder (or model.build_demo: true to build the demo model there)"
-        )
-    if not (path / "config.json").is_file():
-        raise ConfigError(
-            f"config error: model.path = '{path}' has no config.json; point model.path at the model folder itself "
-            "(config.json, safetensors weights, tokenizer)"
-        )
-    try:
-        n = ModelFacts.read(path).num_hidden_layers
-    except (ValueError, OSError) as e:  # json.JSONDecodeError is a ValueError
-        raise ConfigError(f"config error: model.path = '{path}': cannot read config.json ({e})") from None
-    notes = []
-    if config["layers"]["ids"] is None:
-        ids, formula = default_layer_ids(n), [2, n // 2, n - 3, n]
-        if len(ids) < len(formula):
-            notes.append(
-                f"layers.ids: the default [2, N//2, N-3, N] is {formula} for this N = {n} ({path / 'config.json'}); "
-                f"{len(ids)} distinct ids {ids} are captured, not 4; set layers.ids to choose others"
-            )
-    else:
-        ids = layer_ids(config)  # raises ConfigError in one line
-        if config["export"]["speculators"]:
-            from .shard.shardset import speculators_layer_error
-
-            if error := speculators_layer_error(ids, n, config["layers"]["convention"]):
-                raise ConfigError(f"config error: {error}")
-    check_max_seq_len(config["tokenize"]["max_seq_len"], path)
-    if note := images_note(config, path):
-        notes.append(note)
-    return notes
-
-
-def images_note(config: dict[str, Any], path: Path) -> str | None:
-    """A target whose images tokenize cannot expand (no vision tower, or one not implemented, e.g. Kimi-K2.5's
-    MoonViT): a ConfigError when data.image_root says the run means images, else a note when the target has a
-    vision tower (its image conversations would be quarantined). None otherwise."""
-    image_root = config["data"]["image_root"]
-    model_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    if image_root is None and "vision_config" not in model_config:
-        return None
-    from .tokenization.vision import UNSUPPORTED, images_refusal
-
-    refusal = images_refusal(model_config)
-    if refusal is None:
-        return None
-    if image_root is not None:
-        raise ConfigError(
-            f"config error: data.image_root = '{image_root}' is set, but {refusal} ({path / 'config.json'})"
-        )
-    return (
-        f"model.path: {refusal}: conversations with images will be quarantined ({UNSUPPORTED}); text conversations "
-        "are unaffected"
-    )
-
-
-def config_sources(config: dict[str, Any]) -> list[str]:
-    """data.sources expanded (globs, repeats dropped), or a one-line ConfigError naming the source."""
-    from .prepare import InputError, expand_sources
-
-    try:
-        return expand_sources(config["data"]["sources"])
-    except InputError as e:
-        raise ConfigError(f"config error: {e}") from None
-
-
 def model_max_positions(model_path: str | Path) -> int | None:
     """Longest row the model takes (ModelFacts.max_positions); None for a tokenizer-only folder."""
     if not (Path(model_path) / "config.json").is_file():
@@ -337,8 +284,6 @@ IMAGE_KEYS = ("image_root", "max_image_pixels")  # data.* keys of issue #28
 def image_params(data: dict[str, Any]) -> dict[str, Any]:
     """The prepare rule's image params: data.image_root and data.max_image_pixels, only away from their schema
     defaults (keys added after runs existed, so that a run made before them is not re-queued; settings.LATER)."""
-    from .settings import schema_default
-
     return {k: data[k] for k in IMAGE_KEYS if k in data and data[k] != schema_default("data", k)}
 
 

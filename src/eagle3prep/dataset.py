@@ -21,7 +21,6 @@ that file's sha256, checked here). Like ArrowDataset, it exposes `approx_lengths
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -32,6 +31,7 @@ from torch.utils.data import Dataset
 from .shard.layout import TOKEN_IDS, layer_file
 from .shard.readers import LayerReader
 from .shard.shardset import ShardSet
+from .shard.tokenized import row_at as tokenized_row_at
 
 
 class HiddenStatesDataset(Dataset):
@@ -108,9 +108,7 @@ class HiddenStatesDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         shard, offset, length, pos = self._rows[index]
-        with open(self._tokenized[shard], "rb") as f:
-            f.seek(pos)
-            rec = json.loads(f.readline())
+        rec = tokenized_row_at(self._tokenized[shard], pos)
         readers, token_slice = self._slices(shard)
         a, b = offset, offset + length
         input_ids = token_slice[a:b]  # [T] int64

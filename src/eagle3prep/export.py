@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .config import schema_default
 from .errors import UserError
 from .infra.atomic import TMP_PREFIX, atomic_open, fsync_dir, sha256_file
 from .infra.folder import file_entry, finish_folder, open_folder
@@ -50,6 +51,7 @@ from .shard.fp8 import SCALES_KEY
 from .shard.layout import FP8_E4M3, MANIFEST, TOKEN_IDS, layer_file
 from .shard.readers import LayerReader
 from .shard.shardset import Shard, ShardSet, ShardSetError
+from .shard.tokenized import rows as tokenized_rows
 
 FORMAT = "eagle3prep.speculators_export/1"
 HIDDEN_STATES = "hidden_states"
@@ -80,9 +82,7 @@ def check_shards(shard_dirs: list[str], validations: list[str], tokenized: list[
 
 def _rows(shard: Shard) -> Iterator[tuple[Any, dict[str, Any]]]:
     """(index entry, tokenized row) pairs of one shard (ShardSet checked they are the same rows)."""
-    with open(shard.tokenized, encoding="utf-8") as f:
-        for e, line in zip(shard.index, f, strict=True):
-            yield e, json.loads(line)
+    yield from zip(shard.index, tokenized_rows(shard.tokenized), strict=True)
 
 
 def _write_hidden_states(out: Path, shard: Shard, layer_ids: list[int], files: dict[str, dict[str, Any]]) -> int:
@@ -219,7 +219,7 @@ def export_speculators(
     tokenized: list[str],
     token_freq_json: str,
     out_dir: str,
-    hidden_states: str = "copy",
+    hidden_states: str = schema_default("export", "hidden_states"),
 ) -> dict[str, Any]:
     """Write `out_dir` in speculators' layout; manifest.json last. Shards must come in row order.
 

@@ -8,7 +8,6 @@ typed ExtractSettings (settings.py); the model's config.json is read once per jo
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -20,6 +19,7 @@ from typing import Any
 from .backends import make_backend
 from .backends.base import CaptureBackend, CaptureSpec, EngineInfo
 from .backends.empty import EmptyShardBackend
+from .config import schema_default
 from .infra import faults
 from .infra.atomic import sha256_file
 from .infra.disk import DiskSpaceError, human_bytes
@@ -29,9 +29,10 @@ from .infra.provenance import code_version, model_identity, tokenizer_identity
 from .layers import CONVENTION, check_layer_ids, resolve_layer_ids
 from .model_facts import ModelFacts, require_hidden_size
 from .settings import ExtractSettings
-from .shard.layout import MANIFEST, MODEL_DTYPE, check_storage, layer_file, token_bytes
+from .shard.layout import MANIFEST, check_storage, layer_file, token_bytes
 from .shard.manifest import ShardManifest
 from .shard.readers import index_of_tokenized
+from .shard.tokenized import rows as tokenized_rows
 from .shard.writer import ShardWriter
 from .tokenization.row_inputs import ImageRow
 from .vllm_common.errors import EngineError
@@ -41,21 +42,24 @@ def iter_batches(tokenized_shard: str | os.PathLike, batch_tokens: int) -> Itera
     """Second pass: contiguous rows, padded size (rows x longest) within `batch_tokens` (one row at least)."""
     batch: list[list[int]] = []
     longest = 0
-    with open(tokenized_shard, encoding="utf-8") as f:
-        for line in f:
-            rec = json.loads(line)
-            ids = ImageRow(rec, tokenized_shard) if "images" in rec else rec["input_ids"]  # pixels on the backend
-            if batch and (len(batch) + 1) * max(longest, len(ids)) > batch_tokens:
-                yield batch
-                batch, longest = [], 0
-            batch.append(ids)
-            longest = max(longest, len(ids))
+    for rec in tokenized_rows(tokenized_shard):
+        ids = ImageRow(rec, tokenized_shard) if "images" in rec else rec["input_ids"]  # pixels on the backend
+        if batch and (len(batch) + 1) * max(longest, len(ids)) > batch_tokens:
+            yield batch
+            batch, longest = [], 0
+        batch.append(ids)
+        longest = max(longest, len(ids))
     if batch:
         yield batch
 
 
 def shard_bytes(
-    tokens: int, rows: int, num_layers: int, hidden_size: int, dtype: str, storage: str = MODEL_DTYPE
+    tokens: int,
+    rows: int,
+    num_layers: int,
+    hidden_size: int,
+    dtype: str,
+    storage: str = schema_default("extract", "storage"),
 ) -> int:
     """Bytes a shard will take: layer files (FP8: values and per-token scales) + token ids +
     index/manifest (a generous 200 B per row)."""

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3prep.config import schema_default
+
 HIDDEN_STATES = "results/hidden_states"
 VALIDATION = "results/validation"
 FAILED = "results/failed"
@@ -109,7 +111,7 @@ def failed_copies(k: int) -> list[str]:
     return [f"{FAILED}/{n}" for n in sorted(names) if n == f"shard_{k}" or n.startswith(f"shard_{k}.")]
 
 
-def find(shards: Iterable[int], keep_failed: bool = False) -> list[Heal]:
+def find(shards: Iterable[int], keep_failed: bool = schema_default("heal", "keep_failed")) -> list[Heal]:
     """Every shard the same command should redo, with why (see the module docstring)."""
     present = _mtimes(HIDDEN_STATES)
     validated = _mtimes(VALIDATION, ".json")

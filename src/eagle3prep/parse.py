@@ -1,6 +1,8 @@
 """What the Snakefile checks at parse time beyond the schema (config.py): which config is in force (a
---configfile, or the demo's config/config.yaml), a target Snakemake took for a config file, and the model
-folder's tokenizer, loaded as the tokenize job loads it. Each failure is one ConfigError line."""
+--configfile, or the demo's config/config.yaml), a target Snakemake took for a config file, the sources, and the
+model folder (its depth against the layer ids, its vision tower, its tokenizer, loaded as the tokenize job loads
+it). Each failure is one ConfigError line. The checks that need a stage's knowledge live here, not in the config
+layer, which imports no stage."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError
+from .config import ConfigError, check_max_seq_len, layer_ids
+from .layers import default_layer_ids
 from .model_facts import ModelFacts
 
 # What extract loads its weights from (transformers and vLLM read these; *.pt and *.pth are older checkpoints).
@@ -175,3 +178,78 @@ def check_model_files(config: dict[str, Any]) -> None:
             f"config error: model.path = '{path}' holds no weight files ({', '.join(WEIGHT_GLOBS)}); "
             "copy the model's weights into that folder"
         )
+
+
+def check_model(config: dict[str, Any]) -> list[str]:
+    """What the model folder decides, checked when the workflow is parsed, before any job: the folder and its
+    config.json exist, the layer ids fit its depth, max_seq_len its context. Returns notes for the user (one
+    line each). Skipped while the folder does not exist yet and model.build_demo will build it."""
+    path = Path(config["model"]["path"])
+    if not path.is_dir():
+        if config["model"]["build_demo"]:
+            return []
+        raise ConfigError(
+            f"config error: model.path = '{path}': no such folder (cwd: {os.getcwd()}); set model.path to a local "
+            "Hugging Face model folder (or model.build_demo: true to build the demo model there)"
+        )
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"config error: model.path = '{path}' has no config.json; point model.path at the model folder itself "
+            "(config.json, safetensors weights, tokenizer)"
+        )
+    try:
+        n = ModelFacts.read(path).num_hidden_layers
+    except (ValueError, OSError) as e:  # json.JSONDecodeError is a ValueError
+        raise ConfigError(f"config error: model.path = '{path}': cannot read config.json ({e})") from None
+    notes = []
+    if config["layers"]["ids"] is None:
+        ids, formula = default_layer_ids(n), [2, n // 2, n - 3, n]
+        if len(ids) < len(formula):
+            notes.append(
+                f"layers.ids: the default [2, N//2, N-3, N] is {formula} for this N = {n} ({path / 'config.json'}); "
+                f"{len(ids)} distinct ids {ids} are captured, not 4; set layers.ids to choose others"
+            )
+    else:
+        ids = layer_ids(config)  # raises ConfigError in one line
+        if config["export"]["speculators"]:
+            from .shard.shardset import speculators_layer_error
+
+            if error := speculators_layer_error(ids, n, config["layers"]["convention"]):
+                raise ConfigError(f"config error: {error}")
+    check_max_seq_len(config["tokenize"]["max_seq_len"], path)
+    if note := images_note(config, path):
+        notes.append(note)
+    return notes
+
+
+def images_note(config: dict[str, Any], path: Path) -> str | None:
+    """A target whose images tokenize cannot expand (no vision tower, or one not implemented, e.g. Kimi-K2.5's
+    MoonViT): a ConfigError when data.image_root says the run means images, else a note when the target has a
+    vision tower (its image conversations would be quarantined). None otherwise."""
+    image_root = config["data"]["image_root"]
+    model_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    if image_root is None and "vision_config" not in model_config:
+        return None
+    from .tokenization.vision import UNSUPPORTED, images_refusal
+
+    refusal = images_refusal(model_config)
+    if refusal is None:
+        return None
+    if image_root is not None:
+        raise ConfigError(
+            f"config error: data.image_root = '{image_root}' is set, but {refusal} ({path / 'config.json'})"
+        )
+    return (
+        f"model.path: {refusal}: conversations with images will be quarantined ({UNSUPPORTED}); text conversations "
+        "are unaffected"
+    )
+
+
+def config_sources(config: dict[str, Any]) -> list[str]:
+    """data.sources expanded (globs, repeats dropped), or a one-line ConfigError naming the source."""
+    from .prepare import InputError, expand_sources
+
+    try:
+        return expand_sources(config["data"]["sources"])
+    except InputError as e:
+        raise ConfigError(f"config error: {e}") from None

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, model_layer_ids, reference_mode
+from .config import ConfigError, model_layer_ids, reference_mode, schema_default
 from .extract import free_space_probe, shard_bytes
 from .infra.atomic import atomic_open, write_json
 from .infra.disk import human_bytes
@@ -50,10 +50,10 @@ def make_plan(
     hidden_size: int,
     dtype: str,
     hidden_states_dir: str | os.PathLike,
-    tokens_per_s: float | None = None,
-    engine_start_s: float = 60.0,
+    tokens_per_s: float | None = schema_default("plan", "tokens_per_s"),
+    engine_start_s: float = schema_default("plan", "engine_start_s"),
     gpus_per_job: int = 1,
-    storage: str = "model_dtype",
+    storage: str = schema_default("extract", "storage"),
     made_with: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The plan as a JSON-able dict.
@@ -291,7 +291,7 @@ def plan_run(
     storage: str | None,
     plan: dict[str, Any],
     reference: bool | str,
-    windows: list[list[int]] | None = None,
+    windows: list[list[int]] | None = schema_default("validate", "windows"),
     gpus_per_job: int = 1,
 ) -> str:
     """The `plan` rule: plan the extract jobs of these config values (validated), write the plan, return its text.

@@ -11,47 +11,18 @@ Keys that shape the DAG rather than a job's output (regenerate's `workflow`) are
 
 from __future__ import annotations
 
-import copy
-import functools
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any, ClassVar, Self
 
-import yaml
+from .config import load_schema, section_defaults
 
 # A content field added after results existed: left out of the rule's params while at its schema default,
 # because Snakemake compares params as a whole and a new key would re-queue every finished job made before it.
 LATER = {"params": "unless_default"}
 # extract.* keys the schema still accepts so that old configs load, and nothing reads.
 UNUSED = {"extract": frozenset({"staging_dir"})}
-
-
-@functools.cache
-def _schema() -> dict[str, Any]:
-    from .config import SCHEMA
-
-    return yaml.safe_load(Path(SCHEMA).read_text(encoding="utf-8"))
-
-
-def schema_default(section: str, key: str) -> Any:
-    """config/schema.yaml's default of `section`.`key` (a copy: callers may change it)."""
-    return copy.deepcopy(_schema()["properties"][section]["properties"][key]["default"])
-
-
-def section_defaults(section: str, values: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """`values` for config section `section`, checked and completed with the schema's defaults."""
-    import jsonschema
-
-    from .config import ConfigError, _one_line, _with_defaults
-
-    instance = {section: copy.deepcopy(dict(values or {}))}
-    validator = _with_defaults(jsonschema.Draft202012Validator)(_schema())
-    errors = [e for e in validator.iter_errors(instance) if list(e.absolute_path)[:1] == [section]]
-    if errors:
-        raise ConfigError(_one_line(sorted(errors, key=lambda e: list(e.absolute_path))[0]))
-    return instance[section]
 
 
 def _build(cls: type, section: Mapping[str, Any]) -> Any:
@@ -72,7 +43,7 @@ def _build(cls: type, section: Mapping[str, Any]) -> Any:
 def _params(content_cls: type, section: Mapping[str, Any], schema_section: str) -> dict[str, Any]:
     """The keys of `section` that are fields of `content_cls`, in the section's order (Snakemake compares the
     params' repr, so the order a user wrote stays), a LATER field left out at its schema default."""
-    props = _schema()["properties"][schema_section]["properties"]
+    props = load_schema()["properties"][schema_section]["properties"]
     kinds = {f.name: f.metadata for f in fields(content_cls)}
     return {
         k: v for k, v in section.items() if k in kinds and not (kinds[k] == LATER and v == props[k].get("default"))

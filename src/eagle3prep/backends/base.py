@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eagle3prep.config import schema_default
+
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
@@ -52,7 +54,7 @@ class CaptureSpec:
     device: str  # hf backend: "cpu" | "cuda"
     tp_size: int
     max_seq_len: int
-    trust_remote_code: bool = False
+    trust_remote_code: bool = schema_default("model", "trust_remote_code")
 
     @classmethod
     def of(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..infra.atomic import atomic_open, write_json
+from ..shard.tokenized import rows as tokenized_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,14 +29,12 @@ def pick_prompts(tokenized_shard: str | Path, n: int, max_len: int) -> list[Prom
     """The first `n` rows' prompts that are non-empty and at most `max_len` tokens (a reply must fit
     after it in the engine's max_model_len)."""
     out: list[Prompt] = []
-    with open(tokenized_shard, encoding="utf-8") as f:
-        for line in f:
-            r = json.loads(line)
-            first = r["loss_mask"].index(1) if 1 in r["loss_mask"] else 0
-            if 0 < first <= max_len:
-                out.append(Prompt(r["row"], r["input_ids"][:first]))
-                if len(out) == n:
-                    break
+    for r in tokenized_rows(tokenized_shard):
+        first = r["loss_mask"].index(1) if 1 in r["loss_mask"] else 0
+        if 0 < first <= max_len:
+            out.append(Prompt(r["row"], r["input_ids"][:first]))
+            if len(out) == n:
+                break
     return out
 
 

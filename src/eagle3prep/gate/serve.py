@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..config import schema_default
 from ..model_facts import ModelFacts
 from ..settings import RegenerateSettings, Sampling
 from ..vllm_common import registry
@@ -37,7 +38,9 @@ def log(msg: str) -> None:
     print(f"[overfit_gate] {msg}", file=sys.stderr)
 
 
-def eagle3_blocker(model_path: str, trust_remote_code: bool = False) -> str | None:
+def eagle3_blocker(
+    model_path: str, trust_remote_code: bool = schema_default("model", "trust_remote_code")
+) -> str | None:
     """Why vLLM cannot serve this target with an EAGLE-3 draft (None: it can, or it cannot be told
     before an engine starts). Asked of vLLM's model registry before any engine or training, so an
     unsupported target costs seconds. The registry calls are vLLM's own, not a list of ours."""

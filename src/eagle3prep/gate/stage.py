@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..config import schema_default
 from ..errors import UserError
 from ..infra.atomic import write_json
 from ..infra.gpus import claim_job_gpus
@@ -105,7 +106,7 @@ def run_overfit_gate(
     extract: ExtractSettings,
     regenerate: RegenerateSettings,
     chat_template_kwargs: Mapping[str, Any],
-    trust_remote_code: bool = False,
+    trust_remote_code: bool = schema_default("model", "trust_remote_code"),
     threads: int | None = None,
     settings: GateSettings | None = None,
     plant: Callable[[Path], Path] | None = None,

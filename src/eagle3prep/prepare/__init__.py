@@ -44,7 +44,6 @@ from eagle3prep.prepare.normalize import (
 )
 from eagle3prep.prepare.readers import (
     BATCH_ROWS,
-    DEFAULT_MAX_LINE_BYTES,
     PREFIX_BYTES,
     READERS,
     HFDiskReader,
@@ -59,7 +58,6 @@ from eagle3prep.prepare.stage import prepare, quarantine_line
 
 __all__ = [
     "BATCH_ROWS",
-    "DEFAULT_MAX_LINE_BYTES",
     "IMAGE_REASONS",
     "MAX_LISTED_DUPLICATES",
     "MAX_NAMED_FILES",

@@ -23,8 +23,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from eagle3prep.config import schema_default
 from eagle3prep.prepare.errors import InputError, Rejected
-from eagle3prep.settings import schema_default
 
 # What the OpenAI API accepts (PNG, JPEG, WEBP, non-animated GIF): the formats servers and processors agree on.
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
@@ -46,7 +46,9 @@ class ImageOptions:
     def of(cls, params: dict[str, Any]) -> ImageOptions:
         """From the prepare rule's image params (config.image_params: data.image_root and data.max_image_pixels,
         each only when away from its schema default); the schema's defaults for the others."""
-        return cls(params.get("image_root"), int(params.get("max_image_pixels", cls().max_pixels)))
+        return cls(
+            params.get("image_root"), int(params.get("max_image_pixels", schema_default("data", "max_image_pixels")))
+        )
 
     def __post_init__(self):
         """A data.image_root that is not a folder stops prepare in one line: every image under it would be missing."""

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3prep.config import schema_default
 from eagle3prep.prepare.errors import InputError, keys_preview
 
-DEFAULT_MAX_LINE_BYTES = 16 * 1024 * 1024  # config/schema.yaml data.max_line_bytes
 BATCH_ROWS = 1024  # rows per parquet / Arrow batch: bounds memory to one batch, not one file
 PREFIX_BYTES = 1024  # how much of an over-long line is kept in the quarantine record
 
@@ -34,7 +34,7 @@ class JsonlReader:
 
     format = "jsonl"
 
-    def __init__(self, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES):
+    def __init__(self, max_line_bytes: int = schema_default("data", "max_line_bytes")):
         self.max_line_bytes = max_line_bytes
         self.blank_lines = 0
 
@@ -203,7 +203,7 @@ class HFDiskReader:
 READERS = {".jsonl": JsonlReader, ".ndjson": JsonlReader, ".json": JsonReader, ".parquet": ParquetReader}
 
 
-def reader_for(path: str, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES):
+def reader_for(path: str, max_line_bytes: int = schema_default("data", "max_line_bytes")):
     """The reader for one expanded source path (checked before anything is read)."""
     if os.path.isdir(path):
         HFDiskReader.check(path)

@@ -8,13 +8,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from eagle3prep.config import schema_default
 from eagle3prep.infra import faults
 from eagle3prep.infra.atomic import atomic_open, write_json
 from eagle3prep.prepare.counts import MAX_LISTED_DUPLICATES, FileCounts, check_invariant, counts_json
 from eagle3prep.prepare.errors import IMAGE_REASONS, Rejected
 from eagle3prep.prepare.images import ImageOptions
 from eagle3prep.prepare.normalize import conversation_digest, normalize, normalize_tools
-from eagle3prep.prepare.readers import DEFAULT_MAX_LINE_BYTES, RawRecord, expand_sources, reader_for
+from eagle3prep.prepare.readers import RawRecord, expand_sources, reader_for
 from eagle3prep.records import Conversation, Quarantined
 
 
@@ -23,9 +24,9 @@ def prepare(
     out_conversations: str | os.PathLike,
     out_quarantine: str | os.PathLike,
     out_counts: str | os.PathLike,
-    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    max_line_bytes: int = schema_default("data", "max_line_bytes"),
     allow_prompt_only: bool = False,
-    allow_no_user_turn: bool = False,
+    allow_no_user_turn: bool = schema_default("data", "allow_no_user_turn"),
     images: ImageOptions | None = None,
 ) -> dict[str, Any]:
     """Read every source, write conversations / quarantine JSONL and counts JSON; return the counts.
@@ -78,7 +79,7 @@ class _Outputs:
     conv_f: TextIO
     quar_f: TextIO
     allow_prompt_only: bool = False
-    allow_no_user_turn: bool = False
+    allow_no_user_turn: bool = schema_default("data", "allow_no_user_turn")
     images: ImageOptions | None = None
     met_images: bool = False  # a kept image or an image quarantine: counts.json then lists the image counts
     seen: set[bytes] = field(default_factory=set)  # sha256 digests of kept conversations (32 bytes each)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from eagle3prep.config import schema_default
 from eagle3prep.tokenization.template import (
     Rejected,
     get_chat_template,
@@ -37,7 +39,12 @@ class PromptRenderer:
     """The target's tokenizer and chat template: messages -> (prompt text, prompt ids); reply ids -> text.
     `chat_template_kwargs` (tokenize.chat_template_kwargs) go to every render, as tokenize's ChatEncoder gives them."""
 
-    def __init__(self, tokenizer, model_path: str | os.PathLike, chat_template_kwargs: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        model_path: str | os.PathLike,
+        chat_template_kwargs: Mapping[str, Any] = schema_default("tokenize", "chat_template_kwargs"),
+    ):
         self.tokenizer = tokenizer
         self.model_path = str(model_path)
         self.template = get_chat_template(tokenizer, model_path)  # a TokenizeError naming the fix when missing
@@ -48,7 +55,10 @@ class PromptRenderer:
 
     @classmethod
     def load(
-        cls, model_path: str | os.PathLike, trust_remote_code: bool = False, chat_template_kwargs: dict | None = None
+        cls,
+        model_path: str | os.PathLike,
+        trust_remote_code: bool = schema_default("model", "trust_remote_code"),
+        chat_template_kwargs: Mapping[str, Any] = schema_default("tokenize", "chat_template_kwargs"),
     ) -> PromptRenderer:
         return cls(load_tokenizer(model_path, trust_remote_code), model_path, chat_template_kwargs)
 

@@ -6,7 +6,6 @@ workflow's outputs and writes the three files (DESIGN.md §6).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from ..infra import faults
 from ..infra.atomic import atomic_open, sha256_file, write_json
 from ..shard.layout import MANIFEST, TIMINGS
 from ..shard.shardset import ShardSet
+from ..shard.tokenized import rows as tokenized_rows
 from . import data, page, plots, samples
 
 DATASET_FORMAT = "eagle3prep.dataset/1"
@@ -34,13 +34,11 @@ def _row_stats(tokenized: list[str]):
 
     out = []
     for k, path in enumerate(tokenized):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                r = json.loads(line)
-                out.append(
-                    {"shard": k, "seq_len": r["seq_len"], "mask_share": sum(r["loss_mask"]) / max(r["seq_len"], 1),
-                     "images": len(r.get("images", ()))}
-                )  # fmt: skip
+        for r in tokenized_rows(path):
+            out.append(
+                {"shard": k, "seq_len": r["seq_len"], "mask_share": sum(r["loss_mask"]) / max(r["seq_len"], 1),
+                 "images": len(r.get("images", ()))}
+            )  # fmt: skip
     return pd.DataFrame(out, columns=["shard", "seq_len", "mask_share", "images"])
 
 

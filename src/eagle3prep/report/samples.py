@@ -4,10 +4,12 @@ What a practitioner checks before spending GPU-days: does the mask cover the rep
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ..config import schema_default
+from ..shard.tokenized import rows as tokenized_rows
 
 SAMPLE_ROWS = 3  # rows per run, from shards spread over the run
 SAMPLE_MAX_TOKENS = 400  # tokens shown per row; a longer row shows a window from before its first trained token
@@ -47,11 +49,9 @@ def pick_rows(tokenized: list[str], k: int = SAMPLE_ROWS) -> list[tuple[int, dic
         candidates = []
         if not Path(tokenized[shard]).is_file():
             continue
-        with open(tokenized[shard], encoding="utf-8") as f:
-            for _, line in zip(range(SCAN_LINES), f, strict=False):
-                r = json.loads(line)
-                if 0 < sum(r["loss_mask"]) < r["seq_len"] and (shard, r["row"]) not in used:
-                    candidates.append(r)
+        for r in tokenized_rows(tokenized[shard], limit=SCAN_LINES):
+            if 0 < sum(r["loss_mask"]) < r["seq_len"] and (shard, r["row"]) not in used:
+                candidates.append(r)
         if candidates:
             # the first row short enough to show whole, else the shortest one scanned
             r = next((c for c in candidates if c["seq_len"] <= SAMPLE_MAX_TOKENS), None)
@@ -120,7 +120,9 @@ def samples(tokenized: list[str], tokenizer, k: int = SAMPLE_ROWS, max_seq_len: 
     return out
 
 
-def load_tokenizer_or_reason(model_path: str | None, trust_remote_code: bool = False) -> tuple[Any, str]:
+def load_tokenizer_or_reason(
+    model_path: str | None, trust_remote_code: bool = schema_default("model", "trust_remote_code")
+) -> tuple[Any, str]:
     """(tokenizer, "") or (None, why): the samples then show token ids, and the page says why."""
     if not model_path:
         return None, "no model folder given"

@@ -15,6 +15,7 @@ from ..errors import UserError
 from ..records import IndexEntry
 from .fp8 import SCALES_KEY, dequantize_fp8
 from .layout import INDEX, LOGPROBS, TOKEN_IDS
+from .tokenized import rows as tokenized_rows
 
 if TYPE_CHECKING:
     import torch
@@ -32,17 +33,15 @@ def index_of_tokenized(tokenized_shard: str | os.PathLike, backend: str | None =
     """Where each row of a tokenized shard will sit in the layer files (offsets by seq_len). A row with images
     is refused unless `backend` is one that feeds them to the vision encoder (IMAGE_BACKENDS)."""
     index, offset = [], 0
-    with open(tokenized_shard, encoding="utf-8") as f:
-        for line in f:
-            rec = json.loads(line)
-            if "images" in rec and backend not in IMAGE_BACKENDS:  # input_ids alone embed image tokens as text
-                raise UserError(
-                    f"{tokenized_shard}: row {rec['row']} has images; extract.backend {backend} does not feed images "
-                    f"to the vision encoder yet (issue #28 item 3): use extract.backend {' or '.join(IMAGE_BACKENDS)}"
-                    ", or list text-only sources in data.sources"
-                )
-            index.append(IndexEntry(row=rec["row"], id=rec["id"], offset=offset, length=rec["seq_len"]))
-            offset += rec["seq_len"]
+    for rec in tokenized_rows(tokenized_shard):
+        if "images" in rec and backend not in IMAGE_BACKENDS:  # input_ids alone embed image tokens as text
+            raise UserError(
+                f"{tokenized_shard}: row {rec['row']} has images; extract.backend {backend} does not feed images "
+                f"to the vision encoder yet (issue #28 item 3): use extract.backend {' or '.join(IMAGE_BACKENDS)}"
+                ", or list text-only sources in data.sources"
+            )
+        index.append(IndexEntry(row=rec["row"], id=rec["id"], offset=offset, length=rec["seq_len"]))
+        offset += rec["seq_len"]
     return index
 
 

@@ -8,7 +8,6 @@ tokenized file's sha256 recorded at capture time; rows contiguous across shards;
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from ..layers import CONVENTION, to_convention
 from ..records import IndexEntry
 from .manifest import ShardManifest, read_manifest
 from .readers import read_index
+from .tokenized import rows_with_lines as tokenized_rows_with_lines
 
 
 def speculators_layer_error(ids: list[int], n: int, convention: str = CONVENTION) -> str | None:
@@ -75,14 +75,12 @@ class Tokenized:
 def read_tokenized(path: str | os.PathLike, records: bool = False) -> Tokenized:
     """The rows' identities and the file's sha256 (and the parsed records), in one pass over its bytes."""
     refs, kept, digest, pos = [], [], hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        for line in f:
-            digest.update(line)
-            rec = json.loads(line)
-            refs.append(TokenizedRef(rec["row"], rec["id"], rec["seq_len"], pos))
-            if records:
-                kept.append(rec)
-            pos += len(line)
+    for line, rec in tokenized_rows_with_lines(path):
+        digest.update(line)
+        refs.append(TokenizedRef(rec["row"], rec["id"], rec["seq_len"], pos))
+        if records:
+            kept.append(rec)
+        pos += len(line)
     return Tokenized(Path(path), refs, digest.hexdigest(), kept if records else None)
 
 

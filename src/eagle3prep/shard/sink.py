@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..config import schema_default
 from .files import FLUSH_EVERY, PositionalSafetensorsWriter
 from .fp8 import QUANT_CHUNK, quantize_fp8
-from .layout import FP8_E4M3, MODEL_DTYPE, check_storage, layer_tensors
+from .layout import FP8_E4M3, check_storage, layer_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -70,7 +71,9 @@ class SinkSpec:
     tag_prefix: str
     sync_bytes: int = FLUSH_EVERY
     logprob_rows: tuple[int, ...] = ()  # rows whose prompt logprobs the engine also returns (logits check)
-    storage: str = MODEL_DTYPE  # format.STORAGES: the model dtype as it is, or fp8_e4m3 with per-token scales
+    storage: str = schema_default(
+        "extract", "storage"
+    )  # format.STORAGES: the model dtype as it is, or fp8_e4m3 with per-token scales
 
     @property
     def fp8(self) -> bool:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ..config import schema_default
 from ..infra import faults
 from ..infra.atomic import atomic_open, write_json
 from ..infra.disk import disk_full_is_user_error
@@ -27,7 +28,6 @@ from .layout import (
     INDEX,
     LOGPROBS,
     MANIFEST,
-    MODEL_DTYPE,
     TIMINGS,
     TOKEN_IDS,
     check_storage,
@@ -51,7 +51,7 @@ class ShardWriter:
         hidden_size: int,
         dtype: str,
         index: list[IndexEntry],
-        storage: str = MODEL_DTYPE,
+        storage: str = schema_default("extract", "storage"),
     ):
         self.out_dir = Path(out_dir)
         self.storage = check_storage(storage)

@@ -20,6 +20,7 @@ from ..infra.atomic import sha256_file
 from ..shard.layout import MANIFEST, MODEL_DTYPE, layer_file
 from ..shard.manifest import read_manifest
 from ..shard.readers import read_index, read_layer
+from ..shard.tokenized import rows as tokenized_rows
 from .writers import write_layer
 
 MISTAKES = (
@@ -154,8 +155,7 @@ def plant_image(mistake: str, source: Path, out: Path, tokenized_shard: Path, mo
     from ..validate.reference import Reference
 
     manifest = read_manifest(source)
-    with open(tokenized_shard, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f]
+    rows = list(tokenized_rows(tokenized_shard))
     images, ref = RowImages(model_path, tokenized_shard), Reference(model_path)
     wrong = {}  # position in the shard -> (input_ids, image inputs) the capture was given
     for i, row in enumerate(rows):

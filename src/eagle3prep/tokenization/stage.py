@@ -9,11 +9,12 @@ import os
 import sys
 from array import array
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from eagle3prep.config import check_max_seq_len
+from eagle3prep.config import check_max_seq_len, schema_default
 from eagle3prep.infra import faults
 from eagle3prep.infra.atomic import TMP_PREFIX, atomic_open, write_json, write_jsonl
 from eagle3prep.infra.provenance import tokenizer_identity
@@ -32,11 +33,11 @@ def tokenize_conversations(
     token_freq_path: str | os.PathLike,
     quarantine_path: str | os.PathLike,
     max_seq_len: int,
-    template_fallback: bool = True,
-    trust_remote_code: bool = False,
+    template_fallback: bool = schema_default("tokenize", "template_fallback"),
+    trust_remote_code: bool = schema_default("model", "trust_remote_code"),
     batch_size: int = BATCH_SIZE,
-    workers: int = 1,
-    chat_template_kwargs: dict[str, Any] | None = None,
+    workers: int = schema_default("tokenize", "workers"),
+    chat_template_kwargs: Mapping[str, Any] = schema_default("tokenize", "chat_template_kwargs"),
 ) -> dict[str, Any]:
     """Tokenize every conversation with the target's chat template into len(out_shards) contiguous shards.
 
@@ -100,7 +101,7 @@ def _encode_into_shards(conversations_path, out_shards, encoder: ChatEncoder, ma
 
 
 def _load_encoder(
-    model_path, max_seq_len: int, template_fallback: bool, trust_remote_code: bool, chat_template_kwargs=None
+    model_path, max_seq_len: int, template_fallback: bool, trust_remote_code: bool, chat_template_kwargs
 ) -> ChatEncoder:
     """The target's ChatEncoder, after checking max_seq_len against the model's config (an error) and the
     tokenizer's model_max_length (a warning)."""

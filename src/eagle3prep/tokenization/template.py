@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3prep.config import template_kwarg_clash, template_kwargs_error
+from eagle3prep.config import schema_default, template_kwarg_clash, template_kwargs_error
 from eagle3prep.errors import UserError
 from eagle3prep.tokenization.files import missing_tokenizer_files
 
@@ -46,7 +47,9 @@ class ModelNotFoundError(UserError, FileNotFoundError):
     """model.path is not a folder."""
 
 
-def load_tokenizer(model_path: str | os.PathLike, trust_remote_code: bool = False):
+def load_tokenizer(
+    model_path: str | os.PathLike, trust_remote_code: bool = schema_default("model", "trust_remote_code")
+):
     """The target model's tokenizer, from its local folder only (no hub access)."""
     if not Path(model_path).is_dir():
         raise ModelNotFoundError(
@@ -87,7 +90,7 @@ def rust_backend(tokenizer):
     return backend
 
 
-def template_kwargs(tokenizer, kwargs: dict[str, Any] | None, model_path: str | os.PathLike) -> dict[str, Any]:
+def template_kwargs(tokenizer, kwargs: Mapping[str, Any] | None, model_path: str | os.PathLike) -> dict[str, Any]:
     """tokenize.chat_template_kwargs as a new dict, or TokenizeError naming a key the encoder passes the template
     itself: an apply_chat_template argument, or a special token of this tokenizer (some name their own)."""
     kwargs = dict(kwargs or {})
@@ -128,8 +131,8 @@ class ChatEncoder:
         self,
         tokenizer,
         model_path: str | os.PathLike,
-        template_fallback: bool = True,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        template_fallback: bool = schema_default("tokenize", "template_fallback"),
+        chat_template_kwargs: Mapping[str, Any] = schema_default("tokenize", "chat_template_kwargs"),
     ):
         """Set up the template, the Rust tokenizer and the mask source; raise TokenizeError if no mask comes out."""
         self.tokenizer = tokenizer

@@ -178,7 +178,7 @@ def refuse_media_in_text(encoder, convs: list[dict[str, Any]], results: list, ma
 
 def images_refusal(config: dict[str, Any]) -> str | None:
     """Why the target of this config.json cannot take images (one line), None when tokenize can expand them.
-    The parse (config.check_model) and tokenize both ask it."""
+    The parse (parse.check_model) and tokenize both ask it."""
     kind = config.get("model_type")
     if "image_token_id" not in config and "vision_config" not in config:
         return f"the target ({kind}) has no vision tower; list text-only sources, or a vision-language model.path"

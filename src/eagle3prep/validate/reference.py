@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from ..config import schema_default
 from .routing import MarginRecorder, before_layer
 
 
@@ -24,9 +25,9 @@ class Reference:
     def __init__(
         self,
         model_path: str,
-        device: str = "cpu",
+        device: str = schema_default("validate", "device"),
         dtype: str = "float32",
-        trust_remote_code: bool = False,
+        trust_remote_code: bool = schema_default("model", "trust_remote_code"),
         tf32: bool = False,
     ):
         import torch
@@ -97,7 +98,12 @@ class ReferencePair:
     """
 
     def __init__(
-        self, model_path: str, dtype: str, device: str = "cpu", trust_remote_code: bool = False, cache_rows: int = 1
+        self,
+        model_path: str,
+        dtype: str,
+        device: str = schema_default("validate", "device"),
+        trust_remote_code: bool = schema_default("model", "trust_remote_code"),
+        cache_rows: int = 1,
     ):
         self.exact = Reference(model_path, device=device, trust_remote_code=trust_remote_code)
         how = floor_precision(dtype, device)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..check import Checks
-from ..config import reference_mode
+from ..config import reference_mode, schema_default
 from ..errors import UserError
 from ..infra import faults
 from ..infra.atomic import write_json
@@ -40,13 +40,13 @@ def validate_shard(
     tokenized_shard: str,
     out_json: str,
     model_path: str,
-    sample_rows: int | str = "auto",
-    seed: int = 0,
-    device: str = "cpu",
-    reference: bool | str = True,
-    trust_remote_code: bool = False,
+    sample_rows: int | str = schema_default("validate", "sample_rows"),
+    seed: int = schema_default("validate", "seed"),
+    device: str = schema_default("validate", "device"),
+    reference: bool | str = schema_default("validate", "reference"),
+    trust_remote_code: bool = schema_default("model", "trust_remote_code"),
     refs: ReferencePair | None = None,
-    windows: list[list[int]] | None = None,
+    windows: list[list[int]] | None = schema_default("validate", "windows"),
 ) -> dict[str, Any]:
     """Run every check, write the report to `out_json`, raise ValidationError if any failed.
 
