@@ -20,6 +20,7 @@ from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
 from eagle3prep.settings import ExtractSettings
+from eagle3prep.shard.tokenized import rows as tokenized_rows
 from eagle3prep.testing.planted import IMAGE_MISTAKES, MISTAKES, plant, plant_image
 from eagle3prep.testing.tiny_models import FAMILIES, build_family
 from eagle3prep.validate import ValidationError, validate_shard
@@ -187,7 +188,7 @@ def dump_tokens(path: Path, shards: list[Path], tokens: list[Path], refs: Refere
 
     out = {}
     for shard, tok in zip(shards, tokens, strict=True):
-        rows = [json.loads(line) for line in tok.read_text(encoding="utf-8").splitlines()]
+        rows = list(tokenized_rows(tok))
         lids, images = read_manifest(shard).layer_ids, RowImages(model, tok)
         for e, row in zip(read_index(shard), rows, strict=True):
             pixels = images.image_inputs(row) if row.get("images") else None  # as validation recomputes the row
