@@ -45,7 +45,9 @@ from extractbench.disk import disk_write_speed
 from extractbench.phases import PHASES
 from extractbench.report import print_report, print_rounds
 from extractbench.workload import (
+    KIMI_INT4,
     layer_ids,
+    make_kimi_int4_dir,
     make_model_dir,
     make_vl_model_dir,
     shapes,
@@ -68,8 +70,9 @@ def main() -> None:
         "--shape",
         dest="shape_name",
         default="llama-8b",
-        choices=["llama-8b", "kimi-vocab"],
-        help="kimi-vocab: Kimi-K2.5's 163,840-token vocabulary and 7,168 hidden size on 8 Llama layers",
+        choices=["llama-8b", "kimi-vocab", KIMI_INT4],
+        help="kimi-vocab: Kimi-K2.5's 163,840-token vocabulary and 7,168 hidden size on 8 Llama layers; "
+        "kimi-int4: the tiny Kimi-shaped INT4 target (real weights; rows up to its 1,024-token context)",
     )
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--rows", type=int, default=64)
@@ -96,6 +99,10 @@ def main() -> None:
         help="(b)/(f)/(g): extract.logprob_rows (default: the config's, 4 rows a shard whose prompt logprobs vLLM returns)",
     )
     args = ap.parse_args()
+    args.real_weights = args.shape_name == KIMI_INT4
+    if args.real_weights and not args.phase:
+        args.out.mkdir(parents=True, exist_ok=True)
+        make_kimi_int4_dir(args.out)
     args.shape, args.vision = shapes(args)
     if args.rounds < 1:
         ap.error("--rounds: at least 1")
@@ -109,7 +116,7 @@ def main() -> None:
         return
     if args.images:
         write_image_workloads(args, make_vl_model_dir(args.out, args.shape, args.vision, args.max_len))
-    else:
+    elif not args.real_weights:
         make_model_dir(args.out, args.shape, args.max_len)
     size = 4 << 30 if not args.tiny else 64 << 20
     streams = len(layer_ids(args.shape))

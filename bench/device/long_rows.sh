@@ -17,15 +17,8 @@ O=${1:?usage: long_rows.sh OUT}
 mkdir -p "$O"
 . /tmp/site/env.sh
 NEW=$PWD/src:$PWD/bench
-step() {  # name pythonpath command...
-  local name=$1 path=$2; shift 2
-  case " ${STEPS:-$name} " in *" $name "*) ;; *) return ;; esac
-  echo "$(date +%T) start $name" >> "$O/done"
-  { echo "command: PYTHONPATH=$path $*"; PYTHONPATH=$path:${PYTHONPATH:-} "$@"; } > "$O/$name.txt" 2>&1
-  echo "$(date +%T) end $name rc $?" >> "$O/done"
-  rm -rf /tmp/lr-work/"$name"
-}
 W=/tmp/lr-work
+. "$(dirname "$0")/steps.sh"
 step before "$PWD/.old/src:$PWD/bench" python3 bench/bench_extract.py $W/before --phases b --rows 4 --seq 32768 --min-len 20000 --max-len 32768
 step after "$NEW" python3 bench/bench_extract.py $W/after --phases abf --rows 16 --seq 32768 --min-len 16384 --max-len 32768
 step valid_narrow "$NEW" python3 bench/long_rows.py $W/valid --shape narrow --lengths 32768,65536,20000,4096

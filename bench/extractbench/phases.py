@@ -54,7 +54,7 @@ def engine_kwargs(args, model: Path) -> dict:
     cache (IMAGE_ENGINE_ARGS)."""
     kw = dict(
         model=str(model),
-        load_format="dummy",
+        load_format="auto" if args.real_weights else "dummy",
         skip_tokenizer_init=not args.images,
         dtype=args.dtype,
         enable_prefix_caching=False,
@@ -165,7 +165,10 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
             "gpu_memory_utilization": args.gpu_mem,
             "max_num_batched_tokens": args.batched_tokens,
             "enforce_eager": True,
-            "engine_args": {"load_format": "dummy", **(IMAGE_ENGINE_ARGS if args.images else {})},
+            "engine_args": {
+                **({} if args.real_weights else {"load_format": "dummy"}),
+                **(IMAGE_ENGINE_ARGS if args.images else {}),
+            },
             "storage": args.storage,  # fp8_e4m3: half the bytes (extract.storage)
             "batch_tokens": args.batch_tokens,
             # rows whose prompt logprobs vLLM computes and copies back: each syncs the engine's step

@@ -52,9 +52,10 @@ QWEN25_VL_7B_VISION = dict(
 def shapes(args) -> tuple[dict, dict | None]:
     """(the language model's shape, the vision tower's or None) that --tiny and --images ask for."""
     if not args.images:
-        return (
-            TINY if args.tiny else KIMI_VOCAB if getattr(args, "shape_name", "") == "kimi-vocab" else LLAMA_8B
-        ), None
+        name = getattr(args, "shape_name", "")
+        if name == KIMI_INT4:
+            return kimi_int4_shape(args.out / "model"), None
+        return (TINY if args.tiny else KIMI_VOCAB if name == "kimi-vocab" else LLAMA_8B), None
     from eagle3prep.testing.tiny_vl import VISION
 
     return (TINY, VISION) if args.tiny else (QWEN25_VL_7B, QWEN25_VL_7B_VISION)
@@ -86,6 +87,25 @@ def make_vl_model_dir(out: Path, shape: dict, vision: dict, max_len: int) -> Pat
     tokenizer.model_max_length = text["max_position_embeddings"]
     save_processor(d, tokenizer, build_image_processor(QWEN25_VL_SIZE))
     return d
+
+
+# --shape kimi-int4: the tiny Kimi-K2.5-shaped INT4 target of eagle3prep.testing.tiny_kimi, with its real weights
+# (the matrix's kimi_int4 cell): its capture beside its own plain prefill. Rows fit its tokenizer's context.
+KIMI_INT4 = "kimi-int4"
+_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+
+
+def make_kimi_int4_dir(out: Path) -> Path:
+    """OUT/model as the tiny Kimi INT4 target (built once, seed 0)."""
+    from eagle3prep.testing.tiny_kimi import build_tiny_kimi
+
+    d = out / "model"
+    return d if (d / "config.json").exists() else build_tiny_kimi(d, "int4")
+
+
+def kimi_int4_shape(model: Path) -> dict:
+    cfg = json.loads((model / "config.json").read_text())
+    return {k: cfg[k] for k in (*_SHAPE_KEYS, "vocab_size")}
 
 
 def make_model_dir(out: Path, shape: dict, max_len: int) -> Path:

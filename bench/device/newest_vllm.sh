@@ -1,0 +1,48 @@
+#!/bin/bash
+# The newest vLLM (the 0.34.0 payload, README.md here) on the H200 (one GPU), as one background run:
+#   mkdir /tmp/repo && tar --exclude=./.whl --exclude=./docs -cf - . | tar -xf - -C /tmp/repo && cd /tmp/repo
+#   setsid nohup bash bench/device/newest_vllm.sh /tmp/nv > /tmp/nv.log 2>&1 &
+# Each step's printout lands in OUT/<step>.txt (its command line first); OUT/done lists the steps and their rc.
+#   matrix    the validation matrix's vLLM cells, bf16, the path auto picks, five families at once on the shared
+#             GPU: llama, qwen3_moe, deepseek_v3 (MLA), kimi_int4 (INT4 routed experts), qwen2_5_vl (images);
+#             each family's table in OUT/matrix_<family>.txt
+#   workflow  the workflow's GPU rule through snakemake (gpu_validate.py; needs the tools payload): Llama and
+#             the Kimi-shaped INT4 target
+#   regress   the 393k-token uniform and mixed shards (192 x 2048): (a) plain prefill, (f) the built-in path
+#             compiled (auto's path on 0.34 with the default enforce_eager: false)
+#   kimi_int4 the Kimi-shaped INT4 target: (a) its own plain prefill, (f) capture
+#   long64    8B shape, rows of 32k-64k, (a) and (f); kimi64: the kimi-vocab shape, the same rows
+#   valid_kimi  capture and validation (logits check on) of 4k-64k rows on the kimi-vocab shape, a planted mistake
+#   regen_long  the regenerate stage writing replies of up to 30k tokens (8B shape), beside plain generate
+# STEPS="matrix regress" runs only those.
+set -u
+O=${1:?usage: newest_vllm.sh OUT}
+mkdir -p "$O"
+. /tmp/site/env.sh
+[ -f /tmp/tools/env.sh ] && . /tmp/tools/env.sh
+NEW=$PWD/src:$PWD/bench
+W=/tmp/nv-work
+. "$(dirname "$0")/steps.sh"
+matrix() {  # one process per family: each engine with a fixed 2 GiB KV cache (--share-gpu)
+  local f pids=() rc=0
+  for f in llama qwen3_moe deepseek_v3 kimi_int4 qwen2_5_vl; do
+    python3 bench/validation_matrix.py "$W/matrix/$f" --families $f --backends vllm --dtypes bfloat16 \
+      --device cuda --share-gpu > "$O/matrix_$f.txt" 2>&1 &
+    pids+=($!)
+  done
+  for f in "${pids[@]}"; do wait "$f" || rc=1; done
+  return $rc
+}
+workflow() {
+  python3 bench/gpu_validate.py "$W/workflow/llama" --runs 1:auto && \
+    python3 bench/gpu_validate.py "$W/workflow/kimi" --target kimi-int4 --runs 1:auto
+}
+step matrix "$NEW" matrix
+step workflow "$NEW" workflow
+step regress "$NEW" python3 bench/bench_extract.py $W/regress --phases af --rows 192
+step kimi_int4 "$NEW" python3 bench/bench_extract.py $W/kimi_int4 --shape kimi-int4 --phases af --rows 384 --seq 1000 --min-len 100 --max-len 1000
+step long64 "$NEW" python3 bench/bench_extract.py $W/long64 --phases af --rows 4 --seq 65536 --min-len 32768 --max-len 65536
+step kimi64 "$NEW" python3 bench/bench_extract.py $W/kimi64 --shape kimi-vocab --phases af --rows 4 --seq 65536 --min-len 32768 --max-len 65536
+step valid_kimi "$NEW" python3 bench/long_rows.py $W/valid --shape kimi-vocab --lengths 32768,65536,20000,4096
+step regen_long "$NEW" python3 bench/bench_regenerate.py $W/regen --prompts 16 --max-tokens 30000 --max-model-len 32768 --rounds 1
+echo "$(date +%T) all done" >> "$O/done"
