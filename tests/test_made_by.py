@@ -10,12 +10,12 @@ import shutil
 import pytest
 
 from eagle3prep import command, made_by
-from eagle3prep.config import validate_config
 from eagle3prep.parse import config_source_line
+from eagle3prep.settings import Settings
 
 
 def cfg(**over):
-    return validate_config({"data": {"sources": ["mine.jsonl"]}, "model": {"path": "/models/mine"}, **over})
+    return Settings.validated({"data": {"sources": ["mine.jsonl"]}, "model": {"path": "/models/mine"}, **over})
 
 
 def finished(tmp_path, k: int) -> None:

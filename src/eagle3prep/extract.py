@@ -28,7 +28,7 @@ from .infra.gpus import claim_job_gpus
 from .infra.provenance import code_version, model_identity, tokenizer_identity
 from .layers import CONVENTION, check_layer_ids, resolve_layer_ids
 from .model_facts import ModelFacts, require_hidden_size
-from .settings import ExtractSettings
+from .settings import ExtractSettings, LayersSettings
 from .shard.layout import MANIFEST, check_storage, layer_file, token_bytes
 from .shard.manifest import ShardManifest
 from .shard.readers import index_of_tokenized
@@ -90,7 +90,7 @@ def run_extract_job(
     out_dir: str,
     *,
     model_path: str,
-    layers: dict[str, Any],
+    layers: LayersSettings,
     extract: ExtractSettings,
     max_seq_len: int,
     trust_remote_code: bool,
@@ -102,7 +102,7 @@ def run_extract_job(
     spec = CaptureSpec.of(
         extract,
         model_path=model_path,
-        layer_ids=resolve_layer_ids(layers["ids"], layers["convention"], facts.num_hidden_layers),
+        layer_ids=resolve_layer_ids(layers.ids, layers.convention, facts.num_hidden_layers),
         max_seq_len=max_seq_len,
         trust_remote_code=trust_remote_code,
     )
