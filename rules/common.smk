@@ -2,9 +2,9 @@ import os
 import sys
 
 from eagle3prep.config import ConfigError
-from eagle3prep import command, heal, made_by
+from eagle3prep.run import command, heal, made_by
 from eagle3prep.settings import ExtractSettings, RegenerateSettings, Settings
-from eagle3prep.parse import (
+from eagle3prep.run.parse import (
     check_model,
     check_model_files,
     check_target_marker,
@@ -29,7 +29,7 @@ CONFIG_SHOWN = [shown_path(f, os.getcwd()) for f in CONFIGFILES] or [
 ]
 CONFIG_SHOWN += ["--config"] if _overrides else []
 if workflow.is_main_process:
-    # The user's --configfile/--directory, for every command a job or a check suggests (eagle3prep.command).
+    # The user's --configfile/--directory, for every command a job or a check suggests (eagle3prep.run.command).
     _command = command.from_argv(sys.argv)
     command.export(_command)
     _line = config_source_line(
@@ -73,7 +73,7 @@ if workflow.is_main_process and not workflow.dryrun:
 
 
 # Shards that are missing, unfinished, changed after validation or failed it are redone by the same
-# command, each named in one line (eagle3prep.heal; docs/guides/reruns.md). They are forced
+# command, each named in one line (eagle3prep.run.heal; docs/guides/reruns.md). They are forced
 # as with --forcerun. The command line's settings exist only after the Snakefile is parsed, so the check
 # runs just before Snakemake makes its DAG (Workflow._prepare_dag), in the main process, for a run or dry
 # run of the whole workflow.
@@ -86,7 +86,7 @@ if workflow.is_main_process:
 
     def _prepare_dag_healed(*args, **kwargs):
         settings = workflow.dag_settings
-        # Another config's finished shards: refused before any job, in a run and in -n (eagle3prep.made_by).
+        # Another config's finished shards: refused before any job, in a run and in -n (eagle3prep.run.made_by).
         if set(settings.targets) != {"verify"}:
             _error, _note = made_by.check(
                 SETTINGS, CONFIG_SHOWN, demo=not CONFIGFILES, command=_command

@@ -5,7 +5,7 @@ sys.stderr = open(snakemake.log[0], "w", buffering=1)
 os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM workers, tokenizers) log there too
 
 from eagle3prep.errors import one_line_errors
-from eagle3prep.plan import plan_run
+from eagle3prep.run.plan import plan_run
 from eagle3prep.settings import LayersSettings, PlanSettings
 
 with one_line_errors():

@@ -23,8 +23,8 @@ from workflow_helpers import REPO, make_workdir, snakemake
 from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.config import validate_config
 from eagle3prep.errors import UserError
-from eagle3prep.parse import check_model, check_tokenizer, config_sources
 from eagle3prep.prepare import expand_sources, prepare
+from eagle3prep.run.parse import check_model, check_tokenizer, config_sources
 from eagle3prep.settings import Settings
 from eagle3prep.tokenization import tokenize_conversations
 

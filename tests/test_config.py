@@ -3,7 +3,7 @@ import json
 import pytest
 
 from eagle3prep.config import ConfigError, validate_config
-from eagle3prep.parse import (
+from eagle3prep.run.parse import (
     check_model,
     check_target_marker,
     check_tokenizer,
@@ -263,7 +263,7 @@ def test_a_model_folder_without_hidden_size_or_weights_is_refused_at_parse_time(
     """Issue #27 item 3: both passed `-n` and stopped the first extract job, after prepare and tokenize."""
     import shutil
 
-    from eagle3prep.parse import check_model_files
+    from eagle3prep.run.parse import check_model_files
 
     model = tmp_path / "model"
     shutil.copytree(demo_model_dir, model)

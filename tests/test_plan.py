@@ -7,7 +7,7 @@ import pytest
 
 from eagle3prep.config import ConfigError, validate_config
 from eagle3prep.extract import shard_bytes
-from eagle3prep.plan import format_plan, make_plan, min_tokens_per_shard, plan_run
+from eagle3prep.run.plan import format_plan, make_plan, min_tokens_per_shard, plan_run
 from eagle3prep.settings import Settings
 
 SIZES = [{"shard": 0, "rows": 10, "tokens": 3000}, {"shard": 1, "rows": 9, "tokens": 1000}]

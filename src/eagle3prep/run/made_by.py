@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..settings import Settings
 from .command import Command
-from .settings import Settings
 
 RECORD = "results/config.json"
 HIDDEN_STATES = "results/hidden_states"  # as heal.HIDDEN_STATES
@@ -61,7 +61,7 @@ def write_record(settings: Settings, config_files: list[str], path: str | os.Pat
             return False
     except OSError:
         pass
-    from .infra.atomic import atomic_open
+    from ..infra.atomic import atomic_open
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_open(path, "w", encoding="utf-8") as f:

@@ -12,10 +12,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, check_max_seq_len
-from .layers import default_layer_ids
-from .model_facts import ModelFacts
-from .settings import Settings
+from ..config import ConfigError, check_max_seq_len
+from ..layers import default_layer_ids
+from ..model_facts import ModelFacts
+from ..settings import Settings
 
 # What extract loads its weights from (transformers and vLLM read these; *.pt and *.pth are older checkpoints).
 WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -120,7 +120,7 @@ def _tokenizer_key(path: Path, settings: Settings) -> str:
         transformers_version = None
     tok = settings.tokenize
     read = [settings.model.trust_remote_code, tok.template_fallback, dict(tok.chat_template_kwargs)]
-    code = Path(__file__).with_name("tokenization") / "template.py"
+    code = Path(__file__).parents[1] / "tokenization" / "template.py"
     blob = [str(path.resolve()), files, read, transformers_version, code.stat().st_mtime_ns]
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -140,7 +140,7 @@ def check_tokenizer(settings: Settings, stamp: str | os.PathLike | None = TOKENI
                 return
         except OSError:
             pass
-    from .tokenization.template import ChatEncoder, TokenizeError, load_tokenizer
+    from ..tokenization.template import ChatEncoder, TokenizeError, load_tokenizer
 
     tok = settings.tokenize
     try:
@@ -155,7 +155,7 @@ def check_tokenizer(settings: Settings, stamp: str | os.PathLike | None = TOKENI
             "files (tokenizer.json, tokenizer_config.json) into the folder"
         ) from None
     if stamp is not None:
-        from .infra.atomic import atomic_open
+        from ..infra.atomic import atomic_open
 
         Path(stamp).parent.mkdir(parents=True, exist_ok=True)
         with atomic_open(stamp, "w", encoding="utf-8") as f:
@@ -213,7 +213,7 @@ def check_model(settings: Settings) -> list[str]:
     else:
         ids = settings.layer_ids()  # raises ConfigError in one line
         if settings.export.speculators:
-            from .shard.shardset import speculators_layer_error
+            from ..shard.shardset import speculators_layer_error
 
             if error := speculators_layer_error(ids, n, settings.layers.convention):
                 raise ConfigError(f"config error: {error}")
@@ -231,7 +231,7 @@ def images_note(settings: Settings, path: Path) -> str | None:
     model_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     if image_root is None and "vision_config" not in model_config:
         return None
-    from .tokenization.vision import UNSUPPORTED, images_refusal
+    from ..tokenization.vision import UNSUPPORTED, images_refusal
 
     refusal = images_refusal(model_config)
     if refusal is None:
@@ -248,7 +248,7 @@ def images_note(settings: Settings, path: Path) -> str | None:
 
 def config_sources(settings: Settings) -> list[str]:
     """data.sources expanded (globs, repeats dropped), or a one-line ConfigError naming the source."""
-    from .prepare import InputError, expand_sources
+    from ..prepare import InputError, expand_sources
 
     try:
         return expand_sources(list(settings.data.sources))

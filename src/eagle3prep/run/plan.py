@@ -16,13 +16,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, model_layer_ids, reference_mode, schema_default
-from .extract import free_space_probe, shard_bytes
-from .infra.atomic import atomic_open, write_json
-from .infra.disk import human_bytes
-from .model_facts import ModelFacts, require_hidden_size
-from .settings import LayersSettings, PlanSettings
-from .shard.layout import MANIFEST
+from ..config import ConfigError, model_layer_ids, reference_mode, schema_default
+from ..extract import free_space_probe, shard_bytes
+from ..infra.atomic import atomic_open, write_json
+from ..infra.disk import human_bytes
+from ..model_facts import ModelFacts, require_hidden_size
+from ..settings import LayersSettings, PlanSettings
+from ..shard.layout import MANIFEST
 
 START_SHARE = 0.05  # engine start-up should stay under this share of a shard's job time
 TIMES = ("job_hours_total", "job_hours_left", "gpu_hours_left", "start_share_worst", "recommended")
@@ -330,7 +330,7 @@ def plan_run(
 def validation_memory(model_path: str, ids: list[int], windows: list[list[int]] | None) -> dict[str, Any] | None:
     """What validate.reference scalable loads, from the model's config.json shapes: the logits check
     (final norm + lm_head) and the largest window (its layers at bf16); None when the shapes cannot be read."""
-    from .validate.scalable import check_memory
+    from ..validate.scalable import check_memory
 
     windows = windows or ([ids[-2:]] if len(ids) >= 2 else [])
     try:
