@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, ClassVar, Self
 
 from .config import (
@@ -215,7 +216,7 @@ class DataSettings(_Section):
     """Where the conversations come from and what prepare accepts (config `data:`)."""
 
     SECTION: ClassVar[str] = "data"
-    sources: Sequence[str]  # files or globs as written; ops.parse.config_sources expands them
+    sources: Sequence[str]  # files or globs as written; run.parse.config_sources expands them
     max_line_bytes: int
     allow_no_user_turn: bool
     image_root: str | None
@@ -335,7 +336,7 @@ class Settings:
     plan: PlanSettings
     heal: HealSettings
     regenerate: RegenerateSettings
-    replace_results: bool  # a run may replace another config's finished shards (ops.made_by)
+    replace_results: bool  # a run may replace another config's finished shards (run.made_by)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Settings:
@@ -344,7 +345,7 @@ class Settings:
         return cls(**parts, **{k: config[k] for k in TOP_LEVEL})
 
     @classmethod
-    def validated(cls, config: dict[str, Any], schema_path: Any = SCHEMA) -> Settings:
+    def validated(cls, config: dict[str, Any], schema_path: str | Path = SCHEMA) -> Settings:
         """`config` validated in place (validate_config: defaults filled in, one-line ConfigError), then typed."""
         return cls.from_config(validate_config(config, schema_path))
 
