@@ -6,7 +6,7 @@ import sys
 from snakemake.utils import min_version
 
 from eagle3prep.config import ConfigError
-from eagle3prep.parse import cli_configfiles, demo_config_error
+from eagle3prep.run.parse import cli_configfiles, demo_config_error
 
 min_version("9.0")
 

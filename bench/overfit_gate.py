@@ -75,12 +75,12 @@ def run_case(case: str, tokenized: Path, model: Path, out: Path, dtype: str) -> 
     from eagle3prep.gate.stage import run_overfit_gate
     from eagle3prep.layers import default_layer_ids
     from eagle3prep.model_facts import ModelFacts
-    from eagle3prep.settings import ExtractSettings, RegenerateSettings
+    from eagle3prep.settings import ExtractSettings, LayersSettings, RegenerateSettings
 
     n = ModelFacts.read(str(model)).num_hidden_layers
     ids = sorted(set(default_layer_ids(n)))
     # A planted case captures every id, so that plant() can borrow id k +/- 1, and keeps the run's ids.
-    layers = {"ids": ids if case == "correct" else list(range(n + 1)), "convention": "input_of_layer"}
+    layers = LayersSettings.defaults(ids=ids if case == "correct" else list(range(n + 1)))
     extract = ExtractSettings.defaults(
         backend="hf", device="cpu", dtype=dtype, batch_tokens=4096, tp_size=1, threads=2
     )

@@ -1,16 +1,10 @@
 import os
 import sys
 
-from eagle3prep.config import (
-    ConfigError,
-    image_params,
-    reference_mode,
-    template_kwargs_params,
-    validate_config,
-)
-from eagle3prep import command, heal, made_by
-from eagle3prep.settings import ExtractSettings, RegenerateSettings
-from eagle3prep.parse import (
+from eagle3prep.config import ConfigError
+from eagle3prep.run import command, heal, made_by
+from eagle3prep.settings import ExtractSettings, RegenerateSettings, Settings
+from eagle3prep.run.parse import (
     check_model,
     check_model_files,
     check_target_marker,
@@ -35,7 +29,7 @@ CONFIG_SHOWN = [shown_path(f, os.getcwd()) for f in CONFIGFILES] or [
 ]
 CONFIG_SHOWN += ["--config"] if _overrides else []
 if workflow.is_main_process:
-    # The user's --configfile/--directory, for every command a job or a check suggests (eagle3prep.command).
+    # The user's --configfile/--directory, for every command a job or a check suggests (eagle3prep.run.command).
     _command = command.from_argv(sys.argv)
     command.export(_command)
     _line = config_source_line(
@@ -44,21 +38,23 @@ if workflow.is_main_process:
     print(f"eagle3prep: {_line}", file=sys.stderr)
 try:
     check_target_marker(config, CONFIGFILES, os.getcwd())
-    validate_config(config, workflow.source_path("../config/schema.yaml"))
-    SOURCES = config_sources(config)
+    # The config as typed settings, built once; rules read SETTINGS, and pass `config` only where its
+    # mapping is the params (Snakemake compares their repr, so the user's key order stays).
+    SETTINGS = Settings.validated(config, workflow.source_path("../config/schema.yaml"))
+    SOURCES = config_sources(SETTINGS)
     # Whatever the model folder decides (layer ids, max_seq_len, the tokenizer) fails here, before any job.
-    MODEL_NOTES = check_model(config)
-    check_model_files(config)
+    MODEL_NOTES = check_model(SETTINGS)
+    check_model_files(SETTINGS)
     if workflow.is_main_process:  # loads the tokenizer: once, not in every spawned job
-        check_tokenizer(config)
+        check_tokenizer(SETTINGS)
 except ConfigError as e:
     sys.exit(str(e))
 if workflow.is_main_process:
     for _note in MODEL_NOTES:
         print(f"eagle3prep: note: {_note}", file=sys.stderr)
 
-SHARDS = list(range(config["tokenize"]["num_shards"]))
-MODEL = config["model"]["path"]
+SHARDS = list(range(SETTINGS.tokenize.num_shards))
+MODEL = SETTINGS.model.path
 # The tokenize job's output is this one folder, not one output per shard: Snakemake's DAG work
 # grows with (outputs of a job) x (jobs using them), so N declared outputs made `-n` quadratic.
 TOKENIZED = "results/tokenized"
@@ -77,7 +73,7 @@ if workflow.is_main_process and not workflow.dryrun:
 
 
 # Shards that are missing, unfinished, changed after validation or failed it are redone by the same
-# command, each named in one line (eagle3prep.heal; docs/guides/reruns.md). They are forced
+# command, each named in one line (eagle3prep.run.heal; docs/guides/reruns.md). They are forced
 # as with --forcerun. The command line's settings exist only after the Snakefile is parsed, so the check
 # runs just before Snakemake makes its DAG (Workflow._prepare_dag), in the main process, for a run or dry
 # run of the whole workflow.
@@ -90,10 +86,10 @@ if workflow.is_main_process:
 
     def _prepare_dag_healed(*args, **kwargs):
         settings = workflow.dag_settings
-        # Another config's finished shards: refused before any job, in a run and in -n (eagle3prep.made_by).
+        # Another config's finished shards: refused before any job, in a run and in -n (eagle3prep.run.made_by).
         if set(settings.targets) != {"verify"}:
             _error, _note = made_by.check(
-                config, CONFIG_SHOWN, demo=not CONFIGFILES, command=_command
+                SETTINGS, CONFIG_SHOWN, demo=not CONFIGFILES, command=_command
             )
             if _error:
                 sys.exit(_error)
@@ -101,9 +97,9 @@ if workflow.is_main_process:
                 print(f"eagle3prep: {_note}", file=sys.stderr)
             # Before the DAG, since onstart does not run when there is nothing to do; -n writes nothing.
             if not workflow.dryrun:
-                made_by.write_record(config, CONFIG_SHOWN)
+                made_by.write_record(SETTINGS, CONFIG_SHOWN)
         if not workflow.touch and set(settings.targets) <= {"all"}:
-            HEALS[:] = heal.find(SHARDS, config["heal"]["keep_failed"])
+            HEALS[:] = heal.find(SHARDS, SETTINGS.heal.keep_failed)
             for line in heal.summary(HEALS):
                 print(f"eagle3prep: {line}", file=sys.stderr)
             forced = {h.force for h in HEALS if h.force}
@@ -130,8 +126,8 @@ def get_model(wildcards=None):
 
 
 def get_template_kwargs_params(wildcards=None):
-    """tokenize.chat_template_kwargs as params, none at its default {} (config.template_kwargs_params)."""
-    return template_kwargs_params(config["tokenize"])
+    """tokenize.chat_template_kwargs as params, none at its default {} (TokenizeSettings.template_kwargs_params)."""
+    return SETTINGS.tokenize.template_kwargs_params()
 
 
 def get_tokenized_shard(wildcards):
@@ -147,27 +143,23 @@ def get_extract_env():
     """The extract rule's conda env: the GPU one (vLLM) for the vllm backend."""
     return (
         "../envs/gpu.yaml"
-        if config["extract"]["backend"] == "vllm"
+        if SETTINGS.extract.content.backend == "vllm"
         else "../envs/cpu.yaml"
     )
 
 
 def get_gpus(wildcards=None):
     """GPUs one extract job holds: tp_size for vLLM, 1 for hf on cuda, 0 on CPU."""
-    ex = config["extract"]
-    if ex["backend"] == "vllm":
-        return ex["tp_size"]
-    return 1 if ex["device"] == "cuda" else 0
+    ex = SETTINGS.extract.content
+    if ex.backend == "vllm":
+        return ex.tp_size
+    return 1 if ex.device == "cuda" else 0
 
 
 def get_validate_gpus(wildcards=None):
     """GPUs one validate job holds: 1 when its reference runs on cuda."""
-    v = config["validate"]
-    return (
-        1
-        if reference_mode(v["reference"]) == "full" and v["device"].startswith("cuda")
-        else 0
-    )
+    v = SETTINGS.validate
+    return 1 if v.reference_mode == "full" and v.device.startswith("cuda") else 0
 
 
 def get_extract_data_params(wildcards=None):
@@ -185,7 +177,7 @@ def get_final_output():
         "results/report/summary.csv",
         "results/report/dataset_manifest.json",
     ]
-    if config["export"]["speculators"]:
+    if SETTINGS.export.speculators:
         out.append("results/export/speculators")
     return out
 
@@ -194,7 +186,7 @@ def get_final_output():
 # Off, the rules get what they had before the stage existed: same inputs, params and script lines (a script
 # rule's `script:` line is its recorded code), so the DAG and the outputs are unchanged and no finished job of
 # an existing results/ folder is re-queued.
-REGEN = RegenerateSettings.from_config(config)
+REGEN = SETTINGS.regenerate
 REGEN_SHARDS = list(range(REGEN.workflow.num_shards))
 REGEN_PROMPTS = "results/regenerate/prompts"
 # The conversations tokenize reads (and the counts the report starts from).

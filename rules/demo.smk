@@ -1,4 +1,4 @@
-if config["model"]["build_demo"]:
+if SETTINGS.model.build_demo:
 
     # A tiny random Llama and a BPE tokenizer trained on shipped text: the offline demo target.
     rule build_demo_model:

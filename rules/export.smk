@@ -16,6 +16,6 @@ rule export_speculators:
         "../envs/cpu.yaml"
     params:
         tokens=get_tokenized_shards(),
-        hidden_states=config["export"]["hidden_states"],
+        hidden_states=SETTINGS.export.hidden_states,
     script:
         "../scripts/export.py"

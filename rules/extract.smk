@@ -13,7 +13,7 @@ rule extract_hidden_states:
         "benchmarks/extract/shard_{k}.tsv"
     conda:
         get_extract_env()
-    threads: config["extract"]["threads"]
+    threads: SETTINGS.extract.speed.threads
     resources:
         gpus=get_gpus(),
         gpu=get_gpus(),
@@ -21,7 +21,7 @@ rule extract_hidden_states:
         tokens=get_tokenized_shard,
         extract=get_extract_data_params(),
         layers=config["layers"],
-        max_seq_len=config["tokenize"]["max_seq_len"],
-        trust_remote_code=config["model"]["trust_remote_code"],
+        max_seq_len=SETTINGS.tokenize.max_seq_len,
+        trust_remote_code=SETTINGS.model.trust_remote_code,
     script:
         "../scripts/extract.py"

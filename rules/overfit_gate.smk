@@ -2,7 +2,7 @@
 # shard 0, served by vLLM on them, must accept nearly every drafted token (DESIGN.md §6a). After shard 0's
 # validation; the other shards do not wait for it (an edge into extract would re-queue every finished
 # shard whenever the gate is turned on or off): `snakemake overfit_gate` runs it, and what it needs, first.
-if config["validate"]["overfit_gate"]:
+if SETTINGS.validate.overfit_gate:
 
     rule overfit_gate:
         input:
@@ -20,7 +20,7 @@ if config["validate"]["overfit_gate"]:
         priority: 10
         conda:
             "../envs/gpu.yaml"
-        threads: config["extract"]["threads"]
+        threads: SETTINGS.extract.speed.threads
         # its engines' tensor-parallel size, or the capture's when larger (gate.stage.job_gpus)
         resources:
             gpus=max(get_regen_gpus(), get_gpus()),
@@ -32,7 +32,7 @@ if config["validate"]["overfit_gate"]:
             extract=get_extract_data_params(),
             # the engine settings of the regenerate stage (used whether or not it is enabled)
             regenerate=get_regen_data_params(),
-            trust_remote_code=config["model"]["trust_remote_code"],
+            trust_remote_code=SETTINGS.model.trust_remote_code,
         script:
             "../scripts/overfit_gate.py"
 

@@ -15,11 +15,11 @@ rule plan:
         stats=f"{TOKENIZED}/stats.json",
         hidden_states="results/hidden_states",
         layers=config["layers"],
-        dtype=config["extract"]["dtype"],
-        storage=config["extract"]["storage"],
+        dtype=SETTINGS.extract.content.dtype,
+        storage=SETTINGS.extract.content.storage,
         plan=config["plan"],
-        reference=config["validate"]["reference"],
-        windows=config["validate"]["windows"],
+        reference=SETTINGS.validate.reference,
+        windows=SETTINGS.validate.windows,
         gpus=get_gpus(),
     script:
         "../scripts/plan.py"

@@ -15,10 +15,10 @@ rule prepare:
     params:
         # data.allow_no_user_turn only when true: a key added after runs existed, so a run made before it is
         # not re-queued (settings.LATER says why)
-        **({"allow_no_user_turn": True} if config["data"]["allow_no_user_turn"] else {}),
+        **({"allow_no_user_turn": True} if SETTINGS.data.allow_no_user_turn else {}),
         # the image keys likewise only when set, away from their defaults (issue #28)
-        **image_params(config["data"]),
-        sources=config["data"]["sources"],
-        max_line_bytes=config["data"]["max_line_bytes"],
+        **SETTINGS.data.image_params(),
+        sources=SETTINGS.data.sources,
+        max_line_bytes=SETTINGS.data.max_line_bytes,
     script:
         "../scripts/prepare.py"

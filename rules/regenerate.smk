@@ -20,8 +20,8 @@ if REGEN.workflow.enabled:
         conda:
             "../envs/cpu.yaml"
         params:
-            sources=config["data"]["sources"],
-            max_line_bytes=config["data"]["max_line_bytes"],
+            sources=SETTINGS.data.sources,
+            max_line_bytes=SETTINGS.data.max_line_bytes,
             allow_prompt_only=True,
         script:
             "../scripts/prepare_prompt_only.py"
@@ -67,8 +67,8 @@ if REGEN.workflow.enabled:
             prompts=get_regen_prompt_shard,
             regenerate=get_regen_data_params(),
             # the default of regenerate.max_model_len: tokenize cuts rows there
-            max_seq_len=config["tokenize"]["max_seq_len"],
-            trust_remote_code=config["model"]["trust_remote_code"],
+            max_seq_len=SETTINGS.tokenize.max_seq_len,
+            trust_remote_code=SETTINGS.model.trust_remote_code,
         script:
             "../scripts/regenerate.py"
 

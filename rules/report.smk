@@ -14,9 +14,7 @@ rule report:
         # its tokenizer renders the report's sample rows
         model=get_model(),
         # The speculators export when requested: the report then waits for it and records it.
-        export=(
-            ["results/export/speculators"] if config["export"]["speculators"] else []
-        ),
+        export=(["results/export/speculators"] if SETTINGS.export.speculators else []),
     output:
         html=report(
             "results/report/report.html",

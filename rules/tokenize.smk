@@ -17,13 +17,13 @@ rule tokenize:
     conda:
         "../envs/cpu.yaml"
     # Worker processes that render the chat template (capped by --cores).
-    threads: config["tokenize"]["workers"]
+    threads: SETTINGS.tokenize.workers
     params:
         # tokenize.chat_template_kwargs, when set: a template change, it re-runs the job
         **get_template_kwargs_params(),
         shards=get_tokenized_shards(),
-        max_seq_len=config["tokenize"]["max_seq_len"],
-        template_fallback=config["tokenize"]["template_fallback"],
-        trust_remote_code=config["model"]["trust_remote_code"],
+        max_seq_len=SETTINGS.tokenize.max_seq_len,
+        template_fallback=SETTINGS.tokenize.template_fallback,
+        trust_remote_code=SETTINGS.model.trust_remote_code,
     script:
         "../scripts/tokenize.py"

@@ -25,7 +25,7 @@ rule validate_shard:
         tokens=get_tokenized_shard,
         # without overfit_gate (its own rule's): the key must not re-queue every shard's validation
         validate={k: v for k, v in config["validate"].items() if k != "overfit_gate"},
-        trust_remote_code=config["model"]["trust_remote_code"],
+        trust_remote_code=SETTINGS.model.trust_remote_code,
     script:
         "../scripts/validate_shard.py"
 

@@ -11,14 +11,14 @@ if __name__ == "__main__":
 
     from eagle3prep.errors import one_line_errors
     from eagle3prep.extract import run_extract_job
-    from eagle3prep.settings import ExtractSettings
+    from eagle3prep.settings import ExtractSettings, LayersSettings
 
     with one_line_errors():
         run_extract_job(
             snakemake.params.tokens,
             snakemake.output[0],
             model_path=snakemake.input.model,
-            layers=snakemake.params.layers,
+            layers=LayersSettings.of(snakemake.params.layers),
             # from the config as it is now: params.extract is only the rerun trigger (settings.py says why)
             extract=ExtractSettings.from_config(snakemake.config),
             max_seq_len=snakemake.params.max_seq_len,

@@ -10,7 +10,7 @@ if __name__ == "__main__":
 
     from eagle3prep.errors import one_line_errors
     from eagle3prep.gate.stage import run_overfit_gate
-    from eagle3prep.settings import ExtractSettings, RegenerateSettings
+    from eagle3prep.settings import ExtractSettings, LayersSettings, RegenerateSettings, TokenizeSettings
 
     with one_line_errors():
         run_overfit_gate(
@@ -18,10 +18,10 @@ if __name__ == "__main__":
             snakemake.output[0],
             snakemake.params.work,
             model_path=snakemake.input.model,
-            layers=snakemake.params.layers,
+            layers=LayersSettings.of(snakemake.params.layers),
             extract=ExtractSettings.from_config(snakemake.config),
             regenerate=RegenerateSettings.from_config(snakemake.config),
-            chat_template_kwargs=snakemake.config["tokenize"]["chat_template_kwargs"],
+            chat_template_kwargs=TokenizeSettings.from_config(snakemake.config).chat_template_kwargs,
             trust_remote_code=snakemake.params.trust_remote_code,
             threads=snakemake.threads,
         )

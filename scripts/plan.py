@@ -5,7 +5,8 @@ sys.stderr = open(snakemake.log[0], "w", buffering=1)
 os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM workers, tokenizers) log there too
 
 from eagle3prep.errors import one_line_errors
-from eagle3prep.plan import plan_run
+from eagle3prep.run.plan import plan_run
+from eagle3prep.settings import LayersSettings, PlanSettings
 
 with one_line_errors():
     text = plan_run(
@@ -14,10 +15,10 @@ with one_line_errors():
         snakemake.output.json,
         snakemake.output.txt,
         model_path=snakemake.input.model,
-        layers=snakemake.params.layers,
+        layers=LayersSettings.of(snakemake.params.layers),
         dtype=snakemake.params.dtype,
         storage=snakemake.params.storage,
-        plan=snakemake.params.plan,
+        plan=PlanSettings.of(snakemake.params.plan),
         reference=snakemake.params.reference,
         windows=snakemake.params.windows,
         gpus_per_job=snakemake.params.gpus,

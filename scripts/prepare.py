@@ -4,10 +4,10 @@ import sys
 sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: SIM115 (the log stays open for the job)
 os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM workers, tokenizers) log there too
 
-from eagle3prep.config import IMAGE_KEYS
 from eagle3prep.errors import one_line_errors
 from eagle3prep.prepare import prepare, summarize
 from eagle3prep.prepare.images import ImageOptions
+from eagle3prep.settings import IMAGE_KEYS
 
 with one_line_errors():
     counts = prepare(

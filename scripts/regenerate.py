@@ -10,7 +10,7 @@ if __name__ == "__main__":
 
     from eagle3prep.errors import one_line_errors
     from eagle3prep.regenerate import run_regenerate_job
-    from eagle3prep.settings import RegenerateSettings
+    from eagle3prep.settings import RegenerateSettings, TokenizeSettings
 
     with one_line_errors():
         # Settings from the config as it is now (the params only trigger reruns, RegenerateSettings.params),
@@ -20,7 +20,7 @@ if __name__ == "__main__":
             snakemake.output[0],
             model_path=snakemake.input.model,
             settings=RegenerateSettings.from_config(snakemake.config),
-            chat_template_kwargs=snakemake.config["tokenize"]["chat_template_kwargs"],
+            chat_template_kwargs=TokenizeSettings.from_config(snakemake.config).chat_template_kwargs,
             trust_remote_code=snakemake.params.trust_remote_code,
             shard=int(snakemake.wildcards.k),
             max_seq_len=snakemake.params.max_seq_len,

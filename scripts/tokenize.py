@@ -22,7 +22,7 @@ with one_line_errors():
         template_fallback=snakemake.params.template_fallback,
         trust_remote_code=snakemake.params.trust_remote_code,
         workers=snakemake.threads,
-        # a param only when set (config.template_kwargs_params)
+        # a param only when set (TokenizeSettings.template_kwargs_params)
         chat_template_kwargs=snakemake.params.get(
             "chat_template_kwargs", schema_default("tokenize", "chat_template_kwargs")
         ),

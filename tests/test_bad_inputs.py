@@ -21,11 +21,11 @@ import yaml
 from workflow_helpers import REPO, make_workdir, snakemake
 
 from eagle3prep.backends.base import CaptureSpec
-from eagle3prep.config import layer_ids, validate_config
+from eagle3prep.config import validate_config
 from eagle3prep.errors import UserError
-from eagle3prep.parse import check_model, check_tokenizer, config_sources
 from eagle3prep.prepare import expand_sources, prepare
-from eagle3prep.settings import ExtractSettings
+from eagle3prep.run.parse import check_model, check_tokenizer, config_sources
+from eagle3prep.settings import Settings
 from eagle3prep.tokenization import tokenize_conversations
 
 BAD = Path(__file__).parent / "data" / "bad"
@@ -219,13 +219,13 @@ def check_config(case: dict, tmp_path: Path, request) -> None:
     config.json decides, then its tokenizer (as the tokenize job loads it); the extract job's spec last."""
     model = str(request.getfixturevalue("model_variants")[case.get("model", "demo")])
     base = {"data": {"sources": [GOOD_SOURCE]}, "model": {"path": model}, "tokenize": {"max_seq_len": 128}}
-    config = validate_config(merged(base, case.get("config", {})))
-    config_sources(config)
-    check_model(config)
-    check_tokenizer(config, stamp=None)
+    settings = Settings.validated(merged(base, case.get("config", {})))
+    config_sources(settings)
+    check_model(settings)
+    check_tokenizer(settings, stamp=None)
     CaptureSpec.of(  # what the extract job builds from the settings: refuses what the settings cannot capture
-        ExtractSettings.from_config(config), model_path=model, layer_ids=layer_ids(config),
-        max_seq_len=config["tokenize"]["max_seq_len"], trust_remote_code=config["model"]["trust_remote_code"],
+        settings.extract, model_path=model, layer_ids=settings.layer_ids(),
+        max_seq_len=settings.tokenize.max_seq_len, trust_remote_code=settings.model.trust_remote_code,
     )  # fmt: skip
 
 

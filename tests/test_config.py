@@ -3,7 +3,7 @@ import json
 import pytest
 
 from eagle3prep.config import ConfigError, validate_config
-from eagle3prep.parse import (
+from eagle3prep.run.parse import (
     check_model,
     check_target_marker,
     check_tokenizer,
@@ -12,6 +12,7 @@ from eagle3prep.parse import (
     config_sources,
     demo_config_error,
 )
+from eagle3prep.settings import Settings
 
 
 def base(**over):
@@ -71,9 +72,9 @@ def test_layer_ids_are_checked_against_the_text_config_at_parse_time(tmp_path):
     path = model_folder(
         tmp_path, {"model_type": "qwen2_5_vl", "text_config": {"num_hidden_layers": 61}, "vision_config": {}}
     )
-    assert check_model(validate_config(base(model={"path": path}, layers={"ids": [2, 30, 58, 61]}))) == []
+    assert check_model(Settings.validated(base(model={"path": path}, layers={"ids": [2, 30, 58, 61]}))) == []
     with pytest.raises(ConfigError, match=r"^config error: layers.ids = \[2, 4, 99\] has ids \[99\] outside 0..61"):
-        check_model(validate_config(base(model={"path": path}, layers={"ids": [2, 4, 99]})))
+        check_model(Settings.validated(base(model={"path": path}, layers={"ids": [2, 4, 99]})))
 
 
 KIMI = {
@@ -87,45 +88,47 @@ def test_a_target_whose_images_tokenize_cannot_expand_is_named_at_parse_time(tmp
     # Kimi-K2.5's vision tower (MoonViT, remote code): tokenize cannot expand its images (issue #28 item 5).
     (tmp_path / "kimi").mkdir(), (tmp_path / "text").mkdir()
     kimi = model_folder(tmp_path / "kimi", KIMI)
-    (note,) = check_model(validate_config(base(model={"path": kimi}, layers={"ids": [2, 30, 58, 61]})))
+    (note,) = check_model(Settings.validated(base(model={"path": kimi}, layers={"ids": [2, 30, 58, 61]})))
     assert note.startswith("model.path: tokenizing images for model_type 'kimi_k25' is not implemented")
     assert "quarantined (images_unsupported_by_target)" in note and "\n" not in note
     # data.image_root says the run means images: refused before any job, in one line.
     images = {"sources": ["x.jsonl"], "image_root": "imgs"}
     with pytest.raises(ConfigError, match=r"^config error: data.image_root = 'imgs' is set, but tokenizing images"):
-        check_model(validate_config(base(model={"path": kimi}, layers={"ids": [2, 30, 58, 61]}, data=images)))
+        check_model(Settings.validated(base(model={"path": kimi}, layers={"ids": [2, 30, 58, 61]}, data=images)))
     text = model_folder(tmp_path / "text", {"num_hidden_layers": 8})
-    assert check_model(validate_config(base(model={"path": text}, layers={"ids": [2, 4, 8]}))) == []
+    assert check_model(Settings.validated(base(model={"path": text}, layers={"ids": [2, 4, 8]}))) == []
     with pytest.raises(ConfigError, match=r"is set, but the target \(None\) has no vision tower") as e:
-        check_model(validate_config(base(model={"path": text}, layers={"ids": [2, 4, 8]}, data=images)))
+        check_model(Settings.validated(base(model={"path": text}, layers={"ids": [2, 4, 8]}, data=images)))
     assert "\n" not in str(e.value)
 
 
 def test_a_missing_model_folder_is_an_error_unless_the_demo_builds_it(tmp_path):
     with pytest.raises(ConfigError, match="model.path = '.*nope': no such folder"):
-        check_model(validate_config(base(model={"path": str(tmp_path / "nope")})))
-    assert check_model(validate_config(base(model={"path": str(tmp_path / "nope"), "build_demo": True}))) == []
+        check_model(Settings.validated(base(model={"path": str(tmp_path / "nope")})))
+    assert check_model(Settings.validated(base(model={"path": str(tmp_path / "nope"), "build_demo": True}))) == []
     with pytest.raises(ConfigError, match="has no config.json"):
-        check_model(validate_config(base(model={"path": str(tmp_path)})))
+        check_model(Settings.validated(base(model={"path": str(tmp_path)})))
 
 
 def test_default_layer_ids_that_collapse_on_a_small_model_are_named_in_one_line(tmp_path):
     path = model_folder(tmp_path, {"num_hidden_layers": 6})
-    notes = check_model(validate_config(base(model={"path": path})))
+    notes = check_model(Settings.validated(base(model={"path": path})))
     assert len(notes) == 1 and "\n" not in notes[0]
     assert "the default [2, N//2, N-3, N] is [2, 3, 3, 6] for this N = 6" in notes[0]
     assert "3 distinct ids [2, 3, 6] are captured, not 4" in notes[0]
-    assert check_model(validate_config(base(model={"path": model_folder(tmp_path, {"num_hidden_layers": 32})}))) == []
+    assert (
+        check_model(Settings.validated(base(model={"path": model_folder(tmp_path, {"num_hidden_layers": 32})}))) == []
+    )
 
 
 def test_layer_ids_that_cannot_feed_speculators_are_refused_at_parse_time(tmp_path):
     # Was found only by the export, after every extract and validate job (issue #27 item 3).
     path = model_folder(tmp_path, {"num_hidden_layers": 8})
     ok = base(model={"path": path}, layers={"ids": [2, 4, 5]})
-    assert check_model(validate_config(ok)) == []
+    assert check_model(Settings.validated(ok)) == []
     bad = base(model={"path": path}, layers={"ids": [2, 4, 5]}, export={"speculators": True})
     with pytest.raises(ConfigError, match=r"^config error: layer ids \[2, 4, 5\] cannot feed speculators"):
-        check_model(validate_config(bad))
+        check_model(Settings.validated(bad))
 
 
 # ---- issue #27 ----------------------------------------------------------------------------------------------
@@ -137,16 +140,16 @@ def test_layer_id_errors_speak_the_users_convention(tmp_path):
     path = model_folder(tmp_path, {"num_hidden_layers": 8})
     kimi = {"ids": [2, 30, 58, 60], "convention": "output_of_layer"}
     with pytest.raises(ConfigError) as e:
-        check_model(validate_config(base(model={"path": path}, layers=kimi)))
+        check_model(Settings.validated(base(model={"path": path}, layers=kimi)))
     assert str(e.value).startswith(
         "config error: layers.ids = [2, 30, 58, 60] (output_of_layer) has ids [30, 58, 60] outside -1..7 "
         "(the model has N = 8 decoder layers; id 7 is the output of the last decoder layer, before the final norm)"
     )
     short = base(model={"path": path}, layers={"ids": [1, 3, 4], "convention": "output_of_layer"})
     with pytest.raises(ConfigError, match=r"^config error: layer ids \[1, 3, 4\] \(output_of_layer\) cannot feed "):
-        check_model(validate_config(short | {"export": {"speculators": True}}))
+        check_model(Settings.validated(short | {"export": {"speculators": True}}))
     with pytest.raises(ConfigError, match=r"final state \(id 7\) after at least one auxiliary layer; add 7 to"):
-        check_model(validate_config(short | {"export": {"speculators": True}}))
+        check_model(Settings.validated(short | {"export": {"speculators": True}}))
 
 
 def test_a_key_typo_names_the_nearest_allowed_key():
@@ -168,9 +171,9 @@ def test_a_missing_required_key_is_named():
 def test_a_missing_source_is_a_config_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=r"^config error: data.sources: 'a.jsonl' does not exist"):
-        config_sources(validate_config(base()))
+        config_sources(Settings.validated(base()))
     (tmp_path / "a.jsonl").write_text("{}\n")
-    assert config_sources(validate_config(base())) == ["a.jsonl"]
+    assert config_sources(Settings.validated(base())) == ["a.jsonl"]
 
 
 def test_the_config_in_force_is_named_in_one_line(tmp_path):
@@ -228,7 +231,7 @@ def test_a_model_folder_without_a_loadable_tokenizer_is_refused_at_parse_time(tm
 
     model = tmp_path / "model"
     shutil.copytree(demo_model_dir, model)
-    config, stamp = validate_config(base(model={"path": str(model)})), tmp_path / "stamp"
+    config, stamp = Settings.validated(base(model={"path": str(model)})), tmp_path / "stamp"
     check_tokenizer(config, stamp)  # the demo's tokenizer passes, and the pass is recorded
     assert stamp.is_file()
     for f in model.iterdir():
@@ -253,18 +256,18 @@ def test_a_chat_template_without_a_loss_mask_is_refused_at_parse_time(tmp_path, 
     (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     cfg = base(model={"path": str(model)}, tokenize={"template_fallback": False})
     with pytest.raises(ConfigError, match=r"^config error: model.path = .*no \{% generation %\} markers"):
-        check_tokenizer(validate_config(cfg), stamp=None)
+        check_tokenizer(Settings.validated(cfg), stamp=None)
 
 
 def test_a_model_folder_without_hidden_size_or_weights_is_refused_at_parse_time(tmp_path, demo_model_dir):
     """Issue #27 item 3: both passed `-n` and stopped the first extract job, after prepare and tokenize."""
     import shutil
 
-    from eagle3prep.parse import check_model_files
+    from eagle3prep.run.parse import check_model_files
 
     model = tmp_path / "model"
     shutil.copytree(demo_model_dir, model)
-    config = validate_config(base(model={"path": str(model)}))
+    config = Settings.validated(base(model={"path": str(model)}))
     check_model_files(config)  # the demo's folder passes
     for weights in model.glob("*.safetensors"):
         weights.unlink()
@@ -277,7 +280,7 @@ def test_a_model_folder_without_hidden_size_or_weights_is_refused_at_parse_time(
     (model / "config.json").write_text(json.dumps(facts))
     with pytest.raises(ConfigError, match="config.json has no hidden_size"):
         check_model_files(config)
-    check_model_files(validate_config(base(model={"path": str(tmp_path / "nope"), "build_demo": True})))
+    check_model_files(Settings.validated(base(model={"path": str(tmp_path / "nope"), "build_demo": True})))
 
 
 def test_extract_engine_args_that_still_capture_every_row_pass():

@@ -90,7 +90,7 @@ def test_flipped_bytes(shard, good, demo_model_dir, capsys, tmp_path):
 
 
 def test_a_failed_shard_names_the_users_own_command_that_redoes_it(shard, good, demo_model_dir, tmp_path, monkeypatch):
-    from eagle3prep import command
+    from eagle3prep.run import command
 
     monkeypatch.setenv(command.ENV, "snakemake --configfile mine.yaml --directory runs/a")
     (shard / "layer_5.safetensors").unlink()

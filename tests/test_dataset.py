@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from test_export import AUX, BF16_READ_MAX, FINAL, H, all_rows, finished_results, layer_rows, rel_per_token
 
-from eagle3prep.dataset import HiddenStatesDataset
+from eagle3prep.export.dataset import HiddenStatesDataset
 
 KEYS = ["hidden_states", "input_ids", "verifier_last_hidden_states", "loss_mask", "lengths", "position_ids"]
 

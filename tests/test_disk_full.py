@@ -18,8 +18,8 @@ import pytest
 from shard_helpers import DEMO_LAYER_IDS, demo_spec, write_tokenized
 from workflow_helpers import make_workdir, snakemake
 
-from eagle3prep import extract
 from eagle3prep.extract import extract_shard, shard_bytes
+from eagle3prep.extract import stage as extract
 from eagle3prep.infra.disk import DiskSpaceError
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard.layout import MANIFEST

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from test_bad_inputs import BAD, good_line, merged
 from workflow_helpers import SMALL_CONFIG, make_workdir, snakemake
 
-from eagle3prep.dataset import HiddenStatesDataset
+from eagle3prep.export.dataset import HiddenStatesDataset
 
 pytestmark = pytest.mark.integration
 

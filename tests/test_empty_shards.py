@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from shard_helpers import DEMO_LAYER_IDS
 
 import eagle3prep.regenerate.engine as engine_module
-from eagle3prep import extract
 from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.backends.empty import CAPTURE_PATH, EmptyShardBackend
+from eagle3prep.extract import stage as extract
 from eagle3prep.regenerate import merge_shards, run_regenerate_job, split_conversations
 from eagle3prep.regenerate import stage as regen_stage
 from eagle3prep.settings import ExtractSettings, RegenerateSettings

@@ -25,7 +25,7 @@ def test_ctrl_c_is_one_line_not_a_traceback(capsys):
 def test_ctrl_c_in_an_extract_job_leaves_no_empty_shard_folder(tmp_path, monkeypatch):
     """Issue #27 item 7: Ctrl-C left an empty results/hidden_states/shard_0/ (healed by the rerun, but it looked
     like a shard)."""
-    import eagle3prep.extract as extract
+    import eagle3prep.extract.stage as extract
     from eagle3prep.backends.base import CaptureSpec
 
     model = tmp_path / "model"
@@ -53,8 +53,8 @@ def test_a_rerun_removes_what_the_earlier_built_in_path_staged_before_the_engine
     writes there now, so the rerun's job removes it before it starts the engine."""
     from shard_helpers import DEMO_LAYER_IDS, write_tokenized
 
-    from eagle3prep import extract
     from eagle3prep.backends.base import CaptureSpec
+    from eagle3prep.extract import stage as extract
     from eagle3prep.model_facts import ModelFacts
 
     shard = tmp_path / "shard_0"

@@ -23,7 +23,7 @@ HOLD_S = 3.0  # long enough that the two jobs overlap
 
 EXTRACT_JOB = """
 import json, os, sys, time
-from eagle3prep import extract
+from eagle3prep.extract import stage as extract
 from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.settings import ExtractSettings
 
@@ -130,8 +130,8 @@ def test_timings_record_the_claimed_gpus_and_when(shard, demo_model_dir, tmp_pat
     spec asks for cuda so that the job claims one GPU of the fake 2-GPU host."""
     import dataclasses
 
-    from eagle3prep import extract
     from eagle3prep.backends import make_backend
+    from eagle3prep.extract import stage as extract
 
     tokens, _ = shard
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

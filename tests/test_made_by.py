@@ -1,5 +1,5 @@
-"""A results folder remembers the config that made it (eagle3prep.made_by), the header names the config really
-read, and suggested commands carry the user's own flags (eagle3prep.command)."""
+"""A results folder remembers the config that made it (eagle3prep.run.made_by), the header names the config really
+read, and suggested commands carry the user's own flags (eagle3prep.run.command)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import shutil
 
 import pytest
 
-from eagle3prep import command, made_by
-from eagle3prep.config import validate_config
-from eagle3prep.parse import config_source_line
+from eagle3prep.run import command, made_by
+from eagle3prep.run.parse import config_source_line
+from eagle3prep.settings import Settings
 
 
 def cfg(**over):
-    return validate_config({"data": {"sources": ["mine.jsonl"]}, "model": {"path": "/models/mine"}, **over})
+    return Settings.validated({"data": {"sources": ["mine.jsonl"]}, "model": {"path": "/models/mine"}, **over})
 
 
 def finished(tmp_path, k: int) -> None:

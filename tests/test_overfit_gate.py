@@ -22,7 +22,7 @@ from workflow_helpers import REPO, SMALL_CONFIG, make_workdir, snakemake
 
 from eagle3prep.gate import acceptance, rows, train
 from eagle3prep.report.page import gate_banner
-from eagle3prep.settings import ExtractSettings, RegenerateSettings
+from eagle3prep.settings import ExtractSettings, LayersSettings, RegenerateSettings
 
 K = 3
 
@@ -141,7 +141,7 @@ def test_gate_without_vllm_is_skipped_with_one_line(demo_model_dir, tmp_path):
     from eagle3prep.gate.stage import run_overfit_gate
 
     out = tmp_path / "overfit_gate.json"
-    kwargs = dict(model_path=str(demo_model_dir), layers={"ids": None, "convention": "input_of_layer"},
+    kwargs = dict(model_path=str(demo_model_dir), layers=LayersSettings.defaults(),
                   extract=ExtractSettings.defaults(),
                   regenerate=RegenerateSettings.defaults(), chat_template_kwargs={})  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:

@@ -7,7 +7,8 @@ import pytest
 
 from eagle3prep.config import ConfigError, validate_config
 from eagle3prep.extract import shard_bytes
-from eagle3prep.plan import format_plan, make_plan, min_tokens_per_shard, plan_run
+from eagle3prep.run.plan import format_plan, make_plan, min_tokens_per_shard, plan_run
+from eagle3prep.settings import Settings
 
 SIZES = [{"shard": 0, "rows": 10, "tokens": 3000}, {"shard": 1, "rows": 9, "tokens": 1000}]
 
@@ -64,9 +65,10 @@ def test_plan_run_reads_layers_and_hidden_size_from_the_model(tmp_path, demo_mod
     stats.write_text(json.dumps({"shards": [{"shard": 0, "path": "x", "first_row": 0, **SIZES[0]}]}))
     config = validate_config({"data": {"sources": ["x"]}, "model": {"path": str(demo_model_dir)}})
     assert config["plan"] == {"tokens_per_s": None, "engine_start_s": 60}
-    args = {k: config[k] for k in ("layers", "plan")} | {"model_path": str(demo_model_dir)}
-    args |= {"dtype": config["extract"]["dtype"], "windows": config["validate"]["windows"]}
-    args |= {"reference": config["validate"]["reference"]}
+    settings = Settings.from_config(config)
+    args = {"layers": settings.layers, "plan": settings.plan, "model_path": str(demo_model_dir)}
+    args |= {"dtype": settings.extract.content.dtype, "windows": settings.validate.windows}
+    args |= {"reference": settings.validate.reference}
     text = plan_run(stats, tmp_path / "hs", tmp_path / "plan.json", tmp_path / "plan.txt", storage=None, **args)
     plan = json.loads((tmp_path / "plan.json").read_text())
     # Issue #27 item 7: the default (full) reference loads the whole model; the scalable one's line is not its own.

@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import pytest
 from PIL import Image, ImageDraw
 
-from eagle3prep.config import IMAGE_KEYS, image_params
 from eagle3prep.prepare import IMAGE_REASONS, REASONS, check_invariant, conversation_id, normalize, prepare
 from eagle3prep.prepare.images import ImageOptions
+from eagle3prep.settings import IMAGE_KEYS, DataSettings
 from eagle3prep.tokenization.rows import parse_conversation
 from eagle3prep.tokenization.template import TokenizeError
 
@@ -299,8 +299,9 @@ def test_image_defaults_match_the_schema():
     defaults = {k: schema[k]["default"] for k in IMAGE_KEYS}
     assert defaults == {"image_root": None, "max_image_pixels": 4096 * 4096}
     assert ImageOptions().max_pixels == 4096 * 4096  # read from the schema: the code has no default of its own
-    assert image_params(defaults) == {} == image_params({})  # no params at the defaults: old runs are not re-queued
-    assert image_params({"image_root": "imgs", "max_image_pixels": 10}) == {
+    data = DataSettings.defaults(sources=["a.jsonl"])  # no params at the defaults: old runs are not re-queued
+    assert data.image_params() == {}
+    assert DataSettings.defaults(sources=["a.jsonl"], image_root="imgs", max_image_pixels=10).image_params() == {
         "image_root": "imgs",
         "max_image_pixels": 10,
     }

@@ -8,14 +8,19 @@ import yaml
 
 from eagle3prep.config import SCHEMA, ConfigError, validate_config
 from eagle3prep.settings import (
+    _FIELD_TYPES,
+    SECTIONS,
+    TOP_LEVEL,
     UNUSED,
     ExtractContent,
     ExtractSettings,
     ExtractSpeed,
+    LayersSettings,
     RegenerateContent,
     RegenerateSettings,
     RegenerateSpeed,
     RegenerateWorkflow,
+    Settings,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,3 +141,42 @@ def test_a_bad_regenerate_value_is_one_line_naming_the_key():
         RegenerateSettings.defaults(sampling={"top_p": 0})
     with pytest.raises(ConfigError, match="did you mean 'max_in_flight'"):
         RegenerateSettings.defaults(max_inflight=8)
+
+
+def leaf_fields(cls) -> list[str]:
+    """A section class's config keys: its fields, a part of the settings (content, speed, workflow) by its own."""
+    names = []
+    for f in dataclasses.fields(cls):
+        part = _FIELD_TYPES.get(cls, {}).get(f.name)
+        names += leaf_fields(part) if part else [f.name]
+    return names
+
+
+def test_every_schema_section_is_one_typed_frozen_setting_with_exactly_its_keys():
+    """Issue 43: the code reads typed settings, never config["section"]["key"]; a key added to the schema without
+    a field (or a field without a key) fails here."""
+    schema = yaml.safe_load(SCHEMA.read_text())["properties"]
+    by_section = {cls.SECTION: cls for cls in SECTIONS}
+    assert set(by_section) | set(TOP_LEVEL) == set(schema)
+    assert [f.name for f in dataclasses.fields(Settings)] == [cls.SECTION for cls in SECTIONS] + list(TOP_LEVEL)
+    for name, cls in by_section.items():
+        keys = leaf_fields(cls) + sorted(UNUSED.get(name, ()))
+        assert sorted(keys) == sorted(schema[name]["properties"]), name
+        assert len(keys) == len(set(keys)), name  # each key read once
+        assert cls.__dataclass_params__.frozen, name
+    for name in TOP_LEVEL:
+        assert "properties" not in schema[name], name
+
+
+def test_the_whole_config_becomes_settings_once_and_each_part_reads_its_section():
+    config = base(layers={"ids": [2, 4], "convention": "output_of_layer"}, heal={"keep_failed": True})
+    settings = Settings.validated(config)
+    assert config["plan"] == {"tokens_per_s": None, "engine_start_s": 60}  # validated in place, defaults filled
+    assert settings.layers == LayersSettings(ids=[2, 4], convention="output_of_layer")
+    assert (settings.heal.keep_failed, settings.replace_results, settings.data.sources) == (True, False, ["a.jsonl"])
+    assert settings.extract == ExtractSettings.from_config(config)
+    assert settings.validate.reference_mode == "full"  # reference: true
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.model.path = "other"  # type: ignore[misc]
+    with pytest.raises(ConfigError, match=r"^config error: heal.keep_failed = 'maybe'"):
+        Settings.validated(base(heal={"keep_failed": "maybe"}))

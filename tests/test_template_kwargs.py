@@ -11,11 +11,11 @@ import pytest
 from regenerate_helpers import A1, U1, U2, FakeEngine, echo
 from regenerate_helpers import conv as regen_conv
 
-from eagle3prep.config import ConfigError, template_kwargs_params, validate_config
+from eagle3prep.config import ConfigError, validate_config
 from eagle3prep.records import Conversation
 from eagle3prep.regenerate import PromptRenderer, ShardError, run_regenerate_job, split_conversations
 from eagle3prep.regenerate.merge import _check_same_settings
-from eagle3prep.settings import RegenerateSettings
+from eagle3prep.settings import RegenerateSettings, TokenizeSettings
 from eagle3prep.tokenization import ChatEncoder, TokenizeError, tokenize_conversations
 
 
@@ -27,8 +27,8 @@ def test_the_default_is_empty_and_adds_no_rule_param():
     tokenize = validate_config(base())["tokenize"]
     assert tokenize["chat_template_kwargs"] == {}
     # Snakemake compares a rule's params as a whole: a new one at its default would re-queue old runs.
-    assert template_kwargs_params(tokenize) == {}
-    assert template_kwargs_params({"chat_template_kwargs": {"enable_thinking": False}}) == {
+    assert TokenizeSettings.of(tokenize).template_kwargs_params() == {}
+    assert TokenizeSettings.defaults(chat_template_kwargs={"enable_thinking": False}).template_kwargs_params() == {
         "chat_template_kwargs": {"enable_thinking": False}
     }
 

@@ -171,7 +171,7 @@ def test_snakemake_verify_runs_only_itself_and_fails_on_a_flipped_byte(small_dem
 
 
 def test_what_verify_finds_is_recorded_for_the_next_run_and_its_command_is_the_users(results, monkeypatch):
-    from eagle3prep import command
+    from eagle3prep.run import command
 
     monkeypatch.setenv(command.ENV, "snakemake --directory runs/a --configfile mine.yaml")
     flip_byte(results / "hidden_states" / "shard_2" / "layer_4.safetensors")

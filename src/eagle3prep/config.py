@@ -6,7 +6,7 @@ import copy
 import difflib
 import functools
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -242,16 +242,11 @@ def check_extract_engine_args(engine_args: dict[str, Any], max_seq_len: int) -> 
         )
 
 
-def layer_ids(config: dict[str, Any]) -> list[int]:
-    """The validated layer ids in our convention; needs the model folder (for N)."""
-    return model_layer_ids(config["model"]["path"], config["layers"])
-
-
-def model_layer_ids(model_path: str, layers: dict[str, Any]) -> list[int]:
-    """The config's `layers` section resolved against the model's N, or a one-line ConfigError."""
+def model_layer_ids(model_path: str, ids: Sequence[int] | None, convention: str) -> list[int]:
+    """layers.ids in `convention` resolved against the model's N, or a one-line ConfigError."""
     n = ModelFacts.read(model_path).num_hidden_layers
     try:
-        return resolve_layer_ids(layers["ids"], layers["convention"], n)
+        return resolve_layer_ids(ids, convention, n)
     except ValueError as e:
         raise ConfigError(f"config error: {e}") from None
 
@@ -276,19 +271,3 @@ def check_max_seq_len(max_seq_len: int, model_path: str | Path) -> None:
 def reference_mode(value: bool | str) -> str:
     """validate.reference as one of full | scalable | off (true and false are full and off)."""
     return {True: "full", False: "off"}.get(value, value) if isinstance(value, bool) else str(value)
-
-
-IMAGE_KEYS = ("image_root", "max_image_pixels")  # data.* keys of issue #28
-
-
-def image_params(data: dict[str, Any]) -> dict[str, Any]:
-    """The prepare rule's image params: data.image_root and data.max_image_pixels, only away from their schema
-    defaults (keys added after runs existed, so that a run made before them is not re-queued; settings.LATER)."""
-    return {k: data[k] for k in IMAGE_KEYS if k in data and data[k] != schema_default("data", k)}
-
-
-def template_kwargs_params(tokenize: dict[str, Any]) -> dict[str, Any]:
-    """tokenize.chat_template_kwargs as rule params, only when set: a key added after runs existed, kept out of
-    the params at its default like settings.LATER, so that a run made before it is not re-queued."""
-    kwargs = tokenize.get("chat_template_kwargs") or {}
-    return {"chat_template_kwargs": kwargs} if kwargs else {}

@@ -1,4 +1,5 @@
-"""The validated config as frozen, typed settings, built here and nowhere else (DESIGN.md §5, "Settings").
+"""The validated config as frozen, typed settings, built here and nowhere else (DESIGN.md §5, "Settings"):
+one class a schema section (tests/test_settings.py holds each to the schema's keys), `Settings` the whole.
 
 config/schema.yaml holds every default: `validate_config` fills them in, `from_config` reads the result, and
 callers without a whole config (benches, tests) ask `defaults(**values)`, which fills the same schema's.
@@ -14,15 +15,25 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, ClassVar, Self
 
-from .config import load_schema, section_defaults
+from .config import (
+    SCHEMA,
+    load_schema,
+    model_layer_ids,
+    reference_mode,
+    schema_default,
+    section_defaults,
+    validate_config,
+)
 
 # A content field added after results existed: left out of the rule's params while at its schema default,
 # because Snakemake compares params as a whole and a new key would re-queue every finished job made before it.
 LATER = {"params": "unless_default"}
 # extract.* keys the schema still accepts so that old configs load, and nothing reads.
 UNUSED = {"extract": frozenset({"staging_dir"})}
+IMAGE_KEYS = ("image_root", "max_image_pixels")  # data.* keys of issue #28
 
 
 def _build(cls: type, section: Mapping[str, Any]) -> Any:
@@ -76,8 +87,8 @@ class ExtractSpeed:
     max_num_batched_tokens: int
 
 
-class _StageSettings:
-    """How a stage's settings are made: from a validated config, or from the schema's defaults."""
+class _Section:
+    """How a section's settings are made: from a validated config, or from the schema's defaults."""
 
     __slots__ = ()
     SECTION: ClassVar[str]  # the config section, e.g. "extract"
@@ -92,9 +103,14 @@ class _StageSettings:
         """`values` (the section's keys) over the schema's defaults: for benches and tests without a config."""
         return _build(cls, section_defaults(cls.SECTION, values))
 
+    @classmethod
+    def of(cls, section: Mapping[str, Any]) -> Self:
+        """From the validated section itself, as a rule hands it to a job in its params."""
+        return _build(cls, section)
+
 
 @dataclass(frozen=True, slots=True)
-class ExtractSettings(_StageSettings):
+class ExtractSettings(_Section):
     """The extract stage's settings (config `extract:`)."""
 
     SECTION: ClassVar[str] = "extract"
@@ -178,7 +194,7 @@ class RegenerateWorkflow:
 
 
 @dataclass(frozen=True, slots=True)
-class RegenerateSettings(_StageSettings):
+class RegenerateSettings(_Section):
     """The regenerate stage's settings (config `regenerate:`); the gate's engines use them too."""
 
     SECTION: ClassVar[str] = "regenerate"
@@ -192,8 +208,150 @@ class RegenerateSettings(_StageSettings):
         tokenize.chat_template_kwargs when set (the prompts render with them; left out at {}, like a LATER
         field, so that a shard made before the key existed is not re-queued)."""
         params = _params(RegenerateContent, config["regenerate"], "regenerate")
-        kwargs = config["tokenize"]["chat_template_kwargs"]
-        return {**params, "chat_template_kwargs": kwargs} if kwargs else params
+        return {**params, **TokenizeSettings.from_config(config).template_kwargs_params()}
+
+
+@dataclass(frozen=True, slots=True)
+class DataSettings(_Section):
+    """Where the conversations come from and what prepare accepts (config `data:`)."""
+
+    SECTION: ClassVar[str] = "data"
+    sources: Sequence[str]  # files or globs as written; run.parse.config_sources expands them
+    max_line_bytes: int
+    allow_no_user_turn: bool
+    image_root: str | None
+    max_image_pixels: int
+
+    def image_params(self) -> dict[str, Any]:
+        """The prepare rule's image params: IMAGE_KEYS only away from their schema defaults (keys added after runs
+        existed, so that a run made before them is not re-queued, like a LATER field)."""
+        return {k: getattr(self, k) for k in IMAGE_KEYS if getattr(self, k) != schema_default("data", k)}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSettings(_Section):
+    """The target model's folder (config `model:`)."""
+
+    SECTION: ClassVar[str] = "model"
+    path: str
+    build_demo: bool
+    trust_remote_code: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeSettings(_Section):
+    """How conversations become rows (config `tokenize:`)."""
+
+    SECTION: ClassVar[str] = "tokenize"
+    max_seq_len: int
+    num_shards: int
+    workers: int
+    template_fallback: bool
+    chat_template_kwargs: Mapping[str, Any]  # given to every render; read, never changed
+
+    def template_kwargs_params(self) -> dict[str, Any]:
+        """chat_template_kwargs as rule params, only when set: a key added after runs existed, kept out of the
+        params at its default like a LATER field, so that a run made before it is not re-queued."""
+        return {"chat_template_kwargs": self.chat_template_kwargs} if self.chat_template_kwargs else {}
+
+
+@dataclass(frozen=True, slots=True)
+class LayersSettings(_Section):
+    """Which layers a shard holds, in the user's convention (config `layers:`; layers.py converts)."""
+
+    SECTION: ClassVar[str] = "layers"
+    ids: Sequence[int] | None  # None: layers.default_layer_ids of the model's depth
+    convention: str  # input_of_layer | output_of_layer
+
+
+@dataclass(frozen=True, slots=True)
+class ValidateSettings(_Section):
+    """How each shard is checked against the target (config `validate:`)."""
+
+    SECTION: ClassVar[str] = "validate"
+    sample_rows: int | str  # an integer or auto
+    seed: int
+    device: str  # cpu | cuda
+    reference: bool | str  # true | false | full | scalable | off (reference_mode reads it)
+    windows: Sequence[Sequence[int]] | None
+    overfit_gate: bool
+
+    @property
+    def reference_mode(self) -> str:
+        return reference_mode(self.reference)
+
+
+@dataclass(frozen=True, slots=True)
+class ExportSettings(_Section):
+    """Whether and how the training export is written (config `export:`)."""
+
+    SECTION: ClassVar[str] = "export"
+    speculators: bool
+    hidden_states: str  # copy | direct
+
+
+@dataclass(frozen=True, slots=True)
+class PlanSettings(_Section):
+    """The figures `snakemake plan` estimates a run's time from (config `plan:`)."""
+
+    SECTION: ClassVar[str] = "plan"
+    tokens_per_s: float | None
+    engine_start_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class HealSettings(_Section):
+    """What the next run does with a shard that failed validation (config `heal:`)."""
+
+    SECTION: ClassVar[str] = "heal"
+    keep_failed: bool
+
+
+SECTIONS: tuple[type[_Section], ...] = (
+    DataSettings,
+    ModelSettings,
+    TokenizeSettings,
+    LayersSettings,
+    ExtractSettings,
+    ValidateSettings,
+    ExportSettings,
+    PlanSettings,
+    HealSettings,
+    RegenerateSettings,
+)
+TOP_LEVEL = ("replace_results",)  # schema keys that are a value, not a section
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The whole validated config, one typed part a section; rules/common.smk builds it once, as SETTINGS."""
+
+    data: DataSettings
+    model: ModelSettings
+    tokenize: TokenizeSettings
+    layers: LayersSettings
+    extract: ExtractSettings
+    validate: ValidateSettings
+    export: ExportSettings
+    plan: PlanSettings
+    heal: HealSettings
+    regenerate: RegenerateSettings
+    replace_results: bool  # a run may replace another config's finished shards (run.made_by)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Settings:
+        """From a config that validate_config has checked and completed."""
+        parts = {c.SECTION: c.from_config(config) for c in SECTIONS}
+        return cls(**parts, **{k: config[k] for k in TOP_LEVEL})
+
+    @classmethod
+    def validated(cls, config: dict[str, Any], schema_path: str | Path = SCHEMA) -> Settings:
+        """`config` validated in place (validate_config: defaults filled in, one-line ConfigError), then typed."""
+        return cls.from_config(validate_config(config, schema_path))
+
+    def layer_ids(self) -> list[int]:
+        """The layer ids in our convention; needs the model folder (for N)."""
+        return model_layer_ids(self.model.path, self.layers.ids, self.layers.convention)
 
 
 _FIELD_TYPES: dict[type, dict[str, type]] = {

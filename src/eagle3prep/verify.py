@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import command
 from .infra.atomic import sha256_file, write_json
 from .infra.disk import human_bytes
+from .run import command
 from .shard.layout import MANIFEST
 from .shard.manifest import EXPORT_EXTRAS, check_listed_file, read_manifest, stray_files
 
@@ -63,7 +63,7 @@ class Verdict:
         if self.ok:
             return f"verify: ok: {checked} match their manifests"
         places = sorted(self.bad_places, key=_natural)
-        # heal (eagle3prep.heal) reads RECORD and redoes these places in the workflow's next run
+        # heal (eagle3prep.run.heal) reads RECORD and redoes these places in the workflow's next run
         yours = "" if command.known() else " (with your --configfile and --directory)"
         return (
             f"verify: {len(self.damaged)} damaged of {checked}, in {', '.join(places)}; the next run of the same "

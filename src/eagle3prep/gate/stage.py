@@ -31,7 +31,7 @@ from ..infra.gpus import claim_job_gpus
 from ..infra.provenance import code_version
 from ..layers import resolve_layer_ids
 from ..model_facts import ModelFacts
-from ..settings import ExtractSettings, RegenerateSettings
+from ..settings import ExtractSettings, LayersSettings, RegenerateSettings
 from . import acceptance, rows, serve, train
 
 FORMAT = "eagle3prep.overfit_gate/1"
@@ -102,7 +102,7 @@ def run_overfit_gate(
     work: str,
     *,
     model_path: str,
-    layers: dict[str, Any],
+    layers: LayersSettings,
     extract: ExtractSettings,
     regenerate: RegenerateSettings,
     chat_template_kwargs: Mapping[str, Any],
@@ -119,7 +119,7 @@ def run_overfit_gate(
     work_dir = Path(work)
     work_dir.mkdir(parents=True, exist_ok=True)
     facts = ModelFacts.read(model_path)
-    ids = resolve_layer_ids(layers["ids"], layers["convention"], facts.num_hidden_layers)
+    ids = resolve_layer_ids(layers.ids, layers.convention, facts.num_hidden_layers)
     record: dict[str, Any] = {"format": FORMAT, "model": model_path, "layer_ids": ids, "settings": asdict(s),
                               "bound": acceptance.bound(s.k), "code_version": code_version()}  # fmt: skip
     python, how, blocker = _trainer(model_path, trust_remote_code)
@@ -159,7 +159,7 @@ def run_overfit_gate(
 
 
 def _capture(work_dir: Path, gate_rows: list[dict[str, Any]], record: dict[str, Any], *, model_path: str,
-             layers: dict[str, Any], extract: ExtractSettings, trust_remote_code: bool, threads: int | None,
+             layers: LayersSettings, extract: ExtractSettings, trust_remote_code: bool, threads: int | None,
              plant: Callable[[Path], Path] | None) -> dict[str, Any]:  # fmt: skip
     """Write the gate's rows, capture and validate their shard as the workflow would (planted, when asked):
     the files the trainer reads, as its job's entries."""

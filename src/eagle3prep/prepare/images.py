@@ -44,7 +44,7 @@ class ImageOptions:
 
     @classmethod
     def of(cls, params: dict[str, Any]) -> ImageOptions:
-        """From the prepare rule's image params (config.image_params: data.image_root and data.max_image_pixels,
+        """From the prepare rule's image params (DataSettings.image_params: data.image_root and data.max_image_pixels,
         each only when away from its schema default); the schema's defaults for the others."""
         return cls(
             params.get("image_root"), int(params.get("max_image_pixels", schema_default("data", "max_image_pixels")))

@@ -16,27 +16,19 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from eagle3prep.config import schema_default, template_kwarg_clash, template_kwargs_error
 from eagle3prep.errors import UserError
 from eagle3prep.tokenization.files import missing_tokenizer_files
+from eagle3prep.tokenization.masks import Rejected, boundary_mask, marker_mask
 
 # The test transformers itself uses to decide whether a template tracks generation spans.
 GENERATION_RE = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
 PROBE = [{"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello, how can I help?"}]
 TOOL_REASON = "tool_turns_unsupported_by_template"
 SENTINEL = "zqxtoolpart"  # tool_probe's sentinel words start with it
-
-
-@dataclass(slots=True)
-class Rejected:
-    """A conversation the encoder could not turn into a row."""
-
-    reason: str
-    detail: str
 
 
 class TokenizeError(UserError, ValueError):
@@ -292,33 +284,6 @@ class ChatEncoder:
                 reply = turn[len(prompt) :].rstrip()
                 spans[b].append((len(prompt), len(prompt) + len(reply)))
         return full, spans
-
-
-def marker_mask(enc, span: list[tuple[int, int]]) -> bytearray:
-    """The loss mask of an encoding from its {% generation %} character spans: apply_chat_template's rule, kept
-    exactly: from the token holding the block's first character to the one holding its last (to the end when
-    that one is not found)."""
-    mask = bytearray(len(enc.ids))
-    for start_char, end_char in span:
-        start = enc.char_to_token(start_char)
-        if start is None:
-            break
-        end = enc.char_to_token(end_char - 1)
-        end = end + 1 if end else len(enc.ids)
-        mask[start:end] = b"\x01" * (end - start)
-    return mask
-
-
-def boundary_mask(enc, span: list[tuple[int, int]]) -> bytearray:
-    """The loss mask of an encoding from its assistant character spans: a token is masked when its characters
-    overlap one."""
-    import numpy as np
-
-    offsets = np.array(enc.offsets, dtype=np.int64).reshape(-1, 2)  # [T, 2] character [start, end)
-    mask = np.zeros(len(offsets), dtype=bool)
-    for s, e in span:
-        mask |= (offsets[:, 0] < e) & (offsets[:, 1] > s)
-    return bytearray(mask.view(np.uint8))
 
 
 def has_images(messages: list[dict[str, Any]]) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 
 from eagle3prep.prepare.errors import Rejected as PrepareRejected
 from eagle3prep.prepare.images import data_uri_bytes
-from eagle3prep.tokenization.template import Rejected
+from eagle3prep.tokenization.masks import Rejected, boundary_mask, marker_mask
 
 # model_type -> how its processor writes an image into the text (the placeholder the chat template renders)
 EXPANDS = {"qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>"}
@@ -104,8 +104,6 @@ def encode_with_images(encoder, messages: list[dict[str, Any]], tools: list[dict
     each placeholder expanded, encoded; the loss mask then 0 on every image token. (ids, mask, record) or
     Rejected."""
     import jinja2
-
-    from eagle3prep.tokenization.template import boundary_mask, marker_mask
 
     if encoder._vision is None:
         encoder._vision = load_vision(encoder.model_path, encoder.tokenizer)

@@ -129,7 +129,7 @@ def _finish(report: dict[str, Any], checks: Checks, out_json: str, shard_dir: st
     if checks.failed:
         Path(out_json).unlink()  # a failed shard must not leave a report that looks like a pass
         names = ", ".join(f"{c.name} ({c.detail})" for c in checks.failed[:5])
-        from ..command import same_command
+        from ..run.command import same_command
 
         # heal (rules/common.smk) sets a failed shard aside and extracts it again in the next run.
         error = ValidationError(

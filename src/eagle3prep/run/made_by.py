@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..settings import Settings
 from .command import Command
 
 RECORD = "results/config.json"
@@ -25,19 +26,19 @@ REPLACE = "replace_results"  # the config key that lets a run replace another co
 IDENTITY = ("model.path", "data.sources", "layers")
 
 
-def identity(config: dict[str, Any]) -> dict[str, Any]:
+def identity(settings: Settings) -> dict[str, Any]:
     """The values of the IDENTITY keys in a validated config, as the rules pass them to Snakemake."""
     return {
-        "model.path": config["model"]["path"],
-        "data.sources": list(config["data"]["sources"]),
-        "layers": dict(config["layers"]),
+        "model.path": settings.model.path,
+        "data.sources": list(settings.data.sources),
+        "layers": {"ids": settings.layers.ids, "convention": settings.layers.convention},
     }
 
 
-def record(config: dict[str, Any], config_files: list[str]) -> dict[str, Any]:
+def record(settings: Settings, config_files: list[str]) -> dict[str, Any]:
     """What results/config.json holds: the config files as shown to the user (relative to the working directory
     when under it) and the identity of the config they made."""
-    return {"config_files": list(config_files), "identity": identity(config)}
+    return {"config_files": list(config_files), "identity": identity(settings)}
 
 
 def read_record(path: str | os.PathLike = RECORD) -> dict[str, Any] | None:
@@ -51,16 +52,16 @@ def read_record(path: str | os.PathLike = RECORD) -> dict[str, Any] | None:
     return None
 
 
-def write_record(config: dict[str, Any], config_files: list[str], path: str | os.PathLike = RECORD) -> bool:
+def write_record(settings: Settings, config_files: list[str], path: str | os.PathLike = RECORD) -> bool:
     """Write the record when it differs from the one on disk (an unchanged file keeps its date); True if written."""
-    text = json.dumps(record(config, config_files), indent=1, sort_keys=True) + "\n"
+    text = json.dumps(record(settings, config_files), indent=1, sort_keys=True) + "\n"
     path = Path(path)
     try:
         if path.read_text(encoding="utf-8") == text:
             return False
     except OSError:
         pass
-    from .infra.atomic import atomic_open
+    from ..infra.atomic import atomic_open
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_open(path, "w", encoding="utf-8") as f:
@@ -96,7 +97,7 @@ def _files(files: list[str], demo: bool = False) -> str:
 
 
 def check(
-    config: dict[str, Any],
+    settings: Settings,
     config_files: list[str],
     demo: bool,
     command: Command | None = None,
@@ -110,7 +111,7 @@ def check(
     old = read_record(record_path)
     if old is None:
         return None, None
-    now = identity(config)
+    now = identity(settings)
     differ = [k for k in IDENTITY if old["identity"].get(k) != now[k]]
     if not differ:
         return None, None
@@ -120,7 +121,7 @@ def check(
     theirs = _files(old.get("config_files") or [])
     what = "; ".join(f"{k} {_short(old['identity'].get(k))} there, {_short(now[k])} here" for k in differ)
     shards = f"{n} finished shard{'s' if n != 1 else ''}"
-    if config.get(REPLACE):
+    if settings.replace_results:
         return None, f"{REPLACE}: replacing the {shards} of {theirs} in results/ ({what})"
     command = command or Command()
     elsewhere = command.setting("--directory", "OTHER_FOLDER")

@@ -16,26 +16,26 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .backends import make_backend
-from .backends.base import CaptureBackend, CaptureSpec, EngineInfo
-from .backends.empty import EmptyShardBackend
-from .config import schema_default
-from .infra import faults
-from .infra.atomic import sha256_file
-from .infra.disk import DiskSpaceError, human_bytes
-from .infra.folder import open_folder
-from .infra.gpus import claim_job_gpus
-from .infra.provenance import code_version, model_identity, tokenizer_identity
-from .layers import CONVENTION, check_layer_ids, resolve_layer_ids
-from .model_facts import ModelFacts, require_hidden_size
-from .settings import ExtractSettings
-from .shard.layout import MANIFEST, check_storage, layer_file, token_bytes
-from .shard.manifest import ShardManifest
-from .shard.readers import index_of_tokenized
-from .shard.tokenized import rows as tokenized_rows
-from .shard.writer import ShardWriter
-from .tokenization.row_inputs import ImageRow
-from .vllm_common.errors import EngineError
+from ..backends import make_backend
+from ..backends.base import CaptureBackend, CaptureSpec, EngineInfo
+from ..backends.empty import EmptyShardBackend
+from ..config import schema_default
+from ..infra import faults
+from ..infra.atomic import sha256_file
+from ..infra.disk import DiskSpaceError, human_bytes
+from ..infra.folder import open_folder
+from ..infra.gpus import claim_job_gpus
+from ..infra.provenance import code_version, model_identity, tokenizer_identity
+from ..layers import CONVENTION, check_layer_ids, resolve_layer_ids
+from ..model_facts import ModelFacts, require_hidden_size
+from ..settings import ExtractSettings, LayersSettings
+from ..shard.layout import MANIFEST, check_storage, layer_file, token_bytes
+from ..shard.manifest import ShardManifest
+from ..shard.readers import index_of_tokenized
+from ..shard.tokenized import rows as tokenized_rows
+from ..shard.writer import ShardWriter
+from ..tokenization.row_inputs import ImageRow
+from ..vllm_common.errors import EngineError
 
 
 def iter_batches(tokenized_shard: str | os.PathLike, batch_tokens: int) -> Iterator[list[list[int]]]:
@@ -90,7 +90,7 @@ def run_extract_job(
     out_dir: str,
     *,
     model_path: str,
-    layers: dict[str, Any],
+    layers: LayersSettings,
     extract: ExtractSettings,
     max_seq_len: int,
     trust_remote_code: bool,
@@ -102,7 +102,7 @@ def run_extract_job(
     spec = CaptureSpec.of(
         extract,
         model_path=model_path,
-        layer_ids=resolve_layer_ids(layers["ids"], layers["convention"], facts.num_hidden_layers),
+        layer_ids=resolve_layer_ids(layers.ids, layers.convention, facts.num_hidden_layers),
         max_seq_len=max_seq_len,
         trust_remote_code=trust_remote_code,
     )

@@ -12,9 +12,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, check_max_seq_len, layer_ids
-from .layers import default_layer_ids
-from .model_facts import ModelFacts
+from ..config import ConfigError, check_max_seq_len
+from ..layers import default_layer_ids
+from ..model_facts import ModelFacts
+from ..settings import Settings
 
 # What extract loads its weights from (transformers and vLLM read these; *.pt and *.pth are older checkpoints).
 WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -103,7 +104,7 @@ TOKENIZER_STAMP = ".snakemake/eagle3prep/tokenizer-check.json"
 WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")  # never read by the check: their stats change nothing
 
 
-def _tokenizer_key(path: Path, config: dict[str, Any]) -> str:
+def _tokenizer_key(path: Path, settings: Settings) -> str:
     """What the tokenizer check depends on: the folder's non-weight files (name, size, mtime), the settings it
     reads, and the transformers and eagle3prep versions."""
     from importlib.metadata import PackageNotFoundError, version
@@ -117,34 +118,34 @@ def _tokenizer_key(path: Path, config: dict[str, Any]) -> str:
         transformers_version = version("transformers")
     except PackageNotFoundError:
         transformers_version = None
-    tok = config["tokenize"]
-    settings = [config["model"]["trust_remote_code"], tok["template_fallback"], tok["chat_template_kwargs"]]
-    code = Path(__file__).with_name("tokenization") / "template.py"
-    blob = [str(path.resolve()), files, settings, transformers_version, code.stat().st_mtime_ns]
+    tok = settings.tokenize
+    read = [settings.model.trust_remote_code, tok.template_fallback, dict(tok.chat_template_kwargs)]
+    code = Path(__file__).parents[1] / "tokenization" / "template.py"
+    blob = [str(path.resolve()), files, read, transformers_version, code.stat().st_mtime_ns]
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def check_tokenizer(config: dict[str, Any], stamp: str | os.PathLike | None = TOKENIZER_STAMP) -> None:
+def check_tokenizer(settings: Settings, stamp: str | os.PathLike | None = TOKENIZER_STAMP) -> None:
     """The tokenize job's start-up checks, at parse time: the model folder's tokenizer loads as the job loads it
     (a fast tokenizer, from local files), has a chat template, and a user/assistant probe gets a loss mask with
     tokenize.template_fallback and chat_template_kwargs. Skipped while model.build_demo has yet to build the
     folder, and when `stamp` records a pass on the same files and settings."""
-    path = Path(config["model"]["path"])
+    path = Path(settings.model.path)
     if not path.is_dir():
         return  # check_model has refused a missing folder unless build_demo will make it
-    key = _tokenizer_key(path, config)
+    key = _tokenizer_key(path, settings)
     if stamp is not None:
         try:
             if Path(stamp).read_text(encoding="utf-8") == key:
                 return
         except OSError:
             pass
-    from .tokenization.template import ChatEncoder, TokenizeError, load_tokenizer
+    from ..tokenization.template import ChatEncoder, TokenizeError, load_tokenizer
 
-    tok = config["tokenize"]
+    tok = settings.tokenize
     try:
-        tokenizer = load_tokenizer(path, config["model"]["trust_remote_code"])
-        ChatEncoder(tokenizer, path, tok["template_fallback"], tok["chat_template_kwargs"])
+        tokenizer = load_tokenizer(path, settings.model.trust_remote_code)
+        ChatEncoder(tokenizer, path, tok.template_fallback, tok.chat_template_kwargs)
     except TokenizeError as e:
         raise ConfigError(f"config error: model.path = {e}") from None
     except Exception as e:  # transformers' own (OSError, ValueError, ...), as the tokenize job would print them
@@ -154,18 +155,18 @@ def check_tokenizer(config: dict[str, Any], stamp: str | os.PathLike | None = TO
             "files (tokenizer.json, tokenizer_config.json) into the folder"
         ) from None
     if stamp is not None:
-        from .infra.atomic import atomic_open
+        from ..infra.atomic import atomic_open
 
         Path(stamp).parent.mkdir(parents=True, exist_ok=True)
         with atomic_open(stamp, "w", encoding="utf-8") as f:
             f.write(key)
 
 
-def check_model_files(config: dict[str, Any]) -> None:
+def check_model_files(settings: Settings) -> None:
     """What extract needs of the model folder beyond its depth: a hidden size (the shard's width) and weight files.
     Both stopped the extract job before (after prepare and tokenize had run); skipped while model.build_demo
     has yet to build the folder."""
-    path = Path(config["model"]["path"])
+    path = Path(settings.model.path)
     if not path.is_dir():
         return  # check_model has refused a missing folder unless build_demo will make it
     if ModelFacts.read(path).hidden_size is None:
@@ -180,13 +181,13 @@ def check_model_files(config: dict[str, Any]) -> None:
         )
 
 
-def check_model(config: dict[str, Any]) -> list[str]:
+def check_model(settings: Settings) -> list[str]:
     """What the model folder decides, checked when the workflow is parsed, before any job: the folder and its
     config.json exist, the layer ids fit its depth, max_seq_len its context. Returns notes for the user (one
     line each). Skipped while the folder does not exist yet and model.build_demo will build it."""
-    path = Path(config["model"]["path"])
+    path = Path(settings.model.path)
     if not path.is_dir():
-        if config["model"]["build_demo"]:
+        if settings.model.build_demo:
             return []
         raise ConfigError(
             f"config error: model.path = '{path}': no such folder (cwd: {os.getcwd()}); set model.path to a local "
@@ -202,7 +203,7 @@ def check_model(config: dict[str, Any]) -> list[str]:
     except (ValueError, OSError) as e:  # json.JSONDecodeError is a ValueError
         raise ConfigError(f"config error: model.path = '{path}': cannot read config.json ({e})") from None
     notes = []
-    if config["layers"]["ids"] is None:
+    if settings.layers.ids is None:
         ids, formula = default_layer_ids(n), [2, n // 2, n - 3, n]
         if len(ids) < len(formula):
             notes.append(
@@ -210,27 +211,27 @@ def check_model(config: dict[str, Any]) -> list[str]:
                 f"{len(ids)} distinct ids {ids} are captured, not 4; set layers.ids to choose others"
             )
     else:
-        ids = layer_ids(config)  # raises ConfigError in one line
-        if config["export"]["speculators"]:
-            from .shard.shardset import speculators_layer_error
+        ids = settings.layer_ids()  # raises ConfigError in one line
+        if settings.export.speculators:
+            from ..shard.shardset import speculators_layer_error
 
-            if error := speculators_layer_error(ids, n, config["layers"]["convention"]):
+            if error := speculators_layer_error(ids, n, settings.layers.convention):
                 raise ConfigError(f"config error: {error}")
-    check_max_seq_len(config["tokenize"]["max_seq_len"], path)
-    if note := images_note(config, path):
+    check_max_seq_len(settings.tokenize.max_seq_len, path)
+    if note := images_note(settings, path):
         notes.append(note)
     return notes
 
 
-def images_note(config: dict[str, Any], path: Path) -> str | None:
+def images_note(settings: Settings, path: Path) -> str | None:
     """A target whose images tokenize cannot expand (no vision tower, or one not implemented, e.g. Kimi-K2.5's
     MoonViT): a ConfigError when data.image_root says the run means images, else a note when the target has a
     vision tower (its image conversations would be quarantined). None otherwise."""
-    image_root = config["data"]["image_root"]
+    image_root = settings.data.image_root
     model_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     if image_root is None and "vision_config" not in model_config:
         return None
-    from .tokenization.vision import UNSUPPORTED, images_refusal
+    from ..tokenization.vision import UNSUPPORTED, images_refusal
 
     refusal = images_refusal(model_config)
     if refusal is None:
@@ -245,11 +246,11 @@ def images_note(config: dict[str, Any], path: Path) -> str | None:
     )
 
 
-def config_sources(config: dict[str, Any]) -> list[str]:
+def config_sources(settings: Settings) -> list[str]:
     """data.sources expanded (globs, repeats dropped), or a one-line ConfigError naming the source."""
-    from .prepare import InputError, expand_sources
+    from ..prepare import InputError, expand_sources
 
     try:
-        return expand_sources(config["data"]["sources"])
+        return expand_sources(list(settings.data.sources))
     except InputError as e:
         raise ConfigError(f"config error: {e}") from None

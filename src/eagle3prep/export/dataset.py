@@ -28,10 +28,10 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import Dataset
 
-from .shard.layout import TOKEN_IDS, layer_file
-from .shard.readers import LayerReader
-from .shard.shardset import ShardSet
-from .shard.tokenized import row_at as tokenized_row_at
+from ..shard.layout import TOKEN_IDS, layer_file
+from ..shard.readers import LayerReader
+from ..shard.shardset import ShardSet
+from ..shard.tokenized import row_at as tokenized_row_at
 
 
 class HiddenStatesDataset(Dataset):
@@ -75,7 +75,7 @@ class HiddenStatesDataset(Dataset):
         """Every shard of the dataset under results_dir/hidden_states (those results_dir/tokenized/stats.json lists,
         as verify checks them: a folder left by a config with more shards is not read), with
         results_dir/tokenized/shard_{k}.jsonl."""
-        from .verify import dataset_shards
+        from ..verify import dataset_shards
 
         root = Path(results_dir)
         listed = dataset_shards(root)

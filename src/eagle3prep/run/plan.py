@@ -16,12 +16,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, model_layer_ids, reference_mode, schema_default
-from .extract import free_space_probe, shard_bytes
-from .infra.atomic import atomic_open, write_json
-from .infra.disk import human_bytes
-from .model_facts import ModelFacts, require_hidden_size
-from .shard.layout import MANIFEST
+from ..config import ConfigError, model_layer_ids, reference_mode, schema_default
+from ..extract import free_space_probe, shard_bytes
+from ..infra.atomic import atomic_open, write_json
+from ..infra.disk import human_bytes
+from ..model_facts import ModelFacts, require_hidden_size
+from ..settings import LayersSettings, PlanSettings
+from ..shard.layout import MANIFEST
 
 START_SHARE = 0.05  # engine start-up should stay under this share of a shard's job time
 TIMES = ("job_hours_total", "job_hours_left", "gpu_hours_left", "start_share_worst", "recommended")
@@ -286,10 +287,10 @@ def plan_run(
     txt_path: str | os.PathLike,
     *,
     model_path: str,
-    layers: dict[str, Any],
+    layers: LayersSettings,
     dtype: str,
     storage: str | None,
-    plan: dict[str, Any],
+    plan: PlanSettings,
     reference: bool | str,
     windows: list[list[int]] | None = schema_default("validate", "windows"),
     gpus_per_job: int = 1,
@@ -298,7 +299,7 @@ def plan_run(
 
     layers: the config's `layers` section; plan: its `plan` section; windows, reference: validate.windows and
     validate.reference (what the scalable reference loads is planned only when it is the one that runs)."""
-    ids = model_layer_ids(model_path, layers)
+    ids = model_layer_ids(model_path, layers.ids, layers.convention)
     try:
         hidden_size = require_hidden_size(ModelFacts.read(model_path), model_path)
     except ValueError as e:
@@ -310,8 +311,8 @@ def plan_run(
         dtype=dtype,
         storage=storage or "model_dtype",
         hidden_states_dir=hidden_states_dir,
-        tokens_per_s=plan["tokens_per_s"],
-        engine_start_s=plan["engine_start_s"],
+        tokens_per_s=plan.tokens_per_s,
+        engine_start_s=plan.engine_start_s,
         gpus_per_job=gpus_per_job,
         made_with={
             "layer_ids": ids,
@@ -329,7 +330,7 @@ def plan_run(
 def validation_memory(model_path: str, ids: list[int], windows: list[list[int]] | None) -> dict[str, Any] | None:
     """What validate.reference scalable loads, from the model's config.json shapes: the logits check
     (final norm + lm_head) and the largest window (its layers at bf16); None when the shapes cannot be read."""
-    from .validate.scalable import check_memory
+    from ..validate.scalable import check_memory
 
     windows = windows or ([ids[-2:]] if len(ids) >= 2 else [])
     try:

@@ -41,17 +41,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .config import schema_default
-from .errors import UserError
-from .infra.atomic import TMP_PREFIX, atomic_open, fsync_dir, sha256_file
-from .infra.folder import file_entry, finish_folder, open_folder
-from .infra.provenance import code_version
-from .layers import CONVENTION
-from .shard.fp8 import SCALES_KEY
-from .shard.layout import FP8_E4M3, MANIFEST, TOKEN_IDS, layer_file
-from .shard.readers import LayerReader
-from .shard.shardset import Shard, ShardSet, ShardSetError
-from .shard.tokenized import rows as tokenized_rows
+from ..config import schema_default
+from ..errors import UserError
+from ..infra.atomic import TMP_PREFIX, atomic_open, fsync_dir, sha256_file
+from ..infra.folder import file_entry, finish_folder, open_folder
+from ..infra.provenance import code_version
+from ..layers import CONVENTION
+from ..shard.fp8 import SCALES_KEY
+from ..shard.layout import FP8_E4M3, MANIFEST, TOKEN_IDS, layer_file
+from ..shard.readers import LayerReader
+from ..shard.shardset import Shard, ShardSet, ShardSetError
+from ..shard.tokenized import rows as tokenized_rows
 
 FORMAT = "eagle3prep.speculators_export/1"
 HIDDEN_STATES = "hidden_states"

@@ -1,0 +1,8 @@
+"""The extract stage: one tokenized shard in, one hidden-state shard folder out (DESIGN.md §4); stage.py holds it.
+
+The capture itself is in backends/ and the shard format in shard/; this folder is the job around them.
+"""
+
+from eagle3prep.extract.stage import extract_shard, free_space_probe, iter_batches, run_extract_job, shard_bytes
+
+__all__ = ["extract_shard", "free_space_probe", "iter_batches", "run_extract_job", "shard_bytes"]
