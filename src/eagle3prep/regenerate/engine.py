@@ -15,7 +15,7 @@ from eagle3prep.model_facts import ModelFacts
 from eagle3prep.regenerate.runner import Finished, RequestRejected
 from eagle3prep.settings import RegenerateSettings, Sampling
 from eagle3prep.tokenization.vision import EXPANDS
-from eagle3prep.vllm_common import registry, versions
+from eagle3prep.vllm_common import registry
 from eagle3prep.vllm_common.errors import ChildOutput, engine_died, engine_error
 from eagle3prep.vllm_common.launch import prefer_forked_workers, resolve_workarounds, start_llm
 from eagle3prep.vllm_common.shutdown import shutdown_engine
@@ -88,7 +88,7 @@ class VLLMEngine:
         """Start vLLM; return what the manifest records of it. A failed start is one EngineError line."""
         t0 = time.time()
         prefer_forked_workers()
-        version = versions.installed_version()
+        version = registry.installed_version()
         facts = ModelFacts.read(self.model_path)
         self.vision = facts.vision_model_type in EXPANDS
         on_cpu = registry.load("current_platform").is_cpu()

