@@ -108,6 +108,11 @@ class _Section:
         """From the validated section itself, as a rule hands it to a job in its params."""
         return _build(cls, section)
 
+    def params_when_set(self, *keys: str) -> dict[str, Any]:
+        """`keys` as rule params, each only away from its schema default: keys added after runs existed, left out
+        at their defaults like a LATER field, so that a run made before them is not re-queued."""
+        return {k: getattr(self, k) for k in keys if getattr(self, k) != schema_default(self.SECTION, k)}
+
 
 @dataclass(frozen=True, slots=True)
 class ExtractSettings(_Section):
@@ -223,9 +228,8 @@ class DataSettings(_Section):
     max_image_pixels: int
 
     def image_params(self) -> dict[str, Any]:
-        """The prepare rule's image params: IMAGE_KEYS only away from their schema defaults (keys added after runs
-        existed, so that a run made before them is not re-queued, like a LATER field)."""
-        return {k: getattr(self, k) for k in IMAGE_KEYS if getattr(self, k) != schema_default("data", k)}
+        """The prepare rule's image params: IMAGE_KEYS, each only when set."""
+        return self.params_when_set(*IMAGE_KEYS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,9 +254,8 @@ class TokenizeSettings(_Section):
     chat_template_kwargs: Mapping[str, Any]  # given to every render; read, never changed
 
     def template_kwargs_params(self) -> dict[str, Any]:
-        """chat_template_kwargs as rule params, only when set: a key added after runs existed, kept out of the
-        params at its default like a LATER field, so that a run made before it is not re-queued."""
-        return {"chat_template_kwargs": self.chat_template_kwargs} if self.chat_template_kwargs else {}
+        """chat_template_kwargs as rule params, only when set."""
+        return self.params_when_set("chat_template_kwargs")
 
 
 @dataclass(frozen=True, slots=True)
