@@ -19,7 +19,7 @@ from eagle3prep.backends.vllm import worker as vllm_ext
 from eagle3prep.backends.vllm.worker import HiddenStatesCapture
 from eagle3prep.errors import UserError
 from eagle3prep.settings import ExtractSettings
-from eagle3prep.vllm_common import registry, versions
+from eagle3prep.vllm_common import registry
 from eagle3prep.vllm_common.errors import INTERNAL_PHRASE, EngineError, engine_error
 
 VERSION = "0.99.0"  # a vLLM release that renamed something
