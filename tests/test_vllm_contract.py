@@ -198,7 +198,7 @@ def test_the_registry_names_each_path_once_with_a_known_kind_and_range():
         assert n.expected(registry.OLDEST) or n.since or n.until, n
 
 
-def test_a_missing_name_is_one_line_with_the_version_and_a_fix_for_that_version():
+def test_a_missing_name_is_one_line_with_the_version_and_a_fix_for_that_version(monkeypatch):
     hooks = registry.entry("GPUModelRunner.input_batch")
     line = registry.missing_line(hooks, version="0.34.0")
     assert line.startswith("vLLM 0.34.0 has no GPUModelRunner.input_batch [hooks:"), line
@@ -208,12 +208,8 @@ def test_a_missing_name_is_one_line_with_the_version_and_a_fix_for_that_version(
     line = registry.missing_line("ExampleHiddenStatesConnector._kv_cache", version="0.35.0")
     assert "capture_path: hooks" not in line and "install a vLLM from 0.16.0 to 0.34.0" in line, line
     with pytest.raises(registry.VLLMInternalError, match=r"^vLLM \S+ has no vllm.LLM \[engine:"):
-        sys.modules.setdefault("vllm", None)  # no vLLM in this environment: the import fails
-        try:
-            registry.load("LLM")
-        finally:
-            if sys.modules.get("vllm") is None:
-                del sys.modules["vllm"]
+        monkeypatch.setitem(sys.modules, "vllm", None)  # no vLLM, even where one is installed: the import fails
+        registry.load("LLM")
 
 
 def test_a_name_registered_for_a_later_release_is_expected_only_there():
