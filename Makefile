@@ -3,7 +3,8 @@
 #   make test     set up .venv, .venv-vllm and .venv-vllm016 and run every test (unit, workflow, vLLM
 #                 0.32 and 0.16 on CPU, lint, and the demo on a one-node Slurm cluster: needs root,
 #                 installs Debian's Slurm)
-#   make gpu-env  on a GPU host: .venv-gpu, one environment with CUDA vLLM and every rule's dependencies
+#   make gpu-env  on a GPU host: .venv-gpu, one environment with CUDA vLLM 0.34.0 (torch 2.14.0) and every
+#                 rule's dependencies
 #   make vllm-contract-newest  every vLLM name the code reads, checked against PyPI's newest vLLM's source
 PYTHON ?= python3
 VENV := .venv
@@ -48,11 +49,12 @@ $(VLLM016_VENV)/.installed: envs/vllm-0.16.txt pyproject.toml
 	$(VLLM016_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	touch $@
 
-# The GPU host's one environment: CUDA vLLM (envs/gpu.txt names the version), every rule's dependencies and
-# speculators' trainer; not part of `make test` (CI has no GPU), tests/test_envs.py checks what it pins.
+# The GPU host's one environment: CUDA vLLM 0.34.0 with torch 2.14.0, every rule's dependencies and speculators'
+# trainer; not part of `make test` (CI has no GPU), tests/test_envs.py checks what it pins. envs/gpu.txt is the
+# whole environment, installed --no-deps: vLLM 0.34.0 pins a flashinfer-python that PyPI lacks (that file says).
 $(GPU_VENV)/.installed: envs/gpu.txt envs/gpu-slurm.txt envs/speculators.txt pyproject.toml
 	$(PYTHON) -m venv $(GPU_VENV)
-	$(GPU_VENV)/bin/pip install $(PIP_FLAGS) -r envs/gpu.txt
+	$(GPU_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r envs/gpu.txt
 	# --executor slurm; --no-deps: envs/gpu-slurm.txt says why.
 	$(GPU_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r envs/gpu-slurm.txt
 	$(GPU_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r envs/speculators.txt

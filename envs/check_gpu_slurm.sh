@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Does the SLURM executor plugin fit the GPU environment? Without a GPU or CUDA wheels installed:
-#  1. pip resolves envs/gpu.txt (a dry run: metadata only) and says which numpy and plugin requirements it picks;
-#  2. pip cannot resolve envs/gpu.txt with the plugin (the numpy clash envs/gpu-slurm.txt names);
+#  1. pip resolves envs/gpu.txt without its vllm line (a dry run: metadata only; vLLM 0.34.0 pins a flashinfer-python
+#     that PyPI lacks, envs/gpu.txt says why), picks exactly the file's other pins, and says which numpy and plugin
+#     requirements they are; then vLLM --no-deps;
+#  2. pip cannot resolve envs/gpu.txt (without vllm) with the plugin (the numpy clash envs/gpu-slurm.txt names);
 #  3. in a scratch venv holding envs/gpu.txt's numpy, pandas, snakemake and the plugin's other requirements,
 #     the plugin installed --no-deps from envs/gpu-slurm.txt builds the profile's GPU job line
 #     (tests/test_slurm.py's unit test) and parses sacct output with numpy (its efficiency report).
@@ -18,18 +20,24 @@ pip() { "$py" -m pip --disable-pip-version-check -q "$@" 2> >(quiet >&2); }
 pip install -U pip
 pin() { sed -n "s/^$1==//p" envs/gpu.txt; }
 
-echo "== 1. pip install --dry-run -r envs/gpu.txt ($("$py" -m pip --version | cut -d' ' -f1-2), $("$py" -V))"
-pip install --dry-run --ignore-installed --report "$work/gpu.json" -r envs/gpu.txt >/dev/null
-"$py" - "$work/gpu.json" <<'PY'
-import json, sys
-picked = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.load(open(sys.argv[1]))["install"]}
+echo "== 1. pip install --dry-run envs/gpu.txt but vllm, vllm --no-deps ($("$py" -m pip --version | cut -d' ' -f1-2), $("$py" -V))"
+grep -v "^vllm==" envs/gpu.txt >"$work/gpu-no-vllm.txt"
+pip install --dry-run --ignore-installed --report "$work/gpu.json" -r "$work/gpu-no-vllm.txt" >/dev/null
+pip install --dry-run --ignore-installed --no-deps --report "$work/vllm.json" "vllm==$(pin vllm)" >/dev/null
+"$py" - "$work/gpu.json" "$work/vllm.json" envs/gpu.txt <<'PY'
+import json, re, sys
+def norm(name): return re.sub(r"[-_.]+", "-", name).lower()
+picked = {norm(i["metadata"]["name"]): i["metadata"]["version"]
+          for f in sys.argv[1:3] for i in json.load(open(f))["install"]}
+pinned = dict(ln.split("==") for ln in open(sys.argv[3]).read().splitlines() if "==" in ln and ln[0] != "#")
+print("the resolution is envs/gpu.txt:", picked == pinned, f"({len(picked)} distributions)")
 names = ("vllm", "torch", "numpy", "pandas", "pyyaml", "throttler", "snakemake",
          "snakemake-interface-common", "snakemake-interface-executor-plugins", "mistral-common")
 print("resolved:", ", ".join(f"{n} {picked.get(n, picked.get(n.replace('-', '_'), '?'))}" for n in names))
 PY
 
 echo "== 2. the same with the plugin resolved too, numpy left to pip (envs/gpu.txt without its numpy pin)"
-grep -v "^numpy==" envs/gpu.txt >"$work/gpu-any-numpy.txt"
+grep -v "^numpy==" "$work/gpu-no-vllm.txt" >"$work/gpu-any-numpy.txt"
 if "$py" -m pip install --dry-run --ignore-installed -r "$work/gpu-any-numpy.txt" -r envs/gpu-slurm.txt >"$work/clash.log" 2>&1; then
     echo "resolved: the clash is gone; envs/gpu-slurm.txt could move into envs/gpu.txt"
 else

