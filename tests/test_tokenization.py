@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -306,6 +310,34 @@ def test_worker_processes_give_identical_output(tmp_path, demo_model_dir):
     two = run(tmp_path / "two", demo_model_dir, convs, batch_size=4, workers=2)
     assert one[0] == two[0] and one[3][0]["line"] == two[3][0]["line"] == 8
     assert one[2]["rows"] == two[2]["rows"] == 39
+
+
+# A process whose torch OpenMP team has run (the validation matrix builds the tiny Qwen2.5-VL, then tokenizes its
+# image rows) forks the workers; each runs torch ops, as torchvision's image processors do.
+FORKED_AFTER_TORCH = """
+import torch
+from eagle3prep.tokenization import workers
+torch.set_num_threads(2)
+torch.ones(1 << 20).mul(2).sum()
+workers.load_tokenizer = workers.ChatEncoder = lambda *a: None
+workers.encode_lines = lambda encoder, path, lines, n: float(torch.ones(1 << 20).mul(2).sum())
+print(list(workers.encode_chunks(iter([[(1, "a")], [(2, "b")]]), None, "c.jsonl", 8, 2, (None, False, False, {}))))
+"""
+
+
+def test_workers_forked_after_torch_ran_its_threads_finish():
+    pytest.importorskip("torch")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), *sys.path])}
+    proc = subprocess.Popen([sys.executable, "-c", FORKED_AFTER_TORCH], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the hung workers too (they keep the pipes open)
+        proc.communicate()
+        pytest.fail("a tokenize worker hung in torch's OpenMP parallel region (forked after the parent's ran)")
+    assert proc.returncode == 0, err
+    assert out.strip() == "[2097152.0, 2097152.0]"
 
 
 EDGES = MIXED + [

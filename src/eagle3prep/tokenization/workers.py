@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Iterator
 
 from eagle3prep.tokenization.rows import EncodedChunk, encode_lines
@@ -29,6 +30,10 @@ def _init_worker(
     # One Rust thread per worker process (unless set otherwise): the workers already fill the cores
     # (tokenize.workers is about one per core), and rayon threads on top would only contend with them.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # One torch thread too (image processors on torchvision run torch ops): forked from a process whose OpenMP
+    # team already ran (a model built or run there), a parallel region here waits forever (libgomp, not fork-safe).
+    if (torch := sys.modules.get("torch")) is not None:
+        torch.set_num_threads(1)
     tokenizer = load_tokenizer(model_path, trust_remote_code)
     encoder = ChatEncoder(tokenizer, model_path, template_fallback, chat_template_kwargs)
     _WORKER = (encoder, conversations_path, max_seq_len)
