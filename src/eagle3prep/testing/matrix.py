@@ -6,10 +6,16 @@ Families are tiny_models', `kimi_int4` (tiny_kimi: INT4 routed experts, recomput
 `qwen2_5_vl` (tiny_vl, on conversations with images, which also plants the IMAGE_MISTAKES). VARIANTS adds
 `deepseek_v3_g2`, a DeepSeek-V3 shape whose re-routed tokens move ~0.5 (8 routed experts, top-2 of 1 of 2
 groups, layers 2-5 MoE, experts at the other weights' 0.1): the shape of the router near-tie tests.
+
+With a logprob window (`args.logprob_window`, bench's `--logprob-window N`) the vLLM driver asks for the prompt
+logprobs of every row, and a row longer than N through a prefix request of its first N tokens (backends/vllm/
+paths.logprob_request), as a row over vllm_common/memory.LOGPROB_WINDOW (2,048) is on a GPU. Each shard, right
+and planted, is then also validated with `validate.reference: scalable`, whose logits check covers those prefixes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
@@ -87,24 +93,62 @@ def write_image_rows(out: Path, model: Path, rows: int, shards: int) -> list[Pat
     return tokenize_records(matrix_records(root, rows, shards, VL_SIZES, SEED), model, root, 256, shards)
 
 
-def validate(shard: Path, tokens: Path, model: Path, refs: ReferencePair, out: Path) -> dict:
+def validate(shard: Path, tokens: Path, model: Path, refs: ReferencePair, out: Path, reference=True) -> dict:
     """validate_shard on every row; {'ok', 'failed': [check names], 'message', 'report'}."""
     try:
         report = validate_shard(
-            str(shard), str(tokens), str(out), str(model), sample_rows=10**9, device=refs.exact.device, refs=refs
-        )
+            str(shard), str(tokens), str(out), str(model), sample_rows=10**9, device=refs.exact.device,
+            reference=reference, refs=refs,
+        )  # fmt: skip
         return {"ok": True, "failed": [], "message": "", "report": report}
     except ValidationError as e:
         return {"ok": False, "failed": e.failed, "message": str(e), "report": None}
 
 
-def run_cell(args, family: str, model: Path, backend: str, dtype: str, tokens: list[Path], refs) -> dict:
+# The planted mistakes that change what id N holds beyond a scale: the logits check alone must fail them
+# (layer_plus_one leaves id N alone; the final RMSNorm hides `scaled`, and post_norm_final where its weight is 1).
+LOGITS_VISIBLE = ("layer_minus_one", "rows_swapped", "tokens_shifted", "other_shard")
+
+
+@contextlib.contextmanager
+def logprob_window(window: int | None):
+    """The vLLM driver's logprob window set to `window` tokens for the block (None: left as it is).
+
+    paths.py imported LOGPROB_WINDOW by name and logprob_request reads that name at call time, in the process
+    that adds the requests (the one holding the LLM, this one), so paths' own name is the one to set;
+    memory's too, which the driver's memory plan reads."""
+    if window is None:
+        yield
+        return
+    from eagle3prep.backends.vllm import paths
+    from eagle3prep.vllm_common import memory
+
+    old = paths.LOGPROB_WINDOW, memory.LOGPROB_WINDOW
+    paths.LOGPROB_WINDOW = memory.LOGPROB_WINDOW = window
+    try:
+        yield
+    finally:
+        paths.LOGPROB_WINDOW, memory.LOGPROB_WINDOW = old
+
+
+def logprob_notes(shard: Path) -> list[str]:
+    """The driver's notes of logits-check rows it covered in part (timings.json's writer stats)."""
+    return json.loads((shard / "timings.json").read_text()).get("writer", {}).get("logprob_notes", [])
+
+
+def run_cell(
+    args, family: str, model: Path, backend: str, dtype: str, tokens: list[Path], refs, seed: int = 0
+) -> dict:
     """Capture the shards with one engine, validate them, then validate each planted mistake."""
     n = refs.n
     storage = getattr(args, "storage", "model_dtype")
+    window = getattr(args, "logprob_window", None)
     cell = {"family": family, "backend": backend, "dtype": dtype, "device": args.device, "tp": args.tp}
     cell["storage"] = storage
-    wd = args.out / "cells" / f"{family}-{backend}-{dtype}"
+    if seed:
+        cell["seed"] = seed
+    wd = args.out / "cells" / (f"{family}-{backend}-{dtype}" + (f"-s{seed}" if seed else ""))
+    lengths = [[len(r["input_ids"]) for r in tokenized_rows(t)] for t in tokens]
     spec = CaptureSpec(
         backend=backend,
         model_path=str(model),
@@ -123,18 +167,25 @@ def run_cell(args, family: str, model: Path, backend: str, dtype: str, tokens: l
         capture_path=getattr(args, "capture_path", "auto"),  # callers building their own Namespace: auto
         storage=storage,
         batch_tokens=2048,
+        # a window: every row's logprobs (the logits check on every row), else the default rows of the shard
+        **({"logprob_rows": max(map(len, lengths))} if window else {}),
     )
     t0 = time.time()
     engine = make_backend(spec, settings)
     try:
-        info = engine.probe()
-        shards = []
-        for k, tok in enumerate(tokens):
-            shard = wd / f"shard_{k}"
-            extract_shard(str(tok), str(shard), spec, settings, shard=k, engine=(engine, info))
-            shards.append(shard)
+        with logprob_window(window):
+            info = engine.probe()
+            shards = []
+            for k, tok in enumerate(tokens):
+                shard = wd / f"shard_{k}"
+                extract_shard(str(tok), str(shard), spec, settings, shard=k, engine=(engine, info))
+                shards.append(shard)
     finally:
         engine.close()
+    if window and backend == "vllm":  # the window took effect: one note per row over it, no more
+        notes = [logprob_notes(s) for s in shards]
+        over = [sum(x > window for x in ls) for ls in lengths]
+        assert list(map(len, notes)) == over, f"logprob notes {list(map(len, notes))}, rows over {window}: {over}"
     cell.update(capture_path=info.capture_path, engine_version=info.engine_version, capture_s=time.time() - t0)
     cell["workarounds"] = info.details.get("workarounds", [])
     correct = [
@@ -163,17 +214,38 @@ def run_cell(args, family: str, model: Path, backend: str, dtype: str, tokens: l
             return norm(x.to(dev)).cpu()
 
     scale = float(getattr(refs.exact.model.config, "routed_scaling_factor", 2.5) or 2.5)
+    if window:
+        pairs = enumerate(zip(shards, tokens, strict=True))
+        cell["logits"] = logits_summary(
+            [validate(s, t, model, refs, wd / f"s_{k}.json", "scalable") for k, (s, t) in pairs]
+        )
+        cell["logits"]["window"] = window
     cell["planted"] = {}
     for mistake in MISTAKES:
         bad = plant(mistake, shards[0], wd / f"planted_{mistake}", claimed, final_norm, scale, other=shards[1])
         v = validate(bad, tokens[0], model, refs, wd / f"v_{mistake}.json")
         cell["planted"][mistake] = {"caught": not v["ok"], "failed": v["failed"], "message": v["message"][:400]}
+        if window:
+            v = validate(bad, tokens[0], model, refs, wd / f"s_{mistake}.json", "scalable")
+            cell["planted"][mistake].update(scalable_caught=not v["ok"], logits_failed="logits" in v["failed"])
     if family == VL:  # the ways a capture feeds images wrong: image rows recomputed with the wrong images
         for mistake in IMAGE_MISTAKES:
             bad = plant_image(mistake, shards[0], wd / f"planted_{mistake}", tokens[0], str(model))
             v = validate(bad, tokens[0], model, refs, wd / f"v_{mistake}.json")
             cell["planted"][mistake] = {"caught": not v["ok"], "failed": v["failed"], "message": v["message"][:400]}
     return cell
+
+
+def logits_summary(results: list[dict]) -> dict:
+    """The scalable validations of a cell's right shards: did they pass, on how many rows the logits check ran and
+    on how many only through the prefix."""
+    verdicts = [x for v in results if v["report"] for x in v["report"]["scalable"]["logits"]]
+    return {
+        "ok": all(v["ok"] for v in results),
+        "message": "; ".join(v["message"][:300] for v in results if not v["ok"]),
+        "rows": len(verdicts),
+        "prefix_rows": sum(x["covered_tokens"] < x["row_tokens"] for x in verdicts),
+    }
 
 
 def dump_tokens(path: Path, shards: list[Path], tokens: list[Path], refs: ReferencePair, model: Path) -> None:
@@ -223,15 +295,48 @@ def summary_row(c: dict) -> str:
     )
     caught = [m for m, p in c["planted"].items() if p["caught"]]
     missed = [m for m, p in c["planted"].items() if not p["caught"]]
+    family = c["family"] + (f", seed {c['seed']}" if "seed" in c else "")
     return (
-        f"| {c['family']} | {c['backend']} ({c['capture_path']}) | {c['dtype']} | {c['device']} | {c['tp']} | "
+        f"| {family} | {c['backend']} ({c['capture_path']}) | {c['dtype']} | {c['device']} | {c['tp']} | "
         f"{'PASS' if c['correct_ok'] else 'FAIL'} ({rows} rows) | {worst:.2f} | {div:.2%} / {fdiv:.2%} | {cascades} | "
         f"{len(caught)}/{len(c['planted'])}{' missed: ' + ', '.join(missed) if missed else ''} |"
+        + (logits_cell(c) if "logits" in c else "")
+    )
+
+
+def logits_cell(c: dict) -> str:
+    """The window columns: the scalable validation of the right shards (logits-check rows, how many through the
+    prefix), and of the planted ones (caught; failed by the logits check itself)."""
+    lg, planted = c["logits"], c["planted"]
+    missed = [m for m, p in planted.items() if not p["scalable_caught"]]
+    by_logits = [m for m, p in planted.items() if p["logits_failed"]]
+    unseen = [m for m in LOGITS_VISIBLE if m in planted and m not in by_logits]
+    return (
+        f" {'PASS' if lg['ok'] else 'FAIL'} ({lg['rows']} rows, {lg['prefix_rows']} on their first {lg['window']} tokens)"
+        f" | {len(planted) - len(missed)}/{len(planted)}{' missed: ' + ', '.join(missed) if missed else ''};"
+        f" logits check failed {len(by_logits)}: {', '.join(by_logits)}"
+        f"{'; NOT ' + ', '.join(unseen) if unseen else ''} |"
     )
 
 
 def broken(cells: list[dict]) -> list[dict]:
-    """The cells that raised, failed on the right capture, or let a planted mistake pass."""
+    """The cells that raised, failed on the right capture, or let a planted mistake pass (with a logprob window
+    also: the scalable validation failed the right shards, let a planted one pass, or its logits check let one of
+    LOGITS_VISIBLE pass)."""
+
+    def window_broken(c: dict) -> bool:
+        planted = c["planted"]
+        return "logits" in c and (
+            not c["logits"]["ok"]
+            or not all(p["scalable_caught"] for p in planted.values())
+            or not all(planted[m]["logits_failed"] for m in LOGITS_VISIBLE if m in planted)
+        )
+
     return [
-        c for c in cells if "error" in c or not c["correct_ok"] or not all(p["caught"] for p in c["planted"].values())
+        c
+        for c in cells
+        if "error" in c
+        or not c["correct_ok"]
+        or not all(p["caught"] for p in c["planted"].values())
+        or window_broken(c)
     ]
