@@ -393,7 +393,7 @@ def test_fp8_sink_writes_the_rows_quantized(tmp_path, slots):
 def test_fp8_positional_writer_needs_each_ranges_scales(tmp_path):
     rows = rows_tensor(10, 0).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
     after = ("hidden_states_scales", "float32", (10, 1))
-    w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "float8_e4m3fn", (10, H), None, after)
+    w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "float8_e4m3fn", (10, H), after)
     with pytest.raises(ValueError, match="rows of hidden_states_scales expected"):
         w.place(0, rows[0:4])
     with pytest.raises(ValueError, match="12 bytes of hidden_states_scales for 4 rows"):
@@ -426,3 +426,10 @@ def test_shard_writer_of_an_fp8_shard(tmp_path):
         writer.finish(sink.finish(), manifest_fields(hidden_size=H))
     writer.abort()
     assert list(bf16.iterdir()) == []
+
+
+def test_a_second_tensor_of_other_rows_is_refused_before_any_file(tmp_path):
+    after = ("hidden_states_scales", "float32", (9, 1))  # one row short of the tensor it follows
+    with pytest.raises(ValueError, match="hidden_states_scales has 9 rows, hidden_states 10"):
+        PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "float8_e4m3fn", (10, H), after)
+    assert list(tmp_path.iterdir()) == []

@@ -53,6 +53,8 @@ class StreamingSafetensorsWriter:
         self.after = after
         self.row_bytes = DTYPES[dtype][1] * int(_prod(self.shape[1:]))
         self.expected_rows = self.shape[0]
+        if after is not None and after[2][0] != self.expected_rows:
+            raise ValueError(f"{self.path.name}: {after[0]} has {after[2][0]} rows, {name} {self.expected_rows}")
         self.rows = 0
         header = safetensors_header([(name, dtype, self.shape), *([after] if after else [])])
         self.tmp = temp_of(self.path)
@@ -211,21 +213,11 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
     file order, and keeping it in memory until then would grow with the shard (4 bytes a token).
     """
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        name: str,
-        dtype: str,
-        shape: tuple[int, ...],
-        sync_bytes: int | None = None,
-        after: tuple[str, str, tuple[int, ...]] | None = None,
-    ):
-        """`sync_bytes`: flush to disk in the background every this many bytes (BackgroundFlush), so
-        the disk works while the capture runs (None: only at seal())."""
-        super().__init__(path, name, dtype, shape, after)
-        if after is not None and after[2][0] != self.expected_rows:
-            self.abort()
-            raise ValueError(f"{self.path.name}: {after[0]} has {after[2][0]} rows, {name} {self.expected_rows}")
+    def __init__(self, *args: Any, sync_bytes: int | None = None, **kwargs: Any):
+        """The base class's arguments, and `sync_bytes`: flush to disk in the background every this many bytes
+        (BackgroundFlush), so the disk works while the capture runs (None: only at seal())."""
+        super().__init__(*args, **kwargs)
+        after = self.after
         self.after_row_bytes = DTYPES[after[1]][1] * int(_prod(after[2][1:])) if after else 0
         try:
             with disk_full_is_user_error(self.path):

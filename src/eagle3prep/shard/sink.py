@@ -166,7 +166,7 @@ class LayerSink:
             for lid in self.layer_ids:
                 path = Path(spec.layer_paths[lid])
                 self.writers[lid] = PositionalSafetensorsWriter(
-                    path, name, dtype, shape, spec.sync_bytes, after[0] if after else None
+                    path, name, dtype, shape, after[0] if after else None, sync_bytes=spec.sync_bytes
                 )
         except BaseException:
             for w in self.writers.values():  # no flush thread or temp file left behind
