@@ -102,7 +102,9 @@ def main() -> None:
     args.real_weights = args.shape_name == KIMI_INT4
     if args.real_weights and not args.phase:
         args.out.mkdir(parents=True, exist_ok=True)
-        make_kimi_int4_dir(args.out)
+        context = json.loads((make_kimi_int4_dir(args.out) / "config.json").read_text())["max_position_embeddings"]
+        if args.max_len >= context:
+            ap.error(f"--shape kimi-int4: --max-len {args.max_len} must stay under the target's context ({context})")
     args.shape, args.vision = shapes(args)
     if args.rounds < 1:
         ap.error("--rounds: at least 1")

@@ -30,15 +30,9 @@ import sys
 import time
 from pathlib import Path
 
+from extractbench.workload import LLAMA_8B  # the 8B shape bench_extract times
+
 REPO = Path(__file__).resolve().parents[1]
-LLAMA_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-)
 CHATML = (
     "{%- for message in messages -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"

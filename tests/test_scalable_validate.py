@@ -5,7 +5,6 @@ planted mistake of the validation matrix, on a dense and on a DeepSeek-V3 (MLA +
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -15,23 +14,12 @@ from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
 from eagle3prep.settings import ExtractSettings
+from eagle3prep.testing.matrix import write_rows
 from eagle3prep.testing.planted import MISTAKES, plant
 from eagle3prep.testing.tiny_models import NUM_LAYERS, build_family
 from eagle3prep.validate import ValidationError, validate_shard
 
 ROWS = 6  # rows 1 and 3 share a length (rows_swapped); logprob rows 0, 1, 3, 4 include both
-
-
-def write_rows(path: Path, vocab: int, seed: int, first_row: int) -> Path:
-    rng = random.Random(seed)
-    lengths = [rng.randrange(16, 90) for _ in range(ROWS)]
-    lengths[3] = lengths[1]
-    with open(path, "w", encoding="utf-8") as f:
-        for i, n in enumerate(lengths):
-            ids = [rng.randrange(3, vocab) for _ in range(n)]
-            rec = {"row": first_row + i, "id": f"{seed}-{i}", "input_ids": ids, "loss_mask": [1] * n, "seq_len": n}
-            f.write(json.dumps(rec) + "\n")
-    return path
 
 
 def verdict(shard: Path, tokens: Path, model: Path, out: Path, window: list[int]) -> tuple[bool, list[str], str]:
@@ -64,7 +52,7 @@ def test_scalable_checks_pass_right_data_and_catch_every_planted_mistake(tmp_pat
     )
     shards, tokens = [], []
     for k in range(2):
-        tokens.append(write_rows(tmp_path / f"tokens_{k}.jsonl", vocab, k, k * ROWS))
+        tokens.append(write_rows(tmp_path / f"tokens_{k}.jsonl", ROWS, vocab, k, k * ROWS))
         shards.append(tmp_path / f"shard_{k}")
         settings = ExtractSettings.defaults(logprob_rows=4, storage=storage, batch_tokens=512)
         extract_shard(str(tokens[k]), str(shards[k]), spec, settings, shard=k)
