@@ -1,6 +1,7 @@
 """Reasoning-length rows through capture and validation on a GPU: no engine death, and the logits check on.
 
     python bench/long_rows.py OUT [--shape narrow|kimi-vocab] [--lengths 32768,65536] [--capture-path auto]
+                                  [--layer-ids 1,2]
 
 Builds a random Llama with real saved weights (validation recomputes from them): `narrow` is the 8B shape's
 vocabulary (128,256) on a 4-layer body of hidden 1024; `kimi-vocab` is Kimi-K2.5's vocabulary (163,840) and
@@ -72,6 +73,8 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="narrow")
     ap.add_argument("--lengths", default="32768,65536,20000,4096", help="tokens of each row, comma-separated")
     ap.add_argument("--capture-path", default="auto", choices=["auto", "hooks", "builtin"])
+    ap.add_argument("--layer-ids", help="comma-separated (default: the shape's default ids); the built-in path, "
+                    "the only one on vLLM 0.34, refuses id 0")  # fmt: skip
     args = ap.parse_args()
     print("command: python " + " ".join(sys.argv), flush=True)
 
@@ -90,7 +93,11 @@ def main() -> None:
     model = build_model(args.out / f"model-{args.shape}", shape, max(lengths))
     print(f"model {args.shape}: {shape} built in {time.time() - t0:.0f} s", flush=True)
     tokens = write_rows(args.out / f"rows-{args.shape}.jsonl", lengths, shape["vocab_size"])
-    ids = default_layer_ids(shape["num_hidden_layers"])
+    ids = (
+        [int(x) for x in args.layer_ids.split(",")]
+        if args.layer_ids
+        else default_layer_ids(shape["num_hidden_layers"])
+    )
     spec = CaptureSpec(backend="vllm", model_path=str(model), layer_ids=ids, dtype="bfloat16", device="cuda",
                        tp_size=1, max_seq_len=max(lengths))  # fmt: skip
     settings = ExtractSettings.defaults(capture_path=args.capture_path, logprob_rows=len(lengths))

@@ -13,8 +13,9 @@
 #   kimi_int4 the Kimi-shaped INT4 target: (a) its own plain prefill, (f) capture
 #   long64    8B shape, rows of 32k-64k, (a) and (f); kimi64: the kimi-vocab shape, the same rows
 #   valid_kimi  capture and validation (logits check on) of 4k-64k rows on the kimi-vocab shape, a planted mistake
-#   regen_long  the regenerate stage writing replies of up to 30k tokens (8B shape), beside plain generate
-# STEPS="matrix regress" runs only those.
+#             (layer ids 1, 2: the built-in path refuses id 0)
+#   regen_long  the regenerate stage writing replies of up to 24k tokens (8B shape), beside plain generate
+# STEPS="matrix regress" runs only those; MATRIX_FAMILIES="qwen2_5_vl" only that family's matrix.
 set -u
 O=${1:?usage: newest_vllm.sh OUT}
 mkdir -p "$O"
@@ -25,7 +26,7 @@ W=/tmp/nv-work
 . "$(dirname "$0")/steps.sh"
 matrix() {  # one process per family: each engine with a fixed 2 GiB KV cache (--share-gpu)
   local f pids=() rc=0
-  for f in llama qwen3_moe deepseek_v3 kimi_int4 qwen2_5_vl; do
+  for f in ${MATRIX_FAMILIES:-llama qwen3_moe deepseek_v3 kimi_int4 qwen2_5_vl}; do
     python3 bench/validation_matrix.py "$W/matrix/$f" --families $f --backends vllm --dtypes bfloat16 \
       --device cuda --share-gpu > "$O/matrix_$f.txt" 2>&1 &
     pids+=($!)
@@ -43,6 +44,6 @@ step regress "$NEW" python3 bench/bench_extract.py $W/regress --phases af --rows
 step kimi_int4 "$NEW" python3 bench/bench_extract.py $W/kimi_int4 --shape kimi-int4 --phases af --rows 384 --seq 1000 --min-len 100 --max-len 1000
 step long64 "$NEW" python3 bench/bench_extract.py $W/long64 --phases af --rows 4 --seq 65536 --min-len 32768 --max-len 65536
 step kimi64 "$NEW" python3 bench/bench_extract.py $W/kimi64 --shape kimi-vocab --phases af --rows 4 --seq 65536 --min-len 32768 --max-len 65536
-step valid_kimi "$NEW" python3 bench/long_rows.py $W/valid --shape kimi-vocab --lengths 32768,65536,20000,4096
-step regen_long "$NEW" python3 bench/bench_regenerate.py $W/regen --prompts 16 --max-tokens 30000 --max-model-len 32768 --rounds 1
+step valid_kimi "$NEW" python3 bench/long_rows.py $W/valid --shape kimi-vocab --lengths 32768,65536,20000,4096 --layer-ids 1,2
+step regen_long "$NEW" python3 bench/bench_regenerate.py $W/regen --prompts 16 --max-tokens 24000 --max-model-len 32768 --rounds 1
 echo "$(date +%T) all done" >> "$O/done"
