@@ -6,7 +6,9 @@
 # Acceptance does not depend on what else runs; tokens/s does, so the last step serves the target alone
 # and ours_s0 again on an idle GPU (serve/speed_*.json).
 # Usage: setsid nohup bash bench/quality/device_run.sh /tmp/q > /tmp/q/run.log 2>&1 &
+# BRANCHES="ours peer" runs only those (of offpolicy ours fp8 planted peer speed): a device session too short for all.
 . "$(dirname "$0")/device_common.sh" "$1"
+want() { case " ${BRANCHES:-offpolicy ours fp8 planted peer speed} " in *" $1 "*) return 0 ;; esac; return 1; }
 
 train_serve() {  # variant seeds...: train side by side, then serve each draft
   local v=$1; shift
@@ -20,16 +22,17 @@ train_serve() {  # variant seeds...: train side by side, then serve each draft
 
 [ -f "$Q/target/target.json" ] || $R --stage target > "$Q/target.log" 2>&1 || exit 1
 log "data ours, offpolicy"
-($R --stage data --variants offpolicy > "$Q/data_offpolicy.log" 2>&1; train_serve offpolicy 0 1) &
+want offpolicy && ($R --stage data --variants offpolicy > "$Q/data_offpolicy.log" 2>&1; train_serve offpolicy 0 1) &
 $R --stage data --variants ours > "$Q/data_ours.log" 2>&1 || { log "ours' data failed"; wait; exit 1; }
 log "ours' data done"
-$R --stage serve --only target_only > "$Q/serve_target_only.log" 2>&1 &
-train_serve ours 0 1 &
-($R --stage data --variants fp8 > "$Q/data_fp8.log" 2>&1; train_serve fp8 0 1) &
-($R --stage data --variants all_ids > "$Q/data_all_ids.log" 2>&1 && $R --stage plant > "$Q/plant.log" 2>&1 &&
+want speed && $R --stage serve --only target_only > "$Q/serve_target_only.log" 2>&1 &
+want ours && train_serve ours 0 1 &
+want fp8 && ($R --stage data --variants fp8 > "$Q/data_fp8.log" 2>&1; train_serve fp8 0 1) &
+want planted && ($R --stage data --variants all_ids > "$Q/data_all_ids.log" 2>&1 && $R --stage plant > "$Q/plant.log" 2>&1 &&
   for v in planted_layer_plus_one planted_post_norm_final planted_tokens_shifted; do train_serve $v 0 & done; wait) &
-($R --stage peer > "$Q/peer.log" 2>&1 && train_serve peer 0 1) &
+want peer && ($R --stage peer > "$Q/peer.log" 2>&1 && train_serve peer 0 1) &
 wait
+want speed || { log "all done"; exit 0; }
 log "speed: target alone and ours_s0 on an idle GPU"
 $R --stage serve --tag speed_ --only target_only ours_s0 > "$Q/serve_speed.log" 2>&1
 log "all done"
