@@ -8,14 +8,17 @@
 #             each family's table in OUT/matrix_<family>.txt
 #   workflow  the workflow's GPU rule through snakemake (gpu_validate.py; needs the tools payload): Llama and
 #             the Kimi-shaped INT4 target
+#   quality   the acceptance bench's ours and peer branches (bench/quality/device_run.sh; needs the tools payload),
+#             its summary in OUT/quality.txt
+#   valid_kimi  capture and validation (logits check on) of 4k-64k rows on the kimi-vocab shape, a planted mistake
+#             (layer ids 1, 2: the built-in path refuses id 0)
+#   long64    8B shape, rows of 32k-64k, (a) and (f); kimi64: the kimi-vocab shape, the same rows
 #   regress   the 393k-token uniform and mixed shards (192 x 2048): (a) plain prefill, (f) the built-in path
 #             compiled (auto's path on 0.34 with the default enforce_eager: false)
 #   kimi_int4 the Kimi-shaped INT4 target: (a) its own plain prefill, (f) capture
-#   long64    8B shape, rows of 32k-64k, (a) and (f); kimi64: the kimi-vocab shape, the same rows
-#   valid_kimi  capture and validation (logits check on) of 4k-64k rows on the kimi-vocab shape, a planted mistake
-#             (layer ids 1, 2: the built-in path refuses id 0)
 #   regen_long  the regenerate stage writing replies of up to 24k tokens (8B shape), beside plain generate
-# STEPS="matrix regress" runs only those; MATRIX_FAMILIES="qwen2_5_vl" only that family's matrix.
+# Steps run in this order; STEPS="quality regress" runs only those; MATRIX_FAMILIES="qwen2_5_vl" only that
+# family's matrix.
 set -u
 O=${1:?usage: newest_vllm.sh OUT}
 mkdir -p "$O"
@@ -38,12 +41,17 @@ workflow() {
   python3 bench/gpu_validate.py "$W/workflow/llama" --runs 1:auto && \
     python3 bench/gpu_validate.py "$W/workflow/kimi" --target kimi-int4 --runs 1:auto
 }
+quality() {
+  BRANCHES="ours peer" bash bench/quality/device_run.sh "$W/q" > "$O/quality_run.log" 2>&1
+  python3 bench/quality/summarize.py "$W/q"
+}
 step matrix "$NEW" matrix
 step workflow "$NEW" workflow
-step regress "$NEW" python3 bench/bench_extract.py $W/regress --phases af --rows 192
-step kimi_int4 "$NEW" python3 bench/bench_extract.py $W/kimi_int4 --shape kimi-int4 --phases af --rows 384 --seq 1000 --min-len 100 --max-len 1000
-step long64 "$NEW" python3 bench/bench_extract.py $W/long64 --phases af --rows 4 --seq 65536 --min-len 32768 --max-len 65536
-step kimi64 "$NEW" python3 bench/bench_extract.py $W/kimi64 --shape kimi-vocab --phases af --rows 4 --seq 65536 --min-len 32768 --max-len 65536
+step quality "$NEW" quality
 step valid_kimi "$NEW" python3 bench/long_rows.py $W/valid --shape kimi-vocab --lengths 32768,65536,20000,4096 --layer-ids 1,2
+step long64 "$NEW" python3 bench/bench_extract.py $W/long64 --phases af --rows 4 --seq 65536 --min-len 32768 --max-len 65536
+step regress "$NEW" python3 bench/bench_extract.py $W/regress --phases af --rows 192
+step kimi64 "$NEW" python3 bench/bench_extract.py $W/kimi64 --shape kimi-vocab --phases af --rows 4 --seq 65536 --min-len 32768 --max-len 65536
+step kimi_int4 "$NEW" python3 bench/bench_extract.py $W/kimi_int4 --shape kimi-int4 --phases af --rows 384 --seq 1000 --min-len 100 --max-len 1000
 step regen_long "$NEW" python3 bench/bench_regenerate.py $W/regen --prompts 16 --max-tokens 24000 --max-model-len 32768 --rounds 1
 echo "$(date +%T) all done" >> "$O/done"

@@ -6,7 +6,8 @@
 # Acceptance does not depend on what else runs; tokens/s does, so the last step serves the target alone
 # and ours_s0 again on an idle GPU (serve/speed_*.json).
 # Usage: setsid nohup bash bench/quality/device_run.sh /tmp/q > /tmp/q/run.log 2>&1 &
-# BRANCHES="ours peer" runs only those (of offpolicy ours fp8 planted peer speed): a device session too short for all.
+# BRANCHES="ours peer" runs only those (of offpolicy ours fp8 planted peer speed) beside the target's own serve:
+# for a device session too short for all.
 . "$(dirname "$0")/device_common.sh" "$1"
 want() { case " ${BRANCHES:-offpolicy ours fp8 planted peer speed} " in *" $1 "*) return 0 ;; esac; return 1; }
 
@@ -25,7 +26,7 @@ log "data ours, offpolicy"
 want offpolicy && ($R --stage data --variants offpolicy > "$Q/data_offpolicy.log" 2>&1; train_serve offpolicy 0 1) &
 $R --stage data --variants ours > "$Q/data_ours.log" 2>&1 || { log "ours' data failed"; wait; exit 1; }
 log "ours' data done"
-want speed && $R --stage serve --only target_only > "$Q/serve_target_only.log" 2>&1 &
+$R --stage serve --only target_only > "$Q/serve_target_only.log" 2>&1 &  # summarize.py compares with it
 want ours && train_serve ours 0 1 &
 want fp8 && ($R --stage data --variants fp8 > "$Q/data_fp8.log" 2>&1; train_serve fp8 0 1) &
 want planted && ($R --stage data --variants all_ids > "$Q/data_all_ids.log" 2>&1 && $R --stage plant > "$Q/plant.log" 2>&1 &&
