@@ -248,7 +248,7 @@ def build_connector(module: Any, sched: Any = None) -> type:
                 ready, self._e3p_ready = self._e3p_ready, None
                 if (saves or parts) and self._is_tp_rank_zero:
                     gathered = self._e3p_write(saves + parts, ready)
-                    self._e3p_gathered = gathered
+                    self._e3p_gathered = gathered if parts else None  # finished saves' blocks are held for it
                     for p in saves:  # reported sent by the parent's get_finished once the gather ran
                         self._req_copy_events[p.req_id] = gathered
             return super().get_finished(finished_req_ids)
