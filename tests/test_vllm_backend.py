@@ -177,6 +177,30 @@ def test_capture_matches_transformers(engine, rows, reference):
     assert_matches(capture_rows(backend, rows), info, reference["float32"], reference["bfloat16"])
 
 
+def test_a_preempted_long_prefill_lands_right_on_the_builtin_path(model_path, rows, reference, capfd):
+    """A KV cache of 12 blocks of 32 and 32 tokens a request a step: three long rows grow side by side until
+    vLLM preempts one (recomputed later into new blocks). Its rows that went out in parts before stay, the rest
+    come with its final save from the new blocks, and every row still matches transformers."""
+    order = [4, 1, 3]  # 256, 200 and 130 tokens
+    mine = [rows[k] for k in order]
+    spec = CaptureSpec(backend="vllm", model_path=model_path, layer_ids=LAYER_IDS["builtin"], dtype="float32",
+                       max_seq_len=MAX_SEQ_LEN, device="cpu", tp_size=1)  # fmt: skip
+    tight = {"num_gpu_blocks_override": 12, "block_size": 32, "long_prefill_token_threshold": 32}
+    settings = ExtractSettings.defaults(
+        capture_path="builtin", max_num_batched_tokens=BATCH_TOKENS, enforce_eager=True, engine_args=tight
+    )
+    backend = VLLMBackend(spec, settings)
+    try:
+        info = backend.probe()
+        out = capture_rows(backend, mine)
+        parts = backend.capture_stats.get("part_tokens", 0)
+    finally:
+        backend.close()
+    assert "(preempted?); rows" in capfd.readouterr().err  # the connector's line: that request's parts stopped
+    assert 0 < parts < sum(map(len, mine))
+    assert_matches(out, info, rows_of(reference["float32"], rows, order), rows_of(reference["bfloat16"], rows, order))
+
+
 def test_rows_follow_their_request(engine, rows, reference):
     """The same rows in another order and grouping: each row's states still follow it."""
     backend, info = engine

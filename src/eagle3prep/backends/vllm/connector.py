@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 from typing import TYPE_CHECKING, Any
 
 from ...shard.sink import PROBE_SUFFIX
@@ -202,7 +203,7 @@ def build_connector(module: Any, sched: Any = None) -> type:
             group, scheduled = self._cache_kv_group_id, out.num_scheduled_tokens
             for r in out.scheduled_new_reqs:
                 if r.req_id in self._e3p_live:  # scheduled from the start again: the final save takes the rest
-                    self._e3p_live[r.req_id].streaming = False
+                    _stop(self._e3p_live[r.req_id], "scheduled again from its start")
                     continue
                 tag = (getattr(r.sampling_params, "extra_args", None) or {}).get(TAG_KEY)
                 if tag is None or tag.endswith(PROBE_SUFFIX) or r.num_computed_tokens or r.prompt_token_ids is None:
@@ -218,7 +219,7 @@ def build_connector(module: Any, sched: Any = None) -> type:
                     continue
                 done = cached.num_computed_tokens[i]
                 if done != live.expect:  # preempted, or anything but plain progress: stop handing out parts
-                    live.streaming = False
+                    _stop(live, f"{done} tokens computed where {live.expect} were due (preempted?)")
                     continue
                 new = cached.new_block_ids[i]
                 if new is not None:
@@ -305,6 +306,13 @@ def _saved_spans(
         slots.append(slots_of(p.block_ids, block_size, end)[first:])
         at += end - first
     return spans, slots, at
+
+
+def _stop(live: _Live, why: str) -> None:
+    """No more parts for this request: its final save gathers what they did not (one line on stderr)."""
+    if live.streaming:
+        live.streaming = False
+        print(f"[vllm connector] row {live.tag}: {why}; rows {live.saved}+ go with its final save", file=sys.stderr)
 
 
 def _wait_for(event: Any) -> None:
