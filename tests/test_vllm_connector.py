@@ -479,6 +479,24 @@ def test_a_part_past_its_row_fails_the_shard_not_the_engine(tmp_path):
         prefill_in_steps(tmp_path, kv, steps, [0, 9, 4], row_length=6)
 
 
+def test_a_scheduler_output_the_parts_cannot_read_turns_them_off_not_the_engine(tmp_path, capfd):
+    """A step whose block table the parts cannot read (here: no hidden-states group) raises in the scheduler,
+    which would kill the engine: parts go off with one line, and the final save takes every row of the request
+    from where its last good part ended."""
+    kv = cache_with("0.32", {1: (11, [0, 9, 4])})
+    first = NewRequestData("r", [5] * 11, SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"}), groups([0]), 0)
+    steps = [
+        step(new=[first], scheduled={"r": 4}),
+        step(cached=[("r", groups([9]), 4)], scheduled={"r": 4}),
+        step(cached=[("r", ([4],), 8)], scheduled={"r": 3}),  # one group only
+    ]
+    gathers, rows, parts = prefill_in_steps(tmp_path, kv, steps, [0, 9, 4])
+    assert gathers == [4, 7] and parts == 4
+    assert "[vllm connector] parts off, whole requests from now on: IndexError" in capfd.readouterr().err
+    for j, got in enumerate(rows):
+        assert torch.equal(got, torch.stack([value(1, p, j) for p in range(11)]))
+
+
 def test_requests_that_are_no_shard_row_get_no_parts():
     """Probe requests (the logits check's prefix), untagged requests and prefix-cache hits stay whole saves."""
     conn = connector.build_connector(fake_module("0.32"), SCHED)(torch.zeros(1))

@@ -179,6 +179,7 @@ def build_connector(module: Any, sched: Any = None) -> type:
             self._e3p_ready: Any = None  # this step's start on the device (bind_connector_metadata)
             self._e3p_gathered: Any = None  # the last step's gather (its parts' blocks are not held for it)
             self._e3p_live: dict[str, _Live] = {}  # scheduler side: rows being prefilled
+            self._e3p_stream = True  # off after an unexpected scheduler output
 
         # ---- scheduler side: the request's tag travels with its pending save; prefills hand out parts ----
         def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -195,7 +196,16 @@ def build_connector(module: Any, sched: Any = None) -> type:
 
         def build_connector_meta(self, scheduler_output: Any) -> Any:
             meta = super().build_connector_meta(scheduler_output)
-            meta.e3p_parts = self._e3p_parts(scheduler_output)
+            saved = {rid: live.saved for rid, live in self._e3p_live.items()}
+            try:
+                meta.e3p_parts = self._e3p_parts(scheduler_output) if self._e3p_stream else []
+            except Exception as e:  # a raise here would kill the engine: whole requests from now on
+                self._e3p_stream, meta.e3p_parts = False, []
+                for rid, live in self._e3p_live.items():  # what this step's lost parts held goes with the final save
+                    live.saved, live.streaming = saved.get(rid, 0), False
+                print(
+                    f"[vllm connector] parts off, whole requests from now on: {type(e).__name__}: {e}", file=sys.stderr
+                )
             return meta
 
         def _e3p_parts(self, out: Any) -> list[PartSave]:
