@@ -510,7 +510,7 @@ def test_requests_that_are_no_shard_row_get_no_parts():
     meta = conn.build_connector_meta(
         step(cached=[(r.req_id, None, 4) for r in new], scheduled={"probe": 4, "plain": 4, "cached": 4})
     )
-    assert meta.e3p_parts == [] and conn._e3p_live == {}
+    assert meta.e3p_parts == [] and conn._e3p_prefills.live == {}
 
 
 def test_the_scheduler_fields_the_parts_read_are_checked_when_the_connector_is_built():

@@ -17,14 +17,12 @@ vLLM is imported lazily, so this module imports without it (the base environment
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import sys
 from typing import TYPE_CHECKING, Any
 
-from ...shard.sink import PROBE_SUFFIX
 from ...vllm_common import registry
 from .compat import TAG_KEY
+from .prefill_parts import PartSave, PrefillParts
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -121,30 +119,6 @@ def steps_of(
     return out
 
 
-@dataclasses.dataclass
-class PartSave:
-    """Rows [start, end) of a request still being prefilled, all in the hidden-states cache before the step
-    that carries this (connector metadata `e3p_parts`)."""
-
-    req_id: str
-    e3p_tag: str
-    start: int
-    end: int
-    block_ids: list[int]
-
-
-@dataclasses.dataclass
-class _Live:
-    """Scheduler side: a row's request being prefilled, and how much of it was handed out already."""
-
-    tag: str
-    prompt_len: int
-    blocks: list[int]
-    expect: int  # its num_computed_tokens at the next step, if nothing but progress happened
-    saved: int = 0
-    streaming: bool = True  # off once anything else happened (preempted, rescheduled): the final save takes the rest
-
-
 class _Done:
     """A copy event already complete: on a CPU the gather is done when it returns (and with no sink
     open nothing is gathered). On a GPU a CUDA event after the gather stands in its place."""
@@ -178,12 +152,11 @@ def build_connector(module: Any, sched: Any = None) -> type:
                 raise registry.missing(f"ExampleHiddenStatesConnector.{missing[0]}", self)
             self._e3p_ready: Any = None  # this step's start on the device (bind_connector_metadata)
             self._e3p_gathered: Any = None  # the last step's gather (its parts' blocks are not held for it)
-            self._e3p_live: dict[str, _Live] = {}  # scheduler side: rows being prefilled
-            self._e3p_stream = True  # off after an unexpected scheduler output
+            self._e3p_prefills = PrefillParts()  # scheduler side: rows being prefilled, what went out of them
 
         # ---- scheduler side: the request's tag travels with its pending save; prefills hand out parts ----
         def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-            live = self._e3p_live.pop(request.request_id, None)
+            handed = self._e3p_prefills.finished(request.request_id)
             if request.request_id not in self._request_filenames:
                 return False, None  # aborted before it was scheduled: nothing to save (0.26's parent raises)
             delay, params = super().request_finished(request, block_ids)
@@ -191,56 +164,13 @@ def build_connector(module: Any, sched: Any = None) -> type:
             if pending is not None:
                 extra = getattr(request.sampling_params, "extra_args", None) or {}
                 pending.e3p_tag = extra.get(TAG_KEY, request.request_id)
-                pending.e3p_from = live.saved if live is not None else 0
+                pending.e3p_from = handed
             return delay, params
 
         def build_connector_meta(self, scheduler_output: Any) -> Any:
             meta = super().build_connector_meta(scheduler_output)
-            saved = {rid: live.saved for rid, live in self._e3p_live.items()}
-            try:
-                meta.e3p_parts = self._e3p_parts(scheduler_output) if self._e3p_stream else []
-            except Exception as e:  # a raise here would kill the engine: whole requests from now on
-                self._e3p_stream, meta.e3p_parts = False, []
-                for rid, live in self._e3p_live.items():  # what this step's lost parts held goes with the final save
-                    live.saved, live.streaming = saved.get(rid, 0), False
-                print(
-                    f"[vllm connector] parts off, whole requests from now on: {type(e).__name__}: {e}", file=sys.stderr
-                )
+            meta.e3p_parts = self._e3p_prefills.step(scheduler_output, self._cache_kv_group_id, self._block_size)
             return meta
-
-        def _e3p_parts(self, out: Any) -> list[PartSave]:
-            """What this step's running prefills computed in earlier steps and no save holds yet."""
-            group, scheduled = self._cache_kv_group_id, out.num_scheduled_tokens
-            for r in out.scheduled_new_reqs:
-                if r.req_id in self._e3p_live:  # scheduled from the start again: the final save takes the rest
-                    _stop(self._e3p_live[r.req_id], "scheduled again from its start")
-                    continue
-                tag = (getattr(r.sampling_params, "extra_args", None) or {}).get(TAG_KEY)
-                if tag is None or tag.endswith(PROBE_SUFFIX) or r.num_computed_tokens or r.prompt_token_ids is None:
-                    continue  # not a shard row, or a prefix from the cache (its hidden states were never computed)
-                self._e3p_live[r.req_id] = _Live(
-                    tag, len(r.prompt_token_ids), list(r.block_ids[group]), scheduled.get(r.req_id, 0)
-                )
-            parts = []
-            cached = out.scheduled_cached_reqs
-            for i, rid in enumerate(cached.req_ids):
-                live = self._e3p_live.get(rid)
-                if live is None or not live.streaming:
-                    continue
-                done = cached.num_computed_tokens[i]
-                if done != live.expect:  # preempted, or anything but plain progress: stop handing out parts
-                    _stop(live, f"{done} tokens computed where {live.expect} were due (preempted?)")
-                    continue
-                new = cached.new_block_ids[i]
-                if new is not None:
-                    live.blocks.extend(new[group])
-                live.expect = done + scheduled.get(rid, 0)
-                end = min(done, live.prompt_len)
-                if end > live.saved:
-                    blocks = live.blocks[: -(-end // self._block_size)]
-                    parts.append(PartSave(rid, live.tag, live.saved, end, blocks))
-                    live.saved = end
-            return parts
 
         # ---- worker side: one gather per step's finished requests, into the sink ----
         def bind_connector_metadata(self, connector_metadata: Any) -> None:
@@ -316,13 +246,6 @@ def _saved_spans(
         slots.append(slots_of(p.block_ids, block_size, end)[first:])
         at += end - first
     return spans, slots, at
-
-
-def _stop(live: _Live, why: str) -> None:
-    """No more parts for this request: its final save gathers what they did not (one line on stderr)."""
-    if live.streaming:
-        live.streaming = False
-        print(f"[vllm connector] row {live.tag}: {why}; rows {live.saved}+ go with its final save", file=sys.stderr)
 
 
 def _wait_for(event: Any) -> None:
