@@ -213,7 +213,7 @@ def test_rows_follow_their_request(engine, rows, reference):
 def test_the_worker_writes_the_layer_files(engine, rows):
     """Both paths write from TP rank 0's worker (its sink's timings come back by RPC); the built-in one
     through our connector, with no lock file or per-request file anywhere (no staging folder at all), a long
-    row's rows handed out while it is still being prefilled (connector.PartSave)."""
+    row's rows handed out while it is still being prefilled (prefill_parts.py)."""
     from eagle3prep.backends.vllm.paths import CONNECTOR_MODULE
 
     backend, info = engine

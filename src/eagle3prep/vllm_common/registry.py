@@ -214,7 +214,7 @@ NAMES: tuple[Name, ...] = (
        call=(3, ()), **_BUILT),
     *(_n(f"Request.{f}", "vllm.v1.request", "member", BUILTIN, "the scheduler's request (request_finished)")
       for f in ("request_id", "sampling_params")),
-    # A step as the connector's build_connector_meta sees it: the running prefills' parts (connector.PartSave).
+    # A step as the connector's build_connector_meta sees it: the running prefills' parts (prefill_parts.py).
     _n(_SCHED, _SCHED, "module", BUILTIN, "the scheduler's step output"),
     *(_n(f"SchedulerOutput.{f}", _SCHED, "member", BUILTIN, "a step's requests (build_connector_meta)")
       for f in ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens")),
