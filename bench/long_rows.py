@@ -73,7 +73,8 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="narrow")
     ap.add_argument("--lengths", default="32768,65536,20000,4096", help="tokens of each row, comma-separated")
     ap.add_argument("--capture-path", default="auto", choices=["auto", "hooks", "builtin"])
-    ap.add_argument("--layer-ids", help="comma-separated (default: the shape's default ids); the built-in path, "
+    ap.add_argument("--layer-ids", type=lambda v: [int(x) for x in v.split(",")],
+                    help="comma-separated (default: the shape's default ids); the built-in path, "
                     "the only one on vLLM 0.34, refuses id 0")  # fmt: skip
     args = ap.parse_args()
     print("command: python " + " ".join(sys.argv), flush=True)
@@ -93,11 +94,7 @@ def main() -> None:
     model = build_model(args.out / f"model-{args.shape}", shape, max(lengths))
     print(f"model {args.shape}: {shape} built in {time.time() - t0:.0f} s", flush=True)
     tokens = write_rows(args.out / f"rows-{args.shape}.jsonl", lengths, shape["vocab_size"])
-    ids = (
-        [int(x) for x in args.layer_ids.split(",")]
-        if args.layer_ids
-        else default_layer_ids(shape["num_hidden_layers"])
-    )
+    ids = args.layer_ids or default_layer_ids(shape["num_hidden_layers"])
     spec = CaptureSpec(backend="vllm", model_path=str(model), layer_ids=ids, dtype="bfloat16", device="cuda",
                        tp_size=1, max_seq_len=max(lengths))  # fmt: skip
     settings = ExtractSettings.defaults(capture_path=args.capture_path, logprob_rows=len(lengths))

@@ -9,7 +9,11 @@
 # BRANCHES="ours peer" runs only those (of offpolicy ours fp8 planted peer speed) beside the target's own serve:
 # for a device session too short for all.
 . "$(dirname "$0")/device_common.sh" "$1"
-want() { case " ${BRANCHES:-offpolicy ours fp8 planted peer speed} " in *" $1 "*) return 0 ;; esac; return 1; }
+ALL="offpolicy ours fp8 planted peer speed"
+for b in ${BRANCHES:-}; do  # a misspelt branch would run nothing of it, silently
+  case " $ALL " in *" $b "*) ;; *) log "BRANCHES: no branch $b (of $ALL)"; exit 2 ;; esac
+done
+want() { case " ${BRANCHES:-$ALL} " in *" $1 "*) return 0 ;; esac; return 1; }
 
 train_serve() {  # variant seeds...: train side by side, then serve each draft
   local v=$1; shift
