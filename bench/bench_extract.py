@@ -6,6 +6,7 @@ Runs on a GPU host with vLLM (recipe in bench/device/README.md); random weights,
     python bench/bench_extract.py OUTDIR --phases ab --storage fp8_e4m3   # (b) writes FP8 shards
     python bench/bench_extract.py OUTDIR --phases ab --rows 1500          # (b) on a 3M-token shard
     python bench/bench_extract.py OUTDIR --phases abfg --rows 192         # hooks, built-in, built-in FP8 vs (a)
+    python bench/bench_extract.py OUTDIR --phases apf --rows 192          # built-in vs plain prefill, both compiled
     python bench/bench_extract.py OUTDIR --images 4 --phases abf --rows 256  # Qwen2.5-VL-7B shape, image-heavy rows
     python bench/bench_extract.py OUTDIR --images 4 --phases abf --rounds 3  # a b f a b f a b f: ratios per round
     python bench/bench_extract.py OUTDIR --phases abf --rows 16 --seq 32768 --min-len 16384 --max-len 32768  # long rows
@@ -20,13 +21,14 @@ Each phase runs in its own process (one engine at a time, clean GPU memory, its 
   (d) vLLM's built-in extract_hidden_states + ExampleHiddenStatesConnector as is, files to /dev/shm;
   (f) (b) on the built-in path (extract_hidden_states + eagle3prep's connector, writing from the worker),
       compiled as vLLM starts by default (not in the default --phases);
-  (g) (f) writing FP8 shards (extract.storage fp8_e4m3, quantized in the worker; not in the default).
+  (g) (f) writing FP8 shards (extract.storage fp8_e4m3, quantized in the worker; not in the default);
+  (p) (a) compiled, as plain vLLM starts by default: the like-for-like baseline of (f) and (g).
 (a) and (b) run eager, as the hooks path needs. --images K: a Qwen2.5-VL-7B-shaped target (its language model and vision tower, dummy
 weights, the demo tokenizer with Qwen's vision tokens, Qwen2.5-VL's image processor settings) and rows made by
 the project's prepare and tokenize: uniform, --rows rows of K images of --image-size pixels square (448: 256
 vision tokens each) and about --text-words words; mixed, 0 to 2K images of several sizes and varied text.
 (a) prefills the same prompts (token ids + the rows' images, as our backend feeds them), (b)/(f) capture the
-shards through extract_shard; vLLM's multimodal processor cache is off in both. Phases a, b, f, g only.
+shards through extract_shard; vLLM's multimodal processor cache is off in both. Phases a, b, f, g, p only.
 Then the ratios b/a, b/c, b/d, b's model-FLOP utilisation against 790 TFLOP/s (bf16 dense peak of
 an H200 as measured on the lent machine), bytes written per second, peak host RSS, and the disk's
 own sequential write speed measured in the same run.
@@ -108,8 +110,8 @@ def main() -> None:
     args.shape, args.vision = shapes(args)
     if args.rounds < 1:
         ap.error("--rounds: at least 1")
-    if args.images and set(args.phases) - set("abfg"):
-        ap.error(f"--images runs phases a, b, f and g (not {''.join(sorted(set(args.phases) - set('abfg')))})")
+    if args.images and set(args.phases) - set("abfgp"):
+        ap.error(f"--images runs phases a, b, f, g and p (not {''.join(sorted(set(args.phases) - set('abfgp')))})")
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.out / "model"
     if args.phase:  # child: run one phase, print its JSON on the last line

@@ -39,3 +39,12 @@ def test_a_round_without_a_is_left_out():
         "b/a uniform: rounds 0.90; median 0.90, 0.90-0.90",
         "f/a uniform: rounds 0.95; median 0.95, 0.95-0.95",
     ]
+
+
+def test_the_compiled_baseline_p_is_read_beside_a():
+    # (p) is (a) compiled: (f) and (g) are compiled too, so f/p is the like-for-like ratio
+    rounds = [{"a": {"uniform": rate(100)}, "p": {"uniform": rate(110)}, "f": {"uniform": rate(99)}}]
+    assert round_ratios(rounds) == [
+        "f/a uniform: rounds 0.99; median 0.99, 0.99-0.99",
+        "f/p uniform: rounds 0.90; median 0.90, 0.90-0.90",
+    ]

@@ -8,15 +8,17 @@
 #             each family's table in OUT/matrix_<family>.txt
 #   workflow  the workflow's GPU rule through snakemake (gpu_validate.py; needs the tools payload): Llama and
 #             the Kimi-shaped INT4 target
+#   valid_narrow / valid_kimi  capture and validation (logits check on) of 4k-64k rows, the 8B vocabulary on a
+#             narrow body / the kimi-vocab shape, then a planted mistake (kimi: layer ids 1, 2: the built-in path
+#             refuses id 0); rows past one 16,384-token step are handed out in parts as they prefill
+#   long64    8B shape, rows of 32k-64k; kimi64: the kimi-vocab shape, the same rows
+#   regress   the 393k-token uniform and mixed shards (192 x 2048)
+#   kimi_int4 the Kimi-shaped INT4 target
+#             (bench_extract phases: (a) plain prefill eager, (p) plain prefill compiled as vLLM starts by
+#             default, (f) the built-in path compiled: auto's path on 0.34, with the default enforce_eager: false)
+#   regen_long  the regenerate stage writing replies of up to 24k tokens (8B shape), beside plain generate
 #   quality   the acceptance bench's ours and peer branches (bench/quality/device_run.sh; needs the tools payload),
 #             its summary in OUT/quality.txt
-#   valid_kimi  capture and validation (logits check on) of 4k-64k rows on the kimi-vocab shape, a planted mistake
-#             (layer ids 1, 2: the built-in path refuses id 0)
-#   long64    8B shape, rows of 32k-64k, (a) and (f); kimi64: the kimi-vocab shape, the same rows
-#   regress   the 393k-token uniform and mixed shards (192 x 2048): (a) plain prefill, (f) the built-in path
-#             compiled (auto's path on 0.34 with the default enforce_eager: false)
-#   kimi_int4 the Kimi-shaped INT4 target: (a) its own plain prefill, (f) capture
-#   regen_long  the regenerate stage writing replies of up to 24k tokens (8B shape), beside plain generate
 # Steps run in this order; STEPS="quality regress" runs only those; MATRIX_FAMILIES="qwen2_5_vl" only that
 # family's matrix.
 set -u
@@ -47,11 +49,12 @@ quality() {
 }
 step matrix "$NEW" matrix
 step workflow "$NEW" workflow
+step valid_narrow "$NEW" python3 bench/long_rows.py $W/valid_narrow --shape narrow --lengths 32768,65536,20000,4096
+step long64 "$NEW" python3 bench/bench_extract.py $W/long64 --phases pf --rows 4 --seq 65536 --min-len 32768 --max-len 65536
+step regress "$NEW" python3 bench/bench_extract.py $W/regress --phases apf --rows 192
+step regen_long "$NEW" python3 bench/bench_regenerate.py $W/regen_long --prompts 16 --max-tokens 24000 --max-model-len 32768 --rounds 1
+step kimi_int4 "$NEW" python3 bench/bench_extract.py $W/kimi_int4 --shape kimi-int4 --phases pf --rows 384 --seq 1000 --min-len 100 --max-len 1000
 step quality "$NEW" quality
-step valid_kimi "$NEW" python3 bench/long_rows.py $W/valid --shape kimi-vocab --lengths 32768,65536,20000,4096 --layer-ids 1,2
-step long64 "$NEW" python3 bench/bench_extract.py $W/long64 --phases af --rows 4 --seq 65536 --min-len 32768 --max-len 65536
-step regress "$NEW" python3 bench/bench_extract.py $W/regress --phases af --rows 192
-step kimi64 "$NEW" python3 bench/bench_extract.py $W/kimi64 --shape kimi-vocab --phases af --rows 4 --seq 65536 --min-len 32768 --max-len 65536
-step kimi_int4 "$NEW" python3 bench/bench_extract.py $W/kimi_int4 --shape kimi-int4 --phases af --rows 384 --seq 1000 --min-len 100 --max-len 1000
-step regen_long "$NEW" python3 bench/bench_regenerate.py $W/regen --prompts 16 --max-tokens 24000 --max-model-len 32768 --rounds 1
+step valid_kimi "$NEW" python3 bench/long_rows.py $W/valid_kimi --shape kimi-vocab --lengths 32768,65536,20000,4096 --layer-ids 1,2
+step kimi64 "$NEW" python3 bench/bench_extract.py $W/kimi64 --shape kimi-vocab --phases pf --rows 4 --seq 65536 --min-len 32768 --max-len 65536
 echo "$(date +%T) all done" >> "$O/done"

@@ -92,12 +92,12 @@ def timed_generate(llm, rows: list) -> float:
     return time.perf_counter() - t0
 
 
-def phase_a(args, model: Path, work: dict) -> dict:
+def phase_a(args, model: Path, work: dict, **over) -> dict:
     """(a) plain vLLM prefill, no capture: the engine start and tokens/s per workload."""
     from vllm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(args, model))
+    llm = LLM(**{**engine_kwargs(args, model), **over})
     out = {"engine_start_s": time.perf_counter() - t0}
     for name in ("uniform", "mixed"):
         rows, tokens = prompts(work[name], model)
@@ -305,9 +305,15 @@ def phase_f(args, model: Path, work: dict) -> dict:
     return phase_b(args, model, work, capture_path="builtin", enforce_eager=False)
 
 
+def phase_p(args, model: Path, work: dict) -> dict:
+    """(p) (a) compiled, as vLLM starts by default: the like-for-like baseline of (f), whose engine is compiled
+    too (a user's plain prefill is compiled unless they ask for eager)."""
+    return phase_a(args, model, work, enforce_eager=False)
+
+
 def phase_g(args, model: Path, work: dict) -> dict:
     """(g) (f) writing FP8 shards (extract.storage fp8_e4m3, quantized in the worker): half the bytes."""
     return phase_b(args, model, work, capture_path="builtin", enforce_eager=False, storage="fp8_e4m3")
 
 
-PHASES = {"a": phase_a, "b": phase_b, "c": phase_c, "d": phase_d, "f": phase_f, "g": phase_g}
+PHASES = {"a": phase_a, "b": phase_b, "c": phase_c, "d": phase_d, "f": phase_f, "g": phase_g, "p": phase_p}

@@ -24,7 +24,7 @@ def print_report(args, results: dict, disk_before: tuple, disk_after: tuple, str
         print_disk(results, b, disk_before, disk_after, streams)
         print_writers(b)
     print_builtin(results)
-    for p in "abcdfg":
+    for p in "abcdfgp":
         if p in results:
             print(f"engine start ({p}): {results[p]['engine_start_s']:.1f} s")
     if b:
@@ -45,8 +45,11 @@ def print_images(args) -> None:
 
 
 def print_builtin(results: dict) -> None:
-    """(f) and (g), the built-in path through our connector (compiled; g: FP8), against (a) and (b): the
-    targets are f/a and g/a >= 0.95, g at half f's bytes, RSS growth after the first shard < 64 MiB."""
+    """(f) and (g), the built-in path through our connector (compiled; g: FP8), against (p), (a) and (b): the
+    targets are f/p and g/p >= 0.95 (f/a where (p) did not run), g at half f's bytes, RSS growth after the first shard < 64 MiB."""
+    for w in ("uniform", "mixed"):
+        if "p" in results:
+            print(f"(p) vLLM prefill, compiled {w}: {results['p'][w]['tokens_per_s']:,.0f} tok/s")
     for p, what in (("f", "built-in, compiled"), ("g", "built-in, compiled, FP8")):
         r = results.get(p)
         if not r:
@@ -54,7 +57,7 @@ def print_builtin(results: dict) -> None:
         for w in ("uniform", "mixed"):
             parts = [f"({p}) {what} {w}: {r[w]['tokens_per_s']:,.0f} tok/s"]
             parts += [
-                f"{p}/{q} {r[w]['tokens_per_s'] / results[q][w]['tokens_per_s']:.2f}" for q in "ab" if q in results
+                f"{p}/{q} {r[w]['tokens_per_s'] / results[q][w]['tokens_per_s']:.2f}" for q in "pab" if q in results
             ]
             parts.append(
                 f"writes {r[w]['bytes_per_s'] / 1e9:.2f} GB/s ({r[w]['bytes'] / r[w]['tokens']:,.0f} B/token)"

@@ -11,18 +11,16 @@ def round_ratios(rounds: list[dict]) -> list[str]:
     """--rounds: each capture phase's ratio to its own round's (a), per workload and round, then the median and
     range over rounds (the uniform shard (b) also wrote to /dev/shm is set against (a)'s uniform rate)."""
     lines = []
-    for x in "bfg":
+    for x, a in (("b", "a"), ("f", "a"), ("g", "a"), ("f", "p"), ("g", "p")):
         for w in ("uniform", "mixed", "uniform_shm"):
             base = "uniform" if w == "uniform_shm" else w
             ratios = [
-                r[x][w]["tokens_per_s"] / r["a"][base]["tokens_per_s"]
-                for r in rounds
-                if x in r and "a" in r and w in r[x]
+                r[x][w]["tokens_per_s"] / r[a][base]["tokens_per_s"] for r in rounds if x in r and a in r and w in r[x]
             ]
             if ratios:
                 each = " ".join(f"{v:.2f}" for v in ratios)
                 lines.append(
-                    f"{x}/a {w}: rounds {each}; median {statistics.median(ratios):.2f}, "
+                    f"{x}/{a} {w}: rounds {each}; median {statistics.median(ratios):.2f}, "
                     f"{min(ratios):.2f}-{max(ratios):.2f}"
                 )
     return lines
