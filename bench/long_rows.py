@@ -115,15 +115,18 @@ def main() -> None:
     )
 
     def judge(where: Path, name: str) -> bool:
+        t0 = time.time()
         try:
             report = validate_shard(str(where), str(tokens), str(args.out / f"v-{name}.json"), str(model),
                                     sample_rows=10**9, device="cuda", reference="scalable")  # fmt: skip
             logits = report["scalable"]["logits"]
             covered = [(v["covered_tokens"], v["row_tokens"], round(v["mean"], 4), v["ok"]) for v in logits]
-            print(f"validate {name}: PASS; logits check (covered, row tokens, mean |d| nats, ok): {covered}")
+            print(
+                f"validate {name}: PASS in {time.time() - t0:.0f} s; logits check (covered, row tokens, mean |d| nats, ok): {covered}"
+            )
             return True
         except ValidationError as e:
-            print(f"validate {name}: FAIL {e.failed}: {str(e)[:400]}")
+            print(f"validate {name}: FAIL in {time.time() - t0:.0f} s {e.failed}: {str(e)[:400]}")
             return False
 
     right = judge(shard, "right")
