@@ -121,9 +121,8 @@ def main() -> None:
                                     sample_rows=10**9, device="cuda", reference="scalable")  # fmt: skip
             logits = report["scalable"]["logits"]
             covered = [(v["covered_tokens"], v["row_tokens"], round(v["mean"], 4), v["ok"]) for v in logits]
-            print(
-                f"validate {name}: PASS in {time.time() - t0:.0f} s; logits check (covered, row tokens, mean |d| nats, ok): {covered}"
-            )
+            what = "logits check (covered, row tokens, mean |d| nats, ok)"
+            print(f"validate {name}: PASS in {time.time() - t0:.0f} s; {what}: {covered}")
             return True
         except ValidationError as e:
             print(f"validate {name}: FAIL in {time.time() - t0:.0f} s {e.failed}: {str(e)[:400]}")

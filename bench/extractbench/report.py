@@ -46,7 +46,8 @@ def print_images(args) -> None:
 
 def print_builtin(results: dict) -> None:
     """(f) and (g), the built-in path through our connector (compiled; g: FP8), against (p), (a) and (b): the
-    targets are f/p and g/p >= 0.95 (f/a where (p) did not run), g at half f's bytes, RSS growth after the first shard < 64 MiB."""
+    targets are f/p and g/p >= 0.95 (f/a where (p) did not run), g at half f's bytes, RSS growth after the
+    first shard < 64 MiB."""
     for w in ("uniform", "mixed"):
         if "p" in results:
             print(f"(p) vLLM prefill, compiled {w}: {results['p'][w]['tokens_per_s']:,.0f} tok/s")

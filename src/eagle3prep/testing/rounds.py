@@ -1,6 +1,6 @@
 """Ratios over a bench's repeated rounds (bench/bench_extract.py --rounds): one engine's rate moves 6-16 % from run
-to run on the H200, so each capture phase is set against its own round's (a), plain prefill, and read as the
-median and range over rounds."""
+to run on the H200, so each capture phase is set against its own round's plain prefill ((a) eager; the compiled
+phases (f) and (g) also against (p), compiled) and read as the median and range over rounds."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import statistics
 
 
 def round_ratios(rounds: list[dict]) -> list[str]:
-    """--rounds: each capture phase's ratio to its own round's (a), per workload and round, then the median and
-    range over rounds (the uniform shard (b) also wrote to /dev/shm is set against (a)'s uniform rate)."""
+    """--rounds: each capture phase's ratio to its own round's (a), and (f) and (g)'s to its (p), per workload and
+    round, then the median and range over rounds (a /dev/shm uniform shard against the baseline's uniform rate)."""
     lines = []
     for x, a in (("b", "a"), ("f", "a"), ("g", "a"), ("f", "p"), ("g", "p")):
         for w in ("uniform", "mixed", "uniform_shm"):
