@@ -7,6 +7,7 @@ Runs on a GPU host with vLLM (recipe in bench/device/README.md); random weights,
     python bench/bench_extract.py OUTDIR --phases ab --rows 1500          # (b) on a 3M-token shard
     python bench/bench_extract.py OUTDIR --phases abfg --rows 192         # hooks, built-in, built-in FP8 vs (a)
     python bench/bench_extract.py OUTDIR --phases apf --rows 192          # built-in vs plain prefill, both compiled
+    python bench/bench_extract.py OUTDIR --phases pef --rows 192          # f's gap: vLLM's method (e) vs ours (f)
     python bench/bench_extract.py OUTDIR --images 4 --phases abf --rows 256  # Qwen2.5-VL-7B shape, image-heavy rows
     python bench/bench_extract.py OUTDIR --images 4 --phases abf --rounds 3  # a b f a b f a b f: ratios per round
     python bench/bench_extract.py OUTDIR --phases abf --rows 16 --seq 32768 --min-len 16384 --max-len 32768  # long rows
@@ -22,7 +23,9 @@ Each phase runs in its own process (one engine at a time, clean GPU memory, its 
   (f) (b) on the built-in path (extract_hidden_states + eagle3prep's connector, writing from the worker),
       compiled as vLLM starts by default (not in the default --phases);
   (g) (f) writing FP8 shards (extract.storage fp8_e4m3, quantized in the worker; not in the default);
-  (p) (a) compiled, as plain vLLM starts by default: the like-for-like baseline of (f) and (g).
+  (p) (a) compiled, as plain vLLM starts by default: the like-for-like baseline of (f) and (g);
+  (e) (p) with extract_hidden_states and our connector, no shard open (nothing gathered or written): vLLM's
+      method alone, which splits f/p into e/p (vLLM's) and f/e (ours).
 (a) and (b) run eager, as the hooks path needs. --images K: a Qwen2.5-VL-7B-shaped target (its language model and vision tower, dummy
 weights, the demo tokenizer with Qwen's vision tokens, Qwen2.5-VL's image processor settings) and rows made by
 the project's prepare and tokenize: uniform, --rows rows of K images of --image-size pixels square (448: 256

@@ -14,8 +14,9 @@
 #   long64    8B shape, rows of 32k-64k; kimi64: the kimi-vocab shape, the same rows
 #   regress   the 393k-token uniform and mixed shards (192 x 2048)
 #   kimi_int4 the Kimi-shaped INT4 target
-#             (bench_extract phases: (a) plain prefill eager, (p) plain prefill compiled as vLLM starts by
-#             default, (f) the built-in path compiled: auto's path on 0.34, with the default enforce_eager: false)
+#             (bench_extract phases: (p) plain prefill compiled as vLLM starts by default, (e) vLLM's
+#             extract_hidden_states with nothing saved (its own cost), (f) the built-in path compiled: auto's path
+#             on 0.34, with the default enforce_eager: false)
 #   regen_long  the regenerate stage writing replies of up to 24k tokens (8B shape), beside plain generate
 #   quality   the acceptance bench's ours and peer branches (bench/quality/device_run.sh; needs the tools payload),
 #             its summary in OUT/quality.txt
@@ -50,8 +51,8 @@ quality() {
 step matrix "$NEW" matrix
 step workflow "$NEW" workflow
 step valid_narrow "$NEW" python3 bench/long_rows.py $W/valid_narrow --shape narrow --lengths 32768,65536,20000,4096
-step long64 "$NEW" python3 bench/bench_extract.py $W/long64 --phases pf --rows 4 --seq 65536 --min-len 32768 --max-len 65536
-step regress "$NEW" python3 bench/bench_extract.py $W/regress --phases apf --rows 192
+step long64 "$NEW" python3 bench/bench_extract.py $W/long64 --phases pef --rows 4 --seq 65536 --min-len 32768 --max-len 65536
+step regress "$NEW" python3 bench/bench_extract.py $W/regress --phases pef --rows 192
 step regen_long "$NEW" python3 bench/bench_regenerate.py $W/regen_long --prompts 16 --max-tokens 24000 --max-model-len 32768 --rounds 1
 step kimi_int4 "$NEW" python3 bench/bench_extract.py $W/kimi_int4 --shape kimi-int4 --phases pf --rows 384 --seq 1000 --min-len 100 --max-len 1000
 step quality "$NEW" quality

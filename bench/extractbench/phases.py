@@ -311,9 +311,22 @@ def phase_p(args, model: Path, work: dict) -> dict:
     return phase_a(args, model, work, enforce_eager=False)
 
 
+def phase_e(args, model: Path, work: dict) -> dict:
+    """(e) (p) with vLLM's extract_hidden_states and our connector, compiled, but no shard open: the layers are
+    kept in vLLM's buffer and nothing is gathered, copied or written. What vLLM's method costs by itself; f/e is
+    then what our gather and writer add."""
+    from eagle3prep.backends.vllm.paths import BuiltinPath
+
+    kw = BuiltinPath(layer_ids(args.shape), version="").engine_kwargs()
+    kw.pop("worker_extension_cls")  # no sink attached: the connector finds no shard open and gathers nothing
+    return phase_a(args, model, work, enforce_eager=False, **kw)
+
+
 def phase_g(args, model: Path, work: dict) -> dict:
     """(g) (f) writing FP8 shards (extract.storage fp8_e4m3, quantized in the worker): half the bytes."""
     return phase_b(args, model, work, capture_path="builtin", enforce_eager=False, storage="fp8_e4m3")
 
 
-PHASES = {"a": phase_a, "b": phase_b, "c": phase_c, "d": phase_d, "f": phase_f, "g": phase_g, "p": phase_p}
+PHASES = {
+    "a": phase_a, "b": phase_b, "c": phase_c, "d": phase_d, "e": phase_e, "f": phase_f, "g": phase_g, "p": phase_p,
+}  # fmt: skip
