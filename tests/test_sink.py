@@ -73,6 +73,22 @@ def test_positional_writer_out_of_order_equals_streamed(tmp_path):
     assert entry["sha256"] == hashlib.sha256(ref_bytes).hexdigest()
 
 
+def test_positional_writer_keeps_no_early_range_in_memory_and_hashes_it_from_the_file(tmp_path):
+    """A range ahead of the gap is hashed from the file once the gap fills: the caller reuses its buffer
+    at once (the sink's slot goes back to the pool), and the host holds none of its bytes meanwhile."""
+    total = 30
+    rows = rows_tensor(total, 5).view(torch.uint8).numpy()
+    w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (total, H))
+    buf = rows[10:30].copy()
+    write_rows(w, 10, buf)
+    buf[:] = 0  # the slot is reused for the next step
+    assert all(isinstance(n, int) for n in w._early.values())  # a row count, not the bytes
+    write_rows(w, 0, rows[0:10])
+    entry = w.seal()
+    ref_bytes, ref_entry = streamed(tmp_path, total, 5)
+    assert entry == ref_entry
+
+
 @pytest.mark.parametrize("second", [(3, 5), (0, 1), (9, 12)], ids=["inside-written", "first-row", "inside-early"])
 def test_positional_writer_refuses_a_range_twice(tmp_path, second):
     rows = rows_tensor(20, 0).view(torch.uint8).numpy()

@@ -218,9 +218,16 @@ def test_the_worker_writes_the_layer_files(engine, rows):
 
     backend, info = engine
     capture_rows(backend, rows[:2])
-    assert {"stall_s", "write_s", "window_tokens", "driver_add_s", "driver_step_s"} <= set(backend.capture_stats), (
-        backend.capture_stats
-    )
+    assert {
+        "stall_s",
+        "write_s",
+        "window_tokens",
+        "driver_add_s",
+        "driver_step_s",
+        "drain_s",
+        "finish_s",
+        "open_s",
+    } <= set(backend.capture_stats), backend.capture_stats
     assert "staging_dir" not in info.volatile
     if info.capture_path == "builtin":
         kv = backend.llm.llm_engine.vllm_config.kv_transfer_config

@@ -204,9 +204,11 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
     """A streaming tensor file whose rows may arrive in any order: place() then account() a range.
 
     Rows are written where they belong (pwrite); the sha256 still follows file order, so a range
-    that arrives early is kept in memory until the gap before it is filled (vLLM schedules prompts
-    first-come first-served, so that is at most a step's worth). A range written twice raises, and
-    seal() raises unless every row arrived: a shard with a hole never gets a manifest.
+    that arrives early is read back from the file once the gap before it is filled (a range is
+    accounted after it was placed): kept in memory, such ranges would add up to a step's rows of every
+    layer to the host's RSS (512 MiB on the 8B shape).
+    A range written twice raises, and seal() raises unless every row arrived: a shard with a hole
+    never gets a manifest.
 
     With a second tensor (`after`, the FP8 scales), place() also writes the range's rows of it, and
     seal() hashes that section last by reading it back: it follows every row of the first tensor in
@@ -227,7 +229,7 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
             raise
         self._data_start = self._f.tell()
         self._after_start = self._data_start + self.expected_rows * self.row_bytes
-        self._early: dict[int, bytes] = {}  # first row -> bytes of a range that arrived ahead of `rows`
+        self._early: dict[int, int] = {}  # first row -> rows of a range placed and accounted ahead of `rows`
         self._flush = BackgroundFlush(self._f.fileno(), self.path.name, sync_bytes) if sync_bytes else None
         self.write_s = self.hash_s = 0.0  # where this writer's time went (benchmarks)
 
@@ -287,19 +289,19 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
     def account(self, first_row: int, data: memoryview | bytes) -> None:
         """Hash the rows in file order (keeping a range that came early); refuse a range seen twice."""
         data, last = self._rows_of(first_row, data)
-        taken = [(r, r + len(b) // self.row_bytes) for r, b in self._early.items()]
+        taken = [(r, r + n) for r, n in self._early.items()]
         if first_row < self.rows or any(a < last and first_row < b for a, b in taken):
             raise ValueError(f"{self.path.name}: rows {first_row}..{last} written twice")
-        t0 = time.perf_counter()
         if first_row != self.rows:
-            self._early[first_row] = bytes(data)  # the caller reuses its buffer
+            self._early[first_row] = last - first_row  # hashed from the file once the gap before it is filled
             return
+        t0 = time.perf_counter()
         self._sha.update(data)
         self.rows = last
         while self.rows in self._early:
-            early = self._early.pop(self.rows)
-            self._sha.update(early)
-            self.rows += len(early) // self.row_bytes
+            n = self._early.pop(self.rows)
+            self._hash_file_range(self._data_start + self.rows * self.row_bytes, n * self.row_bytes, "rows")
+            self.rows += n
         self.hash_s += time.perf_counter() - t0
 
     def seal(self) -> dict[str, Any]:
@@ -318,20 +320,25 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
             self._hash_after()
         return super().seal()
 
-    def _hash_after(self, chunk: int = 16 << 20) -> None:
+    def _hash_after(self) -> None:
         """Hash the second tensor's section, read back from the file (every row of it was placed)."""
-        fd = os.open(self.tmp, os.O_RDONLY)
         try:
-            pos, end = self._after_start, self._after_start + self.expected_rows * self.after_row_bytes
-            while pos < end:
-                data = os.pread(fd, min(chunk, end - pos), pos)
-                if not data:
-                    raise ValueError(f"{self.path.name}: {self.after[0]} ends at byte {pos}, expected {end}")
-                self._sha.update(data)
-                pos += len(data)
+            self._hash_file_range(self._after_start, self.expected_rows * self.after_row_bytes, self.after[0])
         except BaseException:
             self.abort()
             raise
+
+    def _hash_file_range(self, pos: int, nbytes: int, what: str, chunk: int = 16 << 20) -> None:
+        """Hash `nbytes` of the temp file from byte `pos` (placed already: in the page cache, most often)."""
+        fd = os.open(self.tmp, os.O_RDONLY)
+        try:
+            end = pos + nbytes
+            while pos < end:
+                data = os.pread(fd, min(chunk, end - pos), pos)
+                if not data:
+                    raise ValueError(f"{self.path.name}: {what} end at byte {pos}, expected {end}")
+                self._sha.update(data)
+                pos += len(data)
         finally:
             os.close(fd)
 

@@ -128,16 +128,19 @@ class _WorkerSinkPath:
     def capture_shard(self, llm: Any, batches: Iterator[list[list[int]]], spec: SinkSpec) -> dict[int, dict[str, Any]]:
         """Rows are fed to the engine as a stream, at most `window_tokens` prompt tokens in flight,
         so the scheduler always has a full step and no batch boundary leaves the GPU idle."""
+        t_open = time.perf_counter()
         compat.rpc_result(llm.collective_rpc("e3p_open_shard", args=(dataclasses.asdict(spec),)), version=self.version)
+        open_s = time.perf_counter() - t_open
         TokensPrompt = registry.load("TokensPrompt")  # noqa: N806 - a class
 
         engine = llm.llm_engine
         in_flight = submitted = 0
         probes: list[str] = []
         finished = False
-        # where the driver's thread went (with images it can set the pace): waiting for the image threads' requests,
-        # adding requests, and in engine steps; and the image threads' own seconds, all threads together
-        clock = self._clock = {"driver_wait_s": 0.0, "driver_add_s": 0.0, "driver_step_s": 0.0}
+        # where the driver's thread went (with images it can set the pace): opening the worker's sink, waiting for
+        # the image threads' requests, adding requests, in engine steps, then the shard's tail: its last rows reaching the worker's sink (drain)
+        # and the sink sealing the files (finish); and the image threads' own seconds, all threads together
+        clock = self._clock = {"driver_wait_s": 0.0, "driver_add_s": 0.0, "driver_step_s": 0.0, "open_s": open_s}
         self._made_s = []
         self.logprobs, wanted = {}, {spec.tag(r): r for r in spec.logprob_rows}
         self.logprob_notes = []
@@ -164,8 +167,11 @@ class _WorkerSinkPath:
                 in_flight -= self._step(engine, wanted)
             if submitted != len(spec.rows):
                 raise CaptureError(f"the shard has {len(spec.rows)} rows, {submitted} were read from its batches")
+            t0 = time.perf_counter()
             self._drain(llm, spec)
+            t1 = time.perf_counter()
             reply = compat.rpc_result(llm.collective_rpc("e3p_finish_shard"), version=self.version)
+            clock["drain_s"], clock["finish_s"] = t1 - t0, time.perf_counter() - t1
             finished = True
         finally:
             if not finished:  # interrupted or failed: drop the requests and the worker's temp files
