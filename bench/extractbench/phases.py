@@ -159,23 +159,29 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
         max_seq_len=args.max_len,
         device="cpu",
     )
-    settings = ExtractSettings.defaults(
-        **{
-            "capture_path": args.capture_path,
-            "gpu_memory_utilization": args.gpu_mem,
-            "max_num_batched_tokens": args.batched_tokens,
-            "enforce_eager": True,
-            "engine_args": {
-                **({} if args.real_weights else {"load_format": "dummy"}),
-                **(IMAGE_ENGINE_ARGS if args.images else {}),
-            },
-            "storage": args.storage,  # fp8_e4m3: half the bytes (extract.storage)
-            "batch_tokens": args.batch_tokens,
-            # rows whose prompt logprobs vLLM computes and copies back: each syncs the engine's step
-            **({} if args.logprob_rows is None else {"logprob_rows": args.logprob_rows}),
-            **over,
-        }
-    )
+
+    def settings_of(**more):
+        return ExtractSettings.defaults(
+            **{
+                "capture_path": args.capture_path,
+                "gpu_memory_utilization": args.gpu_mem,
+                "max_num_batched_tokens": args.batched_tokens,
+                "enforce_eager": True,
+                "engine_args": {
+                    **({} if args.real_weights else {"load_format": "dummy"}),
+                    **(IMAGE_ENGINE_ARGS if args.images else {}),
+                },
+                "storage": args.storage,  # fp8_e4m3: half the bytes (extract.storage)
+                "batch_tokens": args.batch_tokens,
+                # rows whose prompt logprobs vLLM computes and copies back: each syncs the engine's step
+                **({} if args.logprob_rows is None else {"logprob_rows": args.logprob_rows}),
+                **over,
+                **more,
+            }
+        )
+
+    settings = settings_of()
+    no_logits_check = settings_of(logprob_rows=0)
     shards = args.out / "shards"
     shm = Path("/dev/shm")
     t0 = time.perf_counter()
@@ -194,15 +200,17 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
         # and the like-for-like comparison with (d), whose files go to /dev/shm
         runs = [("uniform_half", shards), ("uniform", shards), ("mixed", shards)]
         runs += [("uniform_shm", shm / "e3p-bench")] if shm.is_dir() else []
+        # the uniform shard again without the logits check's rows (their prompt logprobs): what the check costs
+        runs += [("uniform_nolp", shards)]
         for name, where in runs:
-            rows = work[name.removesuffix("_shm")]  # --images: a tokenized shard already
+            rows = work[name.removesuffix("_shm").removesuffix("_nolp")]  # --images: a tokenized shard already
             tok = rows if isinstance(rows, Path) else write_tokenized(args.out / f"{name}.jsonl", rows)
             base = rss.reset()
             m = extract_shard(
                 str(tok),
                 str(where / name),
                 spec,
-                settings,
+                no_logits_check if name.endswith("_nolp") else settings,
                 shard=0,
                 engine=(backend, info),
             )

@@ -70,6 +70,15 @@ def print_builtin(results: dict) -> None:
                 f"writes {r[w]['bytes_per_s'] / 1e9:.2f} GB/s ({r[w]['bytes'] / r[w]['tokens']:,.0f} B/token)"
             )
             print(", ".join(parts))
+        if "uniform_nolp" in r:  # the same shard without the logits check's rows: what the check costs
+            nolp = r["uniform_nolp"]["tokens_per_s"]
+            print(
+                f"({p}) uniform without the logits check's rows: {nolp:,.0f} tok/s"
+                + "".join(
+                    f", {p}/{q} {nolp / results[q]['uniform']['tokens_per_s']:.2f}" for q in "pa" if q in results
+                )
+                + f"; the check's rows cost {1 - r['uniform']['tokens_per_s'] / nolp:.1%}"
+            )
         print(
             f"({p}) host RSS growth: first (half) shard {r['uniform_half']['rss_growth_mib']:.0f} MiB, then "
             f"{r['uniform']['rss_growth_mib']:.0f} MiB (full) and {r['mixed']['rss_growth_mib']:.0f} MiB (mixed); "
