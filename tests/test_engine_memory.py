@@ -96,8 +96,16 @@ def test_a_worker_killed_by_the_kernel_is_named_not_the_engines_cancelled():
         "host memory, most often (the host's OOM killer); lower extract.max_num_batched_tokens or "
         "extract.gpu_memory_utilization, or give the job more RAM"
     )
-    other = KILLED_OUTPUT.replace("exit code: -9", "exit code: 1")
-    assert "exited with code 1 without a traceback" in str(engine_died(DEAD, other, version="0.32.0", doing="x"))
+    exited = KILLED_OUTPUT.replace("exit code: -9", "exit code: 1")
+    assert "exited with code 1 without a traceback" in str(engine_died(DEAD, exited, version="0.32.0", doing="x"))
+    # a worker that printed its own traceback before it exited: that exception is the cause
+    own = (
+        "(Worker pid=19367) ERROR 12-05 13:29:40 [worker.py:1] Traceback (most recent call last):\n"
+        '(Worker pid=19367) ERROR 12-05 13:29:40 [worker.py:1]   File "x.py", line 1, in f\n'
+        "(Worker pid=19367) ERROR 12-05 13:29:40 [worker.py:1] ValueError: the layer ids moved\n"
+    )
+    err = str(engine_died(DEAD, own + exited, version="0.32.0", doing="x"))
+    assert "ValueError: the layer ids moved" in err and "exited with code" not in err
 
 
 def test_regenerate_names_its_own_section():

@@ -85,7 +85,7 @@ def test_positional_writer_keeps_no_early_range_in_memory_and_hashes_it_from_the
     assert all(isinstance(n, int) for n in w._early.values())  # a row count, not the bytes
     write_rows(w, 0, rows[0:10])
     entry = w.seal()
-    ref_bytes, ref_entry = streamed(tmp_path, total, 5)
+    _, ref_entry = streamed(tmp_path, total, 5)
     assert entry == ref_entry
 
 

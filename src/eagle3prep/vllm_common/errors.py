@@ -247,8 +247,11 @@ def engine_died(exc: BaseException, output: str, *, version: str, doing: str, se
     See stack trace (above)"): the engine's own exception, read from its processes' output, and the fix."""
     if isinstance(exc, UserError):
         return exc
-    # vLLM's EngineDeadError is a wrapper ("... for the root cause"): skipped there
-    cause = worker_gone(output) or root_cause(output)
+    # vLLM's EngineDeadError is a wrapper ("... for the root cause"): skipped there. A worker that died leaves only
+    # the engine core's "cancelled" behind it, unless it printed a traceback of its own first.
+    cause, gone = root_cause(output), worker_gone(output)
+    if gone and cause in (None, "RuntimeError: cancelled"):
+        cause = gone
     if cause is None:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         cause = f"{type(exc).__name__}: {first}".rstrip(": ")

@@ -138,8 +138,8 @@ class _WorkerSinkPath:
         probes: list[str] = []
         finished = False
         # where the driver's thread went (with images it can set the pace): opening the worker's sink, waiting for
-        # the image threads' requests, adding requests, in engine steps, then the shard's tail: its last rows reaching the worker's sink (drain)
-        # and the sink sealing the files (finish); and the image threads' own seconds, all threads together
+        # the image threads' requests, adding requests, in engine steps, then the shard's tail (drain: its last
+        # rows reach the sink; finish: the sink seals the files); and the image threads' own seconds
         clock = self._clock = {"driver_wait_s": 0.0, "driver_add_s": 0.0, "driver_step_s": 0.0, "open_s": open_s}
         self._made_s = []
         self.logprobs, wanted = {}, {spec.tag(r): r for r in spec.logprob_rows}
