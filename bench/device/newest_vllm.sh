@@ -20,7 +20,8 @@
 #   regen_long  the regenerate stage writing replies of up to 24k tokens (8B shape), beside plain generate
 #   quality   the acceptance bench's ours and peer branches (bench/quality/device_run.sh; needs the tools payload),
 #             its summary in OUT/quality.txt
-# Steps run in this order; STEPS="quality regress" runs only those; MATRIX_FAMILIES="qwen2_5_vl" only that
+# Steps run in this order; STEPS="quality regress" runs only those; REGRESS_PHASES=pf drops (e) from regress;
+# MATRIX_FAMILIES="qwen2_5_vl" only that
 # family's matrix.
 set -u
 O=${1:?usage: newest_vllm.sh OUT}
@@ -52,7 +53,7 @@ step matrix "$NEW" matrix
 step workflow "$NEW" workflow
 step valid_narrow "$NEW" python3 bench/long_rows.py $W/valid_narrow --shape narrow --lengths 32768,65536,20000,4096
 step long64 "$NEW" python3 bench/bench_extract.py $W/long64 --phases pef --rows 4 --seq 65536 --min-len 32768 --max-len 65536
-step regress "$NEW" python3 bench/bench_extract.py $W/regress --phases pef --rows 192
+step regress "$NEW" python3 bench/bench_extract.py $W/regress --phases ${REGRESS_PHASES:-pef} --rows 192
 step regen_long "$NEW" python3 bench/bench_regenerate.py $W/regen_long --prompts 16 --max-tokens 24000 --max-model-len 32768 --rounds 1
 step kimi_int4 "$NEW" python3 bench/bench_extract.py $W/kimi_int4 --shape kimi-int4 --phases pf --rows 384 --seq 1000 --min-len 100 --max-len 1000
 step quality "$NEW" quality
