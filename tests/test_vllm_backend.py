@@ -229,6 +229,8 @@ def test_the_worker_writes_the_layer_files(engine, rows):
         "open_s",
     } <= set(backend.capture_stats), backend.capture_stats
     assert "staging_dir" not in info.volatile
+    if info.capture_path == "builtin":  # the drain's own split: the connector's steps, the last rows' lag
+        assert backend.capture_stats["drain_steps"] >= 0 and backend.capture_stats["drain_lag_s"] >= 0
     if info.capture_path == "builtin":
         kv = backend.llm.llm_engine.vllm_config.kv_transfer_config
         assert (kv.kv_connector, kv.kv_connector_module_path) == ("E3PHiddenStatesConnector", CONNECTOR_MODULE)

@@ -7,6 +7,7 @@ Runs in the base environment (no vLLM); test_vllm_backend.py runs the same code 
 from __future__ import annotations
 
 import dataclasses
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -178,6 +179,8 @@ def test_finished_requests_reach_the_shard_in_row_order(layout, tmp_path):
         conn.bind_connector_metadata(Metadata([conn._pending_saves.pop(r) for r in step2]))
         assert conn.get_finished(set())[0] == set(step2)
         assert connector.PORT.tokens == 20
+        # the drain's diagnostics: two bound steps, and the last rows' arrival on the host-wide clock
+        assert connector.PORT.steps == 2 and 0 < connector.PORT.last_at <= time.monotonic()
         entries = sink.finish()
     finally:
         connector.PORT.close()

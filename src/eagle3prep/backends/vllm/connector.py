@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from typing import TYPE_CHECKING, Any
 
 from ...vllm_common import registry
@@ -58,15 +59,20 @@ class ShardPort:
     both live in TP rank 0's worker process."""
 
     def __init__(self) -> None:
+        self.close()
+
+    def open(self, sink: LayerSink) -> None:
+        self.close()
+        self.sink = sink
+
+    def close(self) -> None:
         self.sink: LayerSink | None = None
         self.tokens = 0  # rows handed to the open sink (the driver waits for all of them)
         self.part_tokens = 0  # of which in parts of requests still being prefilled (PartSave)
-
-    def open(self, sink: LayerSink) -> None:
-        self.sink, self.tokens, self.part_tokens = sink, 0, 0
-
-    def close(self) -> None:
-        self.sink, self.tokens, self.part_tokens = None, 0, 0
+        # For the shard's tail (the driver's drain): steps the connector was bound to, and when (time.monotonic,
+        # one clock for the host's processes) rows last reached the sink
+        self.steps = 0
+        self.last_at = 0.0
 
 
 PORT = ShardPort()
@@ -177,6 +183,7 @@ def build_connector(module: Any, sched: Any = None) -> type:
             # vLLM binds a step's metadata before it launches the step's forward: every earlier step's
             # work, the proposer's writes to the hidden-states cache included, is queued by then.
             super().bind_connector_metadata(connector_metadata)
+            PORT.steps += 1
             _wait_for(self._e3p_gathered)  # a preempted request's blocks may be reused by this forward
             self._e3p_gathered = None
             self._e3p_ready = _step_start(self._kv_cache)
@@ -319,6 +326,7 @@ def _into_sink(sink: LayerSink, hs: Any, spans: list[tuple[Any, int, int, int]])
         for j, lid in enumerate(sink.layer_ids):  # layers in the buffer follow the ascending ids
             sink.add_layer(lid, part[:, j])
         PORT.tokens += b - a
+    PORT.last_at = time.monotonic()
 
 
 def __getattr__(name: str) -> Any:

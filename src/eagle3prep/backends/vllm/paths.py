@@ -338,10 +338,16 @@ class BuiltinPath(_WorkerSinkPath):
         A multiprocess engine steps on its own until they are sent; an in-process one is stepped here."""
         engine, total = llm.llm_engine, spec.total_tokens
         inproc = compat.engine_in_process(engine)
-        deadline, got = time.monotonic() + DRAIN_S, -1
+        start, first = time.monotonic(), None
+        deadline = start + DRAIN_S
         while True:
-            got = compat.rpc_result(llm.collective_rpc("e3p_shard_progress"), version=self.version)["tokens"]
+            reply = compat.rpc_result(llm.collective_rpc("e3p_shard_progress"), version=self.version)
+            first, got = first or reply, reply["tokens"]
             if got >= total:
+                # where the drain went: the connector's steps meanwhile, and how long after it began the last rows
+                # reached the sink (the rest of drain_s is this loop's polling)
+                self._clock["drain_steps"] = reply.get("steps", 0) - first.get("steps", 0)
+                self._clock["drain_lag_s"] = max(0.0, reply.get("last_at", 0.0) - start)
                 return
             if time.monotonic() > deadline:
                 raise CaptureError(f"{got} of the shard's {total} rows reached the worker's sink in {DRAIN_S} s")

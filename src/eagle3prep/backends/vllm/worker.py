@@ -103,7 +103,7 @@ class HiddenStatesCapture:
 
     def e3p_shard_progress(self) -> dict[str, Any]:
         """Rows the connector has handed to the open shard's sink (the driver waits for all of them)."""
-        return {"rank": self._e3p_rank, "tokens": PORT.tokens}
+        return {"rank": self._e3p_rank, "tokens": PORT.tokens, "steps": PORT.steps, "last_at": PORT.last_at}
 
     def _e3p_on_step_start(self, module: Any, args: tuple) -> None:
         self._e3p_step = step_layout(self.model_runner)  # [] for vLLM's dummy/warm-up runs
