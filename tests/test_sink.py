@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import os
 import random
 import threading
 import time
@@ -118,6 +119,73 @@ def test_positional_writer_refuses_rows_outside_the_shape_and_partial_rows(tmp_p
     with pytest.raises(ValueError, match="not a whole number"):
         write_rows(w, 0, rows[0:2].reshape(-1)[:5])
     w.abort()
+
+
+def test_a_read_back_waits_until_another_thread_placed_the_range(tmp_path, monkeypatch):
+    """The sink's two threads: the hash thread reads an early range back only once the write thread placed it."""
+    total = 30
+    rows = rows_tensor(total, 5).view(torch.uint8).numpy()
+    w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (total, H))
+    first_byte = {w._data_start: "rows 0..", w._data_start + 10 * w.row_bytes: "rows 10.."}
+    events, waiting = [], threading.Event()
+    real_pwrite, real_pread = shard_files.os.pwrite, shard_files.os.pread
+
+    def pwrite(fd, data, offset):
+        done = real_pwrite(fd, data, offset)
+        events.append(f"placed {first_byte[offset]}")
+        return done
+
+    def pread(fd, n, offset):
+        events.append(f"read back {first_byte[offset]}")
+        return real_pread(fd, n, offset)
+
+    class Watched(threading.Condition):
+        def wait(self, timeout=None):
+            events.append("hash thread waits")
+            waiting.set()
+            return super().wait(timeout)
+
+    monkeypatch.setattr(shard_files.os, "pwrite", pwrite)
+    monkeypatch.setattr(shard_files.os, "pread", pread)
+    w._placed_cond = Watched()
+    hasher = threading.Thread(target=lambda: (w.account(10, rows[10:30]), w.account(0, rows[0:10])), daemon=True)
+    w.place(0, rows[0:10])
+    hasher.start()  # rows 10.. came early: read back once rows 0.. are hashed, but they are not placed yet
+    assert waiting.wait(5), "the read-back did not wait for its rows"
+    w.place(10, rows[10:30])
+    hasher.join(5)
+    assert not hasher.is_alive()
+    assert events == ["placed rows 0..", "hash thread waits", "placed rows 10..", "read back rows 10.."]
+    entry = w.seal()
+    assert entry == streamed(tmp_path, total, 5)[1]
+
+
+def test_a_cancelled_writer_ends_a_read_back_that_waits_for_rows_never_placed(tmp_path):
+    rows = rows_tensor(20, 0).view(torch.uint8).numpy()
+    w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (20, H))
+    w.place(0, rows[0:10])  # rows 10.. never will be: the write thread failed
+    outcome = []
+    hasher = threading.Thread(
+        target=lambda: outcome.append(_raised(lambda: (w.account(10, rows[10:20]), w.account(0, rows[0:10])))),
+        daemon=True,
+    )
+    hasher.start()
+    w.abort()  # what the sink does after an error (its _fail only cancels: other threads may still write)
+    hasher.join(5)
+    assert not hasher.is_alive(), "the hash thread still waits for rows that will never be placed"
+    assert outcome == ["a.safetensors: rows 10..20 were never placed (cancelled)"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_positional_writer_is_not_sealed_before_every_row_was_placed(tmp_path):
+    rows = rows_tensor(10, 0).view(torch.uint8).numpy()
+    w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (10, H))
+    w.place(0, rows[0:4])
+    w.account(0, rows[0:4])
+    w.account(4, rows[4:10])  # hashed from memory, but the write thread has not placed it
+    with pytest.raises(ValueError, match=r"rows 4\.\. never arrived"):
+        w.seal()
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---- BackgroundFlush (through the positional writer) ---------------------------------------------
@@ -329,6 +397,150 @@ def test_sink_write_error_is_raised_by_finish_not_inside_the_forward(tmp_path):
         sink.add_layer(lid, rows_tensor(4, lid))  # returns normally
     with pytest.raises(ValueError, match="closed file"):
         sink.finish()
+
+
+def early_then_gap(sink: LayerSink) -> None:
+    """Two steps of rows [4, 6, 5]: request 2 first (rows 10..15, early), then requests 0 and 1 (the gap)."""
+    t = tags(3)
+    sink.begin_step([Segment(t[2], 0, 0, 5)])
+    for lid in LAYERS:
+        sink.add_layer(lid, rows_tensor(15, lid)[10:15])
+    sink.begin_step([Segment(t[0], 0, 0, 4), Segment(t[1], 0, 4, 10)])
+    for lid in LAYERS:
+        sink.add_layer(lid, rows_tensor(15, lid)[0:10])
+
+
+def wait_until(cond, what: str) -> None:
+    deadline = time.monotonic() + 5
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def in_thread(fn) -> tuple[threading.Thread, list]:
+    """Run fn on a daemon thread: a test that would hang fails on join(timeout) instead; [result or error]."""
+    out: list = []
+
+    def run():
+        try:
+            out.append(fn())
+        except BaseException as e:  # noqa: BLE001
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_sink_hashes_a_step_while_its_rows_are_written_and_reads_back_only_placed_rows(tmp_path, monkeypatch):
+    """Each slot goes to the write and the hash thread at once: with every pwrite held back, the hash threads
+    still hash rows 0..10 from memory; rows 10..15 (early) are read back from each file only after their pwrite,
+    and no slot goes back to the pool before its rows were written."""
+    disk, events, freed = threading.Event(), [], []
+    real_pwrite, real_pread = shard_files.os.pwrite, shard_files.os.pread
+
+    def pwrite(fd, data, offset):
+        disk.wait(10)
+        done = real_pwrite(fd, data, offset)
+        events.append(("placed", os.fstat(fd).st_ino, offset))
+        return done
+
+    def pread(fd, n, offset):
+        events.append(("read back", os.fstat(fd).st_ino, offset))
+        return real_pread(fd, n, offset)
+
+    monkeypatch.setattr(shard_files.os, "pwrite", pwrite)
+    monkeypatch.setattr(shard_files.os, "pread", pread)
+    sink = make_sink(tmp_path, [4, 6, 5])
+    give = sink.pool.give
+    sink.pool.give = lambda slot: (freed.append("written" if disk.is_set() else "not written"), give(slot))
+    try:
+        early_then_gap(sink)
+        # The hash threads are done with the first slot and hashed the second one's rows from memory.
+        wait_until(lambda: all(w.rows == 10 for w in sink.writers.values()), "the hash threads waited for the disk")
+        assert not events  # nothing placed yet, nothing read back
+    finally:
+        disk.set()
+    entries = sink.finish()
+    assert freed == ["written", "written"]
+    for lid in LAYERS:
+        data = (tmp_path / layer_file(lid)).read_bytes()
+        assert entries[lid]["sha256"] == hashlib.sha256(data).hexdigest()
+        assert entries[lid] == streamed(tmp_path, 15, lid)[1]
+        w, ino = sink.writers[lid], os.stat(tmp_path / layer_file(lid)).st_ino
+        early = w._data_start + 10 * w.row_bytes  # rows 10..15
+        mine = [(kind, offset) for kind, i, offset in events if i == ino]
+        assert mine.index(("placed", early)) < mine.index(("read back", early)), lid
+
+
+def test_a_write_error_ends_the_hash_thread_waiting_for_its_rows(tmp_path, monkeypatch):
+    """Rows 10..15 of one layer never reach its file (a full disk) while its hash thread waits to read them back:
+    finish() raises the disk's error, and no thread or temp file is left."""
+    disk = threading.Event()
+    real_pwrite = shard_files.os.pwrite
+    sink = make_sink(tmp_path, [4, 6, 5])
+    full = os.stat(sink.writers[LAYERS[1]].tmp).st_ino
+
+    def pwrite(fd, data, offset):
+        disk.wait(10)
+        if os.fstat(fd).st_ino == full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(shard_files.os, "pwrite", pwrite)
+    try:
+        early_then_gap(sink)
+        wait_until(lambda: all(w.rows == 10 for w in sink.writers.values()), "the hash threads never got to rows 10")
+    finally:
+        disk.set()
+    finisher, outcome = in_thread(sink.finish)
+    finisher.join(5)
+    assert not finisher.is_alive(), "finish() waits for a hash thread that waits for rows never placed"
+    assert isinstance(outcome[0], DiskSpaceError) and layer_file(LAYERS[1]) in str(outcome[0])
+    assert list(tmp_path.iterdir()) == []
+    assert not any(t.is_alive() for t in sink._threads)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("e3p-flush-")]
+
+
+def test_sink_seals_its_files_in_parallel(tmp_path, monkeypatch):
+    """Every layer's seal (the final fdatasync and fsync) is in progress at once: a barrier of all of them passes."""
+    lengths = [5, 9]
+    sink = make_sink(tmp_path, lengths, sync_bytes=48)
+    simulate(sink, lengths, tags(2), budget=8, seed=0)
+    real_seal, together = PositionalSafetensorsWriter.seal, threading.Barrier(len(LAYERS), timeout=5)
+
+    def seal(w):
+        together.wait()  # BrokenBarrierError if the seals run one after another
+        return real_seal(w)
+
+    monkeypatch.setattr(PositionalSafetensorsWriter, "seal", seal)
+    entries = sink.finish()
+    for lid in LAYERS:
+        assert entries[lid]["sha256"] == hashlib.sha256((tmp_path / layer_file(lid)).read_bytes()).hexdigest()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(layer_file(lid) for lid in LAYERS)
+
+
+def test_a_failed_seal_drops_every_file_and_raises_the_first_layers_error(tmp_path, monkeypatch):
+    """Two files' final fsyncs meet a full disk, while the third file seals: no file stays, nothing is renamed, and
+    finish() raises the disk error of the first of the two layers (a user error, as sealing in order raised it)."""
+    lengths = [5, 9]
+    sink = make_sink(tmp_path, lengths, sync_bytes=48)
+    simulate(sink, lengths, tags(2), budget=8, seed=0)
+    full = {os.stat(sink.writers[lid].tmp).st_ino for lid in LAYERS[1:]}
+    real_fsync, together = shard_files.os.fsync, threading.Barrier(len(LAYERS), timeout=5)
+
+    def fsync(fd):
+        together.wait()  # the other seals are in progress too
+        if os.fstat(fd).st_ino in full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(shard_files.os, "fsync", fsync)
+    with pytest.raises(DiskSpaceError, match=f"disk full while writing .*{layer_file(LAYERS[1])}"):
+        sink.finish()
+    assert list(tmp_path.iterdir()) == []
+    assert not any(t.is_alive() for t in sink._threads)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("e3p-flush-")]
 
 
 # ---- ShardWriter with layer files from a LayerSink (in this process or a vLLM worker) ---------------

@@ -204,9 +204,10 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
     """A streaming tensor file whose rows may arrive in any order: place() then account() a range.
 
     Rows are written where they belong (pwrite); the sha256 still follows file order, so a range
-    that arrives early is read back from the file once the gap before it is filled (a range is
-    accounted after it was placed): kept in memory, such ranges would add up to a step's rows of every
-    layer to the host's RSS (512 MiB on the 8B shape).
+    that arrives early is read back from the file once the gap before it is filled: kept in memory,
+    such ranges would add up to a step's rows of every layer to the host's RSS (512 MiB on the 8B shape).
+    One thread may place while another accounts the same ranges: the read-back waits until its rows
+    are placed, or raises once cancel() says they never will be.
     A range written twice raises, and seal() raises unless every row arrived: a shard with a hole
     never gets a manifest.
 
@@ -218,6 +219,8 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
     def __init__(self, *args: Any, sync_bytes: int | None = None, **kwargs: Any):
         """The base class's arguments, and `sync_bytes`: flush to disk in the background every this many bytes
         (BackgroundFlush), so the disk works while the capture runs (None: only at seal())."""
+        self._placed_cond = threading.Condition()  # before the base class, whose errors call abort()
+        self._cancelled = False
         super().__init__(*args, **kwargs)
         after = self.after
         self.after_row_bytes = DTYPES[after[1]][1] * int(_prod(after[2][1:])) if after else 0
@@ -229,7 +232,8 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
             raise
         self._data_start = self._f.tell()
         self._after_start = self._data_start + self.expected_rows * self.row_bytes
-        self._early: dict[int, int] = {}  # first row -> rows of a range placed and accounted ahead of `rows`
+        self._early: dict[int, int] = {}  # first row -> rows of a range accounted ahead of `rows`
+        self._placed = bytearray(self.expected_rows)  # 1 per placed row: a byte a row, not the row's bytes
         self._flush = BackgroundFlush(self._f.fileno(), self.path.name, sync_bytes) if sync_bytes else None
         self.write_s = self.hash_s = 0.0  # where this writer's time went (benchmarks)
 
@@ -246,8 +250,8 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
     def append(self, tensor: torch.Tensor) -> None:
         raise TypeError(f"{self.path.name}: a positional writer takes place() and account(first_row, data)")
 
-    # A range is written by place + account. They touch disjoint state, so one thread may place (pwrite,
-    # fdatasync: waits on the disk) while another accounts (sha256: waits on a core), each in order.
+    # A range is written by place + account. One thread may place (pwrite, fdatasync: waits on the disk) while
+    # another accounts (sha256: waits on a core); they share only _placed, which a read-back waits on.
     def _rows_of(self, first_row: int, data: memoryview | bytes) -> tuple[memoryview, int]:
         data = memoryview(data).cast("B")  # flat bytes, whatever the buffer's shape (C-contiguous)
         if len(data) % self.row_bytes:
@@ -263,6 +267,9 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
         """pwrite the rows where they belong (the page cache; the background flush takes them to disk);
         `after`: the same rows of the second tensor, required when the file has one."""
         data, last = self._rows_of(first_row, data)
+        with self._placed_cond:
+            if self._placed.find(1, first_row, last) != -1:
+                raise ValueError(f"{self.path.name}: rows {first_row}..{last} written twice")
         faults.kill_point("shard.mid_write", file=self.path.name, rows=first_row)
         if (after is None) != (self.after is None):
             raise ValueError(
@@ -283,11 +290,32 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
                     done = os.pwrite(self._f.fileno(), view, offset)
                     view, offset = view[done:], offset + done
             self.write_s += time.perf_counter() - t0
+            with self._placed_cond:
+                self._placed[first_row:last] = b"\1" * (last - first_row)
+                self._placed_cond.notify_all()
             if self._flush is not None:
                 self._flush.wrote(sum(len(v) for v, _ in parts))
 
+    def cancel(self) -> None:
+        """The rows not placed yet never will be (the placing thread failed): a read-back waiting for them
+        raises instead of waiting forever. Touches no file, so any thread may call it at any time."""
+        with self._placed_cond:
+            self._cancelled = True
+            self._placed_cond.notify_all()
+
+    def _wait_placed(self, first_row: int, last: int) -> float:
+        """Wait until rows first_row..last-1 are placed (another thread may still be writing them); seconds waited."""
+        t0 = time.perf_counter()
+        with self._placed_cond:
+            while self._placed.find(0, first_row, last) != -1:
+                if self._cancelled:
+                    raise RuntimeError(f"{self.path.name}: rows {first_row}..{last} were never placed (cancelled)")
+                self._placed_cond.wait()
+        return time.perf_counter() - t0
+
     def account(self, first_row: int, data: memoryview | bytes) -> None:
-        """Hash the rows in file order (keeping a range that came early); refuse a range seen twice."""
+        """Hash the rows in file order; a range that came early is read back from the file once the gap
+        before it is filled (waiting until it is placed). Refuse a range seen twice."""
         data, last = self._rows_of(first_row, data)
         taken = [(r, r + n) for r, n in self._early.items()]
         if first_row < self.rows or any(a < last and first_row < b for a, b in taken):
@@ -300,15 +328,16 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
         self.rows = last
         while self.rows in self._early:
             n = self._early.pop(self.rows)
+            t0 += self._wait_placed(self.rows, self.rows + n)  # waiting is not hashing
             self._hash_file_range(self._data_start + self.rows * self.row_bytes, n * self.row_bytes, "rows")
             self.rows += n
         self.hash_s += time.perf_counter() - t0
 
     def seal(self) -> dict[str, Any]:
-        if self.rows != self.expected_rows:
-            missing = f"rows {self.rows}.. never arrived" if self.rows < self.expected_rows else ""
+        hole = self.rows if self.rows < self.expected_rows else self._placed.find(0)  # not accounted, or not placed
+        if hole != -1:
             self.abort()
-            raise ValueError(f"{self.path.name}: {missing} ({self.expected_rows} declared)")
+            raise ValueError(f"{self.path.name}: rows {hole}.. never arrived ({self.expected_rows} declared)")
         if self._flush is not None:
             try:
                 with disk_full_is_user_error(self.path):
@@ -343,6 +372,7 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
             os.close(fd)
 
     def abort(self) -> None:
+        self.cancel()
         flush = getattr(self, "_flush", None)  # None when the header's write failed in __init__
         if flush is not None:
             with contextlib.suppress(OSError):

@@ -9,7 +9,7 @@ per step's finished requests).
     sink.finish()                    # every row arrived exactly once: fsync, rename, {layer_id: entry}
 
 Rows are copied into a pooled host slot (pinned, on a side CUDA stream, so the copy overlaps the next
-layers' compute); writer threads place them by position and hash them in file order
+layers' compute); writer threads place them by position and, at the same time, hash them in file order
 (docs/DESIGN.md §5 has the decisions behind the slot count and the flush interval). With
 `storage: fp8_e4m3` each layer is quantized on its own device first, on the same side stream, so half
 the bytes cross to the host and reach the disk (shard/fp8.py; on a CPU it is the same code).
@@ -21,7 +21,10 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -93,7 +96,7 @@ class _Slot:
     scales: torch.Tensor | None = None  # [num_layers, capacity, 1] float32: FP8 storage's per-token scales
     event: Any = None  # CUDA event recorded after the step's last copy; None on CPU
     pieces: list[tuple[int, int, int]] | None = None  # (src_row, dest_row, n) of this step
-    pending: int = 0  # layer threads that have not written their part of this slot yet
+    pending: int = 0  # write and hash threads (two a layer) not yet done with this slot
 
 
 class SlotPool:
@@ -148,9 +151,12 @@ def pool_for(spec: SinkSpec) -> SlotPool:
 class LayerSink:
     """Writes the rows of forward steps into one shard's layer files.
 
-    Two threads per layer file (pwrite and sha256 release the GIL): one places the rows where they
-    belong, one hashes them in file order; each file's BackgroundFlush takes them to disk meanwhile.
-    Errors on a thread (a full disk) never raise inside the forward: finish() raises them.
+    Two threads per layer file (pwrite and sha256 release the GIL), both handed each step's slot at once:
+    one places the rows where they belong while the other hashes them in file order (a range it reads
+    back from the file waits until it is placed); each file's BackgroundFlush takes them to disk meanwhile.
+    A slot goes back to the pool once every thread is done with it. Errors on a thread (a full disk)
+    never raise inside the forward: finish() raises them. finish() seals the files in parallel, so
+    their final fsyncs overlap.
     """
 
     def __init__(self, spec: SinkSpec, pool: SlotPool | None = None):
@@ -177,13 +183,13 @@ class LayerSink:
         self._current: _Slot | None = None
         self._stream = None  # side CUDA stream for device-to-host copies, made on first GPU tensor
         self.stall_s = 0.0  # forward time spent waiting for a free slot (the writers were behind)
-        self._todo: dict[int, queue.Queue[_Slot | None]] = {lid: queue.Queue() for lid in self.layer_ids}
-        self._to_hash: dict[int, queue.Queue[_Slot | None]] = {lid: queue.Queue() for lid in self.layer_ids}
-        self._threads = [
-            threading.Thread(target=loop, args=(lid,), name=f"e3p-sink-{kind}-{lid}", daemon=True)
-            for lid in self.layer_ids
-            for kind, loop in (("write", self._write_loop), ("hash", self._hash_loop))
-        ]
+        self._queues: list[queue.Queue[_Slot | None]] = []  # one a thread: each gets every step's slot
+        self._threads = []
+        for lid in self.layer_ids:
+            for kind, work in (("write", self._place), ("hash", self._account)):
+                self._queues.append(queue.Queue())
+                args, name = (self._queues[-1], partial(work, lid)), f"e3p-sink-{kind}-{lid}"
+                self._threads.append(threading.Thread(target=self._loop, args=args, name=name, daemon=True))
         for t in self._threads:
             t.start()
 
@@ -238,8 +244,8 @@ class LayerSink:
                 slot.event = torch.cuda.Event()
                 slot.event.record(self._stream)
             self._current = None
-            slot.pending = len(self.layer_ids)
-            for q in self._todo.values():
+            slot.pending = len(self._queues)
+            for q in self._queues:
                 q.put(slot)
 
     def copy_stream(self, device: Any) -> Any:
@@ -274,51 +280,43 @@ class LayerSink:
         with self._lock:
             if self._error is None:
                 self._error = error
+        for w in self.writers.values():  # a hash thread waiting for rows that will not be placed now raises
+            w.cancel()
 
     # ---- writer threads -------------------------------------------------------------------------
-    def _write_loop(self, layer_id: int) -> None:
-        import torch
-
-        j, writer = self._slot_of_layer[layer_id], self.writers[layer_id]
-        while True:
-            slot = self._todo[layer_id].get()
-            if slot is None:
-                self._to_hash[layer_id].put(None)
-                return
+    def _loop(self, todo: queue.Queue[_Slot | None], work: Callable[[_Slot], None]) -> None:
+        """One write or hash thread: each slot's part of its layer, in the order the steps came."""
+        while (slot := todo.get()) is not None:
             try:
                 if self._error is None:
                     if slot.event is not None:
                         slot.event.synchronize()  # the step's device-to-host copies are done
-                    raw = slot.host[j].view(torch.uint8)  # [capacity, H * itemsize]
-                    scales = slot.scales[j].view(torch.uint8) if slot.scales is not None else None  # [capacity, 4]
-                    for src, dest, n in slot.pieces:
-                        after = scales[src : src + n].numpy() if scales is not None else None
-                        writer.place(dest, raw[src : src + n].numpy(), after)
-            except BaseException as e:  # noqa: BLE001 - reported by finish()
-                self._fail(e)
-            self._to_hash[layer_id].put(slot)  # the hash thread frees the slot, error or not
-
-    def _hash_loop(self, layer_id: int) -> None:
-        import torch
-
-        j, writer = self._slot_of_layer[layer_id], self.writers[layer_id]
-        while True:
-            slot = self._to_hash[layer_id].get()
-            if slot is None:
-                return
-            try:
-                if self._error is None:
-                    raw = slot.host[j].view(torch.uint8)
-                    for src, dest, n in slot.pieces:
-                        writer.account(dest, raw[src : src + n].numpy())
+                    work(slot)
             except BaseException as e:  # noqa: BLE001 - reported by finish()
                 self._fail(e)
             finally:
                 with self._lock:
                     slot.pending -= 1
                     last = slot.pending == 0
-                if last:
+                if last:  # error or not: every thread is done with it
                     self.pool.give(slot)
+
+    def _place(self, layer_id: int, slot: _Slot) -> None:
+        import torch
+
+        j, writer = self._slot_of_layer[layer_id], self.writers[layer_id]
+        raw = slot.host[j].view(torch.uint8)  # [capacity, H * itemsize]
+        scales = slot.scales[j].view(torch.uint8) if slot.scales is not None else None  # [capacity, 4]
+        for src, dest, n in slot.pieces:
+            after = scales[src : src + n].numpy() if scales is not None else None
+            writer.place(dest, raw[src : src + n].numpy(), after)
+
+    def _account(self, layer_id: int, slot: _Slot) -> None:
+        import torch
+
+        raw = slot.host[self._slot_of_layer[layer_id]].view(torch.uint8)
+        for src, dest, n in slot.pieces:
+            self.writers[layer_id].account(dest, raw[src : src + n].numpy())
 
     # ---- end ------------------------------------------------------------------------------------
     def finish(self) -> dict[int, dict[str, Any]]:
@@ -335,11 +333,14 @@ class LayerSink:
                 f"the shard's layer files got {missing} contiguous rows of {self.total_tokens}: a request's rows "
                 "never arrived (prefix caching must be off and every forward step captured)"
             )
-        try:
-            entries = {lid: w.seal() for lid, w in self.writers.items()}
-        except BaseException:
-            self.abort()  # the files not sealed yet still hold flush threads and temp files
-            raise
+        # In parallel: each seal waits for its file's last fdatasync and fsync, and the disks take them at once.
+        with ThreadPoolExecutor(max(1, len(self.writers)), thread_name_prefix="e3p-seal") as seals:
+            futures = {lid: seals.submit(w.seal) for lid, w in self.writers.items()}
+        errors = [e for f in futures.values() if (e := f.exception()) is not None]
+        if errors:
+            self.abort()  # the other files, sealed or not, still hold temp files (and flush threads)
+            raise errors[0]
+        entries = {lid: f.result() for lid, f in futures.items()}
         for w in self.writers.values():
             os.replace(w.tmp, w.path)
         return entries
@@ -353,13 +354,15 @@ class LayerSink:
 
     def abort(self) -> None:
         """Stop and drop the temp files."""
+        for w in self.writers.values():  # no hash thread waits for rows while the threads stop
+            w.cancel()
         self._stop()
         for w in self.writers.values():
             w.abort()
 
     def _stop(self) -> None:
         if any(t.is_alive() for t in self._threads):
-            for lid in self.layer_ids:
-                self._todo[lid].put(None)  # each write thread passes it on to its hash thread
+            for q in self._queues:
+                q.put(None)
         for t in self._threads:
             t.join()
