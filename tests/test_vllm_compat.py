@@ -436,6 +436,30 @@ def test_builtin_path_waits_for_the_worker_to_hold_every_row_before_finishing(mo
     assert seen == [1, 2, 3, 4]  # polled after the one step that ended both requests, stepping in between
 
 
+@pytest.mark.parametrize(("step_tokens", "steps"), [(2048, [10_000, 1000, 1000]), (4096, [12_000])])
+def test_a_long_shards_last_step_is_fed_a_few_rows_at_a_time(monkeypatch, step_tokens, steps):
+    """Its rows reach the files after the last forward, unoverlapped: that step must be small. 12 rows of 1,000
+    tokens in batches of 4,000, a window of 8,192: with steps of 2,048 (the shard is 4 steps or more) the window
+    first, then the last 2,048 tokens with more than 512 in flight stepped at once; with steps of 4,096 (fewer
+    than 4) only the window."""
+    import sys
+
+    from eagle3prep.backends.vllm.paths import TAIL_PARTS, HooksPath
+    from eagle3prep.shard.sink import SinkSpec
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(TokensPrompt=dict, SamplingParams=lambda **kw: kw))
+    path = HooksPath([2], version="0.26.0")
+    path.window_tokens = 8192
+    rows = [(i * 1000, 1000) for i in range(12)]
+    spec = SinkSpec({2: "/x/layer_2"}, 16, "bfloat16", rows, tag_prefix="p", step_tokens=step_tokens, slots=3)
+    llm = FakeLLM({"rank": 0, "entries": {"2": ENTRY}})
+    sizes = []
+    step = llm.llm_engine.step
+    llm.llm_engine.step = lambda: sizes.append(sum(len(q.prompt_token_ids) for q in llm.llm_engine.queued)) or step()
+    path.capture_shard(llm, iter([[[7] * 1000 for _ in range(4)] for _ in range(3)]), spec)
+    assert TAIL_PARTS == 4 and sizes == steps
+
+
 def test_builtin_path_that_never_gets_its_rows_fails_and_aborts(monkeypatch):
     from eagle3prep.backends.vllm import paths
 

@@ -208,6 +208,11 @@ class Spec:
     rows: list
     logprob_rows: tuple = ()
     tag_prefix: str = "t"
+    step_tokens: int = 0  # no tail of small steps (paths.TAIL_PARTS): each test sets its own window
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(n for _, n in self.rows)
 
     def tag(self, i: int) -> str:
         return f"{self.tag_prefix}-{i}"

@@ -202,8 +202,10 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
         runs += [("uniform_shm", shm / "e3p-bench")] if shm.is_dir() else []
         # the uniform shard again without the logits check's rows (their prompt logprobs): what the check costs
         runs += [("uniform_nolp", shards)]
+        # the mixed shard once more: growth that repeats grows with the shards; a first shard's own is the allocators'
+        runs += [("mixed_again", shards)]
         for name, where in runs:
-            rows = work[name.removesuffix("_shm").removesuffix("_nolp")]  # --images: a tokenized shard already
+            rows = work[name.removesuffix("_shm").removesuffix("_nolp").removesuffix("_again")]  # --images: tokenized
             tok = rows if isinstance(rows, Path) else write_tokenized(args.out / f"{name}.jsonl", rows)
             base = rss.reset()
             m = extract_shard(

@@ -79,12 +79,20 @@ def print_builtin(results: dict) -> None:
                 )
                 + f"; the check's rows cost {1 - r['uniform']['tokens_per_s'] / nolp:.1%}"
             )
+        again = f", {r['mixed_again']['rss_growth_mib']:.0f} MiB (mixed again)" if "mixed_again" in r else ""
         print(
             f"({p}) host RSS growth: first (half) shard {r['uniform_half']['rss_growth_mib']:.0f} MiB, then "
-            f"{r['uniform']['rss_growth_mib']:.0f} MiB (full) and {r['mixed']['rss_growth_mib']:.0f} MiB (mixed); "
+            f"{r['uniform']['rss_growth_mib']:.0f} MiB (full) and {r['mixed']['rss_growth_mib']:.0f} MiB (mixed)"
+            f"{again}; "
             f"peak RSS {r['peak_rss_mib']:.0f} MiB; capture path {r['capture_path']}; engine start "
             f"{r['engine_start_s']:.1f} s; worker writer, seconds: {r['uniform'].get('writer')}"
         )
+        tails = {w: {k: v["writer"].get(k) for k in TAIL_KEYS} for w, v in r.items() if isinstance(v, dict)}
+        print(f"({p}) the shards' tails after their last engine step, seconds: {tails}")
+
+
+# Where a shard's time outside the engine's steps went (backends/vllm/paths.py: the driver's clock)
+TAIL_KEYS = ("open_s", "driver_add_s", "drain_s", "drain_steps", "finish_s")
 
 
 def print_table(args, results: dict) -> None:

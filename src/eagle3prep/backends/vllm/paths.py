@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 EXT_MODULE = "eagle3prep.backends.vllm.worker"
 CONNECTOR_MODULE = "eagle3prep.backends.vllm.connector"
 DRAIN_S = 600  # a shard's last rows reach the worker a step after their request ends: seconds, not minutes
+# A shard of TAIL_PARTS steps or more gets its last step_tokens at most step_tokens / TAIL_PARTS at a time
+# (capture_shard): the tail after the last forward (write, sha256 and fsync of its rows) shrinks with that step.
+TAIL_PARTS = 4
 
 
 def log(msg: str) -> None:
@@ -127,7 +130,8 @@ class _WorkerSinkPath:
 
     def capture_shard(self, llm: Any, batches: Iterator[list[list[int]]], spec: SinkSpec) -> dict[int, dict[str, Any]]:
         """Rows are fed to the engine as a stream, at most `window_tokens` prompt tokens in flight,
-        so the scheduler always has a full step and no batch boundary leaves the GPU idle."""
+        so the scheduler always has a full step and no batch boundary leaves the GPU idle; a long shard's last
+        step_tokens at most step_tokens / TAIL_PARTS at a time."""
         t_open = time.perf_counter()
         compat.rpc_result(llm.collective_rpc("e3p_open_shard", args=(dataclasses.asdict(spec),)), version=self.version)
         open_s = time.perf_counter() - t_open
@@ -135,6 +139,9 @@ class _WorkerSinkPath:
 
         engine = llm.llm_engine
         in_flight = submitted = 0
+        unsent = spec.total_tokens  # prompt tokens of the shard not added yet
+        tail_window = max(1, spec.step_tokens // TAIL_PARTS)
+        tapered = spec.total_tokens >= TAIL_PARTS * spec.step_tokens  # smaller steps for a quarter at most
         probes: list[str] = []
         finished = False
         # where the driver's thread went (with images it can set the pace): opening the worker's sink, waiting for
@@ -161,7 +168,12 @@ class _WorkerSinkPath:
                     clock["driver_add_s"] += time.perf_counter() - t0
                     submitted += 1
                     in_flight += len(row.ids)
-                    while row.batch_end and in_flight > self.window_tokens:
+                    unsent -= len(row.ids)
+                    # The last step's rows reach the files after its forward, where nothing overlaps them: the
+                    # shard's last step_tokens go in a few rows at a time, so that step (and the tail) is small.
+                    tail = tapered and unsent < spec.step_tokens
+                    window = tail_window if tail else self.window_tokens
+                    while (row.batch_end or tail) and in_flight > window and engine.has_unfinished_requests():
                         in_flight -= self._step(engine, wanted)
             while engine.has_unfinished_requests():
                 in_flight -= self._step(engine, wanted)
