@@ -90,6 +90,27 @@ def test_positional_writer_keeps_no_early_range_in_memory_and_hashes_it_from_the
     assert entry == ref_entry
 
 
+def test_a_read_back_reads_into_one_buffer(tmp_path, monkeypatch):
+    """An early range longer than the read-back buffer is hashed in several reads, all into the same buffer
+    (no new bytes object a read), and the hash still equals the in-order writer's."""
+    from eagle3prep.shard import files
+
+    monkeypatch.setattr(files, "READBACK_BYTES", 3 * H * 2 + 5)  # 3 rows and a part: reads end mid-row
+    buffers = []
+    preadv = os.preadv
+    monkeypatch.setattr(files.os, "preadv", lambda fd, bufs, pos: buffers.append(bufs[0].obj) or preadv(fd, bufs, pos))
+    monkeypatch.setattr(files.os, "pread", None)  # nothing reads into a new bytes object
+    total = 30
+    rows = rows_tensor(total, 6).view(torch.uint8).numpy()
+    w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (total, H))
+    write_rows(w, 10, rows[10:30])
+    write_rows(w, 0, rows[0:10])
+    entry = w.seal()
+    _, ref_entry = streamed(tmp_path, total, 6)
+    assert entry == ref_entry
+    assert len(buffers) >= 6 and all(b is buffers[0] for b in buffers)  # 20 rows, at most 3.x a read
+
+
 @pytest.mark.parametrize("second", [(3, 5), (0, 1), (9, 12)], ids=["inside-written", "first-row", "inside-early"])
 def test_positional_writer_refuses_a_range_twice(tmp_path, second):
     rows = rows_tensor(20, 0).view(torch.uint8).numpy()
@@ -128,16 +149,16 @@ def test_a_read_back_waits_until_another_thread_placed_the_range(tmp_path, monke
     w = PositionalSafetensorsWriter(tmp_path / "a.safetensors", "hidden_states", "bfloat16", (total, H))
     first_byte = {w._data_start: "rows 0..", w._data_start + 10 * w.row_bytes: "rows 10.."}
     events, waiting = [], threading.Event()
-    real_pwrite, real_pread = shard_files.os.pwrite, shard_files.os.pread
+    real_pwrite, real_preadv = shard_files.os.pwrite, shard_files.os.preadv
 
     def pwrite(fd, data, offset):
         done = real_pwrite(fd, data, offset)
         events.append(f"placed {first_byte[offset]}")
         return done
 
-    def pread(fd, n, offset):
+    def preadv(fd, buffers, offset):
         events.append(f"read back {first_byte[offset]}")
-        return real_pread(fd, n, offset)
+        return real_preadv(fd, buffers, offset)
 
     class Watched(threading.Condition):
         def wait(self, timeout=None):
@@ -146,7 +167,7 @@ def test_a_read_back_waits_until_another_thread_placed_the_range(tmp_path, monke
             return super().wait(timeout)
 
     monkeypatch.setattr(shard_files.os, "pwrite", pwrite)
-    monkeypatch.setattr(shard_files.os, "pread", pread)
+    monkeypatch.setattr(shard_files.os, "preadv", preadv)
     w._placed_cond = Watched()
     hasher = threading.Thread(target=lambda: (w.account(10, rows[10:30]), w.account(0, rows[0:10])), daemon=True)
     w.place(0, rows[0:10])
@@ -437,7 +458,7 @@ def test_sink_hashes_a_step_while_its_rows_are_written_and_reads_back_only_place
     still hash rows 0..10 from memory; rows 10..15 (early) are read back from each file only after their pwrite,
     and no slot goes back to the pool before its rows were written."""
     disk, events, freed = threading.Event(), [], []
-    real_pwrite, real_pread = shard_files.os.pwrite, shard_files.os.pread
+    real_pwrite, real_preadv = shard_files.os.pwrite, shard_files.os.preadv
 
     def pwrite(fd, data, offset):
         disk.wait(10)
@@ -445,12 +466,12 @@ def test_sink_hashes_a_step_while_its_rows_are_written_and_reads_back_only_place
         events.append(("placed", os.fstat(fd).st_ino, offset))
         return done
 
-    def pread(fd, n, offset):
+    def preadv(fd, buffers, offset):
         events.append(("read back", os.fstat(fd).st_ino, offset))
-        return real_pread(fd, n, offset)
+        return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(shard_files.os, "pwrite", pwrite)
-    monkeypatch.setattr(shard_files.os, "pread", pread)
+    monkeypatch.setattr(shard_files.os, "preadv", preadv)
     sink = make_sink(tmp_path, [4, 6, 5])
     give = sink.pool.give
     sink.pool.give = lambda slot: (freed.append("written" if disk.is_set() else "not written"), give(slot))

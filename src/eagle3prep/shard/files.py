@@ -123,6 +123,8 @@ class StreamingSafetensorsWriter:
 # BackgroundFlush defaults. A shorter interval leaves less for finish()'s final fsync, the shard's tail,
 # at the same throughput down to 64 MiB (docs/DESIGN.md §5; docs/runs/bench_sink_h200_paced.txt).
 FLUSH_EVERY = 64 << 20
+# What a read-back of rows that arrived early reads at a time (PositionalSafetensorsWriter._hash_file_range)
+READBACK_BYTES = 4 << 20
 # How far (per file) the writer may run ahead of the disk before it waits: room for the disk's hiccups.
 FLUSH_MAX_BEHIND = 1 << 30
 
@@ -234,6 +236,7 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
         self._after_start = self._data_start + self.expected_rows * self.row_bytes
         self._early: dict[int, int] = {}  # first row -> rows of a range accounted ahead of `rows`
         self._placed = bytearray(self.expected_rows)  # 1 per placed row: a byte a row, not the row's bytes
+        self._readback: memoryview | None = None  # _hash_file_range's buffer, made on its first read
         self._flush = BackgroundFlush(self._f.fileno(), self.path.name, sync_bytes) if sync_bytes else None
         self.write_s = self.hash_s = 0.0  # where this writer's time went (benchmarks)
 
@@ -357,17 +360,20 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
             self.abort()
             raise
 
-    def _hash_file_range(self, pos: int, nbytes: int, what: str, chunk: int = 16 << 20) -> None:
-        """Hash `nbytes` of the temp file from byte `pos` (placed already: in the page cache, most often)."""
+    def _hash_file_range(self, pos: int, nbytes: int, what: str) -> None:
+        """Hash `nbytes` of the temp file from byte `pos` (placed already: in the page cache, most often), read
+        into the writer's one buffer: a new bytes object a read would leave its memory with the allocator."""
+        if self._readback is None:
+            self._readback = memoryview(bytearray(READBACK_BYTES))
         fd = os.open(self.tmp, os.O_RDONLY)
         try:
             end = pos + nbytes
             while pos < end:
-                data = os.pread(fd, min(chunk, end - pos), pos)
-                if not data:
+                n = os.preadv(fd, [self._readback[: min(READBACK_BYTES, end - pos)]], pos)
+                if not n:
                     raise ValueError(f"{self.path.name}: {what} end at byte {pos}, expected {end}")
-                self._sha.update(data)
-                pos += len(data)
+                self._sha.update(self._readback[:n])
+                pos += n
         finally:
             os.close(fd)
 
