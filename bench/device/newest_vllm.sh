@@ -54,8 +54,8 @@ step workflow "$NEW" workflow
 step valid_narrow "$NEW" python3 bench/long_rows.py $W/valid_narrow --shape narrow --lengths 32768,65536,20000,4096
 step long64 "$NEW" python3 bench/bench_extract.py $W/long64 --phases pef --rows 4 --seq 65536 --min-len 32768 --max-len 65536
 step regress "$NEW" python3 bench/bench_extract.py $W/regress --phases ${REGRESS_PHASES:-pef} --rows 192
-step regen_long "$NEW" python3 bench/bench_regenerate.py $W/regen_long --prompts 16 --max-tokens 24000 --max-model-len 32768 --rounds 1
 step kimi_int4 "$NEW" python3 bench/bench_extract.py $W/kimi_int4 --shape kimi-int4 --phases pf --rows 384 --seq 1000 --min-len 100 --max-len 1000
+step regen_long "$NEW" python3 bench/bench_regenerate.py $W/regen_long --prompts 16 --max-tokens 24000 --max-model-len 32768 --rounds 1
 step quality "$NEW" quality
 step valid_kimi "$NEW" python3 bench/long_rows.py $W/valid_kimi --shape kimi-vocab --lengths 32768,65536,20000,4096 --layer-ids 1,2
 step kimi64 "$NEW" python3 bench/bench_extract.py $W/kimi64 --shape kimi-vocab --phases pf --rows 4 --seq 65536 --min-len 32768 --max-len 65536
