@@ -17,7 +17,9 @@
 #             (bench_extract phases: (p) plain prefill compiled as vLLM starts by default, (e) vLLM's
 #             extract_hidden_states with nothing saved (its own cost), (f) the built-in path compiled: auto's path
 #             on 0.34, with the default enforce_eager: false)
-#   regen_long  the regenerate stage writing replies of up to 24k tokens (8B shape), beside plain generate
+#   regen_long  the regenerate stage writing replies of up to 24k tokens (8B shape), beside plain generate;
+#             random weights rarely stop early: each phase is ~24,000 decode steps (8 prompts: the step time, not
+#             the prompt count, sets it)
 #   quality   the acceptance bench's ours and peer branches (bench/quality/device_run.sh; needs the tools payload),
 #             its summary in OUT/quality.txt
 # Steps run in this order; STEPS="quality regress" runs only those; REGRESS_PHASES=pf drops (e) from regress;
@@ -55,7 +57,7 @@ step valid_narrow "$NEW" python3 bench/long_rows.py $W/valid_narrow --shape narr
 step long64 "$NEW" python3 bench/bench_extract.py $W/long64 --phases pef --rows 4 --seq 65536 --min-len 32768 --max-len 65536
 step regress "$NEW" python3 bench/bench_extract.py $W/regress --phases ${REGRESS_PHASES:-pef} --rows 192
 step kimi_int4 "$NEW" python3 bench/bench_extract.py $W/kimi_int4 --shape kimi-int4 --phases pf --rows 384 --seq 1000 --min-len 100 --max-len 1000
-step regen_long "$NEW" python3 bench/bench_regenerate.py $W/regen_long --prompts 16 --max-tokens 24000 --max-model-len 32768 --rounds 1
+step regen_long "$NEW" python3 bench/bench_regenerate.py $W/regen_long --prompts 8 --max-tokens 24000 --max-model-len 32768 --rounds 1
 step quality "$NEW" quality
 step valid_kimi "$NEW" python3 bench/long_rows.py $W/valid_kimi --shape kimi-vocab --lengths 32768,65536,20000,4096 --layer-ids 1,2
 step kimi64 "$NEW" python3 bench/bench_extract.py $W/kimi64 --shape kimi-vocab --phases pf --rows 4 --seq 65536 --min-len 32768 --max-len 65536
