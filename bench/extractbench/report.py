@@ -87,7 +87,9 @@ def print_builtin(results: dict) -> None:
             f"peak RSS {r['peak_rss_mib']:.0f} MiB; capture path {r['capture_path']}; engine start "
             f"{r['engine_start_s']:.1f} s; worker writer, seconds: {r['uniform'].get('writer')}"
         )
-        tails = {w: {k: v["writer"].get(k) for k in TAIL_KEYS} for w, v in r.items() if isinstance(v, dict)}
+        tails = {
+            w: {k: (v.get("writer") or {}).get(k) for k in TAIL_KEYS} for w, v in r.items() if isinstance(v, dict)
+        }
         print(f"({p}) the shards' tails after their last engine step, seconds: {tails}")
 
 
