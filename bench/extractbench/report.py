@@ -91,6 +91,14 @@ def print_builtin(results: dict) -> None:
             w: {k: (v.get("writer") or {}).get(k) for k in TAIL_KEYS} for w, v in r.items() if isinstance(v, dict)
         }
         print(f"({p}) the shards' tails after their last engine step, seconds: {tails}")
+        for w in ("uniform", "mixed"):  # the same shard's time in engine steps, beside (p)'s whole time
+            secs = r[w]["tokens"] / r[w]["tokens_per_s"]
+            line = (
+                f"({p}) {w}: {secs:.2f} s, of which engine steps {(r[w].get('writer') or {}).get('driver_step_s')} s"
+            )
+            if "p" in results:
+                line += f"; (p) {results['p'][w]['tokens'] / results['p'][w]['tokens_per_s']:.2f} s"
+            print(line)
 
 
 # Where a shard's time outside the engine's steps went (backends/vllm/paths.py: the driver's clock)
