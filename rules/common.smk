@@ -1,8 +1,9 @@
 import os
 import sys
+import time
 
 from eagle3prep.config import ConfigError
-from eagle3prep.run import command, heal, made_by
+from eagle3prep.run import closing, command, heal, made_by, stale
 from eagle3prep.settings import ExtractSettings, RegenerateSettings, Settings
 from eagle3prep.run.parse import (
     check_model,
@@ -99,9 +100,13 @@ if workflow.is_main_process:
             if not workflow.dryrun:
                 made_by.write_record(SETTINGS, CONFIG_SHOWN)
         if not workflow.touch and set(settings.targets) <= {"all"}:
-            HEALS[:] = heal.find(SHARDS, SETTINGS.heal.keep_failed)
+            HEALS[:] = heal.find(SHARDS, SETTINGS.heal.keep_failed, workflow.dryrun)
             for line in heal.summary(HEALS):
                 print(f"eagle3prep: {line}", file=sys.stderr)
+            # The last report no longer tells the truth about these shards until a run rebuilds it.
+            if not workflow.dryrun and (_stale := [h.why for h in HEALS if h.shard is not None]):
+                if stale.mark_stale(_stale):
+                    print(f"eagle3prep: marked {stale.REPORT} STALE until this run rebuilds it", file=sys.stderr)
             forced = {h.force for h in HEALS if h.force}
             settings.forcerun = set(settings.forcerun) | forced
         _prepare_dag(*args, **kwargs)
@@ -118,6 +123,24 @@ onstart:
                 f"eagle3prep: moved {heal.shard_dir(_heal.shard)} to {heal.set_aside(_heal)}",
                 file=sys.stderr,
             )
+
+
+RUN_STARTED_NS = time.time_ns()
+
+
+onsuccess:
+    for _line in closing.run_losses():
+        print(f"eagle3prep: {_line}", file=sys.stderr)
+
+
+onerror:
+    for _line in closing.run_losses():
+        print(f"eagle3prep: {_line}", file=sys.stderr)
+    if closing.mark_report_after_failure(SHARDS, RUN_STARTED_NS):
+        print(
+            f"eagle3prep: marked {stale.REPORT} STALE: it was not rebuilt and does not describe this run's shards",
+            file=sys.stderr,
+        )
 
 
 def get_model(wildcards=None):

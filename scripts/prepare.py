@@ -4,8 +4,12 @@ import sys
 sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: SIM115 (the log stays open for the job)
 os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM workers, tokenizers) log there too
 
-from eagle3prep.errors import one_line_errors
+import shutil
+
+from eagle3prep.config import schema_default
+from eagle3prep.errors import UserError, one_line_errors
 from eagle3prep.prepare import prepare, summarize
+from eagle3prep.prepare.counts import loss_error
 from eagle3prep.prepare.images import ImageOptions
 from eagle3prep.settings import IMAGE_KEYS
 
@@ -21,3 +25,14 @@ with one_line_errors():
         images=ImageOptions.of({k: getattr(snakemake.params, k) for k in IMAGE_KEYS if hasattr(snakemake.params, k)}),
     )
     print(summarize(counts), file=sys.stderr)
+    # Read from the config, not a param: the share decides no byte, so changing it re-queues no job.
+    max_share = (
+        getattr(snakemake, "config", {})
+        .get("data", {})
+        .get("max_quarantine_share", schema_default("data", "max_quarantine_share"))
+    )
+    # A failed job loses its outputs: the quarantine is copied beside the log first, for the user to study.
+    kept_copy = os.path.splitext(snakemake.log[0])[0] + ".quarantine.jsonl"
+    if error := loss_error(counts, float(max_share), kept_copy):
+        shutil.copyfile(snakemake.output.quarantine, kept_copy)
+        raise UserError(error)

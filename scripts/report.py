@@ -6,6 +6,7 @@ os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM workers, tokenizers) lo
 
 from eagle3prep.errors import one_line_errors
 from eagle3prep.report import build_report
+from eagle3prep.run.stale import FAILED
 
 with one_line_errors():
     build_report(
@@ -23,4 +24,6 @@ with one_line_errors():
         # Only rule report_with_gate (rules/overfit_gate.smk) has this input.
         overfit_gate=snakemake.input.get("gate"),
         model_dir=snakemake.input.model,
+        # Not an input: a set-aside copy is listed, but moving one out of the way re-queues nothing.
+        failed_dir=FAILED,
     )

@@ -100,13 +100,22 @@ def test_a_shard_that_failed_validation_is_set_aside_and_redone(tmp_path):
 def test_failed_shards_are_kept_on_request_and_redone_at_most_twice():
     finished(1, validated=False)
     failed_log(1)
+    # Kept or given up on, the shard is validated again, so the run fails while it stays damaged.
     [h] = heal.find([1], keep_failed=True)
-    assert h.force is None and "kept in place (heal.keep_failed)" in h.why
+    assert h.force == heal.validation_json(1) and not h.set_aside
+    assert "kept in place (heal.keep_failed): validating it again" in h.why and "the run fails" in h.why
     Path("results/failed/shard_1").mkdir(parents=True)
     assert heal.find([1])[0].why.endswith("moving it to results/failed/shard_1.1 and extracting it again")
     Path("results/failed/shard_1.1").mkdir()
     [h] = heal.find([1])
-    assert h.force is None and "after 2 redos" in h.why
+    assert h.force == heal.validation_json(1) and "after 2 redos" in h.why and "the run fails" in h.why
+
+
+def test_a_dry_run_says_it_would_move_a_failed_shard():
+    finished(1, validated=False)
+    failed_log(1)
+    [h] = heal.find([1], dryrun=True)
+    assert "would move it (not in a dry run) to results/failed/shard_1" in h.why and "moving it" not in h.why
 
 
 def test_a_validation_log_older_than_the_shard_or_without_a_verdict_is_no_failure():

@@ -42,11 +42,31 @@ def test_another_configs_sources_are_refused_in_one_line_naming_both(folder):
     )
     assert "config/config.yaml (the demo's, read because no --configfile was given)" in error
     assert "differs in data.sources [mine.jsonl] there, [resources/demo/a.jsonl] here" in error
-    assert "--directory OTHER_FOLDER" in error and "replace_results: true" in error
+    assert "--directory OTHER_FOLDER" in error
     mine = command.Command("snakemake", {"--configfile": ["b.yaml"], "--config": ["x=1"]})
     error, _ = made_by.check(demo, ["b.yaml", "--config"], demo=False, command=mine)
     assert "another folder: snakemake --configfile b.yaml --config x=1 --directory OTHER_FOLDER; " in error
-    assert "replace them: snakemake --configfile b.yaml --config x=1 replace_results=true (or" in error
+    assert "replace them with this config: snakemake --configfile b.yaml --config x=1 replace_results=true (or" in error
+
+
+def test_a_forgotten_configfile_is_offered_the_recorded_config_first_and_never_replace(folder):
+    """The demo's config read for a forgotten --configfile must not be offered replace_results: it would
+    extract the user's shards again with the demo's model and sources."""
+    demo = cfg(data={"sources": ["resources/demo/a.jsonl"]})
+    error, _ = made_by.check(demo, ["config/config.yaml"], demo=True, command=command.Command("snakemake"))
+    ways = error.split("so it would extract them again. ")[1]
+    assert ways.startswith("Run with the config that made them: snakemake --configfile my-run.yaml; ")
+    assert "replace_results" not in error
+    error, _ = made_by.check(demo, ["other.yaml"], demo=False, command=command.Command("snakemake"))
+    assert "Run with the config that made them: snakemake --configfile my-run.yaml; " in error
+    assert error.index("--configfile my-run.yaml") < error.index("replace_results=true")
+
+
+def test_default_layer_ids_read_as_default_not_none(folder):
+    error, _ = made_by.check(cfg(model={"path": "/models/other"}, layers={"ids": None}), ["o.yaml"], demo=False)
+    assert error and "ids: None" not in error
+    error, _ = made_by.check(cfg(layers={"ids": [1, 2, 3]}), ["o.yaml"], demo=False)
+    assert "layers {convention: input_of_layer, ids: default} there, {ids: [1, 2, +1 more]," in error
 
 
 @pytest.mark.parametrize(

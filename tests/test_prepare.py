@@ -598,3 +598,48 @@ def test_a_jsonl_line_that_does_not_parse_names_its_column_once(tmp_path, run):
         ("invalid_json", "Unterminated string starting at column 14"),
         ("invalid_json", "Invalid control character at column 16"),
     ]
+
+
+def test_a_source_file_that_loses_all_or_most_of_its_rows_fails_prepare_in_one_line(tmp_path, monkeypatch):
+    """A parquet with other column names beside a good file: every row quarantined (unknown_shape); prepare fails
+    naming the file, the reason counts and the setting, and keeps the quarantine beside the log."""
+    good = write_jsonl(tmp_path / "good.jsonl", [openai(user=f"q{i}") for i in range(4)])
+    odd = tmp_path / "odd.parquet"
+    pq.write_table(pa.table({"dialog": ["hi", "yo", "hey"], "source": ["a", "b", "c"]}), odd)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
+
+    def script(max_share=None):
+        config = {"data": {"max_quarantine_share": max_share}} if max_share is not None else {}
+        smk = SimpleNamespace(
+            input=[str(good), str(odd)],
+            output=SimpleNamespace(
+                conversations=str(out / "c.jsonl"), quarantine=str(out / "q.jsonl"), counts=str(out / "n.json")
+            ),
+            params=SimpleNamespace(sources=[str(good), str(odd)], max_line_bytes=1 << 20),
+            log=[str(tmp_path / "prepare.log")],
+            config=config,
+        )
+        try:
+            runpy.run_path(str(ROOT / "scripts" / "prepare.py"), init_globals={"snakemake": smk})
+        finally:
+            sys.stderr.close()
+        return (tmp_path / "prepare.log").read_text()
+
+    with pytest.raises(SystemExit) as e:
+        script()
+    assert e.value.code == 1
+    errors = [line for line in (tmp_path / "prepare.log").read_text().splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: {odd}: prepare quarantined 3 of its 3 rows (all; unknown_shape 3), over data.max_quarantine_share "
+        f"= 0.5; each record and its reason is in {tmp_path / 'prepare.quarantine.jsonl'}: fix the file, drop it "
+        "from data.sources, or raise data.max_quarantine_share"
+    ]
+    assert len(read_jsonl(tmp_path / "prepare.quarantine.jsonl")) == 3
+    # Most but not all rows lost: the share decides; at 1 it passes.
+    pq.write_table(pa.table({"messages": [openai()["messages"], None, None]}), odd)
+    with pytest.raises(SystemExit):
+        script()
+    assert "quarantined 2 of its 3 rows (67%;" in (tmp_path / "prepare.log").read_text()
+    script(max_share=1)
+    assert "error:" not in (tmp_path / "prepare.log").read_text()

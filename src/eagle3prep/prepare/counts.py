@@ -153,3 +153,53 @@ def _no_conversations_message(counts: dict[str, Any], quarantine_path: str | os.
 def _plural(n: int, word: str) -> str:
     """`n` and `word`, with an "s" unless n is 1."""
     return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+LOSS_SETTING = "data.max_quarantine_share"
+
+
+def loss_error(counts: dict[str, Any], max_share: float, kept_copy: str | os.PathLike) -> str | None:
+    """One line when a source file lost every row, or more than `max_share` of its rows, to quarantine; None
+    otherwise. Such a file was misread (other column names, another chat shape), not a few bad records, and a run
+    that drops it in silence trains on a dataset the user did not ask for. `kept_copy`: where the quarantine is kept
+    for study (the job's own outputs are removed when it fails)."""
+    lossy = [
+        f
+        for f in counts["files"]
+        if f["rows_in"] and f["quarantined_total"] and (
+            f["quarantined_total"] == f["rows_in"] or f["quarantined_total"] / f["rows_in"] > max_share
+        )
+    ]  # fmt: skip
+    if not lossy:
+        return None
+    f = lossy[0]
+    reasons = ", ".join(f"{r} {n}" for r, n in f["quarantined"].items() if n)
+    lost = "all" if f["quarantined_total"] == f["rows_in"] else f"{f['quarantined_total'] / f['rows_in']:.0%}"
+    more = f" (and {len(lossy) - 1} more file{'s' * (len(lossy) > 2)}: {', '.join(g['file'] for g in lossy[1:3])}" + (
+        ", ...)" if len(lossy) > 3 else ")"
+    )
+    return (
+        f"{f['file']}: prepare quarantined {f['quarantined_total']} of its {_plural(f['rows_in'], 'row')} ({lost}; "
+        f"{reasons}), over {LOSS_SETTING} = {max_share:g}{more if len(lossy) > 1 else ''}; each record and its "
+        f"reason is in {kept_copy}: fix the file, drop it from data.sources, or raise {LOSS_SETTING}"
+    )
+
+
+def loss_lines(counts: dict[str, Any], later: dict[str, int] | None = None) -> list[str]:
+    """Per source file, rows in and rows kept, when any file lost rows to quarantine (else []). `later`: rows of each
+    file that a later stage (tokenize) quarantined."""
+    later = later or {}
+    files = counts.get("files", [])
+    if not any(f["quarantined_total"] for f in files) and not any(later.values()):
+        return []
+    lines = []
+    for f in files:
+        after = later.get(f["file"], 0)
+        reasons = ", ".join(f"{r} {n}" for r, n in f["quarantined"].items() if n)
+        reasons += (", " if reasons and after else "") + (f"tokenize {after}" if after else "")
+        dup = f", {f['duplicates']} duplicates" if f["duplicates"] else ""
+        lines.append(
+            f"{f['file']}: {f['rows_in']:,} rows in, {f['kept'] - after:,} kept{dup}"
+            + (f", {f['quarantined_total'] + after:,} quarantined ({reasons})" if reasons else "")
+        )
+    return lines

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..infra import faults
 from ..infra.atomic import atomic_open, sha256_file, write_json
+from ..run import stale
 from ..shard.layout import MANIFEST, TIMINGS
 from ..shard.shardset import ShardSet
 from ..shard.tokenized import rows as tokenized_rows
@@ -138,12 +139,14 @@ def build_report(
     export_dir: str | None = None,
     overfit_gate: str | None = None,
     model_dir: str | None = None,
+    failed_dir: str | None = None,
 ) -> dict[str, Any]:
     """Write summary.csv, dataset_manifest.json and report.html (in that order); return the manifest.
 
     `export_dir` is the speculators export when it was requested (the report then records it);
     `overfit_gate` the gate's JSON when validate.overfit_gate is on (its verdict is a banner);
-    `model_dir` the model folder whose tokenizer renders the sample rows (None: they show token ids).
+    `model_dir` the model folder whose tokenizer renders the sample rows (None: they show token ids);
+    `failed_dir` results/failed/, whose set-aside shard copies the report lists in red.
     """
     counts, stats = data.load_json(counts_path), data.load_json(stats_path)
     manifests = [s.manifest for s in ShardSet.open(shard_dirs, tokenized).check(final_layer=False).shards]
@@ -164,6 +167,7 @@ def build_report(
     coverage = data.vocab_coverage(data.load_json(token_freq_path))
     ctx = _page_context(dataset, stats, counts, reports, summary, margins, row_stats, coverage)
     ctx.update(_quarantine_context(counts, stats, counts_path, stats_path))
+    ctx["set_aside"] = stale.set_aside_shards(failed_dir) if failed_dir else []
     ctx.update(outlier_note=outlier_note, code_versions={str(m.code_version) for m in manifests},
                export=_export_facts(export_dir), overfit_gate=data.load_json(overfit_gate) if overfit_gate else None)  # fmt: skip
     # The tokenizer the rows were made with (trust_remote_code as the shards recorded it).

@@ -111,8 +111,11 @@ def failed_copies(k: int) -> list[str]:
     return [f"{FAILED}/{n}" for n in sorted(names) if n == f"shard_{k}" or n.startswith(f"shard_{k}.")]
 
 
-def find(shards: Iterable[int], keep_failed: bool = schema_default("heal", "keep_failed")) -> list[Heal]:
-    """Every shard the same command should redo, with why (see the module docstring)."""
+def find(
+    shards: Iterable[int], keep_failed: bool = schema_default("heal", "keep_failed"), dryrun: bool = False
+) -> list[Heal]:
+    """Every shard the same command should redo, with why (see the module docstring); `dryrun`: the lines say
+    what a run would do (-n moves nothing)."""
     present = _mtimes(HIDDEN_STATES)
     validated = _mtimes(VALIDATION, ".json")
     if not present and not validated:
@@ -159,7 +162,7 @@ def find(shards: Iterable[int], keep_failed: bool = schema_default("heal", "keep
             continue
         failure = validation_failure(k, manifest_ns)
         if failure:
-            heals.append(_failed(k, failure, keep_failed))
+            heals.append(_failed(k, failure, keep_failed, dryrun))
         elif downstream:
             heals.append(Heal(k, f"{val} is missing but {downstream} exists: validating {folder} again", val))
     return heals
@@ -225,20 +228,31 @@ def shards_made_into(downstream: str) -> set[str] | None:
         return None
 
 
-def _failed(k: int, failure: str, keep_failed: bool) -> Heal:
-    folder, log = shard_dir(k), validate_log(k)
+def _failed(k: int, failure: str, keep_failed: bool, dryrun: bool = False) -> Heal:
+    """A shard whose last validation failed. Every branch forces something: a kept shard is validated again, so
+    the run fails (exit status 1) for as long as the damaged shard stays in place, never a green `Nothing to be
+    done` over it."""
+    folder, log, val = shard_dir(k), validate_log(k), validation_json(k)
     if keep_failed:
-        return Heal(k, f"{folder} failed validation ({log}); kept in place (heal.keep_failed): not extracted again")
+        return Heal(
+            k,
+            f"{folder} failed validation ({log}); kept in place (heal.keep_failed): validating it again, not "
+            "extracting it; the run fails until it passes or is removed",
+            val,
+        )
     copies = failed_copies(k)
     if len(copies) >= MAX_REDOS:
         return Heal(
             k,
             f"{folder} failed validation again ({log}) after {len(copies)} redos ({', '.join(copies)}); "
-            "not extracted again: the cause is not in the shard's files",
+            "not extracted again (the cause is not in the shard's files): validating it again, so the run fails "
+            "until it passes or is removed",
+            val,
         )
+    move = "would move it (not in a dry run) to" if dryrun else "moving it to"
     return Heal(
         k,
-        f"{folder} failed validation ({failure.removeprefix('error: ').split('; the next run')[0][:200]}): moving it to "
+        f"{folder} failed validation ({failure.removeprefix('error: ').split('; the next run')[0][:200]}): {move} "
         f"{next_failed_dir(k)} and extracting it again",
         folder,
         set_aside=True,

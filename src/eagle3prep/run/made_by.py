@@ -86,7 +86,8 @@ def _short(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(str(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
+        # layers.ids None is the model's default set ([2, N//2, N-3, N]), not an absent value
+        return "{" + ", ".join(f"{k}: {'default' if v is None else _short(v)}" for k, v in value.items()) + "}"
     return str(value)
 
 
@@ -124,11 +125,21 @@ def check(
     if settings.replace_results:
         return None, f"{REPLACE}: replacing the {shards} of {theirs} in results/ ({what})"
     command = command or Command()
-    elsewhere = command.setting("--directory", "OTHER_FOLDER")
-    replace = command.adding("--config", f"{REPLACE}=true")
+    ways = []
+    recorded = old.get("config_files") or []
+    if recorded and recorded != list(config_files):
+        # The config that made the shards: the likeliest fix for a forgotten or wrong --configfile.
+        theirs_command = command.setting("--configfile", *[f for f in recorded if f != "--config"])
+        ways.append(f"run with the config that made them: {theirs_command}")
+    ways.append(f"run this config in another folder: {command.setting('--directory', 'OTHER_FOLDER')}")
+    if not demo:
+        # Only the user's own config may replace the shards: the demo's, read for a forgotten --configfile,
+        # would extract them again with the demo's model and sources.
+        replace = command.adding("--config", f"{REPLACE}=true")
+        ways.append(f"or replace them with this config: {replace} (or {REPLACE}: true in the config)")
     return (
-        f"config error: results/ holds {shards} and was last run with {theirs}; this run's config {_files(config_files, demo)} "
-        f"differs in {what}, so it would extract them again. Run this config in another folder: {elsewhere}; or "
-        f"replace them: {replace} (or {REPLACE}: true in the config)",
+        f"config error: results/ holds {shards} and was last run with {theirs}; this run's config "
+        f"{_files(config_files, demo)} differs in {what}, so it would extract them again. "
+        + "; ".join(w[0].upper() + w[1:] if i == 0 else w for i, w in enumerate(ways)),
         None,
     )

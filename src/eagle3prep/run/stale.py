@@ -1,0 +1,70 @@
+"""Keep an old report from reading as the truth after a run that did not rebuild it: a red banner at its top
+names what changed since it was written (a failed or changed validation, a failed run), and set-aside shards
+under results/failed/ are listed for the report's own banner.
+
+The report job runs only when every shard validated, so a failed validation leaves the last report on disk; it
+is marked here, by the main Snakemake process (at parse time for what healing found, in `onerror` for what
+failed during the run). A rebuilt report has no mark.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+from pathlib import Path
+
+REPORT = "results/report/report.html"
+FAILED = "results/failed"  # heal.FAILED; not imported, so the report job does not need the run package
+MARK_START, MARK_END = "<!--eagle3prep:stale-->", "<!--/eagle3prep:stale-->"
+SHOWN = 8  # reasons listed in the banner; the rest are counted
+
+
+def mark_stale(reasons: list[str], path: str | os.PathLike = REPORT) -> bool:
+    """Put (or replace) the stale banner at the top of the report; False when there is no report to mark."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return False
+    text = re.sub(re.escape(MARK_START) + ".*?" + re.escape(MARK_END), "", text, flags=re.S)
+    shown = "".join(f"<li>{html.escape(r)}</li>" for r in reasons[:SHOWN])
+    more = f"<li>... and {len(reasons) - SHOWN} more</li>" if len(reasons) > SHOWN else ""
+    banner = (
+        f"{MARK_START}<div class='banner bad'>STALE: this report was written before the changes below and was not "
+        f"rebuilt; do not train on the data until a run ends with exit status 0 and rebuilds it.<ul>{shown}{more}"
+        f"</ul></div>{MARK_END}"
+    )
+    at = text.find("<body>")
+    at = at + len("<body>") if at >= 0 else 0
+    from ..infra.atomic import atomic_open
+
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        f.write(text[:at] + banner + text[at:])
+    return True
+
+
+def is_stale(path: str | os.PathLike = REPORT) -> bool:
+    try:
+        return MARK_START in Path(path).read_text(encoding="utf-8")
+    except OSError:
+        return False
+
+
+def set_aside_shards(failed: str | os.PathLike = FAILED) -> list[dict[str, str]]:
+    """Each set-aside copy under results/failed/ (shard_k, shard_k.1, ...) and the first error line of its
+    validate.log: [{"dir", "why"}], sorted by name."""
+    try:
+        names = sorted(e.name for e in os.scandir(failed) if e.is_dir() and e.name.startswith("shard_"))
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        why = "failed validation"
+        try:
+            lines = (Path(failed) / name / "validate.log").read_text(encoding="utf-8", errors="replace").splitlines()
+            why = next((ln.removeprefix("error: ") for ln in reversed(lines) if ln.startswith("error: ")), why)
+        except OSError:
+            pass
+        out.append({"dir": f"{Path(failed) / name}", "why": why[:300]})
+    return out

@@ -1,0 +1,129 @@
+"""A report that a run did not rebuild never reads as the truth (eagle3prep.run.stale, eagle3prep.run.closing), and
+the report's banner is green only when every shard of the config passed, with set-aside copies and lossy source
+files named (eagle3prep.report.page.banners)."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3prep.report import page
+from eagle3prep.run import closing, heal, stale
+
+GREEN = "Every check passed on every shard"
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+
+def old_report(text: str = f"<html><body><div class='banner good'>{GREEN}</div></body></html>") -> Path:
+    path = Path(stale.REPORT)
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    past = time.time_ns() - 60 * 10**9
+    os.utime(path, ns=(past, past))
+    return path
+
+
+def failed_shard(k: int) -> None:
+    folder = Path(heal.shard_dir(k))
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text("{}")
+    log = Path(heal.validate_log(k))
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(f"[validate] FAIL file:layer_2.safetensors: sha256\nerror: {folder}: 1 check(s) failed\n")
+    later = time.time_ns() + 10**9
+    os.utime(log, ns=(later, later))
+
+
+def test_the_stale_banner_goes_at_the_top_once_and_names_each_reason():
+    path = old_report()
+    assert stale.mark_stale(["shard_6 failed validation"], path)
+    assert stale.mark_stale(["shard_6 failed validation", "shard_7 changed"], path)
+    text = path.read_text()
+    assert text.count(stale.MARK_START) == 1 and stale.is_stale(path)
+    assert text.index("STALE") < text.index(GREEN)
+    assert "<li>shard_7 changed</li>" in text
+    assert not stale.mark_stale(["x"], "results/report/none.html")
+
+
+def test_a_failed_run_marks_an_older_report_with_the_failed_validation():
+    path = old_report()
+    failed_shard(6)
+    assert closing.mark_report_after_failure([5, 6], started_ns=time.time_ns())
+    text = path.read_text()
+    assert "results/hidden_states/shard_6 failed validation (logs/validate/shard_6.log)" in text
+
+
+def test_a_report_this_run_rebuilt_is_left_alone():
+    path = old_report()
+    started = time.time_ns()
+    path.write_text(f"<html><body>{GREEN}</body></html>")  # rebuilt by this run
+    assert not closing.mark_report_after_failure([0], started_ns=started - 10**9)
+    assert not stale.is_stale(path)
+
+
+def test_set_aside_copies_are_listed_with_their_error():
+    copy = Path(stale.FAILED) / "shard_6"
+    copy.mkdir(parents=True)
+    (copy / "validate.log").write_text("[validate] FAIL x\nerror: shard_6: 1 check(s) failed: sha256\n")
+    (Path(stale.FAILED) / "shard_6.1").mkdir()
+    assert stale.set_aside_shards() == [
+        {"dir": "results/failed/shard_6", "why": "shard_6: 1 check(s) failed: sha256"},
+        {"dir": "results/failed/shard_6.1", "why": "failed validation"},
+    ]
+
+
+def ctx(reports, shards=2, **extra):
+    return {"reference_skipped": [], "reports": reports, "margins": {}, "dataset": {"shards": [{}] * shards}, **extra}
+
+
+def test_the_banner_is_green_only_when_every_shard_of_the_config_passed():
+    ok = {"ok": True, "checks": [{"check": "sha256", "ok": True}]}
+    assert GREEN in "".join(page.banners(ctx([ok, ok])))
+    assert GREEN not in "".join(page.banners(ctx([ok, {"ok": False}])))
+    assert GREEN not in "".join(page.banners(ctx([ok], shards=2)))
+
+
+def test_set_aside_shards_and_lossy_files_are_in_the_banners():
+    ok = {"ok": True, "checks": []}
+    losses = [
+        {"file": "good.jsonl", "rows_in": 10, "duplicates": 0, "lost": {"prepare": {}}, "rows_out": 10},
+        {"file": "odd.parquet", "rows_in": 4, "duplicates": 0, "lost": {"prepare": {"unknown_shape": 3}},
+         "rows_out": 1},
+    ]  # fmt: skip
+    text = "".join(
+        page.banners(ctx([ok], shards=1, set_aside=[{"dir": "results/failed/shard_6", "why": "sha256"}],
+                         source_losses=losses))
+    )  # fmt: skip
+    assert "<div class='banner bad'>1 shard copy failed validation and was set aside" in text
+    assert "<code>results/failed/shard_6</code>: sha256" in text
+    assert "<code>odd.parquet</code>: 4 rows in, 1 kept (unknown_shape 3)" in text and "good.jsonl" not in text
+
+
+def test_the_end_of_a_run_counts_rows_in_and_kept_per_file_when_any_were_quarantined():
+    counts = {
+        "files": [
+            {"file": "a.jsonl", "rows_in": 10, "kept": 9, "duplicates": 1, "quarantined": {"bad_json": 0},
+             "quarantined_total": 0},
+            {"file": "b.parquet", "rows_in": 5, "kept": 3, "duplicates": 0, "quarantined": {"unknown_shape": 2},
+             "quarantined_total": 2},
+        ]
+    }  # fmt: skip
+    Path(closing.PREPARED_COUNTS).parent.mkdir(parents=True)
+    Path(closing.PREPARED_COUNTS).write_text(json.dumps(counts))
+    Path(closing.TOKENIZED_QUARANTINE).parent.mkdir(parents=True)
+    Path(closing.TOKENIZED_QUARANTINE).write_text(json.dumps({"record": {"source": "a.jsonl:3"}}) + "\n")
+    lines = closing.run_losses()
+    assert lines[1:] == [
+        "  a.jsonl: 10 rows in, 8 kept, 1 duplicates, 1 quarantined (tokenize 1)",
+        "  b.parquet: 5 rows in, 3 kept, 2 quarantined (unknown_shape 2)",
+    ]
+    counts["files"][1].update(kept=5, quarantined={"unknown_shape": 0}, quarantined_total=0)
+    Path(closing.PREPARED_COUNTS).write_text(json.dumps(counts))
+    Path(closing.TOKENIZED_QUARANTINE).unlink()
+    assert closing.run_losses() == []
