@@ -3,7 +3,7 @@ import sys
 import time
 
 from eagle3prep.config import ConfigError
-from eagle3prep.run import closing, command, heal, made_by, stale
+from eagle3prep.run import closing, command, environment, heal, made_by, stale
 from eagle3prep.settings import ExtractSettings, RegenerateSettings, Settings
 from eagle3prep.run.parse import (
     check_model,
@@ -46,6 +46,10 @@ try:
     # Whatever the model folder decides (layer ids, max_seq_len, the tokenizer) fails here, before any job.
     MODEL_NOTES = check_model(SETTINGS)
     check_model_files(SETTINGS)
+    # The engines and libraries the config selects, against this Python (a job of another would die in a traceback).
+    _deploy = getattr(getattr(workflow, "deployment_settings", None), "deployment_method", ())
+    if _env_error := environment.check(SETTINGS, conda="CONDA" in {str(m).upper().split(".")[-1] for m in _deploy}):
+        raise ConfigError(_env_error)
     if workflow.is_main_process:  # loads the tokenizer: once, not in every spawned job
         check_tokenizer(SETTINGS)
 except ConfigError as e:
