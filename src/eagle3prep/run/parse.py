@@ -12,10 +12,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, check_max_seq_len
+from ..config import ConfigError, check_capture_path, check_max_seq_len
 from ..layers import default_layer_ids
 from ..model_facts import ModelFacts
 from ..settings import Settings
+from ..shard.formats import storage_format
 
 # What extract loads its weights from (transformers and vLLM read these; *.pt and *.pth are older checkpoints).
 WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -169,11 +170,19 @@ def check_model_files(settings: Settings) -> None:
     path = Path(settings.model.path)
     if not path.is_dir():
         return  # check_model has refused a missing folder unless build_demo will make it
-    if ModelFacts.read(path).hidden_size is None:
+    hidden_size = ModelFacts.read(path).hidden_size
+    if hidden_size is None:
         raise ConfigError(
             f"config error: model.path = '{path}': config.json has no hidden_size (nor text_config.hidden_size); "
             "point model.path at a causal language model's folder"
         )
+    try:  # a block-scaled storage needs whole blocks in a row
+        storage_format(settings.extract.content.storage).check_width(hidden_size)
+    except ValueError as e:
+        raise ConfigError(
+            f"config error: extract.storage = {settings.extract.content.storage}: {e} ({path / 'config.json'}); "
+            "choose fp8_e4m3 or model_dtype"
+        ) from None
     if not any(next(path.glob(pattern), None) for pattern in WEIGHT_GLOBS):
         raise ConfigError(
             f"config error: model.path = '{path}' holds no weight files ({', '.join(WEIGHT_GLOBS)}); "
@@ -218,6 +227,7 @@ def check_model(settings: Settings) -> list[str]:
             if error := speculators_layer_error(ids, n, settings.layers.convention):
                 raise ConfigError(f"config error: {error}")
     check_max_seq_len(settings.tokenize.max_seq_len, path)
+    check_capture_path(settings.extract.content.backend, settings.extract.content.capture_path, path)
     if note := images_note(settings, path):
         notes.append(note)
     return notes

@@ -163,8 +163,9 @@ def fails_on_every_path(cause: str) -> bool:
     return bool(_NO_MOE_KERNEL.search(cause)) or "out of memory" in cause.lower()
 
 
-def fix_hint(path: str, wanted: str, cause: str, section: str = "extract") -> str:
-    """The fix to name after the root cause; `section` is the config section of the job's engine settings."""
+def fix_hint(path: str, wanted: str, cause: str, section: str = "extract", version: str = "", arch: str = "") -> str:
+    """The fix to name after the root cause; `section` is the config section of the job's engine settings. It
+    names no path vLLM `version` lacks (from 0.34 on the built-in path is the only one)."""
     if _NO_MOE_KERNEL.search(cause):
         where = "extract on a GPU (extract.device: cuda)" if section == "extract" else f"the {section} jobs on a GPU"
         return (
@@ -172,6 +173,10 @@ def fix_hint(path: str, wanted: str, cause: str, section: str = "extract") -> st
             f"INT4 MoE kernel needs x86 AMX): run {where}, or point model.path at an unquantized copy"
         )
     if path == wanted == "builtin":
+        from .families import hooks_gone, other_ways  # families imports the registry, which imports this module
+
+        if version and hooks_gone(version):
+            return f"use {other_ways(version, arch)}"
         return "set extract.capture_path: hooks (or auto)"
     if "out of memory" in cause.lower():
         return f"lower {section}.gpu_memory_utilization or {section}.max_num_batched_tokens"
@@ -205,7 +210,7 @@ def engine_error(
         return err
     doing = doing or f"with capture_path {path}"
     return EngineError(
-        f"vLLM {version} could not start {arch} {doing}: {cause}; {fix_hint(path, wanted, cause, section)}",
+        f"vLLM {version} could not start {arch} {doing}: {cause}; {fix_hint(path, wanted, cause, section, version, arch)}",
         any_path=fails_on_every_path(cause),
     )
 

@@ -85,6 +85,20 @@ def _n(path, module, kind, needed_by, why, **kw) -> Name:  # noqa: ANN001 - the 
     return Name(path, module, kind, needed_by, why, **kw)
 
 
+# The validation matrix's families (testing/matrix.py): each model class's vLLM module and the first checked vLLM
+# whose class implements SupportsEagle3, vLLM's EAGLE-3 interface (None: no checked vLLM has it; the contract test
+# fails the day one does). The built-in path needs it, the hooks do not; DeepSeek-V3's and Kimi-K2.5's came after
+# 0.16, in a release not checked (0.26 is the first checked one that has them).
+EAGLE3_CLASSES: dict[str, tuple[str, str | None]] = {
+    "LlamaForCausalLM": ("llama", OLDEST),
+    "Qwen3ForCausalLM": ("qwen3", OLDEST),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", OLDEST),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", None),
+    "DeepseekV3ForCausalLM": ("deepseek_v2", "0.26.0"),
+    "KimiK25ForConditionalGeneration": ("kimi_k25", "0.26.0"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", OLDEST),
+}
+
 _LLM, _ENG, _OUT = "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.outputs"
 _ARGS, _SPEC, _KVT = "vllm.engine.arg_utils", "vllm.config.speculative", "vllm.config.kv_transfer"
 _SCHED = "vllm.v1.core.sched.output"
@@ -151,12 +165,18 @@ NAMES: tuple[Name, ...] = (
     *(_n(f"SpeculativeConfig.{f}", _SPEC, "member", ENGINE, "a speculative_config key the code passes")
       for f in ("method", "num_speculative_tokens", "model", "draft_model_config")),
     _n("eagle3", _SPEC, "literal", GATE, "the gate serves the draft with speculative method eagle3"),
-    # ---- the gate: which targets vLLM serves with an EAGLE-3 draft, and its counters ----
+    # ---- which targets have vLLM's EAGLE-3 interface: the gate serves a draft, the built-in path captures ----
     _n("ModelRegistry", "vllm.model_executor.models", "object", GATE, "the target's model class"),
     _n("_ModelRegistry._try_load_model_cls", "vllm.model_executor.models.registry", "method", GATE,
-       "the class vLLM would build (private; the gate decides at engine start without it)", call=(1, ()),
+       "the class vLLM would build (private; without it the gate and extract decide at engine start)", call=(1, ()),
        optional=True),
-    _n("supports_eagle3", "vllm.model_executor.models.interfaces", "object", GATE, "the class serves EAGLE-3"),
+    _n("supports_eagle3", "vllm.model_executor.models.interfaces", "object", GATE,
+       "the class has SupportsEagle3: the gate serves a draft, the built-in path captures (vllm_common/families.py)"),
+    # The validation matrix's families that have it: a release that drops it fails here, not in a user's job.
+    *(_n(f"{cls}.supports_eagle3", f"vllm.model_executor.models.{mod}", "member", BUILTIN,
+         "SupportsEagle3: vLLM refuses the built-in path's aux hidden states without it",
+         since=None if since == OLDEST else since)
+      for cls, (mod, since) in EAGLE3_CLASSES.items() if since),
     *(_n(f"vllm:spec_decode_{f}", "vllm.v1.spec_decode.metrics", "literal", GATE, "a spec-decode counter the gate reads")
       for f in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")),
     _n("Counter.value", "vllm.v1.metrics.reader", "member", GATE, "a counter's value"),

