@@ -16,7 +16,6 @@ from ..config import ConfigError, check_capture_path, check_max_seq_len
 from ..layers import default_layer_ids
 from ..model_facts import ModelFacts
 from ..settings import Settings
-from ..shard.formats import storage_format
 
 # What extract loads its weights from (transformers and vLLM read these; *.pt and *.pth are older checkpoints).
 WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -170,19 +169,11 @@ def check_model_files(settings: Settings) -> None:
     path = Path(settings.model.path)
     if not path.is_dir():
         return  # check_model has refused a missing folder unless build_demo will make it
-    hidden_size = ModelFacts.read(path).hidden_size
-    if hidden_size is None:
+    if ModelFacts.read(path).hidden_size is None:
         raise ConfigError(
             f"config error: model.path = '{path}': config.json has no hidden_size (nor text_config.hidden_size); "
             "point model.path at a causal language model's folder"
         )
-    try:  # a block-scaled storage needs whole blocks in a row
-        storage_format(settings.extract.content.storage).check_width(hidden_size)
-    except ValueError as e:
-        raise ConfigError(
-            f"config error: extract.storage = {settings.extract.content.storage}: {e} ({path / 'config.json'}); "
-            "choose fp8_e4m3 or model_dtype"
-        ) from None
     if not any(next(path.glob(pattern), None) for pattern in WEIGHT_GLOBS):
         raise ConfigError(
             f"config error: model.path = '{path}' holds no weight files ({', '.join(WEIGHT_GLOBS)}); "
