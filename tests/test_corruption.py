@@ -4,7 +4,7 @@ Each test copies one good shard, breaks it one way, and asserts validate_shard r
 whose failed checks are exactly the expected ones (from the `[validate] FAIL <check>:` log lines).
 Where a corruption would be caught early by the checksums, the manifest is rewritten to match, so
 that the later check (index, finite values, reference recomputation) has to catch it on its own.
-Every test runs on shards stored as captured (model_dtype) and as FP8 (extract.storage: fp8_e4m3).
+Every test runs on shards stored as captured (model_dtype), as FP8 (extract.storage: fp8_e4m3) and as MXFP4.
 """
 
 import json
@@ -28,7 +28,7 @@ from eagle3prep.validate import ValidationError, validate_shard
 LENGTHS = [23, 41, 17, 60, 35, 28]  # 204 tokens; shard 1 has the same lengths, other tokens
 
 
-@pytest.fixture(scope="module", params=["model_dtype", "fp8_e4m3"])
+@pytest.fixture(scope="module", params=["model_dtype", "fp8_e4m3", "mxfp4"])
 def good(request, tmp_path_factory, demo_model_dir):
     """Two finished bf16 shards of the demo model (the second only lends its manifest), in one storage."""
     root = tmp_path_factory.mktemp(f"good_{request.param}")
@@ -135,8 +135,8 @@ def test_capture_one_layer_off(shard, good, demo_model_dir, capsys, tmp_path):
 def test_nan_in_one_row(shard, good, demo_model_dir, capsys, tmp_path):
     path, storage = shard / "layer_5.safetensors", read_manifest(shard).storage_name
     hs = read_layer(path, dtype=torch.float32)  # [sum_T, H]
-    hs[100, 7] = float("nan")  # one element of one token row (FP8: its scale, so the whole token, is NaN)
-    write_layer(path, hs if storage == "fp8_e4m3" else hs.to(torch.bfloat16), storage)
+    hs[100, 7] = float("nan")  # one element of one token row (scaled: its scale, so the token or block, is NaN)
+    write_layer(path, hs if storage != "model_dtype" else hs.to(torch.bfloat16), storage)
     set_file(shard, "layer_5.safetensors")
     assert failed_checks(shard, good, demo_model_dir, capsys, tmp_path) == {"finite:layer_5"}
 
@@ -144,15 +144,17 @@ def test_nan_in_one_row(shard, good, demo_model_dir, capsys, tmp_path):
 def test_layer_file_in_the_other_storage(shard, good, demo_model_dir, capsys, tmp_path):
     # The right values (dequantized), stored the other way: FP8 in a bf16 shard, or bf16 in an FP8 shard.
     path, storage = shard / "layer_5.safetensors", read_manifest(shard).storage_name
-    other = "model_dtype" if storage == "fp8_e4m3" else "fp8_e4m3"
+    other = {"model_dtype": "fp8_e4m3", "fp8_e4m3": "mxfp4", "mxfp4": "model_dtype"}[storage]
     write_layer(path, read_layer(path, dtype=torch.bfloat16), other)
     set_file(shard, "layer_5.safetensors")
     assert failed_checks(shard, good, demo_model_dir, capsys, tmp_path) == {"shape:layer_5"}
 
 
-def test_fp8_scales_off(shard, good, demo_model_dir, capsys, tmp_path):
-    # FP8 values kept, every scale of one layer 1.5x: intact-looking bytes, wrong states (bf16: no scales).
-    if read_manifest(shard).storage_name != "fp8_e4m3":
+def test_scales_off(shard, good, demo_model_dir, capsys, tmp_path):
+    # Values kept, every scale of one layer 1.5x (FP8) or 2x (MXFP4's e8m0 byte + 1): intact-looking bytes,
+    # wrong states (bf16: no scales).
+    storage = read_manifest(shard).storage_name
+    if storage == "model_dtype":
         pytest.skip("model_dtype shards hold no scales")
     from safetensors.torch import load_file
 
@@ -160,7 +162,7 @@ def test_fp8_scales_off(shard, good, demo_model_dir, capsys, tmp_path):
 
     path = shard / "layer_4.safetensors"
     t = load_file(path)
-    t[SCALES_KEY] = t[SCALES_KEY] * 1.5
+    t[SCALES_KEY] = t[SCALES_KEY] * 1.5 if storage == "fp8_e4m3" else t[SCALES_KEY] + 1
     layout = [(n, str(t[n].dtype).removeprefix("torch."), tuple(t[n].shape)) for n in ("hidden_states", SCALES_KEY)]
     body = b"".join(t[n].contiguous().view(torch.uint8).numpy().tobytes() for n, _, _ in layout)
     set_file(shard, path.name, safetensors_header(layout) + body)

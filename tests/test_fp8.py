@@ -21,7 +21,8 @@ from eagle3prep.shard.layout import FORMAT, FORMAT_FP8, MANIFEST, layer_file
 from eagle3prep.shard.manifest import ShardManifest, read_manifest
 from eagle3prep.shard.readers import LayerReader, read_layer
 from eagle3prep.testing.writers import write_layer
-from eagle3prep.validate.passrule import FP8_FACTOR, fp8_floor, judge_tokens, token_errors
+from eagle3prep.shard.formats import storage_format
+from eagle3prep.validate.passrule import STORAGE_FACTOR, judge_tokens, storage_floor, token_errors
 
 
 def states(tokens: int = 64, hidden: int = 96, seed: int = 0) -> torch.Tensor:
@@ -148,10 +149,11 @@ def test_pass_rule_adds_the_fp8_floor():
     ref = torch.randn(40, 256, generator=torch.Generator().manual_seed(0))
     bf16 = ref.to(torch.bfloat16).float()
     fp8 = roundtrip_fp8(bf16)  # what a right FP8 capture holds
-    tok, ftok, qtok = token_errors(fp8, ref), token_errors(bf16, ref), fp8_floor(ref)
+    tok, ftok, qtok = token_errors(fp8, ref), token_errors(bf16, ref), storage_floor(ref, storage_format("fp8_e4m3"))
     assert not judge_tokens(tok, ftok, "bfloat16")["ok"]  # the plain rule calls FP8 rounding a mistake
     verdict = judge_tokens(tok, ftok, "bfloat16", qtok)
     assert verdict["ok"] and verdict["rel"] < 0.8 * verdict["bound_rel"], verdict
-    assert verdict["bound_rel"] == pytest.approx(max(4 * verdict["floor_rel"], 1e-2) + FP8_FACTOR * verdict["fp8_rel"])
+    bound = max(4 * verdict["floor_rel"], 1e-2) + STORAGE_FACTOR * verdict["storage_rel"]
+    assert verdict["bound_rel"] == pytest.approx(bound)
     wrong = ref + 2 * (fp8 - ref) + 0.05 * ref.norm(dim=-1, keepdim=True) / 16 * torch.randn_like(ref)
     assert judge_tokens(token_errors(wrong, ref), ftok, "bfloat16", qtok)["criterion"] in ("diverged_tokens", "rel")

@@ -32,7 +32,7 @@ from eagle3prep.shard.sink import LayerSink, Segment, SinkPlan, SinkSpec
 from eagle3prep.shard.writer import ShardWriter
 from eagle3prep.testing.writers import write_layer
 
-H = 8
+H = 32  # a whole MXFP4 block
 LAYERS = [0, 3, 5]
 
 
@@ -617,26 +617,31 @@ def test_a_file_that_cannot_be_sealed_leaves_no_thread_and_no_temp_file(tmp_path
     assert not [t.name for t in threading.enumerate() if t.name.startswith("e3p-flush-")]
 
 
-# ---- FP8 storage: quantized in the sink, before the rows reach the host slot ------------------------
+# ---- Scaled storage: encoded in the sink, before the rows reach the host slot ------------------------
+SCALED = {"fp8_e4m3": ("float8_e4m3fn", "float32", 1, H + 4), "mxfp4": ("uint8", "uint8", H // 32, H // 2 + H // 32)}
+
+
 @pytest.mark.parametrize("slots", [1, 3])
-def test_fp8_sink_writes_the_rows_quantized(tmp_path, slots):
-    """Chunked, shuffled steps through an FP8 sink give the file write_layer makes from the whole rows:
-    values and per-token scales in place, sha256 over both (the scales hashed last, read back)."""
+@pytest.mark.parametrize("storage", list(SCALED))
+def test_scaled_sink_writes_the_rows_encoded(tmp_path, slots, storage):
+    """Chunked, shuffled steps through a scaled sink give the file write_layer makes from the whole rows:
+    values and scales in place, sha256 over both (the scales hashed last, read back)."""
+    values_dtype, scales_dtype, scales_per_row, row_bytes = SCALED[storage]
     lengths = [5, 40, 1, 17, 33, 2]
-    sink = make_sink(tmp_path, lengths, slots=slots, sync_bytes=48, storage="fp8_e4m3")
+    sink = make_sink(tmp_path, lengths, slots=slots, sync_bytes=48, storage=storage)
     simulate(sink, lengths, tags(len(lengths)), budget=16, seed=slots)
     entries = sink.finish()
     total = sum(lengths)
     for lid in LAYERS:
         data = (tmp_path / layer_file(lid)).read_bytes()
-        write_layer(tmp_path / "ref.safetensors", rows_tensor(total, lid), "fp8_e4m3")
+        write_layer(tmp_path / "ref.safetensors", rows_tensor(total, lid), storage)
         assert data == (tmp_path / "ref.safetensors").read_bytes(), lid
         assert entries[lid]["sha256"] == hashlib.sha256(data).hexdigest() and entries[lid]["bytes"] == len(data)
-        assert entries[lid]["dtype"] == "float8_e4m3fn" and entries[lid][SCALES_KEY] == {
-            "dtype": "float32",
-            "shape": [total, 1],
+        assert entries[lid]["dtype"] == values_dtype and entries[lid][SCALES_KEY] == {
+            "dtype": scales_dtype,
+            "shape": [total, scales_per_row],
         }
-        assert len(data) - total * (H + 4) < 200  # values, a float32 scale per token, the header
+        assert len(data) - total * row_bytes < 200  # values, the scales, the header
 
 
 def test_fp8_positional_writer_needs_each_ranges_scales(tmp_path):

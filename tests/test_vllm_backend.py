@@ -275,13 +275,13 @@ def test_extract_shard_matches_transformers(engine, rows, reference, tmp_path):
     assert all(v["ok"] for v in verdicts), verdicts
 
 
-def test_fp8_storage_quantizes_where_the_rows_are(engine, rows, tmp_path):
-    """extract.storage fp8_e4m3 on the same engine: both paths quantize in TP rank 0's worker (the
-    SinkSpec's storage travels by RPC), where the rows are. The FP8 shard reads back as the
-    model-dtype capture within FP8 rounding, and its id N still reproduces vLLM's logprobs."""
+def test_scaled_storage_encodes_where_the_rows_are(engine, rows, tmp_path):
+    """extract.storage fp8_e4m3 and mxfp4 on the same engine: both paths encode in TP rank 0's worker (the
+    SinkSpec's storage travels by RPC), where the rows are. Each scaled shard reads back as the model-dtype
+    capture within its format's rounding, and its id N still reproduces vLLM's logprobs."""
 
     from eagle3prep.extract import extract_shard
-    from eagle3prep.shard.layout import FORMAT_FP8
+    from eagle3prep.shard.formats import storage_format
     from eagle3prep.shard.manifest import read_manifest
     from eagle3prep.shard.readers import read_layer
     from eagle3prep.validate.logits import check_logprobs
@@ -291,27 +291,31 @@ def test_fp8_storage_quantizes_where_the_rows_are(engine, rows, tmp_path):
         pytest.skip("one dtype is enough: the storage step does not depend on it")
     tokenized = write_rows(tmp_path / "shard_0.jsonl", rows)
     out = {}
-    for storage in ("model_dtype", "fp8_e4m3"):
+    for storage in ("model_dtype", "fp8_e4m3", "mxfp4"):
         settings = ExtractSettings.defaults(
             **_section(backend.settings), logprob_rows=2, storage=storage, batch_tokens=300
         )
         extract_shard(str(tokenized), str(tmp_path / storage), backend.spec, settings, 0, engine=engine)
         out[storage] = {i: read_layer(tmp_path / storage / f"layer_{i}.safetensors", dtype=torch.float32)
                         for i in backend.spec.layer_ids}  # fmt: skip
-    manifest = read_manifest(tmp_path / "fp8_e4m3")
-    assert manifest.format == FORMAT_FP8 and manifest.files["layer_8.safetensors"]["dtype"] == "float8_e4m3fn"
-    for i, x in out["model_dtype"].items():
-        err = (out["fp8_e4m3"][i] - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)
-        assert float(err.max()) < 0.05, (i, float(err.max()))  # e4m3 rounding (~0.03), not another row
     from safetensors.torch import load_file
 
-    lp = load_file(tmp_path / "fp8_e4m3" / "logprobs.safetensors")
-    picked, offsets = lp["rows"].tolist(), lp["offsets"].tolist()
-    starts = [sum(len(r) for r in rows[:i]) for i in range(len(rows))]
-    states = [out["fp8_e4m3"][8][starts[r] : starts[r] + len(rows[r])] for r in picked]
-    stored = [lp["logprobs"][offsets[k] : offsets[k + 1]] for k in range(len(picked))]
-    verdicts = check_logprobs(backend.spec.model_path, states, [rows[r] for r in picked], stored, info.dtype, fp8=True)
-    assert all(v["ok"] for v in verdicts), verdicts
+    for storage, (stored_dtype, worst) in {"fp8_e4m3": ("float8_e4m3fn", 0.05), "mxfp4": ("uint8", 0.25)}.items():
+        fmt = storage_format(storage)
+        manifest = read_manifest(tmp_path / storage)
+        assert manifest.format == fmt.mark and manifest.files["layer_8.safetensors"]["dtype"] == stored_dtype
+        for i, x in out["model_dtype"].items():
+            # the model-dtype capture encoded here is what the worker wrote (a NaN would fail it too)
+            assert torch.equal(out[storage][i], fmt.roundtrip(x)), (storage, i)
+            err = (out[storage][i] - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)
+            assert float(err.max()) < worst, (storage, i, float(err.max()))  # rounding, not another row
+        lp = load_file(tmp_path / storage / "logprobs.safetensors")
+        picked, offsets = lp["rows"].tolist(), lp["offsets"].tolist()
+        starts = [sum(len(r) for r in rows[:i]) for i in range(len(rows))]
+        states = [out[storage][8][starts[r] : starts[r] + len(rows[r])] for r in picked]
+        stored = [lp["logprobs"][offsets[k] : offsets[k + 1]] for k in range(len(picked))]
+        verdicts = check_logprobs(backend.spec.model_path, states, [rows[r] for r in picked], stored, info.dtype, fmt)
+        assert all(v["ok"] for v in verdicts), (storage, verdicts)
 
 
 def test_long_logits_check_rows_are_checked_on_their_first_window(engine, rows, reference, tmp_path, monkeypatch):

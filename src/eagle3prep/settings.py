@@ -68,7 +68,7 @@ class ExtractContent:
     backend: str  # hf | vllm
     device: str  # the hf backend's: cpu | cuda
     dtype: str  # bfloat16 | float16 | float32
-    storage: str = field(metadata=LATER)  # model_dtype | fp8_e4m3 (shard.layout.STORAGES)
+    storage: str = field(metadata=LATER)  # shard/formats.py STORAGES: model_dtype | fp8_e4m3 | mxfp4
     logprob_rows: int
     tp_size: int
     enforce_eager: bool

@@ -48,7 +48,7 @@ from ..infra.folder import file_entry, finish_folder, open_folder
 from ..infra.provenance import code_version
 from ..layers import CONVENTION
 from ..shard.fp8 import SCALES_KEY
-from ..shard.layout import FP8_E4M3, MANIFEST, TOKEN_IDS, layer_file
+from ..shard.layout import FP8_E4M3, MANIFEST, MXFP4, TOKEN_IDS, layer_file
 from ..shard.readers import LayerReader
 from ..shard.shardset import Shard, ShardSet, ShardSetError
 from ..shard.tokenized import rows as tokenized_rows
@@ -92,7 +92,7 @@ def _write_hidden_states(out: Path, shard: Shard, layer_ids: list[int], files: d
     from safetensors.torch import save
 
     tokens = 0
-    fp8 = shard.manifest.storage_name == FP8_E4M3
+    fp8 = shard.manifest.storage_name == FP8_E4M3  # kept as stored; any other scaled storage is decoded
     with contextlib.ExitStack() as stack:
         shard_dir, tokenized = shard.dir, shard.tokenized
         readers = [LayerReader(shard_dir / layer_file(i)) for i in layer_ids]  # each [sum_T, H], memory-mapped
@@ -109,7 +109,8 @@ def _write_hidden_states(out: Path, shard: Shard, layer_ids: list[int], files: d
                 scales = torch.stack([r.scales[a:b] for r in readers], dim=1)
                 blob = save({"token_ids": token_ids, "hidden_states": values, SCALES_KEY: scales})
             else:
-                hidden = torch.stack([r.rows(a, b) for r in readers], dim=1)  # [T, L, H], ascending layer ids
+                # [T, L, H], ascending layer ids; an MXFP4 shard decodes to bf16 exactly (speculators reads no 4-bit)
+                hidden = torch.stack([r.rows(a, b) for r in readers], dim=1)
                 blob = save({"token_ids": token_ids, "hidden_states": hidden})
             name = f"{HIDDEN_STATES}/{hs_file(e.row)}"
             with atomic_open(out / name, "wb") as f:
@@ -171,6 +172,9 @@ def _write_token_freq(out: Path, token_freq_json: str, files: dict[str, dict[str
 def _storage_fields(first) -> dict[str, Any]:
     """What the hs files hold, for FP8 shards, and the speculators backend that reads them: its default `file`
     for the model's dtype (named, so the manifest says how to train from it), `fp8` for FP8."""
+    if first.storage_name == MXFP4:
+        # The shards' 4-bit values decoded to bfloat16, exactly: `export.hidden_states: direct` keeps them 4-bit.
+        return {"storage": {"name": MXFP4, "copy": "decoded to bfloat16"}, "hidden_states_backend": "file"}
     if first.storage_name != FP8_E4M3:
         return {"hidden_states_backend": "file"}  # speculators train --hidden-states-backend file (its default)
     return {

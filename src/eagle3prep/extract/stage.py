@@ -61,7 +61,7 @@ def shard_bytes(
     dtype: str,
     storage: str = schema_default("extract", "storage"),
 ) -> int:
-    """Bytes a shard will take: layer files (FP8: values and per-token scales) + token ids +
+    """Bytes a shard will take: layer files (values and any scales, shard/formats.py) + token ids +
     index/manifest (a generous 200 B per row)."""
     return tokens * (num_layers * token_bytes(storage, hidden_size, dtype) + 8) + 200 * rows + 65536
 

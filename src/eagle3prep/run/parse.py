@@ -16,6 +16,7 @@ from ..config import ConfigError, check_capture_path, check_max_seq_len
 from ..layers import default_layer_ids
 from ..model_facts import ModelFacts
 from ..settings import Settings
+from ..shard.formats import storage_format
 
 # What extract loads its weights from (transformers and vLLM read these; *.pt and *.pth are older checkpoints).
 WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -88,7 +89,18 @@ def shown_path(path: str, cwd: str | os.PathLike) -> str:
 
 
 def check_target_marker(config: dict[str, Any], configfiles: list[str], cwd: str | os.PathLike) -> None:
-    """One line for `snakemake --configfile my.yaml plan`, where Snakemake took `plan` for a config file."""
+    """One line for `snakemake --configfile my.yaml plan`, where Snakemake took `plan` for a config file (the
+    marker files at the repository root: plan, verify, overfit_gate, regenerate_review), or took one of the
+    workflow's outputs (`results/plan/plan.json`) for one."""
+    outputs = [f for f in configfiles[1:] if _is_output(f, cwd)]
+    if outputs:
+        target = shown_path(outputs[0], cwd)
+        files = [shown_path(f, cwd) for f in configfiles if f not in outputs]
+        raise ConfigError(
+            f"config error: `{target}` after --configfile was read as a config file (--configfile takes several), "
+            f"but it is one of the workflow's outputs; put the target first: snakemake {target} --configfile "
+            f"{' '.join(files)}"
+        )
     if TARGET_MARKER in config:
         target = config[TARGET_MARKER]
         files = [shown_path(f, cwd) for f in configfiles if Path(f).name != target] or ["my-run.yaml"]
@@ -96,6 +108,14 @@ def check_target_marker(config: dict[str, Any], configfiles: list[str], cwd: str
             f"config error: `{target}` after --configfile was read as a config file (--configfile takes several); "
             f"put the target first: snakemake {target} --configfile {' '.join(files)}"
         )
+
+
+OUTPUT_DIRS = ("results", "logs", "benchmarks")  # what the workflow writes: never a config file
+
+
+def _is_output(path: str, cwd: str | os.PathLike) -> bool:
+    rel = os.path.relpath(os.path.abspath(path), os.path.abspath(cwd))
+    return rel.split(os.sep)[0] in OUTPUT_DIRS
 
 
 # The last tokenizer check that passed: importing transformers costs seconds (more on a busy login node), and
@@ -169,11 +189,19 @@ def check_model_files(settings: Settings) -> None:
     path = Path(settings.model.path)
     if not path.is_dir():
         return  # check_model has refused a missing folder unless build_demo will make it
-    if ModelFacts.read(path).hidden_size is None:
+    hidden_size = ModelFacts.read(path).hidden_size
+    if hidden_size is None:
         raise ConfigError(
             f"config error: model.path = '{path}': config.json has no hidden_size (nor text_config.hidden_size); "
             "point model.path at a causal language model's folder"
         )
+    try:  # a block-scaled storage needs whole blocks in a row
+        storage_format(settings.extract.content.storage).check_width(hidden_size)
+    except ValueError as e:
+        raise ConfigError(
+            f"config error: extract.storage = {settings.extract.content.storage}: {e} ({path / 'config.json'}); "
+            "choose fp8_e4m3 or model_dtype"
+        ) from None
     if not any(next(path.glob(pattern), None) for pattern in WEIGHT_GLOBS):
         raise ConfigError(
             f"config error: model.path = '{path}' holds no weight files ({', '.join(WEIGHT_GLOBS)}); "

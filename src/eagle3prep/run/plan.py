@@ -22,6 +22,7 @@ from ..infra.atomic import atomic_open, write_json
 from ..infra.disk import human_bytes
 from ..model_facts import ModelFacts, require_hidden_size
 from ..settings import LayersSettings, PlanSettings
+from ..shard.formats import storage_format
 from ..shard.layout import MANIFEST
 
 START_SHARE = 0.05  # engine start-up should stay under this share of a shard's job time
@@ -68,7 +69,7 @@ def make_plan(
             timings.json has it); None leaves the time estimate and the shard size out.
         engine_start_s: seconds from job start to the first batch (model load, engine start-up).
         gpus_per_job: GPUs one extract job holds (tp_size for vllm, 1 for hf on cuda, 0 on cpu).
-        storage: extract.storage; fp8_e4m3 stores 1 byte per value plus a 4-byte scale per token and layer.
+        storage: extract.storage; its bytes per token come from shard/formats.py.
         made_with: what this config's shards hold ({"layer_ids", "dtype", "storage", "model_path", "tokenized"}, the
             tokenized folder): a finished shard that differs, or is older than the tokenized shards, is not done,
             as the workflow extracts it again (shard_state); None: every shard with a manifest is done.
@@ -191,7 +192,11 @@ def _table(plan: dict[str, Any]) -> list[str]:
     lines = [
         f"eagle3prep plan: {_shards(plan['num_shards'])}, {plan['rows']:,} rows, {plan['tokens']:,} tokens; "
         f"each token stores {plan['num_layers']} layers x hidden {plan['hidden_size']} in "
-        + ("FP8 e4m3 with a float32 scale per layer" if plan.get("storage") == "fp8_e4m3" else plan["dtype"]),
+        + (
+            storage_format(plan["storage"]).summary
+            if plan.get("storage", "model_dtype") != "model_dtype"
+            else plan["dtype"]
+        ),
         "",
         f"{'shard':>5}  {'rows':>9}  {'tokens':>13}  {'bytes':>10}  {'job time':>9}  status",
     ]

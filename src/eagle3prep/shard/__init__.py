@@ -1,8 +1,9 @@
 """Hidden-state shards: the folder's layout (layout.py), its manifest (manifest.py), the readers
 (readers.py), the files (files.py), the layer sink every backend writes through (sink.py), the shard
-writer (writer.py), the checked set of shards (shardset.py) and FP8 storage's quantization (fp8.py); the
+writer (writer.py), the checked set of shards (shardset.py) and the storage formats (formats.py, with
+fp8.py and mxfp4.py); the
 one reader of the tokenized shards they are captured from (tokenized.py).
-Read layer rows with read_layer / LayerReader: they dequantize."""
+Read layer rows with read_layer / LayerReader: they decode."""
 
 from .layout import DTYPES, FORMAT, FORMAT_FP8, INDEX, MANIFEST, STORAGES, TIMINGS, TOKEN_IDS, layer_file
 from .manifest import ShardManifest, read_manifest

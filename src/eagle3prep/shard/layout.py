@@ -5,10 +5,11 @@ A shard folder holds one `layer_{id}.safetensors` per layer id (tensor `hidden_s
 `token_ids.safetensors` (tensor `token_ids`, [sum_T] int64), `index.json` and, written last,
 `manifest.json` (shard/manifest.py). A folder without a valid manifest is not finished.
 
-Storage (`extract.storage`): `model_dtype` keeps `hidden_states` in the capture dtype; `fp8_e4m3`
-stores it as float8_e4m3fn followed by `hidden_states_scales` [sum_T, 1] float32, one scale per token
-(shard/fp8.py), and marks the manifest with FORMAT_FP8 and its `storage` entry. Every reader goes
-through shard/readers.py (LayerReader / read_layer), which dequantize.
+Storage (`extract.storage`): each format (shard/formats.py) says which tensors a layer file holds: the
+values, then any scales, e.g. `fp8_e4m3`'s float8_e4m3fn values and [sum_T, 1] float32 scales, `mxfp4`'s
+packed [sum_T, H / 2] uint8 values and [sum_T, H / 32] e8m0 scales. A scaled shard's manifest carries the
+format's mark and `storage` entry. Every reader goes through shard/readers.py (LayerReader / read_layer),
+which decodes.
 """
 
 from __future__ import annotations
@@ -21,14 +22,22 @@ from typing import Any
 
 from ..infra.atomic import TMP_PREFIX
 from ..infra.folder import MANIFEST, TIMINGS  # noqa: F401  (named here with the shard's other files)
-from .fp8 import FP8_DTYPE, FP8_MAX, SCALE_MIN, SCALES_KEY
+from .fp8 import FP8_DTYPE
+from .formats import (  # noqa: F401  (the format names, re-exported with the layout)
+    FORMAT,
+    FORMAT_FP8,
+    FORMAT_MXFP4,
+    FP8_E4M3,
+    MODEL_DTYPE,
+    MXFP4,
+    SCALES_KEY,
+    STORAGES,
+    storage_format,
+)
 
 INDEX = "index.json"
 TOKEN_IDS = "token_ids.safetensors"
 LOGPROBS = "logprobs.safetensors"  # the engine's prompt logprobs of a few rows (validate's logits check)
-FORMAT = "eagle3prep.hidden_states/1"
-# FP8 layer files hold a second tensor and a dtype older readers would misread: they refuse /2 by name.
-FORMAT_FP8 = "eagle3prep.hidden_states/2"
 
 # torch dtype name -> (safetensors dtype code, bytes per element)
 DTYPES = {
@@ -36,45 +45,28 @@ DTYPES = {
     "float16": ("F16", 2),
     "float32": ("F32", 4),
     "int64": ("I64", 8),
+    "uint8": ("U8", 1),
     FP8_DTYPE: ("F8_E4M3", 1),
 }
 
-MODEL_DTYPE, FP8_E4M3 = "model_dtype", "fp8_e4m3"
-STORAGES = (MODEL_DTYPE, FP8_E4M3)
-
 
 def check_storage(storage: str) -> str:
-    if storage not in STORAGES:
-        raise ValueError(f"extract.storage = {storage!r} is not one of {list(STORAGES)}")
-    return storage
+    return storage_format(storage).name
 
 
 def layer_tensors(storage: str, tokens: int, hidden_size: int, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, shape) of each tensor of a layer file, in file order: the values, then any scales."""
-    if check_storage(storage) == FP8_E4M3:
-        return [("hidden_states", FP8_DTYPE, (tokens, hidden_size)), (SCALES_KEY, "float32", (tokens, 1))]
-    return [("hidden_states", dtype, (tokens, hidden_size))]
+    return storage_format(storage).tensors(tokens, hidden_size, dtype)
 
 
 def token_bytes(storage: str, hidden_size: int, dtype: str) -> int:
-    """Bytes one token takes in one layer file (values and scale)."""
-    return sum(DTYPES[d][1] * math.prod(shape[1:]) for _, d, shape in layer_tensors(storage, 1, hidden_size, dtype))
+    """Bytes one token takes in one layer file (values and scales)."""
+    return storage_format(storage).token_bytes(hidden_size, dtype)
 
 
 def storage_entry(storage: str) -> dict[str, Any] | None:
     """The manifest's `storage` field: None (left out) for model-dtype shards, so their manifests stay as they were."""
-    if check_storage(storage) == MODEL_DTYPE:
-        return None
-    return {
-        "name": FP8_E4M3,
-        "dtype": FP8_DTYPE,
-        "scales": {
-            "key": SCALES_KEY,
-            "dtype": "float32",
-            "granularity": "per_token_per_layer",  # one scale per token in each layer file
-            "math": f"scale = max(amax / {FP8_MAX:g}, {SCALE_MIN:g}); value = fp8 x scale (speculators' fp8_utils)",
-        },
-    }
+    return storage_format(storage).entry or None
 
 
 def safetensors_header(tensors: list[tuple[str, str, tuple[int, ...]]]) -> bytes:

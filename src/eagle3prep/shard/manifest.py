@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .layout import FORMAT, FORMAT_FP8, FP8_E4M3, MANIFEST, MODEL_DTYPE, TIMINGS, layer_file
+from .formats import FORMAT, MARKS, MODEL_DTYPE, StorageFormat, storage_format
+from .layout import MANIFEST, TIMINGS, layer_file
 
 
 @dataclass(slots=True)
@@ -38,6 +39,11 @@ class ShardManifest:
     def storage_name(self) -> str:
         return (self.storage or {}).get("name", MODEL_DTYPE)
 
+    @property
+    def storage_format(self) -> StorageFormat:
+        """How the layer files store the states (shard/formats.py)."""
+        return storage_format(self.storage_name)
+
     def layer_files_match(self) -> tuple[bool, str]:
         """The manifest lists one layer file per layer id, and no other: (ok, detail)."""
         layers = sorted(n for n in self.files if n.startswith("layer_"))
@@ -52,13 +58,13 @@ class ShardManifest:
 
     @classmethod
     def from_json(cls, data: dict[str, Any], where: str = MANIFEST) -> ShardManifest:
-        if data.get("format") not in (FORMAT, FORMAT_FP8):
-            raise ValueError(f"{where}: format {data.get('format')!r}, expected {FORMAT!r} or {FORMAT_FP8!r}")
+        if data.get("format") not in MARKS:
+            raise ValueError(f"{where}: format {data.get('format')!r}, expected one of {sorted(MARKS)}")
         try:
             m = cls(**data)
         except TypeError as e:  # a key missing or unknown: a damaged or foreign manifest
             raise ValueError(f"{where}: not a shard manifest ({e})") from None
-        if (m.format == FORMAT_FP8) != (m.storage_name == FP8_E4M3):
+        if m.storage_name not in (f.name for f in MARKS.values()) or MARKS[m.format].name != m.storage_name:
             raise ValueError(f"{where}: format {m.format!r} with storage {m.storage_name!r}")
         return m
 

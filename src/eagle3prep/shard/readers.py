@@ -1,7 +1,7 @@
 """Readers of shard folders and of the tokenized shards they are captured from (DESIGN.md §4).
 
-Every reader of a layer file goes through LayerReader / read_layer, which dequantize FP8 files, so no
-caller depends on how a layer is stored.
+Every reader of a layer file goes through LayerReader / read_layer, which decode scaled files (FP8, MXFP4),
+so no caller depends on how a layer is stored.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from ..records import IndexEntry
-from .fp8 import SCALES_KEY, dequantize_fp8
+from .formats import SCALES_KEY, VALUES_KEY, StorageFormat, format_of_file
 from .layout import INDEX, LOGPROBS, TOKEN_IDS
 from .tokenized import rows as tokenized_rows
 
@@ -46,11 +46,11 @@ def index_of_tokenized(tokenized_shard: str | os.PathLike, backend: str | None =
 
 
 class LayerReader:
-    """One layer file open for reading rows (memory-mapped); FP8 files are dequantized on read.
+    """One layer file open for reading rows (memory-mapped); scaled files are decoded on read.
 
-    The file says how it is stored (a `hidden_states_scales` tensor = FP8), so any layer file reads the
-    same way: `rows(a, b)` is [b - a, H]; `dtype` None gives a model-dtype file as stored and an FP8
-    file as bfloat16 (what trainers read); validation asks for float32.
+    The file says how it is stored (its tensors, formats.format_of_file), so any layer file reads the same way:
+    `rows(a, b)` is [b - a, H]; `dtype` None gives a model-dtype file as stored and a scaled one as bfloat16
+    (what trainers read); validation asks for float32.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -58,16 +58,19 @@ class LayerReader:
 
         self.path = Path(path)
         self._f = safe_open(str(path), framework="pt")
-        self.values = self._f.get_slice("hidden_states")
+        self.values = self._f.get_slice(VALUES_KEY)
         self.scales = self._f.get_slice(SCALES_KEY) if SCALES_KEY in self._f.keys() else None  # noqa: SIM118
+        self.format: StorageFormat = format_of_file(self.tensors())
 
     @property
     def fp8(self) -> bool:
-        return self.scales is not None
+        return self.format.name == "fp8_e4m3"
 
     @property
     def shape(self) -> list[int]:
-        return self.values.get_shape()
+        """[T, H]: the rows and the hidden size they decode to (an MXFP4 file stores H / 2 bytes a row)."""
+        rows, width = self.values.get_shape()
+        return [rows, width * self.format.packing]
 
     def tensors(self) -> dict[str, tuple[str, list[int]]]:
         """name -> (safetensors dtype code, shape) of every tensor the file holds (validation's layout check)."""
@@ -75,11 +78,8 @@ class LayerReader:
 
     def rows(self, a: int, b: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.scales is None:
-            x = self.values[a:b]
-            return x if dtype is None else x.to(dtype)
-        import torch
-
-        return dequantize_fp8(self.values[a:b], self.scales[a:b], dtype or torch.bfloat16)
+            return self.format.decode((self.values[a:b],), dtype)
+        return self.format.decode((self.values[a:b], self.scales[a:b]), dtype)
 
 
 def read_token_ids(shard_dir: str | os.PathLike) -> torch.Tensor:

@@ -11,8 +11,8 @@ per step's finished requests).
 Rows are copied into a pooled host slot (pinned, on a side CUDA stream, so the copy overlaps the next
 layers' compute); writer threads place them by position and, at the same time, hash them in file order
 (docs/DESIGN.md §5 has the decisions behind the slot count and the flush interval). With
-`storage: fp8_e4m3` each layer is quantized on its own device first, on the same side stream, so half
-the bytes cross to the host and reach the disk (shard/fp8.py; on a CPU it is the same code).
+a scaled `storage` (fp8_e4m3, mxfp4) each layer is encoded on its own device first, on the same side stream,
+so only the stored bytes cross to the host and reach the disk (shard/formats.py; on a CPU it is the same code).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import schema_default
 from .files import FLUSH_EVERY, PositionalSafetensorsWriter
-from .fp8 import QUANT_CHUNK, quantize_fp8
-from .layout import FP8_E4M3, check_storage, layer_tensors
+from .formats import StorageFormat, storage_format
+from .layout import layer_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -74,13 +74,11 @@ class SinkSpec:
     tag_prefix: str
     sync_bytes: int = FLUSH_EVERY
     logprob_rows: tuple[int, ...] = ()  # rows whose prompt logprobs the engine also returns (logits check)
-    storage: str = schema_default(
-        "extract", "storage"
-    )  # format.STORAGES: the model dtype as it is, or fp8_e4m3 with per-token scales
+    storage: str = schema_default("extract", "storage")  # formats.STORAGES
 
     @property
-    def fp8(self) -> bool:
-        return check_storage(self.storage) == FP8_E4M3
+    def format(self) -> StorageFormat:
+        return storage_format(self.storage)
 
     @property
     def total_tokens(self) -> int:
@@ -92,8 +90,8 @@ class SinkSpec:
 
 @dataclass(slots=True)
 class _Slot:
-    host: torch.Tensor  # [num_layers, capacity, H] (pinned when the rows come from a GPU)
-    scales: torch.Tensor | None = None  # [num_layers, capacity, 1] float32: FP8 storage's per-token scales
+    host: torch.Tensor  # [num_layers, capacity, W] stored values (pinned when the rows come from a GPU)
+    scales: torch.Tensor | None = None  # [num_layers, capacity, G]: a scaled storage's scales of each row
     event: Any = None  # CUDA event recorded after the step's last copy; None on CPU
     pieces: list[tuple[int, int, int]] | None = None  # (src_row, dest_row, n) of this step
     pending: int = 0  # write and hash threads (two a layer) not yet done with this slot
@@ -104,10 +102,16 @@ class SlotPool:
     worker (pinning 3 x 512 MiB takes a noticeable fraction of a second). take() waits when all are in use."""
 
     def __init__(
-        self, num_layers: int, hidden_size: int, dtype: torch.dtype, step_tokens: int, size: int = 3, fp8: bool = False
+        self,
+        num_layers: int,
+        hidden_size: int,
+        dtype: str,
+        step_tokens: int,
+        size: int = 3,
+        storage: str = "model_dtype",
     ):
-        """`dtype`: the rows' dtype in the slot; `fp8`: the slot holds FP8 values and float32 scales instead."""
-        self.key = (num_layers, hidden_size, dtype, step_tokens, size, fp8)
+        """`dtype`: the rows' model dtype; `storage`: the slot holds that format's stored tensors of each row."""
+        self.key = (num_layers, hidden_size, dtype, step_tokens, size, storage)
         self._free: queue.Queue[_Slot] = queue.Queue()
         self._made = 0
 
@@ -126,21 +130,26 @@ class SlotPool:
     def _new(self, capacity: int) -> _Slot:
         import torch
 
-        num_layers, hidden_size, dtype, _, _, fp8 = self.key
+        num_layers, hidden_size, dtype, _, _, storage = self.key
         pinned = torch.cuda.is_available()
-        if not fp8:
-            return _Slot(torch.empty((num_layers, capacity, hidden_size), dtype=dtype, pin_memory=pinned))
-        # Pinned as bytes and viewed as FP8: a same-dtype copy_ into it is a plain byte copy.
-        values = torch.empty((num_layers, capacity, hidden_size), dtype=torch.uint8, pin_memory=pinned)
-        scales = torch.empty((num_layers, capacity, 1), dtype=torch.float32, pin_memory=pinned)
-        return _Slot(values.view(torch.float8_e4m3fn), scales)
+        parts = []
+        for _, part_dtype, (_, width) in storage_format(storage).tensors(1, hidden_size, dtype):
+            # Pinned as bytes and viewed as the stored dtype: a same-dtype copy_ into it is a plain byte copy.
+            raw = torch.empty(
+                (num_layers, capacity, width * _itemsize(part_dtype)), dtype=torch.uint8, pin_memory=pinned
+            )
+            parts.append(raw.view(getattr(torch, part_dtype)))
+        return _Slot(*parts)
+
+
+def _itemsize(dtype: str) -> int:
+    from .layout import DTYPES
+
+    return DTYPES[dtype][1]
 
 
 def _pool_key(spec: SinkSpec) -> tuple:
-    import torch
-
-    stored = torch.float8_e4m3fn if spec.fp8 else getattr(torch, spec.dtype)
-    return (len(spec.layer_paths), spec.hidden_size, stored, spec.step_tokens, spec.slots, spec.fp8)
+    return (len(spec.layer_paths), spec.hidden_size, spec.dtype, spec.step_tokens, spec.slots, spec.format.name)
 
 
 def pool_for(spec: SinkSpec) -> SlotPool:
@@ -257,17 +266,18 @@ class LayerSink:
         return self._stream
 
     def _to_host(self, slot: _Slot, j: int, stream: torch.Tensor, n: int) -> None:
-        """Rows 0..n-1 of `stream` into layer slot j, quantized first on their device for FP8 storage.
-        On a GPU this runs on the side stream; FP8 temporaries freed here are reused only by later work
-        on that stream, after the copies that read them."""
+        """Rows 0..n-1 of `stream` into layer slot j, encoded first on their device for a scaled storage.
+        On a GPU this runs on the side stream; temporaries freed here are reused only by later work on that
+        stream, after the copies that read them."""
         if slot.scales is None:
             slot.host[j, :n].copy_(stream[:n], non_blocking=stream.is_cuda)
             return
-        for a in range(0, n, QUANT_CHUNK):
-            b = min(a + QUANT_CHUNK, n)
-            q, s = quantize_fp8(stream[a:b])
-            slot.host[j, a:b].copy_(q, non_blocking=stream.is_cuda)
-            slot.scales[j, a:b].copy_(s, non_blocking=stream.is_cuda)
+        fmt = self.spec.format
+        for a in range(0, n, fmt.chunk):
+            b = min(a + fmt.chunk, n)
+            values, scales = fmt.encode(stream[a:b])
+            slot.host[j, a:b].copy_(values, non_blocking=stream.is_cuda)
+            slot.scales[j, a:b].copy_(scales.view(b - a, -1), non_blocking=stream.is_cuda)
 
     def write_rows(self, tag: str, layers: dict[int, torch.Tensor]) -> None:
         """One whole request's rows at once ({layer_id: [T, H]}): a one-segment step (built-in path)."""
@@ -306,7 +316,7 @@ class LayerSink:
 
         j, writer = self._slot_of_layer[layer_id], self.writers[layer_id]
         raw = slot.host[j].view(torch.uint8)  # [capacity, H * itemsize]
-        scales = slot.scales[j].view(torch.uint8) if slot.scales is not None else None  # [capacity, 4]
+        scales = slot.scales[j].view(torch.uint8) if slot.scales is not None else None  # [capacity, scale bytes]
         for src, dest, n in slot.pieces:
             after = scales[src : src + n].numpy() if scales is not None else None
             writer.place(dest, raw[src : src + n].numpy(), after)

@@ -22,9 +22,6 @@ from ..infra.folder import file_entry, finish_folder
 from ..records import IndexEntry
 from .files import StreamingSafetensorsWriter
 from .layout import (
-    FORMAT,
-    FORMAT_FP8,
-    FP8_E4M3,
     INDEX,
     LOGPROBS,
     MANIFEST,
@@ -32,6 +29,7 @@ from .layout import (
     TOKEN_IDS,
     check_storage,
     layer_file,
+    storage_format,
     layer_tensors,
     storage_entry,
     temp_of,
@@ -132,7 +130,6 @@ class ShardWriter:
             files[LOGPROBS] = self._write_logprobs(logprobs)
         if timings is not None:
             self._placed.append(self.out_dir / TIMINGS)
-        fp8 = self.storage == FP8_E4M3
         result = ShardManifest(
             **manifest,
             files=files,
@@ -140,7 +137,7 @@ class ShardWriter:
             tokens=self.total_tokens,
             layer_ids=self.layer_ids,
             storage=storage_entry(self.storage),
-            format=FORMAT_FP8 if fp8 else FORMAT,
+            format=storage_format(self.storage).mark,
         )
         with disk_full_is_user_error(self.out_dir / MANIFEST):
             finish_folder(self.out_dir, result.to_json(), timings, kill_point)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from ..shard.fp8 import SCALES_KEY, quantize_fp8
-from ..shard.layout import FP8_E4M3, MODEL_DTYPE, check_storage, safetensors_header
+from ..shard.formats import SCALES_KEY, VALUES_KEY, storage_format
+from ..shard.layout import MODEL_DTYPE, safetensors_header
 
 if TYPE_CHECKING:
     import torch
@@ -14,13 +14,11 @@ if TYPE_CHECKING:
 
 def write_layer(path: str | os.PathLike, hidden: torch.Tensor, storage: str = MODEL_DTYPE) -> None:
     """A whole layer file from [T, H] states, in the streaming writers' layout (planted shards, tests).
-    fp8_e4m3 quantizes `hidden` as the capture does; model_dtype stores it as it is."""
+    A scaled storage encodes `hidden` as the capture does; model_dtype stores it as it is."""
     import torch
 
-    tensors = {"hidden_states": hidden.detach().contiguous()}
-    if check_storage(storage) == FP8_E4M3:
-        q, s = quantize_fp8(hidden)
-        tensors = {"hidden_states": q, SCALES_KEY: s}
+    parts = storage_format(storage).encode(hidden.detach().contiguous())
+    tensors = dict(zip((VALUES_KEY, SCALES_KEY), parts, strict=False))
     layout = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
     with open(path, "wb") as f:
         f.write(safetensors_header(layout))

@@ -9,7 +9,7 @@ from typing import Any
 from ..check import Checks
 from ..shard.layout import LOGPROBS
 from ..shard.readers import read_logprobs
-from .passrule import FLOOR_FACTOR, FP8_FACTOR
+from .passrule import FLOOR_FACTOR, STORAGE_FACTOR
 from .slices import as_checkpoint, torch_dtype
 from .subject import ShardUnderTest
 
@@ -51,7 +51,7 @@ def _deviation(x, recomputed) -> tuple[float, float, float]:
     return float(d.mean()), float(d.quantile(0.9)), 1.0 - float(c.nan_to_num(1.0))
 
 
-def judge_logprobs(stored, recomputed, floor=None, dtype: str = "bfloat16", fp8=None) -> dict[str, Any]:
+def judge_logprobs(stored, recomputed, floor=None, dtype: str = "bfloat16", drawn=None) -> dict[str, Any]:
     """Verdict for one row: stored (engine) vs recomputed (fp32 from the captured state) prompt logprobs.
 
     `floor`: the same recompute at the working precision (None = exact). The bound scales with what that
@@ -59,8 +59,9 @@ def judge_logprobs(stored, recomputed, floor=None, dtype: str = "bfloat16", fp8=
     floor's (at least LP_MIN), and 1 - Pearson correlation within FLOOR_FACTOR x the floor's (at least
     CORR_MIN). A wrong state (another layer, row or position) moves the mean by nats, not hundredths;
     a state that is only scaled is invisible here (the final RMSNorm removes the scale).
-    `fp8`: for a shard stored as FP8, the recompute from a state FP8 could have rounded to the captured
-    one (fp8.rounding_draw): each bound grows by FP8_FACTOR x its deviation, the FP8 floor.
+    `drawn`: for a shard stored scaled (FP8, MXFP4), the recompute from a state that storage could have rounded
+    to the captured one (StorageFormat.draw): each bound grows by STORAGE_FACTOR x its deviation, the storage
+    floor.
     """
     import torch
 
@@ -69,11 +70,13 @@ def judge_logprobs(stored, recomputed, floor=None, dtype: str = "bfloat16", fp8=
         stored = stored[1:]  # the engine's position 0 (no logprob)
     floor = recomputed if floor is None else torch.as_tensor(floor).float()
     (mean, p90, decorr), (fmean, fp90, fdecorr) = _deviation(stored, recomputed), _deviation(floor, recomputed)
-    qmean, qp90, qdecorr = _deviation(torch.as_tensor(fp8).float(), recomputed) if fp8 is not None else (0.0, 0.0, 0.0)
+    qmean, qp90, qdecorr = (
+        _deviation(torch.as_tensor(drawn).float(), recomputed) if drawn is not None else (0.0, 0.0, 0.0)
+    )
     bounds = {
-        "mean": max(FLOOR_FACTOR * fmean, LP_MIN[dtype]) + FP8_FACTOR * qmean,
-        "p90": max(FLOOR_FACTOR * fp90, LP_MIN[dtype]) + FP8_FACTOR * qp90,
-        "decorr": max(FLOOR_FACTOR * fdecorr, CORR_MIN) + FP8_FACTOR * qdecorr,
+        "mean": max(FLOOR_FACTOR * fmean, LP_MIN[dtype]) + STORAGE_FACTOR * qmean,
+        "p90": max(FLOOR_FACTOR * fp90, LP_MIN[dtype]) + STORAGE_FACTOR * qp90,
+        "decorr": max(FLOOR_FACTOR * fdecorr, CORR_MIN) + STORAGE_FACTOR * qdecorr,
     }
     values = {"mean": mean, "p90": p90, "decorr": decorr}
     failed = [k for k in values if values[k] > bounds[k]]
@@ -81,7 +84,7 @@ def judge_logprobs(stored, recomputed, floor=None, dtype: str = "bfloat16", fp8=
         "tokens": int(stored.numel()),
         **values,
         "floor": {"mean": fmean, "p90": fp90, "decorr": fdecorr},
-        **({"fp8_floor": {"mean": qmean, "p90": qp90, "decorr": qdecorr}} if fp8 is not None else {}),
+        **({"storage_floor": {"mean": qmean, "p90": qp90, "decorr": qdecorr}} if drawn is not None else {}),
         "bounds": bounds,
         "max_abs": float((stored - recomputed).abs().max()) if stored.numel() else 0.0,
         "ok": not failed,
@@ -90,13 +93,12 @@ def judge_logprobs(stored, recomputed, floor=None, dtype: str = "bfloat16", fp8=
 
 
 def check_logprobs(
-    model, states_n: list[Any], token_ids: list[list[int]], stored: list[Any], dtype: str, fp8: bool = False
+    model, states_n: list[Any], token_ids: list[list[int]], stored: list[Any], dtype: str, storage=None
 ):
     """Per-row verdicts (judge_logprobs) of stored engine logprobs against the captured id N states
-    (`fp8`: stored as FP8; the FP8 floor comes from a fixed-seed rounding draw of each state)."""
+    (`storage`: the scaled StorageFormat they were stored in, None for the model dtype; its floor comes from a
+    fixed-seed rounding draw of each state)."""
     import torch
-
-    from ..shard.fp8 import rounding_draw
 
     ckpt = as_checkpoint(model)
     heads = {d: ckpt.head(torch_dtype(d)) for d in {"float32", dtype}}
@@ -109,7 +111,7 @@ def check_logprobs(
         s, part = s[:covered], list(ids[:covered])
         ref = logprobs_from_state(ckpt, s, part, head=heads["float32"])
         floor = logprobs_from_state(ckpt, s, part, dtype, head=heads[dtype]) if dtype != "float32" else None
-        q = logprobs_from_state(ckpt, rounding_draw(s, draws), part, head=heads["float32"]) if fp8 else None
+        q = logprobs_from_state(ckpt, storage.draw(s, draws), part, head=heads["float32"]) if storage else None
         out.append({**judge_logprobs(st, ref, floor, dtype, q), "covered_tokens": covered, "row_tokens": len(ids)})
     return out
 
@@ -119,14 +121,14 @@ def check_logits(subject: ShardUnderTest, model_path: str, checks: Checks) -> li
     one `logits` check (passed as skipped when the shard stores none or has no id N)."""
     import torch
 
-    m, fp8 = subject.manifest, subject.fp8
+    m, storage = subject.manifest, subject.scaled
     if LOGPROBS not in m.files or m.num_hidden_layers not in m.layer_ids:
         checks.add("logits", True, "skipped: the shard stores no prompt logprobs or has no id N")
         return []
     lp_rows, stored = read_logprobs(subject.dir)
-    states = subject.states(m.num_hidden_layers, lp_rows, torch.float32 if fp8 else None)
+    states = subject.states(m.num_hidden_layers, lp_rows, torch.float32 if storage else None)
     tokens = [subject.rows[i]["input_ids"] for i in lp_rows]
-    verdicts = check_logprobs(model_path, states, tokens, stored, m.dtype, fp8)
+    verdicts = check_logprobs(model_path, states, tokens, stored, m.dtype, storage)
     out = [{"row": subject.shard.index[i].row, **v} for i, v in zip(lp_rows, verdicts, strict=True)]
     failed = [v for v in out if not v["ok"]]
     detail = f"{len(verdicts)} rows: final norm + lm_head on id {m.num_hidden_layers} reproduce the engine's logprobs"
@@ -135,7 +137,11 @@ def check_logits(subject: ShardUnderTest, model_path: str, checks: Checks) -> li
         detail = (
             f"{len(failed)} of {len(verdicts)} rows fail; first: row {v['row']}: {v['criterion']} "
             f"{v[v['criterion']]:.3g} > bound {v['bounds'][v['criterion']]:.3g} (floor run: {m.dtype} lm_head"
-            + (f" + {FP8_FACTOR:g} x FP8 floor {v['fp8_floor'][v['criterion']]:.3g})" if fp8 else ")")
+            + (
+                f" + {STORAGE_FACTOR:g} x {storage.label} floor {v['storage_floor'][v['criterion']]:.3g})"
+                if storage
+                else ")"
+            )
         )
     part = [f"row {v['row']} on its first {v['covered_tokens']} of {v['row_tokens']} tokens" for v in out
             if v["covered_tokens"] < v["row_tokens"]]  # fmt: skip

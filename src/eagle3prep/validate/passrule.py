@@ -13,9 +13,10 @@ engine's working precision on the same row. Per token, the error is |x_t - r_t| 
 - a *near-tie cascade* (fp32): divergence that starts at a token whose router margin (routing.py, from
   the exact reference) is within TIE_BAND of a tie is judged on the tokens before it, however far that
   token moved, and counts against neither allowance: the margin shows rounding alone could re-route it.
-FP8 storage adds its own rounding on top of the working precision's: the *FP8 floor* is the error of
-the reference itself stored as FP8 (the same quantization, shard/fp8.py), per token, and both the
-token bound and the relative-error bound grow by FP8_FACTOR times it.
+A scaled storage (FP8, MXFP4) adds its own rounding on top of the working precision's: the *storage floor* is
+the error of the reference itself stored that way (the same encoding, shard/formats.py), per token, and both the
+token bound and the relative-error bound grow by STORAGE_FACTOR times it: the bounds widen by the format's own
+error and nothing else.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ FLOOR_FACTOR = 4.0  # 3 left too little room for cascade rows judged on a short 
 # The smallest relative-error bound per stored dtype: an exact floor (fp32 on a CPU) still leaves room
 # for summation order, and a bf16 value stored as fp32 still fails.
 MIN_REL = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1e-2}
-# FP8 storage: the capture's rounding is another draw from the reference's (other values, another scale),
-# so its error may exceed the reference's FP8 floor; an exact capture sits at 1 / FP8_FACTOR of the bound.
-FP8_FACTOR = 1.5
+# A scaled storage: the capture's rounding is another draw from the reference's (other values, other scales),
+# so its error may exceed the reference's storage floor; an exact capture sits at 1 / STORAGE_FACTOR of the bound.
+STORAGE_FACTOR = 1.5
 # Near-ties: a relative router margin (routing.margins) under TIE_FACTOR fp32 epsilons is one rounding can
 # flip; TIE_FACTOR is 4.3x the most a correct fp32 capture moved a margin (MARGIN_MOVED). fp32 only: bf16/fp16
 # (and TF32) floor runs re-route at the engine's rate, and 2048 x 2^-8 > 1.
@@ -64,29 +65,31 @@ def _rms(e, keep) -> float:
     return float(e[keep].pow(2).mean().sqrt())
 
 
-def fp8_floor(reference):
-    """Per-token error [T] of the reference stored as FP8 and read back: what FP8 storage alone costs."""
-    from ..shard.fp8 import roundtrip_fp8
+def storage_floor(reference, storage):
+    """Per-token error [T] of the reference stored in `storage` (a StorageFormat) and read back: what that
+    storage alone costs."""
+    return token_errors(storage.roundtrip(reference), reference)
 
-    return token_errors(roundtrip_fp8(reference), reference)
 
-
-def judge_row(captured, reference, floor, dtype: str, fp8: bool = False, margins=None) -> dict[str, Any]:
+def judge_row(captured, reference, floor, dtype: str, storage=None, margins=None) -> dict[str, Any]:
     """The verdict for one row at one layer ([T, H] tensors; `floor` None when the reference is exact;
-    `fp8`: the capture was stored as FP8, judged with the reference's FP8 floor on top; `margins`: [T]
-    router margins of the MoE layers before this one, None for a dense model)."""
+    `storage`: the scaled StorageFormat the capture was stored in, judged with the reference's storage floor
+    on top (None: the model dtype); `margins`: [T] router margins of the MoE layers before this one, None for a
+    dense model)."""
     import torch
 
     cos = torch.nn.functional.cosine_similarity(captured.float(), reference.float(), dim=-1)
     ftok = token_errors(floor, reference) if floor is not None else None
-    qtok = fp8_floor(reference) if fp8 else None
+    qtok = storage_floor(reference, storage) if storage is not None else None
     verdict = judge_tokens(token_errors(captured, reference), ftok, dtype, qtok, margins)
+    if storage is not None:
+        verdict["storage"] = storage.label
     return {**verdict, "min_cos": float(cos.min())}
 
 
 def judge_tokens(tok, ftok, dtype: str, qtok=None, margins=None) -> dict[str, Any]:
     """The verdict from per-token errors of the capture (`tok`), the floor run (`ftok`, None = exact),
-    for FP8 storage the reference's FP8 floor (`qtok`, None = not stored as FP8) and for a MoE the
+    for a scaled storage the reference's storage floor (`qtok`, None = the model dtype) and for a MoE the
     smallest router margin per token over the layers before this one (`margins`, None = dense).
 
     Returns the measured values, their bounds, `ok`, `cascade`, `tie` (a near-tie cascade), the failing
@@ -99,8 +102,8 @@ def judge_tokens(tok, ftok, dtype: str, qtok=None, margins=None) -> dict[str, An
     ftok = torch.zeros_like(tok) if ftok is None else torch.as_tensor(ftok, dtype=torch.float32)
     qtok = torch.zeros_like(tok) if qtok is None else torch.as_tensor(qtok, dtype=torch.float32)
     token_bound = max(TOKEN_FACTOR * float(ftok.median()), TOKEN_MIN)
-    # The floor run is not stored as FP8: its re-routed tokens are counted against the plain bound.
-    diverged, fdiv = tok > token_bound + FP8_FACTOR * qtok, ftok > token_bound
+    # The floor run is not stored scaled: its re-routed tokens are counted against the plain bound.
+    diverged, fdiv = tok > token_bound + STORAGE_FACTOR * qtok, ftok > token_bound
     n_div, n_fdiv = int(diverged.sum()), int(fdiv.sum())
     allowed = allowed_diverged(n_fdiv)
     first = int(torch.nonzero(diverged)[0]) if n_div else len(tok)
@@ -114,8 +117,8 @@ def judge_tokens(tok, ftok, dtype: str, qtok=None, margins=None) -> dict[str, An
     small = mid and (ftok_given or margins is None) and float(tok[first:].max()) <= CASCADE_MAX
     cascade = tie or small
     judged = torch.arange(len(tok)) < first if cascade else ~diverged
-    rel, floor_rel, fp8_rel = _rms(tok, judged), _rms(ftok, ~fdiv), _rms(qtok, judged)
-    bound_rel = max(FLOOR_FACTOR * floor_rel, MIN_REL[dtype]) + FP8_FACTOR * fp8_rel
+    rel, floor_rel, storage_rel = _rms(tok, judged), _rms(ftok, ~fdiv), _rms(qtok, judged)
+    bound_rel = max(FLOOR_FACTOR * floor_rel, MIN_REL[dtype]) + STORAGE_FACTOR * storage_rel
     if n_div > allowed and not cascade:
         criterion, worst_pos = "diverged_tokens", first  # where it starts
     elif rel > bound_rel:
@@ -126,7 +129,7 @@ def judge_tokens(tok, ftok, dtype: str, qtok=None, margins=None) -> dict[str, An
         "tokens": int(tok.numel()),
         "rel": rel,
         "floor_rel": floor_rel,
-        "fp8_rel": fp8_rel,  # 0 unless stored as FP8
+        "storage_rel": storage_rel,  # 0 unless stored scaled
         "bound_rel": bound_rel,
         "token_bound": token_bound,
         "diverged": n_div,
@@ -173,12 +176,13 @@ def judge_layer(rows: list[dict[str, Any]]) -> None:
 def describe_failure(r: dict[str, Any], dtype: str, floor: str) -> str:
     """One clause naming the row, the position, the criterion, the value, the bound and its floor."""
     where = f"row {r['row']} token {r['worst_pos']}"
-    fp8 = f" + {FP8_FACTOR:g} x FP8 floor" if r.get("fp8_rel") else ""
+    label = r.get("storage", "storage")
+    scaled = f" + {STORAGE_FACTOR:g} x {label} floor" if r.get("storage_rel") else ""
     if r["criterion"] == "diverged_tokens":
         margin = r.get("margin_at_first")
         tie = f"; router margin there {margin:.3g}, near-tie band {r['tie_band']:.3g}" if margin is not None else ""
         return (
-            f"{where}: {r['diverged']} of {r['tokens']} tokens diverged (token error > {r['token_bound']:.3g}{fp8}; "
+            f"{where}: {r['diverged']} of {r['tokens']} tokens diverged (token error > {r['token_bound']:.3g}{scaled}; "
             f"first at token {r['worst_pos']}, error {r['worst_pos_rel']:.3g}{tie}) > {r['allowed_diverged']} allowed "
             f"(floor run: {r['floor_diverged']}, {floor})"
         )
@@ -192,11 +196,11 @@ def describe_failure(r: dict[str, Any], dtype: str, floor: str) -> str:
             f"{where}: {r['cascades']} rows diverge mid-row (routing cascades) > {r['cascades_allowed']} allowed "
             f"by the floor run's rows with diverged tokens ({floor})"
         )
-    if fp8:
-        fp8 = f" + {FP8_FACTOR:g} x FP8 floor {r['fp8_rel']:.3g} (the reference stored as FP8)"
+    if scaled:
+        scaled = f" + {STORAGE_FACTOR:g} x {label} floor {r['storage_rel']:.3g} (the reference stored as {label})"
     return (
         f"{where}: relative error {r['rel']:.3g} > bound {r['bound_rel']:.3g} "
-        f"(= max({FLOOR_FACTOR:g} x floor {r['floor_rel']:.3g}, {MIN_REL[dtype]:g}){fp8}; "
+        f"(= max({FLOOR_FACTOR:g} x floor {r['floor_rel']:.3g}, {MIN_REL[dtype]:g}){scaled}; "
         f"floor run: {floor}; worst token error {r['worst_pos_rel']:.3g})"
     )
 

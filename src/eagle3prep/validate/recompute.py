@@ -31,7 +31,7 @@ def check_reference(
         summary[str(lid)] = s = _layer_summary(mine)
         failed = [r for r in mine if not r["ok"]]
         if failed:
-            floor = refs.describe() + (", shard stored as FP8" if subject.fp8 else "")
+            floor = refs.describe() + (f", shard stored as {subject.scaled.label}" if subject.scaled else "")
             detail = f"{len(failed)} of {len(mine)} rows fail; first: {describe_failure(failed[0], subject.manifest.dtype, floor)}"
             detail += f"; {hint}" if hint else ""
         else:
@@ -49,10 +49,10 @@ def _judge_row(subject: ShardUnderTest, refs: ReferencePair, i: int, images: Row
     want, floor = refs.rows(row["input_ids"], lids, pixels)
     out = []
     for lid in lids:
-        got = subject.layer(lid).rows(e.offset, e.offset + e.length, torch.float32)  # [T, H], FP8 dequantized
+        got = subject.layer(lid).rows(e.offset, e.offset + e.length, torch.float32)  # [T, H], decoded
         margins = refs.margins(row["input_ids"], lid, pixels)  # near-ties of the MoE layers before lid
         verdict = judge_row(
-            got, want[lid], floor[lid] if floor else None, subject.manifest.dtype, subject.fp8, margins
+            got, want[lid], floor[lid] if floor else None, subject.manifest.dtype, subject.scaled, margins
         )
         out.append({"row": e.row, "layer_id": lid, **verdict})
     return out

@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..shard.layout import FP8_E4M3, layer_file
+from ..shard.layout import layer_file
 from ..shard.readers import LayerReader
 
 if TYPE_CHECKING:
     import torch
 
+    from ..shard.formats import StorageFormat
     from ..shard.manifest import ShardManifest
     from ..shard.shardset import Shard
 
@@ -41,8 +42,10 @@ class ShardUnderTest:
         return self.shard.records or []
 
     @property
-    def fp8(self) -> bool:
-        return self.manifest.storage_name == FP8_E4M3
+    def scaled(self) -> StorageFormat | None:
+        """The shard's scaled storage format (FP8, MXFP4), None when it keeps the model dtype."""
+        fmt = self.manifest.storage_format
+        return fmt if fmt.scaled else None
 
     def layer(self, lid: int) -> LayerReader:
         if lid not in self._readers:
@@ -50,6 +53,6 @@ class ShardUnderTest:
         return self._readers[lid]
 
     def states(self, lid: int, picks: list[int], dtype: torch.dtype | None) -> list[torch.Tensor]:
-        """Layer id `lid`'s [T, H] states of the rows at positions `picks` of the shard (FP8 dequantized)."""
+        """Layer id `lid`'s [T, H] states of the rows at positions `picks` of the shard (decoded from a scaled storage)."""
         index, reader = self.shard.index, self.layer(lid)
         return [reader.rows(index[i].offset, index[i].offset + index[i].length, dtype) for i in picks]

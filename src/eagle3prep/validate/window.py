@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..check import Checks
-from .passrule import describe_failure, fp8_floor, judge_layer, judge_tokens, token_errors
+from .passrule import describe_failure, judge_layer, judge_tokens, storage_floor, token_errors
 from .slices import Checkpoint, as_checkpoint, cast, torch_dtype
 from .subject import ShardUnderTest
 
@@ -67,14 +67,14 @@ def check_window(
     b: int,
     dtype: str,
     rows: list[int] | None = None,
-    fp8: bool = False,
+    storage=None,
     positions: list[Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Verdicts (passrule.judge_tokens, then judge_layer over the rows) of captured id b against layers a..b-1.
 
     Reference: the window in fp32 from the captured id a; floor: the window at `dtype` from the same
-    input (none for fp32 captures); `fp8`: the shard is stored as FP8, so the reference's FP8 floor is
-    added. A capture whose ids a and b disagree with the layers between fails.
+    input (none for fp32 captures); `storage`: the scaled StorageFormat of the shard (None: the model
+    dtype), whose floor on the reference is added. A capture whose ids a and b disagree with the layers between fails.
     """
     runs = run_window(model, captured_a, a, b, ("float32",) if dtype == "float32" else (dtype, "float32"), positions)
     rows = list(range(len(captured_a))) if rows is None else rows
@@ -82,8 +82,11 @@ def check_window(
     for i, got in enumerate(captured_b):
         ref = runs["float32"][i]
         floor = token_errors(runs[dtype][i], ref) if dtype != "float32" else None
-        qtok = fp8_floor(ref) if fp8 else None
-        verdicts.append({"row": rows[i], "window": [a, b], **judge_tokens(token_errors(got, ref), floor, dtype, qtok)})
+        qtok = storage_floor(ref, storage) if storage is not None else None
+        verdict = judge_tokens(token_errors(got, ref), floor, dtype, qtok)
+        verdicts.append(
+            {"row": rows[i], "window": [a, b], **verdict, **({"storage": storage.label} if storage else {})}
+        )
     judge_layer(verdicts)
     return verdicts
 
@@ -97,11 +100,11 @@ def check_windows(
     checks: Checks,
 ) -> dict[str, list[dict[str, Any]]]:
     """Each window [a, b] on the sampled rows `picks` (at their rope `positions`): the report's verdicts per
-    window, one `window:a-b` check each. FP8 shards are read dequantized and judged with their FP8 floor."""
+    window, one `window:a-b` check each. Scaled shards are read decoded and judged with their storage floor."""
     import torch
 
-    m, ids, fp8 = subject.manifest, subject.manifest.layer_ids, subject.fp8
-    dtype = torch.float32 if fp8 else None
+    m, ids, storage = subject.manifest, subject.manifest.layer_ids, subject.scaled
+    dtype = torch.float32 if storage else None
     out = {}
     for a, b in windows:
         if a not in ids or b not in ids or a >= b:
@@ -109,13 +112,15 @@ def check_windows(
             continue
         global_rows = [subject.shard.index[i].row for i in picks]
         captured_a, captured_b = subject.states(a, picks, dtype), subject.states(b, picks, dtype)
-        verdicts = check_window(model_path, captured_a, captured_b, a, b, m.dtype, global_rows, fp8, positions)
+        verdicts = check_window(model_path, captured_a, captured_b, a, b, m.dtype, global_rows, storage, positions)
         out[f"{a}-{b}"] = verdicts
         failed = [v for v in verdicts if not v["ok"]]
         detail = f"{len(verdicts)} rows through layers {a}..{b - 1}"
         if failed:
             detail = f"{len(failed)} of {len(verdicts)} rows fail; first: " + describe_failure(
-                failed[0], m.dtype, f"layers {a}..{b - 1} alone from the captured id {a}" + (", FP8" if fp8 else "")
+                failed[0],
+                m.dtype,
+                f"layers {a}..{b - 1} alone from the captured id {a}" + (f", {storage.label}" if storage else ""),
             )
         checks.add(f"window:{a}-{b}", not failed, detail)
     return out

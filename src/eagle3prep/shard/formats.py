@@ -1,0 +1,172 @@
+"""The storage formats of a layer file (`extract.storage`): the one place that knows each.
+
+Each format says what tensors a layer file holds, how rows are encoded on their device and decoded on read, its
+bytes per token, the manifest marks that name it, and the rounding it may add (what validation widens its bounds
+by). Everything that writes, reads, plans or judges shards asks the format of its shard here:
+
+    fmt = storage_format(manifest.storage_name)
+    fmt.tensors(tokens, hidden_size, dtype)   # [(name, dtype, shape)] in file order
+    fmt.encode(x)                             # (values, scales...) on x's device; () parts for model_dtype
+    fmt.decode(parts, dtype)                  # [n, H]
+    fmt.roundtrip(x), fmt.draw(x, generator)  # the rounding floor (validation)
+
+Formats: `model_dtype` (as captured), `fp8_e4m3` (one float32 scale per token; speculators' own math, fp8.py),
+`mxfp4` (4-bit e2m1 with a power-of-two scale per 32 values, mxfp4.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from . import fp8, mxfp4
+
+if TYPE_CHECKING:
+    import torch
+
+VALUES_KEY = "hidden_states"
+SCALES_KEY = fp8.SCALES_KEY  # every scaled format keeps its scales under speculators' key
+MODEL_DTYPE, FP8_E4M3, MXFP4 = "model_dtype", "fp8_e4m3", "mxfp4"
+FORMAT = "eagle3prep.hidden_states/1"
+# A scaled layer file holds a second tensor and values older readers would misread: each mark is refused by
+# readers that predate it.
+FORMAT_FP8 = "eagle3prep.hidden_states/2"
+FORMAT_MXFP4 = "eagle3prep.hidden_states/3"
+
+
+@dataclass(frozen=True)
+class StorageFormat:
+    name: str
+    label: str  # in messages: "FP8 floor"
+    mark: str  # the manifest's `format`
+    summary: str  # one phrase for the report, plan and logs
+    values: Callable[[int, str], tuple[str, int]]  # (hidden size, model dtype) -> (values dtype, values per row)
+    scales: tuple[str, Callable[[int], int]] | None = None  # (dtype, per-row count from the hidden size)
+    quantize: Callable[[Any], tuple[Any, ...]] | None = None
+    dequantize: Callable[..., Any] | None = None
+    rounding_draw: Callable[[Any, Any], Any] | None = None
+    entry: dict[str, Any] = field(default_factory=dict)  # the manifest's `storage` field (empty: left out)
+    check_width: Callable[[int], None] = lambda hidden_size: None
+    # Rows encoded at once on the device: the temporaries of a chunk are a few x its float32 size
+    # (Kimi's H 7168: ~200 MiB at 4096 rows), outside what vLLM's memory profile saw.
+    chunk: int = fp8.QUANT_CHUNK
+    packing: int = 1  # model values a stored element holds (MXFP4: two a byte)
+
+    @property
+    def scaled(self) -> bool:
+        return self.scales is not None
+
+    def tensors(self, tokens: int, hidden_size: int, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype, shape) of each tensor of a layer file, in file order: the values, then any scales."""
+        self.check_width(hidden_size)
+        vdtype, width = self.values(hidden_size, dtype)
+        out = [(VALUES_KEY, vdtype, (tokens, width))]
+        if self.scales is not None:
+            sdtype, count = self.scales
+            out.append((SCALES_KEY, sdtype, (tokens, count(hidden_size))))
+        return out
+
+    def token_bytes(self, hidden_size: int, dtype: str) -> int:
+        """Bytes one token takes in one layer file (values and scales)."""
+        from .layout import DTYPES
+
+        return sum(DTYPES[d][1] * shape[1] for _, d, shape in self.tensors(1, hidden_size, dtype))
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The stored tensors of rows `x` [n, H], on x's device, in file order."""
+        return (x,) if self.quantize is None else self.quantize(x)
+
+    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[n, H] from the stored tensors; `dtype` None: a model-dtype file as stored, a quantized one as bfloat16
+        (what trainers read)."""
+        import torch
+
+        if self.dequantize is None:
+            return parts[0] if dtype is None else parts[0].to(dtype)
+        return self.dequantize(*parts, dtype or torch.bfloat16)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` through this storage and back, float32: what a right capture of `x` reads as."""
+        import torch
+
+        return self.decode(self.encode(x), torch.float32) if self.scaled else x.float()
+
+    def draw(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """A value this storage could have rounded to `x` (float32); `x` itself for model_dtype."""
+        return x.float() if self.rounding_draw is None else self.rounding_draw(x, generator)
+
+
+def _model_values(hidden_size: int, dtype: str) -> tuple[str, int]:
+    return dtype, hidden_size
+
+
+FORMATS: dict[str, StorageFormat] = {
+    f.name: f
+    for f in (
+        StorageFormat(MODEL_DTYPE, "model dtype", FORMAT, "the model dtype", _model_values),
+        StorageFormat(
+            FP8_E4M3,
+            "FP8",
+            FORMAT_FP8,
+            "FP8 e4m3 with a float32 scale per token",
+            lambda h, _: (fp8.FP8_DTYPE, h),
+            ("float32", lambda h: 1),
+            fp8.quantize_fp8,
+            fp8.dequantize_fp8,
+            fp8.rounding_draw,
+            {
+                "name": FP8_E4M3,
+                "dtype": fp8.FP8_DTYPE,
+                "scales": {
+                    "key": SCALES_KEY,
+                    "dtype": "float32",
+                    "granularity": "per_token_per_layer",  # one scale per token in each layer file
+                    "math": f"scale = max(amax / {fp8.FP8_MAX:g}, {fp8.SCALE_MIN:g}); value = fp8 x scale "
+                    "(speculators' fp8_utils)",
+                },
+            },
+        ),
+        StorageFormat(
+            MXFP4,
+            "MXFP4",
+            FORMAT_MXFP4,
+            f"MXFP4: 4-bit e2m1 with a power-of-two scale per {mxfp4.BLOCK} values",
+            lambda h, _: ("uint8", h // 2),
+            ("uint8", lambda h: h // mxfp4.BLOCK),
+            mxfp4.quantize_mxfp4,
+            mxfp4.dequantize_mxfp4,
+            mxfp4.rounding_draw_mxfp4,
+            {
+                "name": MXFP4,
+                "dtype": "uint8",
+                "values": "e2m1 (OCP MX v1.0), two per byte, element 2i in the low nibble, sign in bit 3",
+                "scales": {
+                    "key": SCALES_KEY,
+                    "dtype": "uint8",
+                    "granularity": f"per_{mxfp4.BLOCK}_values",
+                    "math": "e8m0: byte b = 2^(b - 127); the smallest power of two with amax / scale <= 6",
+                },
+            },
+            mxfp4.check_width,
+            packing=2,
+        ),
+    )
+}
+STORAGES = tuple(FORMATS)
+MARKS = {f.mark: f for f in FORMATS.values()}
+
+
+def storage_format(storage: str) -> StorageFormat:
+    """The format named `storage` (extract.storage, or a manifest's storage name)."""
+    try:
+        return FORMATS[storage]
+    except KeyError:
+        raise ValueError(f"extract.storage = {storage!r} is not one of {list(STORAGES)}") from None
+
+
+def format_of_file(tensors: dict[str, tuple[str, list[int]]]) -> StorageFormat:
+    """The format a layer file is stored in, from its tensors ({name: (safetensors dtype code, shape)})."""
+    if SCALES_KEY not in tensors:
+        return FORMATS[MODEL_DTYPE]
+    return FORMATS[MXFP4] if tensors[VALUES_KEY][0] == "U8" else FORMATS[FP8_E4M3]
