@@ -22,7 +22,6 @@ from typing import Any
 
 from ..infra.atomic import TMP_PREFIX
 from ..infra.folder import MANIFEST, TIMINGS  # noqa: F401  (named here with the shard's other files)
-from .fp8 import FP8_DTYPE
 from .formats import (  # noqa: F401  (the format names, re-exported with the layout)
     FORMAT,
     FORMAT_FP8,
@@ -34,6 +33,7 @@ from .formats import (  # noqa: F401  (the format names, re-exported with the la
     STORAGES,
     storage_format,
 )
+from .fp8 import FP8_DTYPE
 
 INDEX = "index.json"
 TOKEN_IDS = "token_ids.safetensors"

@@ -29,9 +29,9 @@ from .layout import (
     TOKEN_IDS,
     check_storage,
     layer_file,
-    storage_format,
     layer_tensors,
     storage_entry,
+    storage_format,
     temp_of,
     token_bytes,
 )
