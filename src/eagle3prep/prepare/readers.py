@@ -170,7 +170,7 @@ class HFDiskReader:
             splits = sorted(c.name for c in p.iterdir() if (c / "state.json").is_file())
             raise InputError(
                 f"{path}: is a DatasetDict (splits: {', '.join(splits) or 'none'}); "
-                f"list one split folder as a source, e.g. {p / (splits[0] if splits else 'train')}"
+                f"list one split folder as a source, e.g. {p / _suggested_split(splits)}"
             )
         found = sorted(c.name for c in p.iterdir())
         shown = ", ".join(found[:8]) + (", ..." if len(found) > 8 else "") if found else "nothing"
@@ -256,3 +256,11 @@ def _open_binary(path: str):
 def _one_line(e: BaseException) -> str:
     """An exception's message on one line, for an InputError that names the file."""
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def _suggested_split(splits: list[str]) -> str:
+    """The split a DatasetDict hint names: the training one when there is one (the sorted first is often `test`)."""
+    for name in ("train", "train_sft", "training"):
+        if name in splits:
+            return name
+    return next((s for s in splits if s.startswith("train")), splits[0] if splits else "train")

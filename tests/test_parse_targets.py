@@ -1,0 +1,43 @@
+"""A target typed after --configfile is read by Snakemake as one more config file: every target the guides name has
+a marker file at the repository root, and a workflow output read as a config is named (run.parse)."""
+
+import subprocess
+
+import pytest
+import yaml
+from workflow_helpers import REPO, SMALL_CONFIG, SNAKEMAKE, make_workdir
+
+from eagle3prep.config import ConfigError
+from eagle3prep.run.parse import check_target_marker
+
+TARGETS = ("plan", "verify", "overfit_gate", "regenerate_review", "all")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_target_the_guides_name_stops_in_one_line_after_configfile(tmp_path, target):
+    marker = yaml.safe_load((REPO / target).read_text())
+    with pytest.raises(ConfigError) as e:
+        check_target_marker(marker, [str(tmp_path / "my.yaml"), str(REPO / target)], tmp_path)
+    assert str(e.value).endswith(f"put the target first: snakemake {target} --configfile my.yaml")
+
+
+def test_a_workflow_output_after_configfile_is_named_not_read_as_a_config(tmp_path):
+    files = [str(tmp_path / "my.yaml"), str(tmp_path / "results/plan/plan.json")]
+    with pytest.raises(ConfigError) as e:
+        check_target_marker({"shards": []}, files, tmp_path)
+    assert str(e.value) == (
+        "config error: `results/plan/plan.json` after --configfile was read as a config file (--configfile takes "
+        "several), but it is one of the workflow's outputs; put the target first: snakemake results/plan/plan.json "
+        "--configfile my.yaml"
+    )
+    check_target_marker({}, [str(tmp_path / "results.yaml")], tmp_path)  # a config of that name is no output
+
+
+def test_verify_after_configfile_in_the_repository_is_one_line_not_a_traceback(tmp_path):
+    config = tmp_path / "my.yaml"
+    config.write_text(yaml.safe_dump(SMALL_CONFIG))
+    wd = make_workdir(tmp_path / "wd")
+    cmd = [SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "--directory", str(wd), "--configfile", str(config)]
+    proc = subprocess.run([*cmd, "verify", "-n"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert f"put the target first: snakemake verify --configfile {config}" in proc.stderr
