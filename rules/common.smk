@@ -3,7 +3,7 @@ import sys
 import time
 
 from eagle3prep.config import ConfigError
-from eagle3prep.run import closing, command, environment, heal, made_by, stale
+from eagle3prep.run import closing, command, environment, heal, made_by, progress, stale
 from eagle3prep.settings import ExtractSettings, RegenerateSettings, Settings
 from eagle3prep.run.parse import (
     check_model,
@@ -100,9 +100,12 @@ if workflow.is_main_process:
                 sys.exit(_error)
             if _note:
                 print(f"eagle3prep: {_note}", file=sys.stderr)
+            _keys = made_by.shard_keys(config)
+            if _redo := made_by.redo_note(_keys, SHARDS):
+                print(f"eagle3prep: {_redo}", file=sys.stderr)
             # Before the DAG, since onstart does not run when there is nothing to do; -n writes nothing.
             if not workflow.dryrun:
-                made_by.write_record(SETTINGS, CONFIG_SHOWN)
+                made_by.write_record(SETTINGS, CONFIG_SHOWN, keys=_keys)
         if not workflow.touch and set(settings.targets) <= {"all"}:
             HEALS[:] = heal.find(SHARDS, SETTINGS.heal.keep_failed, workflow.dryrun)
             for line in heal.summary(HEALS):
@@ -120,6 +123,8 @@ if workflow.is_main_process:
 
 onstart:
     record_owner()
+    # Each running extract job's tokens/s, share done and ETA on the terminal (EAGLE3PREP_PROGRESS_S=0: off).
+    progress.start(SHARDS)
     # Under Snakemake's lock, before any job: a failed shard moves aside, so its extract starts afresh.
     for _heal in HEALS:
         if _heal.set_aside:

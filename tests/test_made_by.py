@@ -151,3 +151,25 @@ def test_a_forgotten_configfile_is_refused_before_any_job_and_adding_work_is_not
     assert re.search(r"^extract_hidden_states\s+3$", replaced.stdout, re.M)
     more = snakemake(wd, "-n", "--config", "export={speculators: true}")  # only adds the export
     assert re.search(r"^export_speculators\s+1$", more.stdout, re.M) and "extract_hidden_states" not in more.stdout
+
+
+def test_a_config_change_that_redoes_finished_shards_is_announced_with_the_key_and_the_count(folder):
+    base = {"data": {"sources": ["mine.jsonl"]}, "model": {"path": "/models/mine"}}
+    before = made_by.shard_keys(_completed(base))
+    made_by.write_record(cfg(), ["my-run.yaml"], keys=before)
+    assert made_by.redo_note(before, [0, 1, 2]) is None  # same config: nothing to say
+    after = made_by.shard_keys(_completed({**base, "tokenize": {"max_seq_len": 512}}))
+    assert made_by.redo_note(after, [0, 1, 2]) == (
+        "config change: tokenize.max_seq_len 2048 -> 512 since the last run: 2 finished shards will be extracted "
+        "(and validated) again; put the old value back to keep them"
+    )
+    # A speed knob decides no byte: not a shard key.
+    speed = made_by.shard_keys(_completed({**base, "extract": {"batch_tokens": 4096}}))
+    assert made_by.redo_note(speed, [0, 1]) is None
+
+
+def _completed(config: dict) -> dict:
+    """The config as the rules read it: validated, with the schema's defaults filled in."""
+    config = json.loads(json.dumps(config))
+    Settings.validated(config)
+    return config

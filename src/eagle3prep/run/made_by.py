@@ -35,10 +35,51 @@ def identity(settings: Settings) -> dict[str, Any]:
     }
 
 
-def record(settings: Settings, config_files: list[str]) -> dict[str, Any]:
+# The keys whose change makes Snakemake extract every finished shard again: each is a param (or an input) of a job
+# in the chain prepare -> tokenize -> extract (the rules' params), so a new value re-queues the chain's jobs.
+SHARD_KEYS = {
+    "data": ("sources", "max_line_bytes", "allow_no_user_turn", "image_root", "max_image_pixels"),
+    "model": ("path", "trust_remote_code"),
+    "layers": ("ids", "convention"),
+    "tokenize": ("max_seq_len", "num_shards", "template_fallback", "chat_template_kwargs"),
+}
+
+
+def shard_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """{dotted key: value} of what decides the finished shards' bytes, from a validated config (the extract rule's
+    params for extract.*)."""
+    from ..settings import ExtractSettings
+
+    keys = {f"{sec}.{k}": config.get(sec, {}).get(k) for sec, names in SHARD_KEYS.items() for k in names}
+    keys |= {f"extract.{k}": v for k, v in ExtractSettings.params(config).items()}
+    return json.loads(json.dumps(keys, default=str))  # as the record reads it back (lists, not tuples)
+
+
+def record(settings: Settings, config_files: list[str], keys: dict[str, Any] | None = None) -> dict[str, Any]:
     """What results/config.json holds: the config files as shown to the user (relative to the working directory
-    when under it) and the identity of the config they made."""
-    return {"config_files": list(config_files), "identity": identity(settings)}
+    when under it), the identity of the config they made and, when given, its shard_keys."""
+    return {"config_files": list(config_files), "identity": identity(settings), **({"shard_keys": keys} if keys else {})}
+
+
+def redo_note(keys: dict[str, Any], shards: list[int], record_path: str | os.PathLike = RECORD,
+              hidden_states: str | os.PathLike = HIDDEN_STATES) -> str | None:  # fmt: skip
+    """The one line that says a config change will extract finished shards again, naming the keys and the count;
+    None when no shard key changed or no shard of this config is finished."""
+    old = (read_record(record_path) or {}).get("shard_keys")
+    if not isinstance(old, dict):
+        return None
+    changed = [k for k in keys if k in old and old[k] != keys[k]]
+    if not changed:
+        return None
+    n = sum(os.path.isfile(os.path.join(hidden_states, f"shard_{k}", MANIFEST)) for k in shards)
+    if not n:
+        return None
+    what = ", ".join(f"{k} {_short(old[k])} -> {_short(keys[k])}" for k in changed[:3])
+    what += f" (and {len(changed) - 3} more keys)" if len(changed) > 3 else ""
+    return (
+        f"config change: {what} since the last run: {n} finished shard{'s' * (n != 1)} will be extracted (and "
+        "validated) again; put the old value back to keep them"
+    )
 
 
 def read_record(path: str | os.PathLike = RECORD) -> dict[str, Any] | None:
@@ -52,9 +93,10 @@ def read_record(path: str | os.PathLike = RECORD) -> dict[str, Any] | None:
     return None
 
 
-def write_record(settings: Settings, config_files: list[str], path: str | os.PathLike = RECORD) -> bool:
+def write_record(settings: Settings, config_files: list[str], path: str | os.PathLike = RECORD,
+                 keys: dict[str, Any] | None = None) -> bool:  # fmt: skip
     """Write the record when it differs from the one on disk (an unchanged file keeps its date); True if written."""
-    text = json.dumps(record(settings, config_files), indent=1, sort_keys=True) + "\n"
+    text = json.dumps(record(settings, config_files, keys), indent=1, sort_keys=True) + "\n"
     path = Path(path)
     try:
         if path.read_text(encoding="utf-8") == text:
