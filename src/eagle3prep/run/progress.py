@@ -52,12 +52,10 @@ def last_bar(log: str) -> Progress | None:
             text = f.read().decode("utf-8", errors="replace")
     except OSError:
         return None
-    found = None
-    for found in BAR.finditer(text):
-        pass
-    if found is None:
+    bars = BAR.findall(text)
+    if not bars:
         return None
-    k, pct, done, total, _, eta, rate = found.groups()
+    k, pct, done, total, _, eta, rate = bars[-1]
     return Progress(int(k), int(pct), done, total, rate, eta)
 
 
