@@ -22,6 +22,7 @@ import pytest
 
 from eagle3prep.testing.vllm_contract import Source, check, fetch_sources, pinned
 from eagle3prep.vllm_common import registry
+from eagle3prep.vllm_common.versions import parse_version
 
 REPO = Path(__file__).resolve().parent.parent
 NEWEST = os.environ.get("EAGLE3PREP_VLLM_CONTRACT") == "newest"
@@ -220,3 +221,115 @@ def test_a_missing_name_is_one_line_with_the_version_and_a_fix_for_that_version(
 def test_a_name_registered_for_a_later_release_is_expected_only_there():
     late = dataclasses.replace(registry.entry("VLLMClientError"))
     assert not late.expected("0.26.0") and late.expected("0.32.0") and late.expected("0.34.0")
+
+
+# ---- the validation matrix's families: SupportsEagle3, which the built-in path needs ------------------------
+
+
+def test_the_registry_names_every_matrix_family():
+    from eagle3prep.testing import tiny_models
+
+    matrix = {spec[1] for spec in tiny_models._SPECS.values()}  # noqa: SLF001 - the families' model classes
+    matrix |= {"KimiK25ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}  # tiny_kimi, tiny_vl
+    assert matrix <= set(registry.EAGLE3_CLASSES), sorted(matrix - set(registry.EAGLE3_CLASSES))
+
+
+@pytest.mark.parametrize(("dist", "version"), VERSIONS, ids=lambda v: v or "newest")
+def test_each_matrix_family_has_eagle3_where_the_registry_says(sources, dist, version):
+    """A family the registry says has no SupportsEagle3 (Qwen2-MoE) fails here the day a vLLM gives it one, so
+    its refusal stops naming no built-in path; one with it fails the day a vLLM drops it."""
+    src = sources(dist, version)
+    problems = []
+    for cls, (module, since) in registry.EAGLE3_CLASSES.items():
+        members = src.members(f"vllm.model_executor.models.{module}", cls)
+        has = members is not None and "supports_eagle3" in members
+        if has != (since is not None and parse_version(src.version) >= parse_version(since)):
+            said = f"from {since} on" if since else "in no checked vLLM"
+            problems.append(
+                f"vLLM {src.version}: {cls} {'has' if has else 'lacks'} SupportsEagle3, which the registry says it "
+                f"has {said} (vllm_common/registry.EAGLE3_CLASSES)"
+            )
+    assert not problems, "\n".join(problems)
+
+
+# ---- images on the built-in path of vLLM's V2 model runner (0.34 on) --------------------------------------
+# ExtractHiddenStatesSpeculator sets supports_mm_inputs = False, yet rows with images pass: the V2 runner reads a
+# speculator's supports_mm_inputs only in GPUModelRunner.sample_tokens (and _dummy_run), to decide whether to
+# gather the target's image embeddings for the drafter (`mm_inputs`, else None); the target's own forward takes the
+# images by its own model_state.supports_mm_inputs, and ExtractHiddenStatesSpeculator.propose drops mm_inputs
+# unread, caching the aux hidden states of every position, image tokens included. A release that makes the flag
+# refuse a request, or has the speculator read mm_inputs, fails here in one line.
+_V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
+_V2_EXTRACT = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
+_MM_SCANNED = ("vllm/v1", "vllm/config", "vllm/engine", "vllm/entrypoints/llm.py")  # where a refusal would sit
+V2_VERSIONS = [v for v in VERSIONS if v[1] is None or parse_version(v[1]) >= parse_version(registry.V1_RUNNER_GONE)]
+
+
+def _speculator_flag(node: ast.AST) -> bool:
+    """`node` reads a speculator's supports_mm_inputs (self.speculator.supports_mm_inputs, drafter..., speculator...)."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute) and sub.attr == "supports_mm_inputs":
+            owner = sub.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            if name in ("speculator", "drafter"):
+                return True
+    return False
+
+
+def _raises(stmts: list[ast.stmt]) -> bool:
+    return any(isinstance(n, ast.Raise | ast.Assert) for s in stmts for n in ast.walk(s))
+
+
+def mm_door_problems(src: Source) -> list[str]:
+    """One line per way this vLLM shuts rows with images out of the built-in path (none: the door is open)."""
+    problems, where = [], f"vLLM {src.version}:"
+    fn = (src.members(_V2_RUNNER, "GPUModelRunner") or {}).get("sample_tokens")
+    gates = [n for n in ast.walk(fn) if isinstance(n, ast.If) and _speculator_flag(n.test)] if fn else []
+    if not gates:
+        problems.append(f"{where} GPUModelRunner.sample_tokens ({_V2_RUNNER}) no longer reads the speculator's "
+                        "supports_mm_inputs: check that rows with images still pass the built-in path")  # fmt: skip
+    propose = (src.members(_V2_EXTRACT, "ExtractHiddenStatesSpeculator") or {}).get("propose")
+    if propose is None:
+        problems.append(f"{where} {_V2_EXTRACT} has no ExtractHiddenStatesSpeculator.propose")
+    elif any(
+        isinstance(n, ast.Name) and n.id == "mm_inputs" and isinstance(n.ctx, ast.Load) for n in ast.walk(propose)
+    ):
+        problems.append(f"{where} ExtractHiddenStatesSpeculator.propose reads mm_inputs, which the runner leaves None "
+                        "for a speculator without supports_mm_inputs: rows with images may fail there")  # fmt: skip
+    for rel in _mm_scanned(src.root):
+        parts = rel.with_suffix("").parts
+        tree = src.tree(".".join(parts[:-1] if parts[-1] == "__init__" else parts))  # a planted copy wins
+        for n in ast.walk(tree):
+            shut = (isinstance(n, ast.Assert) and _speculator_flag(n.test)) or (
+                isinstance(n, ast.If) and _speculator_flag(n.test) and _raises(n.body + n.orelse)
+            )
+            if shut:
+                problems.append(f"{where} {rel}:{n.lineno} raises on a speculator's supports_mm_inputs: rows with "
+                                "images may no longer pass the built-in path")  # fmt: skip
+    return problems
+
+
+def _mm_scanned(root: Path) -> list[Path]:
+    tops = [root / top for top in _MM_SCANNED]
+    return sorted(f.relative_to(root) for t in tops for f in ([t] if t.suffix == ".py" else t.rglob("*.py")))
+
+
+@pytest.mark.parametrize(("dist", "version"), V2_VERSIONS, ids=lambda v: v or "newest")
+def test_rows_with_images_pass_the_built_in_path_of_the_v2_runner(sources, dist, version):
+    problems = mm_door_problems(sources(dist, version))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.skipif(NEWEST, reason="plants changes in the pinned versions' sources")
+def test_a_release_that_refuses_images_without_the_speculators_flag_fails_in_one_line(sources, tmp_path):
+    """The runner refuses a row with images where the speculator takes no image embeddings: the door shut."""
+    base = sources("vllm", registry.NEWEST_CHECKED)
+    assert mm_door_problems(base) == []
+    old = "        # The encoder runner exists only on the first PP rank, so later ranks\n"
+    refuse = (
+        "        if self.model_state.supports_mm_inputs and not self.speculator.supports_mm_inputs:\n"
+        '            raise ValueError("this speculator takes no multimodal inputs")\n'
+    )
+    (line,) = mm_door_problems(plant(base, tmp_path, _V2_RUNNER, old, refuse + old))
+    assert line.startswith(f"vLLM {base.version}: vllm/v1/worker/gpu/model_runner.py:"), line
+    assert "raises on a speculator's supports_mm_inputs" in line and "\n" not in line
