@@ -22,6 +22,8 @@ with one_line_errors():
         reference=snakemake.params.reference,
         windows=snakemake.params.windows,
         gpus_per_job=snakemake.params.gpus,
+        export_copy=snakemake.params.export_copy,
+        validate_device=snakemake.params.validate_device,
     )
     print(text, file=sys.stderr)
     print(text, file=sys.__stdout__)  # `snakemake plan` shows the plan on the terminal

@@ -24,6 +24,7 @@ from ..model_facts import ModelFacts, require_hidden_size
 from ..settings import LayersSettings, PlanSettings
 from ..shard.formats import storage_format
 from ..shard.layout import MANIFEST
+from . import bill
 
 START_SHARE = 0.05  # engine start-up should stay under this share of a shard's job time
 TIMES = ("job_hours_total", "job_hours_left", "gpu_hours_left", "start_share_worst", "recommended")
@@ -184,6 +185,7 @@ def _times(shards: list[ShardPlan], tokens_per_s: float, engine_start_s: float, 
 def format_plan(plan: dict[str, Any], num_shards_key: str = "tokenize.num_shards") -> str:
     """The plan as a short table and a few sentences (results/plan/plan.txt)."""
     lines = _table(plan) + _disk(plan, num_shards_key) + _validation_memory(plan) + _time(plan, num_shards_key)
+    lines += plan.get("bill_lines", [])
     return "\n".join(lines) + "\n"
 
 
@@ -253,7 +255,8 @@ def _time(plan: dict[str, Any], num_shards_key: str) -> list[str]:
     return [
         f"time: {plan['job_hours_left']:.2f} job-hours left"
         + (
-            f" ({plan['gpu_hours_left']:.2f} GPU-hours at {plan['gpus_per_job']} GPUs per job)"
+            f" ({plan['gpu_hours_left']:.2f} GPU-hours at {plan['gpus_per_job']} GPU{'s' * (plan['gpus_per_job'] != 1)} "
+            "per job)"
             if plan["gpus_per_job"]
             else " (on CPU)"
         )
@@ -299,25 +302,32 @@ def plan_run(
     reference: bool | str,
     windows: list[list[int]] | None = schema_default("validate", "windows"),
     gpus_per_job: int = 1,
+    export_copy: bool = False,
+    validate_device: str = schema_default("validate", "device"),
 ) -> str:
     """The `plan` rule: plan the extract jobs of these config values (validated), write the plan, return its text.
 
     layers: the config's `layers` section; plan: its `plan` section; windows, reference: validate.windows and
-    validate.reference (what the scalable reference loads is planned only when it is the one that runs)."""
+    validate.reference (what the scalable reference loads is planned only when it is the one that runs);
+    export_copy: export.speculators with export.hidden_states copy (every hidden-state byte once more);
+    validate_device: validate.device, where the validation's reference forward runs."""
     ids = model_layer_ids(model_path, layers.ids, layers.convention)
     try:
         hidden_size = require_hidden_size(ModelFacts.read(model_path), model_path)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    sizes = shard_sizes_from_stats(stats_path)
+    # Finished shards' own timings (timings.json) over the config's guess.
+    meas = bill.measured(sizes, hidden_states_dir)
     result = make_plan(
-        shard_sizes_from_stats(stats_path),
+        sizes,
         num_layers=len(ids),
         hidden_size=hidden_size,
         dtype=dtype,
         storage=storage or "model_dtype",
         hidden_states_dir=hidden_states_dir,
-        tokens_per_s=plan.tokens_per_s,
-        engine_start_s=plan.engine_start_s,
+        tokens_per_s=meas["tokens_per_s"] or plan.tokens_per_s,
+        engine_start_s=meas["engine_start_s"] if meas["engine_start_s"] is not None else plan.engine_start_s,
         gpus_per_job=gpus_per_job,
         made_with={
             "layer_ids": ids,
@@ -329,6 +339,14 @@ def plan_run(
     )
     if reference_mode(reference) == "scalable":
         result["validation_memory"] = validation_memory(model_path, ids, windows)
+    result["measured"] = meas
+    result["tokens_per_s_config"] = plan.tokens_per_s
+    result["bill"] = bill.disk(result, export_copy, Path(hidden_states_dir).parent)
+    result["bill_lines"] = [
+        "",
+        bill.disk_line(result["bill"], result["free_bytes"]),
+        *bill.time_lines(result, meas, validate_device, bool(reference)),
+    ]
     return write_plan(result, json_path, txt_path)
 
 

@@ -1,0 +1,151 @@
+"""The whole bill of a run, for the `plan` target: every byte it will leave under results/ (what is there already,
+the hidden-state shards still to write, the speculators export's copy of them, the shards set aside under
+results/failed/, the small outputs) and the time of each stage, from what finished shards measured where they
+exist (their timings.json and benchmark files), else from the config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..extract import shard_bytes
+from ..infra.disk import human_bytes
+
+RESULTS = "results"
+# Made by the run beside the shards, per shard and per run (validation JSON, the report's three files, the
+# export's arrow part and manifests): measured on the demo (3 shards, 361 rows: 2.4 MiB report, 0.1 MiB
+# validation) and kept as a bound, since they do not grow with the hidden states.
+SMALL_PER_SHARD = 64 * 2**10
+SMALL_PER_RUN = 4 * 2**20
+EXPORT_ROW_BYTES = 64  # the export's arrow part per row: ids, offsets, lengths (its tokens are counted apart)
+EXPORT_TOKEN_BYTES = 9  # int64 input id and one loss-mask byte a token in the arrow part
+
+
+def du(path: str | os.PathLike) -> int:
+    """Bytes of the files under `path` (its blocks, as `du` counts them); 0 when it does not exist."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except FileNotFoundError:
+                continue
+            total += st.st_blocks * 512
+    return total
+
+
+def _tsv_seconds(path: Path) -> float | None:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        return float(lines[-1].split("\t")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def measured(shards: list[dict[str, Any]], hidden_states: str | os.PathLike,
+             benchmarks: str | os.PathLike = "benchmarks") -> dict[str, Any]:  # fmt: skip
+    """What finished shards measured: extract tokens/s and engine start (timings.json), validation seconds per
+    shard (benchmarks/validate/shard_k.tsv), over the shards that have them."""
+    rates, starts, validate_s = [], [], []
+    for s in shards:
+        k = s["shard"]
+        try:
+            t = json.loads((Path(hidden_states) / f"shard_{k}" / "timings.json").read_text(encoding="utf-8"))
+            if t.get("tokens_per_s") and s["tokens"]:
+                rates.append(float(t["tokens_per_s"]))
+                starts.append(float(t.get("engine_start_s") or 0))
+        except (OSError, ValueError):
+            pass
+        if (v := _tsv_seconds(Path(benchmarks) / "validate" / f"shard_{k}.tsv")) is not None:
+            validate_s.append(v)
+    avg = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    return {
+        "extract_shards": len(rates),
+        "tokens_per_s": round(avg(rates), 1) if rates else None,
+        "engine_start_s": round(avg(starts), 1) if starts else None,
+        "validate_shards": len(validate_s),
+        "validate_s_per_shard": round(avg(validate_s), 1) if validate_s else None,
+    }
+
+
+def disk(plan: dict[str, Any], export_copy: bool, results: str | os.PathLike = RESULTS) -> dict[str, int]:
+    """Every byte results/ will hold after the run: what is there now outside the shards, the shards, the export's
+    copy of them (export.hidden_states: copy), the set-aside shards, and the small outputs still to write."""
+    results = Path(results)
+    hidden = Path(plan["output_dir"])
+    there = du(results) - du(hidden) - du(results / "export") - du(results / "failed") - du(results / "plan")
+    shards_b = plan["bytes_total"]
+    export_b = 0
+    if export_copy:
+        # The copy stores what the shards store, in the model's dtype when the shards are block-scaled (decoded).
+        per = [
+            shard_bytes(s["tokens"], s["rows"], plan["num_layers"], plan["hidden_size"], plan["dtype"],
+                        "model_dtype" if plan.get("storage") == "mxfp4" else plan.get("storage", "model_dtype"))
+            for s in plan["shards"]
+        ]  # fmt: skip
+        export_b = sum(per) + plan["rows"] * EXPORT_ROW_BYTES + plan["tokens"] * EXPORT_TOKEN_BYTES
+    small = SMALL_PER_RUN + SMALL_PER_SHARD * plan["num_shards"]
+    bill = {
+        "already_there": max(there, 0),
+        "hidden_states": shards_b,
+        "export_copy": export_b,
+        "set_aside": du(results / "failed"),
+        "small_outputs": small,
+    }
+    bill["total"] = sum(bill.values())
+    return bill
+
+
+def time_lines(plan: dict[str, Any], meas: dict[str, Any], validate_device: str, reference: bool) -> list[str]:
+    """Each stage's time still to spend, and on what, with where each rate comes from."""
+    left = [s for s in plan["shards"] if not s["done"]]
+    tokens_left = sum(s["tokens"] for s in left)
+    gpus = plan["gpus_per_job"]
+    where = f"GPU ({gpus} per job)" if gpus else "CPU"
+    if meas["tokens_per_s"]:
+        rate, start = meas["tokens_per_s"], meas["engine_start_s"] or plan["engine_start_s"]
+        source = f"measured on {meas['extract_shards']} finished shard{'s' * (meas['extract_shards'] != 1)}"
+    elif plan["tokens_per_s"]:
+        rate, start, source = plan["tokens_per_s"], plan["engine_start_s"], "plan.tokens_per_s"
+    else:
+        rate = None
+    if rate:
+        hours = (tokens_left / rate + start * sum(1 for s in left if s["rows"])) / 3600
+        extract = (
+            f"extract: {hours:.2f} h on {where} for {len(left)} shard{'s' * (len(left) != 1)} "
+            f"({tokens_left:,} tokens at {rate:,.0f} tokens/s, {source})"
+        )
+    else:
+        extract = (
+            f"extract: {tokens_left:,} tokens on {where}; time unknown until one shard finishes (its timings.json "
+            "has tokens/s) or plan.tokens_per_s is set"
+        )
+    vwhere = "GPU" if validate_device.startswith("cuda") else "CPU"
+    ref = "with its reference forward" if reference else "without the reference forward (validate.reference off)"
+    if meas["validate_s_per_shard"]:
+        validate = (
+            f"validate: {meas['validate_s_per_shard'] * len(left) / 3600:.2f} h on {vwhere} for {len(left)} "
+            f"shard{'s' * (len(left) != 1)} {ref} ({meas['validate_s_per_shard']:g} s a shard, measured on "
+            f"{meas['validate_shards']} validated shard{'s' * (meas['validate_shards'] != 1)})"
+        )
+    else:
+        validate = (
+            f"validate: {len(left)} shard{'s' * (len(left) != 1)} on {vwhere} {ref}; time unknown until one shard is "
+            "validated (snakemake results/validation/shard_0.json measures it)"
+        )
+    return [extract, validate]
+
+
+def disk_line(bill: dict[str, int], free: int) -> str:
+    parts = [
+        f"{human_bytes(bill[k])} {label}"
+        for k, label in (("already_there", "there now (prepared, tokenized, model)"),
+                         ("hidden_states", "hidden-state shards"), ("export_copy", "export copy"),
+                         ("set_aside", "set aside in results/failed"), ("small_outputs", "validation, report, logs"))
+        if bill[k]
+    ]  # fmt: skip
+    verdict = "fits" if bill["total"] - bill["already_there"] <= free else "DOES NOT FIT"
+    return f"whole run: {human_bytes(bill['total'])} under results/ ({', '.join(parts)}) -> {verdict}"
