@@ -47,8 +47,12 @@ try:
     MODEL_NOTES = check_model(SETTINGS)
     check_model_files(SETTINGS)
     # The engines and libraries the config selects, against this Python (a job of another would die in a traceback).
-    _deploy = getattr(getattr(workflow, "deployment_settings", None), "deployment_method", ())
-    if _env_error := environment.check(SETTINGS, conda="CONDA" in {str(m).upper().split(".")[-1] for m in _deploy}):
+    _deploy = getattr(
+        getattr(workflow, "deployment_settings", None), "deployment_method", ()
+    )
+    if _env_error := environment.check(
+        SETTINGS, conda="CONDA" in {str(m).upper().split(".")[-1] for m in _deploy}
+    ):
         raise ConfigError(_env_error)
     if workflow.is_main_process:  # loads the tokenizer: once, not in every spawned job
         check_tokenizer(SETTINGS)
@@ -111,9 +115,14 @@ if workflow.is_main_process:
             for line in heal.summary(HEALS):
                 print(f"eagle3prep: {line}", file=sys.stderr)
             # The last report no longer tells the truth about these shards until a run rebuilds it.
-            if not workflow.dryrun and (_stale := [h.why for h in HEALS if h.shard is not None]):
+            if not workflow.dryrun and (
+                _stale := [h.why for h in HEALS if h.shard is not None]
+            ):
                 if stale.mark_stale(_stale):
-                    print(f"eagle3prep: marked {stale.REPORT} STALE until this run rebuilds it", file=sys.stderr)
+                    print(
+                        f"eagle3prep: marked {stale.REPORT} STALE until this run rebuilds it",
+                        file=sys.stderr,
+                    )
             forced = {h.force for h in HEALS if h.force}
             settings.forcerun = set(settings.forcerun) | forced
         _prepare_dag(*args, **kwargs)

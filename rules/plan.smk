@@ -21,7 +21,8 @@ rule plan:
         reference=SETTINGS.validate.reference,
         windows=SETTINGS.validate.windows,
         gpus=get_gpus(),
-        export_copy=SETTINGS.export.speculators and SETTINGS.export.hidden_states == "copy",
+        export_copy=SETTINGS.export.speculators
+        and SETTINGS.export.hidden_states == "copy",
         validate_device=SETTINGS.validate.device,
     script:
         "../scripts/plan.py"

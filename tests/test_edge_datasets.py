@@ -1,8 +1,9 @@
 """Datasets at the edges, through the `snakemake` CLI on the CPU demo model: nothing survives prepare (every
 record quarantined, an empty file, a file of blank lines), and fewer conversations than shards.
 
-Nothing kept stops the run in the tokenize job with one line naming the sources and prepare's quarantine file,
-which stays on disk (a failed prepare job would lose it). Fewer rows than shards gives empty shards that are
+A file whose every record is quarantined stops the run in the prepare job with one line naming the file, the
+reasons and data.max_quarantine_share, the quarantine kept beside the log (a failed job loses its outputs); sources
+that hold no record stop it in the tokenize job with one line naming them. Fewer rows than shards gives empty shards that are
 written without an engine, validated, reported, exported and loaded like the others.
 """
 
@@ -46,12 +47,25 @@ def edge_workdir(path: Path, model_dir: Path, sources: dict[str, str], **overrid
 
 # ------------------------------------------------------------------------------------------ nothing kept
 
+
+def test_a_file_with_every_record_quarantined_stops_the_prepare_job_with_one_line(tmp_path, demo_model_dir):
+    wd = edge_workdir(tmp_path, demo_model_dir, {"all_bad.jsonl": "".join(corpus_line(*at) + "\n" for at in ALL_BAD)})
+    proc = snakemake(wd, check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    message = (
+        "error: all_bad.jsonl: prepare quarantined 3 of its 3 rows (all; invalid_json 1, unknown_role 1, "
+        "no_assistant_turn 1), over data.max_quarantine_share = 0.5; each record and its reason is in "
+        "logs/prepare.quarantine.jsonl: fix the file, drop it from data.sources, or raise data.max_quarantine_share"
+    )
+    assert (wd / "logs/prepare.log").read_text().splitlines()[-1] == message
+    assert message in proc.stderr  # the profile's show-failed-logs prints it under the failed job
+    quarantine = [json.loads(x) for x in (wd / "logs/prepare.quarantine.jsonl").read_text().splitlines()]
+    assert [(q["line"], q["reason"]) for q in quarantine] == [(1, "invalid_json"), (2, "unknown_role"),
+                                                               (3, "no_assistant_turn")]  # fmt: skip
+    assert sorted(p.name for p in (wd / "results").iterdir() if p.is_file() or any(p.iterdir())) == ["config.json"]
+
+
 NOTHING_KEPT = {
-    "all_quarantined": (
-        {"all_bad.jsonl": "".join(corpus_line(*at) + "\n" for at in ALL_BAD)},
-        "error: no conversations to tokenize: prepare quarantined all 3 records (invalid_json 1, unknown_role 1, "
-        "no_assistant_turn 1) of all_bad.jsonl; each record and its reason is in results/prepared/quarantine.jsonl",
-    ),
     "empty_file": (
         {"empty.jsonl": (BAD / "sources/empty.jsonl").read_text()},
         "error: no conversations to tokenize: data.sources hold no records: empty.jsonl (empty); "
@@ -77,14 +91,7 @@ def test_nothing_kept_stops_the_tokenize_job_with_one_line(case, tmp_path, demo_
     counts = json.loads((wd / "results/prepared/counts.json").read_text())["totals"]
     quarantine = [json.loads(x) for x in (wd / "results/prepared/quarantine.jsonl").read_text().splitlines()]
     assert counts["kept"] == 0 and counts["rows_in"] == counts["quarantined_total"] == len(quarantine)
-    if case == "all_quarantined":
-        assert [(q["line"], q["reason"]) for q in quarantine] == [
-            (1, "invalid_json"),
-            (2, "unknown_role"),
-            (3, "no_assistant_turn"),
-        ]
-    else:
-        assert quarantine == [] and counts["rows_in"] == 0
+    assert quarantine == [] and counts["rows_in"] == 0
     # Nothing after it ran: no empty "successful" dataset (config.json: the record of the config that made the folder).
     assert sorted(p.name for p in (wd / "results").iterdir()) == ["config.json", "prepared"]
 
