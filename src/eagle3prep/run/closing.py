@@ -57,7 +57,9 @@ def failed_validations(shards: list[int]) -> list[str]:
         except FileNotFoundError:
             since = 0
         if failure := heal.validation_failure(k, since):
-            out.append(f"{heal.shard_dir(k)} failed validation ({heal.validate_log(k)}): {failure.removeprefix('error: ')}")
+            out.append(
+                f"{heal.shard_dir(k)} failed validation ({heal.validate_log(k)}): {failure.removeprefix('error: ')}"
+            )
     return out
 
 

@@ -58,7 +58,11 @@ def shard_keys(config: dict[str, Any]) -> dict[str, Any]:
 def record(settings: Settings, config_files: list[str], keys: dict[str, Any] | None = None) -> dict[str, Any]:
     """What results/config.json holds: the config files as shown to the user (relative to the working directory
     when under it), the identity of the config they made and, when given, its shard_keys."""
-    return {"config_files": list(config_files), "identity": identity(settings), **({"shard_keys": keys} if keys else {})}
+    return {
+        "config_files": list(config_files),
+        "identity": identity(settings),
+        **({"shard_keys": keys} if keys else {}),
+    }
 
 
 def redo_note(keys: dict[str, Any], shards: list[int], record_path: str | os.PathLike = RECORD,
