@@ -137,11 +137,12 @@ def test_the_child_answers_in_its_own_line(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("version", "fix"), [
     ("0.34.0", "use a vLLM from 0.16.0 to before 0.34.0 with extract.capture_path: hooks or extract.backend: hf"),
-    ("0.32.0", "set extract.capture_path: hooks (or auto)"),
+    ("0.32.0", "use extract.capture_path: hooks (or auto) or extract.backend: hf"),
 ])  # fmt: skip
 def test_the_engine_start_refusal_names_no_path_the_installed_vllm_refuses(version, fix):
+    """The driver hands engine_error the built-in path's fix (families.other_ways), as VLLMBackend._start_first."""
     err = engine_error(RuntimeError("see root cause above"), NO_EAGLE3, version=version, arch=QWEN2_MOE,
-                       path="builtin", wanted="builtin")  # fmt: skip
+                       path="builtin", wanted="builtin", builtin_fix=f"use {families.other_ways(version, QWEN2_MOE)}")  # fmt: skip
     line = str(err)
     assert line.startswith(f"vLLM {version} could not start {QWEN2_MOE} with capture_path builtin: "), line
     assert "does not support EAGLE3" in line and line.endswith(fix), line

@@ -163,9 +163,9 @@ def fails_on_every_path(cause: str) -> bool:
     return bool(_NO_MOE_KERNEL.search(cause)) or "out of memory" in cause.lower()
 
 
-def fix_hint(path: str, wanted: str, cause: str, section: str = "extract", version: str = "", arch: str = "") -> str:
-    """The fix to name after the root cause; `section` is the config section of the job's engine settings. It
-    names no path vLLM `version` lacks (from 0.34 on the built-in path is the only one)."""
+def fix_hint(path: str, wanted: str, cause: str, section: str = "extract", builtin_fix: str | None = None) -> str:
+    """The fix to name after the root cause; `section` is the config section of the job's engine settings.
+    `builtin_fix`: the caller's, for the built-in path it asked for (one that names no path this vLLM lacks)."""
     if _NO_MOE_KERNEL.search(cause):
         where = "extract on a GPU (extract.device: cuda)" if section == "extract" else f"the {section} jobs on a GPU"
         return (
@@ -173,11 +173,7 @@ def fix_hint(path: str, wanted: str, cause: str, section: str = "extract", versi
             f"INT4 MoE kernel needs x86 AMX): run {where}, or point model.path at an unquantized copy"
         )
     if path == wanted == "builtin":
-        from .families import hooks_gone, other_ways  # families imports the registry, which imports this module
-
-        if version and hooks_gone(version):
-            return f"use {other_ways(version, arch)}"
-        return "set extract.capture_path: hooks (or auto)"
+        return builtin_fix or "set extract.capture_path: hooks (or auto)"
     if "out of memory" in cause.lower():
         return f"lower {section}.gpu_memory_utilization or {section}.max_num_batched_tokens"
     return "the engine's traceback is in the log above"
@@ -193,6 +189,7 @@ def engine_error(
     wanted: str = "auto",
     doing: str | None = None,
     section: str = "extract",
+    builtin_fix: str | None = None,
 ) -> UserError:
     """One line for a failed engine start or smoke capture: what failed, the root cause, the fix. `doing` says
     what the engine was started for (default: "with capture_path {path}"); `section` names the config section
@@ -210,7 +207,7 @@ def engine_error(
         return err
     doing = doing or f"with capture_path {path}"
     return EngineError(
-        f"vLLM {version} could not start {arch} {doing}: {cause}; {fix_hint(path, wanted, cause, section, version, arch)}",
+        f"vLLM {version} could not start {arch} {doing}: {cause}; {fix_hint(path, wanted, cause, section, builtin_fix)}",
         any_path=fails_on_every_path(cause),
     )
 

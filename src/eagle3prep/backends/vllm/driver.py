@@ -101,8 +101,9 @@ class VLLMBackend(CaptureBackend):
                 err = (
                     EngineError(str(e))  # the smoke capture's message names the version and the fix
                     if isinstance(e, CaptureError)
-                    else engine_error(e, self._children.text(), version=version, arch=arch, path=name, wanted=wanted)
-                )
+                    else engine_error(e, self._children.text(), version=version, arch=arch, path=name, wanted=wanted,
+                                      builtin_fix=f"use {families.other_ways(version, arch)}")
+                )  # fmt: skip
                 if last or getattr(err, "any_path", False):
                     raise err from e
                 fallback_reason = f"{name} path failed its probe: {err}"[:500]
