@@ -322,10 +322,13 @@ def test_snakemake_script_reads_images_under_image_root(tmp_path, monkeypatch, i
         ),
         log=[str(tmp_path / "prepare.log")],
     )
-    runpy.run_path(str(ROOT / "scripts" / "prepare.py"), init_globals={"snakemake": smk})
+    # Every row of the file lost: prepare fails after counting them (data.max_quarantine_share).
+    with pytest.raises(SystemExit):
+        runpy.run_path(str(ROOT / "scripts" / "prepare.py"), init_globals={"snakemake": smk})
     sys.stderr.close()
     log = (tmp_path / "prepare.log").read_text()
     assert "2 rows in, 0 kept, 0 duplicates, 2 quarantined (image_too_large 2)" in log  # 16x12 > 100 pixels
+    assert "prepare quarantined 2 of its 2 rows (all; image_too_large 2)" in log.splitlines()[-1]
 
 
 def test_tokenize_reads_image_parts_and_refuses_malformed_ones_in_one_line():

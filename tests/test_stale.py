@@ -117,7 +117,9 @@ def test_the_end_of_a_run_counts_rows_in_and_kept_per_file_when_any_were_quarant
     Path(closing.PREPARED_COUNTS).parent.mkdir(parents=True)
     Path(closing.PREPARED_COUNTS).write_text(json.dumps(counts))
     Path(closing.TOKENIZED_QUARANTINE).parent.mkdir(parents=True)
-    Path(closing.TOKENIZED_QUARANTINE).write_text(json.dumps({"record": {"source": "a.jsonl:3"}}) + "\n")
+    Path(closing.TOKENIZED_QUARANTINE).write_text(
+        json.dumps({"reason": "no_assistant_tokens", "record": {"source": "a.jsonl:3"}}) + "\n"
+    )
     lines = closing.run_losses()
     assert lines[1:] == [
         "  a.jsonl: 10 rows in, 8 kept, 1 duplicates, 1 quarantined (tokenize 1)",

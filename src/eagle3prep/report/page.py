@@ -13,7 +13,7 @@ from typing import Any
 from ..infra.atomic import atomic_open
 from ..shard.formats import storage_format
 from . import data
-from .tables import source_table, tool_banner
+from .tables import loss_banner, set_aside_banner, source_table, tool_banner
 from .tables import table as _table
 
 # A layer whose worst sampled row reaches this share of its bound is flagged before it fails.
@@ -82,48 +82,12 @@ def banners(ctx: dict[str, Any]) -> list[str]:
             + ", ".join(f"layer {lid}: {m:.2f}" for lid, m in close.items())
             + "</div>"
         )
-    not_ok = [k for k, v in enumerate(ctx["reports"]) if not v.get("ok")]
-    if not_ok and not failed:
+    if (not_ok := [k for k, v in enumerate(ctx["reports"]) if not v.get("ok")]) and not failed:
         out.append(f"<div class='banner bad'>Validation did not pass on shards {not_ok}.</div>")
-    if not out and len(ctx["reports"]) == len(ctx["dataset"]["shards"]):
+    if not out and len(ctx["reports"]) == len(ctx.get("dataset", {}).get("shards", ctx["reports"])):
         out.append("<div class='banner good'>Every check passed on every shard, the reference check included.</div>")
-    return (
-        out
-        + tool_banner(ctx.get("tool_quarantine"))
-        + set_aside_banner(ctx.get("set_aside", []))
-        + loss_banner(ctx.get("source_losses", []))
-    )
-
-
-def set_aside_banner(set_aside: list[dict[str, str]]) -> list[str]:
-    """Shards that failed validation and were moved to results/failed/ (and extracted again): in red, beside the
-    verdict on the shards in use, since the damage they show may come back."""
-    if not set_aside:
-        return []
-    items = "".join(f"<li><code>{esc(s['dir'])}</code>: {esc(s['why'])}</li>" for s in set_aside)
-    return [
-        f"<div class='banner bad'>{len(set_aside)} shard cop{'ies' if len(set_aside) != 1 else 'y'} failed "
-        f"validation and {'were' if len(set_aside) != 1 else 'was'} set aside (not in this dataset; the shard was "
-        f"extracted again):<ul>{items}</ul></div>"
-    ]
-
-
-def loss_banner(losses: list[dict[str, Any]]) -> list[str]:
-    """The source files that lost rows to quarantine, each with its rows in and rows kept and the reasons."""
-    lossy = [s for s in losses if any(n for reasons in s["lost"].values() for n in reasons.values())]
-    if not lossy:
-        return []
-
-    def line(s: dict[str, Any]) -> str:
-        reasons = ", ".join(f"{r} {n}" for stage in s["lost"].values() for r, n in stage.items() if n)
-        kept = "?" if s["rows_out"] is None else f"{s['rows_out']:,}"
-        rows_in = "?" if s["rows_in"] is None else f"{s['rows_in']:,}"
-        return f"<li><code>{esc(str(s['file']))}</code>: {rows_in} rows in, {kept} kept ({esc(reasons)})</li>"
-
-    return [
-        f"<div class='banner warn'>Rows quarantined in {len(lossy)} source file{'s' * (len(lossy) != 1)} "
-        f"(the table below gives each reason):<ul>{''.join(line(s) for s in lossy)}</ul></div>"
-    ]
+    extra = set_aside_banner(ctx.get("set_aside", [])) + loss_banner(ctx.get("source_losses", []))
+    return out + tool_banner(ctx.get("tool_quarantine")) + extra
 
 
 def gate_banner(gate: dict[str, Any] | None) -> list[str]:

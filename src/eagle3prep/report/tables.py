@@ -66,3 +66,34 @@ def tool_banner(tools: dict[str, Any] | None) -> list[str]:
         f"<div class='banner warn'>{n:,} {were} quarantined: {esc('; '.join(parts))}. None of them is in the "
         "training rows; each one, with its file and line, is in its stage's <code>quarantine.jsonl</code>.</div>"
     ]
+
+
+def set_aside_banner(set_aside: list[dict[str, str]]) -> list[str]:
+    """Shards that failed validation and were moved to results/failed/ (and extracted again): in red, beside the
+    verdict on the shards in use, since the damage they show may come back."""
+    if not set_aside:
+        return []
+    items = "".join(f"<li><code>{esc(s['dir'])}</code>: {esc(s['why'])}</li>" for s in set_aside)
+    return [
+        f"<div class='banner bad'>{len(set_aside)} shard cop{'ies' if len(set_aside) != 1 else 'y'} failed "
+        f"validation and {'were' if len(set_aside) != 1 else 'was'} set aside (not in this dataset; the shard was "
+        f"extracted again):<ul>{items}</ul></div>"
+    ]
+
+
+def loss_banner(losses: list[dict[str, Any]]) -> list[str]:
+    """The source files that lost rows to quarantine, each with its rows in and rows kept and the reasons."""
+    lossy = [s for s in losses if any(n for reasons in s["lost"].values() for n in reasons.values())]
+    if not lossy:
+        return []
+
+    def line(s: dict[str, Any]) -> str:
+        reasons = ", ".join(f"{r} {n}" for stage in s["lost"].values() for r, n in stage.items() if n)
+        kept = "?" if s["rows_out"] is None else f"{s['rows_out']:,}"
+        rows_in = "?" if s["rows_in"] is None else f"{s['rows_in']:,}"
+        return f"<li><code>{esc(str(s['file']))}</code>: {rows_in} rows in, {kept} kept ({esc(reasons)})</li>"
+
+    return [
+        f"<div class='banner warn'>Rows quarantined in {len(lossy)} source file{'s' * (len(lossy) != 1)} "
+        f"(the table below gives each reason):<ul>{''.join(line(s) for s in lossy)}</ul></div>"
+    ]

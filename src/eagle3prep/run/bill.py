@@ -83,7 +83,7 @@ def disk(plan: dict[str, Any], export_copy: bool, results: str | os.PathLike = R
         # The copy stores what the shards store, in the model's dtype when the shards are block-scaled (decoded).
         per = [
             shard_bytes(s["tokens"], s["rows"], plan["num_layers"], plan["hidden_size"], plan["dtype"],
-                        "model_dtype" if plan.get("storage") == "mxfp4" else plan.get("storage", "model_dtype"))
+                        "model_dtype" if plan["storage"] == "mxfp4" else plan["storage"])
             for s in plan["shards"]
         ]  # fmt: skip
         export_b = sum(per) + plan["rows"] * EXPORT_ROW_BYTES + plan["tokens"] * EXPORT_TOKEN_BYTES

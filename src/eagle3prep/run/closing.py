@@ -16,22 +16,11 @@ PREPARED_COUNTS = "results/prepared/counts.json"
 TOKENIZED_QUARANTINE = "results/tokenized/quarantine.jsonl"
 
 
-def tokenize_losses(path: str | os.PathLike = TOKENIZED_QUARANTINE) -> dict[str, int]:
+def tokenize_losses(quarantine: str | os.PathLike = TOKENIZED_QUARANTINE) -> dict[str, int]:
     """{source file: rows tokenize quarantined}, from its quarantine.jsonl (each record keeps its "file:line")."""
-    out: dict[str, int] = {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    source = json.loads(line).get("record", {}).get("source")
-                except (ValueError, AttributeError):
-                    continue
-                if source:
-                    file = str(source).rsplit(":", 1)[0]
-                    out[file] = out.get(file, 0) + 1
-    except OSError:
-        pass
-    return out
+    from ..report.data import quarantine_facts
+
+    return {file: sum(reasons.values()) for file, reasons in quarantine_facts(quarantine)["by_source"].items()}
 
 
 def run_losses(counts_path: str | os.PathLike = PREPARED_COUNTS) -> list[str]:

@@ -66,7 +66,7 @@ def record(settings: Settings, config_files: list[str], keys: dict[str, Any] | N
 
 
 def redo_note(keys: dict[str, Any], shards: list[int], record_path: str | os.PathLike = RECORD,
-              hidden_states: str | os.PathLike = HIDDEN_STATES) -> str | None:  # fmt: skip
+              shard_root: str | os.PathLike = HIDDEN_STATES) -> str | None:  # fmt: skip
     """The one line that says a config change will extract finished shards again, naming the keys and the count;
     None when no shard key changed or no shard of this config is finished."""
     old = (read_record(record_path) or {}).get("shard_keys")
@@ -75,7 +75,7 @@ def redo_note(keys: dict[str, Any], shards: list[int], record_path: str | os.Pat
     changed = [k for k in keys if k in old and old[k] != keys[k]]
     if not changed:
         return None
-    n = sum(os.path.isfile(os.path.join(hidden_states, f"shard_{k}", MANIFEST)) for k in shards)
+    n = sum(os.path.isfile(os.path.join(shard_root, f"shard_{k}", MANIFEST)) for k in shards)
     if not n:
         return None
     what = ", ".join(f"{k} {_short(old[k])} -> {_short(keys[k])}" for k in changed[:3])

@@ -20,9 +20,9 @@ MARK_START, MARK_END = "<!--eagle3prep:stale-->", "<!--/eagle3prep:stale-->"
 SHOWN = 8  # reasons listed in the banner; the rest are counted
 
 
-def mark_stale(reasons: list[str], path: str | os.PathLike = REPORT) -> bool:
+def mark_stale(reasons: list[str], report: str | os.PathLike = REPORT) -> bool:
     """Put (or replace) the stale banner at the top of the report; False when there is no report to mark."""
-    path = Path(path)
+    path = Path(report)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError:
@@ -44,9 +44,9 @@ def mark_stale(reasons: list[str], path: str | os.PathLike = REPORT) -> bool:
     return True
 
 
-def is_stale(path: str | os.PathLike = REPORT) -> bool:
+def is_stale(report: str | os.PathLike = REPORT) -> bool:
     try:
-        return MARK_START in Path(path).read_text(encoding="utf-8")
+        return MARK_START in Path(report).read_text(encoding="utf-8")
     except OSError:
         return False
 
