@@ -22,7 +22,7 @@ Each phase runs in its own process (one engine at a time, clean GPU memory, its 
   (d) vLLM's built-in extract_hidden_states + ExampleHiddenStatesConnector as is, files to /dev/shm;
   (f) (b) on the built-in path (extract_hidden_states + eagle3prep's connector, writing from the worker),
       compiled as vLLM starts by default (not in the default --phases);
-  (g) (f) writing FP8 shards (extract.storage fp8_e4m3, quantized in the worker; not in the default);
+  (g) (f) writing a scaled storage (--scaled: fp8_e4m3 or mxfp4, encoded in the worker; not in the default);
   (p) (a) compiled, as plain vLLM starts by default: the like-for-like baseline of (f) and (g);
   (e) (p) with extract_hidden_states and our connector, no shard open (nothing gathered or written): vLLM's
       method alone, which splits f/p into e/p (vLLM's) and f/e (ours).
@@ -60,6 +60,8 @@ from extractbench.workload import (
     write_image_workloads,
 )
 
+from eagle3prep.shard.formats import STORAGES
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -90,8 +92,9 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=65536, help="tokens per capture() call of our backend")
     ap.add_argument("--hf-batch-tokens", type=int, default=16384)
     ap.add_argument("--gpu-mem", type=float, default=0.85)
+    ap.add_argument("--storage", default="model_dtype", choices=list(STORAGES), help="(b)/(f)'s extract.storage")
     ap.add_argument(
-        "--storage", default="model_dtype", choices=["model_dtype", "fp8_e4m3"], help="(b)'s extract.storage"
+        "--scaled", default="fp8_e4m3", choices=list(STORAGES[1:]), help="(g)'s extract.storage: a scaled one"
     )
     ap.add_argument("--images", type=int, default=0, help="images per row: the image-heavy workload (0: text)")
     ap.add_argument("--image-size", type=int, default=448, help="--images: pixels a side (448: 256 vision tokens)")

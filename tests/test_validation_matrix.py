@@ -90,6 +90,16 @@ def test_fp8_storage_right_captures_pass_and_planted_mistakes_fail(tmp_path):
     assert worst < 0.5, worst  # right FP8 data well inside its bound (docs/runs/fp8)
 
 
+def test_mxfp4_storage_right_captures_pass_and_planted_mistakes_fail(tmp_path):
+    """extract.storage mxfp4: shards and planted copies stored 4-bit, judged with the MXFP4 floor (the reference
+    stored as MXFP4): the bounds widen by the format's own error, and every planted mistake still fails."""
+    cell = run_cell(tmp_path, "llama", "hf", "bfloat16", "mxfp4")
+    assert_right_passes_and_wrong_fails(cell)
+    assert all("MXFP4" in p["message"] for p in cell["planted"].values())  # the message names the MXFP4 floor
+    worst = max(x["worst_margin"] for v in cell["correct"] for x in v["layers"].values())
+    assert worst < 0.75, worst  # right 4-bit data inside its bound with room (1 / STORAGE_FACTOR = 0.67 if exact)
+
+
 def test_image_family_right_captures_pass_and_text_and_image_mistakes_fail(tmp_path):
     """qwen2_5_vl (issue #28 item 5) on hf in fp32: rows with and without images made by prepare and tokenize,
     every row passes, and each of the seven text mistakes and the three image mistakes fails."""

@@ -22,7 +22,7 @@
 #             the prompt count, sets it)
 #   quality   the acceptance bench's ours and peer branches (bench/quality/device_run.sh; needs the tools payload),
 #             its summary in OUT/quality.txt
-# Steps run in this order; STEPS="quality regress" runs only those; REGRESS_PHASES=pf drops (e) from regress;
+# Steps run in the order STEPS gives (default: ALL below); REGRESS_PHASES=pf drops (e) from regress;
 # MATRIX_FAMILIES="qwen2_5_vl" only that
 # family's matrix.
 set -u
@@ -48,17 +48,39 @@ workflow() {
     python3 bench/gpu_validate.py "$W/workflow/kimi" --target kimi-int4 --runs 1:auto
 }
 quality() {
-  BRANCHES="ours peer" bash bench/quality/device_run.sh "$W/q" > "$O/quality_run.log" 2>&1
+  BRANCHES="${QBRANCHES:-ours peer}" bash bench/quality/device_run.sh "$W/q" > "$O/quality_run.log" 2>&1
   python3 bench/quality/summarize.py "$W/q"
 }
-step matrix "$NEW" matrix
-step workflow "$NEW" workflow
-step valid_narrow "$NEW" python3 bench/long_rows.py $W/valid_narrow --shape narrow --lengths 32768,65536,20000,4096
-step long64 "$NEW" python3 bench/bench_extract.py $W/long64 --phases pef --rows 4 --seq 65536 --min-len 32768 --max-len 65536
-step regress "$NEW" python3 bench/bench_extract.py $W/regress --phases ${REGRESS_PHASES:-pef} --rows 192
-step kimi_int4 "$NEW" python3 bench/bench_extract.py $W/kimi_int4 --shape kimi-int4 --phases pf --rows 384 --seq 1000 --min-len 100 --max-len 1000
-step regen_long "$NEW" python3 bench/bench_regenerate.py $W/regen_long --prompts 8 --max-tokens 24000 --max-model-len 32768 --rounds 1
-step quality "$NEW" quality
-step valid_kimi "$NEW" python3 bench/long_rows.py $W/valid_kimi --shape kimi-vocab --lengths 32768,65536,20000,4096 --layer-ids 1,2
-step kimi64 "$NEW" python3 bench/bench_extract.py $W/kimi64 --shape kimi-vocab --phases pf --rows 4 --seq 65536 --min-len 32768 --max-len 65536
+images() {  # the image-heavy workload on auto's path (built-in on 0.34) beside plain compiled prefill
+  python3 bench/bench_extract.py "$W/images" --images 4 --phases pf --rows 64
+}
+ALL="matrix workflow valid_narrow long64 regress kimi_int4 regen_long quality valid_kimi kimi64 fmt_8b fmt_kimi
+  regress_mx quality_mx fmt_real kimi64_mx shm_f images"
+run_step() {
+  case $1 in
+    matrix) step matrix "$NEW" matrix ;;
+    workflow) step workflow "$NEW" workflow ;;
+    valid_narrow) step valid_narrow "$NEW" python3 bench/long_rows.py $W/valid_narrow --shape narrow --lengths 32768,65536,20000,4096 ;;
+    long64) step long64 "$NEW" python3 bench/bench_extract.py $W/long64 --phases pef --rows 4 --seq 65536 --min-len 32768 --max-len 65536 ;;
+    regress) step regress "$NEW" python3 bench/bench_extract.py $W/regress --phases ${REGRESS_PHASES:-pef} --rows 192 ;;
+    kimi_int4) step kimi_int4 "$NEW" python3 bench/bench_extract.py $W/kimi_int4 --shape kimi-int4 --phases pf --rows 384 --seq 1000 --min-len 100 --max-len 1000 ;;
+    regen_long) step regen_long "$NEW" python3 bench/bench_regenerate.py $W/regen_long --prompts 8 --max-tokens 24000 --max-model-len 32768 --rounds 1 ;;
+    quality) step quality "$NEW" quality ;;
+    valid_kimi) step valid_kimi "$NEW" python3 bench/long_rows.py $W/valid_kimi --shape kimi-vocab --lengths 32768,65536,20000,4096 --layer-ids 1,2 ;;
+    kimi64) step kimi64 "$NEW" python3 bench/bench_extract.py $W/kimi64 --shape kimi-vocab --phases pf --rows 4 --seq 65536 --min-len 32768 --max-len 65536 ;;
+    # storage formats: the error table on random 8B- and Kimi-shaped layers, then on the quality target's own shard
+    fmt_8b) step fmt_8b "$NEW" python3 bench/storage_formats.py --shape llama-8b --tokens 8192 ;;
+    fmt_kimi) step fmt_kimi "$NEW" python3 bench/storage_formats.py --shape kimi --tokens 8192 ;;
+    fmt_real) step fmt_real "$NEW" python3 bench/storage_formats.py --shard $W/q/wd/ours/results/hidden_states/shard_0 --tokens 65536 ;;
+    # capture speed with (g) writing MXFP4 beside (f) in bf16 and plain compiled prefill (p), on the local disk
+    regress_mx) step regress_mx "$NEW" python3 bench/bench_extract.py $W/regress_mx --phases pfg --scaled mxfp4 --rows 192 ;;
+    kimi64_mx) step kimi64_mx "$NEW" python3 bench/bench_extract.py $W/kimi64_mx --shape kimi-vocab --phases pfg --scaled mxfp4 --rows 4 --seq 65536 --min-len 32768 --max-len 65536 ;;
+    shm_f) step shm_f "$NEW" python3 bench/bench_extract.py /dev/shm/e3p_shm_f --phases pf --rows 192 ;;
+    # the acceptance bench: ours (bf16), fp8 and mxfp4 drafts from the same rows, two seeds each
+    quality_mx) QBRANCHES="ours fp8 mxfp4" step quality_mx "$NEW" quality ;;
+    images) step images "$NEW" images ;;
+    *) echo "$(date +%T) no step $1 (of $ALL)" >> "$O/done" ;;
+  esac
+}
+for s in ${STEPS:-$ALL}; do run_step "$s"; done
 echo "$(date +%T) all done" >> "$O/done"

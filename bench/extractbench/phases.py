@@ -333,8 +333,8 @@ def phase_e(args, model: Path, work: dict) -> dict:
 
 
 def phase_g(args, model: Path, work: dict) -> dict:
-    """(g) (f) writing FP8 shards (extract.storage fp8_e4m3, quantized in the worker): half the bytes."""
-    return phase_b(args, model, work, capture_path="builtin", enforce_eager=False, storage="fp8_e4m3")
+    """(g) (f) writing a scaled storage (--scaled, default fp8_e4m3; encoded in the worker): fewer bytes."""
+    return phase_b(args, model, work, capture_path="builtin", enforce_eager=False, storage=args.scaled)
 
 
 PHASES = {

@@ -23,7 +23,7 @@ def print_report(args, results: dict, disk_before: tuple, disk_after: tuple, str
         print_phase_b(args, b)
         print_disk(results, b, disk_before, disk_after, streams)
         print_writers(b)
-    print_builtin(results)
+    print_builtin(results, args.scaled)
     for p in "abcdefgp":
         if p in results:
             print(f"engine start ({p}): {results[p]['engine_start_s']:.1f} s")
@@ -44,8 +44,8 @@ def print_images(args) -> None:
         )
 
 
-def print_builtin(results: dict) -> None:
-    """(f) and (g), the built-in path through our connector (compiled; g: FP8), against (p), (a) and (b): the
+def print_builtin(results: dict, scaled: str = "fp8_e4m3") -> None:
+    """(f) and (g), the built-in path through our connector (compiled; g: `scaled` storage), against (p), (a) and (b): the
     targets are f/p and g/p >= 0.95 (f/a where (p) did not run), g at half f's bytes, RSS growth after the
     first shard < 64 MiB. (e) splits f's gap to (p): e/p is vLLM's method alone, f/e what our connector adds."""
     for w in ("uniform", "mixed"):
@@ -57,7 +57,7 @@ def print_builtin(results: dict) -> None:
             line += [f"e/p {e / results['p'][w]['tokens_per_s']:.2f}"] if "p" in results else []
             line += [f"f/e {results['f'][w]['tokens_per_s'] / e:.2f}"] if "f" in results else []
             print(", ".join(line))
-    for p, what in (("f", "built-in, compiled"), ("g", "built-in, compiled, FP8")):
+    for p, what in (("f", "built-in, compiled"), ("g", f"built-in, compiled, {scaled}")):
         r = results.get(p)
         if not r:
             continue

@@ -8,6 +8,7 @@ One stage per device call (each reads what the earlier wrote to OUT, on the same
   data     the workflow as a user runs it, one folder per variant under OUT/wd/<variant>:
            ours:      prepare -> regenerate (greedy) -> tokenize -> extract (vLLM, bf16) -> validate -> export
            fp8:       the same rows (ours' regenerated conversations), extract.storage fp8_e4m3
+           mxfp4:     the same rows, extract.storage mxfp4 (4-bit; the trainer reads the decoded values)
            offpolicy: the conversations' own replies (regenerate off)
            all_ids:   ours' rows with every id 1..N captured (the planted rows' source)
   plant    planted mistakes on all_ids' rows (bench/quality/planted_rows.py), validated and exported carelessly
@@ -47,6 +48,9 @@ PROMPTS = {"h200": 256, "toy": 4}  # held-out prompts served (64 gave 1.5 s of d
 # meanwhile; the utilization is then only the free memory a start needs (14 GiB of the H200's 141).
 ENGINE_SHARE = {"gpu_memory_utilization": 0.1, "engine_args": {"kv_cache_memory_bytes": 4 << 30}}
 
+# Variants that hold ours' rows in another extract.storage
+SCALED_VARIANTS = {"fp8": "fp8_e4m3", "mxfp4": "mxfp4"}
+
 
 def workflow_config(opts: argparse.Namespace, variant: str, sources: list[str]) -> dict:
     gpu = opts.device == "cuda"
@@ -66,8 +70,8 @@ def workflow_config(opts: argparse.Namespace, variant: str, sources: list[str]) 
         # update, not replace: the regenerate engine keeps ENGINE_SHARE (replaced, it took vLLM's default 0.9
         # of the GPU, and every engine started beside it was refused; H200, 2026-12-02, second session)
         cfg["regenerate"].update(enabled=True, turns="last", sampling={"temperature": 0, "max_tokens": 512})
-    if variant == "fp8":
-        cfg["extract"]["storage"] = "fp8_e4m3"
+    if variant in SCALED_VARIANTS:
+        cfg["extract"]["storage"] = SCALED_VARIANTS[variant]
     if variant == "all_ids":  # the planted rows' source: every id, so a mistake can borrow a neighbour
         n = json.loads((opts.out / "target/model/config.json").read_text())["num_hidden_layers"]
         cfg["layers"] = {"ids": list(range(1, n + 1))}
@@ -118,8 +122,8 @@ def stage_data(opts: argparse.Namespace) -> dict:
     regenerated = opts.out / "wd/ours/results/regenerated/conversations.jsonl"
     out = {}
     for variant in opts.variants:
-        # fp8 and all_ids hold ours' rows: the replies the target wrote in ours' regenerate stage.
-        sources = [str(regenerated)] if variant in ("fp8", "all_ids") else [str(src)]
+        # fp8, mxfp4 and all_ids hold ours' rows: the replies the target wrote in ours' regenerate stage.
+        sources = [str(regenerated)] if variant in (*SCALED_VARIANTS, "all_ids") else [str(src)]
         out[variant] = run_workflow(opts.out / "wd" / variant, workflow_config(opts, variant, sources), opts.cores)
     return out
 

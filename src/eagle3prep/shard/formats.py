@@ -25,6 +25,15 @@ from . import fp8, mxfp4
 if TYPE_CHECKING:
     import torch
 
+# torch dtype name -> (safetensors dtype code, bytes per element)
+DTYPES = {
+    "bfloat16": ("BF16", 2),
+    "float16": ("F16", 2),
+    "float32": ("F32", 4),
+    "int64": ("I64", 8),
+    "uint8": ("U8", 1),
+    fp8.FP8_DTYPE: ("F8_E4M3", 1),
+}
 VALUES_KEY = "hidden_states"
 SCALES_KEY = fp8.SCALES_KEY  # every scaled format keeps its scales under speculators' key
 MODEL_DTYPE, FP8_E4M3, MXFP4 = "model_dtype", "fp8_e4m3", "mxfp4"
@@ -69,8 +78,6 @@ class StorageFormat:
 
     def token_bytes(self, hidden_size: int, dtype: str) -> int:
         """Bytes one token takes in one layer file (values and scales)."""
-        from .layout import DTYPES
-
         return sum(DTYPES[d][1] * shape[1] for _, d, shape in self.tensors(1, hidden_size, dtype))
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

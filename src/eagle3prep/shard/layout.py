@@ -22,7 +22,8 @@ from typing import Any
 
 from ..infra.atomic import TMP_PREFIX
 from ..infra.folder import MANIFEST, TIMINGS  # noqa: F401  (named here with the shard's other files)
-from .formats import (  # noqa: F401  (the format names, re-exported with the layout)
+from .formats import (  # noqa: F401  (the format names and the dtype table, re-exported with the layout)
+    DTYPES,
     FORMAT,
     FORMAT_FP8,
     FORMAT_MXFP4,
@@ -33,21 +34,10 @@ from .formats import (  # noqa: F401  (the format names, re-exported with the la
     STORAGES,
     storage_format,
 )
-from .fp8 import FP8_DTYPE
 
 INDEX = "index.json"
 TOKEN_IDS = "token_ids.safetensors"
 LOGPROBS = "logprobs.safetensors"  # the engine's prompt logprobs of a few rows (validate's logits check)
-
-# torch dtype name -> (safetensors dtype code, bytes per element)
-DTYPES = {
-    "bfloat16": ("BF16", 2),
-    "float16": ("F16", 2),
-    "float32": ("F32", 4),
-    "int64": ("I64", 8),
-    "uint8": ("U8", 1),
-    FP8_DTYPE: ("F8_E4M3", 1),
-}
 
 
 def check_storage(storage: str) -> str:

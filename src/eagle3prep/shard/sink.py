@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import schema_default
 from .files import FLUSH_EVERY, PositionalSafetensorsWriter
-from .formats import StorageFormat, storage_format
+from .formats import DTYPES, StorageFormat, storage_format
 from .layout import layer_tensors
 
 if TYPE_CHECKING:
@@ -143,8 +143,6 @@ class SlotPool:
 
 
 def _itemsize(dtype: str) -> int:
-    from .layout import DTYPES
-
     return DTYPES[dtype][1]
 
 

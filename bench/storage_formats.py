@@ -1,0 +1,192 @@
+"""Storage formats compared on the same hidden states: bytes per token, reconstruction error per layer, encode
+cost on the device and decode cost in a trainer's loader (docs/guides/storage.md's table).
+
+    python bench/storage_formats.py --shard results/hidden_states/shard_0      # a captured shard's layers
+    python bench/storage_formats.py --shape llama-8b --device cuda              # a random 8B-shaped Llama
+    python bench/storage_formats.py --shape kimi --device cuda                  # hidden 7,168 (Kimi-K2.5)
+
+Formats: the project's (shard/formats.py: fp8_e4m3, mxfp4) and candidates measured here only: NVFP4-style
+(e2m1, an e4m3 scale per 16 values and a float32 one per token), int4 with one scale per token, FP8 with its
+last layer kept and the three fused ones in MXFP4 (and the reverse), each with the bytes a lossless zstd pass
+(level 3, per 1 MiB chunk) leaves of it when the zstandard package is installed. The last layer replaced by
+the target's top-32 probabilities is listed by its bytes alone (it is no hidden state: the error is n/a).
+Error per token: |x - y| / |x| against the bf16 capture; mean / p99 / worst over the tokens of each layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from eagle3prep.shard import formats, mxfp4
+from eagle3prep.shard.manifest import read_manifest
+from eagle3prep.shard.readers import LayerReader
+
+TOKEN_ID_BYTES = 8
+TOPK = 32  # the last layer as top-k probabilities: an int32 id and a bf16 probability each
+
+
+def e2m1_round(y: torch.Tensor) -> torch.Tensor:
+    """Values |y| <= 6 rounded to e2m1, float32 (the product's table and tie rule)."""
+    grid = torch.tensor(mxfp4.E2M1, device=y.device)
+    mid = torch.tensor(mxfp4._MIDPOINTS, device=y.device)
+    return grid[torch.bucketize(y.abs(), mid)] * y.sign()
+
+
+def nvfp4_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """NVFP4-style: a float32 scale per token maps the token's largest block scale onto e4m3's 448, then each
+    16-value block's e4m3 scale maps its amax onto 6."""
+    n, h = x.shape
+    b = x.float().view(n, h // 16, 16)
+    block = b.abs().amax(-1, keepdim=True) / 6
+    tok = (block.amax(1, keepdim=True) / 448).clamp_min(1e-30)
+    s = (block / tok).to(torch.float8_e4m3fn).float().clamp_min(2.0**-9) * tok
+    return (e2m1_round((b / s).clamp(-6, 6)) * s).view(n, h)
+
+
+def int4_token_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """Symmetric int4, one scale per token (absmax / 7): one outlier sets the step of every value."""
+    s = (x.float().abs().amax(-1, keepdim=True) / 7).clamp_min(1e-30)
+    return (x.float() / s).round().clamp(-7, 7) * s
+
+
+def stored_bytes(name: str, x: torch.Tensor) -> bytes:
+    """The bytes a layer's rows take in one of the project's formats (what zstd would see)."""
+    parts = formats.storage_format(name).encode(x)
+    return b"".join(p.contiguous().view(torch.uint8).cpu().numpy().tobytes() for p in parts)
+
+
+def zstd_ratio(blob: bytes) -> float | None:
+    try:
+        import zstandard
+    except ImportError:
+        return None
+    c = zstandard.ZstdCompressor(level=3)
+    chunk = 1 << 20
+    out = sum(len(c.compress(blob[i : i + chunk])) for i in range(0, len(blob), chunk))
+    return out / len(blob)
+
+
+def token_error(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    x = x.float()
+    return (x - y.float()).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)
+
+
+def timed(fn, *args, device: str, repeat: int = 3) -> float:
+    """Best of `repeat` seconds (device-synchronized)."""
+    best = float("inf")
+    for _ in range(repeat):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(*args)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def states_of_shard(shard: Path, max_tokens: int) -> tuple[dict[int, torch.Tensor], str]:
+    m = read_manifest(shard)
+    out = {
+        lid: LayerReader(shard / f"layer_{lid}.safetensors").rows(0, min(m.tokens, max_tokens)) for lid in m.layer_ids
+    }
+    return out, f"{shard} ({m.model.get('architecture', '')}, hidden {m.hidden_size}, ids {m.layer_ids})"
+
+
+def states_of_shape(shape: str, device: str, tokens: int, seed: int) -> tuple[dict[int, torch.Tensor], str]:
+    """A random Llama of the shape's hidden size, 4 layers, on `tokens` random token ids: ids 1..4 (4 = N)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, inter, heads = {"llama-8b": (4096, 14336, 32), "kimi": (7168, 18432, 64)}[shape]
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=8,
+                      num_hidden_layers=4, vocab_size=32000, max_position_embeddings=8192)  # fmt: skip
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 32000, (tokens // 2048, 2048), device=device)
+    with torch.inference_mode():
+        hs = model(ids, output_hidden_states=True).hidden_states
+    return {i: hs[i].reshape(-1, hidden) for i in range(1, 5)}, f"random Llama, hidden {hidden} ({shape})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shard", type=Path)
+    ap.add_argument("--shape", choices=["llama-8b", "kimi"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.shard:
+        layers, what = states_of_shard(args.shard, args.tokens)
+    elif args.shape:
+        layers, what = states_of_shape(args.shape, args.device, args.tokens, args.seed)
+    else:
+        sys.exit("--shard or --shape")
+    layers = {lid: x.to(args.device, torch.bfloat16) for lid, x in layers.items()}
+    ids = sorted(layers)
+    last, hidden = ids[-1], layers[ids[-1]].shape[1]
+    tokens = layers[last].shape[0]
+    print(f"# storage formats on {what}: {tokens:,} tokens, layers {ids}, {args.device}")
+    bf16_bytes = len(ids) * 2 * hidden + TOKEN_ID_BYTES
+
+    fp8, mx = formats.storage_format("fp8_e4m3"), formats.storage_format("mxfp4")
+    per_layer = {  # name -> (roundtrip of one layer given its id, bytes per token of that layer)
+        "bf16 (model_dtype)": (lambda lid, x: x.float(), lambda lid: 2 * hidden),
+        "fp8_e4m3": (lambda lid, x: fp8.roundtrip(x), lambda lid: fp8.token_bytes(hidden, "bfloat16")),
+        "mxfp4": (lambda lid, x: mx.roundtrip(x), lambda lid: mx.token_bytes(hidden, "bfloat16")),
+        "nvfp4-style (e4m3 / 16 + f32 / token)": (lambda lid, x: nvfp4_roundtrip(x), lambda lid: hidden // 2 + hidden // 16 + 4),
+        "int4, one scale a token": (lambda lid, x: int4_token_roundtrip(x), lambda lid: hidden // 2 + 4),
+        "mxfp4, last layer fp8_e4m3": (
+            lambda lid, x: fp8.roundtrip(x) if lid == last else mx.roundtrip(x),
+            lambda lid: (fp8 if lid == last else mx).token_bytes(hidden, "bfloat16"),
+        ),
+    }  # fmt: skip
+    print(
+        "\n| format | bytes / token (4 layers + ids) | of bf16 | zstd'd, of bf16 | error per layer: mean / p99 / worst |"
+    )
+    print("|---|---|---|---|---|")
+    for name, (roundtrip, nbytes) in per_layer.items():
+        total = sum(nbytes(lid) for lid in ids) + TOKEN_ID_BYTES
+        errs = []
+        for lid in ids:
+            e = token_error(layers[lid], roundtrip(lid, layers[lid]))
+            errs.append(f"{lid}: {e.mean():.4f} / {e.quantile(0.99):.4f} / {e.max():.4f}")
+        z = ""
+        if name in ("fp8_e4m3", "mxfp4"):
+            ratios = [zstd_ratio(stored_bytes(name, layers[lid])) for lid in ids]
+            if None not in ratios:
+                z_total = sum(r * nbytes(lid) for r, lid in zip(ratios, ids, strict=True)) + TOKEN_ID_BYTES
+                z = f"{z_total / bf16_bytes:.3f} ({z_total:,.0f} B)"
+            else:
+                z = "zstandard not installed"
+        print(f"| {name} | {total:,} | {total / bf16_bytes:.3f} | {z} | {'; '.join(errs)} |")
+    topk = (len(ids) - 1) * mx.token_bytes(hidden, "bfloat16") + TOPK * 6 + TOKEN_ID_BYTES
+    print(f"| mxfp4, last layer as top-{TOPK} probabilities | {topk:,} | {topk / bf16_bytes:.3f} | | n/a (no state) |")
+
+    x = layers[last]
+    print(f"\n# cost of one layer's {tokens:,} tokens (hidden {hidden}); best of 3")
+    for name in ("fp8_e4m3", "mxfp4"):
+        fmt = formats.storage_format(name)
+        enc = timed(fmt.encode, x, device=args.device)
+        parts = fmt.encode(x)
+        dec = timed(fmt.decode, parts, torch.bfloat16, device=args.device)
+        cpu_parts = tuple(p.cpu() for p in parts)
+        torch.set_num_threads(1)  # one loader worker
+        dec_cpu = timed(fmt.decode, cpu_parts, torch.bfloat16, device="cpu")
+        torch.set_num_threads(torch.get_num_threads())
+        mtok = tokens / 1e6
+        print(
+            f"{name}: encode on {args.device} {enc / mtok * 1e3:.1f} ms per M tokens ({x.numel() * 2 / enc / 1e9:.0f} GB/s "
+            f"of bf16 in); decode on {args.device} {dec / mtok * 1e3:.1f} ms per M tokens; decode on one CPU thread "
+            f"{dec_cpu / mtok:.2f} s per M tokens ({tokens * hidden / dec_cpu / 1e6:.0f} M values/s)"
+        )
+
+
+if __name__ == "__main__":
+    main()
