@@ -91,10 +91,15 @@ def _pairs(device: torch.device) -> torch.Tensor:
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """[n, H] values (float32 when `dtype` is None; exact in bfloat16 too), on the inputs' device.
-    One gather a byte (a 256-entry table of value pairs) keeps the trainer's loader cheap."""
+    One gather a byte (a 256-entry table of value pairs) keeps the trainer's loader cheap; for bfloat16 the pair
+    is gathered as one 32-bit word and scaled in bfloat16 (a power of two: exact), a quarter of float32's traffic."""
     import torch
 
     n, half = packed.shape
+    if dtype == torch.bfloat16:
+        words = _pairs(packed.device).to(torch.bfloat16).view(torch.int32).view(256)
+        values = words[packed.long()].view(torch.bfloat16).view(n, half * 2 // BLOCK, BLOCK)
+        return (values * scale_values(scales).to(torch.bfloat16)).view(n, half * 2)
     values = _pairs(packed.device)[packed.long()].view(n, half * 2 // BLOCK, BLOCK)
     out = (values * scale_values(scales)).view(n, half * 2)
     return out if dtype in (None, torch.float32) else out.to(dtype)
