@@ -8,6 +8,8 @@ FP8 twins: test_sink, test_corruption, test_validation_matrix, test_vllm_backend
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -105,7 +107,7 @@ def test_the_registry_knows_every_storage_the_schema_offers():
 
     from eagle3prep.config import SCHEMA
 
-    schema = yaml.safe_load(open(SCHEMA, encoding="utf-8"))
+    schema = yaml.safe_load(Path(SCHEMA).read_text(encoding="utf-8"))
     assert schema["properties"]["extract"]["properties"]["storage"]["enum"] == list(formats.STORAGES)
     for fmt in formats.FORMATS.values():
         for _, dtype, _ in fmt.tensors(3, 4096, "bfloat16"):
