@@ -143,10 +143,8 @@ def test_the_diary_check_sees_each_kind():
     assert diary_lines("docs/DESIGN.md", "| 2026-12-02 | 8b3c59d | 0.97 |")
 
 
-def test_design_and_evidence_are_short_reference_and_the_diaries_are_gone():
-    design, evidence = REPO / "docs" / "DESIGN.md", REPO / "docs" / "evidence.md"
-    assert len(design.read_bytes()) <= 25 * 1024, len(design.read_bytes())
-    assert len(evidence.read_bytes()) <= 15 * 1024, len(evidence.read_bytes())
+def test_the_diaries_are_gone_and_the_readme_cites_the_evidence():
+    # No byte cap on DESIGN.md or evidence.md: they are written by claim, each as long as its evidence needs.
     for diary in ("performance.md", "gpu-validation.md", "quality.md"):
         assert not (REPO / "docs" / diary).exists(), diary
     assert "(docs/evidence.md)" in (REPO / "README.md").read_text(encoding="utf-8")

@@ -46,7 +46,9 @@ def test_another_configs_sources_are_refused_in_one_line_naming_both(folder):
     mine = command.Command("snakemake", {"--configfile": ["b.yaml"], "--config": ["x=1"]})
     error, _ = made_by.check(demo, ["b.yaml", "--config"], demo=False, command=mine)
     assert "another folder: snakemake --configfile b.yaml --config x=1 --directory OTHER_FOLDER; " in error
-    assert "replace them with this config: snakemake --configfile b.yaml --config x=1 replace_results=true (or" in error
+    assert (
+        "replace them with this config: snakemake --configfile b.yaml --config x=1 replace_results=true (or" in error
+    )
 
 
 def test_a_forgotten_configfile_is_offered_the_recorded_config_first_and_never_replace(folder):

@@ -78,7 +78,7 @@ def test_plan_run_reads_layers_and_hidden_size_from_the_model(tmp_path, demo_mod
     # extract.storage fp8_e4m3 (what scripts/plan.py passes from the rule's params): about half the bytes.
     text = plan_run(stats, tmp_path / "hs", tmp_path / "fp8.json", tmp_path / "fp8.txt", storage="fp8_e4m3", **args)
     fp8 = json.loads((tmp_path / "fp8.json").read_text())
-    assert fp8["storage"] == "fp8_e4m3" and "FP8 e4m3 with a float32 scale per layer" in text
+    assert fp8["storage"] == "fp8_e4m3" and "FP8 e4m3 with a float32 scale per token" in text
     assert 0.5 < fp8["bytes_total"] / plan["bytes_total"] < 0.56  # (128 + 4) / 256 per value, fixed costs aside
     scalable = args | {"reference": "scalable", "storage": None}
     text = plan_run(stats, tmp_path / "hs", tmp_path / "s.json", tmp_path / "s.txt", **scalable)

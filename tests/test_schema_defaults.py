@@ -37,6 +37,8 @@ NOT_CONFIG = {
     "report/plots.py:distributions:max_seq_len": "the histogram's cap line, None to draw none",
     "report/samples.py:samples:max_seq_len": "the samples' cut mark, None to draw none",
     "shard/fp8.py:dequantize_fp8:dtype": "the dtype to read into, not extract.dtype",
+    "shard/mxfp4.py:dequantize_mxfp4:dtype": "the dtype to read into, not extract.dtype",
+    "shard/formats.py:decode:dtype": "the dtype to read into, not extract.dtype",
     "shard/readers.py:rows:dtype": "the dtype to read into, not extract.dtype",
     "shard/readers.py:read_layer:dtype": "the dtype to read into, not extract.dtype",
     "shard/manifest.py:ShardManifest:storage": "a manifest written before storage existed",

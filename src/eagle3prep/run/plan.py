@@ -194,11 +194,7 @@ def _table(plan: dict[str, Any]) -> list[str]:
     lines = [
         f"eagle3prep plan: {_shards(plan['num_shards'])}, {plan['rows']:,} rows, {plan['tokens']:,} tokens; "
         f"each token stores {plan['num_layers']} layers x hidden {plan['hidden_size']} in "
-        + (
-            storage_format(plan["storage"]).summary
-            if plan.get("storage", "model_dtype") != "model_dtype"
-            else plan["dtype"]
-        ),
+        + (storage_format(plan["storage"]).summary if storage_format(plan["storage"]).scaled else plan["dtype"]),
         "",
         f"{'shard':>5}  {'rows':>9}  {'tokens':>13}  {'bytes':>10}  {'job time':>9}  status",
     ]

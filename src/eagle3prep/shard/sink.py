@@ -107,8 +107,8 @@ class SlotPool:
         hidden_size: int,
         dtype: str,
         step_tokens: int,
-        size: int = 3,
-        storage: str = "model_dtype",
+        size: int,
+        storage: str,
     ):
         """`dtype`: the rows' model dtype; `storage`: the slot holds that format's stored tensors of each row."""
         self.key = (num_layers, hidden_size, dtype, step_tokens, size, storage)

@@ -92,11 +92,9 @@ def judge_logprobs(stored, recomputed, floor=None, dtype: str = "bfloat16", draw
     }
 
 
-def check_logprobs(
-    model, states_n: list[Any], token_ids: list[list[int]], stored: list[Any], dtype: str, storage=None
-):
+def check_logprobs(model, states_n: list[Any], token_ids: list[list[int]], stored: list[Any], dtype: str, scaled=None):
     """Per-row verdicts (judge_logprobs) of stored engine logprobs against the captured id N states
-    (`storage`: the scaled StorageFormat they were stored in, None for the model dtype; its floor comes from a
+    (`scaled`: the scaled StorageFormat they were stored in, None for the model dtype; its floor comes from a
     fixed-seed rounding draw of each state)."""
     import torch
 
@@ -111,7 +109,7 @@ def check_logprobs(
         s, part = s[:covered], list(ids[:covered])
         ref = logprobs_from_state(ckpt, s, part, head=heads["float32"])
         floor = logprobs_from_state(ckpt, s, part, dtype, head=heads[dtype]) if dtype != "float32" else None
-        q = logprobs_from_state(ckpt, storage.draw(s, draws), part, head=heads["float32"]) if storage else None
+        q = logprobs_from_state(ckpt, scaled.draw(s, draws), part, head=heads["float32"]) if scaled else None
         out.append({**judge_logprobs(st, ref, floor, dtype, q), "covered_tokens": covered, "row_tokens": len(ids)})
     return out
 
@@ -121,14 +119,14 @@ def check_logits(subject: ShardUnderTest, model_path: str, checks: Checks) -> li
     one `logits` check (passed as skipped when the shard stores none or has no id N)."""
     import torch
 
-    m, storage = subject.manifest, subject.scaled
+    m, scaled = subject.manifest, subject.scaled
     if LOGPROBS not in m.files or m.num_hidden_layers not in m.layer_ids:
         checks.add("logits", True, "skipped: the shard stores no prompt logprobs or has no id N")
         return []
     lp_rows, stored = read_logprobs(subject.dir)
-    states = subject.states(m.num_hidden_layers, lp_rows, torch.float32 if storage else None)
+    states = subject.states(m.num_hidden_layers, lp_rows, torch.float32 if scaled else None)
     tokens = [subject.rows[i]["input_ids"] for i in lp_rows]
-    verdicts = check_logprobs(model_path, states, tokens, stored, m.dtype, storage)
+    verdicts = check_logprobs(model_path, states, tokens, stored, m.dtype, scaled)
     out = [{"row": subject.shard.index[i].row, **v} for i, v in zip(lp_rows, verdicts, strict=True)]
     failed = [v for v in out if not v["ok"]]
     detail = f"{len(verdicts)} rows: final norm + lm_head on id {m.num_hidden_layers} reproduce the engine's logprobs"
@@ -138,8 +136,8 @@ def check_logits(subject: ShardUnderTest, model_path: str, checks: Checks) -> li
             f"{len(failed)} of {len(verdicts)} rows fail; first: row {v['row']}: {v['criterion']} "
             f"{v[v['criterion']]:.3g} > bound {v['bounds'][v['criterion']]:.3g} (floor run: {m.dtype} lm_head"
             + (
-                f" + {STORAGE_FACTOR:g} x {storage.label} floor {v['storage_floor'][v['criterion']]:.3g})"
-                if storage
+                f" + {STORAGE_FACTOR:g} x {scaled.label} floor {v['storage_floor'][v['criterion']]:.3g})"
+                if scaled
                 else ")"
             )
         )

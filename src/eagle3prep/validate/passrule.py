@@ -71,19 +71,19 @@ def storage_floor(reference, storage):
     return token_errors(storage.roundtrip(reference), reference)
 
 
-def judge_row(captured, reference, floor, dtype: str, storage=None, margins=None) -> dict[str, Any]:
+def judge_row(captured, reference, floor, dtype: str, scaled=None, margins=None) -> dict[str, Any]:
     """The verdict for one row at one layer ([T, H] tensors; `floor` None when the reference is exact;
-    `storage`: the scaled StorageFormat the capture was stored in, judged with the reference's storage floor
+    `scaled`: the scaled StorageFormat the capture was stored in, judged with the reference's storage floor
     on top (None: the model dtype); `margins`: [T] router margins of the MoE layers before this one, None for a
     dense model)."""
     import torch
 
     cos = torch.nn.functional.cosine_similarity(captured.float(), reference.float(), dim=-1)
     ftok = token_errors(floor, reference) if floor is not None else None
-    qtok = storage_floor(reference, storage) if storage is not None else None
+    qtok = storage_floor(reference, scaled) if scaled is not None else None
     verdict = judge_tokens(token_errors(captured, reference), ftok, dtype, qtok, margins)
-    if storage is not None:
-        verdict["storage"] = storage.label
+    if scaled is not None:
+        verdict["stored_as"] = scaled.label
     return {**verdict, "min_cos": float(cos.min())}
 
 
@@ -176,7 +176,7 @@ def judge_layer(rows: list[dict[str, Any]]) -> None:
 def describe_failure(r: dict[str, Any], dtype: str, floor: str) -> str:
     """One clause naming the row, the position, the criterion, the value, the bound and its floor."""
     where = f"row {r['row']} token {r['worst_pos']}"
-    label = r.get("storage", "storage")
+    label = r.get("stored_as")
     scaled = f" + {STORAGE_FACTOR:g} x {label} floor" if r.get("storage_rel") else ""
     if r["criterion"] == "diverged_tokens":
         margin = r.get("margin_at_first")

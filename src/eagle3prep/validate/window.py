@@ -67,13 +67,13 @@ def check_window(
     b: int,
     dtype: str,
     rows: list[int] | None = None,
-    storage=None,
+    scaled=None,
     positions: list[Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Verdicts (passrule.judge_tokens, then judge_layer over the rows) of captured id b against layers a..b-1.
 
     Reference: the window in fp32 from the captured id a; floor: the window at `dtype` from the same
-    input (none for fp32 captures); `storage`: the scaled StorageFormat of the shard (None: the model
+    input (none for fp32 captures); `scaled`: the scaled StorageFormat of the shard (None: the model
     dtype), whose floor on the reference is added. A capture whose ids a and b disagree with the layers between fails.
     """
     runs = run_window(model, captured_a, a, b, ("float32",) if dtype == "float32" else (dtype, "float32"), positions)
@@ -82,10 +82,10 @@ def check_window(
     for i, got in enumerate(captured_b):
         ref = runs["float32"][i]
         floor = token_errors(runs[dtype][i], ref) if dtype != "float32" else None
-        qtok = storage_floor(ref, storage) if storage is not None else None
+        qtok = storage_floor(ref, scaled) if scaled is not None else None
         verdict = judge_tokens(token_errors(got, ref), floor, dtype, qtok)
         verdicts.append(
-            {"row": rows[i], "window": [a, b], **verdict, **({"storage": storage.label} if storage else {})}
+            {"row": rows[i], "window": [a, b], **verdict, **({"stored_as": scaled.label} if scaled else {})}
         )
     judge_layer(verdicts)
     return verdicts
@@ -103,8 +103,8 @@ def check_windows(
     window, one `window:a-b` check each. Scaled shards are read decoded and judged with their storage floor."""
     import torch
 
-    m, ids, storage = subject.manifest, subject.manifest.layer_ids, subject.scaled
-    dtype = torch.float32 if storage else None
+    m, ids, scaled = subject.manifest, subject.manifest.layer_ids, subject.scaled
+    dtype = torch.float32 if scaled else None
     out = {}
     for a, b in windows:
         if a not in ids or b not in ids or a >= b:
@@ -112,7 +112,7 @@ def check_windows(
             continue
         global_rows = [subject.shard.index[i].row for i in picks]
         captured_a, captured_b = subject.states(a, picks, dtype), subject.states(b, picks, dtype)
-        verdicts = check_window(model_path, captured_a, captured_b, a, b, m.dtype, global_rows, storage, positions)
+        verdicts = check_window(model_path, captured_a, captured_b, a, b, m.dtype, global_rows, scaled, positions)
         out[f"{a}-{b}"] = verdicts
         failed = [v for v in verdicts if not v["ok"]]
         detail = f"{len(verdicts)} rows through layers {a}..{b - 1}"
@@ -120,7 +120,7 @@ def check_windows(
             detail = f"{len(failed)} of {len(verdicts)} rows fail; first: " + describe_failure(
                 failed[0],
                 m.dtype,
-                f"layers {a}..{b - 1} alone from the captured id {a}" + (f", {storage.label}" if storage else ""),
+                f"layers {a}..{b - 1} alone from the captured id {a}" + (f", {scaled.label}" if scaled else ""),
             )
         checks.add(f"window:{a}-{b}", not failed, detail)
     return out
