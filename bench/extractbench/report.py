@@ -24,6 +24,8 @@ def print_report(args, results: dict, disk_before: tuple, disk_after: tuple, str
         print_disk(results, b, disk_before, disk_after, streams)
         print_writers(b)
     print_builtin(results, args.scaled)
+    if "b" not in results and any(p in results for p in "fg"):
+        print_disk_builtin(results, disk_before, disk_after, streams)
     for p in "abcdefgp":
         if p in results:
             print(f"engine start ({p}): {results[p]['engine_start_s']:.1f} s")
@@ -169,6 +171,28 @@ def print_phase_b(args, b: dict) -> None:
         f"({b['uniform']['tokens']} tok); peak RSS of the capture process {b['peak_rss_mib']:.0f} MiB; "
         f"capture path {b['capture_path']}"
     )
+
+
+def print_disk_builtin(results: dict, disk_before: tuple, disk_after: tuple, streams: int) -> None:
+    """The disk's own write speed beside what (f) and (g) wrote, and the rate it would cap each at: where the
+    disk, not the capture, keeps a built-in shard under (p)."""
+    best = max(*disk_before, *disk_after)
+    print(
+        f"disk write + fsync, same folder, before / after the phases: {disk_before[0] / 1e9:.2f} / "
+        f"{disk_after[0] / 1e9:.2f} GB/s one file, {disk_before[1] / 1e9:.2f} / {disk_after[1] / 1e9:.2f} GB/s "
+        f"{streams} files at once"
+    )
+    base = results.get("p") or results.get("a")
+    for p in "fg":
+        if p not in results:
+            continue
+        r = results[p]["uniform"]
+        cap = best / (r["bytes"] / r["tokens"])
+        line = f"({p}) wrote {r['bytes_per_s'] / 1e9:.2f} GB/s ({100 * r['bytes_per_s'] / best:.0f} % of the disk's fastest)"
+        line += f"; the disk alone would cap it at {cap:,.0f} tok/s" + (
+            f" = {cap / base['uniform']['tokens_per_s']:.2f} x (p)" if base else ""
+        )
+        print(line)
 
 
 def print_disk(results: dict, b: dict, disk_before: tuple, disk_after: tuple, streams: int) -> None:
