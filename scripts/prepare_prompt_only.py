@@ -8,6 +8,7 @@ os.dup2(sys.stderr.fileno(), 2)
 
 from eagle3prep.errors import one_line_errors
 from eagle3prep.prepare import prepare, summarize
+from eagle3prep.prepare.counts import check_losses
 
 with one_line_errors():
     counts = prepare(
@@ -19,3 +20,5 @@ with one_line_errors():
         allow_prompt_only=bool(snakemake.params.allow_prompt_only),
     )
     print(summarize(counts), file=sys.stderr)
+    # A file that lost all or most of its rows stops the run here, as in scripts/prepare.py (data.max_quarantine_share).
+    check_losses(counts, getattr(snakemake, "config", {}), snakemake.output.quarantine, snakemake.log[0])

@@ -643,3 +643,43 @@ def test_a_source_file_that_loses_all_or_most_of_its_rows_fails_prepare_in_one_l
     assert "quarantined 2 of its 3 rows (67%;" in (tmp_path / "prepare.log").read_text()
     script(max_share=1)
     assert "error:" not in (tmp_path / "prepare.log").read_text()
+
+
+def test_the_regenerate_stages_prompt_only_prepare_applies_the_loss_share_too(tmp_path, monkeypatch):
+    """regenerate.enabled runs scripts/prepare_prompt_only.py: a file whose rows are all quarantined fails it in the
+    same one line as prepare's (before: the run went on without the file, exit 0)."""
+    good = write_jsonl(tmp_path / "good.jsonl", [openai(user=f"q{i}") for i in range(4)])
+    odd = tmp_path / "odd.parquet"
+    pq.write_table(pa.table({"dialog": ["hi", "yo", "hey"], "source": ["a", "b", "c"]}), odd)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
+
+    def script(max_share=None):
+        smk = SimpleNamespace(
+            input=[str(good), str(odd)],
+            output=SimpleNamespace(
+                conversations=str(out / "c.jsonl"), quarantine=str(out / "q.jsonl"), counts=str(out / "n.json")
+            ),
+            params=SimpleNamespace(sources=[str(good), str(odd)], max_line_bytes=1 << 20, allow_prompt_only=True),
+            log=[str(tmp_path / "prepare.log")],
+            config={"data": {"max_quarantine_share": max_share}} if max_share is not None else {},
+        )
+        try:
+            runpy.run_path(str(ROOT / "scripts" / "prepare_prompt_only.py"), init_globals={"snakemake": smk})
+        finally:
+            sys.stderr.close()
+        return (tmp_path / "prepare.log").read_text()
+
+    with pytest.raises(SystemExit) as e:
+        script()
+    assert e.value.code == 1
+    errors = [line for line in (tmp_path / "prepare.log").read_text().splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: {odd}: prepare quarantined 3 of its 3 rows (all; unknown_shape 3), over data.max_quarantine_share "
+        f"= 0.5; each record and its reason is in {tmp_path / 'prepare.quarantine.jsonl'}: fix the file, drop it "
+        "from data.sources, or raise data.max_quarantine_share"
+    ]
+    assert len(read_jsonl(tmp_path / "prepare.quarantine.jsonl")) == 3
+    # Prompts without a reply are kept here (the target writes them): they are no loss.
+    pq.write_table(pa.table({"messages": [[{"role": "user", "content": "hi"}]] * 3}), odd)
+    assert "error:" not in script()
