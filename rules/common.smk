@@ -50,9 +50,8 @@ try:
     _deploy = getattr(
         getattr(workflow, "deployment_settings", None), "deployment_method", ()
     )
-    if _env_error := environment.check(
-        SETTINGS, conda="CONDA" in {str(m).upper().split(".")[-1] for m in _deploy}
-    ):
+    _conda = "CONDA" in {str(m).upper().split(".")[-1] for m in _deploy}
+    if _env_error := environment.check(SETTINGS, conda=_conda, sources=SOURCES):
         raise ConfigError(_env_error)
     if workflow.is_main_process:  # loads the tokenizer: once, not in every spawned job
         check_tokenizer(SETTINGS)
@@ -95,6 +94,14 @@ if workflow.is_main_process:
 
     def _prepare_dag_healed(*args, **kwargs):
         settings = workflow.dag_settings
+        # A GPU job (hf backend or the reference on cuda) under a torch that sees no GPU: one line before any job.
+        # Here, not at parse time: the executor is known only now, and a non-local one (--executor slurm) runs
+        # the jobs on GPU nodes from a submit host that may have none, so nothing is checked then.
+        if not (settings.targets and set(settings.targets) <= {"verify", "plan"}):
+            if _cuda_error := environment.cuda_error(
+                SETTINGS, local_exec=workflow.local_exec, conda=_conda
+            ):
+                sys.exit(_cuda_error)
         # Another config's finished shards: refused before any job, in a run and in -n (eagle3prep.run.made_by).
         if set(settings.targets) != {"verify"}:
             _error, _note = made_by.check(

@@ -4,10 +4,11 @@ naming the environment that has it, before any job."""
 import importlib.util
 
 import pytest
-from workflow_helpers import SMALL_CONFIG, make_workdir, snakemake
 
 from eagle3prep.run import environment
 from eagle3prep.settings import Settings
+
+from testkit.workflow import SMALL_CONFIG, make_workdir, snakemake
 
 
 def cfg(**over):
@@ -43,4 +44,53 @@ def test_a_dry_run_stops_before_any_job(tmp_path):
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if "needs vLLM" in line]
     assert len(lines) == 1 and ".venv-gpu/bin/snakemake (make gpu-env" in lines[0]
+    assert "Traceback" not in proc.stderr and "extract_hidden_states" not in proc.stdout
+
+
+def test_a_save_to_disk_source_or_the_export_needs_datasets(tmp_path):
+    folder = tmp_path / "saved"
+    folder.mkdir()
+    error = environment.check(cfg(), has=lambda m: m != "datasets", sources=[str(folder)], python="/p")
+    assert error == (
+        "config error: a save_to_disk folder in data.sources needs datasets, which this Python (/p) does not have; "
+        "run the workflow with the environment that has it: .venv/bin/snakemake or .venv-gpu/bin/snakemake "
+        "(envs/base.txt and envs/gpu.txt pin it), or pip install 'eagle3prep[hfdatasets]', or pass --sdm conda"
+    )
+    assert environment.check(cfg(), has=lambda m: m != "datasets", sources=[str(tmp_path / "a.jsonl")]) is None
+    error = environment.check(cfg(export={"speculators": True}), has=lambda m: m != "datasets")
+    assert error.startswith("config error: export.speculators = true needs datasets")
+
+
+def test_a_cuda_device_under_a_torch_without_a_gpu_is_one_line_where_the_jobs_run_here():
+    hf_cuda = cfg(extract={"backend": "hf", "device": "cuda"})
+    no_gpu = lambda: (False, "torch 2.14.0 built without CUDA")  # noqa: E731
+    error = environment.cuda_error(hf_cuda, local_exec=True, python="/x/.venv/bin/python", cuda_available=no_gpu)
+    assert error == (
+        "config error: extract.device = cuda (extract.backend = hf) runs on a GPU, but this Python "
+        "(/x/.venv/bin/python) has torch 2.14.0 built without CUDA; run the workflow on a GPU host with the "
+        "environment that has a CUDA torch: .venv-gpu/bin/snakemake (make gpu-env builds it; docs/guides/install.md), "
+        "or set the device to cpu, or submit the jobs to GPU nodes (--executor slurm: docs/guides/cluster.md)"
+    )
+    both = cfg(extract={"backend": "hf", "device": "cuda"}, validate={"device": "cuda"})
+    assert "extract.backend = hf) and validate.device = cuda runs" in environment.cuda_error(
+        both, local_exec=True, cuda_available=no_gpu
+    )
+    # Jobs on other nodes (a SLURM submit host has no GPU), conda's own torch, a GPU seen, or no CUDA device asked.
+    assert environment.cuda_error(hf_cuda, local_exec=False, cuda_available=no_gpu) is None
+    assert environment.cuda_error(hf_cuda, local_exec=True, conda=True, cuda_available=no_gpu) is None
+    assert environment.cuda_error(hf_cuda, local_exec=True, cuda_available=lambda: (True, "torch")) is None
+    assert environment.cuda_error(cfg(), local_exec=True, cuda_available=no_gpu) is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="no torch")
+def test_a_dry_run_of_a_cuda_config_on_a_host_without_a_gpu_stops_in_one_line(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    wd = make_workdir(tmp_path / "wd", {**SMALL_CONFIG, "extract": {**SMALL_CONFIG["extract"], "device": "cuda"}})
+    proc = snakemake(wd, "-n", check=False)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if "runs on a GPU" in line]
+    assert len(lines) == 1 and lines[0].startswith("config error: extract.device = cuda (extract.backend = hf)")
     assert "Traceback" not in proc.stderr and "extract_hidden_states" not in proc.stdout

@@ -4,6 +4,10 @@ environment that has it, before any job starts (without the check, every GPU job
 
 Only module presence is looked up (importlib.util.find_spec: no import, no cost at parse time). With
 --software-deployment-method conda each rule brings its own environment (envs/*.yaml), so nothing is checked.
+
+A GPU the config selects for a job of the hf backend or validation's reference forward (`device: cuda`) is checked
+too, by `cuda_error`: torch.cuda.is_available() in this Python. Only where those jobs run here: a non-local executor
+(--executor slurm) runs them on other nodes, and its submit host may well have no GPU, so nothing is asked there.
 """
 
 from __future__ import annotations
@@ -11,12 +15,16 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..settings import Settings
 
 GPU_ENV = ".venv-gpu/bin/snakemake (make gpu-env builds it; docs/guides/install.md)"
+DATASETS_ENV = (
+    ".venv/bin/snakemake or .venv-gpu/bin/snakemake (envs/base.txt and envs/gpu.txt pin it), or pip install "
+    "'eagle3prep[hfdatasets]'"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,41 +34,51 @@ class Need:
     module: str
     package: str  # as the user knows it
     setting: str  # the config key and value that select it
-    wanted: Callable[[Settings], bool]
+    wanted: Callable[[Settings, Sequence[str]], bool]  # (settings, data.sources expanded)
     where: str = GPU_ENV
 
 
 NEEDS = (
-    Need("vllm", "vLLM", "extract.backend = vllm", lambda s: s.extract.content.backend == "vllm"),
-    Need("vllm", "vLLM", "regenerate.enabled = true", lambda s: s.regenerate.workflow.enabled),
-    Need("vllm", "vLLM", "validate.overfit_gate = true", lambda s: s.validate.overfit_gate),
+    Need("vllm", "vLLM", "extract.backend = vllm", lambda s, _: s.extract.content.backend == "vllm"),
+    Need("vllm", "vLLM", "regenerate.enabled = true", lambda s, _: s.regenerate.workflow.enabled),
+    Need("vllm", "vLLM", "validate.overfit_gate = true", lambda s, _: s.validate.overfit_gate),
     # The gate trains in a child process, which may be another Python (EAGLE3PREP_TRAIN_PYTHON).
     Need(
         "speculators",
         "speculators",
         "validate.overfit_gate = true",
-        lambda s: s.validate.overfit_gate and not os.environ.get("EAGLE3PREP_TRAIN_PYTHON"),
+        lambda s, _: s.validate.overfit_gate and not os.environ.get("EAGLE3PREP_TRAIN_PYTHON"),
     ),
+    # prepare reads a Hugging Face save_to_disk folder with datasets.load_from_disk (prepare.readers.HFDiskReader).
+    Need(
+        "datasets",
+        "datasets",
+        "a save_to_disk folder in data.sources",
+        lambda _, sources: any(os.path.isdir(src) for src in sources),
+        DATASETS_ENV,
+    ),
+    # The export writes speculators' Arrow dataset with datasets (export.speculators).
+    Need("datasets", "datasets", "export.speculators = true", lambda s, _: bool(s.export.speculators), DATASETS_ENV),
 )
 
 
-def missing(settings: Settings, has: Callable[[str], bool] | None = None) -> list[Need]:
-    """The needs of this config that the running Python lacks (one per module)."""
+def missing(settings: Settings, has: Callable[[str], bool] | None = None, sources: Sequence[str] = ()) -> list[Need]:
+    """The needs of this config that the running Python lacks (one per module); `sources`: data.sources expanded."""
     has = has or (lambda module: importlib.util.find_spec(module) is not None)
     out: dict[str, Need] = {}
     for need in NEEDS:
-        if need.module not in out and need.wanted(settings) and not has(need.module):
+        if need.module not in out and need.wanted(settings, sources) and not has(need.module):
             out[need.module] = need
     return list(out.values())
 
 
 def check(settings: Settings, conda: bool = False, python: str = sys.executable,
-          has: Callable[[str], bool] | None = None) -> str | None:  # fmt: skip
+          has: Callable[[str], bool] | None = None, sources: Sequence[str] = ()) -> str | None:  # fmt: skip
     """The one line that stops the parse when the config needs a module this Python lacks; None when it has all
     (or `conda`: the rules' own environments provide them)."""
     if conda:
         return None
-    lacking = missing(settings, has)
+    lacking = missing(settings, has, sources)
     if not lacking:
         return None
     first = lacking[0]
@@ -69,3 +87,47 @@ def check(settings: Settings, conda: bool = False, python: str = sys.executable,
         f"config error: {first.setting} needs {first.package}, which this Python ({python}) does not have{others}; "
         f"run the workflow with the environment that has it: {first.where}, or pass --sdm conda"
     )
+
+
+def cuda_settings(settings: Settings) -> list[str]:
+    """The settings that put a job of this config on a CUDA device through this Python's torch (vLLM jobs find
+    their platform themselves: the module check covers them)."""
+    out = []
+    ex = settings.extract.content
+    if ex.backend == "hf" and ex.device == "cuda":
+        out.append("extract.device = cuda (extract.backend = hf)")
+    v = settings.validate
+    if v.reference_mode == "full" and v.device.startswith("cuda"):
+        out.append(f"validate.device = {v.device}")
+    return out
+
+
+def cuda_error(settings: Settings, local_exec: bool, conda: bool = False, python: str = sys.executable,
+               cuda_available: Callable[[], tuple[bool, str]] | None = None) -> str | None:  # fmt: skip
+    """One line when the config puts a job on CUDA and this Python's torch sees no GPU, where the jobs run on
+    this host; None otherwise. Skipped (None) for a non-local executor (--executor slurm: the jobs run on GPU
+    nodes, and a submit host without a GPU is normal) and under --sdm conda (each rule brings its own torch).
+    `cuda_available`: () -> (available, what this torch is), for tests; torch is imported only when asked."""
+    wants = cuda_settings(settings)
+    if not wants or not local_exec or conda:
+        return None
+    available, torch_is = (cuda_available or _torch_cuda)()
+    if available:
+        return None
+    return (
+        f"config error: {' and '.join(wants)} runs on a GPU, but this Python ({python}) has {torch_is}; run the "
+        f"workflow on a GPU host with the environment that has a CUDA torch: {GPU_ENV}, or set the device to cpu, "
+        "or submit the jobs to GPU nodes (--executor slurm: docs/guides/cluster.md)"
+    )
+
+
+def _torch_cuda() -> tuple[bool, str]:
+    try:
+        import torch
+    except ImportError:
+        return False, "no torch"
+    if torch.cuda.is_available():
+        return True, f"torch {torch.__version__}"
+    if torch.version.cuda is None:
+        return False, f"torch {torch.__version__} built without CUDA"
+    return False, f"torch {torch.__version__} (CUDA {torch.version.cuda}), which sees no GPU"
