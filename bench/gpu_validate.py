@@ -9,7 +9,7 @@ conversations with `extract.backend: vllm`, `tp_size: TP`, `capture_path: PATH`.
 validation recomputes sampled rows with transformers (fp32, on the GPU) and compares every layer.
 It prints one table row per run and layer, and writes OUTDIR/gpu_validation.json.
 
-`--target kimi-int4|kimi-bf16`: the tiny Kimi-K2.5-shaped target of eagle3prep.testing.tiny_kimi (routed experts
+`--target kimi-int4|kimi-bf16`: the tiny Kimi-K2.5-shaped target of testkit.tiny_kimi (routed experts
 INT4 in compressed-tensors' pack-quantized format, or its bf16 twin), with the seed's layer ids in the
 old convention: `layers.convention: output_of_layer`, ids [2, N/2, N-3, N-1].
 
@@ -31,6 +31,7 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # the test kit, tests/testkit
 
 
 def build_target(folder: Path) -> Path:
@@ -69,8 +70,8 @@ def build_target(folder: Path) -> Path:
 
 
 def build_kimi(folder: Path, variant: str) -> Path:
-    """The tiny Kimi-K2.5-shaped target (eagle3prep.testing.tiny_kimi), both variants built once."""
-    from eagle3prep.testing.tiny_kimi import build_variants
+    """The tiny Kimi-K2.5-shaped target (testkit.tiny_kimi), both variants built once."""
+    from testkit.tiny_kimi import build_variants
 
     if not (folder / variant / "config.json").exists():
         build_variants({v: folder / v for v in ("int4", "bf16")})

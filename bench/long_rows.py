@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test kit, tests/testkit
+
 SHAPES = {
     "narrow": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
                    num_key_value_heads=8, vocab_size=128256),
@@ -84,8 +86,9 @@ def main() -> None:
     from eagle3prep.extract import extract_shard
     from eagle3prep.layers import default_layer_ids
     from eagle3prep.settings import ExtractSettings
-    from eagle3prep.testing.planted import plant
     from eagle3prep.validate import ValidationError, validate_shard
+
+    from testkit.planted import plant
 
     lengths = [int(x) for x in args.lengths.split(",")]
     shape = SHAPES[args.shape]

@@ -11,7 +11,7 @@ OUT/wd, then runs the gate (eagle3prep.gate.stage.run_overfit_gate, its default 
 - post_norm_final: id N holds the final norm's output instead of its input (transformers'
   output_hidden_states[N] taken for the pre-norm state);
 - tokens_shifted: every row's states one token early against its ids.
-Planted with eagle3prep.testing.planted.plant on the gate's own shard, captured for this with every id 0..N. The
+Planted with testkit.planted.plant on the gate's own shard, captured for this with every id 0..N. The
 trainer runs in EAGLE3PREP_TRAIN_PYTHON (default .venv/bin/python, which has speculators). Prints one line
 per case and writes OUT/summary.json; docs/runs/overfit_gate/ holds a run.
 """
@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # the test kit, tests/testkit
 CASES = ("correct", "layer_plus_one", "layer_minus_one", "post_norm_final", "tokens_shifted")
 
 
@@ -54,7 +55,7 @@ def planter(case: str, model: Path, ids: list[int]):
     """The `plant` callback of run_overfit_gate for `case` (None for correct)."""
     if case == "correct":
         return None
-    from eagle3prep.testing.planted import plant
+    from testkit.planted import plant
 
     def final_norm(x):
         import torch

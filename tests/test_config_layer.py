@@ -4,7 +4,7 @@ through a module it imports, and no module of the package reaches into another's
 import ast
 from pathlib import Path
 
-from workflow_helpers import REPO
+from testkit.workflow import REPO
 
 PACKAGE = REPO / "src" / "eagle3prep"
 CONFIG_LAYER = ("eagle3prep.config", "eagle3prep.settings")

@@ -13,7 +13,6 @@ import shutil
 
 import pytest
 import torch
-from shard_helpers import demo_spec, write_tokenized
 
 from eagle3prep.extract import extract_shard
 from eagle3prep.infra.atomic import sha256_file
@@ -22,8 +21,10 @@ from eagle3prep.shard import INDEX, MANIFEST, TOKEN_IDS
 from eagle3prep.shard.fp8 import SCALES_KEY
 from eagle3prep.shard.manifest import read_manifest
 from eagle3prep.shard.readers import read_layer
-from eagle3prep.testing.writers import write_layer
 from eagle3prep.validate import ValidationError, validate_shard
+
+from testkit.shards import demo_spec, write_tokenized
+from testkit.writers import write_layer
 
 LENGTHS = [23, 41, 17, 60, 35, 28]  # 204 tokens; shard 1 has the same lengths, other tokens
 

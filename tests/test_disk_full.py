@@ -15,8 +15,6 @@ import shutil
 import subprocess
 
 import pytest
-from shard_helpers import DEMO_LAYER_IDS, demo_spec, write_tokenized
-from workflow_helpers import make_workdir, snakemake
 
 from eagle3prep.extract import extract_shard, shard_bytes
 from eagle3prep.extract import stage as extract
@@ -25,6 +23,9 @@ from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard.layout import MANIFEST
 from eagle3prep.shard.writer import ShardWriter
 from eagle3prep.validate import validate_shard
+
+from testkit.shards import DEMO_LAYER_IDS, demo_spec, write_tokenized
+from testkit.workflow import make_workdir, snakemake
 
 LENGTHS = [100] * 20  # 2000 tokens x 4 layers x 128 x bf16: a ~2 MiB shard
 NEEDED = shard_bytes(sum(LENGTHS), len(LENGTHS), len(DEMO_LAYER_IDS), 128, "bfloat16")

@@ -7,7 +7,7 @@ import json
 import re
 import subprocess
 
-from workflow_helpers import REPO
+from testkit.workflow import REPO
 
 GUIDES = ("real-model", "reruns", "storage", "training", "regeneration", "cluster", "validation")
 DOCS = [

@@ -18,9 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_bad_inputs import BAD, good_line, merged
-from workflow_helpers import SMALL_CONFIG, make_workdir, snakemake
 
 from eagle3prep.export.dataset import HiddenStatesDataset
+
+from testkit.workflow import SMALL_CONFIG, make_workdir, snakemake
 
 pytestmark = pytest.mark.integration
 

@@ -8,9 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from regenerate_helpers import U1, conv, run_shard
 from safetensors.torch import load_file
-from shard_helpers import DEMO_LAYER_IDS
 
 import eagle3prep.regenerate.engine as engine_module
 from eagle3prep.backends.base import CaptureSpec
@@ -20,6 +18,9 @@ from eagle3prep.regenerate import merge_shards, run_regenerate_job, split_conver
 from eagle3prep.regenerate import stage as regen_stage
 from eagle3prep.settings import ExtractSettings, RegenerateSettings
 from eagle3prep.validate import validate_shard
+
+from testkit.regenerate import U1, conv, run_shard
+from testkit.shards import DEMO_LAYER_IDS
 
 H = 128  # the demo model's hidden size
 

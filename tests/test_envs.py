@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import yaml
-from workflow_helpers import REPO
+
+from testkit.workflow import REPO
 
 # Top-level module -> the distribution that provides it (a new import with no entry here fails the test).
 DISTRIBUTIONS = {

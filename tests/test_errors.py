@@ -51,11 +51,11 @@ def test_ctrl_c_in_an_extract_job_leaves_no_empty_shard_folder(tmp_path, monkeyp
 def test_a_rerun_removes_what_the_earlier_built_in_path_staged_before_the_engine_starts(tmp_path, monkeypatch):
     """A shard killed under the earlier built-in path left <shard>/.vllm-staging with request files; nothing
     writes there now, so the rerun's job removes it before it starts the engine."""
-    from shard_helpers import DEMO_LAYER_IDS, write_tokenized
-
     from eagle3prep.backends.base import CaptureSpec
     from eagle3prep.extract import stage as extract
     from eagle3prep.model_facts import ModelFacts
+
+    from testkit.shards import DEMO_LAYER_IDS, write_tokenized
 
     shard = tmp_path / "shard_0"
     (shard / ".vllm-staging").mkdir(parents=True)

@@ -12,8 +12,6 @@ import torch
 import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
-from shard_helpers import DEMO_LAYER_IDS, demo_spec, write_tokenized
-from workflow_helpers import snakemake, tree_digest
 
 from eagle3prep.export import ExportError, check_shards, export_speculators
 from eagle3prep.extract import extract_shard
@@ -21,6 +19,9 @@ from eagle3prep.infra.atomic import sha256_file
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard.readers import read_layer
 from eagle3prep.validate import validate_shard
+
+from testkit.shards import DEMO_LAYER_IDS, demo_spec, write_tokenized
+from testkit.workflow import snakemake, tree_digest
 
 LENGTHS = [[9, 30, 17], [24, 5]]  # shard 0 holds rows 0..2, shard 1 rows 3..4
 H = 128  # the demo model's hidden size

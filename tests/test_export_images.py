@@ -1,6 +1,6 @@
 """Rows with images after extract (issue #28 item 6): the speculators export and the direct backend carry them
 (input ids with the vision tokens, loss mask 0 there), the export's manifest counts them, and speculators' own
-trainer trains on them, on the CPU, from both exports alike. The shards are tests/image_run.py's (random states
+trainer trains on them, on the CPU, from both exports alike. The shards are tests/testkit/image_run.py's (random states
 from the test writer: extract cannot take image rows on this branch)."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from test_train import assert_identical_training
 
 pytest.importorskip("speculators.train.cli", reason="speculators 0.9.0: make .venv/.installed")
 
-from train_both import Recipe, cpu_runner, make_exports, train_both  # noqa: E402
-
 from eagle3prep.train.rows import ExportRows  # noqa: E402
+
+from testkit.train_both import Recipe, cpu_runner, make_exports, train_both  # noqa: E402
 
 STEPS = 3
 # a 1-layer draft over the 64 most frequent target ids, batches of up to 256 tokens (about five rows)
@@ -44,7 +44,7 @@ def image_pad(model: Path) -> int:
 def test_the_export_carries_image_rows_with_their_vision_tokens_unmasked(image_run, tiny_vl_dir, exports):
     rows, pad = tokenized_rows(image_run), image_pad(tiny_vl_dir)
     image_rows = [r for r in rows if "images" in r]
-    assert len(image_rows) == 5 and len(rows) == 8  # tests/image_run.py: 5 image rows among 8
+    assert len(image_rows) == 5 and len(rows) == 8  # tests/testkit/image_run.py: 5 image rows among 8
     for mode, out in exports.items():
         manifest = json.loads((out / "manifest.json").read_text())
         assert (manifest["rows"], manifest["image_rows"], manifest["images"]) == (8, 5, 6), mode
@@ -66,7 +66,7 @@ def test_the_export_carries_image_rows_with_their_vision_tokens_unmasked(image_r
 def cpu_runner_without_torchvision():
     """train_both.cpu_runner, with speculators' mask-token lookup given the verifier's tokenizer: it loads
     AutoProcessor, which for Qwen2.5-VL in transformers 5.19 needs torchvision (not in the CPU venvs; see
-    eagle3prep.testing.tiny_vl). speculators' own rule then picks the id from that tokenizer."""
+    testkit.tiny_vl). speculators' own rule then picks the id from that tokenizer."""
     import speculators.train.utils as utils
     from transformers import AutoTokenizer
 

@@ -17,11 +17,12 @@ from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.errors import UserError
 from eagle3prep.extract import extract_shard
 from eagle3prep.settings import ExtractSettings
-from eagle3prep.testing.image_rows import chat, tokenize_records
-from eagle3prep.testing.planted import IMAGE_MISTAKES, plant_image
-from eagle3prep.testing.tiny_vl import build_tiny_vl, image_bytes
 from eagle3prep.tokenization.row_inputs import RowImages
 from eagle3prep.validate import ValidationError, validate_shard
+
+from testkit.image_rows import chat, tokenize_records
+from testkit.planted import IMAGE_MISTAKES, plant_image
+from testkit.tiny_vl import build_tiny_vl, image_bytes
 
 LAYERS = [1, 3, 6]  # an early id, a middle one and N (the pre-norm final state)
 

@@ -31,10 +31,11 @@ import signal
 from pathlib import Path
 
 import pytest
-from workflow_helpers import SMALL_CONFIG, make_workdir, snakemake, stat_files, tree_digest
 
 from eagle3prep.extract import iter_batches
 from eagle3prep.validate import ValidationError, validate_shard
+
+from testkit.workflow import SMALL_CONFIG, make_workdir, snakemake, stat_files, tree_digest
 
 pytestmark = pytest.mark.integration
 

@@ -21,8 +21,9 @@ from eagle3prep.shard.fp8 import SCALES_KEY, dequantize_fp8, quantize_fp8, round
 from eagle3prep.shard.layout import FORMAT, FORMAT_FP8, MANIFEST, layer_file
 from eagle3prep.shard.manifest import ShardManifest, read_manifest
 from eagle3prep.shard.readers import LayerReader, read_layer
-from eagle3prep.testing.writers import write_layer
 from eagle3prep.validate.passrule import STORAGE_FACTOR, judge_tokens, storage_floor, token_errors
+
+from testkit.writers import write_layer
 
 
 def states(tokens: int = 64, hidden: int = 96, seed: int = 0) -> torch.Tensor:
@@ -122,7 +123,7 @@ def test_manifest_format_and_storage_must_agree():
 
 
 def read_manifest_fields() -> dict:
-    from shard_helpers import manifest_fields
+    from testkit.shards import manifest_fields
 
     return {
         **manifest_fields(),

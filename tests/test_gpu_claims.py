@@ -15,9 +15,10 @@ import sys
 import textwrap
 
 import pytest
-from shard_helpers import demo_spec, write_tokenized
 
 from eagle3prep.settings import ExtractSettings
+
+from testkit.shards import demo_spec, write_tokenized
 
 HOLD_S = 3.0  # long enough that the two jobs overlap
 

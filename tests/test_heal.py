@@ -148,7 +148,7 @@ def test_a_snakemake_without_the_internal_stops_the_dry_run_in_one_line(tmp_path
     import subprocess
     import sys
 
-    from workflow_helpers import REPO
+    from testkit.workflow import REPO
 
     code = (
         "import sys, snakemake.api, snakemake.workflow as w; del w.Workflow._prepare_dag; "

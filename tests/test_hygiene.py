@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from workflow_helpers import REPO
 
 from eagle3prep.config import validate_config
+
+from testkit.workflow import REPO
 
 # Loading pickles executes code from the file; data files here are safetensors, JSON or parquet only.
 UNSAFE_LOAD = re.compile(r"^\s*(import|from)\s+(\w*pickle|dill|joblib)\b|\bpickle\.loads?\(|\btorch\.load\(", re.M)
@@ -86,38 +87,71 @@ def _imported_modules(path, package):
             yield from (f"{base}.{alias.name}" for alias in node.names)  # from . import testing
 
 
-def test_no_stage_imports_the_test_fixtures():
-    """Issue #26: the tiny model builders, planted mistakes and test-only writers live in eagle3prep.testing,
-    for the tests and benches; a module of the package outside it, a script or a rule that imported them would
-    put fixtures back on the data's path."""
-    src, fixtures = REPO / "src", "eagle3prep.testing"
-    hits = []
-    for path in sorted([*(src / "eagle3prep").rglob("*.py"), *(REPO / "scripts").rglob("*.py")]):
+KIT = ("testkit", "eagle3prep.testing")  # the test kit, and where it lived inside the package before
+
+
+def _is_kit(module: str) -> bool:
+    return any(module == k or module.startswith(k + ".") for k in KIT)
+
+
+def kit_problems(root: Path = REPO) -> list[str]:
+    """What puts the test kit (tests/testkit: tiny models, planted mistakes, test-only writers) back into the
+    product: a kit folder inside the package, a module of the package or a script that imports it, a rule that
+    names it. The wheel ships what the package holds, so a kit kept out of src/ stays out of the wheel."""
+    src = root / "src"
+    hits = [f"{p.relative_to(root)}: a test kit folder in the package" for p in sorted(src.rglob("*"))
+            if p.is_dir() and p.name in ("testing", "testkit")]  # fmt: skip
+    for path in sorted([*src.rglob("*.py"), *(root / "scripts").rglob("*.py")]):
         parts = path.relative_to(src).with_suffix("").parts if path.is_relative_to(src) else ("scripts", path.stem)
-        if parts[:2] == ("eagle3prep", "testing"):
-            continue
         package = ".".join(parts if path.name == "__init__.py" else parts[:-1]).removesuffix(".__init__")
-        hits += [f"{path.relative_to(REPO)}: {m}" for m in _imported_modules(path, package)
-                 if m == fixtures or m.startswith(fixtures + ".")]  # fmt: skip
-    for rule in sorted([*(REPO / "rules").glob("*.smk"), REPO / "Snakefile"]):
-        hits += [f"{rule.relative_to(REPO)}: {fixtures}" for line in rule.read_text(encoding="utf-8").splitlines()
-                 if re.search(rf"\b{re.escape(fixtures)}\b", line)]  # fmt: skip
-    assert not hits, f"a stage imports the test fixtures of {fixtures}: {hits}"
+        hits += [f"{path.relative_to(root)}: imports {m}" for m in _imported_modules(path, package) if _is_kit(m)]
+    for rule in sorted([*(root / "rules").glob("*.smk"), root / "Snakefile"]):
+        if rule.is_file():
+            text = rule.read_text(encoding="utf-8")
+            hits += [f"{rule.relative_to(root)}: names {k}" for k in KIT if re.search(rf"\b{re.escape(k)}\b", text)]
+    return hits
 
 
-def test_the_fixture_check_sees_relative_and_absolute_imports(tmp_path):
-    """The walk above would pass in silence if it missed an import form: each form a stage could use."""
-    for code in (
-        "from .testing import planted",
-        "from . import testing",
-        "import eagle3prep.testing.tiny_models",
-        "from eagle3prep.testing.writers import write_layer",
-        "from ..testing.planted import plant",
-    ):
-        path = tmp_path / "m.py"
-        path.write_text(code + "\n")
-        package = "eagle3prep.shard" if code.startswith("from ..") else "eagle3prep"
-        assert any(m.startswith("eagle3prep.testing") for m in _imported_modules(path, package)), code
+def test_the_package_neither_holds_nor_imports_the_test_kit():
+    assert not kit_problems()
+
+
+def test_the_wheel_ships_the_package_only():
+    """pyproject's package search, as setuptools runs it for the wheel: the workflow's package and nothing else."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    find = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"]
+    packages = find_packages(where=str(REPO / find["find"]["where"][0]), include=find["find"]["include"])
+    assert packages and all(p == "eagle3prep" or p.startswith("eagle3prep.") for p in packages), packages
+    assert not [p for p in packages if _is_kit(p) or p.split(".")[-1] in ("testing", "testkit")], packages
+
+
+def test_the_kit_check_sees_a_kit_folder_every_import_form_and_a_rule(tmp_path):
+    """The check above would pass in silence if it missed a kind: one planted violation of each."""
+    (tmp_path / "src/eagle3prep/shard").mkdir(parents=True)
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "rules").mkdir()
+    (tmp_path / "src/eagle3prep/__init__.py").write_text("")
+    (tmp_path / "rules/ok.smk").write_text('rule x:\n    shell: "python -m eagle3prep.demo"\n')
+    assert kit_problems(tmp_path) == []
+    planted = {
+        "src/eagle3prep/a.py": "import testkit.tiny_models",
+        "src/eagle3prep/b.py": "from testkit.writers import write_layer",
+        "src/eagle3prep/c.py": "from .testing import planted",
+        "src/eagle3prep/d.py": "from . import testing",
+        "src/eagle3prep/shard/e.py": "from ..testing.planted import plant",
+        "src/eagle3prep/f.py": "import eagle3prep.testing.matrix",
+        "scripts/g.py": "from testkit import matrix",
+        "rules/h.smk": 'rule h:\n    shell: "python -m testkit.tiny_vl out"',
+    }
+    for rel, code in planted.items():
+        (tmp_path / rel).write_text(code + "\n")
+    (tmp_path / "src/eagle3prep/testkit").mkdir()
+    found = kit_problems(tmp_path)
+    assert found[0] == "src/eagle3prep/testkit: a test kit folder in the package", found
+    assert sorted({f.split(":")[0] for f in found[1:]}) == sorted(planted), found
 
 
 # What the repository holds: the product, its inputs and the small text printouts behind the docs' figures.

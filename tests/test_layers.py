@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from shard_helpers import capture_rows
 
 from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.backends.hf import HFBackend
@@ -14,6 +13,8 @@ from eagle3prep.layers import (
     to_convention,
 )
 from eagle3prep.settings import ExtractSettings
+
+from testkit.shards import capture_rows
 
 
 def test_default_ids_are_three_aux_layers_plus_final():

@@ -135,7 +135,8 @@ def test_suggested_commands_carry_the_users_configfile_and_directory(monkeypatch
 @pytest.mark.integration
 def test_a_forgotten_configfile_is_refused_before_any_job_and_adding_work_is_not(small_demo_run, tmp_path):
     import yaml
-    from workflow_helpers import SMALL_CONFIG, snakemake
+
+    from testkit.workflow import SMALL_CONFIG, snakemake
 
     wd = shutil.copytree(small_demo_run, tmp_path / "wd", symlinks=True)
     other = {**SMALL_CONFIG, "data": {"sources": ["resources/demo/openai.jsonl"]}}

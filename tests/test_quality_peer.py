@@ -1,4 +1,4 @@
-"""The quality bench's verdict on the peer's files (eagle3prep.testing.peer_files).
+"""The quality bench's verdict on the peer's files (testkit.peer_files).
 
 The peer (speculators' generate-offline-data) writes one `hs_{row}.safetensors` per row in the layout
 our export's `copy` mode writes, so a finished demo run's export stands in for it here.
@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 from test_export import finished_results
 
-from eagle3prep.testing import peer_files as peer
+from testkit import peer_files as peer
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The quality bench's target (eagle3prep.testing.stdlib_target), its CPU-sized build.
+"""The quality bench's target (testkit.stdlib_target), its CPU-sized build.
 
 The H200 build is the same code with SIZES["h200"]; its record is docs/runs/quality/*/target/target.json.
 """
@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from eagle3prep.testing import stdlib_corpus as corpus
-from eagle3prep.testing import stdlib_target as target
+from testkit import stdlib_corpus as corpus
+from testkit import stdlib_target as target
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from regenerate_helpers import A1, A2, SYS, U1, U2, FakeEngine, conv, echo
 
 from eagle3prep.prepare import prepare, require_conversations
 from eagle3prep.prepare.errors import NoConversationsError
@@ -41,6 +40,8 @@ from eagle3prep.regenerate.review import review, sample_pairs, side_by_side
 from eagle3prep.regenerate.stage import model_len
 from eagle3prep.regenerate.turns import assemble, context_before
 from eagle3prep.tokenization import ChatEncoder, load_tokenizer
+
+from testkit.regenerate import A1, A2, SYS, U1, U2, FakeEngine, conv, echo
 
 CALL = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}  # fmt: skip
 RESULT = {"role": "tool", "content": "42"}
@@ -455,7 +456,7 @@ def test_a_job_killed_mid_generation_leaves_no_finished_looking_shard_and_its_re
     _regenerate_all(tmp_path, renderer, demo_model_dir, convs)
     clean = tmp_path / "out" / "shard_1"
     killed = tmp_path / "killed"
-    helper = Path(__file__).with_name("regenerate_helpers.py")
+    helper = Path(__file__).parent / "testkit" / "regenerate.py"
     args = [sys.executable, str(helper), str(demo_model_dir), str(tmp_path / "prompts" / "shard_1.jsonl"), str(killed), "1"]  # fmt: skip
     proc = subprocess.run(
         args, env={**os.environ, "EAGLE3PREP_KILL_AT": "regenerate.step:shard=1,step=3"}, capture_output=True,

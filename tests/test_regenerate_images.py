@@ -10,7 +10,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from regenerate_helpers import FakeEngine, echo
 
 from eagle3prep.prepare import prepare
 from eagle3prep.prepare.images import ImageOptions
@@ -18,9 +17,11 @@ from eagle3prep.records import Quarantined
 from eagle3prep.regenerate import REASONS, PromptRenderer, RegenerateSettings, Runner, ShardTally
 from eagle3prep.regenerate import thinking as th
 from eagle3prep.regenerate.review import _message_text
-from eagle3prep.testing.tiny_vl import image_bytes
 from eagle3prep.tokenization import ChatEncoder, load_tokenizer
 from eagle3prep.tokenization.vision import collapse_runs
+
+from testkit.regenerate import FakeEngine, echo
+from testkit.tiny_vl import image_bytes
 
 
 def user(image: str, text: str) -> dict:

@@ -6,7 +6,8 @@ import json
 import re
 
 import pytest
-from workflow_helpers import REPO, SMALL_CONFIG, SMALL_CONFIG_JOBS, make_workdir, snakemake
+
+from testkit.workflow import REPO, SMALL_CONFIG, SMALL_CONFIG_JOBS, make_workdir, snakemake
 
 pytestmark = pytest.mark.integration
 

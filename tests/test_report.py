@@ -133,9 +133,9 @@ def test_page_flags_a_skipped_reference_and_a_near_miss(small_demo_run, tmp_path
 @pytest.fixture(scope="module")
 def demo_shard(tmp_path_factory, demo_model_dir):
     """One demo-sized shard (3 rows) and its tokenized file, captured by the hf backend."""
-    from shard_helpers import demo_spec, write_tokenized
-
     from eagle3prep.extract import extract_shard
+
+    from testkit.shards import demo_spec, write_tokenized
 
     root = tmp_path_factory.mktemp("report_shard")
     tokens = write_tokenized(root / "tokens.jsonl", [23, 41, 17], seed=0)

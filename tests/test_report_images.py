@@ -3,19 +3,19 @@ share and each stage's image quarantine reasons; a run without images gets nothi
 
 from __future__ import annotations
 
-from image_run import report_inputs
-
 from eagle3prep.prepare.errors import IMAGE_REASONS
 from eagle3prep.report import build_report, page
 from eagle3prep.report import data as rd
 from eagle3prep.tokenization.vision import UNSUPPORTED
+
+from testkit.image_run import report_inputs
 
 
 def test_the_report_of_a_run_with_images_shows_them(image_run, tiny_vl_dir, tmp_path):
     dataset = build_report(**report_inputs(image_run, tmp_path, tiny_vl_dir))
     html = (tmp_path / "report.html").read_text()
     section = html.split("<h2>Images</h2>")[1].split("<h2>")[0]
-    # tests/image_run.py: 8 rows, 5 with 6 images (one with two), 36 of 398 tokens are vision tokens
+    # tests/testkit/image_run.py: 8 rows, 5 with 6 images (one with two), 36 of 398 tokens are vision tokens
     assert "5 of 8 (62.5%)" in section and "6 (1.20 per image row; prepare kept 7)" in section
     assert "0: 3 rows · 1: 4 rows · 2: 1 row" in section
     assert "36 (9.0% of all tokens)" in section

@@ -1,9 +1,9 @@
-"""The ratios bench_extract.py prints over --rounds (eagle3prep.testing.rounds): each capture phase against its own
+"""The ratios bench_extract.py prints over --rounds (testkit.rounds): each capture phase against its own
 round's (a)."""
 
 from __future__ import annotations
 
-from eagle3prep.testing.rounds import round_ratios
+from testkit.rounds import round_ratios
 
 
 def rate(v: float) -> dict:

@@ -17,13 +17,14 @@ from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard import layer_file, read_index
-from eagle3prep.testing.planted import MISTAKES, plant
-from eagle3prep.testing.tiny_models import NUM_LAYERS, build_family
-from eagle3prep.testing.writers import reference_logprobs_hf
 from eagle3prep.validate.logits import check_logprobs
 from eagle3prep.validate.scalable import check_memory
 from eagle3prep.validate.slices import Checkpoint, raw_config
 from eagle3prep.validate.window import check_window
+
+from testkit.planted import MISTAKES, plant
+from testkit.tiny_models import NUM_LAYERS, build_family
+from testkit.writers import reference_logprobs_hf
 
 LENGTHS = [(24, 40, 31, 40), (33, 20, 27, 38)]  # per shard; rows 1 and 3 of shard 0 can be swapped
 N = NUM_LAYERS

@@ -14,10 +14,11 @@ from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
 from eagle3prep.settings import ExtractSettings
-from eagle3prep.testing.matrix import write_rows
-from eagle3prep.testing.planted import MISTAKES, plant
-from eagle3prep.testing.tiny_models import NUM_LAYERS, build_family
 from eagle3prep.validate import ValidationError, validate_shard
+
+from testkit.matrix import write_rows
+from testkit.planted import MISTAKES, plant
+from testkit.tiny_models import NUM_LAYERS, build_family
 
 ROWS = 6  # rows 1 and 3 share a length (rows_swapped); logprob rows 0, 1, 3, 4 include both
 

@@ -6,7 +6,8 @@ with why."""
 import ast
 
 import yaml
-from workflow_helpers import REPO
+
+from testkit.workflow import REPO
 
 PACKAGE = REPO / "src" / "eagle3prep"
 # The tiny models, planted mistakes and test-only writers choose their own values (seeds, storage): they are

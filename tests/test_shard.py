@@ -2,7 +2,6 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from shard_helpers import manifest_fields
 
 from eagle3prep.records import IndexEntry
 from eagle3prep.shard.files import StreamingSafetensorsWriter
@@ -11,6 +10,8 @@ from eagle3prep.shard.manifest import read_manifest
 from eagle3prep.shard.readers import read_index
 from eagle3prep.shard.sink import LayerSink, Segment, SinkPlan
 from eagle3prep.shard.writer import ShardWriter
+
+from testkit.shards import manifest_fields
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -18,7 +18,6 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-from shard_helpers import manifest_fields
 
 from eagle3prep.infra.disk import DiskSpaceError
 from eagle3prep.records import IndexEntry
@@ -30,7 +29,9 @@ from eagle3prep.shard.manifest import read_manifest
 from eagle3prep.shard.readers import read_layer
 from eagle3prep.shard.sink import LayerSink, Segment, SinkPlan, SinkSpec
 from eagle3prep.shard.writer import ShardWriter
-from eagle3prep.testing.writers import write_layer
+
+from testkit.shards import manifest_fields
+from testkit.writers import write_layer
 
 H = 32  # a whole MXFP4 block
 LAYERS = [0, 3, 5]

@@ -1,5 +1,5 @@
 """profiles/slurm with snakemake-executor-plugin-slurm: the sbatch line of a GPU job, and the whole demo
-run as SLURM jobs on a one-node cluster (tests/slurm_cluster.py), byte-identical to a local run."""
+run as SLURM jobs on a one-node cluster (tests/testkit/slurm_cluster.py), byte-identical to a local run."""
 
 import json
 import os
@@ -8,8 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from slurm_cluster import LocalSlurm, foreign_config, missing_binaries, node_resources
-from workflow_helpers import REPO, SNAKEMAKE, make_workdir, tree_digest
+
+from testkit.slurm_cluster import LocalSlurm, foreign_config, missing_binaries, node_resources
+from testkit.workflow import REPO, SNAKEMAKE, make_workdir, tree_digest
 
 PROFILE = REPO / "profiles" / "slurm"
 GPU_RULE = "extract_hidden_states"

@@ -7,7 +7,8 @@ import zipfile
 
 import pytest
 import yaml
-from workflow_helpers import snakemake
+
+from testkit.workflow import snakemake
 
 pytestmark = pytest.mark.integration
 

@@ -8,8 +8,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from regenerate_helpers import A1, U1, U2, FakeEngine, echo
-from regenerate_helpers import conv as regen_conv
 
 from eagle3prep.config import ConfigError, validate_config
 from eagle3prep.records import Conversation
@@ -17,6 +15,9 @@ from eagle3prep.regenerate import PromptRenderer, ShardError, run_regenerate_job
 from eagle3prep.regenerate.merge import _check_same_settings
 from eagle3prep.settings import RegenerateSettings, TokenizeSettings
 from eagle3prep.tokenization import ChatEncoder, TokenizeError, tokenize_conversations
+
+from testkit.regenerate import A1, U1, U2, FakeEngine, echo
+from testkit.regenerate import conv as regen_conv
 
 
 def base(**over):

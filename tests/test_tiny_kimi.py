@@ -1,4 +1,4 @@
-"""Tests of eagle3prep.testing.tiny_kimi: a Kimi-K2.5-shaped target whose routed experts are compressed-tensors INT4."""
+"""Tests of testkit.tiny_kimi: a Kimi-K2.5-shaped target whose routed experts are compressed-tensors INT4."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eagle3prep.testing.tiny_kimi import GROUP_SIZE, IGNORE, NUM_LAYERS, build_tiny_kimi, build_variants
+from testkit.tiny_kimi import GROUP_SIZE, IGNORE, NUM_LAYERS, build_tiny_kimi, build_variants
 
 pytest.importorskip("compressed_tensors")
 
@@ -90,7 +90,7 @@ def test_transformers_loads_int4_as_its_twin(built):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eagle3prep.testing.tiny_models import chat_ids
+    from testkit.tiny_models import chat_ids
 
     ids = torch.tensor([chat_ids(AutoTokenizer.from_pretrained(built["int4"]))])
     logprobs = {}
@@ -119,7 +119,7 @@ def test_vllm_cpu_runs_the_bf16_twin_like_transformers(built, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from eagle3prep.testing.tiny_models import chat_ids
+    from testkit.tiny_models import chat_ids
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")

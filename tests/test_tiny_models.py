@@ -1,4 +1,4 @@
-"""Tests of eagle3prep.testing.tiny_models: deterministic tiny targets whose configs say what vLLM needs."""
+"""Tests of testkit.tiny_models: deterministic tiny targets whose configs say what vLLM needs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 import pytest
 
 from eagle3prep.infra.atomic import sha256_file
-from eagle3prep.testing.tiny_models import FAMILIES, MIN_UPDATE, NUM_LAYERS, build_family, chat_ids, layer_updates
+
+from testkit.tiny_models import FAMILIES, MIN_UPDATE, NUM_LAYERS, build_family, chat_ids, layer_updates
 
 BUILT = ("qwen2_moe", "deepseek_v3")
 

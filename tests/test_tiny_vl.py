@@ -12,7 +12,8 @@ import pytest
 
 from eagle3prep.prepare import prepare
 from eagle3prep.prepare.images import ImageOptions
-from eagle3prep.testing.tiny_vl import (
+
+from testkit.tiny_vl import (
     IMAGES,
     build_tiny_vl,
     expand_image_tokens,
@@ -89,7 +90,9 @@ def test_expand_image_tokens_refuses_a_count_mismatch():
 def test_committed_images_and_records_are_what_the_module_writes():
     assert sorted(p.name for p in DEMO_IMAGES.iterdir()) == sorted(IMAGES)
     for name in IMAGES:
-        assert (DEMO_IMAGES / name).read_bytes() == image_bytes(name), "re-run python -m eagle3prep.testing.tiny_vl"
+        assert (DEMO_IMAGES / name).read_bytes() == image_bytes(name), (
+            "re-run PYTHONPATH=tests python -m testkit.tiny_vl"
+        )
     lines = (ROOT / "resources/demo/vision.jsonl").read_text(encoding="utf-8").splitlines()
     assert [json.loads(x) for x in lines] == vision_records()
 

@@ -13,8 +13,9 @@ import pytest
 from eagle3prep.demo import build_demo_model
 from eagle3prep.prepare import prepare
 from eagle3prep.prepare.images import ImageOptions
-from eagle3prep.testing.tiny_vl import build_tiny_vl
 from eagle3prep.tokenization import tokenize_conversations
+
+from testkit.tiny_vl import build_tiny_vl
 
 ROOT = Path(__file__).resolve().parents[1]
 # tokenize's shards and token counts of the demo's prepared conversations (test_prepare_images.DEMO_SHA256) with
@@ -197,7 +198,7 @@ def test_worker_processes_give_the_same_rows(tmp_path, monkeypatch, vl_model):
 
 @pytest.mark.integration
 def test_the_workflow_takes_the_demo_images_through_hf_extract_to_validation_pass(tmp_path, vl_model):
-    from workflow_helpers import make_workdir, snakemake
+    from testkit.workflow import make_workdir, snakemake
 
     config = {
         "data": {"sources": ["resources/demo/vision.jsonl"], "image_root": "resources/demo/images"},

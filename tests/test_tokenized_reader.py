@@ -4,7 +4,7 @@ module of the package parses those files itself."""
 import ast
 import json
 
-from workflow_helpers import REPO
+from testkit.workflow import REPO
 
 PACKAGE = REPO / "src" / "eagle3prep"
 READER = "shard/tokenized.py"

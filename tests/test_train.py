@@ -19,19 +19,20 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from shard_helpers import DEMO_LAYER_IDS
 from test_export import export_inputs, finished_results
-from workflow_helpers import REPO, snakemake
 
 from eagle3prep.export import export_speculators
 
-pytest.importorskip("speculators.train.cli", reason="speculators 0.9.0: make .venv/.installed")
+from testkit.shards import DEMO_LAYER_IDS
+from testkit.workflow import REPO, snakemake
 
-from train_both import Recipe, cpu_runner, make_exports, train_both  # noqa: E402  (speculators_cpu needs speculators)
+pytest.importorskip("speculators.train.cli", reason="speculators 0.9.0: make .venv/.installed")
 
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.train.backend import Eagle3PrepBackend, ShardTransfer  # noqa: E402
 from eagle3prep.train.rows import ExportRows, ExportRowsError  # noqa: E402
+
+from testkit.train_both import Recipe, cpu_runner, make_exports, train_both  # noqa: E402  (speculators_cpu needs speculators)
 
 STEPS = 6
 # a 1-layer draft over 64 draft tokens, 128-token batches
@@ -78,10 +79,10 @@ FP8_ROWS = 24  # the demo run's first rows, captured again with FP8 storage (one
 def fp8_workdir(demo_run: Path, wd: Path) -> Path:
     """A finished run of the demo's first FP8_ROWS rows with extract.storage fp8_e4m3, made with the package
     functions its rules call (tokenized rows and token counts taken from the demo run)."""
-    from shard_helpers import demo_spec
-
     from eagle3prep.extract import extract_shard
     from eagle3prep.validate import validate_shard
+
+    from testkit.shards import demo_spec
 
     src, res = demo_run / "results", wd / "results"
     (res / "tokenized").mkdir(parents=True)

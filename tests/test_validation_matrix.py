@@ -1,4 +1,4 @@
-"""The validation matrix (eagle3prep.testing.matrix, which bench/validation_matrix.py runs on every family) in small:
+"""The validation matrix (testkit.matrix, which bench/validation_matrix.py runs on every family) in small:
 right captures pass on every row, planted mistakes fail.
 
 The full matrix (5 families x hf/vllm x fp32/bf16, CPU and H200) is in docs/evidence.md. Here: the
@@ -17,11 +17,12 @@ import os
 import pytest
 
 from eagle3prep.settings import ExtractSettings
-from eagle3prep.testing import matrix
-from eagle3prep.testing.planted import IMAGE_MISTAKES, MISTAKES
-from eagle3prep.testing.tiny_models import build_family
 from eagle3prep.validate import ValidationError, validate_shard
 from eagle3prep.validate.reference import ReferencePair
+
+from testkit import matrix
+from testkit.planted import IMAGE_MISTAKES, MISTAKES
+from testkit.tiny_models import build_family
 
 ROWS = 6  # per shard; rows 1 and 3 share a length (rows_swapped)
 

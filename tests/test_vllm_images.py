@@ -28,10 +28,11 @@ from eagle3prep.backends.vllm.driver import VLLMBackend  # noqa: E402
 from eagle3prep.backends.vllm.paths import CaptureError  # noqa: E402
 from eagle3prep.extract import extract_shard  # noqa: E402
 from eagle3prep.settings import ExtractSettings  # noqa: E402
-from eagle3prep.testing.image_rows import chat, tokenize_records  # noqa: E402
-from eagle3prep.testing.planted import plant_image  # noqa: E402
-from eagle3prep.testing.tiny_vl import build_tiny_vl, image_bytes  # noqa: E402
 from eagle3prep.validate import ValidationError, validate_shard  # noqa: E402
+
+from testkit.image_rows import chat, tokenize_records  # noqa: E402
+from testkit.planted import plant_image  # noqa: E402
+from testkit.tiny_vl import build_tiny_vl, image_bytes  # noqa: E402
 
 # The embeddings (vision tokens merged in), a middle id and N (the pre-norm final state); the built-in path cannot
 # take id 0 (vLLM aliases it: the driver refuses it), so it starts at id 1, the first layer's output.
@@ -144,8 +145,9 @@ def test_requests_made_by_the_image_pool_are_the_ones_vllm_makes_on_one_thread(v
     import torch
 
     from eagle3prep.backends.vllm import compat, image_requests, paths
-    from eagle3prep.testing.image_rows import draw_image
     from eagle3prep.tokenization.row_inputs import ImageRow, RowImages
+
+    from testkit.image_rows import draw_image
 
     llm_engine = engine.backend.llm.llm_engine
     assert llm_engine.vllm_config.model_config.multimodal_config.mm_processor_cache_gb == 0

@@ -16,7 +16,8 @@ import json
 import signal
 
 import pytest
-from workflow_helpers import SMALL_CONFIG, make_workdir, snakemake, stat_files
+
+from testkit.workflow import SMALL_CONFIG, make_workdir, snakemake, stat_files
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")

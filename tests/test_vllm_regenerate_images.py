@@ -30,8 +30,9 @@ def test_replies_to_image_prompts_are_regenerated_and_keep_their_images(tiny_vl_
     from eagle3prep.prepare import prepare
     from eagle3prep.prepare.images import ImageOptions
     from eagle3prep.regenerate import RegenerateSettings, merge_shards, run_regenerate_job, split_conversations
-    from eagle3prep.testing.tiny_vl import image_bytes
     from eagle3prep.tokenization import tokenize_conversations
+
+    from testkit.tiny_vl import image_bytes
 
     for key, value in ENV.items():
         monkeypatch.setenv(key, value)

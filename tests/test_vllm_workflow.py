@@ -13,7 +13,8 @@ import signal
 from pathlib import Path
 
 import pytest
-from workflow_helpers import SMALL_CONFIG, make_workdir, snakemake
+
+from testkit.workflow import SMALL_CONFIG, make_workdir, snakemake
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")

@@ -7,7 +7,8 @@ import signal
 
 import pytest
 import yaml
-from workflow_helpers import (
+
+from testkit.workflow import (
     REPO,
     SMALL_CONFIG,
     SMALL_CONFIG_JOBS,

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 
-from eagle3prep.testing.rounds import round_ratios
 from extractbench.disk import disk_cost
 from extractbench.workload import PEAK_TFLOPS, flops_per_token, layer_ids
+
+from testkit.rounds import round_ratios
 
 
 def print_report(args, results: dict, disk_before: tuple, disk_after: tuple, streams: int) -> None:

@@ -56,7 +56,7 @@ def shapes(args) -> tuple[dict, dict | None]:
         if name == KIMI_INT4:
             return kimi_int4_shape(args.out / "model"), None
         return (TINY if args.tiny else KIMI_VOCAB if name == "kimi-vocab" else LLAMA_8B), None
-    from eagle3prep.testing.tiny_vl import VISION
+    from testkit.tiny_vl import VISION
 
     return (TINY, VISION) if args.tiny else (QWEN25_VL_7B, QWEN25_VL_7B_VISION)
 
@@ -65,7 +65,7 @@ def make_vl_model_dir(out: Path, shape: dict, vision: dict, max_len: int) -> Pat
     """OUT/model as a Qwen2.5-VL config of `shape` and `vision` with the demo tokenizer (Qwen's vision tokens
     added) and Qwen2.5-VL's own image processor settings: vLLM loads it with load_format="dummy" and builds
     its multimodal processor from it; tokenize reads the tokenizer and the image processor."""
-    from eagle3prep.testing.tiny_vl import (
+    from testkit.tiny_vl import (
         QWEN25_VL_SIZE,
         build_image_processor,
         build_vl_tokenizer,
@@ -89,7 +89,7 @@ def make_vl_model_dir(out: Path, shape: dict, vision: dict, max_len: int) -> Pat
     return d
 
 
-# --shape kimi-int4: the tiny Kimi-K2.5-shaped INT4 target of eagle3prep.testing.tiny_kimi, with its real weights
+# --shape kimi-int4: the tiny Kimi-K2.5-shaped INT4 target of testkit.tiny_kimi, with its real weights
 # (the matrix's kimi_int4 cell): its capture beside its own plain prefill. Rows fit its tokenizer's context.
 KIMI_INT4 = "kimi-int4"
 _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
@@ -97,7 +97,7 @@ _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_att
 
 def make_kimi_int4_dir(out: Path) -> Path:
     """OUT/model as the tiny Kimi INT4 target (built once, seed 0)."""
-    from eagle3prep.testing.tiny_kimi import build_tiny_kimi
+    from testkit.tiny_kimi import build_tiny_kimi
 
     d = out / "model"
     return d if (d / "config.json").exists() else build_tiny_kimi(d, "int4")
@@ -147,7 +147,7 @@ def write_image_workloads(args, model: Path) -> dict[str, Path]:
     uniform: --rows rows, each --images images of --image-size pixels square and a question and answer of
     about --text-words words; uniform_half: its first half; mixed: --rows rows of 0 to 2 x --images images,
     each of 1, 3/4 or 1/2 of --image-size a side (rounded to 28 pixels), and 1/2 to 2 x --text-words words."""
-    from eagle3prep.testing.image_rows import Words, chat, draw_image, tokenize_records
+    from testkit.image_rows import Words, chat, draw_image, tokenize_records
 
     words, rnd, size = Words(0), random.Random(0), args.image_size
     sides = sorted({max(28, round(size * f / 28) * 28) for f in (1, 0.75, 0.5)})

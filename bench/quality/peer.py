@@ -9,7 +9,7 @@ The rows are ours (the direct export's arrow: the same input_ids and loss masks)
 on the same tokens and only the hidden states come from the peer. Writes OUT/wd/peer/results/export/
 speculators with the arrow, vocab maps, `hidden_states/` and a manifest naming the `file` backend.
 
-`peer_verdict` (eagle3prep.testing.peer_files) then judges the peer's files with the workflow's own validation: each shard of ours is
+`peer_verdict` (testkit.peer_files) then judges the peer's files with the workflow's own validation: each shard of ours is
 copied with its layer files rebuilt from the peer's `hs_{row}` files (token ids checked against ours),
 and `validate_shard` runs the reference on every row, as for every other row of the table.
 """

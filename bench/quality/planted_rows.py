@@ -1,7 +1,7 @@
 """The quality bench's planted rows: ours' data made wrong as a careless pipeline writes it.
 
 Source: the variant `all_ids` (the same rows as `ours`, every id 1..N captured, validated). For each
-mistake, `eagle3prep.testing.planted` writes a shard with the default ids [2, N/2, N-3, N] whose manifest
+mistake, `testkit.planted` writes a shard with the default ids [2, N/2, N-3, N] whose manifest
 checksums agree with its files (so only the reference check can tell), and:
   1. the workflow's own validation judges it (`validate_shard`, the reference on every row): its verdict
      is a column of the table;
@@ -43,8 +43,9 @@ def plant_variant(out: Path, variant: str, device: str) -> dict:
     """Write the planted variant's shard, its validation verdict and its careless export."""
     from eagle3prep.export import export_speculators
     from eagle3prep.shard.manifest import read_manifest
-    from eagle3prep.testing.planted import plant
     from eagle3prep.validate import ValidationError, validate_shard
+
+    from testkit.planted import plant
 
     src_wd, wd = out / "wd/all_ids", out / "wd" / variant
     source = src_wd / "results/hidden_states/shard_0"

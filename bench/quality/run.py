@@ -4,7 +4,7 @@
                                 [--seeds 0 1] [--size h200|toy] [--device cuda|cpu]
 
 One stage per device call (each reads what the earlier wrote to OUT, on the same warm machine):
-  target   eagle3prep.testing.stdlib_target: the Llama trained on the stdlib, its conversations (OUT/target)
+  target   testkit.stdlib_target: the Llama trained on the stdlib, its conversations (OUT/target)
   data     the workflow as a user runs it, one folder per variant under OUT/wd/<variant>:
            ours:      prepare -> regenerate (greedy) -> tokenize -> extract (vLLM, bf16) -> validate -> export
            fp8:       the same rows (ours' regenerated conversations), extract.storage fp8_e4m3
@@ -13,7 +13,7 @@ One stage per device call (each reads what the earlier wrote to OUT, on the same
            all_ids:   ours' rows with every id 1..N captured (the planted rows' source)
   plant    planted mistakes on all_ids' rows (bench/quality/planted_rows.py), validated and exported carelessly
   peer     ours' rows with hidden states from speculators' generate-offline-data (bench/quality/peer.py;
-           eagle3prep.testing.peer_files rebuilds and judges them),
+           testkit.peer_files rebuilds and judges them),
            then the workflow's validation on them
   train    speculators' trainer (eagle3prep-train, eagle3, the direct backend) on each variant's export,
            a fixed recipe (RECIPE), one draft per seed: OUT/drafts/<variant>_s<seed>
@@ -37,7 +37,7 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(REPO / "tests")]  # its parts, and the test kit (tests/testkit)
 
 # The training recipe every row of the table shares; only the data and the seed change.
 RECIPE = {"steps": 600, "lr": 1e-3, "draft_vocab_size": 2048, "seq_len": 4096, "ratio": 0.95, "attn": "sdpa"}
@@ -139,7 +139,7 @@ def stage_peer(opts: argparse.Namespace) -> dict:
     """The peer's files, then the workflow's validation verdict on them (every row, as for the planted rows)."""
     from peer import make_peer
 
-    from eagle3prep.testing.peer_files import peer_verdict
+    from testkit.peer_files import peer_verdict
 
     made = make_peer(opts.out)
     return {"peer": {**made, "validation": peer_verdict(opts.out, opts.device) if made["rc"] == 0 else "not run"}}
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = ap.parse_args(argv)
     opts.out = opts.out.resolve()
     if opts.stage == "target":
-        from eagle3prep.testing.stdlib_target import main as target_main
+        from testkit.stdlib_target import main as target_main
 
         extra = ["--expect-weights", opts.expect_weights] if opts.expect_weights else []
         return target_main([str(opts.out / "target"), "--size", opts.size, "--device", opts.device, *extra])

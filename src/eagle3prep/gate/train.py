@@ -46,7 +46,7 @@ def ratio_for(train_rows: int) -> float:
 
 def epochs_for(export: str, steps: int, seq_len: int, ratio: float, nproc: int = 1, seed: int = 0) -> int:
     """Epochs that hold `steps` optimizer steps, counted by speculators' own batch sampler on the training
-    split (tests/train_both.py and bench/quality count them here too): with more epochs than that, speculators starts one more
+    split (tests/testkit/train_both.py and bench/quality count them here too): with more epochs than that, speculators starts one more
     step in every epoch after --max-steps."""
     from datasets import load_from_disk
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2

@@ -4,7 +4,7 @@ Why in the package: the overfit gate (eagle3prep.gate) trains a draft inside a w
 host without an accelerator speculators 0.9.0's Trainer cannot run unpatched: it moves the model and
 every batch with `.to(local_rank)` (an int, i.e. cuda:<rank>), autocasts with device_type "cuda" and
 calls `torch.accelerator.synchronize()` in its step timer, each of which raises or turns itself off
-without one. These are the three patches of tests/speculators_cpu.py, as plain setattr (no pytest):
+without one. These are the three patches of tests/testkit/speculators_cpu.py, as plain setattr (no pytest):
 the data path, model, loss, optimizer and schedule stay speculators' own code.
 """
 

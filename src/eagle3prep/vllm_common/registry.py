@@ -85,7 +85,7 @@ def _n(path, module, kind, needed_by, why, **kw) -> Name:  # noqa: ANN001 - the 
     return Name(path, module, kind, needed_by, why, **kw)
 
 
-# The validation matrix's families (testing/matrix.py): each model class's vLLM module and the first checked vLLM
+# The validation matrix's families (tests/testkit/matrix.py): each model class's vLLM module and the first checked vLLM
 # whose class implements SupportsEagle3, vLLM's EAGLE-3 interface (None: no checked vLLM has it; the contract test
 # fails the day one does). The built-in path needs it, the hooks do not; DeepSeek-V3's and Kimi-K2.5's came after
 # 0.16, in a release not checked (0.26 is the first checked one that has them).

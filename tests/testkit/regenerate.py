@@ -1,7 +1,7 @@
 """A fake generation engine for the regenerate stage's tests, and a job entry point that runs one shard through it
 (tests/test_regenerate.py kills that process mid-shard).
 
-    python tests/regenerate_helpers.py MODEL PROMPTS_SHARD OUT_DIR SHARD
+    python tests/testkit/regenerate.py MODEL PROMPTS_SHARD OUT_DIR SHARD
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The validation matrix's cell (bench/validation_matrix.py runs it on every family, backend and dtype; the tests
 run it in small): capture every id 1..N of a few shards of synthetic rows with one engine, validate every row, then
-validate each planted mistake of eagle3prep.testing.planted, which must fail.
+validate each planted mistake of testkit.planted, which must fail.
 
 Families are tiny_models', `kimi_int4` (tiny_kimi: INT4 routed experts, recomputed from its bf16 twin) and
 `qwen2_5_vl` (tiny_vl, on conversations with images, which also plants the IMAGE_MISTAKES). VARIANTS adds
@@ -27,14 +27,15 @@ from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard.tokenized import rows as tokenized_rows
-from eagle3prep.testing.planted import IMAGE_MISTAKES, MISTAKES, plant, plant_image
-from eagle3prep.testing.tiny_models import FAMILIES, build_family
 from eagle3prep.validate import ValidationError, validate_shard
 from eagle3prep.validate.reference import ReferencePair
 
+from testkit.planted import IMAGE_MISTAKES, MISTAKES, plant, plant_image
+from testkit.tiny_models import FAMILIES, build_family
+
 SEED = 0
-KIMI = "kimi_int4"  # the tiny Kimi-K2.5-shaped target, routed experts INT4 (eagle3prep.testing.tiny_kimi)
-VL = "qwen2_5_vl"  # the tiny Qwen2.5-VL (eagle3prep.testing.tiny_vl), on conversations with images
+KIMI = "kimi_int4"  # the tiny Kimi-K2.5-shaped target, routed experts INT4 (testkit.tiny_kimi)
+VL = "qwen2_5_vl"  # the tiny Qwen2.5-VL (testkit.tiny_vl), on conversations with images
 # The image family's image sizes: 4, 6, 12, 24 and 48 vision tokens (one per 28 x 28 pixels)
 VL_SIZES = [(56, 56), (84, 56), (112, 84), (168, 112), (224, 168)]
 
@@ -52,13 +53,13 @@ def build_variant(variant: str, out: Path, seed: int) -> Path:
 
 def build_model(family: str, folder: Path) -> Path:
     if family == KIMI:
-        from eagle3prep.testing.tiny_kimi import build_variants
+        from testkit.tiny_kimi import build_variants
 
         if not (folder / "config.json").exists():
             build_variants({"int4": folder, "bf16": reference_model(family, folder)})
         return folder
     if family == VL:
-        from eagle3prep.testing.tiny_vl import build_tiny_vl
+        from testkit.tiny_vl import build_tiny_vl
 
         return folder if (folder / "config.json").exists() else build_tiny_vl(folder)
     return build_family(family, folder)
@@ -87,7 +88,7 @@ def write_rows(path: Path, rows: int, vocab: int, seed: int, first_row: int) -> 
 def write_image_rows(out: Path, model: Path, rows: int, shards: int) -> list[Path]:
     """`shards` tokenized shards of `rows` conversations with images (testing.image_rows.matrix_records), made
     by prepare and tokenize with `model` under OUT/rows_qwen2_5_vl/."""
-    from eagle3prep.testing.image_rows import matrix_records, tokenize_records
+    from testkit.image_rows import matrix_records, tokenize_records
 
     root = out / f"rows_{VL}"
     return tokenize_records(matrix_records(root, rows, shards, VL_SIZES, SEED), model, root, 256, shards)

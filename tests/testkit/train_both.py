@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from speculators_cpu import run_trainer_on_cpu
 
 from eagle3prep.export import export_speculators
 from eagle3prep.gate.train import epochs_for
+
+from testkit.speculators_cpu import run_trainer_on_cpu
 
 WAYS = ("copy", "direct")  # export.hidden_states modes
 

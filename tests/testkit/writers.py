@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from ..shard.formats import SCALES_KEY, VALUES_KEY, storage_format
-from ..shard.layout import MODEL_DTYPE, safetensors_header
+from eagle3prep.shard.formats import SCALES_KEY, VALUES_KEY, storage_format
+from eagle3prep.shard.layout import MODEL_DTYPE, safetensors_header
 
 if TYPE_CHECKING:
     import torch

@@ -13,7 +13,7 @@ has it beside torch's CUDA build, envs/vllm-vision.txt, since vLLM's Qwen2.5-VL 
 video_processor argument looks the class up in a mapping that needs torchvision, even for None. So this
 module, and its checks, use the image processor and the tokenizer directly and expand each `<|image_pad|>`
 as the processor does (`expand_image_tokens`); vLLM's Qwen2.5-VL goes through that processor class too.
-Usage: python -m eagle3prep.testing.tiny_vl OUT [IMAGES_DIR]  (the model at OUT; the images and IMAGES_DIR/../vision.jsonl too)
+Usage: PYTHONPATH=tests python -m testkit.tiny_vl OUT [IMAGES_DIR]  (the model at OUT; the images and IMAGES_DIR/../vision.jsonl too)
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 
 from eagle3prep.demo import MAX_POSITIONS, build_tokenizer, write_model_folder
-from eagle3prep.testing.tiny_models import DEFAULT_CORPUS, MIN_UPDATE, randomize
+
+from testkit.tiny_models import DEFAULT_CORPUS, MIN_UPDATE, randomize
 
 # Qwen2-VL's names, appended after the demo vocabulary (ids len(demo tokenizer) ... + 3).
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]

@@ -21,8 +21,9 @@ def peer_shard(out: Path, source: Path, dest: Path) -> Path:
     from eagle3prep.shard.layout import layer_file
     from eagle3prep.shard.manifest import read_manifest
     from eagle3prep.shard.readers import read_index
-    from eagle3prep.testing.planted import rewrite_manifest
-    from eagle3prep.testing.writers import write_layer
+
+    from testkit.planted import rewrite_manifest
+    from testkit.writers import write_layer
 
     peer_files = out / "wd/peer/results/export/speculators/hidden_states"
     manifest = read_manifest(source)

@@ -16,7 +16,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from .tiny_models import DEFAULT_CORPUS
+from testkit.tiny_models import DEFAULT_CORPUS
 
 
 def draw_image(width: int, height: int, seed: int) -> bytes:
@@ -62,9 +62,9 @@ def tokenize_records(
 ) -> list[Path]:
     """`records` through prepare (images read from root/images) and tokenize with `model` into `num_shards`
     contiguous shards root/tok/shard_k.jsonl (stats.json beside them, so data: URIs are found again)."""
-    from ..prepare import prepare
-    from ..prepare.images import ImageOptions
-    from ..tokenization import tokenize_conversations
+    from eagle3prep.prepare import prepare
+    from eagle3prep.prepare.images import ImageOptions
+    from eagle3prep.tokenization import tokenize_conversations
 
     (root / "images").mkdir(parents=True, exist_ok=True)
     src, p, t = root / "in.jsonl", root / "prepared", root / "tok"

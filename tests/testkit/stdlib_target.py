@@ -1,6 +1,6 @@
 """A target with structure for the quality bench (bench/quality/): a Llama trained on the Python standard library.
 
-    python -m eagle3prep.testing.stdlib_target OUT [--size h200|toy] [--device cuda|cpu]
+    PYTHONPATH=tests python -m testkit.stdlib_target OUT [--size h200|toy] [--device cuda|cpu]
 
 Writes OUT/model (config, bf16 safetensors, tokenizer with the demo's ChatML template), OUT/conversations
 (train.jsonl from the training modules, heldout.jsonl from the held-out ones) and OUT/target.json (sizes,
@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle3prep.testing.stdlib_corpus import Module, conversations, corpus_sha256, stdlib_modules, write_jsonl
+from testkit.stdlib_corpus import Module, conversations, corpus_sha256, stdlib_modules, write_jsonl
 
 # Deterministic cuBLAS; must be set before CUDA initialises (torch.use_deterministic_algorithms asks for it).
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -27,7 +27,7 @@ PARTITION = "debug"
 CTLD_PORT, SLURMD_PORT = 16817, 16818  # not the default 6817/6818, so a real Slurm on the host is left alone
 BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "scancel")
 CONF = Path("/etc/slurm/slurm.conf")
-MARK = "# Written by eagle3prep tests/slurm_cluster.py for a test cluster on localhost; removed after it.\n"
+MARK = "# Written by eagle3prep tests/testkit/slurm_cluster.py for a test cluster on localhost; removed after it.\n"
 
 
 def missing_binaries() -> list[str]:

@@ -95,7 +95,8 @@ def write_shard_of(tokenized: Path, shard_dir: Path, model_dir: Path, layer_ids:
     from eagle3prep.model_facts import ModelFacts
     from eagle3prep.shard.layout import INDEX, MANIFEST, TOKEN_IDS, layer_file
     from eagle3prep.shard.manifest import ShardManifest
-    from eagle3prep.testing.writers import write_layer
+
+    from testkit.writers import write_layer
 
     rows = [json.loads(line) for line in tokenized.read_text(encoding="utf-8").splitlines()]
     facts = ModelFacts.read(str(model_dir))
@@ -118,7 +119,7 @@ def write_shard_of(tokenized: Path, shard_dir: Path, model_dir: Path, layer_ids:
             hidden_size=facts.hidden_size, row_range=[rows[0]["row"], rows[-1]["row"] + 1] if rows else [0, 0],
             tokenized={"path": str(tokenized), "sha256": sha256_file(tokenized)},
             model=model_identity(str(model_dir)), tokenizer=tokenizer_identity(str(model_dir)),
-            engine={"engine": "test writer", "capture_path": "random states (tests/shard_helpers.py)", "tp_size": 1},
+            engine={"engine": "test writer", "capture_path": "random states (tests/testkit/shards.py)", "tp_size": 1},
         ),
         layer_ids=list(layer_ids), rows=len(rows), tokens=offset, files=files,
     )  # fmt: skip
