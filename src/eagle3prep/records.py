@@ -40,7 +40,7 @@ class TokenizedRow:
     input_ids: list[int]
     loss_mask: list[int]  # 1 exactly on assistant tokens (0 on every image token)
     seq_len: int
-    # A row with images (issue #28): each image's {"image": path, or None for a data: URI kept in the
+    # A row with images: each image's {"image": path, or None for a data: URI kept in the
     # conversation, "sha256"} and the processor's (t, h, w) patch grid. Omitted when None: text rows keep their bytes.
     images: list[dict[str, Any]] | None = None
     image_grid_thw: list[list[int]] | None = None

@@ -33,7 +33,7 @@ from .config import (
 LATER = {"params": "unless_default"}
 # extract.* keys the schema still accepts so that old configs load, and nothing reads.
 UNUSED = {"extract": frozenset({"staging_dir"})}
-IMAGE_KEYS = ("image_root", "max_image_pixels")  # data.* keys of issue #28
+IMAGE_KEYS = ("image_root", "max_image_pixels")  # the data.* keys of rows with images
 
 
 def _build(cls: type, section: Mapping[str, Any]) -> Any:

@@ -17,7 +17,7 @@ ours are the shards' own bytes and per-layer scales, [T, L, 1], which their back
 says how much), and training from the copy would no longer equal training from the shards directly
 (tests/test_train.py).
 
-Rows with images (issue #28) export as any row: input_ids hold the target's vision tokens, the loss mask is 0 on
+Rows with images export as any row: input_ids hold the target's vision tokens, the loss mask is 0 on
 them, and the hidden states are those captured with the images. The images themselves stay out (speculators keeps
 a multimodal row's `messages` only to ask a vLLM server for missing states, which this export never lacks); the
 manifest counts `image_rows` and `images` when there are any.
@@ -255,7 +255,7 @@ def export_speculators(
         "hidden_states": hidden_states,
         "rows": rows,
         "tokens": tokens,
-        # Only with image rows (issue #28): a text-only export keeps its manifest's bytes.
+        # Only with image rows: a text-only export keeps its manifest's bytes.
         **image_counts,
         "layer_ids": layer_ids,
         "layer_id_convention": CONVENTION,

@@ -157,7 +157,7 @@ def _extract_into(out, tokenized_shard, spec, settings, shard, facts, engine) ->
         elif engine is None:
             claim = stack.enter_context(claim_job_gpus(spec.gpus()))  # before the engine reads CUDA_VISIBLE_DEVICES
             claim_record = claim.record()
-            shutil.rmtree(out / ".vllm-staging", ignore_errors=True)  # a killed run's files from before issue 25
+            shutil.rmtree(out / ".vllm-staging", ignore_errors=True)  # an older layout's, left by a killed run
             backend = stack.enter_context(make_backend(spec, settings, facts))
             info = backend.probe()
         else:

@@ -1,4 +1,4 @@
-"""Images in conversations (issue #28 item 1): an image reference -> a normalized image part, or Rejected.
+"""Images in conversations: an image reference -> a normalized image part, or Rejected.
 
 A reference is a `data:` URI, a local path or a `file://` URL (relative ones resolved against
 data.image_root), or raw bytes (a Hugging Face Image feature's {"bytes", "path"}). Each image is read

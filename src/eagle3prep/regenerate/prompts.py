@@ -5,7 +5,7 @@ token-id prompts), not messages: LLM.chat would render with vLLM's own chat hand
 its tool-call preprocessing), which is not guaranteed to give the bytes tokenize renders. Replies come back as
 token ids and are decoded here with the same tokenizer.
 
-A prompt with images (issue #28) is rendered the same way, then its images are loaded, checked and expanded by
+A prompt with images is rendered the same way, then its images are loaded, checked and expanded by
 tokenization.vision as tokenize does; the engine is given one placeholder an image and the images.
 """
 

@@ -79,7 +79,7 @@ def funnel(counts: dict[str, Any], stats: dict[str, Any]) -> list[tuple[str, int
 
 
 def image_facts(counts: dict[str, Any], stats: dict[str, Any], images_per_row: list[int]) -> dict[str, Any] | None:
-    """What the report says about images (issue #28), or None for a run that met none (its page is unchanged):
+    """What the report says about images, or None for a run that met none (its page is unchanged):
     rows with images, images per row, vision tokens and their share, and each stage's image quarantine reasons.
 
     A run met images when prepare counted them (counts.json lists `images` then, kept or quarantined) or

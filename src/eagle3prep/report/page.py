@@ -134,7 +134,7 @@ def funnel_table(steps: list[tuple[str, int | None, str]]) -> str:
 
 
 def images_section(facts: dict[str, Any] | None) -> list[str]:
-    """Rows with images, images per row, the vision tokens' share and the image quarantine reasons (issue #28);
+    """Rows with images, images per row, the vision tokens' share and the image quarantine reasons;
     no part at all for a run without images (not even an empty line), so its page keeps its bytes."""
     if facts is None:
         return []

@@ -37,7 +37,7 @@ def index_of_tokenized(tokenized_shard: str | os.PathLike, backend: str | None =
         if "images" in rec and backend not in IMAGE_BACKENDS:  # input_ids alone embed image tokens as text
             raise UserError(
                 f"{tokenized_shard}: row {rec['row']} has images; extract.backend {backend} does not feed images "
-                f"to the vision encoder yet (issue #28 item 3): use extract.backend {' or '.join(IMAGE_BACKENDS)}"
+                f"to the vision encoder yet: use extract.backend {' or '.join(IMAGE_BACKENDS)}"
                 ", or list text-only sources in data.sources"
             )
         index.append(IndexEntry(row=rec["row"], id=rec["id"], offset=offset, length=rec["seq_len"]))

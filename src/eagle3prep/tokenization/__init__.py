@@ -12,7 +12,7 @@ quarantines the conversation as `tool_turns_unsupported_by_template`: its hidden
 served. What the template rendered is told by rendering the conversation once with each of these parts
 swapped for a sentinel word (template.tool_probe), only for conversations with tool turns or schemas.
 
-Images (issue #28): a conversation with image parts is rendered the same way, then each image's placeholder
+Images: a conversation with image parts is rendered the same way, then each image's placeholder
 is expanded to the vision tokens the target's image processor gives it (module `vision`); the mask is 0 on
 them, the row records its images and `image_grid_thw`, and a cut inside an image quarantines the row
 (`image_cut_by_max_seq_len`). A target that cannot take images quarantines such rows as

@@ -1,4 +1,4 @@
-"""A tokenized row with images -> the target's model inputs (issue #28 items 3 and 4), in one place: the hf
+"""A tokenized row with images -> the target's model inputs, in one place: the hf
 capture backend, validation's transformers reference, the scalable window check and the planted mistakes all
 take a row's pixels and positions from here, so a capture and its check cannot disagree on how an image
 enters the model.

@@ -190,7 +190,7 @@ def _stats(tally: _Tally, conversations_path, model_path, max_seq_len, shards, e
     rendered with (mask source, tokenizer and template hashes, template kwargs)."""
     n_tokens, n_assistant = sum(tally.seq_lens), int(tally.token_freq.sum())
     image_rows, n_images, image_tokens = tally.images
-    # Only where rows have images (issue #28): text-only runs keep their stats.json bytes.
+    # Only where rows have images: text-only runs keep their stats.json bytes.
     images = {
         "image_rows": image_rows, "images": n_images, "image_tokens": image_tokens,
         "image_token_share": round(image_tokens / n_tokens, 6) if n_tokens else 0.0,

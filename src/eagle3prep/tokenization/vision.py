@@ -1,4 +1,4 @@
-"""Images in tokenize (issue #28 item 2): each image of a conversation is loaded (its sha256 checked against
+"""Images in tokenize: each image of a conversation is loaded (its sha256 checked against
 prepare's), run through the target's image processor, and its placeholder in the rendered text expanded to
 as many vision tokens as the processor gives it at that resolution; the loss mask is 0 on them.
 
@@ -181,7 +181,7 @@ def images_refusal(config: dict[str, Any]) -> str | None:
     if "image_token_id" not in config and "vision_config" not in config:
         return f"the target ({kind}) has no vision tower; list text-only sources, or a vision-language model.path"
     if kind not in EXPANDS:
-        return f"tokenizing images for model_type {kind!r} is not implemented (issue #28); known: {', '.join(EXPANDS)}"
+        return f"tokenizing images for model_type {kind!r} is not implemented; known: {', '.join(EXPANDS)}"
     return None
 
 

@@ -176,12 +176,11 @@ class VLLMBackend(CaptureBackend):
             log(f"the built-in path is no fallback here: {blocker}")
             return ["hooks"], blocker
         if compat.builtin_first(version, on_cpu):
-            # No GPU run of this vLLM: the built-in path's nearest is 0.34's on the H200 (0.94 / 0.93 of compiled
-            # prefill; the matrix's cells validated), the hooks' is 0.26's (docs/guides/install.md).
+            # No GPU measurement of this vLLM: the nearest are 0.34's built-in path (0.94 / 0.93 of compiled
+            # prefill; the matrix's cells validated) and 0.26's hooks (docs/guides/install.md).
             return ["builtin", "hooks"], None
-        # Hooks first on every family: on the H200 with vLLM 0.26 they beat the built-in path on the 8B shape (b/a
-        # 0.97 against f/a 0.92) and on the DeepSeek-V3 MoE (0.40 against 0.24 to disk), with the same validation
-        # verdicts on DeepSeek-V3 and the Kimi-shaped INT4 target (docs/DESIGN.md §5, docs/evidence.md).
+        # Hooks first on every family: with vLLM 0.26 they beat the built-in path on the 8B shape and the DeepSeek-V3
+        # MoE, with the same validation verdicts (docs/DESIGN.md §5, docs/evidence.md).
         return ["hooks", "builtin"], None
 
     def _engine_kwargs(self, path: BuiltinPath | HooksPath) -> dict[str, Any]:

@@ -1,11 +1,10 @@
-"""The requests of rows with images, made ahead of the vllm backend's driver thread (issue #28 item 7).
+"""The requests of rows with images, made ahead of the vllm backend's driver thread.
 
 A row with images costs vLLM's input processor (its multimodal processor runs the image processor) about 10 ms an
 image, too much for the driver's one thread at a 7B target's rate. A pool of `IMAGE_THREADS` threads makes the
 next rows' requests while the driver's thread adds requests and steps the engine. The threads share the
-interpreter lock with the driver's thread; on the H200 neither 8 threads nor 4 processes forked from the driver
-(each with its own lock) moved extract's rate or the GPU's idle share (docs/evidence.md),
-so the pool stays this simple.
+interpreter lock with the driver's thread; neither 8 threads nor 4 processes forked from the driver (each with
+its own lock) moved extract's rate or the GPU's idle share (docs/evidence.md), so the pool stays this simple.
 """
 
 from __future__ import annotations
@@ -54,8 +53,8 @@ def make_request(images: RowImages, ids: ImageRow, make: Callable[[str, Any, Any
 def name_images(request: Any, uuids: list[str]) -> None:
     """Sets the request's image identifiers to `uuids`. vLLM 0.32 keeps the multi_modal_uuids it is given, but
     0.26, when both its processor cache and prefix caching are off (as extract runs), overrides them with its
-    per-request counter's names (processes forked from the driver, tried on the H200 on 2026-12-03, then named
-    two images alike and the engine died). A request without the field stops in one line."""
+    per-request counter's names (processes forked from the driver then named two images alike and the engine
+    died). A request without the field stops in one line."""
     features = [f for f in getattr(request, "mm_features", None) or [] if getattr(f, "modality", None) == "image"]
     named = [f for f in features if hasattr(f, "identifier")]
     if len(named) != len(features) or len(features) != len(uuids):

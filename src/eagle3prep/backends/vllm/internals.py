@@ -1,4 +1,4 @@
-"""The vLLM internals the hooks capture path reads, each named, each checked (issue #26 item 4).
+"""The vLLM internals the hooks capture path reads, each named, each checked.
 
 No public vLLM API says which rows of a forward step belong to which request, or where a model's
 decoder layers are: the hooks read them from the V1 model runner and the model (compat.step_layout,
