@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test kit, tests/testkit
 
+from eagle3prep.shard.formats import STORAGES
 from eagle3prep.validate.reference import ReferencePair
 
 from testkit.matrix import (
@@ -139,7 +140,7 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--dump", action="store_true", help="save per-token errors of the correct captures")
     ap.add_argument("--capture-path", default="auto", choices=["auto", "builtin", "hooks"], help="vllm cells' path")
-    ap.add_argument("--storage", default="model_dtype", choices=["model_dtype", "fp8_e4m3"], help="extract.storage")
+    ap.add_argument("--storage", default="model_dtype", choices=list(STORAGES), help="extract.storage")
     ap.add_argument("--share-gpu", action="store_true", help="engines with a fixed 2 GiB KV cache (GPU shared)")
     ap.add_argument("--rejudge", action="store_true", help="OUT is a finished run with dumps: judge it again")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="weights and rows from each seed")
