@@ -24,5 +24,6 @@ rule plan:
         export_copy=SETTINGS.export.speculators
         and SETTINGS.export.hidden_states == "copy",
         validate_device=SETTINGS.validate.device,
+        sample_rows=SETTINGS.validate.sample_rows,
     script:
         "../scripts/plan.py"

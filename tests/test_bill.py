@@ -76,3 +76,56 @@ def test_plan_agrees_with_du_after_the_run_within_5_percent(tmp_path):
     du = int(subprocess.run(["du", "-sB1", str(wd / "results")], capture_output=True, text=True).stdout.split()[0])
     assert abs(du - bill.du(wd / "results")) <= 0.01 * du  # bill.du counts as du does
     assert abs(planned - used) <= 0.05 * used, (planned, used)
+
+
+def write_weights(path: Path, shapes: dict[str, list[int]]) -> None:
+    """A .safetensors file whose header declares these bfloat16 tensors (the bytes are zeros)."""
+    import struct
+
+    header, at = {}, 0
+    for name, shape in shapes.items():
+        n = 2 * int(__import__("math").prod(shape))
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * at)
+
+
+def test_validation_time_is_estimated_before_any_shard_is_validated_and_a_measured_one_replaces_it():
+    """Before: "time unknown until one shard is validated", so an 8B validated on the CPU (hours) had no line."""
+    model = Path("model")
+    model.mkdir()
+    write_weights(model / "model-00001-of-00002.safetensors", {"a": [1000, 1000]})
+    write_weights(model / "model-00002-of-00002.safetensors", {"b": [500, 1000], "c": [500]})
+    weights = bill.model_weights(model)
+    assert weights == (1_500_500, sum(f.stat().st_size for f in model.iterdir()))
+    assert bill.model_weights(Path("nowhere")) is None
+
+    plan = plan_of(tokens_per_s=1000.0)
+    # 2 sampled rows a shard of 10: 600 and 1,000 tokens; 2 FLOPs a parameter a token at 50 GFLOP/s on the CPU,
+    # plus the weights and each shard's bytes read at 1 GB/s.
+    expected = sum(
+        2 * 1_500_500 * tokens / 5e10 + (weights[1] + s["bytes"]) / 1e9
+        for tokens, s in zip((600, 1000), plan["shards"], strict=True)
+    )
+    estimate = bill.validate_estimate(plan, weights, 2, "full", "cpu")
+    assert estimate == pytest.approx(expected)
+    assert bill.validate_estimate(plan, weights, 2, "full", "cuda") < estimate  # the GPU's nominal rate
+    assert bill.validate_estimate(plan, weights, "auto", "full", "cpu") > estimate  # auto: every row of 10
+    assert bill.validate_estimate(plan, weights, 2, "off", "cpu") < estimate  # reads only
+    assert bill.validate_estimate(plan, None, 2, "full", "cpu") is None
+
+    none = bill.measured(SIZES, "nowhere", "nowhere")
+    _, validate = bill.time_lines(plan, none, "cpu", reference=True, estimate_s=7200.0)
+    assert validate.startswith("validate: ~2.00 h on CPU for 2 shards with its reference forward (an estimate at ")
+    assert "0.05 TFLOP/s and 1 GB/s reads" in validate and "measured time replaces it" in validate
+    assert bill.time_lines(plan, none, "cuda", reference=True, estimate_s=42.0)[1].startswith("validate: ~42 s on GPU")
+    Path("benchmarks/validate").mkdir(parents=True)
+    Path("benchmarks/validate/shard_0.tsv").write_text("s\th:m:s\n90.0\t0:01:30\n")
+    _, validate = bill.time_lines(plan, bill.measured(SIZES, "nowhere"), "cpu", reference=True, estimate_s=7200.0)
+    assert "(90 s a shard, measured on 1 validated shard)" in validate and "estimate" not in validate
+
+
+def test_the_disk_line_counts_logs_and_benchmarks_beside_results():
+    line = bill.disk_line(bill.disk(plan_of(), export_copy=False), free=1 << 40, logs_now=3 * 2**20)
+    assert line.endswith("-> fits; beside it, logs/ and benchmarks/ hold 3.0 MiB now")

@@ -20,6 +20,13 @@ RESULTS = "results"
 # they do not grow with the hidden states.
 SMALL_PER_SHARD = 32 * 2**10
 SMALL_PER_RUN = 512 * 2**10
+# Nominal rates of the validation estimate given before any shard is validated (the plan labels it an estimate, and
+# a shard's measured benchmarks/validate/shard_k.tsv replaces it): a transformers forward costs 2 FLOPs a parameter a
+# token, run at NOMINAL_FLOPS (50 GFLOP/s: a CPU host's cores in float32/bfloat16 matmuls; 100 TFLOP/s: a third of
+# an H100's dense bfloat16 peak, what an unbatched eager forward gets), after reading the weights it loads and
+# the shard's every byte (checksums) at NOMINAL_READ_BPS.
+NOMINAL_FLOPS = {"CPU": 5e10, "GPU": 1e14}
+NOMINAL_READ_BPS = 1e9
 EXPORT_ROW_BYTES = 64  # the export's arrow part per row: ids, offsets, lengths (its tokens are counted apart)
 EXPORT_TOKEN_BYTES = 9  # int64 input id and one loss-mask byte a token in the arrow part
 
@@ -99,7 +106,60 @@ def disk(plan: dict[str, Any], export_copy: bool, results: str | os.PathLike = R
     return bill
 
 
-def time_lines(plan: dict[str, Any], meas: dict[str, Any], validate_device: str, reference: bool) -> list[str]:
+def model_weights(model_path: str | os.PathLike) -> tuple[int, int] | None:
+    """(parameters, bytes) of a model folder's *.safetensors weights, from their headers (a few KiB read each);
+    None when there are none or one cannot be read."""
+    import struct
+
+    params = size = 0
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    try:
+        for f in files:
+            with open(f, "rb") as fh:
+                header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+            for name, t in header.items():
+                if name != "__metadata__":
+                    n = 1
+                    for d in t["shape"]:
+                        n *= d
+                    params += n
+            size += f.stat().st_size
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return (params, size) if files else None
+
+
+def validate_estimate(plan: dict[str, Any], weights: tuple[int, int] | None, sample_rows: int | str, mode: str,
+                      device: str) -> float | None:  # fmt: skip
+    """Seconds the validation of the shards still to extract would take at the nominal rates (see NOMINAL_FLOPS),
+    before any shard is validated: per shard, the sampled rows' tokens (validate.sample_rows; auto as the pass rule
+    picks them) through the weights the reference loads (all of them for full, the logits check and the largest
+    window for scalable, none for off), plus reading those weights and the shard's bytes. None without weights."""
+    from ..validate.passrule import rows_to_sample
+
+    if weights is None and mode != "off":
+        return None
+    params, weight_bytes = weights or (0, 0)
+    if mode == "scalable":
+        mem = plan.get("validation_memory") or {}
+        if "logits_bytes" not in mem:
+            return None
+        weight_bytes = mem["logits_bytes"] + mem["window_bytes"]
+        params = weight_bytes // 2  # bfloat16 slices
+    elif mode == "off":
+        params = weight_bytes = 0
+    rate = NOMINAL_FLOPS["GPU" if device.startswith("cuda") else "CPU"]
+    total = 0.0
+    for s in (s for s in plan["shards"] if not s["done"]):
+        rows = s["rows"]
+        picked = (rows_to_sample(rows) if sample_rows == "auto" else min(int(sample_rows), rows)) if rows else 0
+        tokens = picked * s["tokens"] / rows if rows else 0
+        total += 2 * params * tokens / rate + (weight_bytes + s["bytes"]) / NOMINAL_READ_BPS
+    return total
+
+
+def time_lines(plan: dict[str, Any], meas: dict[str, Any], validate_device: str, reference: bool,
+               estimate_s: float | None = None) -> list[str]:  # fmt: skip
     """Each stage's time still to spend, and on what, with where each rate comes from."""
     left = [s for s in plan["shards"] if not s["done"]]
     tokens_left = sum(s["tokens"] for s in left)
@@ -131,6 +191,13 @@ def time_lines(plan: dict[str, Any], meas: dict[str, Any], validate_device: str,
             f"shard{'s' * (len(left) != 1)} {ref} ({meas['validate_s_per_shard']:g} s a shard, measured on "
             f"{meas['validate_shards']} validated shard{'s' * (meas['validate_shards'] != 1)})"
         )
+    elif estimate_s is not None:
+        validate = (
+            f"validate: ~{_duration(estimate_s)} on {vwhere} for {len(left)} shard{'s' * (len(left) != 1)} {ref} "
+            f"(an estimate at nominal rates, {NOMINAL_FLOPS[vwhere] / 1e12:g} TFLOP/s and "
+            f"{NOMINAL_READ_BPS / 1e9:g} GB/s reads, from the model's parameters and the sampled rows' tokens; "
+            "a validated shard's measured time replaces it: snakemake results/validation/shard_0.json)"
+        )
     else:
         validate = (
             f"validate: {len(left)} shard{'s' * (len(left) != 1)} on {vwhere} {ref}; time unknown until one shard is "
@@ -139,7 +206,14 @@ def time_lines(plan: dict[str, Any], meas: dict[str, Any], validate_device: str,
     return [extract, validate]
 
 
-def disk_line(bill: dict[str, int], free: int) -> str:
+def _duration(seconds: float) -> str:
+    """An estimate's size in the unit that reads: hours, minutes or seconds."""
+    if seconds >= 3600:
+        return f"{seconds / 3600:.2f} h"
+    return f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def disk_line(bill: dict[str, int], free: int, logs_now: int = 0) -> str:
     parts = [
         f"{human_bytes(bill[k])} {label}"
         for k, label in (("already_there", "there now (prepared, tokenized, model)"),
@@ -148,4 +222,5 @@ def disk_line(bill: dict[str, int], free: int) -> str:
         if bill[k]
     ]  # fmt: skip
     verdict = "fits" if bill["total"] - bill["already_there"] <= free else "DOES NOT FIT"
-    return f"whole run: {human_bytes(bill['total'])} under results/ ({', '.join(parts)}) -> {verdict}"
+    logs = f"; beside it, logs/ and benchmarks/ hold {human_bytes(logs_now)} now" if logs_now else ""
+    return f"whole run: {human_bytes(bill['total'])} under results/ ({', '.join(parts)}) -> {verdict}{logs}"

@@ -300,13 +300,15 @@ def plan_run(
     gpus_per_job: int = 1,
     export_copy: bool = False,
     validate_device: str = schema_default("validate", "device"),
+    sample_rows: int | str = schema_default("validate", "sample_rows"),
 ) -> str:
     """The `plan` rule: plan the extract jobs of these config values (validated), write the plan, return its text.
 
     layers: the config's `layers` section; plan: its `plan` section; windows, reference: validate.windows and
     validate.reference (what the scalable reference loads is planned only when it is the one that runs);
     export_copy: export.speculators with export.hidden_states copy (every hidden-state byte once more);
-    validate_device: validate.device, where the validation's reference forward runs."""
+    validate_device: validate.device, where the validation's reference forward runs; sample_rows:
+    validate.sample_rows, the rows whose tokens the reference recomputes (the validation estimate's)."""
     ids = model_layer_ids(model_path, layers.ids, layers.convention)
     try:
         hidden_size = require_hidden_size(ModelFacts.read(model_path), model_path)
@@ -338,10 +340,13 @@ def plan_run(
     result["measured"] = meas
     result["tokens_per_s_config"] = plan.tokens_per_s
     result["bill"] = bill.disk(result, export_copy, Path(hidden_states_dir).parent)
+    mode = reference_mode(reference)
+    estimate = bill.validate_estimate(result, bill.model_weights(model_path), sample_rows, mode, validate_device)
+    root = Path(hidden_states_dir).parent.parent  # the working directory: logs/ and benchmarks/ beside results/
     result["bill_lines"] = [
         "",
-        bill.disk_line(result["bill"], result["free_bytes"]),
-        *bill.time_lines(result, meas, validate_device, bool(reference)),
+        bill.disk_line(result["bill"], result["free_bytes"], bill.du(root / "logs") + bill.du(root / "benchmarks")),
+        *bill.time_lines(result, meas, validate_device, mode != "off", estimate),
     ]
     return write_plan(result, json_path, txt_path)
 
