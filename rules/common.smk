@@ -139,8 +139,10 @@ if workflow.is_main_process:
 
 onstart:
     record_owner()
-    # Each running extract job's tokens/s, share done and ETA on the terminal (EAGLE3PREP_PROGRESS_S=0: off).
-    progress.start(SHARDS)
+    # Each running GPU job's rate, share done and ETA on the terminal (EAGLE3PREP_PROGRESS_S=0: off).
+    progress.start(
+        SHARDS, regenerate_shards=REGEN_SHARDS if REGEN.workflow.enabled else ()
+    )
     # Under Snakemake's lock, before any job: a failed shard moves aside, so its extract starts afresh.
     for _heal in HEALS:
         if _heal.set_aside:

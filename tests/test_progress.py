@@ -3,6 +3,7 @@ read from the bar its log holds."""
 
 import io
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -57,3 +58,59 @@ def test_the_thread_prints_at_its_interval_and_can_be_turned_off():
     assert progress.start([1], interval=0) is None
     assert progress.interval_s({"EAGLE3PREP_PROGRESS_S": "0"}) == 0
     assert progress.interval_s({}) == progress.INTERVAL_S
+
+
+def regenerate_log(k: int, done: int, total: int = 40, slow: bool = False) -> Path:
+    """A log as the regenerate job writes it (regenerate.stage._write_results): a bar of conversations."""
+    log = Path(progress.REGENERATE.log.format(k=k))
+    log.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.StringIO()
+    bar = tqdm(total=total, unit="conv", file=buf, mininterval=0, desc=f"shard {k}")
+    for _ in range(done):
+        bar.update(1)
+    text = buf.getvalue()
+    if slow:  # under one conversation a second tqdm writes the inverse
+        text += f"\rshard {k}:  50%|#####     | 20/40 [04:10<04:10, 12.50s/conv]"
+    log.write_text(f"starting vLLM 0.34.0: {{}}\n{text}")
+    return log
+
+
+def test_running_regenerate_jobs_show_their_conversations_share_rate_and_eta():
+    """Before: only extract jobs had a line; the regenerate stage's GPU jobs were silent on the terminal."""
+    regenerate_log(0, done=10)
+    regenerate_log(1, done=20, slow=True)
+    Path(progress.REGENERATE.log.format(k=2)).write_text("starting vLLM 0.34.0\n")  # engine starting
+    regenerate_log(3, done=40)
+    Path("results/regenerate/shard_3").mkdir(parents=True)
+    Path(progress.REGENERATE.manifest.format(k=3)).write_text("{}")  # finished
+    extract_log(0, done=900)
+    out = progress.lines([0], within_s=60, regenerate_shards=range(4))
+    assert len(out) == 4, out
+    assert out[0].startswith("regenerate shard_0: 25% of 40 conversations, ") and "conversations/s, ETA " in out[0]
+    assert out[0].endswith("(logs/regenerate/shard_0.log)")
+    assert out[1] == "regenerate shard_1: 50% of 40 conversations, 0.08 conversations/s, ETA 04:10 " \
+        "(logs/regenerate/shard_1.log)"  # fmt: skip
+    assert out[2] == "regenerate shard_2: starting its engine (logs/regenerate/shard_2.log)"
+    assert out[3].startswith("extract shard_0: 45% of 2.00k tokens")
+    seen = []
+    progress.start([], interval=0.05, emit=seen.append, regenerate_shards=[0])
+    time.sleep(0.3)
+    assert seen and seen[0].startswith("regenerate shard_0: 25% of 40 conversations")
+
+
+def test_the_regenerate_jobs_own_bar_is_read(monkeypatch, tmp_path):
+    """The bar regenerate.stage writes into its job's log (its unit and description) is the one the line reads."""
+    from types import SimpleNamespace
+
+    from eagle3prep.regenerate import stage
+
+    log = Path(progress.REGENERATE.log.format(k=5))
+    log.parent.mkdir(parents=True)
+    rows = [SimpleNamespace(to_json=lambda: {"messages": []}) for _ in range(6)]
+    out = tmp_path / "shard_5"
+    out.mkdir()
+    with log.open("w") as f:
+        monkeypatch.setattr(sys, "stderr", f)
+        stage._write_results(out, iter(rows), rows=8, shard=5)
+    [line] = progress.lines([], within_s=60, regenerate_shards=[5])
+    assert line.startswith("regenerate shard_5: 75% of 8 conversations, ") and "conversations/s, ETA " in line
