@@ -42,3 +42,19 @@ def test_verify_after_configfile_in_the_repository_is_one_line_not_a_traceback(t
     proc = subprocess.run([*cmd, "verify", "-n"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert f"put the target first: snakemake verify --configfile {config}" in proc.stderr
+
+
+def test_any_other_target_after_configfile_runs_when_the_files_end_with_a_double_dash(tmp_path):
+    """A target the workflow cannot catch (Snakemake reads it as a config file before the Snakefile runs: a folder
+    such as report/, a shard path) has the one-line workaround reruns.md gives: `--` after the config files."""
+    config = tmp_path / "my.yaml"
+    config.write_text(yaml.safe_dump(SMALL_CONFIG))
+    wd = make_workdir(tmp_path / "wd")
+    cmd = [SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "-n", "--configfile", str(config)]
+    proc = subprocess.run([*cmd, "--", "results/tokenized"], cwd=wd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rule tokenize:" in proc.stdout and "extract_hidden_states" not in proc.stdout
+    guide = (REPO / "docs/guides/reruns.md").read_text()
+    assert (
+        "end the config files with `--`:\n`snakemake --configfile my.yaml -- results/hidden_states/shard_3`" in guide
+    )
