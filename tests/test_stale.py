@@ -129,3 +129,52 @@ def test_the_end_of_a_run_counts_rows_in_and_kept_per_file_when_any_were_quarant
     Path(closing.PREPARED_COUNTS).write_text(json.dumps(counts))
     Path(closing.TOKENIZED_QUARANTINE).unlink()
     assert closing.run_losses() == []
+
+
+def test_a_failed_shard_kept_in_place_fails_every_later_run_and_the_report_says_stale(small_demo_run, tmp_path):
+    """Through real `snakemake` runs on the demo: a byte flipped in a finished shard's layer file (written through
+    a rename, as an editor does, so the folder's date moves). Before: with heal.keep_failed the rerun said
+    "Nothing to be done", exit 0, and the report stayed green."""
+    import shutil
+
+    from testkit.workflow import snakemake
+
+    wd = shutil.copytree(small_demo_run, tmp_path / "wd", symlinks=True)
+    layer = wd / "results/hidden_states/shard_1/layer_4.safetensors"
+    data = bytearray(layer.read_bytes())
+    data[-8] ^= 0xFF
+    tmp = layer.with_name("layer_4.tmp")
+    tmp.write_bytes(bytes(data))
+    os.replace(tmp, layer)
+    report = wd / stale.REPORT
+    assert GREEN in report.read_text() and not stale.is_stale(report)
+
+    first = snakemake(wd, "--config", "heal={keep_failed: true}", check=False)
+    assert first.returncode != 0, first.stderr[-3000:]
+    assert "results/hidden_states/shard_1 changed after results/validation/shard_1.json" in first.stderr
+    assert "1 check(s) failed: file:layer_4.safetensors" in first.stderr, first.stderr[-3000:]
+    assert stale.is_stale(report)
+    text = report.read_text()
+    assert text.index("<div class='banner bad'>STALE") < text.index(GREEN)
+    assert "results/hidden_states/shard_1 failed validation (logs/validate/shard_1.log)" in text
+
+    # Kept in place: every later run fails too, before and after the shard is validated again.
+    for _ in range(2):
+        again = snakemake(wd, "--config", "heal={keep_failed: true}", check=False)
+        assert again.returncode != 0, again.stderr[-3000:]
+        assert "Nothing to be done" not in again.stdout + again.stderr
+        assert (
+            "eagle3prep: results/hidden_states/shard_1 failed validation (logs/validate/shard_1.log); kept in place "
+            "(heal.keep_failed)" in again.stderr
+        )
+        assert stale.is_stale(report) and "shard_1 failed validation" in report.read_text()
+    assert not (wd / "results/validation/shard_1.json").exists()
+    assert (wd / "results/hidden_states/shard_1/layer_4.safetensors").read_bytes() == bytes(data)
+
+    # The default heal sets it aside and redoes it; the rebuilt report is not stale and names the set-aside copy.
+    healed = snakemake(wd, check=False)
+    assert healed.returncode == 0, healed.stderr[-3000:]
+    text = report.read_text()
+    assert not stale.is_stale(report) and GREEN in text
+    assert "<div class='banner bad'>1 shard copy failed validation and was set aside" in text
+    assert "<code>results/failed/shard_1</code>" in text
