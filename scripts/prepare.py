@@ -8,6 +8,7 @@ import shutil
 
 from eagle3prep.config import schema_default
 from eagle3prep.errors import UserError, one_line_errors
+from eagle3prep.infra.log import get_logger
 from eagle3prep.prepare import prepare, summarize
 from eagle3prep.prepare.counts import loss_error
 from eagle3prep.prepare.images import ImageOptions
@@ -24,7 +25,7 @@ with one_line_errors():
         # the image keys are params only when set (not at their defaults), like allow_no_user_turn
         images=ImageOptions.of({k: getattr(snakemake.params, k) for k in IMAGE_KEYS if hasattr(snakemake.params, k)}),
     )
-    print(summarize(counts), file=sys.stderr)
+    get_logger("prepare").info(summarize(counts))
     # Read from the config, not a param: the share decides no byte, so changing it re-queues no job.
     max_share = (
         getattr(snakemake, "config", {})

@@ -6,10 +6,11 @@ os.dup2(sys.stderr.fileno(), 2)
 
 from eagle3prep.errors import one_line_errors
 from eagle3prep.infra.atomic import atomic_open
+from eagle3prep.infra.log import get_logger
 from eagle3prep.regenerate.review import review
 
 with one_line_errors():
     text = review(snakemake.input.prepared, snakemake.input.regenerated, n=int(snakemake.params.n), width=160)
     with atomic_open(snakemake.output[0], "w", encoding="utf-8") as f:
         f.write(text)
-    print(f"regenerate_review: {snakemake.output[0]}", file=sys.stderr)
+    get_logger("regenerate_review").info(snakemake.output[0])

@@ -16,7 +16,8 @@ def one_line_errors(oom_fix: str = "") -> Iterator[None]:
     """In a Snakemake script: print a UserError as `error: <message>` and exit 1 (the job fails). Ctrl-C is
     one line too, not a traceback per job: the job fails (130), and the next run redoes it from its start.
     `oom_fix`: the settings that change a torch out-of-memory error in this job, which then is one line too
-    (its traceback stays in the log above)."""
+    (its traceback stays in the log above). These lines are printed, not logged: `error: ...` is the job's
+    verdict, read as is by users and tests, not one more `[stage]` line (eagle3prep.infra.log)."""
     try:
         yield
     except UserError as e:

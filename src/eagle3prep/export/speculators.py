@@ -45,6 +45,7 @@ from ..config import schema_default
 from ..errors import UserError
 from ..infra.atomic import TMP_PREFIX, atomic_open, fsync_dir, sha256_file
 from ..infra.folder import file_entry, finish_folder, open_folder
+from ..infra.log import get_logger
 from ..infra.provenance import code_version
 from ..layers import CONVENTION
 from ..shard.fp8 import SCALES_KEY
@@ -52,6 +53,8 @@ from ..shard.layout import FP8_E4M3, MANIFEST, MXFP4, TOKEN_IDS, layer_file
 from ..shard.readers import LayerReader
 from ..shard.shardset import Shard, ShardSet, ShardSetError
 from ..shard.tokenized import rows as tokenized_rows
+
+log = get_logger("export")
 
 FORMAT = "eagle3prep.speculators_export/1"
 HIDDEN_STATES = "hidden_states"
@@ -237,10 +240,9 @@ def export_speculators(
     open_folder(out, OUTPUTS)
 
     rows = sum(s.manifest.rows for s in shards.shards)
-    print(
-        f"[export] {rows} rows from {len(shard_dirs)} shards, layers {layer_ids} ({CONVENTION}), "
-        f"hidden states: {hidden_states} -> {out}",
-        file=sys.stderr,
+    log.info(
+        f"{rows} rows from {len(shard_dirs)} shards, layers {layer_ids} ({CONVENTION}), "
+        f"hidden states: {hidden_states} -> {out}"
     )
     files: dict[str, dict[str, Any]] = {}
     image_counts = _write_arrow(out, shards, files)
@@ -282,8 +284,7 @@ def _log_done(manifest: dict[str, Any]) -> None:
     files = manifest["files"]
     size = sum(f["bytes"] for f in files.values())
     with_images = f" ({manifest['image_rows']} with {manifest['images']} images)" if "image_rows" in manifest else ""
-    print(
-        f"[export] done: {manifest['rows']} rows{with_images}, {manifest['tokens']} tokens, {size / 2**20:.1f} MiB "
-        f"in {len(files)} files",
-        file=sys.stderr,
+    log.info(
+        f"done: {manifest['rows']} rows{with_images}, {manifest['tokens']} tokens, {size / 2**20:.1f} MiB "
+        f"in {len(files)} files"
     )

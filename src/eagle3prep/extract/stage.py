@@ -25,6 +25,7 @@ from ..infra.atomic import sha256_file
 from ..infra.disk import DiskSpaceError, human_bytes
 from ..infra.folder import open_folder
 from ..infra.gpus import claim_job_gpus
+from ..infra.log import get_logger
 from ..infra.provenance import code_version, model_identity, tokenizer_identity
 from ..layers import CONVENTION, check_layer_ids, resolve_layer_ids
 from ..model_facts import ModelFacts, require_hidden_size
@@ -36,6 +37,8 @@ from ..shard.tokenized import rows as tokenized_rows
 from ..shard.writer import ShardWriter
 from ..tokenization.row_inputs import ImageRow
 from ..vllm_common.errors import EngineError
+
+log = get_logger("extract")
 
 
 def iter_batches(tokenized_shard: str | os.PathLike, batch_tokens: int) -> Iterator[list[list[int]]]:
@@ -162,10 +165,9 @@ def _extract_into(out, tokenized_shard, spec, settings, shard, facts, engine) ->
             info = backend.probe()
         else:
             backend, info = engine
-        print(
-            f"[extract] shard {shard}: {len(index)} rows, {tokens} tokens, layers {spec.layer_ids}, "
-            f"{info.engine} {info.engine_version} via {info.capture_path}, {storage} storage, ~{needed / 2**20:.1f} MiB",
-            file=sys.stderr,
+        log.info(
+            f"shard {shard}: {len(index)} rows, {tokens} tokens, layers {spec.layer_ids}, "
+            f"{info.engine} {info.engine_version} via {info.capture_path}, {storage} storage, ~{needed / 2**20:.1f} MiB"
         )
         check_free_space(out, needed)  # again: other jobs may have taken space meanwhile
         job = _Job(out, spec, info, index, tokenized_shard, shard, version, t0, settings, claim_record)
@@ -223,11 +225,10 @@ class _Job:
             raise
         finally:
             bar.close()  # on a failure too: the log shows how far the shard got
-        print(
-            f"[extract] shard {self.shard}: done, {tokens / max(elapsed, 1e-9):.0f} tok/s, "
+        log.info(
+            f"shard {self.shard}: done, {tokens / max(elapsed, 1e-9):.0f} tok/s, "
             f"{sum(f['bytes'] for f in manifest.files.values()) / 2**20:.1f} MiB in "
-            f"{', '.join(layer_file(i) for i in self.spec.layer_ids)}",
-            file=sys.stderr,
+            f"{', '.join(layer_file(i) for i in self.spec.layer_ids)}"
         )
         return manifest
 

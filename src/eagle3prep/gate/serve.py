@@ -8,7 +8,6 @@ settings, its one-line start errors and known-bug workarounds); the second adds 
 from __future__ import annotations
 
 import importlib.util
-import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,10 +31,6 @@ NO_EAGLE3 = "does not support EAGLE3"
 
 class NotServable(Exception):
     """vLLM cannot serve this target with an EAGLE-3 draft: the gate is skipped, with this reason."""
-
-
-def log(msg: str) -> None:
-    print(f"[overfit_gate] {msg}", file=sys.stderr)
 
 
 def eagle3_blocker(

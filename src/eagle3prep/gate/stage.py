@@ -17,7 +17,6 @@ draft, no vLLM or no trainer here, no prompt in the first shard.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -28,6 +27,7 @@ from ..config import schema_default
 from ..errors import UserError
 from ..infra.atomic import write_json
 from ..infra.gpus import claim_job_gpus
+from ..infra.log import get_logger
 from ..infra.provenance import code_version
 from ..layers import resolve_layer_ids
 from ..model_facts import ModelFacts
@@ -69,8 +69,7 @@ def _first_difference(served: list[int], regenerated: list[int]) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(served, regenerated, strict=False)) if a != b), None)
 
 
-def log(msg: str) -> None:
-    print(f"[overfit_gate] {msg}", file=sys.stderr)
+log = get_logger("overfit_gate").info
 
 
 def _skip(out_json: str, record: dict[str, Any], reason: str) -> dict[str, Any]:
@@ -240,7 +239,7 @@ def _finish(record: dict[str, Any], work_dir: Path, out_json: str) -> dict[str, 
     write_json(work_dir / "overfit_gate.json", record)
     log(f"{verdict.upper()}: {line}")
     if verdict != "pass":
-        print(json.dumps(record.get("acceptance"), indent=1), file=sys.stderr)
+        log(json.dumps(record.get("acceptance"), indent=1))
         raise GateFailed(
             f"overfit gate failed: {line} (bound {acceptance.MIN_ACCEPTANCE_PER_POSITION} per position); the "
             f"record is {work_dir / 'overfit_gate.json'}: check layers.ids and the capture (docs/DESIGN.md §6a)"

@@ -18,12 +18,14 @@ import fcntl
 import os
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
+from .log import get_logger
+
+log = get_logger("gpus")
 
 LOCK_DIR_ENV = "EAGLE3PREP_GPU_LOCK_DIR"
 NUM_GPUS_ENV = "EAGLE3PREP_NUM_GPUS"  # the host's GPU count, instead of nvidia-smi (tests: a fake set of ids)
@@ -204,7 +206,7 @@ def claim_gpus(
     # nvidia-smi numbers GPUs in PCI bus order; CUDA's default order may differ.
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in ids)
-    print(f"eagle3prep: claimed GPU(s) {os.environ['CUDA_VISIBLE_DEVICES']} (locks in {lock_path})", file=sys.stderr)
+    log.info(f"claimed GPU(s) {os.environ['CUDA_VISIBLE_DEVICES']} (locks in {lock_path})")
     return claim
 
 

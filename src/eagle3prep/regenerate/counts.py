@@ -121,7 +121,7 @@ def summarize(counts: dict[str, Any]) -> str:
     reasons = ", ".join(f"{r} {n}" for r, n in t["quarantined"].items() if n)
     r = t["replies"]
     return (
-        f"regenerate: {t['rows_in']} conversations in, {t['kept']} regenerated, {t['quarantined_total']} quarantined"
+        f"{t['rows_in']} conversations in, {t['kept']} regenerated, {t['quarantined_total']} quarantined"
         + (f" ({reasons})" if reasons else "")
         + f"; {r['requests']} replies: {r['stop']} stopped, {r['length']} cut by max_tokens, {r['error']} errors, "
         f"{r['empty']} empty, {r['with_thinking']} with thinking ({r['unterminated_thinking']} unterminated), "

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 from typing import Any
 
@@ -21,9 +20,9 @@ from eagle3prep.vllm_common.launch import prefer_forked_workers, resolve_workaro
 from eagle3prep.vllm_common.shutdown import shutdown_engine
 from eagle3prep.vllm_common.workarounds import merge_engine_kwargs
 
+from ..infra.log import get_logger
 
-def log(msg: str) -> None:
-    print(f"[regenerate] {msg}", file=sys.stderr)
+log = get_logger("regenerate").info
 
 
 def _request_errors() -> tuple[type[Exception], ...]:

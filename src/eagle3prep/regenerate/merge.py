@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,10 @@ from eagle3prep.infra.atomic import atomic_open, write_json
 from eagle3prep.infra.folder import MANIFEST
 from eagle3prep.regenerate.counts import merged_counts, summarize
 from eagle3prep.regenerate.stage import CONVERSATIONS, COUNTS, QUARANTINE
+
+from ..infra.log import get_logger
+
+log = get_logger("regenerate")
 
 
 class ShardError(UserError):
@@ -68,7 +71,7 @@ def merge_shards(
         str(d): hashlib.sha256((Path(d) / MANIFEST).read_bytes()).hexdigest() for d in shard_dirs
     }
     write_json(out_counts, counts)
-    print(summarize(counts), file=sys.stderr)
+    log.info(summarize(counts))
     return counts
 
 

@@ -35,6 +35,10 @@ from eagle3prep.regenerate.split import shard_entry
 from eagle3prep.regenerate.thinking import resolve
 from eagle3prep.settings import RegenerateSettings
 
+from ..infra.log import get_logger
+
+log = get_logger("regenerate")
+
 CONVERSATIONS, QUARANTINE, COUNTS = "conversations.jsonl", "quarantine.jsonl", "counts.json"
 
 
@@ -161,11 +165,10 @@ def regenerate_shard(
     content = settings.content
     thinking = resolve(content.thinking, tuple(content.thinking_markers), renderer.render)
     stop_ids = renderer.stop_token_ids()
-    print(
-        f"[regenerate] shard {shard}: {entry['rows']} conversations (lines {entry['first_line']}.. of "
+    log.info(
+        f"shard {shard}: {entry['rows']} conversations (lines {entry['first_line']}.. of "
         f"{entry['source']}), turns {content.turns}, sampling {content.sampling.to_json()}, thinking {thinking.mode} "
-        f"({thinking.form}: {thinking.why}), max_model_len {max_model_len}",
-        file=sys.stderr,
+        f"({thinking.form}: {thinking.why}), max_model_len {max_model_len}"
     )
     tally = ShardTally(str(prompts_shard))
     t_start = time.time()
@@ -174,7 +177,7 @@ def regenerate_shard(
     elapsed = time.time() - t_start
     counts = shard_counts(tally, written)
     write_json(out / COUNTS, counts)
-    print(summarize(counts), file=sys.stderr)
+    log.info(summarize(counts))
     manifest = {
         "stage": "regenerate",
         "shard": shard,
@@ -196,7 +199,7 @@ def regenerate_shard(
     }
     timings = _timings(counts, tally, runner, started, t_start, elapsed)
     finish_folder(out, manifest, timings, ("regenerate.before_manifest", {"shard": shard}))
-    print(f"[regenerate] shard {shard}: done in {elapsed:.1f} s", file=sys.stderr)
+    log.info(f"shard {shard}: done in {elapsed:.1f} s")
     return manifest
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 from array import array
 from collections import Counter
 from collections.abc import Mapping
@@ -21,6 +20,10 @@ from eagle3prep.infra.provenance import tokenizer_identity
 from eagle3prep.records import Quarantined
 from eagle3prep.tokenization.template import ChatEncoder, TokenizeError, load_tokenizer
 from eagle3prep.tokenization.workers import batched, encode_chunks
+
+from ..infra.log import get_logger
+
+log = get_logger("tokenize")
 
 BATCH_SIZE = 256  # conversations per render + batch-encode call
 
@@ -74,11 +77,10 @@ def tokenize_conversations(
     stats = _stats(tally, conversations_path, model_path, max_seq_len, shards, encoder, identity)
     faults.kill_point("tokenize.before_stats")
     write_json(stats_path, stats)
-    print(
-        f"tokenize: {tally.n_in} conversations -> {stats['rows']} rows, {stats['tokens']} tokens "
+    log.info(
+        f"{tally.n_in} conversations -> {stats['rows']} rows, {stats['tokens']} tokens "
         f"({stats['assistant_token_share']:.1%} assistant), {tally.n_truncated} truncated, "
-        f"{len(tally.quarantined)} quarantined {stats['quarantined']}, {len(out_shards)} shard{'s' * (len(out_shards) != 1)}",
-        file=sys.stderr,
+        f"{len(tally.quarantined)} quarantined {stats['quarantined']}, {len(out_shards)} shard{'s' * (len(out_shards) != 1)}"
     )
     return stats
 
@@ -109,10 +111,9 @@ def _load_encoder(
     check_max_seq_len(max_seq_len, model_path)
     encoder = ChatEncoder(tokenizer, model_path, template_fallback, chat_template_kwargs)
     if max_seq_len > tokenizer.model_max_length:
-        print(
-            f"tokenize: warning: max_seq_len {max_seq_len} is above the tokenizer's model_max_length "
-            f"{tokenizer.model_max_length} ({model_path}); the model may not take rows that long",
-            file=sys.stderr,
+        log.warning(
+            f"warning: max_seq_len {max_seq_len} is above the tokenizer's model_max_length "
+            f"{tokenizer.model_max_length} ({model_path}); the model may not take rows that long"
         )
     return encoder
 

@@ -9,7 +9,6 @@ LayerReader (subject.py).
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from ..errors import UserError
 from ..infra import faults
 from ..infra.atomic import write_json
 from ..infra.gpus import claim_job_gpus
+from ..infra.log import get_logger
 from ..shard.shardset import read_tokenized
 from ..tokenization.row_inputs import RowImages
 from .content import check_content
@@ -27,6 +27,8 @@ from .passrule import miss_probability, rows_to_sample
 from .recompute import check_reference
 from .reference import ReferencePair
 from .subject import ShardUnderTest
+
+log = get_logger("validate")
 
 
 class ValidationError(UserError, RuntimeError):
@@ -125,7 +127,7 @@ def _finish(report: dict[str, Any], checks: Checks, out_json: str, shard_dir: st
     faults.kill_point("validate.before_report", shard=Path(shard_dir).name)
     write_json(out_json, report)
     for c in checks.items:
-        print(f"[validate] {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}", file=sys.stderr)
+        log.info(f"{'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}")
     if checks.failed:
         Path(out_json).unlink()  # a failed shard must not leave a report that looks like a pass
         names = ", ".join(f"{c.name} ({c.detail})" for c in checks.failed[:5])

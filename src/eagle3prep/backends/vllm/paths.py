@@ -15,12 +15,12 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import sys
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...errors import UserError
+from ...infra.log import get_logger
 from ...shard.sink import PROBE_SUFFIX
 from ...tokenization.row_inputs import ImageRow
 from ...vllm_common import registry
@@ -41,8 +41,7 @@ DRAIN_S = 600  # a shard's last rows reach the worker a step after their request
 TAIL_PARTS = 4
 
 
-def log(msg: str) -> None:
-    print(f"[vllm backend] {msg}", file=sys.stderr)
+log = get_logger("vllm backend").info
 
 
 class CaptureError(RuntimeError):

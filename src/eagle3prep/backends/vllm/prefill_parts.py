@@ -12,11 +12,13 @@ the engine: a raise in the scheduler kills it.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any
 
+from ...infra.log import get_logger
 from ...shard.sink import PROBE_SUFFIX
 from .compat import TAG_KEY
+
+log = get_logger("vllm connector")
 
 
 @dataclasses.dataclass
@@ -45,9 +47,7 @@ class Live:
     def stop(self, why: str) -> None:
         if self.streaming:
             self.streaming = False
-            print(
-                f"[vllm connector] row {self.tag}: {why}; rows {self.saved}+ go with its final save", file=sys.stderr
-            )
+            log.info(f"row {self.tag}: {why}; rows {self.saved}+ go with its final save")
 
 
 class PrefillParts:
@@ -73,7 +73,7 @@ class PrefillParts:
             self.on = False
             for rid, live in self.live.items():  # what this step's lost parts held goes with the final save
                 live.saved, live.streaming = saved.get(rid, 0), False
-            print(f"[vllm connector] parts off, whole requests from now on: {type(e).__name__}: {e}", file=sys.stderr)
+            log.info(f"parts off, whole requests from now on: {type(e).__name__}: {e}")
             return []
 
     def _parts(self, out: Any, group: int, block_size: int) -> list[PartSave]:
