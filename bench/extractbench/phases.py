@@ -14,6 +14,8 @@ from pathlib import Path
 
 from extractbench.workload import image_prompts, layer_ids, tokens_of, write_tokenized
 
+from testkit.shards import manifest_fields
+
 
 class PeakRSS:
     """Samples the RSS of this process (and, optionally, its children) every 50 ms."""
@@ -286,19 +288,8 @@ def phase_c(args, model: Path, work: dict) -> dict:
             first += len(batch)
             for k in ids:  # [sum_T, H] per layer; the sink copies it to the host off the forward's path
                 sink.add_layer(k, torch.cat([(final["x"] if k == n else hs[k])[i, :m] for i, m in enumerate(lens)]))
-        placeholders = {
-            "shard": 0,
-            "layer_id_convention": "input_of_layer",
-            "num_hidden_layers": n,
-            "hidden_size": cfg.hidden_size,
-            "dtype": args.dtype,
-            "row_range": [0, 0],
-            "tokenized": {},
-            "model": {},
-            "tokenizer": {},
-            "engine": {},
-            "code_version": "",
-        }  # a baseline: no provenance
+        # a baseline: no provenance
+        placeholders = manifest_fields(num_hidden_layers=n, hidden_size=cfg.hidden_size, dtype=args.dtype)
         writer.finish(sink.finish(), placeholders)
         secs = time.perf_counter() - t1
         out[name] = {
