@@ -20,6 +20,12 @@
 #   regen_long  the regenerate stage writing replies of up to 24k tokens (8B shape), beside plain generate;
 #             random weights rarely stop early: each phase is ~24,000 decode steps (8 prompts: the step time, not
 #             the prompt count, sets it)
+#   fmt_8b / fmt_kimi / fmt_real  bench/storage_formats.py: bytes, per-layer error, encode and decode cost of each
+#             storage format on random 8B- and Kimi-shaped layers, and on the quality target's own shard (after quality_mx)
+#   regress_mx / kimi64_mx  regress / kimi64 with (g) writing MXFP4 beside (f) in bf16 and (p), on the local disk
+#   shm_f     (p) and (f) in bf16 with the shard in /dev/shm: the path's own cost apart from the disk
+#   quality_mx  the acceptance bench with ours (bf16), fp8 and mxfp4 drafts from the same rows, two seeds each
+#   images    the image-heavy workload on auto's path beside plain compiled prefill
 #   quality   the acceptance bench's ours and peer branches (bench/quality/device_run.sh; needs the tools payload),
 #             its summary in OUT/quality.txt
 # Steps run in the order STEPS gives (default: ALL below); REGRESS_PHASES=pf drops (e) from regress;
