@@ -51,7 +51,7 @@ try:
         getattr(workflow, "deployment_settings", None), "deployment_method", ()
     )
     _conda = "CONDA" in {str(m).upper().split(".")[-1] for m in _deploy}
-    if _env_error := environment.check(SETTINGS, conda=_conda, sources=SOURCES):
+    if _env_error := environment.check(SETTINGS, conda=_conda, source_paths=SOURCES):
         raise ConfigError(_env_error)
     if workflow.is_main_process:  # loads the tokenizer: once, not in every spawned job
         check_tokenizer(SETTINGS)

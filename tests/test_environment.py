@@ -50,13 +50,13 @@ def test_a_dry_run_stops_before_any_job(tmp_path):
 def test_a_save_to_disk_source_or_the_export_needs_datasets(tmp_path):
     folder = tmp_path / "saved"
     folder.mkdir()
-    error = environment.check(cfg(), has=lambda m: m != "datasets", sources=[str(folder)], python="/p")
+    error = environment.check(cfg(), has=lambda m: m != "datasets", source_paths=[str(folder)], python="/p")
     assert error == (
         "config error: a save_to_disk folder in data.sources needs datasets, which this Python (/p) does not have; "
         "run the workflow with the environment that has it: .venv/bin/snakemake or .venv-gpu/bin/snakemake "
         "(envs/base.txt and envs/gpu.txt pin it), or pip install 'eagle3prep[hfdatasets]', or pass --sdm conda"
     )
-    assert environment.check(cfg(), has=lambda m: m != "datasets", sources=[str(tmp_path / "a.jsonl")]) is None
+    assert environment.check(cfg(), has=lambda m: m != "datasets", source_paths=[str(tmp_path / "a.jsonl")]) is None
     error = environment.check(cfg(export={"speculators": True}), has=lambda m: m != "datasets")
     assert error.startswith("config error: export.speculators = true needs datasets")
 

@@ -62,23 +62,25 @@ NEEDS = (
 )
 
 
-def missing(settings: Settings, has: Callable[[str], bool] | None = None, sources: Sequence[str] = ()) -> list[Need]:
-    """The needs of this config that the running Python lacks (one per module); `sources`: data.sources expanded."""
+def missing(
+    settings: Settings, has: Callable[[str], bool] | None = None, source_paths: Sequence[str] = ()
+) -> list[Need]:
+    """The needs of this config that the running Python lacks (one per module); `source_paths`: data.sources expanded."""
     has = has or (lambda module: importlib.util.find_spec(module) is not None)
     out: dict[str, Need] = {}
     for need in NEEDS:
-        if need.module not in out and need.wanted(settings, sources) and not has(need.module):
+        if need.module not in out and need.wanted(settings, source_paths) and not has(need.module):
             out[need.module] = need
     return list(out.values())
 
 
 def check(settings: Settings, conda: bool = False, python: str = sys.executable,
-          has: Callable[[str], bool] | None = None, sources: Sequence[str] = ()) -> str | None:  # fmt: skip
+          has: Callable[[str], bool] | None = None, source_paths: Sequence[str] = ()) -> str | None:  # fmt: skip
     """The one line that stops the parse when the config needs a module this Python lacks; None when it has all
     (or `conda`: the rules' own environments provide them)."""
     if conda:
         return None
-    lacking = missing(settings, has, sources)
+    lacking = missing(settings, has, source_paths)
     if not lacking:
         return None
     first = lacking[0]
