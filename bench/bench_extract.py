@@ -46,6 +46,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test kit, tests/testkit
+
 from extractbench.disk import disk_write_speed
 from extractbench.phases import PHASES
 from extractbench.report import print_report, print_rounds

@@ -1,7 +1,2 @@
 """The parts of bench/bench_extract.py, the entry point (its docstring says what the bench measures and
 how to run it): the shapes and workloads, the phases, the disk measurement and the report."""
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the test kit, tests/testkit
