@@ -83,7 +83,7 @@ run_step() {
     kimi64_mx) step kimi64_mx "$NEW" python3 bench/bench_extract.py $W/kimi64_mx --shape kimi-vocab --phases pfg --scaled mxfp4 --rows 4 --seq 65536 --min-len 32768 --max-len 65536 ;;
     shm_f) step shm_f "$NEW" python3 bench/bench_extract.py /dev/shm/e3p_shm_f --phases pf --rows 192 ;;
     # the acceptance bench: ours (bf16), fp8 and mxfp4 drafts from the same rows, two seeds each
-    quality_mx) QBRANCHES="ours fp8 mxfp4" step quality_mx "$NEW" quality ;;
+    quality_mx) QBRANCHES="${QMX_BRANCHES:-ours fp8 mxfp4}" step quality_mx "$NEW" quality ;;
     images) step images "$NEW" images ;;
     *) echo "$(date +%T) no step $1 (of $ALL)" >> "$O/done" ;;
   esac
