@@ -106,8 +106,10 @@ def states_of_shape(shape: str, device: str, tokens: int, seed: int) -> tuple[di
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=8,
                       num_hidden_layers=4, vocab_size=32000, max_position_embeddings=8192)  # fmt: skip
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: Kimi's width in fp32 would need twice the memory
     with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+        model = LlamaForCausalLM(cfg).eval()
+    torch.set_default_dtype(torch.float32)
     ids = torch.randint(0, 32000, (tokens // 2048, 2048), device=device)
     with torch.inference_mode():
         hs = model(ids, output_hidden_states=True).hidden_states
