@@ -46,13 +46,11 @@ try:
     # Whatever the model folder decides (layer ids, max_seq_len, the tokenizer) fails here, before any job.
     MODEL_NOTES = check_model(SETTINGS)
     check_model_files(SETTINGS)
-    # The engines and libraries the config selects, against this Python (a job of another would die in a traceback).
+    # --sdm conda: each rule brings its own environment (the checks of the jobs' needs below ask nothing then).
     _deploy = getattr(
         getattr(workflow, "deployment_settings", None), "deployment_method", ()
     )
     _conda = "CONDA" in {str(m).upper().split(".")[-1] for m in _deploy}
-    if _env_error := environment.check(SETTINGS, conda=_conda, source_paths=SOURCES):
-        raise ConfigError(_env_error)
     if workflow.is_main_process:  # loads the tokenizer: once, not in every spawned job
         check_tokenizer(SETTINGS)
 except ConfigError as e:
@@ -94,14 +92,6 @@ if workflow.is_main_process:
 
     def _prepare_dag_healed(*args, **kwargs):
         settings = workflow.dag_settings
-        # A GPU job (hf backend or the reference on cuda) under a torch that sees no GPU: one line before any job.
-        # Here, not at parse time: the executor is known only now, and a non-local one (--executor slurm) runs
-        # the jobs on GPU nodes from a submit host that may have none, so nothing is checked then.
-        if not (settings.targets and set(settings.targets) <= {"verify", "plan"}):
-            if _cuda_error := environment.cuda_error(
-                SETTINGS, local_exec=workflow.local_exec, conda=_conda
-            ):
-                sys.exit(_cuda_error)
         # Another config's finished shards: refused before any job, in a run and in -n (eagle3prep.run.made_by).
         if set(settings.targets) != {"verify"}:
             _error, _note = made_by.check(
@@ -135,6 +125,31 @@ if workflow.is_main_process:
         _prepare_dag(*args, **kwargs)
 
     workflow._prepare_dag = _prepare_dag_healed
+
+    # What the jobs that will run need of this Python (eagle3prep.run.environment): an engine or library it lacks,
+    # or a CUDA device its torch does not see, is one line before any job (in -n too), where every such job would
+    # die in its own traceback. Asked once the DAG is built (Workflow._build_dag), of a run or dry run only (not
+    # --lint or --summary), for the rules of the jobs that will run. The GPU is asked only where the jobs run on
+    # this host: a non-local executor (--executor slurm) runs them on GPU nodes, and its submit host may have none.
+    _build_dag = workflow._build_dag
+
+    def _build_dag_checked(*args, **kwargs):
+        built = _build_dag(*args, **kwargs)
+        if workflow.executor_plugin is not None and not workflow.touch:
+            jobs = {job.rule.name for job in workflow.dag.needrun_jobs()}
+            for error in (
+                environment.check(
+                    SETTINGS, conda=_conda, source_paths=SOURCES, jobs=jobs
+                ),
+                environment.cuda_error(
+                    SETTINGS, local_exec=workflow.local_exec, conda=_conda, jobs=jobs
+                ),
+            ):
+                if error:
+                    sys.exit(error)
+        return built
+
+    workflow._build_dag = _build_dag_checked
 
 
 onstart:

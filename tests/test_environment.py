@@ -94,3 +94,15 @@ def test_a_dry_run_of_a_cuda_config_on_a_host_without_a_gpu_stops_in_one_line(tm
     lines = [line for line in proc.stderr.splitlines() if "runs on a GPU" in line]
     assert len(lines) == 1 and lines[0].startswith("config error: extract.device = cuda (extract.backend = hf)")
     assert "Traceback" not in proc.stderr and "extract_hidden_states" not in proc.stdout
+
+
+def test_only_the_jobs_that_will_run_are_asked():
+    """A target that starts no job needing the module (a prompt shard, a finished run, --lint) is not refused."""
+    vllm = cfg(extract={"backend": "vllm"}, regenerate={"enabled": True})
+    assert environment.check(vllm, has=lambda m: False, jobs={"prepare_prompt_only", "regenerate_split"}) is None
+    assert "regenerate.enabled = true needs vLLM" in environment.check(vllm, has=lambda m: False, jobs={"regenerate"})
+    assert environment.check(vllm, has=lambda m: False, jobs=set()) is None
+    hf_cuda = cfg(extract={"backend": "hf", "device": "cuda"})
+    no_gpu = lambda: (False, "no torch")  # noqa: E731
+    assert environment.cuda_error(hf_cuda, local_exec=True, cuda_available=no_gpu, jobs={"tokenize"}) is None
+    assert environment.cuda_error(hf_cuda, local_exec=True, cuda_available=no_gpu, jobs={"extract_hidden_states"})

@@ -1,6 +1,8 @@
-"""What the config needs of the Python that runs the jobs, checked when the workflow is parsed: an engine or a
-library a setting selects (vLLM for extract.backend: vllm, ...) that this interpreter lacks is one line naming the
-environment that has it, before any job starts (without the check, every GPU job died in its own traceback).
+"""What the config needs of the Python that runs the jobs, checked before any job starts (in -n too): an engine or
+a library a setting selects (vLLM for extract.backend: vllm, ...) that this interpreter lacks is one line naming the
+environment that has it (without the check, every GPU job died in its own traceback). Each need names the rules
+whose jobs import it; the workflow asks once its DAG is built (rules/common.smk), for the jobs that will run, so a
+target that starts none of them (a prompt shard, `--lint`, a finished run) is not refused.
 
 Only module presence is looked up (importlib.util.find_spec: no import, no cost at parse time). With
 --software-deployment-method conda each rule brings its own environment (envs/*.yaml), so nothing is checked.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from ..settings import Settings
@@ -35,19 +37,27 @@ class Need:
     package: str  # as the user knows it
     setting: str  # the config key and value that select it
     wanted: Callable[[Settings, Sequence[str]], bool]  # (settings, data.sources expanded)
+    rules: tuple[str, ...]  # the rules whose jobs import it
     where: str = GPU_ENV
 
 
 NEEDS = (
-    Need("vllm", "vLLM", "extract.backend = vllm", lambda s, _: s.extract.content.backend == "vllm"),
-    Need("vllm", "vLLM", "regenerate.enabled = true", lambda s, _: s.regenerate.workflow.enabled),
-    Need("vllm", "vLLM", "validate.overfit_gate = true", lambda s, _: s.validate.overfit_gate),
+    Need(
+        "vllm",
+        "vLLM",
+        "extract.backend = vllm",
+        lambda s, _: s.extract.content.backend == "vllm",
+        ("extract_hidden_states",),
+    ),
+    Need("vllm", "vLLM", "regenerate.enabled = true", lambda s, _: s.regenerate.workflow.enabled, ("regenerate",)),
+    Need("vllm", "vLLM", "validate.overfit_gate = true", lambda s, _: s.validate.overfit_gate, ("overfit_gate",)),
     # The gate trains in a child process, which may be another Python (EAGLE3PREP_TRAIN_PYTHON).
     Need(
         "speculators",
         "speculators",
         "validate.overfit_gate = true",
         lambda s, _: s.validate.overfit_gate and not os.environ.get("EAGLE3PREP_TRAIN_PYTHON"),
+        ("overfit_gate",),
     ),
     # prepare reads a Hugging Face save_to_disk folder with datasets.load_from_disk (prepare.readers.HFDiskReader).
     Need(
@@ -55,32 +65,43 @@ NEEDS = (
         "datasets",
         "a save_to_disk folder in data.sources",
         lambda _, sources: any(os.path.isdir(src) for src in sources),
+        ("prepare", "prepare_prompt_only"),
         DATASETS_ENV,
     ),
     # The export writes speculators' Arrow dataset with datasets (export.speculators).
-    Need("datasets", "datasets", "export.speculators = true", lambda s, _: bool(s.export.speculators), DATASETS_ENV),
+    Need(
+        "datasets",
+        "datasets",
+        "export.speculators = true",
+        lambda s, _: bool(s.export.speculators),
+        ("export_speculators",),
+        DATASETS_ENV,
+    ),
 )
 
 
-def missing(
-    settings: Settings, has: Callable[[str], bool] | None = None, source_paths: Sequence[str] = ()
-) -> list[Need]:
-    """The needs of this config that the running Python lacks (one per module); `source_paths`: data.sources expanded."""
+def missing(settings: Settings, has: Callable[[str], bool] | None = None, source_paths: Sequence[str] = (),
+            jobs: Collection[str] | None = None) -> list[Need]:  # fmt: skip
+    """The needs of this config that the running Python lacks (one per module); `source_paths`: data.sources
+    expanded; `jobs`: the rules of the jobs that will run (None: every rule)."""
     has = has or (lambda module: importlib.util.find_spec(module) is not None)
     out: dict[str, Need] = {}
     for need in NEEDS:
+        if jobs is not None and not set(need.rules) & set(jobs):
+            continue
         if need.module not in out and need.wanted(settings, source_paths) and not has(need.module):
             out[need.module] = need
     return list(out.values())
 
 
 def check(settings: Settings, conda: bool = False, python: str = sys.executable,
-          has: Callable[[str], bool] | None = None, source_paths: Sequence[str] = ()) -> str | None:  # fmt: skip
-    """The one line that stops the parse when the config needs a module this Python lacks; None when it has all
-    (or `conda`: the rules' own environments provide them)."""
+          has: Callable[[str], bool] | None = None, source_paths: Sequence[str] = (),
+          jobs: Collection[str] | None = None) -> str | None:  # fmt: skip
+    """The one line that stops the run when the jobs it will run (`jobs`: their rules; None: every rule) need a
+    module this Python lacks; None when it has all (or `conda`: the rules' own environments provide them)."""
     if conda:
         return None
-    lacking = missing(settings, has, source_paths)
+    lacking = missing(settings, has, source_paths, jobs)
     if not lacking:
         return None
     first = lacking[0]
@@ -91,26 +112,27 @@ def check(settings: Settings, conda: bool = False, python: str = sys.executable,
     )
 
 
-def cuda_settings(settings: Settings) -> list[str]:
-    """The settings that put a job of this config on a CUDA device through this Python's torch (vLLM jobs find
-    their platform themselves: the module check covers them)."""
+def cuda_settings(settings: Settings, jobs: Collection[str] | None = None) -> list[str]:
+    """The settings that put a job of this config (of `jobs`' rules; None: every rule) on a CUDA device through this
+    Python's torch (vLLM jobs find their platform themselves: the module check covers them)."""
     out = []
     ex = settings.extract.content
-    if ex.backend == "hf" and ex.device == "cuda":
+    if ex.backend == "hf" and ex.device == "cuda" and (jobs is None or "extract_hidden_states" in jobs):
         out.append("extract.device = cuda (extract.backend = hf)")
     v = settings.validate
-    if v.reference_mode == "full" and v.device.startswith("cuda"):
+    if v.reference_mode == "full" and v.device.startswith("cuda") and (jobs is None or "validate_shard" in jobs):
         out.append(f"validate.device = {v.device}")
     return out
 
 
 def cuda_error(settings: Settings, local_exec: bool, conda: bool = False, python: str = sys.executable,
-               cuda_available: Callable[[], tuple[bool, str]] | None = None) -> str | None:  # fmt: skip
+               cuda_available: Callable[[], tuple[bool, str]] | None = None,
+               jobs: Collection[str] | None = None) -> str | None:  # fmt: skip
     """One line when the config puts a job on CUDA and this Python's torch sees no GPU, where the jobs run on
     this host; None otherwise. Skipped (None) for a non-local executor (--executor slurm: the jobs run on GPU
     nodes, and a submit host without a GPU is normal) and under --sdm conda (each rule brings its own torch).
     `cuda_available`: () -> (available, what this torch is), for tests; torch is imported only when asked."""
-    wants = cuda_settings(settings)
+    wants = cuda_settings(settings, jobs)
     if not wants or not local_exec or conda:
         return None
     available, torch_is = (cuda_available or _torch_cuda)()

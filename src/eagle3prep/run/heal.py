@@ -47,7 +47,7 @@ class Heal:
 
 # The one Snakemake internal healing relies on (Snakemake has no public hook between parsing the command
 # line and building the DAG): the method wrapped in rules/common.smk and the settings it edits.
-SNAKEMAKE_INTERNALS = ("_prepare_dag", "dag_settings")
+SNAKEMAKE_INTERNALS = ("_prepare_dag", "dag_settings", "_build_dag")  # _build_dag: run.environment's check
 
 
 def snakemake_hook_error(workflow: object) -> str | None:
