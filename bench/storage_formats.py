@@ -2,15 +2,11 @@
 cost on the device and decode cost in a trainer's loader (docs/guides/storage.md's table).
 
     python bench/storage_formats.py --shard results/hidden_states/shard_0      # a captured shard's layers
-    python bench/storage_formats.py --shape llama-8b --device cuda              # a random 8B-shaped Llama
-    python bench/storage_formats.py --shape kimi --device cuda                  # hidden 7,168 (Kimi-K2.5)
+    python bench/storage_formats.py --shape llama-8b   # (or kimi: hidden 7,168) a random Llama of that width
 
-Formats: the project's (shard/formats.py: fp8_e4m3, mxfp4) and candidates measured here only: NVFP4-style
-(e2m1, an e4m3 scale per 16 values and a float32 one per token), int4 with one scale per token, FP8 with its
-last layer kept and the three fused ones in MXFP4 (and the reverse), each with the bytes a lossless zstd pass
-(level 3, per 1 MiB chunk) leaves of it when the zstandard package is installed. The last layer replaced by
-the target's top-32 probabilities is listed by its bytes alone (it is no hidden state: the error is n/a).
-Error per token: |x - y| / |x| against the bf16 capture; mean / p99 / worst over the tokens of each layer.
+Formats: the project's (shard/formats.py) and candidates measured here only (NVFP4-style, int4 a token, MXFP4
+with an FP8 last layer; the last layer as top-32 probabilities by its bytes alone), with what lossless zstd
+(level 3, 1 MiB chunks) leaves. Error per token: |x - y| / |x| against the bf16 capture, per layer.
 """
 
 from __future__ import annotations
@@ -30,13 +26,6 @@ TOKEN_ID_BYTES = 8
 TOPK = 32  # the last layer as top-k probabilities: an int32 id and a bf16 probability each
 
 
-def e2m1_round(y: torch.Tensor) -> torch.Tensor:
-    """Values |y| <= 6 rounded to e2m1, float32 (the product's table and tie rule)."""
-    grid = torch.tensor(mxfp4.E2M1, device=y.device)
-    mid = torch.tensor(mxfp4._MIDPOINTS, device=y.device)
-    return grid[torch.bucketize(y.abs(), mid)] * y.sign()
-
-
 def nvfp4_roundtrip(x: torch.Tensor) -> torch.Tensor:
     """NVFP4-style: a float32 scale per token maps the token's largest block scale onto e4m3's 448, then each
     16-value block's e4m3 scale maps its amax onto 6."""
@@ -45,7 +34,11 @@ def nvfp4_roundtrip(x: torch.Tensor) -> torch.Tensor:
     block = b.abs().amax(-1, keepdim=True) / 6
     tok = (block.amax(1, keepdim=True) / 448).clamp_min(1e-30)
     s = (block / tok).to(torch.float8_e4m3fn).float().clamp_min(2.0**-9) * tok
-    return (e2m1_round((b / s).clamp(-6, 6)) * s).view(n, h)
+    y = (b / s).clamp(-6, 6)  # rounded to e2m1 with the product's table and tie rule
+    e2m1 = torch.tensor(mxfp4.E2M1, device=x.device)[
+        torch.bucketize(y.abs(), torch.tensor(mxfp4._MIDPOINTS, device=x.device))
+    ]
+    return (e2m1 * y.sign() * s).view(n, h)
 
 
 def int4_token_roundtrip(x: torch.Tensor) -> torch.Tensor:
@@ -54,48 +47,36 @@ def int4_token_roundtrip(x: torch.Tensor) -> torch.Tensor:
     return (x.float() / s).round().clamp(-7, 7) * s
 
 
-def stored_bytes(name: str, x: torch.Tensor) -> bytes:
-    """The bytes a layer's rows take in one of the project's formats (what zstd would see)."""
-    parts = formats.storage_format(name).encode(x)
-    return b"".join(p.contiguous().view(torch.uint8).cpu().numpy().tobytes() for p in parts)
-
-
-def zstd_ratio(blob: bytes) -> float | None:
+def zstd_ratio(name: str, x: torch.Tensor) -> float | None:
+    """What zstd leaves of a layer's bytes in one of the project's formats (None: no zstandard installed)."""
     try:
         import zstandard
     except ImportError:
         return None
-    c = zstandard.ZstdCompressor(level=3)
-    chunk = 1 << 20
-    out = sum(len(c.compress(blob[i : i + chunk])) for i in range(0, len(blob), chunk))
-    return out / len(blob)
-
-
-def token_error(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    x = x.float()
-    return (x - y.float()).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)
+    blob = b"".join(
+        p.contiguous().view(torch.uint8).cpu().numpy().tobytes() for p in formats.storage_format(name).encode(x)
+    )
+    c, chunk = zstandard.ZstdCompressor(level=3), 1 << 20
+    return sum(len(c.compress(blob[i : i + chunk])) for i in range(0, len(blob), chunk)) / len(blob)
 
 
 def timed(fn, *args, device: str, repeat: int = 3) -> float:
     """Best of `repeat` seconds (device-synchronized)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     best = float("inf")
     for _ in range(repeat):
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         fn(*args)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return best
 
 
 def states_of_shard(shard: Path, max_tokens: int) -> tuple[dict[int, torch.Tensor], str]:
-    m = read_manifest(shard)
-    out = {
-        lid: LayerReader(shard / f"layer_{lid}.safetensors").rows(0, min(m.tokens, max_tokens)) for lid in m.layer_ids
-    }
-    return out, f"{shard} ({m.model.get('architecture', '')}, hidden {m.hidden_size}, ids {m.layer_ids})"
+    m, n = read_manifest(shard), min(read_manifest(shard).tokens, max_tokens)
+    out = {lid: LayerReader(shard / f"layer_{lid}.safetensors").rows(0, n) for lid in m.layer_ids}  # fmt: skip
+    return out, f"{shard} (hidden {m.hidden_size}, ids {m.layer_ids})"
 
 
 def states_of_shape(shape: str, device: str, tokens: int, seed: int) -> tuple[dict[int, torch.Tensor], str]:
@@ -121,19 +102,15 @@ def main() -> None:
     ap.add_argument("--shard", type=Path)
     ap.add_argument("--shape", choices=["llama-8b", "kimi"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=8192, help="of the shard, or of random rows (--shape)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    if args.shard:
-        layers, what = states_of_shard(args.shard, args.tokens)
-    elif args.shape:
-        layers, what = states_of_shape(args.shape, args.device, args.tokens, args.seed)
-    else:
+    if not (args.shard or args.shape):
         sys.exit("--shard or --shape")
-    layers = {lid: x.to(args.device, torch.bfloat16) for lid, x in layers.items()}
+    made = states_of_shard(args.shard, args.tokens) if args.shard else states_of_shape(args.shape, args.device, args.tokens, args.seed)  # fmt: skip
+    layers, what = {lid: x.to(args.device, torch.bfloat16) for lid, x in made[0].items()}, made[1]
     ids = sorted(layers)
-    last, hidden = ids[-1], layers[ids[-1]].shape[1]
-    tokens = layers[last].shape[0]
+    last, (tokens, hidden) = ids[-1], layers[ids[-1]].shape
     print(f"# storage formats on {what}: {tokens:,} tokens, layers {ids}, {args.device}")
     bf16_bytes = len(ids) * 2 * hidden + TOKEN_ID_BYTES
 
@@ -152,21 +129,19 @@ def main() -> None:
     print(
         "\n| format | bytes / token (4 layers + ids) | of bf16 | zstd'd, of bf16 | error per layer: mean / p99 / worst |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|")  # fmt: skip
     for name, (roundtrip, nbytes) in per_layer.items():
         total = sum(nbytes(lid) for lid in ids) + TOKEN_ID_BYTES
         errs = []
         for lid in ids:
-            e = token_error(layers[lid], roundtrip(lid, layers[lid]))
+            x = layers[lid].float()
+            e = (x - roundtrip(lid, x)).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)
             errs.append(f"{lid}: {e.mean():.4f} / {e.quantile(0.99):.4f} / {e.max():.4f}")
-        z = ""
-        if name in ("fp8_e4m3", "mxfp4"):
-            ratios = [zstd_ratio(stored_bytes(name, layers[lid])) for lid in ids]
-            if None not in ratios:
-                z_total = sum(r * nbytes(lid) for r, lid in zip(ratios, ids, strict=True)) + TOKEN_ID_BYTES
-                z = f"{z_total / bf16_bytes:.3f} ({z_total:,.0f} B)"
-            else:
-                z = "zstandard not installed"
+        ratios = [zstd_ratio(name, layers[lid]) for lid in ids] if name in ("fp8_e4m3", "mxfp4") else [None]
+        z_total = (
+            None if None in ratios else sum(r * nbytes(i) for r, i in zip(ratios, ids, strict=True)) + TOKEN_ID_BYTES
+        )
+        z = f"{z_total / bf16_bytes:.3f} ({z_total:,.0f} B)" if z_total else ""
         print(f"| {name} | {total:,} | {total / bf16_bytes:.3f} | {z} | {'; '.join(errs)} |")
     topk = (len(ids) - 1) * mx.token_bytes(hidden, "bfloat16") + TOPK * 6 + TOKEN_ID_BYTES
     print(f"| mxfp4, last layer as top-{TOPK} probabilities | {topk:,} | {topk / bf16_bytes:.3f} | | n/a (no state) |")
@@ -178,10 +153,10 @@ def main() -> None:
         enc = timed(fmt.encode, x, device=args.device)
         parts = fmt.encode(x)
         dec = timed(fmt.decode, parts, torch.bfloat16, device=args.device)
-        cpu_parts = tuple(p.cpu() for p in parts)
+        threads = torch.get_num_threads()
         torch.set_num_threads(1)  # one loader worker
-        dec_cpu = timed(fmt.decode, cpu_parts, torch.bfloat16, device="cpu")
-        torch.set_num_threads(torch.get_num_threads())
+        dec_cpu = timed(fmt.decode, tuple(p.cpu() for p in parts), torch.bfloat16, device="cpu")
+        torch.set_num_threads(threads)
         mtok = tokens / 1e6
         print(
             f"{name}: encode on {args.device} {enc / mtok * 1e3:.1f} ms per M tokens ({x.numel() * 2 / enc / 1e9:.0f} GB/s "
