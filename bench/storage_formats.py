@@ -22,8 +22,7 @@ from eagle3prep.shard import formats, mxfp4
 from eagle3prep.shard.manifest import read_manifest
 from eagle3prep.shard.readers import LayerReader
 
-TOKEN_ID_BYTES = 8
-TOPK = 32  # the last layer as top-k probabilities: an int32 id and a bf16 probability each
+TOKEN_ID_BYTES, TOPK = 8, 32  # top-k probabilities in place of the last layer: an int32 id and a bf16 each
 
 
 def nvfp4_roundtrip(x: torch.Tensor) -> torch.Tensor:
