@@ -4,6 +4,7 @@ import csv
 import json
 import re
 import signal
+from pathlib import Path
 
 import pytest
 import yaml
@@ -38,9 +39,17 @@ def test_dry_run_lists_every_job_before_anything_runs(tmp_path):
     assert not (wd / "results").exists()
 
 
+def vllm_stand_in(tmp_path: Path) -> dict[str, str]:
+    """The environment of a dry run of a vLLM config in a Python without vLLM: an empty module stands in for it
+    (the run itself would stop in one line naming .venv-gpu; only the DAG is asked for here)."""
+    (tmp_path / "stub" / "vllm").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "stub" / "vllm" / "__init__.py").write_text("")
+    return {"PYTHONPATH": str(tmp_path / "stub")}
+
+
 def test_gpu_resources_are_declared_under_both_names(tmp_path):
-    wd = make_workdir(tmp_path, {**SMALL_CONFIG, "extract": {"device": "cuda"}})
-    out = snakemake(wd, "-n", "--resources", "gpus=8").stdout
+    wd = make_workdir(tmp_path, {**SMALL_CONFIG, "extract": {"backend": "vllm"}})
+    out = snakemake(wd, "-n", "--resources", "gpus=8", env=vllm_stand_in(tmp_path)).stdout
     assert re.search(r"resources: .*gpus=1.*gpu=1|resources: .*gpu=1.*gpus=1", out)
 
 
@@ -184,7 +193,7 @@ def test_example_configs_dry_run(tmp_path, demo_model_dir):
             if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
                 shutil.copy(f, wd / "model" / f.name)
         (wd / "config/config.yaml").write_text(yaml.safe_dump(cfg))
-        run = snakemake(wd, "-n", "--resources", f"gpu={gpus}")
+        run = snakemake(wd, "-n", "--resources", f"gpu={gpus}", env=vllm_stand_in(tmp_path))
         out = run.stdout
         # Kimi-K2.5's vision tower: the parse says, in one line, that its image conversations would be quarantined.
         kimi_note = "tokenizing images for model_type 'kimi_k25' is not implemented"
