@@ -600,34 +600,37 @@ def test_a_jsonl_line_that_does_not_parse_names_its_column_once(tmp_path, run):
     ]
 
 
-def test_a_source_file_that_loses_all_or_most_of_its_rows_fails_prepare_in_one_line(tmp_path, monkeypatch):
-    """A parquet with other column names beside a good file: every row quarantined (unknown_shape); prepare fails
-    naming the file, the reason counts and the setting, and keeps the quarantine beside the log."""
+def lossy_sources(tmp_path: Path) -> tuple[Path, Path]:
+    """A good JSONL file and a parquet with other column names beside it: every row of the second is quarantined
+    (unknown_shape)."""
     good = write_jsonl(tmp_path / "good.jsonl", [openai(user=f"q{i}") for i in range(4)])
     odd = tmp_path / "odd.parquet"
     pq.write_table(pa.table({"dialog": ["hi", "yo", "hey"], "source": ["a", "b", "c"]}), odd)
-    out = tmp_path / "out"
-    monkeypatch.setattr(sys, "stderr", sys.stderr)
+    return good, odd
 
-    def script(max_share=None):
-        config = {"data": {"max_quarantine_share": max_share}} if max_share is not None else {}
-        smk = SimpleNamespace(
-            input=[str(good), str(odd)],
-            output=SimpleNamespace(
-                conversations=str(out / "c.jsonl"), quarantine=str(out / "q.jsonl"), counts=str(out / "n.json")
-            ),
-            params=SimpleNamespace(sources=[str(good), str(odd)], max_line_bytes=1 << 20),
-            log=[str(tmp_path / "prepare.log")],
-            config=config,
-        )
-        try:
-            runpy.run_path(str(ROOT / "scripts" / "prepare.py"), init_globals={"snakemake": smk})
-        finally:
-            sys.stderr.close()
-        return (tmp_path / "prepare.log").read_text()
 
+def run_prepare_script(tmp_path: Path, script: str, sources: list[Path], max_share=None, **params) -> str:
+    """scripts/<script> as Snakemake runs it, on `sources`; returns its log."""
+    out, log = tmp_path / "out", tmp_path / "prepare.log"
+    smk = SimpleNamespace(
+        input=[str(s) for s in sources],
+        output=SimpleNamespace(
+            conversations=str(out / "c.jsonl"), quarantine=str(out / "q.jsonl"), counts=str(out / "n.json")
+        ),
+        params=SimpleNamespace(sources=[str(s) for s in sources], max_line_bytes=1 << 20, **params),
+        log=[str(log)],
+        config={"data": {"max_quarantine_share": max_share}} if max_share is not None else {},
+    )
+    try:
+        runpy.run_path(str(ROOT / "scripts" / script), init_globals={"snakemake": smk})
+    finally:
+        sys.stderr.close()
+    return log.read_text()
+
+
+def assert_fails_naming_the_lossy_file(tmp_path: Path, script: str, odd: Path, sources: list[Path], **params) -> None:
     with pytest.raises(SystemExit) as e:
-        script()
+        run_prepare_script(tmp_path, script, sources, **params)
     assert e.value.code == 1
     errors = [line for line in (tmp_path / "prepare.log").read_text().splitlines() if line.startswith("error: ")]
     assert errors == [
@@ -636,50 +639,29 @@ def test_a_source_file_that_loses_all_or_most_of_its_rows_fails_prepare_in_one_l
         "from data.sources, or raise data.max_quarantine_share"
     ]
     assert len(read_jsonl(tmp_path / "prepare.quarantine.jsonl")) == 3
+
+
+def test_a_source_file_that_loses_all_or_most_of_its_rows_fails_prepare_in_one_line(tmp_path, monkeypatch):
+    """A parquet with other column names beside a good file: every row quarantined (unknown_shape); prepare fails
+    naming the file, the reason counts and the setting, and keeps the quarantine beside the log."""
+    good, odd = lossy_sources(tmp_path)
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
+    assert_fails_naming_the_lossy_file(tmp_path, "prepare.py", odd, [good, odd])
     # Most but not all rows lost: the share decides; at 1 it passes.
     pq.write_table(pa.table({"messages": [openai()["messages"], None, None]}), odd)
     with pytest.raises(SystemExit):
-        script()
+        run_prepare_script(tmp_path, "prepare.py", [good, odd])
     assert "quarantined 2 of its 3 rows (67%;" in (tmp_path / "prepare.log").read_text()
-    script(max_share=1)
-    assert "error:" not in (tmp_path / "prepare.log").read_text()
+    assert "error:" not in run_prepare_script(tmp_path, "prepare.py", [good, odd], max_share=1)
 
 
 def test_the_regenerate_stages_prompt_only_prepare_applies_the_loss_share_too(tmp_path, monkeypatch):
     """regenerate.enabled runs scripts/prepare_prompt_only.py: a file whose rows are all quarantined fails it in the
     same one line as prepare's (before: the run went on without the file, exit 0)."""
-    good = write_jsonl(tmp_path / "good.jsonl", [openai(user=f"q{i}") for i in range(4)])
-    odd = tmp_path / "odd.parquet"
-    pq.write_table(pa.table({"dialog": ["hi", "yo", "hey"], "source": ["a", "b", "c"]}), odd)
-    out = tmp_path / "out"
+    good, odd = lossy_sources(tmp_path)
     monkeypatch.setattr(sys, "stderr", sys.stderr)
-
-    def script(max_share=None):
-        smk = SimpleNamespace(
-            input=[str(good), str(odd)],
-            output=SimpleNamespace(
-                conversations=str(out / "c.jsonl"), quarantine=str(out / "q.jsonl"), counts=str(out / "n.json")
-            ),
-            params=SimpleNamespace(sources=[str(good), str(odd)], max_line_bytes=1 << 20, allow_prompt_only=True),
-            log=[str(tmp_path / "prepare.log")],
-            config={"data": {"max_quarantine_share": max_share}} if max_share is not None else {},
-        )
-        try:
-            runpy.run_path(str(ROOT / "scripts" / "prepare_prompt_only.py"), init_globals={"snakemake": smk})
-        finally:
-            sys.stderr.close()
-        return (tmp_path / "prepare.log").read_text()
-
-    with pytest.raises(SystemExit) as e:
-        script()
-    assert e.value.code == 1
-    errors = [line for line in (tmp_path / "prepare.log").read_text().splitlines() if line.startswith("error: ")]
-    assert errors == [
-        f"error: {odd}: prepare quarantined 3 of its 3 rows (all; unknown_shape 3), over data.max_quarantine_share "
-        f"= 0.5; each record and its reason is in {tmp_path / 'prepare.quarantine.jsonl'}: fix the file, drop it "
-        "from data.sources, or raise data.max_quarantine_share"
-    ]
-    assert len(read_jsonl(tmp_path / "prepare.quarantine.jsonl")) == 3
+    kw = {"allow_prompt_only": True}
+    assert_fails_naming_the_lossy_file(tmp_path, "prepare_prompt_only.py", odd, [good, odd], **kw)
     # Prompts without a reply are kept here (the target writes them): they are no loss.
     pq.write_table(pa.table({"messages": [[{"role": "user", "content": "hi"}]] * 3}), odd)
-    assert "error:" not in script()
+    assert "error:" not in run_prepare_script(tmp_path, "prepare_prompt_only.py", [good, odd], **kw)
