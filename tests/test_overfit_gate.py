@@ -23,7 +23,7 @@ from eagle3prep.gate import acceptance, rows, train
 from eagle3prep.report.page import gate_banner
 from eagle3prep.settings import ExtractSettings, LayersSettings, RegenerateSettings
 
-from testkit.workflow import REPO, SMALL_CONFIG, make_workdir, snakemake
+from testkit.workflow import REPO, SMALL_CONFIG, make_workdir, snakemake, vllm_stand_in
 
 K = 3
 
@@ -181,7 +181,7 @@ def test_turning_the_gate_on_adds_its_job_and_requeues_no_finished_one(small_dem
     config = yaml.safe_load((wd / "config/config.yaml").read_text())
     config["validate"] = {**config.get("validate", {}), "overfit_gate": True}
     (wd / "config/config.yaml").write_text(yaml.safe_dump(config))
-    run = snakemake(wd, "-n", "--quiet", "rules")
+    run = snakemake(wd, "-n", "--quiet", "rules", env=vllm_stand_in(tmp_path))  # the gate's job needs vLLM
     jobs = {line.split()[0] for line in run.stdout.splitlines() if line and line.split()[0].isidentifier()}
     assert {"overfit_gate", "report_with_gate"} <= jobs
     assert not jobs & {"extract_hidden_states", "validate_shard", "tokenize", "report"}, run.stdout

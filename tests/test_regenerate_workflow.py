@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from testkit.workflow import REPO, SMALL_CONFIG, SMALL_CONFIG_JOBS, make_workdir, snakemake
+from testkit.workflow import REPO, SMALL_CONFIG, SMALL_CONFIG_JOBS, make_workdir, snakemake, vllm_stand_in
 
 pytestmark = pytest.mark.integration
 
@@ -30,11 +30,8 @@ def test_off_the_dag_is_as_it_was_and_on_it_holds_the_stage(tmp_path):
 
     # The stage's jobs need vLLM, which this Python may lack (the run would stop in one line): an empty module
     # stands in for it, since only the DAG is asked for here.
-    stub = tmp_path / "stub"
-    (stub / "vllm").mkdir(parents=True)
-    (stub / "vllm" / "__init__.py").write_text("")
     on = snakemake(
-        wd, "-n", "--config", "regenerate={enabled: true, num_shards: 3, tp_size: 2}", env={"PYTHONPATH": str(stub)}
+        wd, "-n", "--config", "regenerate={enabled: true, num_shards: 3, tp_size: 2}", env=vllm_stand_in(tmp_path)
     ).stdout
     assert jobs(on) == {
         **{k: v for k, v in JOBS_OFF.items() if k != "prepare"},

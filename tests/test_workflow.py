@@ -4,7 +4,6 @@ import csv
 import json
 import re
 import signal
-from pathlib import Path
 
 import pytest
 import yaml
@@ -18,6 +17,7 @@ from testkit.workflow import (
     snakemake,
     stat_files,
     tree_digest,
+    vllm_stand_in,
 )
 
 pytestmark = pytest.mark.integration
@@ -37,14 +37,6 @@ def test_dry_run_lists_every_job_before_anything_runs(tmp_path):
     for k in range(3):
         assert f"results/hidden_states/shard_{k}" in out
     assert not (wd / "results").exists()
-
-
-def vllm_stand_in(tmp_path: Path) -> dict[str, str]:
-    """The environment of a dry run of a vLLM config in a Python without vLLM: an empty module stands in for it
-    (the run itself would stop in one line naming .venv-gpu; only the DAG is asked for here)."""
-    (tmp_path / "stub" / "vllm").mkdir(parents=True, exist_ok=True)
-    (tmp_path / "stub" / "vllm" / "__init__.py").write_text("")
-    return {"PYTHONPATH": str(tmp_path / "stub")}
 
 
 def test_gpu_resources_are_declared_under_both_names(tmp_path):

@@ -35,6 +35,14 @@ def make_workdir(path: Path, config: dict | None = None) -> Path:
     return path
 
 
+def vllm_stand_in(path: Path) -> dict[str, str]:
+    """The environment of a dry run of a config whose jobs need vLLM, in a Python without it: an empty module
+    stands in (the run itself would stop in one line naming .venv-gpu; only the DAG is asked for)."""
+    (path / "stub" / "vllm").mkdir(parents=True, exist_ok=True)
+    (path / "stub" / "vllm" / "__init__.py").write_text("")
+    return {"PYTHONPATH": str(path / "stub")}
+
+
 def snakemake(
     workdir: Path,
     *args: str,
