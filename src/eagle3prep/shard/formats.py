@@ -50,7 +50,7 @@ class StorageFormat:
     label: str  # in messages: "FP8 floor"
     mark: str  # the manifest's `format`
     summary: str  # one phrase for the report, plan and logs
-    values: Callable[[int, str], tuple[str, int]]  # (hidden size, model dtype) -> (values dtype, values per row)
+    values_dtype: Callable[[str], str]  # the model dtype -> the stored values' dtype
     scales: tuple[str, Callable[[int], int]] | None = None  # (dtype, per-row count from the hidden size)
     quantize: Callable[[Any], tuple[Any, ...]] | None = None
     dequantize: Callable[..., Any] | None = None
@@ -69,8 +69,7 @@ class StorageFormat:
     def tensors(self, tokens: int, hidden_size: int, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype, shape) of each tensor of a layer file, in file order: the values, then any scales."""
         self.check_width(hidden_size)
-        vdtype, width = self.values(hidden_size, dtype)
-        out = [(VALUES_KEY, vdtype, (tokens, width))]
+        out = [(VALUES_KEY, self.values_dtype(dtype), (tokens, hidden_size // self.packing))]
         if self.scales is not None:
             sdtype, count = self.scales
             out.append((SCALES_KEY, sdtype, (tokens, count(hidden_size))))
@@ -104,20 +103,16 @@ class StorageFormat:
         return x.float() if self.rounding_draw is None else self.rounding_draw(x, generator)
 
 
-def _model_values(hidden_size: int, dtype: str) -> tuple[str, int]:
-    return dtype, hidden_size
-
-
 FORMATS: dict[str, StorageFormat] = {
     f.name: f
     for f in (
-        StorageFormat(MODEL_DTYPE, "model dtype", FORMAT, "the model dtype", _model_values),
+        StorageFormat(MODEL_DTYPE, "model dtype", FORMAT, "the model dtype", lambda dtype: dtype),
         StorageFormat(
             FP8_E4M3,
             "FP8",
             FORMAT_FP8,
             "FP8 e4m3 with a float32 scale per token",
-            lambda h, _: (fp8.FP8_DTYPE, h),
+            lambda _: fp8.FP8_DTYPE,
             ("float32", lambda h: 1),
             fp8.quantize_fp8,
             fp8.dequantize_fp8,
@@ -139,7 +134,7 @@ FORMATS: dict[str, StorageFormat] = {
             "MXFP4",
             FORMAT_MXFP4,
             f"MXFP4: 4-bit e2m1 with a power-of-two scale per {mxfp4.BLOCK} values",
-            lambda h, _: ("uint8", h // 2),
+            lambda _: "uint8",
             ("uint8", lambda h: h // mxfp4.BLOCK),
             mxfp4.quantize_mxfp4,
             mxfp4.dequantize_mxfp4,

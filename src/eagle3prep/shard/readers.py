@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from ..records import IndexEntry
-from .formats import SCALES_KEY, VALUES_KEY, StorageFormat, format_of_file
+from .formats import FP8_E4M3, SCALES_KEY, VALUES_KEY, StorageFormat, format_of_file
 from .layout import INDEX, LOGPROBS, TOKEN_IDS
 from .tokenized import rows as tokenized_rows
 
@@ -64,7 +64,7 @@ class LayerReader:
 
     @property
     def fp8(self) -> bool:
-        return self.format.name == "fp8_e4m3"
+        return self.format.name == FP8_E4M3
 
     @property
     def shape(self) -> list[int]:
@@ -77,9 +77,8 @@ class LayerReader:
         return {n: (self._f.get_slice(n).get_dtype(), self._f.get_slice(n).get_shape()) for n in self._f.keys()}  # noqa: SIM118
 
     def rows(self, a: int, b: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        if self.scales is None:
-            return self.format.decode((self.values[a:b],), dtype)
-        return self.format.decode((self.values[a:b], self.scales[a:b]), dtype)
+        parts = (self.values[a:b],) if self.scales is None else (self.values[a:b], self.scales[a:b])
+        return self.format.decode(parts, dtype)
 
 
 def read_token_ids(shard_dir: str | os.PathLike) -> torch.Tensor:

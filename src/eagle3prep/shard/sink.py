@@ -136,14 +136,10 @@ class SlotPool:
         for _, part_dtype, (_, width) in storage_format(storage).tensors(1, hidden_size, dtype):
             # Pinned as bytes and viewed as the stored dtype: a same-dtype copy_ into it is a plain byte copy.
             raw = torch.empty(
-                (num_layers, capacity, width * _itemsize(part_dtype)), dtype=torch.uint8, pin_memory=pinned
+                (num_layers, capacity, width * DTYPES[part_dtype][1]), dtype=torch.uint8, pin_memory=pinned
             )
             parts.append(raw.view(getattr(torch, part_dtype)))
         return _Slot(*parts)
-
-
-def _itemsize(dtype: str) -> int:
-    return DTYPES[dtype][1]
 
 
 def _pool_key(spec: SinkSpec) -> tuple:
