@@ -156,7 +156,7 @@ def bench_inputs(tmp: Path, conversations: int, large_vocab: int) -> tuple[Path,
 
 def tokenize_into(out: Path, model_dir: Path, conversations: Path, max_seq_len: int, workers: int) -> dict:
     """The workflow's tokenize stage into `out` (4 shards); returns its stats."""
-    from eagle3prep.tokenization import tokenize_conversations
+    from eagle3prep.tokenize import tokenize_conversations
 
     return tokenize_conversations(
         conversations,

@@ -3,7 +3,7 @@
     .venv-vllm/bin/python bench/overfit_gate.py OUT [--dtype float32] [--cases correct layer_plus_one ...]
 
 Builds the demo workflow's tokenized rows (`snakemake results/tokenized`, the demo model, one shard) in
-OUT/wd, then runs the gate (eagle3prep.gate.stage.run_overfit_gate, its default settings: 4 prompts,
+OUT/wd, then runs the gate (eagle3prep.overfit_gate.stage.run_overfit_gate, its default settings: 4 prompts,
 32 served tokens each, k = 3, greedy) once per case, each case in OUT/<case>/:
 - correct: the run's layer ids captured as they are;
 - layer_plus_one / layer_minus_one: every auxiliary id k holds id k +/- 1 in the data, while the draft's
@@ -13,7 +13,7 @@ OUT/wd, then runs the gate (eagle3prep.gate.stage.run_overfit_gate, its default 
 - tokens_shifted: every row's states one token early against its ids.
 Planted with testkit.planted.plant on the gate's own shard, captured for this with every id 0..N. The
 trainer runs in EAGLE3PREP_TRAIN_PYTHON (default .venv/bin/python, which has speculators). Prints one line
-per case and writes OUT/summary.json; docs/runs/overfit_gate/ holds a run.
+per case and writes OUT/summary.json; docs/runs/acceptance/overfit_gate/ holds a run.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def planter(case: str, model: Path, ids: list[int]):
 
 def run_case(case: str, tokenized: Path, model: Path, out: Path, dtype: str) -> dict:
     from eagle3prep.errors import UserError
-    from eagle3prep.gate.stage import run_overfit_gate
+    from eagle3prep.overfit_gate.stage import run_overfit_gate
     from eagle3prep.layers import default_layer_ids
     from eagle3prep.model_facts import ModelFacts
     from eagle3prep.settings import ExtractSettings, LayersSettings, RegenerateSettings

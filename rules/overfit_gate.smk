@@ -21,7 +21,7 @@ if SETTINGS.validate.overfit_gate:
         conda:
             "../envs/gpu.yaml"
         threads: SETTINGS.extract.speed.threads
-        # its engines' tensor-parallel size, or the capture's when larger (gate.stage.job_gpus)
+        # its engines' tensor-parallel size, or the capture's when larger (overfit_gate.stage.job_gpus)
         resources:
             gpus=max(get_regen_gpus(), get_gpus()),
             gpu=max(get_regen_gpus(), get_gpus()),

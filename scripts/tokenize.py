@@ -7,7 +7,7 @@ os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM workers, tokenizers) lo
 from eagle3prep.config import schema_default
 from eagle3prep.errors import one_line_errors
 from eagle3prep.prepare import require_conversations
-from eagle3prep.tokenization import tokenize_conversations
+from eagle3prep.tokenize import tokenize_conversations
 
 with one_line_errors():
     require_conversations(snakemake.input.counts, snakemake.input.quarantine)

@@ -25,7 +25,7 @@ from eagle3prep.errors import UserError
 from eagle3prep.prepare import expand_sources, prepare
 from eagle3prep.run.parse import check_model, check_tokenizer, config_sources
 from eagle3prep.settings import Settings
-from eagle3prep.tokenization import tokenize_conversations
+from eagle3prep.tokenize import tokenize_conversations
 
 from testkit.workflow import REPO, make_workdir, snakemake
 

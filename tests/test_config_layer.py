@@ -8,7 +8,7 @@ from testkit.workflow import REPO
 
 PACKAGE = REPO / "src" / "eagle3prep"
 CONFIG_LAYER = ("eagle3prep.config", "eagle3prep.settings")
-STAGES = ("prepare", "tokenization", "regenerate", "extract", "validate", "shard", "report", "export", "gate",
+STAGES = ("prepare", "tokenize", "regenerate", "extract", "validate", "shard", "report", "export", "overfit_gate",
           "train", "backends")  # fmt: skip
 
 
@@ -89,9 +89,9 @@ def test_the_import_walk_sees_every_form():
     path = PACKAGE / "settings.py"
     for code, want in (
         ("from .prepare import expand_sources", "eagle3prep.prepare"),
-        ("from . import tokenization", "eagle3prep.tokenization"),
+        ("from . import tokenize", "eagle3prep.tokenize"),
         ("import eagle3prep.shard.shardset", "eagle3prep.shard.shardset"),
-        ("from eagle3prep.tokenization.vision import UNSUPPORTED", "eagle3prep.tokenization.vision"),
+        ("from eagle3prep.tokenize.vision import UNSUPPORTED", "eagle3prep.tokenize.vision"),
     ):
         assert want in package_imports(path, code), code
     assert ("eagle3prep.config", ["_one_line"]) in imports(path, "from .config import _one_line")

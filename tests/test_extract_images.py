@@ -17,7 +17,7 @@ from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.errors import UserError
 from eagle3prep.extract import extract_shard
 from eagle3prep.settings import ExtractSettings
-from eagle3prep.tokenization.row_inputs import RowImages
+from eagle3prep.tokenize.row_inputs import RowImages
 from eagle3prep.validate import ValidationError, validate_shard
 
 from testkit.image_rows import chat, tokenize_records

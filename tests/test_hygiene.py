@@ -389,5 +389,5 @@ def test_the_circle_check_sees_a_lazy_import(tmp_path):
 def test_the_package_root_holds_few_modules_and_stages_are_folders():
     root = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(root) <= ROOT_MODULES_MAX, f"{len(root)} modules at src/eagle3prep/: {root}; put a stage in a folder"
-    for stage in ("prepare", "regenerate", "tokenization", "extract", "validate", "report", "export", "gate"):
+    for stage in ("prepare", "regenerate", "tokenize", "extract", "validate", "report", "export", "overfit_gate"):
         assert (PACKAGE / stage / "__init__.py").is_file(), stage

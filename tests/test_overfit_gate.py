@@ -1,4 +1,4 @@
-"""The overfit gate (issue #23 item 4, validate.overfit_gate; eagle3prep.gate).
+"""The overfit gate (issue #23 item 4, validate.overfit_gate; eagle3prep.overfit_gate).
 
 Unit tests of its parts on small inputs (no engine), the rule's place in the DAG (a dry run: turning the
 gate on re-queues no finished job), and, marked `vllm`, the gate itself through the snakemake CLI with
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from eagle3prep.gate import acceptance, rows, train
+from eagle3prep.overfit_gate import acceptance, rows, train
 from eagle3prep.report.page import gate_banner
 from eagle3prep.settings import ExtractSettings, LayersSettings, RegenerateSettings
 
@@ -138,8 +138,8 @@ def test_no_trainer_python_is_one_line(monkeypatch):
 def test_gate_without_vllm_is_skipped_with_one_line(demo_model_dir, tmp_path):
     """A target vLLM cannot serve with an EAGLE-3 draft, or no vLLM at all: skipped, not failed, before
     any engine or training."""
-    from eagle3prep.gate import serve
-    from eagle3prep.gate.stage import run_overfit_gate
+    from eagle3prep.overfit_gate import serve
+    from eagle3prep.overfit_gate.stage import run_overfit_gate
 
     out = tmp_path / "overfit_gate.json"
     kwargs = dict(model_path=str(demo_model_dir), layers=LayersSettings.defaults(),
@@ -201,7 +201,7 @@ GATE_CONFIG = {
     "data": {"sources": ["chats.jsonl"]},
     "tokenize": {"max_seq_len": 128, "num_shards": 1},
     # float32: the random demo model has near-ties that bf16 decides one way alone and another when k + 1
-    # tokens are verified at once (the gate then judges the other prompts; docs/runs/overfit_gate/).
+    # tokens are verified at once (the gate then judges the other prompts; docs/runs/acceptance/overfit_gate/).
     "extract": {"dtype": "float32", "batch_tokens": 1024, "threads": 2},
     "validate": {"sample_rows": 1, "overfit_gate": True},
     "regenerate": {"dtype": "float32", "enforce_eager": True, "threads": 2},
@@ -222,7 +222,7 @@ def trainer_python() -> str:
 @pytest.mark.vllm
 def test_eagle3_support_is_asked_of_vllm_before_any_engine(tmp_path, demo_model_dir):
     pytest.importorskip("vllm")
-    from eagle3prep.gate.serve import eagle3_blocker
+    from eagle3prep.overfit_gate.serve import eagle3_blocker
 
     assert eagle3_blocker(str(demo_model_dir)) is None  # LlamaForCausalLM: SupportsEagle3
     other = tmp_path / "gpt2"
@@ -259,7 +259,7 @@ def test_overfit_gate_passes_on_correct_data_with_vllm_cpu(tmp_path):
 
 
 def test_gate_holds_the_engines_or_the_captures_gpus():
-    from eagle3prep.gate.stage import job_gpus
+    from eagle3prep.overfit_gate.stage import job_gpus
 
     assert job_gpus(RegenerateSettings.defaults(tp_size=2), ExtractSettings.defaults(backend="hf", device="cpu")) == 2
     assert job_gpus(RegenerateSettings.defaults(tp_size=1), ExtractSettings.defaults(backend="vllm", tp_size=4)) == 4

@@ -19,8 +19,8 @@ from PIL import Image, ImageDraw
 from eagle3prep.prepare import IMAGE_REASONS, REASONS, check_invariant, conversation_id, normalize, prepare
 from eagle3prep.prepare.images import ImageOptions
 from eagle3prep.settings import IMAGE_KEYS, DataSettings
-from eagle3prep.tokenization.rows import parse_conversation
-from eagle3prep.tokenization.template import TokenizeError
+from eagle3prep.tokenize.rows import parse_conversation
+from eagle3prep.tokenize.template import TokenizeError
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = [f"resources/demo/{n}" for n in ("sharegpt.jsonl", "openai.jsonl", "sharegpt.parquet", "openai.parquet")]

@@ -39,7 +39,7 @@ from eagle3prep.regenerate import thinking as th
 from eagle3prep.regenerate.review import review, sample_pairs, side_by_side
 from eagle3prep.regenerate.stage import model_len
 from eagle3prep.regenerate.turns import assemble, context_before
-from eagle3prep.tokenization import ChatEncoder, load_tokenizer
+from eagle3prep.tokenize import ChatEncoder, load_tokenizer
 
 from testkit.regenerate import A1, A2, SYS, U1, U2, FakeEngine, conv, echo
 

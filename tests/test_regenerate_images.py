@@ -17,8 +17,8 @@ from eagle3prep.records import Quarantined
 from eagle3prep.regenerate import REASONS, PromptRenderer, RegenerateSettings, Runner, ShardTally
 from eagle3prep.regenerate import thinking as th
 from eagle3prep.regenerate.review import _message_text
-from eagle3prep.tokenization import ChatEncoder, load_tokenizer
-from eagle3prep.tokenization.vision import collapse_runs
+from eagle3prep.tokenize import ChatEncoder, load_tokenizer
+from eagle3prep.tokenize.vision import collapse_runs
 
 from testkit.regenerate import FakeEngine, echo
 from testkit.tiny_vl import image_bytes

@@ -266,7 +266,7 @@ def test_sample_rows_show_trained_tokens_and_template_tokens(demo_model_dir, tmp
     import re
 
     from eagle3prep.report import page, samples
-    from eagle3prep.tokenization.template import load_tokenizer
+    from eagle3prep.tokenize.template import load_tokenizer
 
     tok = load_tokenizer(demo_model_dir)
     chat = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello, friend."}]

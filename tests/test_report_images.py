@@ -6,7 +6,7 @@ from __future__ import annotations
 from eagle3prep.prepare.errors import IMAGE_REASONS
 from eagle3prep.report import build_report, page
 from eagle3prep.report import data as rd
-from eagle3prep.tokenization.vision import UNSUPPORTED
+from eagle3prep.tokenize.vision import UNSUPPORTED
 
 from testkit.image_run import report_inputs
 

@@ -14,7 +14,7 @@ from eagle3prep.records import Conversation
 from eagle3prep.regenerate import PromptRenderer, ShardError, run_regenerate_job, split_conversations
 from eagle3prep.regenerate.merge import _check_same_settings
 from eagle3prep.settings import RegenerateSettings, TokenizeSettings
-from eagle3prep.tokenization import ChatEncoder, TokenizeError, tokenize_conversations
+from eagle3prep.tokenize import ChatEncoder, TokenizeError, tokenize_conversations
 
 from testkit.regenerate import A1, U1, U2, FakeEngine, echo
 from testkit.regenerate import conv as regen_conv

@@ -13,7 +13,7 @@ import pytest
 from eagle3prep.demo import build_demo_model
 from eagle3prep.prepare import prepare
 from eagle3prep.prepare.images import ImageOptions
-from eagle3prep.tokenization import tokenize_conversations
+from eagle3prep.tokenize import tokenize_conversations
 
 from testkit.tiny_vl import build_tiny_vl
 
@@ -242,7 +242,7 @@ def test_an_image_met_before_is_not_processed_again(monkeypatch, vl_model):
     per distinct image (its sha256), the grids are the processor's, and the memory is bounded (GRID_CACHE)."""
     from transformers import AutoTokenizer
 
-    from eagle3prep.tokenization import vision
+    from eagle3prep.tokenize import vision
 
     v = vision.load_vision(vl_model, AutoTokenizer.from_pretrained(vl_model))
     calls, real = [], v.image_processor

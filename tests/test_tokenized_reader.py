@@ -10,12 +10,12 @@ PACKAGE = REPO / "src" / "eagle3prep"
 READER = "shard/tokenized.py"
 # The other JSON-lines files the package reads, each by its own stage: none is a tokenized shard.
 OTHER_JSONL = {
-    "gate/train.py:summary": "the trainer's metrics.jsonl",
+    "overfit_gate/train.py:summary": "the trainer's metrics.jsonl",
     "regenerate/review.py:sample_pairs": "prepared and regenerated conversations",
     "regenerate/stage.py:read_shard": "prepared conversations",
     "report/data.py:quarantine_facts": "quarantine files",
-    "tokenization/row_inputs.py:_read_uris": "prepared conversations (their inline images)",
-    "tokenization/rows.py:parse_conversation": "prepared conversations",
+    "tokenize/row_inputs.py:_read_uris": "prepared conversations (their inline images)",
+    "tokenize/rows.py:parse_conversation": "prepared conversations",
 }
 
 

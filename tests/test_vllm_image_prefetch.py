@@ -23,8 +23,8 @@ import torch
 from eagle3prep.backends.vllm import image_requests, paths
 from eagle3prep.errors import UserError
 from eagle3prep.extract import iter_batches
-from eagle3prep.tokenization.row_inputs import ImageRow, RowImages
-from eagle3prep.tokenization.vision import collapse_runs
+from eagle3prep.tokenize.row_inputs import ImageRow, RowImages
+from eagle3prep.tokenize.vision import collapse_runs
 
 from testkit.image_rows import chat, draw_image, tokenize_records
 

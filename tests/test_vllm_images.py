@@ -145,7 +145,7 @@ def test_requests_made_by_the_image_pool_are_the_ones_vllm_makes_on_one_thread(v
     import torch
 
     from eagle3prep.backends.vllm import compat, image_requests, paths
-    from eagle3prep.tokenization.row_inputs import ImageRow, RowImages
+    from eagle3prep.tokenize.row_inputs import ImageRow, RowImages
 
     from testkit.image_rows import draw_image
 

@@ -30,7 +30,7 @@ def test_replies_to_image_prompts_are_regenerated_and_keep_their_images(tiny_vl_
     from eagle3prep.prepare import prepare
     from eagle3prep.prepare.images import ImageOptions
     from eagle3prep.regenerate import RegenerateSettings, merge_shards, run_regenerate_job, split_conversations
-    from eagle3prep.tokenization import tokenize_conversations
+    from eagle3prep.tokenize import tokenize_conversations
 
     from testkit.tiny_vl import image_bytes
 

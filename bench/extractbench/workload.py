@@ -183,8 +183,8 @@ def image_prompts(tokenized: Path, model: Path) -> list:
     placeholders collapsed to one (vLLM's processor expands it again), and the row's images."""
     from vllm import TokensPrompt
 
-    from eagle3prep.tokenization.row_inputs import RowImages
-    from eagle3prep.tokenization.vision import collapse_runs
+    from eagle3prep.tokenize.row_inputs import RowImages
+    from eagle3prep.tokenize.vision import collapse_runs
 
     images, prompts = RowImages(model, tokenized), []
     for line in tokenized.read_text(encoding="utf-8").splitlines():

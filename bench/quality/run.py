@@ -149,7 +149,7 @@ def train_args(opts: argparse.Namespace, export: Path, save: Path, seed: int) ->
     recipe = RECIPE if opts.size == "h200" else TOY_RECIPE
     manifest = json.loads((export / "manifest.json").read_text())
     # The epochs that hold the steps (speculators' own sampler), so its linear schedule ends at the last step.
-    from eagle3prep.gate.train import epochs_for
+    from eagle3prep.overfit_gate.train import epochs_for
 
     epochs = epochs_for(str(export), recipe["steps"], recipe["seq_len"], recipe["ratio"], 1, seed)
     return [

@@ -64,7 +64,7 @@ def tokenize_records(
     contiguous shards root/tok/shard_k.jsonl (stats.json beside them, so data: URIs are found again)."""
     from eagle3prep.prepare import prepare
     from eagle3prep.prepare.images import ImageOptions
-    from eagle3prep.tokenization import tokenize_conversations
+    from eagle3prep.tokenize import tokenize_conversations
 
     (root / "images").mkdir(parents=True, exist_ok=True)
     src, p, t = root / "in.jsonl", root / "prepared", root / "tok"

@@ -33,7 +33,7 @@ def build_image_run(wd: Path, model: Path) -> Path:
     """`wd`/results/ as a finished run with images leaves it (without report and export); returns `wd`."""
     from eagle3prep.prepare import prepare
     from eagle3prep.prepare.images import ImageOptions
-    from eagle3prep.tokenization import tokenize_conversations
+    from eagle3prep.tokenize import tokenize_conversations
     from eagle3prep.validate import validate_shard
 
     res, images = wd / "results", wd / "images"

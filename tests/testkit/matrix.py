@@ -257,7 +257,7 @@ def dump_tokens(path: Path, shards: list[Path], tokens: list[Path], refs: Refere
     from eagle3prep.shard.layout import layer_file
     from eagle3prep.shard.manifest import read_manifest
     from eagle3prep.shard.readers import read_index, read_layer
-    from eagle3prep.tokenization.row_inputs import RowImages
+    from eagle3prep.tokenize.row_inputs import RowImages
 
     out = {}
     for shard, tok in zip(shards, tokens, strict=True):

@@ -152,7 +152,7 @@ def plant_image(mistake: str, source: Path, out: Path, tokenized_shard: Path, mo
     what a capture that got the images wrong was given, by `mistake` (one of IMAGE_MISTAKES)."""
     import torch
 
-    from eagle3prep.tokenization.row_inputs import RowImages
+    from eagle3prep.tokenize.row_inputs import RowImages
     from eagle3prep.validate.reference import Reference
 
     manifest = read_manifest(source)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from eagle3prep.export import export_speculators
-from eagle3prep.gate.train import epochs_for
+from eagle3prep.overfit_gate.train import epochs_for
 
 from testkit.speculators_cpu import run_trainer_on_cpu
 

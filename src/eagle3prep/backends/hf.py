@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import UserError
 from ..layers import decoder_stack, hook_point
 from ..shard.sink import LayerSink, Segment, SinkPlan
-from ..tokenization.row_inputs import ImageRow, RowImages, load_target
+from ..tokenize.row_inputs import ImageRow, RowImages, load_target
 from .base import CaptureBackend, CaptureSpec, EngineInfo, smoke_shard
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ from ..shard.manifest import ShardManifest
 from ..shard.readers import index_of_tokenized
 from ..shard.tokenized import rows as tokenized_rows
 from ..shard.writer import ShardWriter
-from ..tokenization.row_inputs import ImageRow
+from ..tokenize.row_inputs import ImageRow
 from ..vllm_common.errors import EngineError
 
 log = get_logger("extract")

@@ -13,7 +13,7 @@ from typing import Any
 from eagle3prep.model_facts import ModelFacts
 from eagle3prep.regenerate.runner import Finished, RequestRejected
 from eagle3prep.settings import RegenerateSettings, Sampling
-from eagle3prep.tokenization.vision import EXPANDS
+from eagle3prep.tokenize.vision import EXPANDS
 from eagle3prep.vllm_common import registry
 from eagle3prep.vllm_common.errors import ChildOutput, engine_died, engine_error
 from eagle3prep.vllm_common.launch import prefer_forked_workers, resolve_workarounds, start_llm

@@ -1,12 +1,12 @@
 """Prompts as token ids, made the way the tokenize stage makes rows: the target's chat template rendered by
 transformers' apply_chat_template with the same tokenize.chat_template_kwargs, encoded by the same Rust tokenizer
-with no special tokens added (tokenization.template). The engine is given these ids (vLLM's LLM.generate with
+with no special tokens added (tokenize.template). The engine is given these ids (vLLM's LLM.generate with
 token-id prompts), not messages: LLM.chat would render with vLLM's own chat handling (content-format detection,
 its tool-call preprocessing), which is not guaranteed to give the bytes tokenize renders. Replies come back as
 token ids and are decoded here with the same tokenizer.
 
 A prompt with images is rendered the same way, then its images are loaded, checked and expanded by
-tokenization.vision as tokenize does; the engine is given one placeholder an image and the images.
+tokenize.vision as tokenize does; the engine is given one placeholder an image and the images.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from eagle3prep.config import schema_default
-from eagle3prep.tokenization.template import (
+from eagle3prep.tokenize.template import (
     Rejected,
     get_chat_template,
     load_tokenizer,
     rust_backend,
     template_kwargs,
 )
-from eagle3prep.tokenization.vision import (
+from eagle3prep.tokenize.vision import (
     UNSUPPORTED,
     collapse_runs,
     image_parts,
@@ -50,7 +50,7 @@ class PromptRenderer:
         self.template = get_chat_template(tokenizer, model_path)  # a TokenizeError naming the fix when missing
         self.chat_template_kwargs = template_kwargs(tokenizer, chat_template_kwargs, model_path)
         self.backend = rust_backend(tokenizer)
-        self._vision = None  # the target's image side (tokenization.vision), loaded at the first image prompt
+        self._vision = None  # the target's image side (tokenize.vision), loaded at the first image prompt
         self.media_ids = media_token_ids(model_path)  # the target's vision placeholders; {} for a text target
 
     @classmethod

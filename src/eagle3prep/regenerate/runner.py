@@ -23,8 +23,8 @@ from eagle3prep.regenerate.prompts import PromptRenderer
 from eagle3prep.regenerate.thinking import ThinkingPlan, is_empty, prompt_prefill, reply_message
 from eagle3prep.regenerate.turns import Rejection, TurnPlan, assemble, context_before, plan_turns
 from eagle3prep.settings import RegenerateSettings, conversation_seed
-from eagle3prep.tokenization.template import Rejected, has_images
-from eagle3prep.tokenization.vision import media_in_text
+from eagle3prep.tokenize.template import Rejected, has_images
+from eagle3prep.tokenize.vision import media_in_text
 from eagle3prep.vllm_common.errors import EngineError
 
 # Conversations admitted (prompts rendered and added) per turn of the loop. Admitting a whole window before the

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3prep.infra.atomic import atomic_open, sha256_file, write_json
-from eagle3prep.tokenization.stage import copy_lines, shard_ranges
+from eagle3prep.tokenize.stage import copy_lines, shard_ranges
 
 SPLIT_JSON = "split.json"
 

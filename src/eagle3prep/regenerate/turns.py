@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from eagle3prep.tokenization.template import has_tool_turns
+from eagle3prep.tokenize.template import has_tool_turns
 
 
 @dataclass(slots=True)

@@ -84,7 +84,7 @@ def image_facts(counts: dict[str, Any], stats: dict[str, Any], images_per_row: l
 
     A run met images when prepare counted them (counts.json lists `images` then, kept or quarantined) or
     tokenize kept image rows. Both stages name every image reason image_* / images_* (prepare.errors,
-    tokenization.vision), so a reason added later is shown without a list to update here."""
+    tokenize.vision), so a reason added later is shown without a list to update here."""
     prepared = prepared_counts(counts)["totals"]
     if "images" not in prepared and not stats.get("image_rows"):
         return None
@@ -269,7 +269,7 @@ def reference_runs(reports: list[dict[str, Any]]) -> tuple[str, str] | None:
 
 
 # The quarantine reasons of conversations with tool calls or tool schemas, per stage (prepare.errors,
-# regenerate.counts, tokenization.template.TOOL_REASON), and what each means when no record says more.
+# regenerate.counts, tokenize.template.TOOL_REASON), and what each means when no record says more.
 TOOL_REASONS = {
     ("prepare", "invalid_tool_call"): "a tool call without a function name, or tool calls or tools that are not JSON",
     ("regenerate", "tool_turns"): "regenerate.turns: all on a conversation with tool calls or results",

@@ -127,7 +127,7 @@ def load_tokenizer_or_reason(
     if not model_path:
         return None, "no model folder given"
     from ..errors import UserError
-    from ..tokenization.template import load_tokenizer
+    from ..tokenize.template import load_tokenizer
 
     try:
         return load_tokenizer(model_path, trust_remote_code), ""

@@ -140,7 +140,7 @@ def _tokenizer_key(path: Path, settings: Settings) -> str:
         transformers_version = None
     tok = settings.tokenize
     read = [settings.model.trust_remote_code, tok.template_fallback, dict(tok.chat_template_kwargs)]
-    code = Path(__file__).parents[1] / "tokenization" / "template.py"
+    code = Path(__file__).parents[1] / "tokenize" / "template.py"
     blob = [str(path.resolve()), files, read, transformers_version, code.stat().st_mtime_ns]
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -160,7 +160,7 @@ def check_tokenizer(settings: Settings, stamp: str | os.PathLike | None = TOKENI
                 return
         except OSError:
             pass
-    from ..tokenization.template import ChatEncoder, TokenizeError, load_tokenizer
+    from ..tokenize.template import ChatEncoder, TokenizeError, load_tokenizer
 
     tok = settings.tokenize
     try:
@@ -260,7 +260,7 @@ def images_note(settings: Settings, path: Path) -> str | None:
     model_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     if image_root is None and "vision_config" not in model_config:
         return None
-    from ..tokenization.vision import UNSUPPORTED, images_refusal
+    from ..tokenize.vision import UNSUPPORTED, images_refusal
 
     refusal = images_refusal(model_config)
     if refusal is None:

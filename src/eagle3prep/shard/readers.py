@@ -20,7 +20,7 @@ from .tokenized import rows as tokenized_rows
 if TYPE_CHECKING:
     import torch
 
-IMAGE_BACKENDS = ("hf", "vllm")  # extract backends that capture rows with images (tokenization/row_inputs.py)
+IMAGE_BACKENDS = ("hf", "vllm")  # extract backends that capture rows with images (tokenize/row_inputs.py)
 
 
 def read_index(shard_dir: str | os.PathLike) -> list[IndexEntry]:

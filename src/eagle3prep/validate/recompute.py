@@ -7,7 +7,7 @@ from typing import Any
 
 from ..check import Checks
 from ..shard.manifest import ShardManifest
-from ..tokenization.row_inputs import RowImages
+from ..tokenize.row_inputs import RowImages
 from ..vllm_common.versions import parse_version
 from ..vllm_common.workarounds import KNOWN_BUGS, NO_WORKAROUNDS_ENV
 from .passrule import describe_failure, judge_layer, judge_row

@@ -32,7 +32,7 @@ class Reference:
     ):
         import torch
 
-        from ..tokenization.row_inputs import load_target
+        from ..tokenize.row_inputs import load_target
 
         self.torch = torch
         self.model = load_target(model_path, getattr(torch, dtype), trust_remote_code).to(device)
@@ -63,7 +63,7 @@ class Reference:
 
     def hidden_states(self, input_ids: list[int], layer_ids: list[int], images: dict | None = None) -> dict[int, Any]:
         """{layer_id: [T, H] float32 CPU tensor} for one row; its router margins in `self.margins`. `images`: a
-        row with images' pixel inputs (tokenization.row_inputs.RowImages.batch)."""
+        row with images' pixel inputs (tokenize.row_inputs.RowImages.batch)."""
         torch = self.torch
         extra = {k: v.to(self.device) for k, v in (images or {}).items()}
         with torch.inference_mode(), self._precision():

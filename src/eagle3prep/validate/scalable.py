@@ -8,7 +8,7 @@ from typing import Any
 
 from ..check import Checks
 from ..config import schema_default
-from ..tokenization.row_inputs import RowImages
+from ..tokenize.row_inputs import RowImages
 from .logits import HEAD_CHUNK, check_logits
 from .slices import Checkpoint, hf_config, raw_config
 from .subject import ShardUnderTest

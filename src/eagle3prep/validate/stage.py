@@ -20,7 +20,7 @@ from ..infra.atomic import write_json
 from ..infra.gpus import claim_job_gpus
 from ..infra.log import get_logger
 from ..shard.shardset import read_tokenized
-from ..tokenization.row_inputs import RowImages
+from ..tokenize.row_inputs import RowImages
 from .content import check_content
 from .integrity import check_intact, check_manifest
 from .passrule import miss_probability, rows_to_sample

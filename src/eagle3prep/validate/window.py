@@ -16,7 +16,7 @@ from .subject import ShardUnderTest
 
 def _layer_forward(layer, rotary, x, pos=None):
     """One decoder layer on one row [T, H], causal (sdpa with no mask): positions 0..T-1, or `pos` [3, 1, T]
-    (a row with images: Qwen2.5-VL's 3-D rope positions, tokenization.row_inputs.RowImages.positions)."""
+    (a row with images: Qwen2.5-VL's 3-D rope positions, tokenize.row_inputs.RowImages.positions)."""
     import torch
 
     pos = torch.arange(x.shape[0])[None] if pos is None else pos

@@ -29,8 +29,8 @@ Modules, in the order a conversation meets them:
     stage     the `tokenize_conversations` driver: spill, shards, quarantine, token_freq, stats
 """
 
-from eagle3prep.tokenization.rows import EncodedChunk, encode_lines, mask_runs, parse_conversation, row_json_tail
-from eagle3prep.tokenization.stage import (
+from eagle3prep.tokenize.rows import EncodedChunk, encode_lines, mask_runs, parse_conversation, row_json_tail
+from eagle3prep.tokenize.stage import (
     BATCH_SIZE,
     copy_lines,
     no_rows_error,
@@ -38,7 +38,7 @@ from eagle3prep.tokenization.stage import (
     shard_ranges,
     tokenize_conversations,
 )
-from eagle3prep.tokenization.template import (
+from eagle3prep.tokenize.template import (
     GENERATION_RE,
     PROBE,
     TOOL_REASON,
@@ -54,7 +54,7 @@ from eagle3prep.tokenization.template import (
     rust_backend,
     tool_probe,
 )
-from eagle3prep.tokenization.workers import batched, encode_chunks
+from eagle3prep.tokenize.workers import batched, encode_chunks
 
 __all__ = [
     "BATCH_SIZE",

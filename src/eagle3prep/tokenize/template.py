@@ -21,8 +21,8 @@ from typing import Any
 
 from eagle3prep.config import schema_default, template_kwarg_clash, template_kwargs_error
 from eagle3prep.errors import UserError
-from eagle3prep.tokenization.files import missing_tokenizer_files
-from eagle3prep.tokenization.masks import Rejected, boundary_mask, marker_mask
+from eagle3prep.tokenize.files import missing_tokenizer_files
+from eagle3prep.tokenize.masks import Rejected, boundary_mask, marker_mask
 
 # The test transformers itself uses to decide whether a template tracks generation spans.
 GENERATION_RE = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
@@ -129,7 +129,7 @@ class ChatEncoder:
         """Set up the template, the Rust tokenizer and the mask source; raise TokenizeError if no mask comes out."""
         self.tokenizer = tokenizer
         self.model_path = model_path
-        self._vision = None  # the target's image side (tokenization.vision), loaded at the first image row
+        self._vision = None  # the target's image side (tokenize.vision), loaded at the first image row
         self.template = get_chat_template(tokenizer, model_path)
         self.chat_template_kwargs = template_kwargs(tokenizer, chat_template_kwargs, model_path)
         # The variables apply_chat_template hands the template: the special tokens (bos_token, eos_token, ...),
@@ -182,8 +182,8 @@ class ChatEncoder:
         return results
 
     def _encode_images(self, messages: list[dict[str, Any]], tools: list[dict] | None):
-        """A conversation with images: (ids, mask, the row's image record) or Rejected (tokenization.vision)."""
-        from eagle3prep.tokenization.vision import encode_with_images
+        """A conversation with images: (ids, mask, the row's image record) or Rejected (tokenize.vision)."""
+        from eagle3prep.tokenize.vision import encode_with_images
 
         return encode_with_images(self, messages, tools)
 

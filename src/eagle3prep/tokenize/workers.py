@@ -8,8 +8,8 @@ import signal
 import sys
 from collections.abc import Iterator
 
-from eagle3prep.tokenization.rows import EncodedChunk, encode_lines
-from eagle3prep.tokenization.template import ChatEncoder, load_tokenizer
+from eagle3prep.tokenize.rows import EncodedChunk, encode_lines
+from eagle3prep.tokenize.template import ChatEncoder, load_tokenizer
 
 _WORKER: tuple[ChatEncoder, str, int] | None = None  # a worker process's (encoder, conversations path, max_seq_len)
 

@@ -1,6 +1,6 @@
 """The gate's training: the export of its shard, then speculators' trainer through `eagle3prep-train`.
 
-It runs in a child process (`python -m eagle3prep.gate.train JOB.json`): the trainer needs speculators,
+It runs in a child process (`python -m eagle3prep.overfit_gate.train JOB.json`): the trainer needs speculators,
 hs_connectors and datasets, which a vLLM environment may lack (then `EAGLE3PREP_TRAIN_PYTHON` names a
 Python that has them, e.g. the base .venv), and a fresh process leaves nothing of the first engine in
 the trainer's memory. Overfitting on purpose: every step is one batch holding every gate row, for many
@@ -93,7 +93,7 @@ def run(job: dict[str, Any], python: str, log_path: Path, timeout: float | None 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.run(
-            [python, "-m", "eagle3prep.gate.train", str(out / "job.json")],
+            [python, "-m", "eagle3prep.overfit_gate.train", str(out / "job.json")],
             env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
         )  # fmt: skip
     if proc.returncode:

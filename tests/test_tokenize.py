@@ -1,4 +1,4 @@
-"""Tests of eagle3prep.tokenization: loss masks, quarantine, truncation, shards, stats, template errors."""
+"""Tests of eagle3prep.tokenize: loss masks, quarantine, truncation, shards, stats, template errors."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from eagle3prep.infra.atomic import sha256_file
 from eagle3prep.infra.provenance import tokenizer_identity
 from eagle3prep.records import Conversation, TokenizedRow
-from eagle3prep.tokenization import (
+from eagle3prep.tokenize import (
     ChatEncoder,
     Rejected,
     TokenizeError,
@@ -316,7 +316,7 @@ def test_worker_processes_give_identical_output(tmp_path, demo_model_dir):
 # image rows) forks the workers; each runs torch ops, as torchvision's image processors do.
 FORKED_AFTER_TORCH = """
 import torch
-from eagle3prep.tokenization import workers
+from eagle3prep.tokenize import workers
 torch.set_num_threads(2)
 torch.ones(1 << 20).mul(2).sum()
 workers.load_tokenizer = workers.ChatEncoder = lambda *a: None
@@ -606,7 +606,7 @@ def test_tool_probe_sentinels_are_new_words_and_text_arguments_are_probed_whole(
 def test_a_model_folder_without_tokenizer_files_is_refused_naming_them(tmp_path, demo_model_dir, model_type):
     """A Qwen2 folder of config.json and weights only loaded an empty tokenizer (transformers builds one from
     nothing), then was refused for its chat template; with a template copied in, for its {% generation %} block."""
-    from eagle3prep.tokenization import load_tokenizer
+    from eagle3prep.tokenize import load_tokenizer
 
     folder = tmp_path / "model"
     folder.mkdir()
@@ -633,7 +633,7 @@ def test_rows_that_end_in_a_user_turn_are_counted(tmp_path, demo_model_dir):
 
 def test_a_tokenizer_of_the_models_own_code_is_not_held_to_the_file_names(tmp_path):
     """Its code may read a vocabulary of any name: only with trust_remote_code does the folder pass unread."""
-    from eagle3prep.tokenization.files import missing_tokenizer_files
+    from eagle3prep.tokenize.files import missing_tokenizer_files
 
     config = {"auto_map": {"AutoTokenizer": ["tokenization_x.XTokenizer", None]}}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))

@@ -20,8 +20,8 @@ from typing import Any
 
 from eagle3prep.config import schema_default
 from eagle3prep.errors import UserError
-from eagle3prep.tokenization.template import Rejected
-from eagle3prep.tokenization.vision import image_parts, load_image
+from eagle3prep.tokenize.template import Rejected
+from eagle3prep.tokenize.vision import image_parts, load_image
 
 
 def is_vision_target(model_path: str | os.PathLike) -> bool:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from eagle3prep.records import Quarantined
-from eagle3prep.tokenization.template import ChatEncoder, Rejected, TokenizeError
-from eagle3prep.tokenization.vision import refuse_media_in_text
+from eagle3prep.tokenize.template import ChatEncoder, Rejected, TokenizeError
+from eagle3prep.tokenize.vision import refuse_media_in_text
 
 
 @dataclass(slots=True)
@@ -73,7 +73,7 @@ def encode_lines(
         if isinstance(result, Rejected):
             rows.append(Quarantined(conversations_path, line_no, result.reason, result.detail, conv))
             continue
-        ids, mask, *images = result  # a row with images also has its image record (tokenization.vision)
+        ids, mask, *images = result  # a row with images also has its image record (tokenize.vision)
         full_len = len(ids)
         if images and full_len > max_seq_len:
             cut = cut_images(ids, images[0], max_seq_len, encoder)

@@ -23,7 +23,7 @@ from typing import Any
 
 from eagle3prep.prepare.errors import Rejected as PrepareRejected
 from eagle3prep.prepare.images import data_uri_bytes
-from eagle3prep.tokenization.masks import Rejected, boundary_mask, marker_mask
+from eagle3prep.tokenize.masks import Rejected, boundary_mask, marker_mask
 
 # model_type -> how its processor writes an image into the text (the placeholder the chat template renders)
 EXPANDS = {"qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>"}

@@ -18,8 +18,8 @@ from eagle3prep.infra import faults
 from eagle3prep.infra.atomic import TMP_PREFIX, atomic_open, write_json, write_jsonl
 from eagle3prep.infra.provenance import tokenizer_identity
 from eagle3prep.records import Quarantined
-from eagle3prep.tokenization.template import ChatEncoder, TokenizeError, load_tokenizer
-from eagle3prep.tokenization.workers import batched, encode_chunks
+from eagle3prep.tokenize.template import ChatEncoder, TokenizeError, load_tokenizer
+from eagle3prep.tokenize.workers import batched, encode_chunks
 
 from ..infra.log import get_logger
 
