@@ -17,7 +17,7 @@ GPU_VENV := .venv-gpu
 QUIET_PIP ?= -q
 PIP_FLAGS ?= $(QUIET_PIP) --disable-pip-version-check --no-cache-dir
 # pip keeps every wheel it downloads until it exits, so each torch/NVIDIA wheel gets a call of its own to bound
-# the install's disk peak (docs/runs/venv_disk.txt). pip's .pyc files stay: without them each engine process
+# the install's disk peak (docs/runs/environments/venv_disk.txt). pip's .pyc files stay: without them each engine process
 # compiles vLLM and torch again.
 CUDA_WHEELS := grep -E '^(torch|nvidia-[a-z0-9-]+)===?[^ ]+$$'
 

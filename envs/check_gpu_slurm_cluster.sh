@@ -5,7 +5,7 @@
 # jobs get the same PYTHONPATH (the plugin submits with --export=ALL).
 # `make test-slurm` runs it after tests/test_slurm.py. Needs .venv and PyPI; as root with Slurm installed
 # (.ci/install-slurm.sh) the cluster test runs, otherwise it is skipped as in `make test-slurm`.
-# Usage: bash envs/check_gpu_slurm_cluster.sh   (printout: docs/runs/gpu_env_slurm.txt, its second part)
+# Usage: bash envs/check_gpu_slurm_cluster.sh   (printout: docs/runs/environments/gpu_env_slurm.txt, its second part)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${VENV:-.venv}/bin/python  # VENV: another checkout's .venv

@@ -17,7 +17,7 @@ DOCS = [
     *sorted((REPO / "docs" / "guides").glob("*.md")),
 ]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-# A path in backticks under one of the repository's own folders, e.g. `bench/bench_extract.py` or `docs/runs/fp8/`.
+# A path in backticks under one of the repository's own folders, e.g. `bench/bench_extract.py` or `docs/runs/storage/`.
 CITED = re.compile(r"`((?:docs|bench|scripts|tests|src|rules|envs|config|profiles|resources|\.ci)/[\w./-]*)`")
 # A path cited with the commit that held it (a deleted one-off bench: git history keeps it), e.g.
 # `bench/seed_sweep.py` at 69184f9: it must be in that commit.

@@ -20,7 +20,7 @@ and validate jobs).
 
 `make test` runs CI_POINTS: one point of each kind (the FULL_RERUN points, a job killed alone, an atomic rename
 of a manifest and of the report, a validate job mid-checks), 7 of the 23. `bench/fault_matrix.sh faults` runs
-every point (EAGLE3PREP_ALL_FAULTS=1) and keeps its output in docs/runs/ (the whole matrix is 15 minutes of CI).
+every point (EAGLE3PREP_ALL_FAULTS=1) and keeps its output in docs/runs/crash_safety/ (the whole matrix is 15 minutes of CI).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The quality bench's target (testkit.stdlib_target), its CPU-sized build.
 
-The H200 build is the same code with SIZES["h200"]; its record is docs/runs/quality/*/target/target.json.
+The H200 build is the same code with SIZES["h200"]; its record is docs/runs/acceptance/target/target.json.
 """
 
 from __future__ import annotations

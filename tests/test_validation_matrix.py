@@ -88,7 +88,7 @@ def test_fp8_storage_right_captures_pass_and_planted_mistakes_fail(tmp_path):
     assert_right_passes_and_wrong_fails(cell)
     assert all("FP8" in p["message"] for p in cell["planted"].values())  # the message names the FP8 floor
     worst = max(x["worst_margin"] for v in cell["correct"] for x in v["layers"].values())
-    assert worst < 0.5, worst  # right FP8 data well inside its bound (docs/runs/fp8)
+    assert worst < 0.5, worst  # right FP8 data well inside its bound (docs/runs/validation/matrix/cpu_fp8)
 
 
 def test_mxfp4_storage_right_captures_pass_and_planted_mistakes_fail(tmp_path):

@@ -1,6 +1,6 @@
 """Print every figure docs/evidence.md quotes on draft quality from one quality-bench run folder (OUT of run.py).
 
-    python bench/quality/summarize.py OUT [LATER_RUN ...]    # docs/runs/quality/h200_2026-12-02b/summary.txt
+    python bench/quality/summarize.py OUT [LATER_RUN ...]    # docs/runs/acceptance/summary.txt
 
 Later runs (device_more.sh: the same target rebuilt bit-identically) add cells to the first run's table:
 each section is printed per run, and the table pools every (variant, seed) of all runs.

@@ -121,7 +121,7 @@ class StreamingSafetensorsWriter:
 
 
 # BackgroundFlush defaults. A shorter interval leaves less for finish()'s final fsync, the shard's tail,
-# at the same throughput down to 64 MiB (docs/DESIGN.md §5; docs/runs/bench_sink_h200_paced.txt).
+# at the same throughput down to 64 MiB (docs/DESIGN.md §5; docs/runs/capture_settings/sink_flush_paced.txt).
 FLUSH_EVERY = 64 << 20
 # What a read-back of rows that arrived early reads at a time (PositionalSafetensorsWriter._hash_file_range)
 READBACK_BYTES = 4 << 20
