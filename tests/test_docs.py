@@ -143,6 +143,63 @@ def test_the_diary_check_sees_each_kind():
     assert diary_lines("docs/DESIGN.md", "| 2026-12-02 | 8b3c59d | 0.97 |")
 
 
+# The printouts in docs/runs/ are filed by the claim they back (docs/runs/README.md lists the folders), never by the
+# session or day that made them: no folder named *_pending, no date in a name, and no link in the docs leads into
+# either or to a file that is not there.
+RUNS = REPO / "docs" / "runs"
+ALL_DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+NAME_DATE = re.compile(r"20\d\d-?[01]\d-?[0-3]\d")  # 2026-12-02 or 20261202
+
+
+def bad_links(doc, text: str) -> list[str]:
+    """The links of `text` (a doc at `doc`) that lead nowhere or into a session folder (a part named *_pending)."""
+    bad = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue  # a web address or an anchor in the same page
+        path = (doc.parent / target.split("#")[0]).resolve()
+        if any(part.endswith("_pending") for part in path.parts) or not path.exists():
+            bad.append(f"{doc}: ({target})")
+    return bad
+
+
+def test_no_link_in_the_docs_leads_nowhere_or_into_a_session_folder():
+    bad = [b for doc in ALL_DOCS for b in bad_links(doc, doc.read_text(encoding="utf-8"))]
+    assert not bad, bad
+    cited = [  # a path in backticks, e.g. `docs/runs/storage/`, names no session folder either
+        f"{doc.relative_to(REPO)}: `{path}`"
+        for doc in ALL_DOCS
+        for path in CITED.findall(doc.read_text(encoding="utf-8"))
+        if any(part.endswith("_pending") for part in path.split("/"))
+    ]
+    assert not cited, cited
+
+
+def test_the_link_check_sees_a_missing_file_and_a_session_folder(tmp_path):
+    """The check above would pass in silence if it looked at nothing: a doc beside a session folder that exists."""
+    (tmp_path / "runs" / "h200_x_pending").mkdir(parents=True)
+    (tmp_path / "runs" / "h200_x_pending" / "log").write_text("phase a\n")
+    (tmp_path / "runs" / "ci").mkdir()
+    (tmp_path / "runs" / "ci" / "fresh_clone.txt").write_text("rc 0\n")
+    doc = tmp_path / "evidence.md"
+    assert len(bad_links(doc, "[log](runs/h200_x_pending/log) [gone](runs/ci/gone.txt)")) == 2
+    assert not bad_links(doc, "[ci](runs/ci/fresh_clone.txt) [all](runs/ci/) [web](https://x.org/a_pending) [top](#a)")
+
+
+def test_printouts_are_filed_by_claim_with_no_date_in_their_names():
+    dated = [str(p.relative_to(REPO)) for p in RUNS.rglob("*") if NAME_DATE.search(p.name)]
+    assert not dated, f"name a printout for what ran, not when (its date is in docs/evidence.md): {dated}"
+    sessions = [str(p.relative_to(REPO)) for p in RUNS.rglob("*") if p.is_dir() and p.name.endswith("_pending")]
+    assert not sessions, sessions
+    index = (RUNS / "README.md").read_text(encoding="utf-8")
+    folders = sorted(p.name for p in RUNS.iterdir() if p.is_dir())
+    unlisted = [f for f in folders if f"[{f}/]({f}/)" not in index]
+    assert not unlisted, f"docs/runs/README.md does not list the claim of {unlisted}"
+    assert not [p for p in RUNS.iterdir() if p.is_file() and p.name != "README.md"], "a printout belongs in a claim folder"
+    assert NAME_DATE.search("ci_2026-12-02.txt") and NAME_DATE.search("bench_20261130.txt")
+    assert not NAME_DATE.search("8b_hooks_393k.txt") and not NAME_DATE.search("fresh_clone_8240536.txt")
+
+
 def test_the_diaries_are_gone_and_the_readme_cites_the_evidence():
     # No byte cap on DESIGN.md or evidence.md: they are written by claim, each as long as its evidence needs.
     for diary in ("performance.md", "gpu-validation.md", "quality.md"):
