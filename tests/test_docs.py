@@ -195,7 +195,9 @@ def test_printouts_are_filed_by_claim_with_no_date_in_their_names():
     folders = sorted(p.name for p in RUNS.iterdir() if p.is_dir())
     unlisted = [f for f in folders if f"[{f}/]({f}/)" not in index]
     assert not unlisted, f"docs/runs/README.md does not list the claim of {unlisted}"
-    assert not [p for p in RUNS.iterdir() if p.is_file() and p.name != "README.md"], "a printout belongs in a claim folder"
+    assert not [p for p in RUNS.iterdir() if p.is_file() and p.name != "README.md"], (
+        "a printout belongs in a claim folder"
+    )
     assert NAME_DATE.search("ci_2026-12-02.txt") and NAME_DATE.search("bench_20261130.txt")
     assert not NAME_DATE.search("8b_hooks_393k.txt") and not NAME_DATE.search("fresh_clone_8240536.txt")
 
