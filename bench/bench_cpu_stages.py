@@ -298,7 +298,7 @@ rule tokenize:
     shell:
         "mkdir -p {{output}}"
 
-rule extract_hidden_states:
+rule extract:
     input:
         tokenized="results/tokenized",
         model="model",
@@ -319,7 +319,7 @@ rule extract_hidden_states:
     script:
         "job.py"
 
-rule validate_shard:
+rule validate:
     input:
         shard="results/hidden_states/shard_{{k}}",
         tokenized="results/tokenized",

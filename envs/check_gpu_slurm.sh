@@ -58,10 +58,10 @@ import logging
 import numpy
 from snakemake_executor_plugin_slurm.efficiency_report import parse_sacct_data
 lines = [
-    "101|job-a|extract_hidden_states|00:10:00|00:40:00|1|8|0|16000M",
+    "101|job-a|extract|00:10:00|00:40:00|1|8|0|16000M",
     "101.batch|batch||00:10:00|00:00:01|1|8|900M|",
     "101.0|python||00:10:00|00:39:00|1|8|12000M|",
-    "102|job-b|validate_shard|00:00:00|00:00:00|1|1|0|2000M",
+    "102|job-b|validate|00:00:00|00:00:00|1|1|0|2000M",
     "102.0|python||00:00:00|00:00:00|1|1|100M|",
 ]
 df = parse_sacct_data(lines, 0.0, "run", logging.getLogger("check"))

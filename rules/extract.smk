@@ -1,7 +1,7 @@
 # The GPU rule: one job per shard; the shard folder counts as finished only with its manifest.
 # Both `gpus` and Snakemake's standard `gpu` are declared, so `--resources gpus=8` and
 # `--resources gpu=8` both cap how many GPUs the running jobs hold together.
-rule extract_hidden_states:
+rule extract:
     input:
         tokenized=TOKENIZED,
         model=get_model(),

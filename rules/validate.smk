@@ -1,6 +1,6 @@
 # Manifest, checksums, row and token identity, shapes, finite values, per-layer statistics,
 # and a transformers recomputation of sampled rows. The job fails when a check fails.
-rule validate_shard:
+rule validate:
     input:
         shard="results/hidden_states/shard_{k}",
         tokenized=TOKENIZED,
@@ -27,7 +27,7 @@ rule validate_shard:
         validate={k: v for k, v in config["validate"].items() if k != "overfit_gate"},
         trust_remote_code=SETTINGS.model.trust_remote_code,
     script:
-        "../scripts/validate_shard.py"
+        "../scripts/validate.py"
 
 
 # Checksums only (`snakemake verify`): every shard's files, and the export's, against their manifests;

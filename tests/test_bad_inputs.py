@@ -387,11 +387,11 @@ def test_cli_a_configfile_is_the_whole_config_not_laid_over_the_demos(tmp_path, 
     ]
     mine.write_text(mine.read_text() + "data: {sources: [resources/demo/openai.jsonl]}\n")
     out = snakemake(wd, "-n", "--configfile", str(mine)).stdout
-    assert re.search(r"^extract_hidden_states\s+1$", out, re.M), out  # the schema's num_shards: 1, not 3
+    assert re.search(r"^extract\s+1$", out, re.M), out  # the schema's num_shards: 1, not 3
     assert "build_demo_model" not in out
     # Without --configfile the demo's config is in force, and said so.
     proc = snakemake(wd, "-n")
-    assert re.search(r"^extract_hidden_states\s+3$", proc.stdout, re.M)
+    assert re.search(r"^extract\s+3$", proc.stdout, re.M)
     assert config_lines(proc.stderr)[0].startswith("eagle3prep: config config/config.yaml (the demo's;")
 
 

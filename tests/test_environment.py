@@ -44,7 +44,7 @@ def test_a_dry_run_stops_before_any_job(tmp_path):
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if "needs vLLM" in line]
     assert len(lines) == 1 and ".venv-gpu/bin/snakemake (make gpu-env" in lines[0]
-    assert "Traceback" not in proc.stderr and "extract_hidden_states" not in proc.stdout
+    assert "Traceback" not in proc.stderr and "rule extract:" not in proc.stdout
 
 
 def test_a_save_to_disk_source_or_the_export_needs_datasets(tmp_path):
@@ -93,7 +93,7 @@ def test_a_dry_run_of_a_cuda_config_on_a_host_without_a_gpu_stops_in_one_line(tm
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if "runs on a GPU" in line]
     assert len(lines) == 1 and lines[0].startswith("config error: extract.device = cuda (extract.backend = hf)")
-    assert "Traceback" not in proc.stderr and "extract_hidden_states" not in proc.stdout
+    assert "Traceback" not in proc.stderr and "rule extract:" not in proc.stdout
 
 
 def test_only_the_jobs_that_will_run_are_asked():
@@ -105,4 +105,4 @@ def test_only_the_jobs_that_will_run_are_asked():
     hf_cuda = cfg(extract={"backend": "hf", "device": "cuda"})
     no_gpu = lambda: (False, "no torch")  # noqa: E731
     assert environment.cuda_error(hf_cuda, local_exec=True, cuda_available=no_gpu, jobs={"tokenize"}) is None
-    assert environment.cuda_error(hf_cuda, local_exec=True, cuda_available=no_gpu, jobs={"extract_hidden_states"})
+    assert environment.cuda_error(hf_cuda, local_exec=True, cuda_available=no_gpu, jobs={"extract"})

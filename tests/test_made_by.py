@@ -125,8 +125,8 @@ def test_suggested_commands_carry_the_users_configfile_and_directory(monkeypatch
     cmd = command.from_argv(argv)
     assert str(cmd) == "snakemake --configfile 'my run.yaml' --config x=1 --directory runs/a"
     command.export(cmd)
-    assert command.same_command("-R", "validate_shard") == (
-        "snakemake --configfile 'my run.yaml' --config x=1 --directory runs/a -R validate_shard"
+    assert command.same_command("-R", "validate") == (
+        "snakemake --configfile 'my run.yaml' --config x=1 --directory runs/a -R validate"
     )
     monkeypatch.delenv(command.ENV)
     assert command.same_command() == "snakemake"
@@ -148,12 +148,12 @@ def test_a_forgotten_configfile_is_refused_before_any_job_and_adding_work_is_not
         "holds 3 finished shards and was last run with config/config.yaml; this run's config other.yaml differs"
         in errors[0]
     )
-    assert "rule extract_hidden_states" not in refused.stdout
+    assert "rule extract:" not in refused.stdout
     replaced = snakemake(wd, "-n", "--configfile", "other.yaml", "--config", "replace_results=true")
     assert "replace_results: replacing the 3 finished shards of config/config.yaml" in replaced.stderr
-    assert re.search(r"^extract_hidden_states\s+3$", replaced.stdout, re.M)
+    assert re.search(r"^extract\s+3$", replaced.stdout, re.M)
     more = snakemake(wd, "-n", "--config", "export={speculators: true}")  # only adds the export
-    assert re.search(r"^export_speculators\s+1$", more.stdout, re.M) and "extract_hidden_states" not in more.stdout
+    assert re.search(r"^export_speculators\s+1$", more.stdout, re.M) and "rule extract:" not in more.stdout
 
 
 def test_a_config_change_that_redoes_finished_shards_is_announced_with_the_key_and_the_count(folder):

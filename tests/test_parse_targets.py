@@ -53,7 +53,7 @@ def test_any_other_target_after_configfile_runs_when_the_files_end_with_a_double
     cmd = [SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "-n", "--configfile", str(config)]
     proc = subprocess.run([*cmd, "--", "results/tokenized"], cwd=wd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "rule tokenize:" in proc.stdout and "extract_hidden_states" not in proc.stdout
+    assert "rule tokenize:" in proc.stdout and "rule extract:" not in proc.stdout
     guide = (REPO / "docs/guides/reruns.md").read_text()
     assert (
         "end the config files with `--`:\n`snakemake --configfile my.yaml -- results/hidden_states/shard_3`" in guide

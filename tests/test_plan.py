@@ -136,7 +136,7 @@ def test_plan_and_the_dry_run_agree_on_a_folder_of_shards_another_config_made(sm
     snakemake(wd, "plan")
     assert (wd / "results/plan/plan.txt").read_text().count("done (has manifest)") == 3
     other = ("--config", "extract={dtype: float32}")
-    assert re.search(r"^extract_hidden_states\s+3$", snakemake(wd, "-n", *other).stdout, re.M)
+    assert re.search(r"^extract\s+3$", snakemake(wd, "-n", *other).stdout, re.M)
     snakemake(wd, "plan", *other)
     text = (wd / "results/plan/plan.txt").read_text()
     assert text.count("to redo: made with dtype bfloat16 (now float32)") == 3 and "done (has manifest)" not in text

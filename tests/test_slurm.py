@@ -13,7 +13,7 @@ from testkit.slurm_cluster import LocalSlurm, foreign_config, missing_binaries, 
 from testkit.workflow import REPO, SNAKEMAKE, make_workdir, tree_digest
 
 PROFILE = REPO / "profiles" / "slurm"
-GPU_RULE = "extract_hidden_states"
+GPU_RULE = "extract"
 
 
 def _profile() -> dict:

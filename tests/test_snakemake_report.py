@@ -65,6 +65,6 @@ def test_config_edits_that_do_not_decide_the_data_leave_the_report_alone(small_d
     out = _dry_run_after_edit(wd, "extract", "batch_tokens", 512)  # a speed knob
     assert "rule report:" not in out
     out = _dry_run_after_edit(wd, "validate", "seed", 7)  # decides the validation files: the report follows
-    assert "rule validate_shard:" in out and "rule report:" in out
+    assert "rule validate:" in out and "rule report:" in out
     reason = out[out.index("rule report:") :].split("\n\n")[0]
     assert "Params have changed" not in reason  # the reason names the new validations, not a config dump

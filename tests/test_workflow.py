@@ -104,9 +104,9 @@ def test_speed_knobs_requeue_no_finished_shard_but_data_keys_do(tmp_path, full_r
         return snakemake(full_run, "-n", "--configfile", "config/config.yaml", str(override)).stdout
 
     speed = {"batch_tokens": 512, "threads": 2, "gpu_memory_utilization": 0.5, "max_num_batched_tokens": 4096}
-    assert "extract_hidden_states" not in dry_run(speed)
+    assert "rule extract:" not in dry_run(speed)
     out = dry_run({"dtype": "float32"})
-    assert re.search(r"^extract_hidden_states\s+3$", out, re.M), out
+    assert re.search(r"^extract\s+3$", out, re.M), out
     assert "Params have changed since last execution" in out
 
 
@@ -116,7 +116,7 @@ def test_chat_template_kwargs_requeue_tokenize_and_their_default_adds_no_param(f
     assert "Nothing to be done" in snakemake(full_run, "-n").stdout
     kwargs = "tokenize={chat_template_kwargs: {enable_thinking: false}}"
     out = snakemake(full_run, "-n", "--config", kwargs).stdout
-    assert re.search(r"^tokenize\s+1$", out, re.M) and re.search(r"^extract_hidden_states\s+3$", out, re.M), out
+    assert re.search(r"^tokenize\s+1$", out, re.M) and re.search(r"^extract\s+3$", out, re.M), out
     assert "Params have changed since last execution" in out
     bad = snakemake(full_run, "-n", "--config", "tokenize={chat_template_kwargs: {eos_token: x}}", check=False)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
@@ -190,9 +190,9 @@ def test_example_configs_dry_run(tmp_path, demo_model_dir):
         # Kimi-K2.5's vision tower: the parse says, in one line, that its image conversations would be quarantined.
         kimi_note = "tokenizing images for model_type 'kimi_k25' is not implemented"
         assert (kimi_note in run.stdout + run.stderr) == (name == "kimi-k2.5-int4.yaml"), run.stderr[-2000:]
-        assert re.search(rf"rule extract_hidden_states:.*?resources: [^\n]*gpus={gpus}, gpu={gpus}", out, re.S), out
+        assert re.search(rf"rule extract:.*?resources: [^\n]*gpus={gpus}, gpu={gpus}", out, re.S), out
         shards = cfg["tokenize"]["num_shards"]
-        assert re.search(rf"^extract_hidden_states\s+{shards}$", out, re.M)
+        assert re.search(rf"^extract\s+{shards}$", out, re.M)
 
 
 def test_the_same_command_heals_deleted_damaged_interrupted_and_failed_shards(tmp_path, full_run):
@@ -220,7 +220,7 @@ def test_the_same_command_heals_deleted_damaged_interrupted_and_failed_shards(tm
     assert (
         "eagle3prep: results/validation/shard_1.json is missing but results/report/dataset_manifest.json" in dry.stderr
     )
-    assert re.search(r"^extract_hidden_states\s+1$", dry.stdout, re.M), dry.stdout
+    assert re.search(r"^extract\s+1$", dry.stdout, re.M), dry.stdout
 
     # Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while shard_2 is being extracted:
     # sent by the job itself after its first batch (faults.py), where a timed signal could miss a fast job.

@@ -47,7 +47,7 @@ NEEDS = (
         "vLLM",
         "extract.backend = vllm",
         lambda s, _: s.extract.content.backend == "vllm",
-        ("extract_hidden_states",),
+        ("extract",),
     ),
     Need("vllm", "vLLM", "regenerate.enabled = true", lambda s, _: s.regenerate.workflow.enabled, ("regenerate",)),
     Need("vllm", "vLLM", "validate.overfit_gate = true", lambda s, _: s.validate.overfit_gate, ("overfit_gate",)),
@@ -117,10 +117,10 @@ def cuda_settings(settings: Settings, jobs: Collection[str] | None = None) -> li
     Python's torch (vLLM jobs find their platform themselves: the module check covers them)."""
     out = []
     ex = settings.extract.content
-    if ex.backend == "hf" and ex.device == "cuda" and (jobs is None or "extract_hidden_states" in jobs):
+    if ex.backend == "hf" and ex.device == "cuda" and (jobs is None or "extract" in jobs):
         out.append("extract.device = cuda (extract.backend = hf)")
     v = settings.validate
-    if v.reference_mode == "full" and v.device.startswith("cuda") and (jobs is None or "validate_shard" in jobs):
+    if v.reference_mode == "full" and v.device.startswith("cuda") and (jobs is None or "validate" in jobs):
         out.append(f"validate.device = {v.device}")
     return out
 
