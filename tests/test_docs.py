@@ -225,6 +225,58 @@ def test_every_evidence_row_has_its_date_commit_command_and_printout():
         assert links and all(target.startswith("runs/") for target in links), f"no printout: {row}"
 
 
+SHORT_NAME = re.compile(r"^\| `(\w+)` \| `([^`]+)`", re.M)  # evidence.md's table of short names
+BENCH = re.compile(r"(?:bench|\.ci)/[\w/.-]+\.(?:py|sh)|\.ci/run")
+
+
+def rerun_problems(text: str, repo=REPO) -> list[str]:
+    """Evidence rows whose command would not run from HEAD: it names no bench that exists, an argument the bench
+    lacks, or a step its script lacks; unless the row is marked historical with the commit that ran it."""
+    short = {name: BENCH.search(cmd)[0] for name, cmd in SHORT_NAME.findall(text)}
+    problems = []
+    for row in (line for line in text.splitlines() if line.startswith("| 20")):
+        command = [c.strip() for c in row.strip("|").split("|")][-2]
+        if command.startswith("historical: "):
+            if not AT_COMMIT.search(command):
+                problems.append(f"historical, but which bench at which commit? {row[:60]}")
+            continue
+        codes = re.findall(r"`([^`]+)`", command)
+        benches = set(BENCH.findall(command)) | {short[w] for c in codes for w in c.split()[:2] if w in short}
+        if not benches or not all((repo / b).is_file() for b in benches):
+            problems.append(f"no bench at HEAD ({sorted(benches)}): {row[:60]}")
+            continue
+        source = "".join((repo / b).read_text(encoding="utf-8") for b in benches)
+        if "bench/bench_extract.py" in benches:  # its phases live beside it
+            source += "".join(
+                f.read_text(encoding="utf-8") for f in sorted((repo / "bench/extractbench").glob("*.py"))
+            )
+        problems += [f"{flag} is no argument of {sorted(benches)}: {row[:60]}"
+                     for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", command) if f'"{flag}"' not in source]  # fmt: skip
+        for steps in re.findall(r'STEPS="?([\w ]+)"?', command):
+            problems += [f"no step {s} in {sorted(benches)}: {row[:60]}" for s in steps.split()
+                         if not re.search(rf"(?:\bstep {s}\b|^\s*{s}\))", source, re.M)]  # fmt: skip
+    return problems
+
+
+def test_every_evidence_row_runs_from_head_or_is_marked_historical():
+    text = (REPO / "docs" / "evidence.md").read_text(encoding="utf-8")
+    assert not rerun_problems(text), rerun_problems(text)
+
+
+def test_the_rerun_check_sees_a_gone_bench_a_gone_argument_and_a_gone_step():
+    short = "| `be` | `python3 bench/bench_extract.py OUT` |\n| `nv` | `bash bench/device/newest_vllm.sh OUT` |\n"
+    row = "| 2026-12-02 | 8b3c59d | x | {} | [p](runs/x.txt) |\n"
+    for command in ("`python3 bench/gone.py OUT`", "`be --phases ab --no-such-flag`", '`nv` with `STEPS="no_step"`',
+                    "historical: `bench/gone.py`, once", "`make something`"):  # fmt: skip
+        assert rerun_problems(short + row.format(command)), command
+    for command in (
+        "`be --phases ab --rows 192`",
+        '`nv` with `STEPS="long64 matrix"`',
+        "historical: `bench/x.py` at 69184f9",
+    ):
+        assert not rerun_problems(short + row.format(command)), command
+
+
 # A section that starts or ends mid-sentence: text cut when a section was moved. Prose paragraphs only (lists,
 # tables, code and headings are left alone): one that opens with a plain lowercase word after a heading or after
 # a finished paragraph, or one that ends on ';' or ',', on ':' with nothing it introduces after it, or on a word
