@@ -121,7 +121,7 @@ def main() -> None:
         t0 = time.time()
         try:
             report = validate_shard(str(where), str(tokens), str(args.out / f"v-{name}.json"), str(model),
-                                    sample_rows=10**9, device="cuda", reference="scalable")  # fmt: skip
+                                    sample_rows=10**9, device="cuda", reference="scalable", seed=0, trust_remote_code=False, windows=None)  # fmt: skip
             logits = report["scalable"]["logits"]
             covered = [(v["covered_tokens"], v["row_tokens"], round(v["mean"], 4), v["ok"]) for v in logits]
             what = "logits check (covered, row tokens, mean |d| nats, ok)"

@@ -189,7 +189,11 @@ def main() -> None:
         )
         for dtype in args.dtypes:
             refs = ReferencePair(
-                str(reference_model(family, model)), dtype, args.device, cache_rows=args.rows * args.shards
+                str(reference_model(family, model)),
+                dtype,
+                args.device,
+                cache_rows=args.rows * args.shards,
+                trust_remote_code=False,
             )
             for backend in args.backends:
                 try:

@@ -5,19 +5,16 @@ sys.stderr = open(snakemake.log[0], "w", buffering=1)
 os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM workers, tokenizers) log there too
 
 from eagle3prep.errors import one_line_errors
-from eagle3prep.validate import validate_shard
+from eagle3prep.settings import ValidateSettings
+from eagle3prep.validate import run_validate_job
 
 with one_line_errors(oom_fix="set validate.device: cpu, or lower validate.sample_rows"):
-    opts = snakemake.params.validate
-    validate_shard(
+    run_validate_job(
         snakemake.input.shard,
         snakemake.params.tokens,
         snakemake.output[0],
         model_path=snakemake.input.model,
-        sample_rows=opts["sample_rows"],
-        seed=opts["seed"],
-        device=opts["device"],
-        reference=opts["reference"],
-        windows=opts["windows"],
+        # the config as validated, equal to params.validate (the rerun trigger) in the same run
+        settings=ValidateSettings.from_config(snakemake.config),
         trust_remote_code=snakemake.params.trust_remote_code,
     )

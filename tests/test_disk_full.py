@@ -117,7 +117,18 @@ def test_disk_full_during_the_write_then_a_rerun_with_room(small_fs, tmp_path, d
     manifest = extract_shard(
         str(tokens), str(out), demo_spec(demo_model_dir), ExtractSettings.defaults(batch_tokens=512), shard=0
     )
-    report = validate_shard(str(out), str(tokens), str(tmp_path / "v.json"), str(demo_model_dir), sample_rows=1)
+    report = validate_shard(
+        str(out),
+        str(tokens),
+        str(tmp_path / "v.json"),
+        str(demo_model_dir),
+        sample_rows=1,
+        seed=0,
+        device="cpu",
+        reference=True,
+        trust_remote_code=False,
+        windows=None,
+    )
     assert report["ok"] and manifest.tokens == sum(LENGTHS)
     assert not list(out.glob(".tmp-*"))
     on_disk = sum(p.stat().st_size for p in out.iterdir())

@@ -57,7 +57,18 @@ def test_an_empty_extract_shard_starts_no_engine_and_validates(backend, engine, 
     for lid in DEMO_LAYER_IDS:
         assert load_file(out / f"layer_{lid}.safetensors")["hidden_states"].shape == (0, H)
     assert load_file(out / "token_ids.safetensors")["token_ids"].shape == (0,)
-    report = validate_shard(str(out), str(tokens), str(tmp_path / "v.json"), str(demo_model_dir))
+    report = validate_shard(
+        str(out),
+        str(tokens),
+        str(tmp_path / "v.json"),
+        str(demo_model_dir),
+        sample_rows="auto",
+        seed=0,
+        device="cpu",
+        reference=True,
+        trust_remote_code=False,
+        windows=None,
+    )
     assert report["ok"] and report["reference_sample"]["rows"] == 0
 
 

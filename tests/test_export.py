@@ -56,13 +56,22 @@ def finished_results(tmp_path_factory, model_dir: Path, storage: str = "model_dt
             settings = ExtractSettings.defaults(storage=storage, batch_tokens=64)
             extract_shard(str(tok), str(shard), demo_spec(model_dir), settings, shard=k)
             validate_shard(
-                str(shard), str(tok), str(res / f"validation/shard_{k}.json"), str(model_dir), reference=False
+                str(shard),
+                str(tok),
+                str(res / f"validation/shard_{k}.json"),
+                str(model_dir),
+                reference=False,
+                sample_rows="auto",
+                seed=0,
+                device="cpu",
+                trust_remote_code=False,
+                windows=None,
             )
             for r in rows_of(tok):
                 freq.update(t for t, m in zip(r["input_ids"], r["loss_mask"], strict=True) if m)
             first += len(lengths)
         (res / "tokenized/token_freq.json").write_text(json.dumps({str(t): c for t, c in sorted(freq.items())}))
-        export_speculators(**export_inputs(res), out_dir=str(res / "export/speculators"))
+        export_speculators(**export_inputs(res), out_dir=str(res / "export/speculators"), hidden_states="copy")
         _BUILT[storage] = res
     return _BUILT[storage]
 
@@ -275,7 +284,7 @@ def test_rerun_over_a_killed_export_ends_byte_identical(results, tmp_path):
     (out / "hidden_states/.tmp-hs_3.safetensors.x1").write_bytes(b"partial")
     (out / "hidden_states/hs_99.safetensors").write_bytes(b"stale")
     (out / "d2t-64.npy").write_bytes(b"stale")
-    export_speculators(**export_inputs(results), out_dir=str(out))
+    export_speculators(**export_inputs(results), out_dir=str(out), hidden_states="copy")
     assert tree_digest(out) == tree_digest(results / "export/speculators")
 
 

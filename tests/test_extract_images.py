@@ -16,9 +16,9 @@ import pytest
 from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.errors import UserError
 from eagle3prep.extract import extract_shard
-from eagle3prep.settings import ExtractSettings
+from eagle3prep.settings import ExtractSettings, ValidateSettings
 from eagle3prep.tokenize.row_inputs import RowImages
-from eagle3prep.validate import ValidationError, validate_shard
+from eagle3prep.validate import ValidationError, run_validate_job
 
 from testkit.image_rows import chat, tokenize_records
 from testkit.planted import IMAGE_MISTAKES, plant_image
@@ -70,7 +70,11 @@ def captured(request, tmp_path_factory):
 
 
 def validate(c, shard_dir: Path, **kw):
-    return validate_shard(str(shard_dir), str(c.shard), str(c.root / "v.json"), c.model, **kw)
+    settings = ValidateSettings.defaults(**kw)
+    return run_validate_job(
+        str(shard_dir), str(c.shard), str(c.root / "v.json"), model_path=c.model, settings=settings,
+        trust_remote_code=False,
+    )  # fmt: skip
 
 
 def test_hf_captures_image_rows_and_validation_passes_right_data(captured):

@@ -148,6 +148,11 @@ def assert_half_shard_refused(wd: Path, tmp_path: Path) -> None:
             str(tmp_path / "validation.json"),
             model_path=str(wd / "results/demo/model"),
             reference=False,
+            sample_rows="auto",
+            seed=0,
+            device="cpu",
+            trust_remote_code=False,
+            windows=None,
         )
     assert not (tmp_path / "validation.json").exists()
 

@@ -57,7 +57,8 @@ class Recorder:
         raise SystemExit(0)
 
 stage.ReferencePair = Recorder
-stage.validate_shard(sys.argv[3], sys.argv[1], sys.argv[2] + ".json", sys.argv[4], sample_rows=1, device="cuda")
+stage.validate_shard(sys.argv[3], sys.argv[1], sys.argv[2] + ".json", sys.argv[4], sample_rows=1, seed=0, device="cuda",
+                    reference=True, trust_remote_code=False, windows=None)
 """
 
 REGENERATE_JOB = """

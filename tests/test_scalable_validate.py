@@ -25,7 +25,18 @@ ROWS = 6  # rows 1 and 3 share a length (rows_swapped); logprob rows 0, 1, 3, 4 
 
 def verdict(shard: Path, tokens: Path, model: Path, out: Path, window: list[int]) -> tuple[bool, list[str], str]:
     try:
-        report = validate_shard(str(shard), str(tokens), str(out), str(model), reference="scalable", windows=[window])
+        report = validate_shard(
+            str(shard),
+            str(tokens),
+            str(out),
+            str(model),
+            reference="scalable",
+            windows=[window],
+            sample_rows="auto",
+            seed=0,
+            device="cpu",
+            trust_remote_code=False,
+        )
     except ValidationError as e:
         return False, e.failed, str(e)
     assert report["reference_mode"] == "scalable" and "reference" not in report  # no full forward ran

@@ -98,7 +98,18 @@ def fp8_workdir(demo_run: Path, wd: Path) -> Path:
         ExtractSettings.defaults(storage="fp8_e4m3", batch_tokens=1024),
         shard=0,
     )
-    validate_shard(str(shard), str(tok), str(res / "validation/shard_0.json"), str(model), reference=False)
+    validate_shard(
+        str(shard),
+        str(tok),
+        str(res / "validation/shard_0.json"),
+        str(model),
+        reference=False,
+        sample_rows="auto",
+        seed=0,
+        device="cpu",
+        trust_remote_code=False,
+        windows=None,
+    )
     return wd
 
 

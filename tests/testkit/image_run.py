@@ -55,7 +55,18 @@ def build_image_run(wd: Path, model: Path) -> Path:
     )
     for k, tok in enumerate(shards):
         shard = write_shard_of(tok, res / f"hidden_states/shard_{k}", model, LAYER_IDS, seed=k)
-        validate_shard(str(shard), str(tok), str(res / f"validation/shard_{k}.json"), str(model), reference=False)
+        validate_shard(
+            str(shard),
+            str(tok),
+            str(res / f"validation/shard_{k}.json"),
+            str(model),
+            reference=False,
+            sample_rows="auto",
+            seed=0,
+            device="cpu",
+            trust_remote_code=False,
+            windows=None,
+        )
     return wd
 
 

@@ -58,7 +58,18 @@ def peer_verdict(out: Path, device: str) -> dict:
         report.parent.mkdir(parents=True, exist_ok=True)
         tokenized = ours / "tokenized" / f"{source.name}.jsonl"
         try:
-            validate_shard(str(shard), str(tokenized), str(report), str(out / "target/model"), 10**9, device=device)
+            validate_shard(
+                str(shard),
+                str(tokenized),
+                str(report),
+                str(out / "target/model"),
+                10**9,
+                device=device,
+                seed=0,
+                reference=True,
+                trust_remote_code=False,
+                windows=None,
+            )
             verdicts[source.name] = "PASS"
         except ValidationError as e:
             verdicts[source.name] = f"FAIL: {str(e).splitlines()[0][:300]}"

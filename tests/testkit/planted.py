@@ -127,7 +127,7 @@ def rerouted(source: Path, out: Path, input_ids: list[int], row: int, token: int
     from eagle3prep.validate.routing import force_reroute
 
     manifest = read_manifest(source)
-    ref = Reference(model_path)
+    ref = Reference(model_path, device="cpu", trust_remote_code=False)
     with force_reroute(ref.model, layer, token):
         states = ref.hidden_states(input_ids, manifest.layer_ids)
     shutil.rmtree(out, ignore_errors=True)
@@ -157,7 +157,7 @@ def plant_image(mistake: str, source: Path, out: Path, tokenized_shard: Path, mo
 
     manifest = read_manifest(source)
     rows = list(tokenized_rows(tokenized_shard))
-    images, ref = RowImages(model_path, tokenized_shard), Reference(model_path)
+    images, ref = RowImages(model_path, tokenized_shard), Reference(model_path, device="cpu", trust_remote_code=False)
     wrong = {}  # position in the shard -> (input_ids, image inputs) the capture was given
     for i, row in enumerate(rows):
         if not row.get("images"):

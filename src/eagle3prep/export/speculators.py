@@ -39,9 +39,8 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..config import schema_default
 from ..errors import UserError
 from ..infra.atomic import TMP_PREFIX, atomic_open, fsync_dir, sha256_file
 from ..infra.folder import file_entry, finish_folder, open_folder
@@ -53,6 +52,9 @@ from ..shard.layout import FP8_E4M3, MANIFEST, MXFP4, TOKEN_IDS, layer_file
 from ..shard.readers import LayerReader
 from ..shard.shardset import Shard, ShardSet, ShardSetError
 from ..shard.tokenized import rows as tokenized_rows
+
+if TYPE_CHECKING:
+    from ..settings import ExportSettings
 
 log = get_logger("export")
 
@@ -220,13 +222,21 @@ def _copy_hidden_states(out: Path, shards: ShardSet, files: dict[str, dict[str, 
     return tokens
 
 
+def run_export_job(
+    shard_dirs: list[str], validations: list[str], tokenized: list[str], token_freq_json: str, out_dir: str, *,
+    settings: ExportSettings,
+) -> dict[str, Any]:  # fmt: skip
+    """The export stage's job: the validated shards written to `out_dir` as `settings` (config `export:`) say."""
+    return export_speculators(shard_dirs, validations, tokenized, token_freq_json, out_dir, settings.hidden_states)
+
+
 def export_speculators(
     shard_dirs: list[str],
     validations: list[str],
     tokenized: list[str],
     token_freq_json: str,
     out_dir: str,
-    hidden_states: str = schema_default("export", "hidden_states"),
+    hidden_states: str,
 ) -> dict[str, Any]:
     """Write `out_dir` in speculators' layout; manifest.json last. Shards must come in row order.
 

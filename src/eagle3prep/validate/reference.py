@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from ..config import schema_default
 from .routing import MarginRecorder, before_layer
 
 
@@ -25,9 +24,10 @@ class Reference:
     def __init__(
         self,
         model_path: str,
-        device: str = schema_default("validate", "device"),
+        device: str,
         dtype: str = "float32",
-        trust_remote_code: bool = schema_default("model", "trust_remote_code"),
+        *,
+        trust_remote_code: bool,
         tf32: bool = False,
     ):
         import torch
@@ -101,8 +101,8 @@ class ReferencePair:
         self,
         model_path: str,
         dtype: str,
-        device: str = schema_default("validate", "device"),
-        trust_remote_code: bool = schema_default("model", "trust_remote_code"),
+        device: str,
+        trust_remote_code: bool,
         cache_rows: int = 1,
     ):
         self.exact = Reference(model_path, device=device, trust_remote_code=trust_remote_code)

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 from ..check import Checks
-from ..config import schema_default
 from ..tokenize.row_inputs import RowImages
 from .logits import HEAD_CHUNK, check_logits
 from .slices import Checkpoint, hf_config, raw_config
@@ -29,9 +28,7 @@ def validate_scalable(
     return out
 
 
-def check_memory(
-    model, layer_ids: list[int], windows: list[tuple[int, int]] | None = schema_default("validate", "windows")
-) -> dict[str, Any]:
+def check_memory(model, layer_ids: list[int], windows: list[tuple[int, int]] | None) -> dict[str, Any]:
     """Bytes the two checks need, from config.json shapes alone (the module tree built on the meta device).
 
     logits: final norm + lm_head in fp32 plus their bf16 copy and one chunk of fp32 logits.

@@ -9,11 +9,12 @@ LayerReader (subject.py).
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..check import Checks
-from ..config import reference_mode, schema_default
+from ..config import reference_mode
 from ..errors import UserError
 from ..infra import faults
 from ..infra.atomic import write_json
@@ -28,6 +29,9 @@ from .recompute import check_reference
 from .reference import ReferencePair
 from .subject import ShardUnderTest
 
+if TYPE_CHECKING:
+    from ..settings import ValidateSettings
+
 log = get_logger("validate")
 
 
@@ -37,22 +41,37 @@ class ValidationError(UserError, RuntimeError):
     failed: list[str] = []  # noqa: RUF012 - set per instance when raised
 
 
+def run_validate_job(
+    shard_dir: str, tokenized_shard: str, out_json: str, *, model_path: str, settings: ValidateSettings,
+    trust_remote_code: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """The validate stage's job: shard `shard_dir` checked against its tokenized rows and the model at
+    `model_path`, by `settings` (config `validate:`); the report written to `out_json`."""
+    s = settings
+    return validate_shard(
+        shard_dir, tokenized_shard, out_json, model_path,
+        s.sample_rows, s.seed, s.device, s.reference, trust_remote_code, s.windows,
+    )  # fmt: skip
+
+
 def validate_shard(
     shard_dir: str,
     tokenized_shard: str,
     out_json: str,
     model_path: str,
-    sample_rows: int | str = schema_default("validate", "sample_rows"),
-    seed: int = schema_default("validate", "seed"),
-    device: str = schema_default("validate", "device"),
-    reference: bool | str = schema_default("validate", "reference"),
-    trust_remote_code: bool = schema_default("model", "trust_remote_code"),
+    sample_rows: int | str,
+    seed: int,
+    device: str,
+    reference: bool | str,
+    trust_remote_code: bool,
+    windows: Sequence[Sequence[int]] | None,
     refs: ReferencePair | None = None,
-    windows: list[list[int]] | None = schema_default("validate", "windows"),
 ) -> dict[str, Any]:
     """Run every check, write the report to `out_json`, raise ValidationError if any failed.
 
-    `refs`: a ReferencePair already loaded (the validation matrix judges many shards of one model).
+    The arguments after `model_path` are validate.* (run_validate_job passes them from the settings) and
+    model.trust_remote_code. `refs`: a ReferencePair already loaded (the validation matrix judges many shards
+    of one model).
     """
     checks = Checks()
     report: dict[str, Any] = {"shard_dir": str(shard_dir), "tokenized": str(tokenized_shard)}
@@ -85,7 +104,7 @@ def _check_sampled_rows(
     reference: bool | str,
     trust_remote_code: bool,
     refs: ReferencePair | None,
-    windows: list[list[int]] | None,
+    windows: Sequence[Sequence[int]] | None,
 ) -> dict[str, Any]:
     """The sampled rows against the model (validate.reference): the report's entries this adds. Skipped when
     an earlier check failed: a wrong shard needs no recomputation to be refused."""
