@@ -32,7 +32,7 @@ def run_cell(tmp_path, family: str, backend: str, dtype: str, storage: str = "mo
     model = build_family(family, tmp_path / "models" / family)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     tokens = [matrix.write_rows(tmp_path / f"tokens_{k}.jsonl", ROWS, vocab, k, k * ROWS) for k in range(2)]
-    refs = ReferencePair(str(model), dtype, "cpu", cache_rows=2 * ROWS)
+    refs = ReferencePair(str(model), dtype, "cpu", cache_rows=2 * ROWS, trust_remote_code=False)
     return matrix.run_cell(args, family, model, backend, dtype, tokens, refs)
 
 
@@ -111,7 +111,7 @@ def test_image_family_right_captures_pass_and_text_and_image_mistakes_fail(tmp_p
         rows = [json.loads(x) for x in tok.read_text(encoding="utf-8").splitlines()]
         assert len(rows) == ROWS and any(not r.get("images") for r in rows)
         assert len({json.dumps(r["image_grid_thw"]) for r in rows if r.get("images")}) > 1
-    refs = ReferencePair(str(model), "float32", "cpu", cache_rows=2 * ROWS)
+    refs = ReferencePair(str(model), "float32", "cpu", cache_rows=2 * ROWS, trust_remote_code=False)
     cell = matrix.run_cell(args, matrix.VL, model, "hf", "float32", tokens, refs)
     assert cell["correct_ok"] and all(v["rows"] == ROWS for v in cell["correct"]), cell["correct"]
     assert set(cell["planted"]) == {*MISTAKES, *IMAGE_MISTAKES}
@@ -127,7 +127,7 @@ def test_hf_fp32_moe_on_another_seed(tmp_path, variant, seed):
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rows = 4
     tokens = [matrix.write_rows(tmp_path / f"t{k}.jsonl", rows, vocab, 1000 * seed + k, k * rows) for k in range(2)]
-    refs = ReferencePair(str(model), "float32", "cpu", cache_rows=2 * rows)
+    refs = ReferencePair(str(model), "float32", "cpu", cache_rows=2 * rows, trust_remote_code=False)
     cell = matrix.run_cell(args, variant, model, "hf", "float32", tokens, refs)
     assert cell["correct_ok"], [v["message"] for v in cell["correct"]]
     assert all(v["rows"] == rows for v in cell["correct"])
@@ -166,7 +166,18 @@ def test_mla_rotary_bug_forced_on_fails_validation_and_names_the_bug(tmp_path, m
     )
     assert manifest.engine["workarounds"] == []
     with pytest.raises(ValidationError) as e:
-        validate_shard(str(tmp_path / "shard"), str(tokens), str(tmp_path / "v.json"), str(model))
+        validate_shard(
+            str(tmp_path / "shard"),
+            str(tokens),
+            str(tmp_path / "v.json"),
+            str(model),
+            sample_rows="auto",
+            seed=0,
+            device="cpu",
+            reference=True,
+            trust_remote_code=False,
+            windows=None,
+        )
     assert "known engine bug cpu-mla-native-rotary was not worked around" in str(e.value)
     assert "unset EAGLE3PREP_NO_WORKAROUNDS" in str(e.value) and "row " in str(e.value)
 

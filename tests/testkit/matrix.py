@@ -99,7 +99,7 @@ def validate(shard: Path, tokens: Path, model: Path, refs: ReferencePair, out: P
     try:
         report = validate_shard(
             str(shard), str(tokens), str(out), str(model), sample_rows=10**9, device=refs.exact.device,
-            reference=reference, refs=refs,
+            reference=reference, refs=refs, seed=0, trust_remote_code=False, windows=None,
         )  # fmt: skip
         return {"ok": True, "failed": [], "message": "", "report": report}
     except ValidationError as e:
