@@ -246,9 +246,9 @@ def rerun_problems(text: str, repo=REPO) -> list[str]:
             problems.append(f"no bench at HEAD ({sorted(benches)}): {row[:60]}")
             continue
         source = "".join((repo / b).read_text(encoding="utf-8") for b in benches)
-        if "bench/bench_extract.py" in benches:  # its phases live beside it
+        for package in set(re.findall(r"^from (\w+)[. ]", source, re.M)):  # a bench's parts live beside it
             source += "".join(
-                f.read_text(encoding="utf-8") for f in sorted((repo / "bench/extractbench").glob("*.py"))
+                f.read_text(encoding="utf-8") for b in benches for f in (repo / b).parent.glob(f"{package}/*.py")
             )
         problems += [f"{flag} is no argument of {sorted(benches)}: {row[:60]}"
                      for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", command) if f'"{flag}"' not in source]  # fmt: skip
