@@ -94,7 +94,7 @@ test-engines:
 test-base: $(VENV)/.installed
 	$(VENV)/bin/pytest -m "not vllm and not slurm"
 
-# The registry's contract (src/eagle3prep/vllm_common/registry.py) against the newest vLLM on PyPI, read from its
+# The registry's contract (src/eagle3prep/vllm/registry.py) against the newest vLLM on PyPI, read from its
 # wheel's source: one line per name it removed or changed (a maintainer's monthly look; docs/guides/development.md).
 vllm-contract-newest: $(VENV)/.installed
 	EAGLE3PREP_VLLM_CONTRACT=newest $(VENV)/bin/pytest tests/test_vllm_contract.py

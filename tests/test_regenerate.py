@@ -514,7 +514,7 @@ def test_the_report_funnel_names_what_the_stage_quarantined():
 
 def test_the_engine_is_configured_from_regenerate_and_fails_in_one_line():
     from eagle3prep.regenerate.engine import VLLMEngine
-    from eagle3prep.vllm_common.errors import engine_error
+    from eagle3prep.vllm.engine.errors import engine_error
 
     settings = RegenerateSettings.defaults(dtype="float32", tp_size=2, engine_args={"max_num_seqs": 64})
     engine = VLLMEngine("m", settings, settings.content.sampling, [4], 512, False)
@@ -537,7 +537,7 @@ def test_the_engine_is_configured_from_regenerate_and_fails_in_one_line():
 def test_an_engine_that_dies_mid_shard_is_one_line_naming_the_shard(renderer):
     """VLLMEngine.step turns a dead engine into one EngineError line (tests/test_engine_memory.py); the runner adds
     which regenerate shard it was on."""
-    from eagle3prep.vllm_common.errors import EngineError
+    from eagle3prep.vllm.engine.errors import EngineError
 
     class Dying(FakeEngine):
         def step(self):

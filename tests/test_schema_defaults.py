@@ -50,7 +50,7 @@ NOT_CONFIG = {
     "validate/logits.py:judge_logprobs:dtype": "the capture's dtype given by the caller",
     "validate/reference.py:Reference:dtype": "the reference forward's dtype (float32), not extract.dtype",
     "verify.py:verify:threads": "verify's own reader threads, not extract.threads",
-    "vllm_common/workarounds.py:engine_workarounds:dtype": "None: the engine's own choice",
+    "vllm/engine/workarounds.py:engine_workarounds:dtype": "None: the engine's own choice",
 }
 
 # Config values still defaulted in code, to be passed by every caller: index_of_tokenized's None stands for a

@@ -67,7 +67,7 @@ def test_a_window_cell_is_broken_by_a_failed_logits_check_or_a_mistake_it_lets_p
 
 
 def test_the_logprob_window_is_set_where_the_driver_reads_it_and_put_back(monkeypatch):
-    from eagle3prep.backends.vllm import paths
+    from eagle3prep.vllm.capture import requests as paths
 
     monkeypatch.setattr(paths, "sampling_params", lambda tag, logprobs=False: (tag, logprobs))  # no vLLM needed
     before = paths.LOGPROB_WINDOW

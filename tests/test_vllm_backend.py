@@ -23,15 +23,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from eagle3prep.backends.base import CaptureSpec  # noqa: E402
-from eagle3prep.backends.vllm.driver import VLLMBackend  # noqa: E402
 from eagle3prep.demo import build_demo_model  # noqa: E402
 from eagle3prep.settings import ExtractSettings  # noqa: E402
+from eagle3prep.vllm.capture.backend import VLLMBackend  # noqa: E402
 
 from testkit.shards import capture_rows  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Two auxiliary layers and N = 8, the pre-norm final state; plus id 0 (the embeddings) on the hooks
-# path, and id 1 instead on the built-in path, which refuses id 0 (compat.builtin_blocker).
+# path, and id 1 instead on the built-in path, which refuses id 0 (vllm/capture/choice.builtin_blocker).
 LAYER_IDS = {"builtin": [1, 2, 5, 8], "hooks": [0, 2, 5, 8]}
 ALL_IDS = sorted(set(LAYER_IDS["builtin"]) | set(LAYER_IDS["hooks"]))
 MAX_SEQ_LEN = 256
@@ -144,7 +144,7 @@ def test_probe_describes_the_engine(engine):
     assert info.final_layer_reachable is True
     assert (info.num_hidden_layers, info.hidden_size) == (8, 128)
     assert info.details["platform"] == "cpu"
-    assert info.details["workarounds"] == []  # no known engine bug on Llama (vllm_common/workarounds.KNOWN_BUGS)
+    assert info.details["workarounds"] == []  # no known engine bug on Llama (vllm/engine/workarounds.KNOWN_BUGS)
 
 
 def rows_of(full: dict[int, torch.Tensor], rows: list[list[int]], order: list[int]) -> dict[int, torch.Tensor]:
@@ -215,7 +215,7 @@ def test_the_worker_writes_the_layer_files(engine, rows):
     """Both paths write from TP rank 0's worker (its sink's timings come back by RPC); the built-in one
     through our connector, with no lock file or per-request file anywhere (no staging folder at all), a long
     row's rows handed out while it is still being prefilled (prefill_parts.py)."""
-    from eagle3prep.backends.vllm.paths import CONNECTOR_MODULE
+    from eagle3prep.vllm.capture.builtin.path import CONNECTOR_MODULE
 
     backend, info = engine
     capture_rows(backend, rows[:2])
@@ -321,17 +321,17 @@ def test_scaled_storage_encodes_where_the_rows_are(engine, rows, tmp_path):
 
 def test_long_logits_check_rows_are_checked_on_their_first_window(engine, rows, reference, tmp_path, monkeypatch):
     """A logits-check row longer than the logprob window: vLLM computes its prompt logprobs on a prefix request of
-    that many tokens (vllm_common/memory.py), whose rows are never written. The layer files still match
+    that many tokens (vllm/memory.py), whose rows are never written. The layer files still match
     transformers, the check covers the prefix and passes, and a state one token early still fails it."""
 
     from safetensors.torch import load_file
 
-    from eagle3prep.backends.vllm import paths
     from eagle3prep.extract import extract_shard
     from eagle3prep.validate.logits import check_logprobs
+    from eagle3prep.vllm.capture import requests
 
     window = 64
-    monkeypatch.setattr(paths, "LOGPROB_WINDOW", window)
+    monkeypatch.setattr(requests, "LOGPROB_WINDOW", window)
     backend, info = engine
     tokenized = write_rows(tmp_path / "shard_0.jsonl", rows)
     settings = ExtractSettings.defaults(**_section(backend.settings), logprob_rows=len(rows), batch_tokens=300)

@@ -1,4 +1,4 @@
-"""vllm_common/ (what every job that starts vLLM shares), where tests/test_vllm_compat.py does not already cover
+"""vllm/engine/ (what every job that starts vLLM shares), where tests/test_vllm_compat.py does not already cover
 it: the one engine shutdown of the extract backend and the regenerate stage. Base environment, no vLLM."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from eagle3prep.infra import shm
-from eagle3prep.vllm_common.shutdown import shutdown_engine
+from eagle3prep.vllm.engine.launch import shutdown_engine
 
 
 class Core:
@@ -38,14 +38,16 @@ def test_shutdown_stops_the_engine_drops_it_and_forgets_its_shm_record(tmp_path,
     assert core.calls == 1 and record.exists()
 
 
-def test_the_shared_home_imports_neither_vllm_nor_torch():
-    """The Snakefile's parse imports the package: vllm_common stays light (vLLM only inside functions)."""
+def test_the_vllm_wing_imports_neither_vllm_nor_torch():
+    """The Snakefile's parse imports the package: the wing stays light (vLLM and torch only inside functions)."""
     import subprocess
 
     code = (
-        "import sys, eagle3prep.vllm_common.errors, eagle3prep.vllm_common.launch, eagle3prep.vllm_common.shutdown,"
-        " eagle3prep.vllm_common.versions,"
-        " eagle3prep.vllm_common.workarounds; print(sorted({'vllm', 'torch'} & set(sys.modules)))"
+        "import sys, eagle3prep.vllm.registry, eagle3prep.vllm.families, eagle3prep.vllm.memory,"
+        " eagle3prep.vllm.engine.errors, eagle3prep.vllm.engine.launch, eagle3prep.vllm.engine.workarounds,"
+        " eagle3prep.vllm.capture.backend, eagle3prep.vllm.capture.hooks.worker,"
+        " eagle3prep.vllm.capture.builtin.connector, eagle3prep.vllm.capture.builtin.cpu_connector;"
+        " print(sorted({'vllm', 'torch'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

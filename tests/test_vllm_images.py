@@ -24,11 +24,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from eagle3prep.backends.base import CaptureSpec  # noqa: E402
-from eagle3prep.backends.vllm.driver import VLLMBackend  # noqa: E402
-from eagle3prep.backends.vllm.paths import CaptureError  # noqa: E402
 from eagle3prep.extract import extract_shard  # noqa: E402
 from eagle3prep.settings import ExtractSettings  # noqa: E402
 from eagle3prep.validate import ValidationError, validate_shard  # noqa: E402
+from eagle3prep.vllm.capture.backend import VLLMBackend  # noqa: E402
+from eagle3prep.vllm.capture.requests import CaptureError  # noqa: E402
 
 from testkit.image_rows import chat, tokenize_records  # noqa: E402
 from testkit.planted import plant_image  # noqa: E402
@@ -144,8 +144,9 @@ def test_requests_made_by_the_image_pool_are_the_ones_vllm_makes_on_one_thread(v
     is not made for that."""
     import torch
 
-    from eagle3prep.backends.vllm import compat, image_requests, paths
     from eagle3prep.tokenize.row_inputs import ImageRow, RowImages
+    from eagle3prep.vllm.capture import images as image_requests
+    from eagle3prep.vllm.capture import requests
 
     from testkit.image_rows import draw_image
 
@@ -161,16 +162,16 @@ def test_requests_made_by_the_image_pool_are_the_ones_vllm_makes_on_one_thread(v
         records.append(chat(names, f"Row {i}?", "Shapes."))
     (shard,) = tokenize_records(records, vl.model, tmp_path, MAX_SEQ_LEN)
     rows = [ImageRow(json.loads(x), shard) for x in shard.read_text(encoding="utf-8").splitlines()]
-    make = compat.request_maker(llm_engine, vllm.__version__)
+    make = image_requests.request_maker(llm_engine, vllm.__version__)
     tags = [f"pool-check-{i}" for i in range(len(rows))]
     images = RowImages(vl.model, shard)
     serial = [
-        image_requests.make_request(images, r, make, t, paths.sampling_params(t))[0]
+        image_requests.make_request(images, r, make, t, requests.sampling_params(t))[0]
         for r, t in zip(rows, tags, strict=True)
     ]
     pool = image_requests.RequestPool(make, str(vl.model))
     try:
-        futures = [pool.submit(r, t, paths.sampling_params(t)) for r, t in zip(rows, tags, strict=True)]
+        futures = [pool.submit(r, t, requests.sampling_params(t)) for r, t in zip(rows, tags, strict=True)]
         made = [f.result()[0] for f in futures]
     finally:
         pool.close()

@@ -125,7 +125,7 @@ def phase_d(args, model: Path, work: dict) -> dict:
         "kv_connector": "CPUHiddenStatesConnector" if on_cpu else "ExampleHiddenStatesConnector",
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(shm)},
-        **({"kv_connector_module_path": "eagle3prep.backends.vllm.worker"} if on_cpu else {}),
+        **({"kv_connector_module_path": "eagle3prep.vllm.capture.builtin.cpu_connector"} if on_cpu else {}),
     }
     t0 = time.perf_counter()
     llm = LLM(**kw)
@@ -316,7 +316,7 @@ def phase_e(args, model: Path, work: dict) -> dict:
     """(e) (p) with vLLM's extract_hidden_states and our connector, compiled, but no shard open: the layers are
     kept in vLLM's buffer and nothing is gathered, copied or written. What vLLM's method costs by itself; f/e is
     then what our gather and writer add."""
-    from eagle3prep.backends.vllm.paths import BuiltinPath
+    from eagle3prep.vllm.capture.builtin.path import BuiltinPath
 
     kw = BuiltinPath(layer_ids(args.shape), version="").engine_kwargs()
     kw.pop("worker_extension_cls")  # no sink attached: the connector finds no shard open and gathers nothing

@@ -104,7 +104,7 @@ def print_builtin(results: dict, scaled: str = "fp8_e4m3") -> None:
             print(line)
 
 
-# Where a shard's time outside the engine's steps went (backends/vllm/paths.py: the driver's clock)
+# Where a shard's time outside the engine's steps went (vllm/capture/loop.py: the driver's clock)
 TAIL_KEYS = ("open_s", "driver_add_s", "drain_s", "drain_steps", "finish_s")
 
 

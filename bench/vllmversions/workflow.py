@@ -19,7 +19,7 @@ from vllmversions import REPO
 def first_error(texts: list[str]) -> str | None:
     """The most telling error line: a refusal of ours, else the last exception line."""
     patterns = [
-        r"^error: .*",  # the backend's own one-line error (vllm_common/errors.engine_error)
+        r"^error: .*",  # the backend's own one-line error (vllm/engine/errors.engine_error)
         r"^(?:eagle3prep\.\S+|\S*Error|\S*Exception): .+",  # a Python exception line with a message
         r".*(?:refus|not supported|needs vLLM).*",
     ]

@@ -245,14 +245,14 @@ def check_extract_engine_args(engine_args: dict[str, Any], max_seq_len: int) -> 
 def check_capture_path(backend: str, capture_path: str, model_path: str | Path) -> None:
     """extract.capture_path against the installed vLLM and the model's family, at parse time: a family no path of
     this vLLM takes (no SupportsEagle3 for the built-in path, no hooks from 0.34 on) is refused before any GPU job,
-    in one line naming what can capture it (vllm_common/families.py). Where no vLLM is installed here, or vLLM
+    in one line naming what can capture it (vllm/families.py). Where no vLLM is installed here, or vLLM
     cannot tell, the engine start decides."""
     if backend != "vllm" or not (Path(model_path) / "config.json").is_file():
         return
     archs = ModelFacts.read(model_path).architectures
     if not archs:
         return
-    from .vllm_common import families
+    from .vllm import families
 
     asked = families.installed_support(archs[0])
     if asked is None:

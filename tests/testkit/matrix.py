@@ -8,8 +8,8 @@ Families are tiny_models', `kimi_int4` (tiny_kimi: INT4 routed experts, recomput
 groups, layers 2-5 MoE, experts at the other weights' 0.1): the shape of the router near-tie tests.
 
 With a logprob window (`args.logprob_window`, bench's `--logprob-window N`) the vLLM driver asks for the prompt
-logprobs of every row, and a row longer than N through a prefix request of its first N tokens (backends/vllm/
-paths.logprob_request), as a row over vllm_common/memory.LOGPROB_WINDOW (2,048) is on a GPU. Each shard, right
+logprobs of every row, and a row longer than N through a prefix request of its first N tokens (vllm/capture/
+requests.logprob_request), as a row over vllm/memory.LOGPROB_WINDOW (2,048) is on a GPU. Each shard, right
 and planted, is then also validated with `validate.reference: scalable`, whose logits check covers those prefixes.
 """
 
@@ -115,14 +115,14 @@ LOGITS_VISIBLE = ("layer_minus_one", "rows_swapped", "tokens_shifted", "other_sh
 def logprob_window(window: int | None):
     """The vLLM driver's logprob window set to `window` tokens for the block (None: left as it is).
 
-    paths.py imported LOGPROB_WINDOW by name and logprob_request reads that name at call time, in the process
+    requests.py imported LOGPROB_WINDOW by name and logprob_request reads that name at call time, in the process
     that adds the requests (the one holding the LLM, this one), so paths' own name is the one to set;
     memory's too, which the driver's memory plan reads."""
     if window is None:
         yield
         return
-    from eagle3prep.backends.vllm import paths
-    from eagle3prep.vllm_common import memory
+    from eagle3prep.vllm import memory
+    from eagle3prep.vllm.capture import requests as paths
 
     old = paths.LOGPROB_WINDOW, memory.LOGPROB_WINDOW
     paths.LOGPROB_WINDOW = memory.LOGPROB_WINDOW = window

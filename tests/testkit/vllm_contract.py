@@ -1,4 +1,4 @@
-"""The registry's contract (vllm_common/registry.py) checked against a vLLM wheel's own source, without importing it:
+"""The registry's contract (vllm/registry.py) checked against a vLLM wheel's own source, without importing it:
 the wheel is downloaded with `pip download --no-deps`, its `vllm/**/*.py` kept (the wheel itself is dropped), and
 every name is looked up with `ast`: modules, top-level definitions (through re-exports, `from x import *` and the
 lazy MODULE_ATTRS of `vllm/__init__.py`), class members (class body, assignments to self in any method, base
@@ -22,7 +22,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from eagle3prep.vllm_common.registry import NAMES, Name
+from eagle3prep.vllm.registry import NAMES, Name
 
 CACHE_ENV = "EAGLE3PREP_VLLM_SOURCES"
 # Every wheel of vLLM is one manylinux x86_64 abi3 build: asking for it by platform fetches the same

@@ -1,4 +1,5 @@
-"""Capture backends: one interface (base.CaptureBackend), one module per engine."""
+"""Capture backends: one interface (base.CaptureBackend), one module per engine: hf.py, empty.py, and vLLM's in
+vllm/capture/backend.py (the vLLM wing)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def make_backend(spec: CaptureSpec, settings: ExtractSettings, facts: ModelFacts
 
         return HFBackend(spec, settings)
     if spec.backend == "vllm":
-        from .vllm.driver import VLLMBackend
+        from ..vllm.capture.backend import VLLMBackend
 
         return VLLMBackend(spec, settings, facts)
     raise ValueError(f"extract.backend = {spec.backend!r} is not one of {list(BACKENDS)}")

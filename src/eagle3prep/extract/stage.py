@@ -36,7 +36,7 @@ from ..shard.readers import index_of_tokenized
 from ..shard.tokenized import rows as tokenized_rows
 from ..shard.writer import ShardWriter
 from ..tokenize.row_inputs import ImageRow
-from ..vllm_common.errors import EngineError
+from ..vllm.engine.errors import EngineError
 
 log = get_logger("extract")
 

@@ -83,7 +83,7 @@ def engine_version(backend: str) -> str:
     """The installed version of the engine `backend` would have started, without starting it: an empty
     shard's manifest names the same engine as its neighbours'."""
     if backend == "vllm":
-        from ..vllm_common.registry import installed_version
+        from ..vllm.registry import installed_version
 
         try:
             return installed_version()

@@ -14,9 +14,9 @@ from typing import Any
 from ..config import schema_default
 from ..model_facts import ModelFacts
 from ..settings import RegenerateSettings, Sampling
-from ..vllm_common import registry
-from ..vllm_common.errors import EngineError
-from ..vllm_common.registry import VLLMInternalError
+from ..vllm import registry
+from ..vllm.engine.errors import EngineError
+from ..vllm.registry import VLLMInternalError
 from . import acceptance
 
 
@@ -62,7 +62,7 @@ def eagle3_blocker(
 
 
 def _version() -> str:
-    from ..vllm_common.registry import installed_version
+    from ..vllm.registry import installed_version
 
     return installed_version()
 

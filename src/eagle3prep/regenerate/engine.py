@@ -1,5 +1,5 @@
 """The generation engine of the regenerate stage: vLLM started and stopped the way the extract backend does it
-(vllm_common: the children's output kept for the root cause, one `error:` line on a failed start, the known
+(vllm/engine: the children's output kept for the root cause, one `error:` line on a failed start, the known
 engine bugs' workarounds, the shutdown), fed token-id prompts with LLMEngine.add_request and stepped with
 LLMEngine.step, the calls the extract backend's hooks path uses from vLLM 0.16 to 0.32."""
 
@@ -14,11 +14,10 @@ from eagle3prep.model_facts import ModelFacts
 from eagle3prep.regenerate.runner import Finished, RequestRejected
 from eagle3prep.settings import RegenerateSettings, Sampling
 from eagle3prep.tokenize.vision import EXPANDS
-from eagle3prep.vllm_common import registry
-from eagle3prep.vllm_common.errors import ChildOutput, engine_died, engine_error
-from eagle3prep.vllm_common.launch import prefer_forked_workers, resolve_workarounds, start_llm
-from eagle3prep.vllm_common.shutdown import shutdown_engine
-from eagle3prep.vllm_common.workarounds import merge_engine_kwargs
+from eagle3prep.vllm import registry
+from eagle3prep.vllm.engine.errors import ChildOutput, engine_died, engine_error
+from eagle3prep.vllm.engine.launch import prefer_forked_workers, resolve_workarounds, shutdown_engine, start_llm
+from eagle3prep.vllm.engine.workarounds import merge_engine_kwargs
 
 from ..infra.log import get_logger
 

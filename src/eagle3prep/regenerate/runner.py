@@ -25,7 +25,7 @@ from eagle3prep.regenerate.turns import Rejection, TurnPlan, assemble, context_b
 from eagle3prep.settings import RegenerateSettings, conversation_seed
 from eagle3prep.tokenize.template import Rejected, has_images
 from eagle3prep.tokenize.vision import media_in_text
-from eagle3prep.vllm_common.errors import EngineError
+from eagle3prep.vllm.engine.errors import EngineError
 
 # Conversations admitted (prompts rendered and added) per turn of the loop. Admitting a whole window before the
 # first step would leave the engine idle while thousands of prompts render; in chunks, the engine (its own

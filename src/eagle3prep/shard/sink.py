@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import torch
 
 
-# Ends the tag of a logits-check row's prefix request (backends/vllm/paths.logprob_request): the engine computes
+# Ends the tag of a logits-check row's prefix request (vllm/capture/requests.logprob_request): the engine computes
 # its tokens for their prompt logprobs alone, so a sink skips them rather than refusing a request it does not know.
 PROBE_SUFFIX = "-lp"
 

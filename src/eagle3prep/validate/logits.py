@@ -104,7 +104,7 @@ def check_logprobs(model, states_n: list[Any], token_ids: list[list[int]], store
     out = []
     for s, ids, st in zip(states_n, token_ids, stored, strict=True):
         # A row longer than the engine's logprob window stores the logprobs of its first tokens only
-        # (vllm_common/memory.py): the state at a position depends on the tokens before it alone.
+        # (vllm/memory.py): the state at a position depends on the tokens before it alone.
         covered = min(len(ids), int(torch.as_tensor(st).numel()) + 1)
         s, part = s[:covered], list(ids[:covered])
         ref = logprobs_from_state(ckpt, s, part, head=heads["float32"])

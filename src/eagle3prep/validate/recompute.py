@@ -8,8 +8,8 @@ from typing import Any
 from ..check import Checks
 from ..shard.manifest import ShardManifest
 from ..tokenize.row_inputs import RowImages
-from ..vllm_common.versions import parse_version
-from ..vllm_common.workarounds import KNOWN_BUGS, NO_WORKAROUNDS_ENV
+from ..vllm.engine.workarounds import KNOWN_BUGS, NO_WORKAROUNDS_ENV
+from ..vllm.registry import parse_version
 from .passrule import describe_failure, judge_layer, judge_row
 from .reference import ReferencePair
 from .subject import ShardUnderTest

@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ...infra.log import get_logger
-from ...shard.sink import PROBE_SUFFIX
-from .compat import TAG_KEY
+from ....infra.log import get_logger
+from ....shard.sink import PROBE_SUFFIX
+from ..requests import request_tag
 
 log = get_logger("vllm connector")
 
@@ -82,7 +82,7 @@ class PrefillParts:
             if r.req_id in self.live:
                 self.live[r.req_id].stop("scheduled again from its start")
                 continue
-            tag = (getattr(r.sampling_params, "extra_args", None) or {}).get(TAG_KEY)
+            tag = request_tag(r.sampling_params)
             if tag is None or tag.endswith(PROBE_SUFFIX) or r.num_computed_tokens or r.prompt_token_ids is None:
                 continue  # not a shard row, or a prefix from the cache (its hidden states were never computed)
             blocks = list(r.block_ids[group])

@@ -17,10 +17,10 @@ import threading
 import time
 from collections.abc import Iterator
 
-from ..errors import UserError
+from ...errors import UserError
 
 KEEP_BYTES = 1 << 18  # tail of the children's output kept for the root cause
-# Marks the one line of a vLLM name eagle3prep reads and this vLLM lacks (written by vllm_common/registry.py);
+# Marks the one line of a vLLM name eagle3prep reads and this vLLM lacks (written by vllm/registry.py);
 # engine_error finds it inside vLLM's wrappers ("Worker failed with error '...'").
 INTERNAL_PHRASE = "a name eagle3prep reads of vLLM"
 
@@ -128,7 +128,7 @@ def root_cause(output: str) -> str | None:
 _NO_MOE_KERNEL = re.compile(r"No \w+ MoE backend supports")
 
 
-# A vLLM name eagle3prep reads is missing (vllm_common/registry.py): its one line, wherever vLLM wrapped it
+# A vLLM name eagle3prep reads is missing (vllm/registry.py): its one line, wherever vLLM wrapped it
 # (in-process, in the worker's traceback, or quoted in "Worker failed with error '...'").
 _MISSING_INTERNAL = re.compile(rf"vLLM \S+ has no [^'\n]*?, {re.escape(INTERNAL_PHRASE)}: [^'\n]*")
 

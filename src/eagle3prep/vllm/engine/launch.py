@@ -1,16 +1,19 @@
-"""Starting a vLLM engine, the same for every job (extract's capture backend, the regenerate stage): the known
-engine bugs resolved for this model and platform, then `vllm.LLM` with its processes' output kept for the root
-cause of a failed start, and the shared memory its processes map recorded for the next job's sweep."""
+"""Starting and stopping a vLLM engine, the same for every job (extract's capture backend, the regenerate stage, the
+gate, which starts the regenerate stage's engine): the known engine bugs resolved for this model and platform, then
+`vllm.LLM` with its processes' output kept for the root cause of a failed start, and the shared memory its processes
+map recorded for the next job's sweep."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 from collections.abc import Callable
 from typing import Any
 
 from eagle3prep.infra import shm
 
-from . import registry
+from .. import registry
 from .errors import ChildOutput, EngineError
 from .workarounds import Workarounds, engine_workarounds, workarounds_disabled
 
@@ -45,3 +48,18 @@ def start_llm(kwargs: dict[str, Any], children: ChildOutput, log: Callable[[str]
         llm = llm_class(**kwargs)
     shm.record_engine()
     return llm
+
+
+def shutdown_engine(owner: Any) -> None:
+    """Stop `owner.llm` (a vLLM LLM; None: nothing to stop) and drop it. The engine core and its workers stop,
+    the collection frees what this process held of it (the attribute is cleared first, so nothing here keeps it),
+    and the record of its /dev/shm segments is dropped (infra/shm.forget_engine). An error from vLLM's own shutdown
+    is ignored: the job drops the engine either way."""
+    if owner.llm is None:
+        return
+    with contextlib.suppress(Exception):
+        engine = registry.member(owner.llm, "LLM.llm_engine")
+        registry.member(registry.member(engine, "LLMEngine.engine_core"), "EngineCoreClient.shutdown")()
+    owner.llm = None
+    gc.collect()
+    shm.forget_engine()

@@ -1,4 +1,4 @@
-"""The requests of rows with images, made ahead of the vllm backend's driver thread.
+"""The requests of rows with images, made ahead of the capture loop's driver thread.
 
 A row with images costs vLLM's input processor (its multimodal processor runs the image processor) about 10 ms an
 image, too much for the driver's one thread at a 7B target's rate. A pool of `IMAGE_THREADS` threads makes the
@@ -13,10 +13,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ...tokenization.row_inputs import ImageRow, RowImages
-from ...tokenization.vision import collapse_runs
-from ...vllm_common import registry
-from .internals import VLLMInternalError
+from ...tokenize.row_inputs import ImageRow, RowImages
+from ...tokenize.vision import collapse_runs
+from .. import registry
+from ..registry import VLLMInternalError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -24,6 +24,18 @@ if TYPE_CHECKING:
 IMAGE_THREADS = 4  # the pool's threads
 AHEAD_ROWS = 4 * IMAGE_THREADS  # rows made ready ahead of the one added (their pixel values held until then)
 WAIT_S = 300.0  # a row's request takes well under a second: a worker this late is stuck, not slow
+
+
+def request_maker(engine: Any, version: str) -> Callable[[str, Any, Any], Any]:
+    """(tag, prompt, params) -> the request LLMEngine.add_request takes in place of a prompt: what add_request
+    would make itself (vLLM's input processor, its multimodal processor included), made on the pool's threads
+    instead of the driver's one thread. LLMEngine.input_processor.process_inputs returns an EngineCoreRequest,
+    which add_request takes as is, in vLLM 0.16 through 0.32 (0.26 and 0.32 warn that this is deprecated).
+    A vLLM without them stops in one line (vllm/registry.py)."""
+    processor = registry.member(engine, "LLMEngine.input_processor", version=version)
+    make = registry.member(processor, "InputProcessor.process_inputs", version=version)
+    supported = registry.member(engine, "LLMEngine.get_supported_tasks", version=version)()
+    return lambda tag, prompt, params: make(tag, prompt, params, supported_tasks=supported)
 
 
 def make_request(images: RowImages, ids: ImageRow, make: Callable[[str, Any, Any], Any], tag: str, params: Any):
@@ -68,7 +80,7 @@ def name_images(request: Any, uuids: list[str]) -> None:
 
 class RequestPool:
     """Makes rows' requests on IMAGE_THREADS threads with the engine's input processor (`make`,
-    compat.request_maker). Each future gives (request, seconds). close() waits for the running tasks (a thread
+    request_maker). Each future gives (request, seconds). close() waits for the running tasks (a thread
     cannot be stopped) and, with abandon=True after a failure, cancels the pending ones."""
 
     def __init__(self, make: Callable[[str, Any, Any], Any], model_path: str):

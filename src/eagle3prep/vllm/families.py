@@ -5,10 +5,10 @@ SupportsEagle3 (its EAGLE-3 interface): without it the engine start fails with "
 interface". The hooks need no interface, only vLLM's V1 model runner, gone since 0.34. A family without the
 interface on a vLLM without the hooks has no path: refused in one line that names what can capture it.
 
-The interface is asked of the installed vLLM's model registry (names in vllm_common/registry.py). At parse time that
+The interface is asked of the installed vLLM's model registry (names in vllm/registry.py). At parse time that
 runs in a child process, since importing vLLM's model classes costs seconds and torch's memory, and its answer is
 kept in a stamp per vLLM version and architecture.
-Usage: python -m eagle3prep.vllm_common.families ARCH  (prints ANSWER_PREFIX and the answer as JSON)
+Usage: python -m eagle3prep.vllm.families ARCH  (prints ANSWER_PREFIX and the answer as JSON)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from . import registry
-from .versions import parse_version
+from .registry import parse_version
 
 # Parse runs on every `snakemake -n`: the same vLLM is not asked twice about the same architecture.
 STAMP = ".snakemake/eagle3prep/eagle3-check.json"

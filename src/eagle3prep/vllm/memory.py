@@ -5,7 +5,7 @@ takes `gpu_memory_utilization` of the card. What the logits check and the hooks 
 the rest. On a 141 GB card at 0.85, prompt logprobs of one 16,384-token chunk over a 128,256-token vocabulary did
 not: vLLM's `compute_logprobs` asked for 7.83 GiB (one fp32 [tokens, vocab] tensor) and the engine died.
 
-So the logits check asks vLLM for at most LOGPROB_WINDOW tokens of a row at once (paths.py sends a prefix
+So the logits check asks vLLM for at most LOGPROB_WINDOW tokens of a row at once (capture/requests.py sends a prefix
 request for a longer row), and the utilisation is lowered where the rest of the card cannot hold the peak.
 """
 

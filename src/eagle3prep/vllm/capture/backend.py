@@ -1,6 +1,6 @@
 """vLLM capture backend (DESIGN.md §5): start the engine, pick a capture path, stream a shard.
 
-probe() picks the path (extract.capture_path: auto | builtin | hooks; paths.py), starts the engine
+probe() picks the path (extract.capture_path: auto | builtin | hooks; choice.py), starts the engine
 and writes a one-row smoke shard at the real TP size, so a wrong layer count stops the job before
 its real work, with the vLLM version and the fix in the message.
 """
@@ -13,19 +13,22 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from ...backends.base import CaptureBackend, CaptureSpec, EngineInfo, smoke_shard
 from ...config import ConfigError
 from ...errors import UserError
 from ...layers import check_layer_ids
 from ...model_facts import ModelFacts, require_hidden_size
 from ...shard.sink import SinkPlan
-from ...tokenization.vision import EXPANDS
-from ...vllm_common import families, memory, registry, workarounds
-from ...vllm_common.errors import ChildOutput, EngineError, engine_died, engine_error
-from ...vllm_common.launch import prefer_forked_workers, resolve_workarounds, start_llm
-from ...vllm_common.shutdown import shutdown_engine
-from ..base import CaptureBackend, CaptureSpec, EngineInfo, smoke_shard
-from . import compat
-from .paths import BuiltinPath, CaptureError, HooksPath, log
+from ...tokenize.vision import EXPANDS
+from .. import families, memory, registry
+from ..engine import workarounds
+from ..engine.errors import ChildOutput, EngineError, engine_died, engine_error
+from ..engine.launch import prefer_forked_workers, resolve_workarounds, shutdown_engine, start_llm
+from . import choice
+from .builtin.path import BuiltinPath
+from .hooks.path import HooksPath
+from .loop import log
+from .requests import CaptureError
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -55,7 +58,7 @@ class VLLMBackend(CaptureBackend):
         self._shards = itertools.count()
         self._workarounds = workarounds.Workarounds()
         self._children = ChildOutput()
-        self.memory_note = ""  # how the GPU memory was planned (vllm_common/memory.py), for the manifest
+        self.memory_note = ""  # how the GPU memory was planned (vllm/memory.py), for the manifest
 
     # ---- probe -------------------------------------------------------------------------------
     def probe(self) -> EngineInfo:
@@ -122,7 +125,7 @@ class VLLMBackend(CaptureBackend):
             num_hidden_layers=n,
             hidden_size=require_hidden_size(model, self.spec.model_path),
             final_layer_reachable=self.path.name == "hooks"
-            or compat.builtin_final_layer_reachable(version, model.architectures),
+            or choice.builtin_final_layer_reachable(version, model.architectures),
             details={
                 "final_layer_captured": n in self.spec.layer_ids,
                 "architectures": model.architectures,
@@ -146,14 +149,14 @@ class VLLMBackend(CaptureBackend):
         wanted = self.settings.content.capture_path  # the schema allows auto | builtin | hooks
         arch = model.architectures[0] if model.architectures else "the model"
         # A family no path of this vLLM takes, or hooks asked of a vLLM without them: the parse-time line, again
-        # here for a job whose environment the parse could not see (vllm_common/families.py).
+        # here for a job whose environment the parse could not see (vllm/families.py).
         if refusal := families.refusal(version, arch, wanted, supports_eagle3):
             raise ConfigError(refusal)
         # What the hooks read of vLLM's V1 model runner is gone from this vLLM (0.34 on): auto has the built-in path.
         hooks_gone = registry.blocked(registry.HOOKS, version)
         if wanted == "hooks":
             return ["hooks"], None
-        blocker = compat.builtin_blocker(
+        blocker = choice.builtin_blocker(
             version, model.architectures, self.spec.layer_ids, model.num_hidden_layers, supports_eagle3
         )
         if hooks_gone and wanted == "auto":
@@ -175,7 +178,7 @@ class VLLMBackend(CaptureBackend):
         if blocker:
             log(f"the built-in path is no fallback here: {blocker}")
             return ["hooks"], blocker
-        if compat.builtin_first(version, on_cpu):
+        if choice.builtin_first(version, on_cpu):
             # No GPU measurement of this vLLM: the nearest are 0.34's built-in path (0.94 / 0.93 of compiled
             # prefill; the matrix's cells validated) and 0.26's hooks (docs/guides/install.md).
             return ["builtin", "hooks"], None
@@ -208,7 +211,7 @@ class VLLMBackend(CaptureBackend):
         kwargs.update(content.engine_args)  # the user's word wins, as documented...
         kwargs.update(path.engine_kwargs())  # ...except where a capture path needs its setting (hooks: eager)
         if self.facts.vision_model_type in EXPANDS:
-            # Image rows' requests are made by several workers (image_requests.RequestPool); vLLM's processor cache is
+            # Image rows' requests are made by several workers (images.RequestPool); vLLM's processor cache is
             # not made for that (its sender side mirrors the engine's cache in the order requests are made).
             kwargs["mm_processor_cache_gb"] = 0
         kwargs = workarounds.merge_engine_kwargs(kwargs, self._workarounds.engine_kwargs)  # known engine bugs
@@ -222,7 +225,7 @@ class VLLMBackend(CaptureBackend):
 
     def _memory_plan(self, kwargs: dict[str, Any]) -> memory.MemoryPlan:
         """Room outside vLLM's budget for the logits check's prompt logprobs and the hooks' step copies
-        (vllm_common/memory.py), logged and kept for the manifest."""
+        (vllm/memory.py), logged and kept for the manifest."""
         step = int(kwargs.get("max_num_batched_tokens") or self.settings.speed.max_num_batched_tokens)
         need = memory.hooks_peak_bytes(step, self.facts.hidden_size or 0, len(self.spec.layer_ids))
         if self.settings.content.logprob_rows:
@@ -237,7 +240,7 @@ class VLLMBackend(CaptureBackend):
         if name == "builtin":
             self.path = BuiltinPath(self.spec.layer_ids, version, self.spec.model_path)
         else:
-            # The hooks read the V1 model runner's input batch (compat.step_layout).
+            # The hooks read the V1 model runner's input batch (hooks/internals.step_layout).
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
             self.path = HooksPath(self.spec.layer_ids, version, self.spec.model_path)
         kwargs = self._engine_kwargs(self.path)
@@ -257,7 +260,7 @@ class VLLMBackend(CaptureBackend):
 
     def _hint(self, version: str, model: ModelFacts) -> str:
         if self.path is not None and self.path.name == "builtin":
-            return compat.builtin_fix_hint(version, model.architectures)
+            return choice.builtin_fix_hint(version, model.architectures)
         return "report this model and vLLM version; the hf backend (extract.backend: hf) is the fallback"
 
     # ---- capture -----------------------------------------------------------------------------
@@ -282,8 +285,9 @@ class VLLMBackend(CaptureBackend):
         """The scheduler's token budget per forward step (the largest step the worker will see; engine_args may
         have changed it from extract.max_num_batched_tokens), and a tag prefix new to this engine: request ids
         must be unique for the engine's lifetime."""
-        config = getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None)
-        budget = getattr(getattr(config, "scheduler_config", None), "max_num_batched_tokens", None)
+        engine = registry.member(self.llm, "LLM.llm_engine")
+        scheduler = registry.member(registry.member(engine, "LLMEngine.vllm_config"), "VllmConfig.scheduler_config")
+        budget = registry.member(scheduler, "SchedulerConfig.max_num_batched_tokens")
         return SinkPlan(
             step_tokens=int(budget or self.settings.speed.max_num_batched_tokens),
             slots=HOST_SLOTS,

@@ -1,0 +1,26 @@
+"""The hooks path, driver side: forward hooks in the worker extension (worker.HiddenStatesCapture); TP rank 0's
+worker writes the layer files, and holds every row of a request once it ended."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import message
+from ..loop import WorkerSinkPath, log
+from .worker import HiddenStatesCapture
+
+WORKER_EXTENSION = f"{HiddenStatesCapture.__module__}.{HiddenStatesCapture.__qualname__}"
+
+
+class HooksPath(WorkerSinkPath):
+    """Forward hooks in the worker extension; TP rank 0's worker writes the layer files."""
+
+    name = "hooks"
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        # Hooks need eager mode: compiled graphs (torch.compile, CUDA graphs) bypass module hooks.
+        return {"worker_extension_cls": WORKER_EXTENSION, "enforce_eager": True}
+
+    def install(self, llm: Any) -> None:
+        reply = message.call(llm, "e3p_install_hooks", self.layer_ids, version=self.version)
+        log(f"hooks installed on rank 0: {reply.to_wire()}")
