@@ -22,6 +22,7 @@ def in_tmp(tmp_path, monkeypatch):
 
 
 def plan_of(**kw):
+    kw = {"tokens_per_s": None, "engine_start_s": 60, "storage": "model_dtype", **kw}
     return make_plan(SIZES, num_layers=4, hidden_size=128, dtype="bfloat16", hidden_states_dir="results/hidden_states",
                      **kw)  # fmt: skip
 

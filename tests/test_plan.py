@@ -16,11 +16,29 @@ SIZES = [{"shard": 0, "rows": 10, "tokens": 3000}, {"shard": 1, "rows": 9, "toke
 def test_bytes_free_space_and_finished_shards(tmp_path):
     (tmp_path / "shard_0").mkdir()
     (tmp_path / "shard_0" / "manifest.json").write_text("{}")
-    plan = make_plan(SIZES, num_layers=4, hidden_size=4096, dtype="bfloat16", hidden_states_dir=tmp_path / "nope")
+    plan = make_plan(
+        SIZES,
+        num_layers=4,
+        hidden_size=4096,
+        dtype="bfloat16",
+        hidden_states_dir=tmp_path / "nope",
+        tokens_per_s=None,
+        engine_start_s=60,
+        storage="model_dtype",
+    )
     assert [s["done"] for s in plan["shards"]] == [False, False]  # another folder: nothing finished there
     assert plan["free_space_path"] == str(tmp_path)  # the nearest existing parent's filesystem
 
-    plan = make_plan(SIZES, num_layers=4, hidden_size=4096, dtype="bfloat16", hidden_states_dir=tmp_path)
+    plan = make_plan(
+        SIZES,
+        num_layers=4,
+        hidden_size=4096,
+        dtype="bfloat16",
+        hidden_states_dir=tmp_path,
+        tokens_per_s=None,
+        engine_start_s=60,
+        storage="model_dtype",
+    )
     assert [s["bytes"] for s in plan["shards"]] == [
         shard_bytes(3000, 10, 4, 4096, "bfloat16"),
         shard_bytes(1000, 9, 4, 4096, "bfloat16"),
@@ -35,18 +53,35 @@ def test_bytes_free_space_and_finished_shards(tmp_path):
 def test_empty_shards_are_named_with_the_shard_count_that_avoids_them(tmp_path):
     sizes = [{"shard": 0, "rows": 1, "tokens": 30}, {"shard": 1, "rows": 1, "tokens": 20}]
     sizes += [{"shard": k, "rows": 0, "tokens": 0} for k in (2, 3)]  # 2 rows, num_shards = 4
-    plan = make_plan(sizes, 4, 128, "bfloat16", tmp_path)
+    plan = make_plan(sizes, 4, 128, "bfloat16", tmp_path, tokens_per_s=None, engine_start_s=60, storage="model_dtype")
     assert plan["empty_shards"] == [2, 3]
     assert (
         "empty shards: 2 of 4 hold no rows (2 rows for 4 shards); they start no engine and validate, but each "
         "is still a job; set tokenize.num_shards to 2 or fewer to avoid them"
     ) in format_plan(plan)
-    assert make_plan(SIZES, 4, 128, "bfloat16", tmp_path)["empty_shards"] == []
-    assert "empty shards" not in format_plan(make_plan(SIZES, 4, 128, "bfloat16", tmp_path))
+    assert (
+        make_plan(SIZES, 4, 128, "bfloat16", tmp_path, tokens_per_s=None, engine_start_s=60, storage="model_dtype")[
+            "empty_shards"
+        ]
+        == []
+    )
+    assert "empty shards" not in format_plan(
+        make_plan(SIZES, 4, 128, "bfloat16", tmp_path, tokens_per_s=None, engine_start_s=60, storage="model_dtype")
+    )
 
 
 def test_job_time_and_a_shard_size_that_keeps_start_up_under_5_percent(tmp_path):
-    plan = make_plan(SIZES, 4, 4096, "bfloat16", tmp_path, tokens_per_s=100.0, engine_start_s=60.0, gpus_per_job=8)
+    plan = make_plan(
+        SIZES,
+        4,
+        4096,
+        "bfloat16",
+        tmp_path,
+        tokens_per_s=100.0,
+        engine_start_s=60.0,
+        gpus_per_job=8,
+        storage="model_dtype",
+    )
     assert [s["job_s"] for s in plan["shards"]] == [90.0, 70.0]
     assert plan["job_hours_left"] == round(160 / 3600, 3) and plan["gpu_hours_left"] == round(8 * 160 / 3600, 3)
     assert plan["start_share_worst"] == round(60 / 70, 4)
@@ -68,7 +103,8 @@ def test_plan_run_reads_layers_and_hidden_size_from_the_model(tmp_path, demo_mod
     settings = Settings.from_config(config)
     args = {"layers": settings.layers, "plan": settings.plan, "model_path": str(demo_model_dir)}
     args |= {"dtype": settings.extract.content.dtype, "windows": settings.validate.windows}
-    args |= {"reference": settings.validate.reference}
+    args |= {"reference": settings.validate.reference, "validate_device": settings.validate.device}
+    args |= {"sample_rows": settings.validate.sample_rows}
     text = plan_run(stats, tmp_path / "hs", tmp_path / "plan.json", tmp_path / "plan.txt", storage=None, **args)
     plan = json.loads((tmp_path / "plan.json").read_text())
     # Issue #27 item 7: the default (full) reference loads the whole model; the scalable one's line is not its own.
@@ -93,7 +129,9 @@ def test_a_throughput_of_zero_is_a_config_error():
 def test_one_shard_is_singular(tmp_path):
     """It printed "at most 1 shards" (and "1 shards" in the table's header) for a small run."""
     sizes = [{"shard": 0, "rows": 10, "tokens": 3000}]
-    text = format_plan(make_plan(sizes, 4, 4096, "bfloat16", tmp_path, tokens_per_s=100.0, engine_start_s=60.0))
+    text = format_plan(
+        make_plan(sizes, 4, 4096, "bfloat16", tmp_path, tokens_per_s=100.0, engine_start_s=60.0, storage="model_dtype")
+    )
     assert "at most 1 shard for 3,000 tokens" in text and text.startswith("eagle3prep plan: 1 shard, ")
     assert "1 shards" not in text
 
@@ -109,7 +147,17 @@ def test_a_finished_shard_of_another_config_or_older_tokens_is_to_redo_as_the_wo
         (hs / f"shard_{k}" / "manifest.json").write_text(json.dumps(made | over))
     sizes = [{"shard": k, "rows": 1, "tokens": 100} for k in range(4)]
     now = {"layer_ids": [2, 4, 5, 8], "dtype": "bfloat16", "storage": "model_dtype", "model_path": "m"}
-    plan = make_plan(sizes, 4, 128, "bfloat16", hs, tokens_per_s=100.0, made_with=now | {"tokenized": tokenized})
+    plan = make_plan(
+        sizes,
+        4,
+        128,
+        "bfloat16",
+        hs,
+        tokens_per_s=100.0,
+        made_with=now | {"tokenized": tokenized},
+        engine_start_s=60,
+        storage="model_dtype",
+    )
     assert [s["done"] for s in plan["shards"]] == [True, False, False, False]
     assert plan["shards"][1]["redo"] == "made with layer_ids [1, 2, 3, 8] (now [2, 4, 5, 8])"
     assert plan["shards"][2]["redo"] == "made with model_path other (now m)"
@@ -117,7 +165,17 @@ def test_a_finished_shard_of_another_config_or_older_tokens_is_to_redo_as_the_wo
     assert "to redo: made with layer_ids [1, 2, 3, 8]" in text and plan["job_hours_left"] > 0
     later = (hs / "shard_0" / "manifest.json").stat().st_mtime_ns + 10**9
     os.utime(tokenized / ".snakemake_timestamp", ns=(later, later))  # tokenized again since shard_0 was made
-    plan = make_plan(sizes, 4, 128, "bfloat16", hs, made_with=now | {"tokenized": tokenized})
+    plan = make_plan(
+        sizes,
+        4,
+        128,
+        "bfloat16",
+        hs,
+        made_with=now | {"tokenized": tokenized},
+        tokens_per_s=None,
+        engine_start_s=60,
+        storage="model_dtype",
+    )
     assert (
         plan["shards"][0]["redo"] == "older than the tokenized shards"
         and plan["bytes_to_write"] == plan["bytes_total"]

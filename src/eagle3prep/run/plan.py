@@ -12,16 +12,17 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, model_layer_ids, reference_mode, schema_default
+from ..config import ConfigError, model_layer_ids, reference_mode
 from ..extract import free_space_probe, shard_bytes
 from ..infra.atomic import atomic_open, write_json
 from ..infra.disk import human_bytes
 from ..model_facts import ModelFacts, require_hidden_size
-from ..settings import LayersSettings, PlanSettings
+from ..settings import LayersSettings, PlanSettings, Settings
 from ..shard.formats import storage_format
 from ..shard.layout import MANIFEST
 from . import bill
@@ -53,10 +54,11 @@ def make_plan(
     hidden_size: int,
     dtype: str,
     hidden_states_dir: str | os.PathLike,
-    tokens_per_s: float | None = schema_default("plan", "tokens_per_s"),
-    engine_start_s: float = schema_default("plan", "engine_start_s"),
+    *,
+    tokens_per_s: float | None,
+    engine_start_s: float,
+    storage: str,
     gpus_per_job: int = 1,
-    storage: str = schema_default("extract", "storage"),
     made_with: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The plan as a JSON-able dict.
@@ -284,6 +286,22 @@ def write_plan(plan: dict[str, Any], json_path: str | os.PathLike, txt_path: str
     return text
 
 
+def run_plan_job(
+    stats_path: str | os.PathLike, hidden_states_dir: str | os.PathLike, json_path: str | os.PathLike,
+    txt_path: str | os.PathLike, *, model_path: str, settings: Settings, gpus_per_job: int,
+) -> str:  # fmt: skip
+    """The `plan` rule's job: the extract jobs planned from the whole config's `settings` (layers, extract's
+    dtype and storage, plan, validate, export); `gpus_per_job`: what one extract job holds (common.smk get_gpus)."""
+    s = settings
+    return plan_run(
+        stats_path, hidden_states_dir, json_path, txt_path,
+        model_path=model_path, layers=s.layers, dtype=s.extract.content.dtype, storage=s.extract.content.storage,
+        plan=s.plan, reference=s.validate.reference, windows=s.validate.windows, validate_device=s.validate.device,
+        sample_rows=s.validate.sample_rows, gpus_per_job=gpus_per_job,
+        export_copy=s.export.speculators and s.export.hidden_states == "copy",
+    )  # fmt: skip
+
+
 def plan_run(
     stats_path: str | os.PathLike,
     hidden_states_dir: str | os.PathLike,
@@ -296,11 +314,11 @@ def plan_run(
     storage: str | None,
     plan: PlanSettings,
     reference: bool | str,
-    windows: list[list[int]] | None = schema_default("validate", "windows"),
+    windows: Sequence[Sequence[int]] | None,
+    validate_device: str,
+    sample_rows: int | str,
     gpus_per_job: int = 1,
     export_copy: bool = False,
-    validate_device: str = schema_default("validate", "device"),
-    sample_rows: int | str = schema_default("validate", "sample_rows"),
 ) -> str:
     """The `plan` rule: plan the extract jobs of these config values (validated), write the plan, return its text.
 
