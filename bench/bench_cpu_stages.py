@@ -167,6 +167,9 @@ def tokenize_into(out: Path, model_dir: Path, conversations: Path, max_seq_len: 
         out / "q.jsonl",
         max_seq_len=max_seq_len,
         workers=workers,
+        template_fallback=True,
+        trust_remote_code=False,
+        chat_template_kwargs={},
     )
 
 
@@ -276,7 +279,15 @@ def bench_cpu(tmp: Path, args, prepare) -> None:
     """(1) prepare and tokenize throughput."""
     model, convs, large, src = bench_inputs(tmp, args.conversations, args.large_vocab)
     _, t_prep, _ = best_of(
-        args.repeat, lambda: prepare([str(src)], tmp / "conv.jsonl", tmp / "q.jsonl", tmp / "counts.json")
+        args.repeat,
+        lambda: prepare(
+            [str(src)],
+            tmp / "conv.jsonl",
+            tmp / "q.jsonl",
+            tmp / "counts.json",
+            max_line_bytes=1 << 24,
+            allow_no_user_turn=False,
+        ),
     )
     n = args.conversations
     print(f"eagle3prep prepare             : {n / t_prep:10.0f} conv/s ({t_prep:.2f} s), best of {args.repeat} runs")

@@ -148,7 +148,7 @@ def main() -> None:
         tp_size=1, gpu_memory_utilization=args.gpu_mem, max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager, engine_args={} if args.tiny else {"load_format": "dummy"},
     )  # fmt: skip
-    renderer = PromptRenderer.load(model)
+    renderer = PromptRenderer.load(model, trust_remote_code=False, chat_template_kwargs={})
     prompt_ids = [renderer.prompt(c["messages"])[1] for c in convs]
     results: dict = {"prompts": len(convs), "prompt_tokens": sum(map(len, prompt_ids)), "rounds": []}
     sampling = settings.content.sampling

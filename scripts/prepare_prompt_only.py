@@ -1,5 +1,4 @@
 # prepare with regenerate.enabled: records without an assistant turn are kept (the target writes the replies).
-# The prepare_prompt_only rule runs it, so that the prepare rule and scripts/prepare.py stay as they were.
 import os
 import sys
 
@@ -7,19 +6,15 @@ sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: SIM115 (the log s
 os.dup2(sys.stderr.fileno(), 2)
 
 from eagle3prep.errors import one_line_errors
-from eagle3prep.infra.log import get_logger
-from eagle3prep.prepare import prepare, summarize
-from eagle3prep.prepare.counts import check_losses
+from eagle3prep.prepare import run_prepare_job
+from eagle3prep.settings import DataSettings
 
 with one_line_errors():
-    counts = prepare(
-        list(snakemake.params.sources),
+    run_prepare_job(
         snakemake.output.conversations,
         snakemake.output.quarantine,
         snakemake.output.counts,
-        max_line_bytes=int(snakemake.params.max_line_bytes),
+        settings=DataSettings.from_config(snakemake.config),
+        log_path=snakemake.log[0],
         allow_prompt_only=bool(snakemake.params.allow_prompt_only),
     )
-    get_logger("prepare").info(summarize(counts))
-    # A file that lost all or most of its rows stops the run here, as in scripts/prepare.py (data.max_quarantine_share).
-    check_losses(counts, getattr(snakemake, "config", {}), snakemake.output.quarantine, snakemake.log[0])

@@ -93,6 +93,7 @@ def place(case: dict, folder: Path) -> str:
 
 
 def run_prepare(sources: list[str], out: Path, **kw) -> tuple[dict, list[dict], list[dict]]:
+    kw = {"max_line_bytes": 1 << 24, "allow_no_user_turn": False, **kw}
     counts = prepare(sources, out / "conversations.jsonl", out / "quarantine.jsonl", out / "counts.json", **kw)
     conversations = [json.loads(line) for line in (out / "conversations.jsonl").read_text("utf-8").splitlines()]
     quarantine = [json.loads(line) for line in (out / "quarantine.jsonl").read_text("utf-8").splitlines()]
@@ -152,7 +153,7 @@ def test_source_case(case, tmp_path, monkeypatch, request):
         tok = tmp_path / "tokenized"
         stats = tokenize_conversations(
             out / "conversations.jsonl", model, [tok / "shard_0.jsonl"], tok / "stats.json", tok / "freq.json",
-            tok / "quarantine.jsonl", max_seq_len=case["max_seq_len"],
+            tok / "quarantine.jsonl", max_seq_len=case["max_seq_len"], template_fallback=True, trust_remote_code=False, workers=2, chat_template_kwargs={},
         )  # fmt: skip
         assert stats["conversations_in"] == stats["rows"] + stats["quarantined_total"] == t["kept"]
         assert stats["truncated_rows"] == expect.get("truncated", 0)

@@ -401,8 +401,10 @@ def test_the_real_model_guide_gives_every_input_shape_and_prepare_keeps_its_exam
 
     blocks = [b.strip().splitlines() for b in re.findall(r"```json\n(.*?)```", section, re.S)]
     assert len(blocks) >= 4, "examples: the two shapes, OpenAI tool calls, LLaMA-Factory function calls, images"
-    images = ImageOptions(root=str(REPO / "resources" / "demo" / "images"))
-    kept = [[normalize(json.loads(line), images=images) for line in block] for block in blocks]
+    images = ImageOptions(root=str(REPO / "resources" / "demo" / "images"), max_pixels=4096 * 4096)
+    kept = [
+        [normalize(json.loads(line), images=images, allow_no_user_turn=False) for line in block] for block in blocks
+    ]
     for block in blocks:
         for line in block:
             normalize_tools(json.loads(line))  # raises on tools prepare would quarantine
@@ -423,7 +425,9 @@ def test_the_real_model_guide_gives_every_input_shape_and_prepare_keeps_its_exam
     import pandas as pd
 
     eval(snippet[1], {"pd": pd})
-    counts = prepare(["chat.parquet"], "c.jsonl", "q.jsonl", "counts.json")
+    counts = prepare(
+        ["chat.parquet"], "c.jsonl", "q.jsonl", "counts.json", max_line_bytes=1 << 24, allow_no_user_turn=False
+    )
     assert counts["totals"]["kept"] == 1, counts
 
 

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from eagle3prep.config import validate_config
 from eagle3prep.prepare import (
     REASONS,
     InputError,
@@ -56,6 +57,7 @@ def run(tmp_path):
 
     def _run(sources, **kwargs):
         out = tmp_path / "out"
+        kwargs = {"max_line_bytes": 1 << 24, "allow_no_user_turn": False, **kwargs}
         counts = prepare(
             [str(s) for s in sources],
             out / "conversations.jsonl",
@@ -90,12 +92,15 @@ def run(tmp_path):
 )
 def test_role_map(raw, expected):
     other = {"role": "user", "content": "q"} if expected == "assistant" else {"role": "assistant", "content": "a"}
-    messages = normalize({"messages": [{"role": raw, "content": "x"}, other]})
+    messages = normalize({"messages": [{"role": raw, "content": "x"}, other]}, allow_no_user_turn=False)
     assert messages[0] == {"role": expected, "content": "x"}
 
 
 def test_sharegpt_and_openai_normalize_to_the_same_messages_and_id():
-    a, b = normalize(sharegpt(system="be brief")), normalize(openai(system="be brief"))
+    a, b = (
+        normalize(sharegpt(system="be brief"), allow_no_user_turn=False),
+        normalize(openai(system="be brief"), allow_no_user_turn=False),
+    )
     assert (
         a
         == b
@@ -116,7 +121,8 @@ def test_content_is_kept_verbatim_and_text_parts_are_joined():
                 {"role": "user", "content": [{"type": "text", "text": "  a"}, {"type": "text", "text": "b\n"}]},
                 {"from": "gpt", "value": "\n answer \n"},
             ]
-        }
+        },
+        allow_no_user_turn=False,
     )
     assert messages == [{"role": "user", "content": "  ab\n"}, {"role": "assistant", "content": "\n answer \n"}]
 
@@ -124,7 +130,10 @@ def test_content_is_kept_verbatim_and_text_parts_are_joined():
 def test_extra_keys_are_dropped_and_none_keys_ignored():
     record = {"messages": [{"role": "user", "content": "q", "name": "x"}, {"role": "assistant", "content": "a"}]}
     record["conversations"] = None  # parquet fills absent columns with null
-    assert normalize(record) == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert normalize(record, allow_no_user_turn=False) == [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+    ]
 
 
 def _user(content):
@@ -175,14 +184,17 @@ BAD_RECORDS = {
 @pytest.mark.parametrize(("reason", "record"), [(r, rec) for r, recs in BAD_RECORDS.items() for rec in recs])
 def test_normalize_rejects_with_reason(reason, record):
     with pytest.raises(Rejected) as e:
-        normalize(record)
+        normalize(record, allow_no_user_turn=False)
     assert e.value.reason == reason
     assert e.value.detail
 
 
 def test_unknown_role_detail_names_role_and_index():
     with pytest.raises(Rejected, match=r"messages\[1\].*'critic'"):
-        normalize({"messages": [{"role": "user", "content": "q"}, {"role": "critic", "content": "a"}]})
+        normalize(
+            {"messages": [{"role": "user", "content": "q"}, {"role": "critic", "content": "a"}]},
+            allow_no_user_turn=False,
+        )
 
 
 WEATHER_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
@@ -202,7 +214,7 @@ def test_openai_tool_calls_and_tool_replies_are_kept_not_quarantined_as_empty_co
                 {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
                 {"role": "assistant", "content": "Sunny.", "function_call": None},
             ]
-        }
+        }, allow_no_user_turn=False
     )  # fmt: skip
     assert messages == [
         {"role": "user", "content": "Weather?"},
@@ -222,7 +234,7 @@ def test_sharegpt_function_call_and_observation_turns_match_the_openai_shape():
         ],
         "tools": '[{"name": "get_weather", "parameters": {}}]',
     }
-    assert normalize(sharegpt_record) == [
+    assert normalize(sharegpt_record, allow_no_user_turn=False) == [
         {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": "", "tool_calls": [WEATHER_CALL]},
         {"role": "tool", "content": "sunny"},
@@ -232,7 +244,7 @@ def test_sharegpt_function_call_and_observation_turns_match_the_openai_shape():
     with pytest.raises(Rejected, match="tools is not valid JSON"):
         normalize_tools({**sharegpt_record, "tools": "[oops"})
     # The tools are part of the conversation's identity; a record without tools keeps its old id.
-    plain = normalize(openai())
+    plain = normalize(openai(), allow_no_user_turn=False)
     assert conversation_id(plain, None) == conversation_id(plain) != conversation_id(plain, [{"name": "x"}])
 
 
@@ -308,7 +320,11 @@ def test_every_reason_lands_in_quarantine_and_counts(tmp_path, run):
     assert counts["totals"]["quarantined_total"] == len(quar) == n_bad + 3
 
     assert convs == [
-        {"id": conversation_id(normalize(openai())), "messages": normalize(openai()), "source": f"{src}:1"}
+        {
+            "id": conversation_id(normalize(openai(), allow_no_user_turn=False)),
+            "messages": normalize(openai(), allow_no_user_turn=False),
+            "source": f"{src}:1",
+        }
     ]
     by_line = {q["line"]: q for q in quar}
     assert set(quar[0]) == {"file", "line", "reason", "detail", "record"}
@@ -344,7 +360,7 @@ def test_huge_line_is_skipped_without_losing_the_next_line(tmp_path, run):
 def test_jsonl_bom_crlf_and_line_numbers(tmp_path):
     src = tmp_path / "a.jsonl"
     src.write_bytes(b"\xef\xbb\xbf" + json.dumps(openai()).encode() + b"\r\n\r\n" + json.dumps(sharegpt()).encode())
-    rows = list(JsonlReader().read(str(src)))
+    rows = list(JsonlReader(max_line_bytes=1 << 24).read(str(src)))
     assert [(r.line, r.reason) for r in rows] == [(1, None), (3, None)]
 
 
@@ -414,7 +430,14 @@ def test_json_file_errors_are_one_line(tmp_path, text, match):
     src = tmp_path / "a.json"
     src.write_text(text)
     with pytest.raises(InputError, match=match) as e:
-        prepare([str(src)], tmp_path / "c.jsonl", tmp_path / "q.jsonl", tmp_path / "n.json")
+        prepare(
+            [str(src)],
+            tmp_path / "c.jsonl",
+            tmp_path / "q.jsonl",
+            tmp_path / "n.json",
+            max_line_bytes=1 << 24,
+            allow_no_user_turn=False,
+        )
     assert "\n" not in str(e.value)
     assert not (tmp_path / "c.jsonl").exists()  # nothing half-written
 
@@ -423,7 +446,14 @@ def test_json_invalid_utf8_is_a_file_error(tmp_path):
     src = tmp_path / "a.json"
     src.write_bytes(b'[{"x": "\xff"}]')
     with pytest.raises(InputError, match=r"a\.json: not valid UTF-8 .* at byte 8"):
-        prepare([str(src)], tmp_path / "c.jsonl", tmp_path / "q.jsonl", tmp_path / "n.json")
+        prepare(
+            [str(src)],
+            tmp_path / "c.jsonl",
+            tmp_path / "q.jsonl",
+            tmp_path / "n.json",
+            max_line_bytes=1 << 24,
+            allow_no_user_turn=False,
+        )
 
 
 def test_parquet_rows_and_non_json_record(tmp_path, run):
@@ -442,7 +472,14 @@ def test_corrupt_parquet_is_a_file_error(tmp_path):
     src = tmp_path / "bad.parquet"
     src.write_bytes(b"this is not parquet at all")
     with pytest.raises(InputError, match=r"bad\.parquet: cannot read as parquet \(") as e:
-        prepare([str(src)], tmp_path / "c.jsonl", tmp_path / "q.jsonl", tmp_path / "n.json")
+        prepare(
+            [str(src)],
+            tmp_path / "c.jsonl",
+            tmp_path / "q.jsonl",
+            tmp_path / "n.json",
+            max_line_bytes=1 << 24,
+            allow_no_user_turn=False,
+        )
     assert "\n" not in str(e.value)
 
 
@@ -463,7 +500,14 @@ def test_hf_dataset_dict_names_a_split(tmp_path):
     folder = tmp_path / "dd"
     datasets.DatasetDict(train=datasets.Dataset.from_list([sharegpt()])).save_to_disk(str(folder))
     with pytest.raises(InputError, match=r"dd: is a DatasetDict \(splits: train\); .* e\.g\. .*dd/train"):
-        prepare([str(folder)], tmp_path / "c.jsonl", tmp_path / "q.jsonl", tmp_path / "n.json")
+        prepare(
+            [str(folder)],
+            tmp_path / "c.jsonl",
+            tmp_path / "q.jsonl",
+            tmp_path / "n.json",
+            max_line_bytes=1 << 24,
+            allow_no_user_turn=False,
+        )
 
 
 def test_folder_that_is_not_a_dataset(tmp_path):
@@ -471,7 +515,14 @@ def test_folder_that_is_not_a_dataset(tmp_path):
     folder.mkdir()
     (folder / "readme.txt").write_text("x")
     with pytest.raises(InputError) as e:
-        prepare([str(folder)], tmp_path / "c.jsonl", tmp_path / "q.jsonl", tmp_path / "n.json")
+        prepare(
+            [str(folder)],
+            tmp_path / "c.jsonl",
+            tmp_path / "q.jsonl",
+            tmp_path / "n.json",
+            max_line_bytes=1 << 24,
+            allow_no_user_turn=False,
+        )
     assert str(e.value) == (
         f"{folder}: is a folder but not a Hugging Face dataset saved with save_to_disk "
         "(expected state.json and dataset_info.json in it; found readme.txt)"
@@ -486,7 +537,7 @@ def test_dedup_across_files_and_shapes(tmp_path, run):
     b = tmp_path / "b.parquet"
     pq.write_table(pa.Table.from_pylist([openai(), openai(user="new")]), b)
     counts, convs, quar = run([a, b])
-    first_id = conversation_id(normalize(openai()))
+    first_id = conversation_id(normalize(openai(), allow_no_user_turn=False))
     assert [c["source"] for c in convs] == [f"{a}:1", f"{a}:2", f"{b}:2"]
     assert len({c["id"] for c in convs}) == 3
     assert [(f["rows_in"], f["kept"], f["duplicates"]) for f in counts["files"]] == [(3, 2, 1), (2, 1, 1)]
@@ -526,14 +577,28 @@ def test_globs_are_sorted_and_repeats_read_once(tmp_path, run):
 )
 def test_missing_sources(tmp_path, name, match):
     with pytest.raises(InputError, match=match):
-        prepare([str(tmp_path / name)], tmp_path / "c.jsonl", tmp_path / "q.jsonl", tmp_path / "n.json")
+        prepare(
+            [str(tmp_path / name)],
+            tmp_path / "c.jsonl",
+            tmp_path / "q.jsonl",
+            tmp_path / "n.json",
+            max_line_bytes=1 << 24,
+            allow_no_user_turn=False,
+        )
 
 
 def test_unsupported_extension_fails_before_reading(tmp_path):
     good = write_jsonl(tmp_path / "a.jsonl", [openai()])
     (tmp_path / "b.csv").write_text("x\n")
     with pytest.raises(InputError, match=r"b\.csv: unsupported file type '\.csv' \(expected \.jsonl"):
-        prepare([str(good), str(tmp_path / "b.csv")], tmp_path / "c.jsonl", tmp_path / "q.jsonl", tmp_path / "n.json")
+        prepare(
+            [str(good), str(tmp_path / "b.csv")],
+            tmp_path / "c.jsonl",
+            tmp_path / "q.jsonl",
+            tmp_path / "n.json",
+            max_line_bytes=1 << 24,
+            allow_no_user_turn=False,
+        )
     assert not (tmp_path / "c.jsonl").exists()
 
 
@@ -547,6 +612,11 @@ def test_check_invariant_raises_on_broken_counts(tmp_path, run):
         check_invariant(counts, {"conversations": 0, "quarantine": 1})
 
 
+def job_config(**data):
+    """The validated config a prepare job reads its settings from, with `data` as its data section."""
+    return validate_config({"data": data, "model": {"path": "model"}})
+
+
 def test_snakemake_script(tmp_path, monkeypatch):
     src = write_jsonl(tmp_path / "a.jsonl", [openai(), "{"])
     out = tmp_path / "out"
@@ -558,6 +628,7 @@ def test_snakemake_script(tmp_path, monkeypatch):
         ),
         params=SimpleNamespace(sources=[str(src)], max_line_bytes=1 << 20),
         log=[str(tmp_path / "prepare.log")],
+        config=job_config(sources=[str(src)], max_line_bytes=1 << 20),
     )
     runpy.run_path(str(ROOT / "scripts" / "prepare.py"), init_globals={"snakemake": smk})
     sys.stderr.close()
@@ -580,6 +651,7 @@ def test_snakemake_script_passes_allow_no_user_turn(tmp_path, monkeypatch, allow
         ),
         params=SimpleNamespace(**params, **({"allow_no_user_turn": allow} if allow else {})),
         log=[str(tmp_path / "prepare.log")],
+        config=job_config(**params, allow_no_user_turn=bool(allow)),
     )
     runpy.run_path(str(ROOT / "scripts" / "prepare.py"), init_globals={"snakemake": smk})
     sys.stderr.close()
@@ -619,8 +691,11 @@ def run_prepare_script(tmp_path: Path, script: str, sources: list[Path], max_sha
         ),
         params=SimpleNamespace(sources=[str(s) for s in sources], max_line_bytes=1 << 20, **params),
         log=[str(log)],
-        config={"data": {"max_quarantine_share": max_share}} if max_share is not None else {},
-    )
+        config=job_config(
+            sources=[str(s) for s in sources], max_line_bytes=1 << 20,
+            **({"max_quarantine_share": max_share} if max_share is not None else {}),
+        ),
+    )  # fmt: skip
     try:
         runpy.run_path(str(ROOT / "scripts" / script), init_globals={"snakemake": smk})
     finally:

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 from PIL import Image, ImageDraw
 
+from eagle3prep.config import validate_config
 from eagle3prep.prepare import IMAGE_REASONS, REASONS, check_invariant, conversation_id, normalize, prepare
 from eagle3prep.prepare.images import ImageOptions
 from eagle3prep.settings import IMAGE_KEYS, DataSettings
@@ -89,6 +90,8 @@ def run(tmp_path):
             out / "quarantine.jsonl",
             out / "counts.json",
             images=ImageOptions(str(root) if root else None, max_pixels),
+            max_line_bytes=1 << 24,
+            allow_no_user_turn=False,
         )
         check_invariant(counts)
         t = counts["totals"]
@@ -160,7 +163,11 @@ def test_llava_markers_place_images_in_order(run, imgdir):
 
 def test_hf_image_feature_bytes_become_a_data_uri():
     data = png()
-    messages = normalize(llava(images=[{"bytes": data, "path": "x.png"}]), images=ImageOptions())
+    messages = normalize(
+        llava(images=[{"bytes": data, "path": "x.png"}]),
+        images=ImageOptions(root=None, max_pixels=4096 * 4096),
+        allow_no_user_turn=False,
+    )
     assert messages[0]["content"][0]["image"] == data_uri(data) and messages[0]["content"][0]["sha256"] == sha(data)
 
 
@@ -187,7 +194,13 @@ def test_text_only_demo_gives_the_bytes_it_gave_before_images(tmp_path, monkeypa
     monkeypatch.chdir(ROOT)
     out = tmp_path / "out"
     counts = prepare(
-        DEMO, out / "conversations.jsonl", out / "quarantine.jsonl", out / "counts.json", images=ImageOptions()
+        DEMO,
+        out / "conversations.jsonl",
+        out / "quarantine.jsonl",
+        out / "counts.json",
+        images=ImageOptions(root=None, max_pixels=4096 * 4096),
+        max_line_bytes=1 << 24,
+        allow_no_user_turn=False,
     )
     assert "images" not in counts["totals"] and set(counts["totals"]["quarantined"]) == set(REASONS)
     assert {n: sha((out / n).read_bytes()) for n in DEMO_SHA256} == DEMO_SHA256
@@ -285,7 +298,9 @@ def test_without_image_options_images_stay_non_text_content(tmp_path, imgdir):
     src = tmp_path / "a.jsonl"
     src.write_text(json.dumps(oai(("red.png",))) + "\n" + json.dumps(oai("text only")) + "\n")
     out = tmp_path / "out"
-    counts = prepare([str(src)], out / "c.jsonl", out / "q.jsonl", out / "n.json")
+    counts = prepare(
+        [str(src)], out / "c.jsonl", out / "q.jsonl", out / "n.json", max_line_bytes=1 << 24, allow_no_user_turn=False
+    )
     assert counts["totals"]["quarantined"]["non_text_content"] == 1 and counts["totals"]["kept"] == 1
 
 
@@ -298,7 +313,8 @@ def test_image_defaults_match_the_schema():
     schema = yaml.safe_load((ROOT / "config/schema.yaml").read_text())["properties"]["data"]["properties"]
     defaults = {k: schema[k]["default"] for k in IMAGE_KEYS}
     assert defaults == {"image_root": None, "max_image_pixels": 4096 * 4096}
-    assert ImageOptions().max_pixels == 4096 * 4096  # read from the schema: the code has no default of its own
+    data = DataSettings.defaults(sources=["a.jsonl"])
+    assert ImageOptions.of(data).max_pixels == 4096 * 4096  # read from the schema: the code has no default of its own
     data = DataSettings.defaults(sources=["a.jsonl"])  # no params at the defaults: old runs are not re-queued
     assert data.image_params() == {}
     assert DataSettings.defaults(sources=["a.jsonl"], image_root="imgs", max_image_pixels=10).image_params() == {
@@ -321,7 +337,11 @@ def test_snakemake_script_reads_images_under_image_root(tmp_path, monkeypatch, i
             sources=[str(src)], max_line_bytes=1 << 20, image_root=str(imgdir), max_image_pixels=100
         ),
         log=[str(tmp_path / "prepare.log")],
-    )
+        config=validate_config(
+            {"data": {"sources": [str(src)], "max_line_bytes": 1 << 20, "image_root": str(imgdir),
+                      "max_image_pixels": 100}, "model": {"path": "model"}}
+        ),
+    )  # fmt: skip
     # Every row of the file lost: prepare fails after counting them (data.max_quarantine_share).
     with pytest.raises(SystemExit):
         runpy.run_path(str(ROOT / "scripts" / "prepare.py"), init_globals={"snakemake": smk})
@@ -349,12 +369,12 @@ def test_an_image_root_that_is_not_a_folder_stops_prepare_in_one_line(tmp_path):
     from eagle3prep.prepare import InputError
 
     with pytest.raises(InputError, match=r"^data\.image_root: '.*nowhere' is not a folder"):
-        ImageOptions(str(tmp_path / "nowhere"))
+        ImageOptions(str(tmp_path / "nowhere"), max_pixels=4096 * 4096)
 
 
 def test_an_image_part_in_a_user_message_without_image_options_names_no_role():
     with pytest.raises(Exception, match=r"content part 0 is of type 'image_url', not 'text'$"):
-        normalize(oai(("red.png",)))
+        normalize(oai(("red.png",)), allow_no_user_turn=False)
 
 
 def test_a_parquet_of_hf_image_features_is_read(tmp_path):
@@ -370,7 +390,7 @@ def test_a_parquet_of_hf_image_features_is_read(tmp_path):
     pq.write_table(table, tmp_path / "llava.parquet")
     out = tmp_path / "out"
     counts = prepare([str(tmp_path / "llava.parquet")], out / "c.jsonl", out / "q.jsonl", out / "n.json",
-                     images=ImageOptions())  # fmt: skip
+                     images=ImageOptions(root=None, max_pixels=4096 * 4096), max_line_bytes=1 << 24, allow_no_user_turn=False)  # fmt: skip
     kept = [json.loads(x) for x in (out / "c.jsonl").read_text().splitlines()]
     assert counts["totals"]["kept"] == 2 and counts["totals"]["images"] == 2
     assert [c["messages"][0]["content"][0]["sha256"] for c in kept] == [sha(red), sha(blue)]
@@ -381,5 +401,9 @@ def test_a_percent_encoded_data_uri_is_read():
     from urllib.parse import quote_from_bytes
 
     data = png()
-    messages = normalize(oai((f"data:image/png,{quote_from_bytes(data)}",)), images=ImageOptions())
+    messages = normalize(
+        oai((f"data:image/png,{quote_from_bytes(data)}",)),
+        images=ImageOptions(root=None, max_pixels=4096 * 4096),
+        allow_no_user_turn=False,
+    )
     assert messages[0]["content"][0]["sha256"] == sha(data)

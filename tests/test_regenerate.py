@@ -49,7 +49,7 @@ RESULT = {"role": "tool", "content": "42"}
 
 @pytest.fixture(scope="module")
 def renderer(demo_model_dir) -> PromptRenderer:
-    return PromptRenderer.load(demo_model_dir)
+    return PromptRenderer.load(demo_model_dir, trust_remote_code=False, chat_template_kwargs={})
 
 
 def run(renderer, convs, script=echo, settings=None, plan=None, **engine_kwargs):
@@ -99,7 +99,12 @@ def test_conversations_that_cannot_be_regenerated_say_why():
 def test_prompt_ids_are_the_tokenize_rows_up_to_the_reply(demo_model_dir, renderer):
     """The template is applied exactly as tokenize applies it: the prompt's ids are the tokenized row's ids up to
     the first loss-masked token, and a reply decoded from canonical ids encodes back to the row's reply."""
-    encoder = ChatEncoder(load_tokenizer(demo_model_dir), demo_model_dir)
+    encoder = ChatEncoder(
+        load_tokenizer(demo_model_dir, trust_remote_code=False),
+        demo_model_dir,
+        template_fallback=True,
+        chat_template_kwargs={},
+    )
     for messages in ([U1, A1], [SYS, U1, A1, U2, A2]):
         ids, mask = encoder.encode([messages])[0]
         first = mask.index(1)
@@ -193,9 +198,9 @@ def test_a_reasoning_targets_thinking_is_stored_as_its_template_reads_it(demo_mo
     thinking in reasoning_content, strip drops it, and a reply cut inside its thinking is counted unterminated."""
     import copy
 
-    tokenizer = copy.deepcopy(load_tokenizer(demo_model_dir))
+    tokenizer = copy.deepcopy(load_tokenizer(demo_model_dir, trust_remote_code=False))
     tokenizer.chat_template = QWEN3_LIKE
-    qwen = PromptRenderer(tokenizer, demo_model_dir)
+    qwen = PromptRenderer(tokenizer, demo_model_dir, {})
 
     def think(prompt):  # the prompt ends inside "<think>\n": the reply starts with the thought
         cut = "Long question" in prompt
@@ -294,7 +299,7 @@ def test_a_conversation_the_chat_template_raises_on_is_quarantined_and_the_rest_
     template = folder / "chat_template.jinja"
     guard = "{%- for m in messages %}{% if 'BOOM' in m.content %}{{ raise_exception('no BOOM here') }}{% endif %}{% endfor -%}"
     template.write_text(guard + template.read_text())
-    bad = PromptRenderer.load(folder)
+    bad = PromptRenderer.load(folder, trust_remote_code=False, chat_template_kwargs={})
     boom = {"role": "user", "content": "BOOM?"}
     results, tally, engine = run(bad, [conv([U1], "ok"), conv([U1, A1, boom], "boom")])
     assert results[0].regenerated["from"] == "ok"
@@ -425,6 +430,7 @@ def test_prompt_only_records_are_kept_only_for_the_regenerate_stage(tmp_path):
     src = _write_jsonl(tmp_path / "src.jsonl", [{"messages": [U1]}, {"messages": [U1, A1]}])
 
     def kept(**kwargs):
+        kwargs = {"max_line_bytes": 1 << 24, "allow_no_user_turn": False, **kwargs}
         counts = prepare([src], tmp_path / "c.jsonl", tmp_path / "q.jsonl", tmp_path / "n.json", **kwargs)
         return counts["totals"]["kept"], counts["totals"]["quarantined"]["no_assistant_turn"]
 

@@ -53,7 +53,15 @@ def prepared(tmp_path_factory):
     ]  # fmt: skip
     src, p = root / "in.jsonl", root / "prepared"
     src.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    prepare([str(src)], p / "c.jsonl", p / "q.jsonl", p / "n.json", images=ImageOptions(str(images)))
+    prepare(
+        [str(src)],
+        p / "c.jsonl",
+        p / "q.jsonl",
+        p / "n.json",
+        images=ImageOptions(str(images), max_pixels=4096 * 4096),
+        max_line_bytes=1 << 24,
+        allow_no_user_turn=False,
+    )
     (images / "gone.png").unlink()
     (images / "changing.png").write_bytes(image_bytes("red_square.png"))  # not the bytes prepare hashed
     convs = [json.loads(x) for x in (p / "c.jsonl").read_text(encoding="utf-8").splitlines()]
@@ -68,7 +76,7 @@ def answer(prompt_text: str) -> tuple[str, str]:
 
 
 def regenerate(model, convs, script=answer, expand=None):
-    renderer = PromptRenderer.load(model)
+    renderer = PromptRenderer.load(model, trust_remote_code=False, chat_template_kwargs={})
     engine = FakeEngine(renderer, script, expand=expand)
     tally = ShardTally("prompts.jsonl")
     plan = th.ThinkingPlan("auto", "keep", "inline", ("<think>", "</think>"), "test")
@@ -92,7 +100,12 @@ def test_image_prompts_reach_the_engine_with_their_images_and_bad_images_are_qua
     last = kept.messages[:-1]
     assert run.engine.ids[requests[1]] == run.renderer.prompt(last)[1]
     assert run.engine.ids[requests[1]].count(pad) == 1
-    encoder = ChatEncoder(load_tokenizer(tiny_vl_dir), tiny_vl_dir)
+    encoder = ChatEncoder(
+        load_tokenizer(tiny_vl_dir, trust_remote_code=False),
+        tiny_vl_dir,
+        template_fallback=True,
+        chat_template_kwargs={},
+    )
     ids, mask, record = encoder.encode([kept.messages])[0]
     first_of_last_reply = max(i for i in range(1, len(mask)) if mask[i] and not mask[i - 1])
     assert collapse_runs(ids[:first_of_last_reply], pad) == run.engine.ids[requests[1]]
@@ -141,7 +154,9 @@ def test_a_text_only_shard_counts_no_image_reasons(demo_model_dir, prepared):
 def test_a_reply_that_writes_an_image_placeholder_quarantines_its_conversation(tiny_vl_dir, prepared):
     """The next prompt would hold more placeholders than images (tokenize would quarantine the row alike)."""
     (result,) = regenerate(tiny_vl_dir, prepared[:1], script=echo).results
-    pad = PromptRenderer.load(tiny_vl_dir).tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    pad = PromptRenderer.load(
+        tiny_vl_dir, trust_remote_code=False, chat_template_kwargs={}
+    ).tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert isinstance(result, Quarantined) and result.reason == "reply_has_image_token"
     assert result.detail == f"reply 0 wrote the image placeholder (id {pad})"
 
@@ -171,7 +186,9 @@ def expander(pad: int, fewer: int = 0):
 @pytest.mark.parametrize("fewer", [0, 1], ids=["same", "one_fewer"])
 def test_a_prompt_whose_images_the_engine_expands_otherwise_is_quarantined(tiny_vl_dir, prepared, fewer):
     """The engine reports the prompt it ran; a reply to other vision tokens than tokenize writes is not kept."""
-    pad = PromptRenderer.load(tiny_vl_dir).tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    pad = PromptRenderer.load(
+        tiny_vl_dir, trust_remote_code=False, chat_template_kwargs={}
+    ).tokenizer.convert_tokens_to_ids("<|image_pad|>")
     run = regenerate(tiny_vl_dir, prepared[:2], expand=expander(pad, fewer))
     if not fewer:
         assert [isinstance(r, Quarantined) for r in run.results] == [False, False]

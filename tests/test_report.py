@@ -268,7 +268,7 @@ def test_sample_rows_show_trained_tokens_and_template_tokens(demo_model_dir, tmp
     from eagle3prep.report import page, samples
     from eagle3prep.tokenize.template import load_tokenizer
 
-    tok = load_tokenizer(demo_model_dir)
+    tok = load_tokenizer(demo_model_dir, trust_remote_code=False)
     chat = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello, friend."}]
     paths = []
     for k in range(4):

@@ -171,14 +171,14 @@ def test_the_default_renders_as_before(thinking_models, demo_model_dir, source):
     # keyword arguments, on the switch template (its variable unset) and on the demo's own template.
     for folder in (thinking_models[source], demo_model_dir):
         tok = tokenizer(folder)
-        before = ChatEncoder(tok, folder).encode(CONVS)
+        before = ChatEncoder(tok, folder, template_fallback=True, chat_template_kwargs={}).encode(CONVS)
         assert ChatEncoder(tok, folder, True, {}).encode(CONVS) == before
         assert ChatEncoder(tok, folder, True, {}).template_kwargs == dict(tok.special_tokens_map)
         for messages, (ids, _) in zip(CONVS, before, strict=True):
             assert ids == tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
     with_kwargs = ChatEncoder(tokenizer(thinking_models[source]), thinking_models[source], True, NO_THINKING)
     assert with_kwargs.encode(CONVS) != ChatEncoder(
-        tokenizer(thinking_models[source]), thinking_models[source]
+        tokenizer(thinking_models[source]), thinking_models[source], template_fallback=True, chat_template_kwargs={}
     ).encode(CONVS)
 
 
@@ -199,6 +199,7 @@ def tokenize(tmp_path: Path, folder: Path, name: str, **kw) -> tuple[dict, dict[
     )
     out = tmp_path / name
     shards = [out / f"shard_{k}.jsonl" for k in range(2)]
+    kw = {"template_fallback": True, "trust_remote_code": False, "workers": 2, "chat_template_kwargs": {}, **kw}
     stats = tokenize_conversations(
         src,
         folder,
@@ -236,7 +237,7 @@ def test_the_stage_renders_with_the_kwargs_in_worker_processes_too_and_records_t
 
 def test_regenerate_prompts_are_the_tokenize_rows_up_to_the_reply_with_the_kwargs(thinking_models):
     folder = thinking_models["generation_markers"]
-    renderer = PromptRenderer.load(folder, chat_template_kwargs=NO_THINKING)
+    renderer = PromptRenderer.load(folder, trust_remote_code=False, chat_template_kwargs=NO_THINKING)
     encoder = ChatEncoder(tokenizer(folder), folder, True, NO_THINKING)
     for messages in CONVS[:2]:
         ids, mask = encoder.encode([messages])[0]
@@ -244,9 +245,13 @@ def test_regenerate_prompts_are_the_tokenize_rows_up_to_the_reply_with_the_kwarg
         text, prompt = renderer.prompt(messages[:first_reply])
         assert prompt == ids[: mask.index(1)] and text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert renderer.render(CONVS[1]) == encoder._render([CONVS[1]], add_generation_prompt=False)[0]
-    assert PromptRenderer.load(folder).prompt(CONVS[0][:1])[0].endswith("<|im_start|>assistant\n")  # the default
+    assert (
+        PromptRenderer.load(folder, trust_remote_code=False, chat_template_kwargs={})
+        .prompt(CONVS[0][:1])[0]
+        .endswith("<|im_start|>assistant\n")
+    )  # the default
     with pytest.raises(TokenizeError, match=r"tokenize.chat_template_kwargs.eos_token: the encoder passes"):
-        PromptRenderer.load(folder, chat_template_kwargs={"eos_token": "x"})
+        PromptRenderer.load(folder, trust_remote_code=False, chat_template_kwargs={"eos_token": "x"})
 
 
 def test_the_regenerate_job_takes_the_kwargs_from_its_params_to_the_engine_and_the_manifest(
@@ -266,7 +271,7 @@ def test_the_regenerate_job_takes_the_kwargs_from_its_params_to_the_engine_and_t
         """VLLMEngine's constructor and context, FakeEngine's requests (decoded with the target's tokenizer)."""
 
         def __init__(self, model_path, settings, sampling, stop_ids, max_model_len, trust_remote_code):
-            super().__init__(PromptRenderer.load(model_path), echo)
+            super().__init__(PromptRenderer.load(model_path, trust_remote_code=False, chat_template_kwargs={}), echo)
             self.volatile = {}
             engines.append(self)
 

@@ -102,7 +102,7 @@ def test_demo_vision_records_prepare_as_planted(tmp_path, monkeypatch):
     out = tmp_path / "out"
     counts = prepare(
         ["resources/demo/vision.jsonl"], out / "c.jsonl", out / "q.jsonl", out / "n.json",
-        images=ImageOptions("resources/demo/images"),
+        images=ImageOptions("resources/demo/images", max_pixels=4096 * 4096), max_line_bytes=1 << 24, allow_no_user_turn=False,
     )  # fmt: skip
     t = counts["totals"]
     assert (t["rows_in"], t["kept"], t["duplicates"], t["images"]) == (10, 5, 1, 6)

@@ -55,6 +55,7 @@ def run(tmp_path: Path, model_dir: Path, conversations, *, shards: int = 2, max_
     src = write_conversations(tmp_path / "conversations.jsonl", conversations)
     out = tmp_path / "tokenized"
     shard_paths = [out / f"shard_{k}.jsonl" for k in range(shards)]
+    kw = {"template_fallback": True, "trust_remote_code": False, "workers": 2, "chat_template_kwargs": {}, **kw}
     stats = tokenize_conversations(
         src, model_dir, shard_paths, out / "stats.json", out / "token_freq.json", out / "quarantine.jsonl",
         max_seq_len=max_seq_len, **kw,
@@ -296,7 +297,7 @@ def test_bad_input_line_names_file_and_line(tmp_path, demo_model_dir, workers):
     with pytest.raises(ValueError, match=r"conversations.jsonl:3: not a normalized conversation"):
         tokenize_conversations(
             src, demo_model_dir, [tmp_path / "s.jsonl"], tmp_path / "st.json", tmp_path / "f.json",
-            tmp_path / "q.jsonl", max_seq_len=64, workers=workers, batch_size=2,
+            tmp_path / "q.jsonl", max_seq_len=64, workers=workers, batch_size=2, template_fallback=True, trust_remote_code=False, chat_template_kwargs={},
         )  # fmt: skip
     assert not (tmp_path / "s.jsonl").exists()
 
@@ -353,8 +354,12 @@ def test_encoder_matches_apply_chat_template_row_by_row(tmp_path, demo_model_dir
     plain = tokenizer_variant(tmp_path, demo_model_dir, strip_markers(demo_template(demo_model_dir)))
     from transformers import AutoTokenizer
 
-    marked = ChatEncoder(AutoTokenizer.from_pretrained(demo_model_dir), demo_model_dir).encode(EDGES)
-    boundary = ChatEncoder(AutoTokenizer.from_pretrained(plain), plain).encode(EDGES)
+    marked = ChatEncoder(
+        AutoTokenizer.from_pretrained(demo_model_dir), demo_model_dir, template_fallback=True, chat_template_kwargs={}
+    ).encode(EDGES)
+    boundary = ChatEncoder(
+        AutoTokenizer.from_pretrained(plain), plain, template_fallback=True, chat_template_kwargs={}
+    ).encode(EDGES)
     for messages, m, b in zip(EDGES, marked, boundary, strict=True):
         ref = tokenizer.apply_chat_template(
             messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
@@ -443,13 +448,21 @@ def prepared_agentic(tmp_path: Path) -> Path:
 
     src = tmp_path / "agentic.jsonl"
     src.write_text(json.dumps(AGENTIC_RECORD) + "\n" + json.dumps({"messages": conv(("Hi", "Hello."))}) + "\n")
-    counts = prepare([str(src)], tmp_path / "conv.jsonl", tmp_path / "q.jsonl", tmp_path / "counts.json")
+    counts = prepare(
+        [str(src)],
+        tmp_path / "conv.jsonl",
+        tmp_path / "q.jsonl",
+        tmp_path / "counts.json",
+        max_line_bytes=1 << 24,
+        allow_no_user_turn=False,
+    )
     assert counts["totals"]["kept"] == 2
     return tmp_path / "conv.jsonl"
 
 
 def tokenize_prepared(tmp_path: Path, model: Path, conversations: Path, **kw):
     out = tmp_path / "tokenized"
+    kw = {"template_fallback": True, "trust_remote_code": False, "workers": 2, "chat_template_kwargs": {}, **kw}
     stats = tokenize_conversations(
         conversations, model, [out / "shard_0.jsonl"], out / "stats.json", out / "freq.json", out / "q.jsonl",
         max_seq_len=512, **kw,
@@ -546,7 +559,9 @@ def call_encoders(demo_model_dir, tmp_path_factory) -> dict[str, ChatEncoder]:
         folder = demo_model_dir
         if template is not None:
             folder = tokenizer_variant(tmp_path_factory.mktemp(key), demo_model_dir, template)
-        encoders[key] = ChatEncoder(AutoTokenizer.from_pretrained(folder), folder)
+        encoders[key] = ChatEncoder(
+            AutoTokenizer.from_pretrained(folder), folder, template_fallback=True, chat_template_kwargs={}
+        )
     return encoders
 
 
@@ -613,7 +628,7 @@ def test_a_model_folder_without_tokenizer_files_is_refused_naming_them(tmp_path,
     (folder / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": ["X"]}))
     (folder / "chat_template.jinja").write_text(demo_template(demo_model_dir))
     with pytest.raises(TokenizeError) as e:
-        load_tokenizer(folder)
+        load_tokenizer(folder, trust_remote_code=False)
     text = str(e.value)
     assert text.startswith(f"{folder}: the folder has no tokenizer files (no tokenizer.json, tokenizer.model, ")
     assert "chat template" not in text and "generation" not in text and "\n" not in text

@@ -41,14 +41,32 @@ def prepared(tmp_path, monkeypatch, records=None) -> Path:
         src = tmp_path / "in.jsonl"
         src.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     out = tmp_path / "prepared"
-    prepare([str(src)], out / "c.jsonl", out / "q.jsonl", out / "n.json", images=ImageOptions("resources/demo/images"))
+    prepare(
+        [str(src)],
+        out / "c.jsonl",
+        out / "q.jsonl",
+        out / "n.json",
+        images=ImageOptions("resources/demo/images", max_pixels=4096 * 4096),
+        max_line_bytes=1 << 24,
+        allow_no_user_turn=False,
+    )
     return out / "c.jsonl"
 
 
 def tokenize(conversations: Path, model: Path, max_seq_len: int = 256):
     out = conversations.parent.parent / "tok"
     stats = tokenize_conversations(
-        conversations, model, [out / "s0.jsonl"], out / "stats.json", out / "tf.json", out / "q.jsonl", max_seq_len
+        conversations,
+        model,
+        [out / "s0.jsonl"],
+        out / "stats.json",
+        out / "tf.json",
+        out / "q.jsonl",
+        max_seq_len,
+        template_fallback=True,
+        trust_remote_code=False,
+        workers=2,
+        chat_template_kwargs={},
     )
     rows = [json.loads(x) for x in (out / "s0.jsonl").read_text().splitlines()]
     quarantine = [json.loads(x) for x in (out / "q.jsonl").read_text().splitlines()]
@@ -115,7 +133,9 @@ def test_an_image_changed_after_prepare_is_quarantined(tmp_path, monkeypatch, vl
         out / "c.jsonl",
         out / "q.jsonl",
         out / "n.json",
-        images=ImageOptions(str(images)),
+        images=ImageOptions(str(images), max_pixels=4096 * 4096),
+        max_line_bytes=1 << 24,
+        allow_no_user_turn=False,
     )
     (images / "a.png").write_bytes((ROOT / "resources/demo/images/blue_circle.png").read_bytes())
     _, rows, quarantine = tokenize(out / "c.jsonl", vl_model)
@@ -173,10 +193,28 @@ def test_text_only_demo_tokenizes_to_the_bytes_it_gave_before_images(tmp_path, m
     model = build_demo_model(tmp_path / "demo", ROOT / "resources/demo/tokenizer_corpus.txt")
     sources = [f"resources/demo/{n}" for n in ("sharegpt.jsonl", "openai.jsonl", "sharegpt.parquet", "openai.parquet")]
     p = tmp_path / "prepared"
-    prepare(sources, p / "c.jsonl", p / "q.jsonl", p / "n.json", images=ImageOptions())
+    prepare(
+        sources,
+        p / "c.jsonl",
+        p / "q.jsonl",
+        p / "n.json",
+        images=ImageOptions(root=None, max_pixels=4096 * 4096),
+        max_line_bytes=1 << 24,
+        allow_no_user_turn=False,
+    )
     t = tmp_path / "tok"
     tokenize_conversations(
-        p / "c.jsonl", model, [t / "s0.jsonl", t / "s1.jsonl"], t / "stats.json", t / "tf.json", t / "q.jsonl", 256
+        p / "c.jsonl",
+        model,
+        [t / "s0.jsonl", t / "s1.jsonl"],
+        t / "stats.json",
+        t / "tf.json",
+        t / "q.jsonl",
+        256,
+        template_fallback=True,
+        trust_remote_code=False,
+        workers=2,
+        chat_template_kwargs={},
     )
     assert {
         n: hashlib.sha256((t / n).read_bytes()).hexdigest() for n in DEMO_TOKENIZED_SHA256
@@ -190,7 +228,7 @@ def test_worker_processes_give_the_same_rows(tmp_path, monkeypatch, vl_model):
         t = tmp_path / f"w{workers}"
         tokenize_conversations(
             conversations, vl_model, [t / "s0.jsonl"], t / "stats.json", t / "tf.json", t / "q.jsonl", 256,
-            batch_size=2, workers=workers,
+            batch_size=2, workers=workers, template_fallback=True, trust_remote_code=False, chat_template_kwargs={},
         )  # fmt: skip
         out[workers] = (t / "s0.jsonl").read_bytes()
     assert out[1] == out[2]

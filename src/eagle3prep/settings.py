@@ -226,7 +226,7 @@ class DataSettings(_Section):
     allow_no_user_turn: bool
     image_root: str | None
     max_image_pixels: int
-    max_quarantine_share: float  # read by scripts/prepare.py from the config, not a param: it decides no byte
+    max_quarantine_share: float  # not a param of the prepare rule: it decides no byte (run_prepare_job reads it)
 
     def image_params(self) -> dict[str, Any]:
         """The prepare rule's image params: IMAGE_KEYS, each only when set."""

@@ -69,9 +69,29 @@ def tokenize_records(
     (root / "images").mkdir(parents=True, exist_ok=True)
     src, p, t = root / "in.jsonl", root / "prepared", root / "tok"
     src.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    prepare([str(src)], p / "c.jsonl", p / "q.jsonl", p / "n.json", images=ImageOptions(str(root / "images")))
+    prepare(
+        [str(src)],
+        p / "c.jsonl",
+        p / "q.jsonl",
+        p / "n.json",
+        images=ImageOptions(str(root / "images"), max_pixels=4096 * 4096),
+        max_line_bytes=1 << 24,
+        allow_no_user_turn=False,
+    )
     shards = [t / f"shard_{k}.jsonl" for k in range(num_shards)]
-    tokenize_conversations(p / "c.jsonl", model, shards, t / "stats.json", t / "tf.json", t / "q.jsonl", max_seq_len)
+    tokenize_conversations(
+        p / "c.jsonl",
+        model,
+        shards,
+        t / "stats.json",
+        t / "tf.json",
+        t / "q.jsonl",
+        max_seq_len,
+        template_fallback=True,
+        trust_remote_code=False,
+        workers=2,
+        chat_template_kwargs={},
+    )
     return shards
 
 

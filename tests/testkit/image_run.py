@@ -47,11 +47,21 @@ def build_image_run(wd: Path, model: Path) -> Path:
     src.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     p, t = res / "prepared", res / "tokenized"
     prepare([str(src)], p / "conversations.jsonl", p / "quarantine.jsonl", p / "counts.json",
-            images=ImageOptions(str(images)))  # fmt: skip
+            images=ImageOptions(str(images), max_pixels=4096 * 4096), max_line_bytes=1 << 24, allow_no_user_turn=False)  # fmt: skip
     shutil.copy(images / "red_square.png", images / "changing.png")  # not the image prepare read any more
     shards = [t / f"shard_{k}.jsonl" for k in range(NUM_SHARDS)]
     tokenize_conversations(
-        p / "conversations.jsonl", model, shards, t / "stats.json", t / "token_freq.json", t / "quarantine.jsonl", 256
+        p / "conversations.jsonl",
+        model,
+        shards,
+        t / "stats.json",
+        t / "token_freq.json",
+        t / "quarantine.jsonl",
+        256,
+        template_fallback=True,
+        trust_remote_code=False,
+        workers=2,
+        chat_template_kwargs={},
     )
     for k, tok in enumerate(shards):
         shard = write_shard_of(tok, res / f"hidden_states/shard_{k}", model, LAYER_IDS, seed=k)

@@ -72,7 +72,7 @@ def conv(messages, cid="c", source="s.jsonl:1", **extra) -> dict:
 
 def run_shard(model: str, prompts: str, out_dir: str, shard: int, per_step: int = 3) -> dict:
     """regenerate_shard with the fake engine (greedy defaults), as the regenerate job runs it with vLLM."""
-    renderer = PromptRenderer.load(model)
+    renderer = PromptRenderer.load(model, trust_remote_code=False, chat_template_kwargs={})
     return regenerate_shard(
         prompts, out_dir, FakeEngine(renderer, echo, per_step), renderer, RegenerateSettings.defaults(), max_model_len=1024,
         engine_info={"engine": "fake"}, model_path=model, trust_remote_code=False, shard=shard, code="test",

@@ -18,7 +18,7 @@ Modules, in the order a row meets them:
     readers    input formats -> RawRecord rows; the source list (globs, checks)
     normalize  a record -> normalized messages and tools, or Rejected; conversation ids
     counts     per-file counts, counts.json, the row-accounting check, the log summary
-    stage      the `prepare` driver that ties them together and writes the outputs
+    stage      the `prepare` driver that ties them together and writes the outputs; run_prepare_job, the job
     images     image references (data: URIs, paths, file:// URLs) read with Pillow -> image parts, or Rejected
     errors     InputError, NoConversationsError, Rejected and the quarantine REASONS (and IMAGE_REASONS)
 """
@@ -54,7 +54,7 @@ from eagle3prep.prepare.readers import (
     expand_sources,
     reader_for,
 )
-from eagle3prep.prepare.stage import prepare, quarantine_line
+from eagle3prep.prepare.stage import prepare, quarantine_line, run_prepare_job
 
 __all__ = [
     "BATCH_ROWS",
@@ -87,5 +87,6 @@ __all__ = [
     "quarantine_line",
     "reader_for",
     "require_conversations",
+    "run_prepare_job",
     "summarize",
 ]

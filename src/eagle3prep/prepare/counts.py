@@ -185,19 +185,14 @@ def loss_error(counts: dict[str, Any], max_share: float, kept_copy: str | os.Pat
     )
 
 
-def check_losses(counts: dict[str, Any], config: dict[str, Any], quarantine: str | os.PathLike,
+def check_losses(counts: dict[str, Any], max_share: float, quarantine: str | os.PathLike,
                  log: str | os.PathLike) -> None:  # fmt: skip
-    """Raise the one-line UserError of `loss_error` for a prepare job (`config`: the workflow's; the share is read
-    from it, not a param, since it decides no byte), after copying the job's quarantine beside its log (a failed
-    job loses its outputs). The prepare rules of both stages share it."""
+    """Raise the one-line UserError of `loss_error` for a prepare job (`max_share`: data.max_quarantine_share),
+    after copying the job's quarantine beside its log (a failed job loses its outputs)."""
     import shutil
 
-    from eagle3prep.config import schema_default
     from eagle3prep.errors import UserError
 
-    max_share = (config or {}).get("data", {}).get("max_quarantine_share")
-    if max_share is None:
-        max_share = schema_default("data", "max_quarantine_share")
     kept_copy = os.path.splitext(str(log))[0] + ".quarantine.jsonl"
     if error := loss_error(counts, float(max_share), kept_copy):
         shutil.copyfile(quarantine, kept_copy)

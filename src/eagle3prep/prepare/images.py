@@ -21,10 +21,12 @@ import re
 import urllib.parse
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from eagle3prep.config import schema_default
 from eagle3prep.prepare.errors import InputError, Rejected
+
+if TYPE_CHECKING:
+    from eagle3prep.settings import DataSettings
 
 # What the OpenAI API accepts (PNG, JPEG, WEBP, non-animated GIF): the formats servers and processors agree on.
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
@@ -38,17 +40,14 @@ class ImageOptions:
     """How prepare reads images: data.image_root (None = the working directory, as data.sources) and the
     pixel budget. `cache`: an image file named by many records is decoded once per run."""
 
-    root: str | None = None
-    max_pixels: int = field(default_factory=lambda: schema_default("data", "max_image_pixels"))
+    root: str | None
+    max_pixels: int
     cache: dict[tuple, dict[str, Any]] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def of(cls, params: dict[str, Any]) -> ImageOptions:
-        """From the prepare rule's image params (DataSettings.image_params: data.image_root and data.max_image_pixels,
-        each only when away from its schema default); the schema's defaults for the others."""
-        return cls(
-            params.get("image_root"), int(params.get("max_image_pixels", schema_default("data", "max_image_pixels")))
-        )
+    def of(cls, settings: DataSettings) -> ImageOptions:
+        """From data.image_root and data.max_image_pixels."""
+        return cls(settings.image_root, settings.max_image_pixels)
 
     def __post_init__(self):
         """A data.image_root that is not a folder stops prepare in one line: every image under it would be missing."""

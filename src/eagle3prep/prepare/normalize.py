@@ -9,7 +9,6 @@ import hashlib
 import json
 from typing import Any
 
-from eagle3prep.config import schema_default
 from eagle3prep.prepare.errors import Rejected, keys_preview
 from eagle3prep.prepare.images import IMAGE_MARKER, ImageOptions, image_key
 
@@ -39,7 +38,8 @@ SHAPES = {"messages": ("role", "content"), "conversations": ("from", "value")}
 def normalize(
     record: Any,
     allow_prompt_only: bool = False,
-    allow_no_user_turn: bool = schema_default("data", "allow_no_user_turn"),
+    *,
+    allow_no_user_turn: bool,
     images: ImageOptions | None = None,
 ) -> list[dict[str, Any]]:
     """Return the normalized messages of one raw record, or raise Rejected with a REASONS reason.

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3prep.config import schema_default
 from eagle3prep.prepare.errors import InputError, keys_preview
 
 BATCH_ROWS = 1024  # rows per parquet / Arrow batch: bounds memory to one batch, not one file
@@ -34,7 +33,7 @@ class JsonlReader:
 
     format = "jsonl"
 
-    def __init__(self, max_line_bytes: int = schema_default("data", "max_line_bytes")):
+    def __init__(self, max_line_bytes: int):
         self.max_line_bytes = max_line_bytes
         self.blank_lines = 0
 
@@ -203,7 +202,7 @@ class HFDiskReader:
 READERS = {".jsonl": JsonlReader, ".ndjson": JsonlReader, ".json": JsonReader, ".parquet": ParquetReader}
 
 
-def reader_for(path: str, max_line_bytes: int = schema_default("data", "max_line_bytes")):
+def reader_for(path: str, max_line_bytes: int):
     """The reader for one expanded source path (checked before anything is read)."""
     if os.path.isdir(path):
         HFDiskReader.check(path)

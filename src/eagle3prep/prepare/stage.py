@@ -6,17 +6,49 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from eagle3prep.config import schema_default
 from eagle3prep.infra import faults
 from eagle3prep.infra.atomic import atomic_open, write_json
-from eagle3prep.prepare.counts import MAX_LISTED_DUPLICATES, FileCounts, check_invariant, counts_json
+from eagle3prep.infra.log import get_logger
+from eagle3prep.prepare.counts import (
+    MAX_LISTED_DUPLICATES,
+    FileCounts,
+    check_invariant,
+    check_losses,
+    counts_json,
+    summarize,
+)
 from eagle3prep.prepare.errors import IMAGE_REASONS, Rejected
 from eagle3prep.prepare.images import ImageOptions
 from eagle3prep.prepare.normalize import conversation_digest, normalize, normalize_tools
 from eagle3prep.prepare.readers import RawRecord, expand_sources, reader_for
 from eagle3prep.records import Conversation, Quarantined
+
+if TYPE_CHECKING:
+    from eagle3prep.settings import DataSettings
+
+log = get_logger("prepare")
+
+
+def run_prepare_job(
+    out_conversations: str | os.PathLike, out_quarantine: str | os.PathLike, out_counts: str | os.PathLike, *,
+    settings: DataSettings, log_path: str | os.PathLike, allow_prompt_only: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """The prepare stage's job: settings.sources (config `data:`) read into the three outputs, a summary logged; a
+    file that lost more than data.max_quarantine_share of its rows fails the job, its quarantine kept beside
+    `log_path`. `allow_prompt_only` (the regenerate stage's prepare): records without an assistant turn are kept,
+    and images are quarantined as the stage cannot send them, with data.allow_no_user_turn off as before it."""
+    counts = prepare(
+        list(settings.sources), out_conversations, out_quarantine, out_counts,
+        max_line_bytes=settings.max_line_bytes,
+        allow_no_user_turn=settings.allow_no_user_turn and not allow_prompt_only,
+        allow_prompt_only=allow_prompt_only,
+        images=None if allow_prompt_only else ImageOptions.of(settings),
+    )  # fmt: skip
+    log.info(summarize(counts))
+    check_losses(counts, settings.max_quarantine_share, out_quarantine, log_path)
+    return counts
 
 
 def prepare(
@@ -24,9 +56,10 @@ def prepare(
     out_conversations: str | os.PathLike,
     out_quarantine: str | os.PathLike,
     out_counts: str | os.PathLike,
-    max_line_bytes: int = schema_default("data", "max_line_bytes"),
+    *,
+    max_line_bytes: int,
+    allow_no_user_turn: bool,
     allow_prompt_only: bool = False,
-    allow_no_user_turn: bool = schema_default("data", "allow_no_user_turn"),
     images: ImageOptions | None = None,
 ) -> dict[str, Any]:
     """Read every source, write conversations / quarantine JSONL and counts JSON; return the counts.
@@ -51,7 +84,7 @@ def prepare(
         atomic_open(out_conversations, "w", encoding="utf-8") as conv_f,
         atomic_open(out_quarantine, "w", encoding="utf-8") as quar_f,
     ):
-        out = _Outputs(conv_f, quar_f, allow_prompt_only, allow_no_user_turn, images)
+        out = _Outputs(conv_f, quar_f, allow_no_user_turn, allow_prompt_only, images)
         per_file = [_prepare_file(path, reader, out) for path, reader in zip(files, readers, strict=True)]
         counts = counts_json(sources, max_line_bytes, per_file, out.duplicate_rows, out.met_images)
         check_invariant(counts, out.written)
@@ -78,8 +111,8 @@ class _Outputs:
 
     conv_f: TextIO
     quar_f: TextIO
+    allow_no_user_turn: bool
     allow_prompt_only: bool = False
-    allow_no_user_turn: bool = schema_default("data", "allow_no_user_turn")
     images: ImageOptions | None = None
     met_images: bool = False  # a kept image or an image quarantine: counts.json then lists the image counts
     seen: set[bytes] = field(default_factory=set)  # sha256 digests of kept conversations (32 bytes each)
@@ -91,7 +124,9 @@ class _Outputs:
         try:
             if raw.reason is not None:
                 raise Rejected(raw.reason, raw.detail)
-            messages = normalize(raw.record, self.allow_prompt_only, self.allow_no_user_turn, self.images)
+            messages = normalize(
+                raw.record, self.allow_prompt_only, allow_no_user_turn=self.allow_no_user_turn, images=self.images
+            )
             tools = normalize_tools(raw.record)
         except Rejected as r:
             fc.quarantined[r.reason] = fc.quarantined.get(r.reason, 0) + 1

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from eagle3prep.config import schema_default
 from eagle3prep.tokenize.template import (
     Rejected,
     get_chat_template,
@@ -43,7 +42,7 @@ class PromptRenderer:
         self,
         tokenizer,
         model_path: str | os.PathLike,
-        chat_template_kwargs: Mapping[str, Any] = schema_default("tokenize", "chat_template_kwargs"),
+        chat_template_kwargs: Mapping[str, Any],
     ):
         self.tokenizer = tokenizer
         self.model_path = str(model_path)
@@ -57,8 +56,8 @@ class PromptRenderer:
     def load(
         cls,
         model_path: str | os.PathLike,
-        trust_remote_code: bool = schema_default("model", "trust_remote_code"),
-        chat_template_kwargs: Mapping[str, Any] = schema_default("tokenize", "chat_template_kwargs"),
+        trust_remote_code: bool,
+        chat_template_kwargs: Mapping[str, Any],
     ) -> PromptRenderer:
         return cls(load_tokenizer(model_path, trust_remote_code), model_path, chat_template_kwargs)
 

@@ -8,16 +8,12 @@ import json
 import os
 from pathlib import Path
 
-from eagle3prep.config import schema_default
-
 # The files a tokenizer's vocabulary is read from (fast tokenizers, SentencePiece, BPE, WordPiece, tiktoken).
 VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json", "merges.txt", "vocab.txt", "*.model",
                "*.tiktoken")  # fmt: skip
 
 
-def missing_tokenizer_files(
-    model_path: str | os.PathLike, trust_remote_code: bool = schema_default("model", "trust_remote_code")
-) -> str | None:
+def missing_tokenizer_files(model_path: str | os.PathLike, trust_remote_code: bool) -> str | None:
     """The one line that names the missing files when the folder holds no vocabulary file, else None. transformers
     then builds an empty tokenizer for some families (Qwen2, GPT-2) and the run was refused for its chat template,
     then its {% generation %} block. A tokenizer of the model's own code (auto_map, trust_remote_code) may read

@@ -18,7 +18,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from eagle3prep.config import schema_default
 from eagle3prep.errors import UserError
 from eagle3prep.tokenize.template import Rejected
 from eagle3prep.tokenize.vision import image_parts, load_image
@@ -30,9 +29,7 @@ def is_vision_target(model_path: str | os.PathLike) -> bool:
     return "vision_config" in config
 
 
-def load_target(
-    model_path: str | os.PathLike, dtype: Any, trust_remote_code: bool = schema_default("model", "trust_remote_code")
-):
+def load_target(model_path: str | os.PathLike, dtype: Any, trust_remote_code: bool):
     """The target as transformers runs it: AutoModelForCausalLM, or for a vision-language target the whole
     image-text model (vision tower included; AutoModelForCausalLM does not map Qwen2.5-VL's config)."""
     import transformers

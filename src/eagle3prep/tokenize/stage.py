@@ -11,21 +11,42 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-from eagle3prep.config import check_max_seq_len, schema_default
+from eagle3prep.config import check_max_seq_len
 from eagle3prep.infra import faults
 from eagle3prep.infra.atomic import TMP_PREFIX, atomic_open, write_json, write_jsonl
 from eagle3prep.infra.provenance import tokenizer_identity
+from eagle3prep.prepare.counts import require_conversations
 from eagle3prep.records import Quarantined
 from eagle3prep.tokenize.template import ChatEncoder, TokenizeError, load_tokenizer
 from eagle3prep.tokenize.workers import batched, encode_chunks
 
 from ..infra.log import get_logger
 
+if TYPE_CHECKING:
+    from eagle3prep.settings import TokenizeSettings
+
 log = get_logger("tokenize")
 
 BATCH_SIZE = 256  # conversations per render + batch-encode call
+
+
+def run_tokenize_job(
+    conversations_path: str | os.PathLike, counts_path: str | os.PathLike, prepare_quarantine: str | os.PathLike,
+    out_dir: str | os.PathLike, out_shards: list[str | os.PathLike], *, model_path: str | os.PathLike,
+    settings: TokenizeSettings, trust_remote_code: bool, workers: int,
+) -> dict[str, Any]:  # fmt: skip
+    """The tokenize stage's job: the conversations (prepare's or regenerate's; none kept stops here, naming the
+    sources and the quarantine) rendered by `settings` (config `tokenize:`) into `out_shards`, with stats.json,
+    token_freq.json and quarantine.jsonl in `out_dir`. `workers`: the job's Snakemake threads."""
+    require_conversations(counts_path, prepare_quarantine)
+    return tokenize_conversations(
+        conversations_path, model_path, out_shards,
+        f"{out_dir}/stats.json", f"{out_dir}/token_freq.json", f"{out_dir}/quarantine.jsonl",
+        settings.max_seq_len, template_fallback=settings.template_fallback, trust_remote_code=trust_remote_code,
+        workers=workers, chat_template_kwargs=settings.chat_template_kwargs,
+    )  # fmt: skip
 
 
 def tokenize_conversations(
@@ -36,11 +57,12 @@ def tokenize_conversations(
     token_freq_path: str | os.PathLike,
     quarantine_path: str | os.PathLike,
     max_seq_len: int,
-    template_fallback: bool = schema_default("tokenize", "template_fallback"),
-    trust_remote_code: bool = schema_default("model", "trust_remote_code"),
+    *,
+    template_fallback: bool,
+    trust_remote_code: bool,
+    workers: int,
+    chat_template_kwargs: Mapping[str, Any],
     batch_size: int = BATCH_SIZE,
-    workers: int = schema_default("tokenize", "workers"),
-    chat_template_kwargs: Mapping[str, Any] = schema_default("tokenize", "chat_template_kwargs"),
 ) -> dict[str, Any]:
     """Tokenize every conversation with the target's chat template into len(out_shards) contiguous shards.
 

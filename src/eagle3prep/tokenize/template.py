@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from eagle3prep.config import schema_default, template_kwarg_clash, template_kwargs_error
+from eagle3prep.config import template_kwarg_clash, template_kwargs_error
 from eagle3prep.errors import UserError
 from eagle3prep.tokenize.files import missing_tokenizer_files
 from eagle3prep.tokenize.masks import Rejected, boundary_mask, marker_mask
@@ -39,9 +39,7 @@ class ModelNotFoundError(UserError, FileNotFoundError):
     """model.path is not a folder."""
 
 
-def load_tokenizer(
-    model_path: str | os.PathLike, trust_remote_code: bool = schema_default("model", "trust_remote_code")
-):
+def load_tokenizer(model_path: str | os.PathLike, trust_remote_code: bool):
     """The target model's tokenizer, from its local folder only (no hub access)."""
     if not Path(model_path).is_dir():
         raise ModelNotFoundError(
@@ -123,8 +121,8 @@ class ChatEncoder:
         self,
         tokenizer,
         model_path: str | os.PathLike,
-        template_fallback: bool = schema_default("tokenize", "template_fallback"),
-        chat_template_kwargs: Mapping[str, Any] = schema_default("tokenize", "chat_template_kwargs"),
+        template_fallback: bool,
+        chat_template_kwargs: Mapping[str, Any],
     ):
         """Set up the template, the Rust tokenizer and the mask source; raise TokenizeError if no mask comes out."""
         self.tokenizer = tokenizer
