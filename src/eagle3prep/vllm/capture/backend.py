@@ -139,7 +139,7 @@ class VLLMBackend(CaptureBackend):
 
     @staticmethod
     def _on_cpu() -> bool:
-        return registry.load("current_platform").is_cpu()
+        return registry.member(registry.load("current_platform"), "Platform.is_cpu")()
 
     def _candidate_paths(
         self, version: str, model: ModelFacts, supports_eagle3: bool | None = None, on_cpu: bool = False
@@ -237,12 +237,9 @@ class VLLMBackend(CaptureBackend):
 
     def _start(self, name: str, version: str, on_cpu: bool) -> None:
         self._children = ChildOutput()  # the engine's processes print the root cause of a failed start
-        if name == "builtin":
-            self.path = BuiltinPath(self.spec.layer_ids, version, self.spec.model_path)
-        else:
-            # The hooks read the V1 model runner's input batch (hooks/internals.step_layout).
-            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-            self.path = HooksPath(self.spec.layer_ids, version, self.spec.model_path)
+        path_class = BuiltinPath if name == "builtin" else HooksPath
+        self.path = path_class(self.spec.layer_ids, version, self.spec.model_path)
+        self.path.prepare_environment()
         kwargs = self._engine_kwargs(self.path)
         log(f"starting vLLM {version} ({name} path): {kwargs}")
         self.llm = start_llm(kwargs, self._children, log)
@@ -285,6 +282,8 @@ class VLLMBackend(CaptureBackend):
         """The scheduler's token budget per forward step (the largest step the worker will see; engine_args may
         have changed it from extract.max_num_batched_tokens), and a tag prefix new to this engine: request ids
         must be unique for the engine's lifetime."""
+        if self.llm is None:
+            raise RuntimeError("sink_plan() before probe(): call probe() first")
         engine = registry.member(self.llm, "LLM.llm_engine")
         scheduler = registry.member(registry.member(engine, "LLMEngine.vllm_config"), "VllmConfig.scheduler_config")
         budget = registry.member(scheduler, "SchedulerConfig.max_num_batched_tokens")

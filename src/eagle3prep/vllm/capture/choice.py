@@ -1,7 +1,7 @@
 """Which capture path can take a model on the installed vLLM, by the registry's version gates (DESIGN.md §5):
 the built-in path's limits, auto's order, and the fix to name when the built-in path captured the wrong layers.
 Which family has vLLM's EAGLE-3 interface is vllm/families.py's. Nothing here imports vLLM, so the choice is
-tested in the base environment on fakes of each version (tests/test_vllm_compat.py).
+tested in the base environment on fakes of each version (tests/test_vllm_capture.py).
 """
 
 from __future__ import annotations

@@ -106,6 +106,9 @@ class WorkerSinkPath:
         self.run: ShardRun | None = None  # the shard being captured
 
     # ---- what each path adds ----
+    def prepare_environment(self) -> None:
+        """Set what the engine must read from the environment when it starts."""
+
     def engine_kwargs(self) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -308,10 +311,11 @@ class WorkerSinkPath:
         """A row with images must reach the model as tokenize wrote it: vLLM's processor may not re-expand it."""
         if not run.image_rows:  # a text-only shard: nothing to compare
             return
-        want = run.image_rows.pop(registry.member(out, "RequestOutput.request_id"), None)
+        tag = registry.member(out, "RequestOutput.request_id")
+        want = run.image_rows.pop(tag, None)
         got = list(registry.member(out, "RequestOutput.prompt_token_ids") or ())
         if want is not None and got != want:
             raise CaptureError(
-                f"request {out.request_id}: vLLM's processor made {len(got)} prompt tokens of the row's {len(want)} "
+                f"request {tag}: vLLM's processor made {len(got)} prompt tokens of the row's {len(want)} "
                 "(its images expanded differently than tokenize expanded them): re-run tokenize with this model.path"
             )

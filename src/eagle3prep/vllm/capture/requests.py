@@ -47,9 +47,10 @@ def prompt_logprobs(out: Any, ids: list[int]) -> Any:
 
     per_pos = registry.member(out, "RequestOutput.prompt_logprobs") or []
     if len(per_pos) != len(ids):
-        raise CaptureError(f"request {out.request_id}: {len(per_pos)} prompt logprobs for {len(ids)} tokens")
-    logprob = registry.entry("Logprob.logprob").path.rsplit(".", 1)[-1]
-    return torch.tensor([getattr(per_pos[t][ids[t]], logprob) for t in range(1, len(ids))], dtype=torch.float32)
+        tag = registry.member(out, "RequestOutput.request_id")
+        raise CaptureError(f"request {tag}: {len(per_pos)} prompt logprobs for {len(ids)} tokens")
+    logprobs = [registry.member(per_pos[t][ids[t]], "Logprob.logprob") for t in range(1, len(ids))]
+    return torch.tensor(logprobs, dtype=torch.float32)
 
 
 class Probe(NamedTuple):

@@ -1,6 +1,6 @@
 """Engine bugs that capture wrong hidden states without an error, and the engine kwargs that avoid them
 (DESIGN.md §5, §6): the extract backend and the regenerate stage apply them when they start vLLM, validation
-names the one a shard was captured without. Nothing here imports vLLM at import time; tests/test_vllm_compat.py
+names the one a shard was captured without. Nothing here imports vLLM at import time; tests/test_vllm_capture.py
 tests it in the base environment.
 """
 

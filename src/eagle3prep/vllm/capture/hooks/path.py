@@ -3,8 +3,10 @@ worker writes the layer files, and holds every row of a request once it ended.""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from ... import registry
 from .. import message
 from ..loop import WorkerSinkPath, log
 from .worker import HiddenStatesCapture
@@ -16,6 +18,10 @@ class HooksPath(WorkerSinkPath):
     """Forward hooks in the worker extension; TP rank 0's worker writes the layer files."""
 
     name = "hooks"
+
+    def prepare_environment(self) -> None:
+        # The hooks read the V1 model runner's input batch (internals.step_layout); vLLM 0.33 defaults to the V2 one.
+        os.environ.setdefault(registry.entry("VLLM_USE_V2_MODEL_RUNNER").path, "0")
 
     def engine_kwargs(self) -> dict[str, Any]:
         # Hooks need eager mode: compiled graphs (torch.compile, CUDA graphs) bypass module hooks.

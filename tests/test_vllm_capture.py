@@ -1,4 +1,5 @@
-"""vLLM version shims and the hooks path's row bookkeeping, with fakes that behave like each vLLM.
+"""vllm/capture/: what the capture paths tell apart between vLLM versions (choice.py, message.rpc_result), the
+driver's shard loop (loop.py) and the hooks path's row bookkeeping, with fakes that behave like each vLLM.
 
 Runs in the base environment: nothing here imports vLLM. Test names carry the vLLM version whose
 behaviour the fake mimics.

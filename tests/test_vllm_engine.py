@@ -1,4 +1,4 @@
-"""vllm/engine/ (what every job that starts vLLM shares), where tests/test_vllm_compat.py does not already cover
+"""vllm/engine/ (what every job that starts vLLM shares), where tests/test_vllm_capture.py does not already cover
 it: the one engine shutdown of the extract backend and the regenerate stage. Base environment, no vLLM."""
 
 from __future__ import annotations
