@@ -201,7 +201,8 @@ def finish_one_request(conn) -> None:
         sampling_params=SimpleNamespace(extra_args={TAG_KEY: "t-0"}),
     )
     conn.schedule("r")
-    conn.request_finished(request, [1])
+    # the parent's answer goes back to vLLM's scheduler unchanged: the blocks stay held until the rows are gathered
+    assert conn.request_finished(request, [1]) == (True, {"hidden_states_path": "unused"})
     conn.bind_connector_metadata(Metadata([conn._pending_saves.pop("r")]))
     conn.get_finished(set())
 

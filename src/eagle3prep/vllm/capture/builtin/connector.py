@@ -39,7 +39,7 @@ SCHED_MODULE = registry.SCHEDULER_OUTPUT  # what build_connector_meta reads of a
 # What of vLLM's example connector module this one uses: its entries in vllm/registry.py (the built-in
 # path's), checked by check_internals(): {"module": top-level names, class: its methods and fields}.
 _ENTRIES = [n for n in registry.NAMES if n.module == VLLM_MODULE and n.needed_by == registry.BUILTIN]
-_PARENT = "ExampleHiddenStatesConnector"
+_PARENT = registry.entry("ExampleHiddenStatesConnector").path
 # Set by the parent's __init__; checked right after it, so a changed vLLM fails the engine start.
 INSTANCE_INTERNALS = tuple(
     n.path.split(".")[1] for n in _ENTRIES if n.kind == "member" and n.path.startswith(f"{_PARENT}.")
@@ -114,30 +114,30 @@ def build_connector(module: Any, sched: Any = None) -> type:
     if problem:
         raise registry.VLLMInternalError(problem)
 
-    class E3PHiddenStatesConnector(module.ExampleHiddenStatesConnector):
+    class E3PHiddenStatesConnector(getattr(module, _PARENT)):
         """ExampleHiddenStatesConnector whose finished requests go to the shard's LayerSink."""
 
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
             missing = [n for n in INSTANCE_INTERNALS if not hasattr(self, n)]
             if missing:
-                raise registry.missing(f"ExampleHiddenStatesConnector.{missing[0]}", self)
+                raise registry.missing(f"{_PARENT}.{missing[0]}", self)
             self._e3p_ready: Any = None  # this step's start on the device (bind_connector_metadata)
             self._e3p_gathered: Any = None  # the last step's gather (its parts' blocks are not held for it)
             self._e3p_prefills = PrefillParts()  # scheduler side: rows being prefilled, what went out of them
 
         # ---- scheduler side: the request's tag travels with its pending save; prefills hand out parts ----
         def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-            handed = self._e3p_prefills.finished(request.request_id)
-            if request.request_id not in self._request_filenames:
+            req_id = registry.member(request, "Request.request_id")
+            handed = self._e3p_prefills.finished(req_id)
+            if req_id not in self._request_filenames:
                 return False, None  # aborted before it was scheduled: nothing to save (0.26's parent raises)
-            delay, params = super().request_finished(request, block_ids)
-            pending = self._pending_saves.get(request.request_id)
+            delay, kv_params = super().request_finished(request, block_ids)
+            pending = self._pending_saves.get(req_id)
             if pending is not None:
-                params = registry.member(request, "Request.sampling_params")
-                pending.e3p_tag = request_tag(params, request.request_id)
+                pending.e3p_tag = request_tag(registry.member(request, "Request.sampling_params"), req_id)
                 pending.e3p_from = handed
-            return delay, params
+            return delay, kv_params
 
         def build_connector_meta(self, scheduler_output: Any) -> Any:
             meta = super().build_connector_meta(scheduler_output)
