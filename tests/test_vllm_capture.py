@@ -75,6 +75,26 @@ def test_collective_rpc_empty_reply_raises():
         message.rpc_result([], version="0.32.0")
 
 
+def test_a_worker_reply_travels_as_the_fields_it_has_and_comes_back_the_same():
+    reply = message.WorkerReply(rank=0, entries={"2": {"sha256": "x"}}, stats={"write_s": 0.1}, user_error=False)
+    wire = reply.to_wire()
+    assert wire == {"rank": 0, "entries": {"2": {"sha256": "x"}}, "stats": {"write_s": 0.1}, "user_error": False}
+    assert message.WorkerReply.from_wire(wire) == reply and reply.layer_entries() == {2: {"sha256": "x"}}
+    assert message.WorkerReply(rank=None).to_wire() == {"rank": None}  # a rank that never installed says so
+    with pytest.raises(TypeError):  # a field the driver does not know is a protocol change, not a value to drop
+        message.WorkerReply.from_wire({"rank": 0, "rows": 3})
+
+
+def test_a_sink_spec_comes_back_from_the_wire_with_int_layer_ids_and_tuple_rows():
+    import json
+
+    from eagle3prep.shard.sink import SinkSpec
+
+    spec = SinkSpec({2: "/x/layer_2"}, 16, "bfloat16", [(0, 3), (3, 2)], tag_prefix="p", step_tokens=8, slots=3)
+    back = message.spec_from_wire(json.loads(json.dumps(message.spec_to_wire(spec))))  # an RPC that knows only JSON
+    assert (back.layer_paths, back.rows, back.total_tokens) == (spec.layer_paths, spec.rows, spec.total_tokens)
+
+
 # ---- capability gates ----------------------------------------------------------------------------
 
 
