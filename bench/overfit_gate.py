@@ -3,7 +3,7 @@
     .venv-vllm/bin/python bench/overfit_gate.py OUT [--dtype float32] [--cases correct layer_plus_one ...]
 
 Builds the demo workflow's tokenized rows (`snakemake results/tokenized`, the demo model, one shard) in
-OUT/wd, then runs the gate (eagle3prep.overfit_gate.stage.run_overfit_gate, its default settings: 4 prompts,
+OUT/wd, then runs the gate (eagle3prep.overfit_gate.stage.run_overfit_gate_job, its default settings: 4 prompts,
 32 served tokens each, k = 3, greedy) once per case, each case in OUT/<case>/:
 - correct: the run's layer ids captured as they are;
 - layer_plus_one / layer_minus_one: every auxiliary id k holds id k +/- 1 in the data, while the draft's
@@ -52,7 +52,7 @@ def tokenized_rows(wd: Path, dtype: str) -> Path:
 
 
 def planter(case: str, model: Path, ids: list[int]):
-    """The `plant` callback of run_overfit_gate for `case` (None for correct)."""
+    """The `plant` callback of run_overfit_gate_job for `case` (None for correct)."""
     if case == "correct":
         return None
     from testkit.planted import plant
@@ -73,9 +73,9 @@ def planter(case: str, model: Path, ids: list[int]):
 
 def run_case(case: str, tokenized: Path, model: Path, out: Path, dtype: str) -> dict:
     from eagle3prep.errors import UserError
-    from eagle3prep.overfit_gate.stage import run_overfit_gate
     from eagle3prep.layers import default_layer_ids
     from eagle3prep.model_facts import ModelFacts
+    from eagle3prep.overfit_gate.stage import run_overfit_gate_job
     from eagle3prep.settings import ExtractSettings, LayersSettings, RegenerateSettings
 
     n = ModelFacts.read(str(model)).num_hidden_layers
@@ -88,9 +88,9 @@ def run_case(case: str, tokenized: Path, model: Path, out: Path, dtype: str) -> 
     regenerate = RegenerateSettings.defaults(dtype=dtype, enforce_eager=True, tp_size=1)
     t0 = time.time()
     try:
-        run_overfit_gate(
+        run_overfit_gate_job(
             str(tokenized), str(out / "gate.json"), str(out), model_path=str(model), layers=layers,
-            extract=extract, regenerate=regenerate, chat_template_kwargs={}, threads=2,
+            extract=extract, regenerate=regenerate, chat_template_kwargs={}, trust_remote_code=False, threads=2,
             plant=planter(case, model, ids),
         )  # fmt: skip
     except UserError as e:

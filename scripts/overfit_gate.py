@@ -9,11 +9,11 @@ if __name__ == "__main__":
     os.dup2(sys.stderr.fileno(), 1)  # and vLLM's logger writes to stdout: its lines belong to this job
 
     from eagle3prep.errors import one_line_errors
-    from eagle3prep.overfit_gate.stage import run_overfit_gate
+    from eagle3prep.overfit_gate.stage import run_overfit_gate_job
     from eagle3prep.settings import ExtractSettings, LayersSettings, RegenerateSettings, TokenizeSettings
 
     with one_line_errors():
-        run_overfit_gate(
+        run_overfit_gate_job(
             snakemake.params.tokens,
             snakemake.output[0],
             snakemake.params.work,

@@ -28,7 +28,7 @@ from testkit.shards import DEMO_LAYER_IDS, demo_spec, write_tokenized
 from testkit.workflow import make_workdir, snakemake
 
 LENGTHS = [100] * 20  # 2000 tokens x 4 layers x 128 x bf16: a ~2 MiB shard
-NEEDED = shard_bytes(sum(LENGTHS), len(LENGTHS), len(DEMO_LAYER_IDS), 128, "bfloat16")
+NEEDED = shard_bytes(sum(LENGTHS), len(LENGTHS), len(DEMO_LAYER_IDS), 128, "bfloat16", storage="model_dtype")
 
 
 @pytest.fixture

@@ -143,7 +143,11 @@ def test_plan_and_the_disk_precheck_halve_with_fp8(tmp_path):
     fp8 = make_plan(shards, 4, 4096, "bfloat16", tmp_path, storage="fp8_e4m3", tokens_per_s=None, engine_start_s=60)
     assert fp8["storage"] == "fp8_e4m3" and 0.50 < fp8["bytes_total"] / plain["bytes_total"] < 0.51
     # per token and layer: 2 x 4096 bytes in bf16, 4096 + a 4-byte scale in FP8 (token ids: 8 bytes a token)
-    assert shard_bytes(1, 0, 1, 4096, "bfloat16", "fp8_e4m3") - shard_bytes(0, 0, 1, 4096, "bfloat16") == 4100 + 8
+    assert (
+        shard_bytes(1, 0, 1, 4096, "bfloat16", "fp8_e4m3")
+        - shard_bytes(0, 0, 1, 4096, "bfloat16", storage="model_dtype")
+        == 4100 + 8
+    )
 
 
 def test_pass_rule_adds_the_fp8_floor():

@@ -139,19 +139,19 @@ def test_gate_without_vllm_is_skipped_with_one_line(demo_model_dir, tmp_path):
     """A target vLLM cannot serve with an EAGLE-3 draft, or no vLLM at all: skipped, not failed, before
     any engine or training."""
     from eagle3prep.overfit_gate import serve
-    from eagle3prep.overfit_gate.stage import run_overfit_gate
+    from eagle3prep.overfit_gate.stage import run_overfit_gate_job
 
     out = tmp_path / "overfit_gate.json"
     kwargs = dict(model_path=str(demo_model_dir), layers=LayersSettings.defaults(),
                   extract=ExtractSettings.defaults(),
-                  regenerate=RegenerateSettings.defaults(), chat_template_kwargs={})  # fmt: skip
+                  regenerate=RegenerateSettings.defaults(), chat_template_kwargs={}, trust_remote_code=False)  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(serve, "eagle3_blocker", lambda *a: "vLLM 0.32.0 cannot serve X with an EAGLE-3 draft (...)")
-        record = run_overfit_gate("unused.jsonl", str(out), str(tmp_path / "work"), **kwargs)
+        record = run_overfit_gate_job("unused.jsonl", str(out), str(tmp_path / "work"), **kwargs)
     assert record["verdict"] == "skipped: vLLM 0.32.0 cannot serve X with an EAGLE-3 draft (...)"
     assert json.loads(out.read_text())["ok"] is True and record["layer_ids"] == [2, 4, 5, 8]
     if importlib_find("vllm") is None:  # the base environment: no vLLM to serve with
-        record = run_overfit_gate("unused.jsonl", str(out), str(tmp_path / "work"), **kwargs)
+        record = run_overfit_gate_job("unused.jsonl", str(out), str(tmp_path / "work"), **kwargs)
         assert record["verdict"].startswith("skipped: vLLM is not installed here")
 
 
@@ -224,12 +224,12 @@ def test_eagle3_support_is_asked_of_vllm_before_any_engine(tmp_path, demo_model_
     pytest.importorskip("vllm")
     from eagle3prep.overfit_gate.serve import eagle3_blocker
 
-    assert eagle3_blocker(str(demo_model_dir)) is None  # LlamaForCausalLM: SupportsEagle3
+    assert eagle3_blocker(str(demo_model_dir), False) is None  # LlamaForCausalLM: SupportsEagle3
     other = tmp_path / "gpt2"
     other.mkdir()
     config = {"architectures": ["GPT2LMHeadModel"], "n_layer": 2, "n_embd": 64, "vocab_size": 64}
     (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2, "hidden_size": 64}))
-    assert "cannot serve GPT2LMHeadModel with an EAGLE-3 draft" in eagle3_blocker(str(other))
+    assert "cannot serve GPT2LMHeadModel with an EAGLE-3 draft" in eagle3_blocker(str(other), False)
 
 
 @pytest.mark.vllm

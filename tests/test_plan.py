@@ -40,8 +40,8 @@ def test_bytes_free_space_and_finished_shards(tmp_path):
         storage="model_dtype",
     )
     assert [s["bytes"] for s in plan["shards"]] == [
-        shard_bytes(3000, 10, 4, 4096, "bfloat16"),
-        shard_bytes(1000, 9, 4, 4096, "bfloat16"),
+        shard_bytes(3000, 10, 4, 4096, "bfloat16", storage="model_dtype"),
+        shard_bytes(1000, 9, 4, 4096, "bfloat16", storage="model_dtype"),
     ]
     assert plan["shards"][0]["bytes"] > 3000 * 4 * 4096 * 2
     assert [s["done"] for s in plan["shards"]] == [True, False]

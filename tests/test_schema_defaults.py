@@ -18,7 +18,7 @@ NOT_CONFIG = {
     "demo.py:build_model:seed": "the demo model's weights' seed",
     "extract/stage.py:run_extract_job:threads": "the job's Snakemake threads; None leaves torch's own",
     "extract/stage.py:extract_shard:threads": "the job's Snakemake threads; None leaves torch's own",
-    "overfit_gate/stage.py:run_overfit_gate:threads": "the job's Snakemake threads; None leaves torch's own",
+    "overfit_gate/stage.py:run_overfit_gate_job:threads": "the job's Snakemake threads; None leaves torch's own",
     "regenerate/stage.py:run_regenerate_job:threads": "the job's Snakemake threads; None leaves torch's own",
     "layers.py:check_layer_ids:convention": "the ids' convention, by default the package's own (layers.CONVENTION)",
     "shard/shardset.py:speculators_layer_error:convention": "the ids' convention, by default the package's own",
@@ -32,7 +32,7 @@ NOT_CONFIG = {
     "regenerate/review.py:sample_pairs:seed": "the review's sample seed",
     "regenerate/review.py:review:seed": "the review's sample seed",
     "regenerate/runner.py:_Conv:seed": "one conversation's seed, set from conversation_seed",
-    "report/__init__.py:build_report:overfit_gate": "the gate's report file, None without one",
+    "report/__init__.py:run_report_job:overfit_gate": "the gate's report file, None without one",
     "report/data.py:funnel:max_seq_len": "a stats.json value shown as '?' when absent",
     "report/page.py:provenance_table:tp_size": "a manifest's engine record, older ones without it",
     "report/plots.py:distributions:max_seq_len": "the histogram's cap line, None to draw none",
@@ -147,6 +147,45 @@ def test_no_schema_key_has_a_second_default_in_code():
     assert not hits, f"take the value from the config or settings, or schema_default(section, key): {hits}"
     stale = (set(NOT_CONFIG) | LEFT) - {site for site, _ in found}
     assert not stale, f"NOT_CONFIG or LEFT entries that match nothing any more: {sorted(stale)}"
+
+
+# Parameters that still default to schema_default(...), to be given by every caller: heal.find's callers pass
+# SETTINGS.heal.keep_failed already.
+SIGNATURE_LEFT = {"run/heal.py:find:keep_failed"}
+
+
+def config_parameters(tree):
+    """(function, parameter) of every parameter of a function or lambda in `tree` whose default is a
+    schema_default(...) call."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            a = node.args
+            pos = a.posonlyargs + a.args
+            pairs = [*zip(pos[len(pos) - len(a.defaults) :], a.defaults, strict=True),
+                     *zip(a.kwonlyargs, a.kw_defaults, strict=True)]  # fmt: skip
+            for p, d in pairs:
+                if (
+                    isinstance(d, ast.Call)
+                    and getattr(d.func, "id", getattr(d.func, "attr", None)) == "schema_default"
+                ):
+                    yield getattr(node, "name", "<lambda>"), p.arg
+
+
+def test_no_signature_takes_a_config_value_as_its_default():
+    """A config value reaches a function from its caller: a stage's job entry (run_<stage>_job) reads it from the
+    stage's typed settings (eagle3prep.settings) and passes it on, so no parameter defaults to the schema's value."""
+    found = set()
+    for path in sorted([*PACKAGE.rglob("*.py"), *(REPO / "scripts").glob("*.py")]):
+        rel = path.relative_to(PACKAGE if path.is_relative_to(PACKAGE) else REPO).as_posix()
+        found |= {f"{rel}:{f}:{p}" for f, p in config_parameters(ast.parse(path.read_text(encoding="utf-8")))}
+    assert not found - SIGNATURE_LEFT, (
+        f"pass the value from the stage's settings instead: {sorted(found - SIGNATURE_LEFT)}"
+    )
+    assert not SIGNATURE_LEFT - found, (
+        f"SIGNATURE_LEFT entries that match nothing any more: {sorted(SIGNATURE_LEFT - found)}"
+    )
+    code = 'def f(a, b=schema_default("x", "b"), *, c=config.schema_default("x", "c"), d=1): ...\ng = lambda e=schema_default("x", "e"): e'
+    assert set(config_parameters(ast.parse(code))) == {("f", "b"), ("f", "c"), ("<lambda>", "e")}
 
 
 def test_the_scan_sees_each_form_of_default():

@@ -569,7 +569,7 @@ def test_a_failed_seal_drops_every_file_and_raises_the_first_layers_error(tmp_pa
 def test_shard_writer_takes_the_layer_files_of_a_sink(tmp_path):
     lengths = [3, 5]
     index = [IndexEntry(row=0, id="a", offset=0, length=3), IndexEntry(row=1, id="b", offset=3, length=5)]
-    writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index)
+    writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index, storage="model_dtype")
     spec = writer.sink_spec(SinkPlan(8, 3, "row"))
     assert sorted(spec.layer_paths) == LAYERS and spec.rows == [(0, 3), (3, 5)]
     sink = LayerSink(spec)
@@ -586,7 +586,7 @@ def test_shard_writer_takes_the_layer_files_of_a_sink(tmp_path):
 
 def test_shard_writer_refuses_an_entry_that_does_not_match_the_file(tmp_path):
     index = [IndexEntry(row=0, id="a", offset=0, length=4)]
-    writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index)
+    writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index, storage="model_dtype")
     spec = writer.sink_spec(SinkPlan(4, 3, "row"))
     sink = LayerSink(spec)
     list(writer.tee(iter([[[1, 2, 3, 4]]])))

@@ -261,7 +261,7 @@ def phase_c(args, model: Path, work: dict) -> dict:
     for name in ("uniform", "mixed"):
         tok = write_tokenized(args.out / f"hf_{name}.jsonl", work[name])
         index = index_of_tokenized(tok)
-        writer = ShardWriter(args.out / f"hf_{name}", ids, cfg.hidden_size, args.dtype, index)
+        writer = ShardWriter(args.out / f"hf_{name}", ids, cfg.hidden_size, args.dtype, index, storage="model_dtype")
         sink = LayerSink(writer.sink_spec(SinkPlan(args.hf_batch_tokens, 3, "row")))
         if dev == "cuda":
             torch.cuda.synchronize()

@@ -118,7 +118,7 @@ def write_shard_of(tokenized: Path, shard_dir: Path, model_dir: Path, layer_ids:
             layer_id_convention=CONVENTION, num_hidden_layers=facts.num_hidden_layers, dtype="bfloat16",
             hidden_size=facts.hidden_size, row_range=[rows[0]["row"], rows[-1]["row"] + 1] if rows else [0, 0],
             tokenized={"path": str(tokenized), "sha256": sha256_file(tokenized)},
-            model=model_identity(str(model_dir)), tokenizer=tokenizer_identity(str(model_dir)),
+            model=model_identity(str(model_dir), False), tokenizer=tokenizer_identity(str(model_dir)),
             engine={"engine": "test writer", "capture_path": "random states (tests/testkit/shards.py)", "tp_size": 1},
         ),
         layer_ids=list(layer_ids), rows=len(rows), tokens=offset, files=files,

@@ -19,7 +19,6 @@ from typing import Any
 from ..backends import make_backend
 from ..backends.base import CaptureBackend, CaptureSpec, EngineInfo
 from ..backends.empty import EmptyShardBackend
-from ..config import schema_default
 from ..infra import faults
 from ..infra.atomic import sha256_file
 from ..infra.disk import DiskSpaceError, human_bytes
@@ -62,7 +61,7 @@ def shard_bytes(
     num_layers: int,
     hidden_size: int,
     dtype: str,
-    storage: str = schema_default("extract", "storage"),
+    storage: str,
 ) -> int:
     """Bytes a shard will take: layer files (values and any scales, shard/formats.py) + token ids +
     index/manifest (a generous 200 B per row)."""

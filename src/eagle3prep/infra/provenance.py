@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..config import schema_default
 from .atomic import sha256_file
 
 
@@ -34,9 +33,7 @@ def _weights_identity(folder: Path) -> str:
     return h.hexdigest()
 
 
-def model_identity(
-    model_path: str, trust_remote_code: bool = schema_default("model", "trust_remote_code")
-) -> dict[str, Any]:
+def model_identity(model_path: str, trust_remote_code: bool) -> dict[str, Any]:
     folder = Path(model_path)
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     return {

@@ -11,7 +11,6 @@ import importlib.util
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..config import schema_default
 from ..model_facts import ModelFacts
 from ..settings import RegenerateSettings, Sampling
 from ..vllm import registry
@@ -33,9 +32,7 @@ class NotServable(Exception):
     """vLLM cannot serve this target with an EAGLE-3 draft: the gate is skipped, with this reason."""
 
 
-def eagle3_blocker(
-    model_path: str, trust_remote_code: bool = schema_default("model", "trust_remote_code")
-) -> str | None:
+def eagle3_blocker(model_path: str, trust_remote_code: bool) -> str | None:
     """Why vLLM cannot serve this target with an EAGLE-3 draft (None: it can, or it cannot be told
     before an engine starts). Asked of vLLM's model registry before any engine or training, so an
     unsupported target costs seconds. The registry calls are vLLM's own, not a list of ours."""

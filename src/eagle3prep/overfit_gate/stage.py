@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import schema_default
 from ..errors import UserError
 from ..infra.atomic import write_json
 from ..infra.gpus import claim_job_gpus
@@ -95,7 +94,7 @@ def _prompts(tokenized_shard: str, facts: ModelFacts, s: GateSettings) -> tuple[
     return prompts, budget, max((len(p.ids) for p in prompts), default=0) + budget + s.k
 
 
-def run_overfit_gate(
+def run_overfit_gate_job(
     tokenized_shard: str,
     out_json: str,
     work: str,
@@ -105,7 +104,7 @@ def run_overfit_gate(
     extract: ExtractSettings,
     regenerate: RegenerateSettings,
     chat_template_kwargs: Mapping[str, Any],
-    trust_remote_code: bool = schema_default("model", "trust_remote_code"),
+    trust_remote_code: bool,
     threads: int | None = None,
     settings: GateSettings | None = None,
     plant: Callable[[Path], Path] | None = None,

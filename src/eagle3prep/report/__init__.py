@@ -125,7 +125,7 @@ def _dataset_manifest(shard_dirs, manifests, summary, counts, stats, reports) ->
     }
 
 
-def build_report(
+def run_report_job(
     validations: list[str],
     shard_dirs: list[str],
     tokenized: list[str],
@@ -141,7 +141,9 @@ def build_report(
     model_dir: str | None = None,
     failed_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Write summary.csv, dataset_manifest.json and report.html (in that order); return the manifest.
+    """The report stage's job: summary.csv, dataset_manifest.json and report.html written (in that order); the
+    manifest returned. It takes no settings: what the config decided is in its inputs (counts, stats,
+    manifests, validations), so a config edit reruns the report only through the jobs it reruns.
 
     `export_dir` is the speculators export when it was requested (the report then records it);
     `overfit_gate` the gate's JSON when validate.overfit_gate is on (its verdict is a banner);
@@ -212,7 +214,7 @@ def _quarantine_context(counts: dict[str, Any], stats: dict[str, Any], counts_pa
 
 
 def _page_context(dataset, stats, counts, reports, summary, margins, row_stats, coverage) -> dict[str, Any]:
-    """What the page shows of the run's outputs (build_report adds the rest)."""
+    """What the page shows of the run's outputs (run_report_job adds the rest)."""
     skipped = [k for k, v in enumerate(reports) if data.reference_skipped(v)]
     return {
         "dataset": dataset,
@@ -241,4 +243,4 @@ def _figures(margins, series, coverage, summary, row_stats, stats, n: int) -> di
     }
 
 
-__all__ = ["DATASET_FORMAT", "build_report"]
+__all__ = ["DATASET_FORMAT", "run_report_job"]

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import schema_default
 from ..shard.tokenized import rows as tokenized_rows
 
 SAMPLE_ROWS = 3  # rows per run, from shards spread over the run
@@ -120,9 +119,7 @@ def samples(tokenized: list[str], tokenizer, k: int = SAMPLE_ROWS, max_seq_len: 
     return out
 
 
-def load_tokenizer_or_reason(
-    model_path: str | None, trust_remote_code: bool = schema_default("model", "trust_remote_code")
-) -> tuple[Any, str]:
+def load_tokenizer_or_reason(model_path: str | None, trust_remote_code: bool) -> tuple[Any, str]:
     """(tokenizer, "") or (None, why): the samples then show token ids, and the page says why."""
     if not model_path:
         return None, "no model folder given"

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..config import schema_default
 from ..infra import faults
 from ..infra.atomic import atomic_open, write_json
 from ..infra.disk import disk_full_is_user_error
@@ -49,7 +48,7 @@ class ShardWriter:
         hidden_size: int,
         dtype: str,
         index: list[IndexEntry],
-        storage: str = schema_default("extract", "storage"),
+        storage: str,
     ):
         self.out_dir = Path(out_dir)
         self.storage = check_storage(storage)
