@@ -285,7 +285,7 @@ def test_a_model_folder_without_hidden_size_or_weights_is_refused_at_parse_time(
 
 
 def test_extract_engine_args_that_still_capture_every_row_pass():
-    from eagle3prep.config import check_extract_engine_args
+    from eagle3prep.config.engine import check_extract_engine_args
 
     check_extract_engine_args({"max_model_len": 257, "data_parallel_size": 1, "enable_prefix_caching": "false"}, 256)
     check_extract_engine_args({"max_model_len": "4096", "enforce_eager": True}, 256)

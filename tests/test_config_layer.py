@@ -1,4 +1,4 @@
-"""The config layer (config.py, settings.py) stands below the stages: it imports none of them, directly or
+"""The config layer (config/, settings.py) stands below the stages: it imports none of them, directly or
 through a module it imports, and no module of the package reaches into another's private names."""
 
 import ast

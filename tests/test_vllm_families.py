@@ -10,7 +10,8 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
-from eagle3prep.config import ConfigError, check_capture_path
+from eagle3prep.config import ConfigError
+from eagle3prep.config.engine import check_capture_path
 from eagle3prep.vllm import families, registry
 from eagle3prep.vllm.engine.errors import engine_error
 

@@ -11,6 +11,10 @@ class UserError(Exception):
     """Base of every error whose message alone tells the user what to fix."""
 
 
+class ConfigError(UserError, ValueError):
+    """A config value is wrong; the message names the key, the value and what is allowed."""
+
+
 @contextlib.contextmanager
 def one_line_errors(oom_fix: str = "") -> Iterator[None]:
     """In a Snakemake script: print a UserError as `error: <message>` and exit 1 (the job fails). Ctrl-C is

@@ -18,15 +18,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
-from .config import (
-    SCHEMA,
-    load_schema,
-    model_layer_ids,
-    reference_mode,
-    schema_default,
-    section_defaults,
-    validate_config,
-)
+from .config import SCHEMA, load_schema, reference_mode, schema_default, section_defaults, validate_config
+from .config.model import model_layer_ids
 
 # A content field added after results existed: left out of the rule's params while at its schema default,
 # because Snakemake compares params as a whole and a new key would re-queue every finished job made before it.

@@ -1,4 +1,4 @@
-"""What the Snakefile checks at parse time beyond the schema (config.py): which config is in force (a
+"""What the Snakefile checks at parse time beyond the schema (config/): which config is in force (a
 --configfile, or the demo's config/config.yaml), a target Snakemake took for a config file, the sources, and the
 model folder (its depth against the layer ids, its vision tower, its tokenizer, loaded as the tokenize job loads
 it). Each failure is one ConfigError line. The checks that need a stage's knowledge live here, not in the config
@@ -12,7 +12,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, check_capture_path, check_max_seq_len
+from ..config import ConfigError
+from ..config.engine import check_capture_path
+from ..config.model import check_max_seq_len
 from ..layers import default_layer_ids
 from ..model_facts import ModelFacts
 from ..settings import Settings

@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, model_layer_ids, reference_mode
+from ..config import ConfigError, reference_mode
+from ..config.model import model_layer_ids
 from ..extract import free_space_probe, shard_bytes
 from ..infra.atomic import atomic_open, write_json
 from ..infra.disk import human_bytes

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from eagle3prep.config import check_max_seq_len
+from eagle3prep.config.model import check_max_seq_len
 from eagle3prep.infra import faults
 from eagle3prep.infra.atomic import TMP_PREFIX, atomic_open, write_json, write_jsonl
 from eagle3prep.infra.provenance import tokenizer_identity

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from eagle3prep.config import template_kwarg_clash, template_kwargs_error
+from eagle3prep.config.template import template_kwarg_clash, template_kwargs_error
 from eagle3prep.errors import UserError
 from eagle3prep.tokenize.files import missing_tokenizer_files
 from eagle3prep.tokenize.masks import Rejected, boundary_mask, marker_mask

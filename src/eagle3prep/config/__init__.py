@@ -1,0 +1,38 @@
+"""The config layer: config/schema.yaml and its defaults (schema.py), and the checks a value gets beyond the
+schema, each in one line: the chat template's own arguments (template.py), what the vLLM engine cannot be
+given (engine.py), the model folder (model.py). validate_config runs those a config needs before any job;
+eagle3prep.settings types the result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..layers import convert_layer_ids
+from .engine import check_extract_engine_args
+from .schema import SCHEMA, check_schema, load_schema, reference_mode, schema_default, section_defaults
+from .template import check_template_kwargs
+
+__all__ = [
+    "SCHEMA",
+    "ConfigError",
+    "load_schema",
+    "reference_mode",
+    "schema_default",
+    "section_defaults",
+    "validate_config",
+]
+
+
+def validate_config(config: dict[str, Any], schema_path: str | Path = SCHEMA) -> dict[str, Any]:
+    """Validate `config` in place (defaults filled in) and return it; raise ConfigError on the first error."""
+    check_schema(config, schema_path)
+    check_template_kwargs(config["tokenize"]["chat_template_kwargs"])
+    check_extract_engine_args(config["extract"]["engine_args"], config["tokenize"]["max_seq_len"])
+    if config["layers"]["ids"] is not None:
+        try:  # fails early on a bad convention; the range check needs the model (layer_ids below)
+            convert_layer_ids(config["layers"]["ids"], config["layers"]["convention"])
+        except ValueError as e:
+            raise ConfigError(f"config error: {e}") from None
+    return config

@@ -1,0 +1,37 @@
+"""Config values against the model folder: layers.ids resolved against its depth, tokenize.max_seq_len against
+its context."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..layers import resolve_layer_ids
+from ..model_facts import ModelFacts
+
+
+def model_layer_ids(model_path: str, ids: Sequence[int] | None, convention: str) -> list[int]:
+    """layers.ids in `convention` resolved against the model's N, or a one-line ConfigError."""
+    n = ModelFacts.read(model_path).num_hidden_layers
+    try:
+        return resolve_layer_ids(ids, convention, n)
+    except ValueError as e:
+        raise ConfigError(f"config error: {e}") from None
+
+
+def model_max_positions(model_path: str | Path) -> int | None:
+    """Longest row the model takes (ModelFacts.max_positions); None for a tokenizer-only folder."""
+    if not (Path(model_path) / "config.json").is_file():
+        return None
+    return ModelFacts.read(model_path).max_positions
+
+
+def check_max_seq_len(max_seq_len: int, model_path: str | Path) -> None:
+    """Raise ConfigError when tokenize.max_seq_len is longer than the model can take."""
+    limit = model_max_positions(model_path)
+    if limit is not None and max_seq_len > limit:
+        raise ConfigError(
+            f"config error: tokenize.max_seq_len = {max_seq_len} is above the model's context of {limit} tokens "
+            f"(max_position_embeddings in {Path(model_path) / 'config.json'}); set it to {limit} or less"
+        )
