@@ -159,18 +159,10 @@ def tokenize_into(out: Path, model_dir: Path, conversations: Path, max_seq_len: 
     from eagle3prep.tokenize import tokenize_conversations
 
     return tokenize_conversations(
-        conversations,
-        model_dir,
-        [out / f"s{k}.jsonl" for k in range(4)],
-        out / "stats.json",
-        out / "freq.json",
-        out / "q.jsonl",
-        max_seq_len=max_seq_len,
-        workers=workers,
-        template_fallback=True,
-        trust_remote_code=False,
+        conversations, model_dir, [out / f"s{k}.jsonl" for k in range(4)], out / "stats.json", out / "freq.json",
+        out / "q.jsonl", max_seq_len=max_seq_len, workers=workers, template_fallback=True, trust_remote_code=False,
         chat_template_kwargs={},
-    )
+    )  # fmt: skip
 
 
 def cpu_seconds() -> tuple[float, float]:
@@ -278,16 +270,9 @@ def main() -> None:
 def bench_cpu(tmp: Path, args, prepare) -> None:
     """(1) prepare and tokenize throughput."""
     model, convs, large, src = bench_inputs(tmp, args.conversations, args.large_vocab)
+    files = (tmp / "conv.jsonl", tmp / "q.jsonl", tmp / "counts.json")
     _, t_prep, _ = best_of(
-        args.repeat,
-        lambda: prepare(
-            [str(src)],
-            tmp / "conv.jsonl",
-            tmp / "q.jsonl",
-            tmp / "counts.json",
-            max_line_bytes=1 << 24,
-            allow_no_user_turn=False,
-        ),
+        args.repeat, lambda: prepare([str(src)], *files, max_line_bytes=1 << 24, allow_no_user_turn=False)
     )
     n = args.conversations
     print(f"eagle3prep prepare             : {n / t_prep:10.0f} conv/s ({t_prep:.2f} s), best of {args.repeat} runs")

@@ -188,13 +188,8 @@ def main() -> None:
             ]
         )
         for dtype in args.dtypes:
-            refs = ReferencePair(
-                str(reference_model(family, model)),
-                dtype,
-                args.device,
-                cache_rows=args.rows * args.shards,
-                trust_remote_code=False,
-            )
+            refs = ReferencePair(str(reference_model(family, model)), dtype, args.device, trust_remote_code=False,
+                                 cache_rows=args.rows * args.shards)  # fmt: skip
             for backend in args.backends:
                 try:
                     cell = run_cell(args, family, model, backend, dtype, tokens, refs, seed)

@@ -60,18 +60,8 @@ def plant_variant(out: Path, variant: str, device: str) -> dict:
     verdict_json = wd / "results/validation/shard_0.json"
     verdict_json.parent.mkdir(parents=True)
     try:
-        validate_shard(
-            str(shard),
-            str(tokenized),
-            str(verdict_json),
-            str(model),
-            sample_rows=10**9,
-            device=device,
-            seed=0,
-            reference=True,
-            trust_remote_code=False,
-            windows=None,
-        )
+        validate_shard(str(shard), str(tokenized), str(verdict_json), str(model), sample_rows=10**9, seed=0,
+                       device=device, reference=True, trust_remote_code=False, windows=None)  # fmt: skip
         verdict = "PASS"
     except ValidationError as e:
         verdict = f"FAIL: {str(e).splitlines()[0][:300]}"
