@@ -203,6 +203,16 @@ def report(verdict: Verdict, results: str | Path, out=sys.stderr) -> None:
     print(verdict.summary(Path(results)), file=out)
 
 
+def run_verify_job(results: str | Path, log_path: str | Path, *, threads: int) -> Verdict:
+    """The verify rule's job: every damaged file and the summary to stderr (the terminal, what the user ran it for),
+    the summary to `log_path` too, and the verdict recorded for the next run to redo what it found damaged."""
+    verdict = verify(results, threads=threads)
+    verdict.write_record(results)
+    report(verdict, results, sys.stderr)
+    Path(log_path).write_text(verdict.summary(results) + "\n", encoding="utf-8")
+    return verdict
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="?", default="results", help="the results folder (default: results)")
