@@ -18,9 +18,9 @@ if __name__ == "__main__":
             snakemake.params.tokens,
             snakemake.output[0],
             model_path=snakemake.input.model,
-            layers=LayersSettings.of(snakemake.params.layers),
             # from the config as it is now: params.extract is only the rerun trigger (settings.py says why)
-            extract=ExtractSettings.from_config(snakemake.config),
+            settings=ExtractSettings.from_config(snakemake.config),
+            layers=LayersSettings.of(snakemake.params.layers),
             max_seq_len=snakemake.params.max_seq_len,
             trust_remote_code=snakemake.params.trust_remote_code,
             shard=int(snakemake.wildcards.k),

@@ -92,8 +92,8 @@ def run_extract_job(
     out_dir: str,
     *,
     model_path: str,
+    settings: ExtractSettings,
     layers: LayersSettings,
-    extract: ExtractSettings,
     max_seq_len: int,
     trust_remote_code: bool,
     shard: int,
@@ -102,13 +102,13 @@ def run_extract_job(
     """The extract rule's job: layer ids resolved against the model, then extract_shard."""
     facts = ModelFacts.read(model_path)
     spec = CaptureSpec.of(
-        extract,
+        settings,
         model_path=model_path,
         layer_ids=resolve_layer_ids(layers.ids, layers.convention, facts.num_hidden_layers),
         max_seq_len=max_seq_len,
         trust_remote_code=trust_remote_code,
     )
-    return extract_shard(tokenized_shard, out_dir, spec, extract, shard, threads, facts=facts)
+    return extract_shard(tokenized_shard, out_dir, spec, settings, shard, threads, facts=facts)
 
 
 def extract_shard(

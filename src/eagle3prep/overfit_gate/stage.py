@@ -169,7 +169,7 @@ def _capture(work_dir: Path, gate_rows: list[dict[str, Any]], record: dict[str, 
 
     shard = work_dir / "hidden_states/shard_0"
     longest = max(r["seq_len"] for r in gate_rows)
-    run_extract_job(str(tokenized), str(shard), model_path=model_path, layers=layers, extract=extract,
+    run_extract_job(str(tokenized), str(shard), model_path=model_path, settings=extract, layers=layers,
                     max_seq_len=longest, trust_remote_code=trust_remote_code, shard=0, threads=threads)  # fmt: skip
     if plant is not None:
         shard = plant(shard)
