@@ -119,4 +119,4 @@ test-slurm: $(VENV)/.installed
 	bash envs/check_gpu_slurm_cluster.sh
 
 clean:
-	rm -rf results logs benchmarks .snakemake
+	rm -rf results logs benchmarks .snakemake .eagle3prep

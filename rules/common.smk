@@ -3,7 +3,16 @@ import sys
 import time
 
 from eagle3prep.config import ConfigError
-from eagle3prep.run import closing, command, environment, heal, made_by, progress, stale
+from eagle3prep.run import (
+    closing,
+    command,
+    environment,
+    made_by,
+    progress,
+    stale,
+    tickets,
+)
+from eagle3prep.run.mode import Mode
 from eagle3prep.settings import ExtractSettings, RegenerateSettings, Settings
 from eagle3prep.run.parse import (
     check_model,
@@ -68,9 +77,10 @@ TOKENIZED = "results/tokenized"
 
 wildcard_constraints:
     k=r"\d+",
+    n=r"\d+",
 
 
-if workflow.is_main_process and not workflow.dryrun:
+if workflow.is_main_process:
     for _lock in clear_stale_locks():
         print(
             f"eagle3prep: removed stale lock {_lock} (its run was killed)",
@@ -78,93 +88,108 @@ if workflow.is_main_process and not workflow.dryrun:
         )
 
 
-# Shards that are missing, unfinished, changed after validation or failed it are redone by the same
-# command, each named in one line (eagle3prep.run.heal; docs/guides/reruns.md). They are forced
-# as with --forcerun. The command line's settings exist only after the Snakefile is parsed, so the check
-# runs just before Snakemake makes its DAG (Workflow._prepare_dag), in the main process, for a run or dry
-# run of the whole workflow.
-# A Snakemake without that internal stops here in one line rather than turning healing off in silence.
-HEALS = []
-if workflow.is_main_process and (_hook_error := heal.snakemake_hook_error(workflow)):
-    sys.exit(_hook_error)
-if workflow.is_main_process:
-    _prepare_dag = workflow._prepare_dag
+def _results_checks(mode):
+    """Once, as Snakemake starts building the DAG of a target that holds shard jobs: another config's finished
+    shards are refused (in a run and in -n), a config change that redoes shards is announced, and a run records
+    the config in results/config.json (eagle3prep.run.made_by)."""
+    _error, _note = made_by.check(
+        SETTINGS, CONFIG_SHOWN, demo=not CONFIGFILES, command=_command
+    )
+    if _error:
+        sys.exit(_error)
+    if _note:
+        print(f"eagle3prep: {_note}", file=sys.stderr)
+    _keys = made_by.shard_keys(config)
+    if _redo := made_by.redo_note(_keys, SHARDS):
+        REDO.append(_redo)
+        print(f"eagle3prep: {_redo}", file=sys.stderr)
+    if mode.jobs_run:
+        made_by.write_record(SETTINGS, CONFIG_SHOWN, keys=_keys)
 
-    def _prepare_dag_healed(*args, **kwargs):
-        settings = workflow.dag_settings
-        # Another config's finished shards: refused before any job, in a run and in -n (eagle3prep.run.made_by).
-        if set(settings.targets) != {"verify"}:
-            _error, _note = made_by.check(
-                SETTINGS, CONFIG_SHOWN, demo=not CONFIGFILES, command=_command
-            )
-            if _error:
-                sys.exit(_error)
-            if _note:
-                print(f"eagle3prep: {_note}", file=sys.stderr)
-            _keys = made_by.shard_keys(config)
-            if _redo := made_by.redo_note(_keys, SHARDS):
-                print(f"eagle3prep: {_redo}", file=sys.stderr)
-            # Before the DAG, since onstart does not run when there is nothing to do; -n writes nothing.
-            if not workflow.dryrun:
-                made_by.write_record(SETTINGS, CONFIG_SHOWN, keys=_keys)
-        if not workflow.touch and set(settings.targets) <= {"all"}:
-            HEALS[:] = heal.find(SHARDS, SETTINGS.heal.keep_failed, workflow.dryrun)
-            for line in heal.summary(HEALS):
-                print(f"eagle3prep: {line}", file=sys.stderr)
-            # The last report no longer tells the truth about these shards until a run rebuilds it.
-            if not workflow.dryrun and (
-                _stale := [h.why for h in HEALS if h.shard is not None]
-            ):
-                if stale.mark_stale(_stale):
-                    print(
-                        f"eagle3prep: marked {stale.REPORT} STALE until this run rebuilds it",
-                        file=sys.stderr,
-                    )
-            forced = {h.force for h in HEALS if h.force}
-            settings.forcerun = set(settings.forcerun) | forced
-        _prepare_dag(*args, **kwargs)
 
-    workflow._prepare_dag = _prepare_dag_healed
+# Shards that are missing, unfinished, changed after validation or failed it are redone by the same command, each
+# named in one line (eagle3prep.run.heal; docs/guides/reruns.md), through heal tickets: a job to redo gets this
+# run's ticket as one more input, made by the local rule `heal` below (eagle3prep.run.tickets says how).
+REDO = []  # the config change that redoes finished shards, when there is one
 
-    # What the jobs that will run need of this Python (eagle3prep.run.environment): an engine or library it lacks,
-    # or a CUDA device its torch does not see, is one line before any job (in -n too), where every such job would
-    # die in its own traceback. Asked once the DAG is built (Workflow._build_dag), of a run or dry run only (not
-    # --lint or --summary), for the rules of the jobs that will run. The GPU is asked only where the jobs run on
-    # this host: a non-local executor (--executor slurm) runs them on GPU nodes, and its submit host may have none.
-    _build_dag = workflow._build_dag
 
-    def _build_dag_checked(*args, **kwargs):
-        built = _build_dag(*args, **kwargs)
-        if workflow.executor_plugin is not None and not workflow.touch:
-            jobs = {job.rule.name for job in workflow.dag.needrun_jobs()}
-            for error in (
-                environment.check(
-                    SETTINGS, conda=_conda, source_paths=SOURCES, jobs=jobs
-                ),
-                environment.cuda_error(
-                    SETTINGS, local_exec=workflow.local_exec, conda=_conda, jobs=jobs
-                ),
-            ):
-                if error:
-                    sys.exit(error)
-        return built
+def MODE():
+    """A run, a dry run or neither, read when Snakemake builds the DAG (it is not known while the Snakefile is read)."""
+    return Mode.of(workflow)
 
-    workflow._build_dag = _build_dag_checked
+
+HEALING = tickets.Healing(
+    SHARDS,
+    SETTINGS.heal.keep_failed,
+    main=workflow.is_main_process,
+    mode=MODE,
+    before=_results_checks,
+)
+
+
+def heal_ticket(job):
+    """The input function of a rule whose jobs healing may redo: `job` with {k} for a shard's."""
+    return lambda wildcards: HEALING.ticket(job.format(**wildcards))
+
+
+# What the jobs that will run need of this Python (eagle3prep.run.environment): an engine or library it lacks, or a
+# CUDA device its torch does not see, is one line before any job (in -n too), where every such job would die in its
+# own traceback. Asked from an input function of each such rule, for its first job that will run.
+GUARD = environment.Guard(
+    SETTINGS,
+    mode=MODE,
+    main=workflow.is_main_process,
+    sdm_conda=_conda,
+    source_paths=SOURCES,
+)
+
+
+def shard_extract_runs(wildcards):
+    """Whether extract will (re)make shard {k}: unfinished, healed, or a config change redoes the shards."""
+    k = wildcards.k
+    return (
+        not os.path.exists(f"results/hidden_states/shard_{k}/manifest.json")
+        or HEALING.is_due(f"extract/{k}")
+        or bool(REDO)
+    )
+
+
+def validation_runs(wildcards):
+    """Whether validate will (re)judge shard {k} (its device may be a GPU): no verdict yet, healed, or re-extracted."""
+    return (
+        not os.path.exists(f"results/validation/shard_{wildcards.k}.json")
+        or HEALING.is_due(f"validate/{wildcards.k}")
+        or shard_extract_runs(wildcards)
+    )
+
+
+def export_runs(wildcards):
+    return not os.path.exists("results/export/speculators") or HEALING.is_due("export")
+
+
+def missing(*patterns):
+    """A will-run test for the environment guard: an output of the job is not there."""
+    return lambda wildcards: any(
+        not os.path.exists(p.format(**wildcards)) for p in patterns
+    )
+
+
+rule heal:
+    output:
+        ".eagle3prep/heal/{n}.json",
+    localrule: True
+    run:
+        HEALING.make_ticket(output[0])
 
 
 onstart:
     record_owner()
+    # What the `heal` job does, for the jobs to redo that this run's DAG holds (it runs in a process of its own).
+    HEALING.request()
     # Each running GPU job's rate, share done and ETA on the terminal (EAGLE3PREP_PROGRESS_S=0: off).
     progress.start(
         SHARDS, regenerate_shards=REGEN_SHARDS if REGEN.workflow.enabled else ()
     )
-    # Under Snakemake's lock, before any job: a failed shard moves aside, so its extract starts afresh.
-    for _heal in HEALS:
-        if _heal.set_aside:
-            print(
-                f"eagle3prep: moved {heal.shard_dir(_heal.shard)} to {heal.set_aside(_heal)}",
-                file=sys.stderr,
-            )
 
 
 RUN_STARTED_NS = time.time_ns()

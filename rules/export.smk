@@ -6,6 +6,8 @@ rule export_speculators:
         validations=expand("results/validation/shard_{k}.json", k=SHARDS),
         shards=get_shard_dirs(),
         tokenized=TOKENIZED,
+        ticket=heal_ticket("export"),
+        environment=GUARD.input("export_speculators", export_runs),
     output:
         directory("results/export/speculators"),
     log:

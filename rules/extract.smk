@@ -5,6 +5,8 @@ rule extract:
     input:
         tokenized=TOKENIZED,
         model=get_model(),
+        ticket=heal_ticket("extract/{k}"),
+        environment=GUARD.input("extract", shard_extract_runs),
     output:
         directory("results/hidden_states/shard_{k}"),
     log:

@@ -10,6 +10,9 @@ if SETTINGS.validate.overfit_gate:
             shard="results/hidden_states/shard_0",
             tokenized=TOKENIZED,
             model=get_model(),
+            environment=GUARD.input(
+                "overfit_gate", missing("results/validation/overfit_gate.json")
+            ),
         output:
             "results/validation/overfit_gate.json",
         log:

@@ -2,6 +2,7 @@
 rule prepare:
     input:
         SOURCES,
+        environment=GUARD.input("prepare", missing("results/prepared/counts.json")),
     output:
         conversations="results/prepared/conversations.jsonl",
         quarantine="results/prepared/quarantine.jsonl",

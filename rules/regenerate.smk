@@ -9,6 +9,9 @@ if REGEN.workflow.enabled:
     rule prepare_prompt_only:
         input:
             SOURCES,
+            environment=GUARD.input(
+                "prepare_prompt_only", missing("results/prepared/counts.json")
+            ),
         output:
             conversations="results/prepared/conversations.jsonl",
             quarantine="results/prepared/quarantine.jsonl",
@@ -51,6 +54,9 @@ if REGEN.workflow.enabled:
         input:
             prompts=REGEN_PROMPTS,
             model=get_model(),
+            environment=GUARD.input(
+                "regenerate", missing("results/regenerate/shard_{k}/manifest.json")
+            ),
         output:
             directory("results/regenerate/shard_{k}"),
         log:

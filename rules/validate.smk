@@ -5,6 +5,8 @@ rule validate:
         shard="results/hidden_states/shard_{k}",
         tokenized=TOKENIZED,
         model=get_model(),
+        ticket=heal_ticket("validate/{k}"),
+        environment=GUARD.input("validate", validation_runs),
     output:
         report(
             "results/validation/shard_{k}.json",

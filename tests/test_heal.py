@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3prep.run import heal
+from eagle3prep.run import heal, tickets
+from eagle3prep.run.mode import Mode
 
 
 def finished(k: int, validated: bool = True) -> Path:
@@ -132,33 +133,83 @@ def test_summary_is_one_line_per_shard_then_a_count():
     assert len(lines) == 11 and lines[-1] == "... and 15 more shards (the first 10 are listed above)"
 
 
-def test_healing_stops_the_parse_when_snakemake_lacks_the_internal_it_wraps():
-    """Pinned: the installed Snakemake has what rules/common.smk wraps; one without it gets one line."""
-    import snakemake.api  # noqa: F401  (snakemake.workflow imports itself through the api first)
-    from snakemake.workflow import Workflow
-
-    assert heal.snakemake_hook_error(Workflow) is None, "Snakemake renamed Workflow._prepare_dag or dag_settings"
-    line = heal.snakemake_hook_error(object())
-    assert line.startswith("error: this Snakemake") and "_prepare_dag" in line and "\n" not in line
+def healing(main=True, dry=False, **kw):
+    said = []
+    h = tickets.Healing(range(3), False, main=main, mode=lambda: Mode(executor=True, dry=dry), say=said.append, **kw)
+    return h, said
 
 
-def test_a_snakemake_without_the_internal_stops_the_dry_run_in_one_line(tmp_path):
-    """The workflow's parse, with Workflow._prepare_dag removed as a later release could: one line, exit != 0
-    (before the check, healing switched itself off and the run went on)."""
-    import subprocess
-    import sys
+def test_a_job_to_redo_gets_this_runs_ticket_and_keeps_it_once_healed():
+    """Healing through Snakemake's own rules: the redone job's one more input is the next ticket; once the heal
+    job wrote it, the next run asks the same input of that job (nothing re-queued) and none of the others."""
+    for k in range(3):
+        finished(k)
+    shutil.rmtree(heal.shard_dir(2))
+    h, said = healing()
+    assert h.ticket("extract/2") == [".eagle3prep/heal/1.json"] and h.ticket("extract/0") == []
+    assert h.ticket("validate/2") == [] and said == [
+        f"{heal.shard_dir(2)} is missing but {heal.validation_json(2)} exists: extracting it again"
+    ]
+    h.request()  # onstart; the ticket job runs in a process of its own, which finds nothing itself
+    tickets.Healing([], False, main=False, mode=Mode).make_ticket(".eagle3prep/heal/1.json")
+    assert json.loads(Path(".eagle3prep/heal/1.json").read_text())["jobs"] == ["extract/2"]
+    assert not Path(".eagle3prep/heal/1.request.json").exists()
+    finished(2)  # what the redone job made
+    again, said = healing()
+    assert again.ticket("extract/2") == [".eagle3prep/heal/1.json"] and again.ticket("extract/1") == [] and not said
+    shutil.rmtree(heal.shard_dir(2))  # damaged again: the next ticket, and the other shards keep theirs
+    third, _ = healing()
+    assert third.ticket("extract/2") == [".eagle3prep/heal/2.json"]
 
-    from testkit.workflow import REPO
 
-    code = (
-        "import sys, snakemake.api, snakemake.workflow as w; del w.Workflow._prepare_dag; "
-        "from snakemake.cli import main; sys.argv = ['snakemake', '-n', '--snakefile', sys.argv[1]]; main()"
+def test_the_ticket_job_sets_failed_shards_aside_and_names_only_the_jobs_the_dag_holds():
+    for k in range(3):
+        finished(k, validated=k != 1)
+    failed_log(1)
+    h, said = healing()
+    assert h.ticket("extract/1") == [".eagle3prep/heal/1.json"]
+    h.request()
+    said.clear()
+    tickets.Healing([], False, main=False, mode=Mode, say=said.append).make_ticket(".eagle3prep/heal/1.json")
+    assert not Path(heal.shard_dir(1)).exists() and Path("results/failed/shard_1/hidden_states/manifest.json").exists()
+    assert said[-1] == f"moved {heal.shard_dir(1)} to results/failed/shard_1"
+
+
+def test_a_dry_run_or_a_spawned_jobs_process_changes_nothing():
+    finished(0)
+    finished(1, validated=False)
+    failed_log(1)
+    dry, said = healing(dry=True)
+    assert dry.ticket("extract/1") == [".eagle3prep/heal/1.json"] and "would move it" in said[0]
+    assert Path(heal.shard_dir(1)).is_dir() and not Path(".eagle3prep").exists()
+    spawned, said = healing(main=False)  # a job's own process: the tickets on disk only, no finding, no lines
+    assert spawned.ticket("extract/1") == [] and not said
+
+
+def test_the_results_checks_run_once_with_the_mode_and_touch_heals_nothing():
+    seen = []
+    finished(0, validated=False)
+    failed_log(0)
+    h = tickets.Healing([0], False, main=True, mode=lambda: Mode(executor=True, touch=True), before=seen.append)
+    assert h.ticket("extract/0") == [] and h.ticket("validate/0") == [] and seen == [Mode(executor=True, touch=True)]
+
+
+def test_the_mode_is_read_from_the_executor_plugin_interface():
+    """Pinned against the installed Snakemake: the CommonSettings fields of snakemake-interface-executor-plugins."""
+    from types import SimpleNamespace
+
+    from snakemake_interface_executor_plugins.settings import CommonSettings
+
+    fields = set(CommonSettings.__dataclass_fields__)
+    assert {"dryrun_exec", "touch_exec", "non_local_exec"} <= fields, fields
+    plugin = SimpleNamespace(
+        common_settings=CommonSettings(
+            non_local_exec=True, implies_no_shared_fs=False, job_deploy_sources=False, dryrun_exec=True
+        )
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(REPO / "Snakefile")], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode != 0
-    assert "has no Workflow._prepare_dag, which eagle3prep's healing wraps" in proc.stderr, proc.stderr[-2000:]
+    assert Mode.of(SimpleNamespace(executor_plugin=plugin)) == Mode(executor=True, dry=True, local=False)
+    assert Mode.of(SimpleNamespace(executor_plugin=None)) == Mode(executor=False)
+    assert tickets.job_key(heal.EXPORT) == "export" and tickets.job_key(heal.validation_json(7)) == "validate/7"
 
 
 def test_shards_the_report_was_not_made_from_are_not_extracted_yet_rather_than_missing():
@@ -252,3 +303,16 @@ def test_the_files_a_shard_may_hold_beyond_its_listing_are_the_shard_modules():
     from eagle3prep.shard.manifest import SHARD_EXTRAS
 
     assert heal.SHARD_EXTRAS == SHARD_EXTRAS
+
+
+def test_the_workflow_reads_no_private_snakemake_name():
+    """Healing and the environment check go through rules, input functions and the executor plugin interface: no
+    `workflow._...` method is read or replaced, and no DAG settings are edited."""
+    import re
+
+    from testkit.workflow import REPO
+
+    files = [REPO / "Snakefile", *(REPO / "rules").glob("*.smk"), *(REPO / "src/eagle3prep").rglob("*.py")]
+    private = re.compile(r"\bworkflow\._[a-z]\w*|\bdag_settings\b|\bforcerun\b")
+    found = [f"{p.name}: {m.group()}" for p in files for m in private.finditer(p.read_text(encoding="utf-8"))]
+    assert not found, found

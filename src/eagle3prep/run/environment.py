@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from ..settings import Settings
+from .mode import Mode
 
 GPU_ENV = ".venv-gpu/bin/snakemake (make gpu-env builds it; docs/guides/install.md)"
 DATASETS_ENV = (
@@ -155,3 +156,38 @@ def _torch_cuda() -> tuple[bool, str]:
     if torch.version.cuda is None:
         return False, f"torch {torch.__version__} built without CUDA"
     return False, f"torch {torch.__version__} (CUDA {torch.version.cuda}), which sees no GPU"
+
+
+class Guard:
+    """The checks above, asked while Snakemake builds its DAG: `guard.input(rule, will_run)` is an input function
+    (it adds no input) for a rule whose jobs need what NEEDS names. The first job of that rule that will run (its
+    `will_run(wildcards)`: an output missing or unfinished, or healing redoes it) stops a run or dry run in one line
+    when this Python lacks the module, or the CUDA device where the jobs run here; a finished job of the rule (a
+    target that starts none, --summary, --lint) asks nothing. Only the main process asks: a spawned job's does not.
+    A job re-queued for another reason (an upstream output made again) is not foreseen: it then stops in its log."""
+
+    def __init__(self, settings: Settings, mode: Callable[[], Mode], main: bool, sdm_conda: bool = False,
+                 source_paths: Sequence[str] = ()) -> None:  # fmt: skip
+        # sdm_conda: --sdm conda, each rule brings its own environment (the Snakefile's parser reads a line that
+        # opens with `conda` as its directive, hence the name)
+        self.settings, self.mode, self.main, self.source_paths = settings, mode, main, source_paths
+        self.conda = sdm_conda
+        self.asked: set[str] = set()
+
+    def input(self, rule: str, will_run: Callable[[object], bool]) -> Callable[[object], list[str]]:
+        def guard(wildcards: object) -> list[str]:
+            if self.main and rule not in self.asked and will_run(wildcards):
+                self.asked.add(rule)
+                if error := self.error(rule):
+                    sys.exit(error)
+            return []
+
+        return guard
+
+    def error(self, rule: str) -> str | None:
+        mode = self.mode()
+        if not mode.executor or mode.touch:
+            return None
+        return check(self.settings, conda=self.conda, source_paths=self.source_paths, jobs={rule}) or cuda_error(
+            self.settings, local_exec=mode.local, conda=self.conda, jobs={rule}
+        )

@@ -4,8 +4,8 @@ missing, unfinished, changed after validation or that failed validation, and say
 Snakemake alone does not redo them: a deleted shard whose validation and report exist is an intermediate
 file it does not need, and a failed shard's folder still looks finished. The checks are directory listings,
 `stat`s and existence tests (no file is read but the validation log of a shard that has no validation),
-so `snakemake -n` on 10,000 shards stays fast. The forced outputs go to Snakemake's --forcerun; the one
-change on disk, moving a failed shard to results/failed/, happens in `onstart`, under Snakemake's lock.
+so `snakemake -n` on 10,000 shards stays fast. What is found is redone through heal tickets (run.tickets): the
+one change on disk, moving a failed shard to results/failed/, is the ticket job's, under Snakemake's lock.
 """
 
 from __future__ import annotations
@@ -41,28 +41,8 @@ class Heal:
 
     shard: int | None
     why: str
-    force: str | None = None  # the output to force (Snakemake's --forcerun); None: nothing is forced
+    force: str | None = None  # the output made again (its job gets a heal ticket); None: nothing is redone
     set_aside: bool = False  # move the shard folder to results/failed/ before the run starts
-
-
-# The one Snakemake internal healing relies on (Snakemake has no public hook between parsing the command
-# line and building the DAG): the method wrapped in rules/common.smk and the settings it edits.
-SNAKEMAKE_INTERNALS = ("_prepare_dag", "dag_settings", "_build_dag")  # _build_dag: run.environment's check
-
-
-def snakemake_hook_error(workflow: object) -> str | None:
-    """One line when this Snakemake lacks what healing wraps (a release renamed it), else None: without the
-    check, healing would switch itself off in silence."""
-    missing = [name for name in SNAKEMAKE_INTERNALS if not hasattr(workflow, name)]
-    if not missing:
-        return None
-    import snakemake
-
-    return (
-        f"error: this Snakemake ({getattr(snakemake, '__version__', '?')}) has no Workflow."
-        f"{', Workflow.'.join(missing)}, which eagle3prep's healing wraps (rules/common.smk); "
-        "use the pinned release in envs/base.txt"
-    )
 
 
 def shard_dir(k: int) -> str:

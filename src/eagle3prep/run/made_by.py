@@ -5,8 +5,8 @@ demo's config, a second --configfile) is refused when the workflow is parsed, in
 Only those keys count: Snakemake redoes every shard when one of them changes (an input or a param of the chain
 prepare -> tokenize -> extract), and they decide what the dataset is. A change that only adds work (turning the
 export on) or that the user makes on purpose to a shard's bytes (extract.dtype) is not refused. The record is
-written when a run starts (onstart), with the same bytes whenever the config is the same, and is never read by a
-job; `replace_results: true` lets one run replace the shards of another config.
+written when a run (not a dry run) builds its DAG, with the same bytes whenever the config is the same, and is never
+read by a job; `replace_results: true` lets one run replace the shards of another config.
 """
 
 from __future__ import annotations
