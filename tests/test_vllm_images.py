@@ -79,7 +79,18 @@ def extract(vl, engine, shard, out):
 
 
 def validate(vl, shard_dir):
-    return validate_shard(str(shard_dir), str(vl.shard), str(vl.root / "v.json"), vl.model)
+    return validate_shard(
+        str(shard_dir),
+        str(vl.shard),
+        str(vl.root / "v.json"),
+        vl.model,
+        sample_rows="auto",
+        seed=0,
+        device="cpu",
+        reference=True,
+        trust_remote_code=False,
+        windows=None,
+    )
 
 
 def test_vllm_captures_image_rows_and_validation_passes_them(vl, engine):
