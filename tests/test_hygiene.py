@@ -391,3 +391,28 @@ def test_the_package_root_holds_few_modules_and_stages_are_folders():
     assert len(root) <= ROOT_MODULES_MAX, f"{len(root)} modules at src/eagle3prep/: {root}; put a stage in a folder"
     for stage in ("prepare", "regenerate", "tokenize", "extract", "validate", "report", "export", "overfit_gate"):
         assert (PACKAGE / stage / "__init__.py").is_file(), stage
+
+
+# Each stage's rule, in rules/<stage>.smk, by its name (export's names the layout it writes).
+STAGE_RULES = {"prepare": "prepare", "regenerate": "regenerate", "tokenize": "tokenize", "extract": "extract",
+               "validate": "validate", "report": "report", "overfit_gate": "overfit_gate",
+               "export": "export_speculators"}  # fmt: skip
+
+
+def test_a_stage_is_one_folder_rule_and_script_whose_call_is_its_job_entry():
+    """src/eagle3prep/<stage>/, rules/<stage>.smk and scripts/<stage>.py share the stage's name; the rule runs that
+    script, and the script calls the stage's one entry, run_<stage>_job, defined in the stage's folder."""
+    for stage, rule in STAGE_RULES.items():
+        blocks = re.split(
+            r"^\s*rule (\w+):", (REPO / "rules" / f"{stage}.smk").read_text(encoding="utf-8"), flags=re.M
+        )
+        body = dict(zip(blocks[1::2], blocks[2::2], strict=True)).get(rule, "")
+        assert f'"../scripts/{stage}.py"' in body, f"rules/{stage}.smk: rule {rule} does not run scripts/{stage}.py"
+        assert f"run_{stage}_job(" in (REPO / "scripts" / f"{stage}.py").read_text(encoding="utf-8"), stage
+        defined = {
+            node.name
+            for path in (PACKAGE / stage).glob("*.py")
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.FunctionDef)
+        }
+        assert f"run_{stage}_job" in defined, f"src/eagle3prep/{stage}/ defines no run_{stage}_job"
