@@ -128,7 +128,7 @@ HEALING = tickets.Healing(
 
 
 def heal_ticket(job):
-    """The input function of a rule whose jobs healing may redo: `job` with {k} for a shard's."""
+    """The input function that asks healing for `job`'s ticket (`job` holds {k} for a shard's job)."""
     return lambda wildcards: HEALING.ticket(job.format(**wildcards))
 
 
@@ -172,14 +172,6 @@ def missing(*patterns):
     return lambda wildcards: any(
         not os.path.exists(p.format(**wildcards)) for p in patterns
     )
-
-
-rule heal:
-    output:
-        ".eagle3prep/heal/{n}.json",
-    localrule: True
-    run:
-        HEALING.make_ticket(output[0])
 
 
 onstart:

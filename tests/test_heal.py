@@ -151,7 +151,7 @@ def test_a_job_to_redo_gets_this_runs_ticket_and_keeps_it_once_healed():
         f"{heal.shard_dir(2)} is missing but {heal.validation_json(2)} exists: extracting it again"
     ]
     h.request()  # onstart; the ticket job runs in a process of its own, which finds nothing itself
-    tickets.Healing([], False, main=False, mode=Mode).make_ticket(".eagle3prep/heal/1.json")
+    tickets.make_ticket(".eagle3prep/heal/1.json")
     assert json.loads(Path(".eagle3prep/heal/1.json").read_text())["jobs"] == ["extract/2"]
     assert not Path(".eagle3prep/heal/1.request.json").exists()
     finished(2)  # what the redone job made
@@ -170,9 +170,10 @@ def test_the_ticket_job_sets_failed_shards_aside_and_names_only_the_jobs_the_dag
     assert h.ticket("extract/1") == [".eagle3prep/heal/1.json"]
     h.request()
     said.clear()
-    tickets.Healing([], False, main=False, mode=Mode, say=said.append).make_ticket(".eagle3prep/heal/1.json")
+    tickets.make_ticket(".eagle3prep/heal/1.json", "logs/heal/1.log", say=said.append)
     assert not Path(heal.shard_dir(1)).exists() and Path("results/failed/shard_1/hidden_states/manifest.json").exists()
     assert said[-1] == f"moved {heal.shard_dir(1)} to results/failed/shard_1"
+    assert Path("logs/heal/1.log").read_text().splitlines()[-1] == f"[heal] {said[-1]}"
 
 
 def test_a_dry_run_or_a_spawned_jobs_process_changes_nothing():

@@ -68,9 +68,13 @@ def request_path(n: int, folder: str | os.PathLike = FOLDER) -> str:
     return f"{folder}/{n}.request.json"
 
 
+def _say(line: str) -> None:
+    print(f"eagle3prep: {line}", file=sys.stderr)
+
+
 class Healing:
     """One Snakemake process's healing: `ticket(job)` is the input function's answer for a job; `request` (onstart)
-    and `make_ticket` (the `heal` rule's body, in its own process) carry out what was found. `before` runs once, at the first question, with the Mode (the results-folder checks);
+    and `make_ticket` (the `heal` job, in a process of its own) carry out what was found. `before` runs once, at the first question, with the Mode (the results-folder checks);
     `main`: the process that builds the whole DAG (a spawned or remote job's process only reads tickets)."""
 
     def __init__(
@@ -81,7 +85,7 @@ class Healing:
         mode: Callable[[], Mode],
         before: Callable[[Mode], None] = lambda mode: None,
         folder: str | os.PathLike = FOLDER,
-        say: Callable[[str], None] = lambda line: print(f"eagle3prep: {line}", file=sys.stderr),
+        say: Callable[[str], None] = _say,
     ) -> None:
         self.shards, self.keep_failed, self.main = list(shards), keep_failed, main
         self._mode, self._before, self.folder, self._say = mode, before, folder, say
@@ -134,19 +138,27 @@ class Healing:
         with atomic_open(path, "w") as f:
             json.dump({"heals": heals}, f, indent=1)
 
-    def make_ticket(self, path: str) -> None:
-        """The `heal` job: set failed shards aside, mark the last report stale, then write the ticket (atomically,
-        last: a run killed before it healed nothing, and the next one finds the same)."""
-        n = int(Path(path).name.removesuffix(".json"))
-        request = Path(request_path(n, Path(path).parent))
-        asked = json.loads(request.read_text(encoding="utf-8"))["heals"] if request.exists() else []
-        heals = [heal.Heal(a["shard"], a["why"], a["force"], a["set_aside"]) for a in asked]
-        for h in heals:
-            if h.set_aside:
-                self._say(f"moved {heal.shard_dir(h.shard)} to {heal.set_aside(h)}")
-        reasons = [h.why for h in heals if h.shard is not None]
-        if reasons and stale.mark_stale(reasons):
-            self._say(f"marked {stale.REPORT} STALE until this run rebuilds it")
-        with atomic_open(path, "w") as f:
-            json.dump({"jobs": [a["job"] for a in asked], "why": [h.why for h in heals]}, f, indent=1)
-        request.unlink(missing_ok=True)
+
+def make_ticket(path: str, log: str | None = None, say: Callable[[str], None] = _say) -> None:
+    """The `heal` job: set failed shards aside, mark the last report stale, then write the ticket (atomically,
+    last: a run killed before it healed nothing, and the next one finds the same). Its lines go to the terminal
+    and to `log`."""
+    n = int(Path(path).name.removesuffix(".json"))
+    request = Path(request_path(n, Path(path).parent))
+    asked = json.loads(request.read_text(encoding="utf-8"))["heals"] if request.exists() else []
+    heals = [heal.Heal(a["shard"], a["why"], a["force"], a["set_aside"]) for a in asked]
+    lines = [f"redo {a['job']}: {a['why']}" for a in asked]
+    for h in heals:
+        if h.set_aside:
+            lines.append(f"moved {heal.shard_dir(h.shard)} to {heal.set_aside(h)}")
+            say(lines[-1])
+    reasons = [h.why for h in heals if h.shard is not None]
+    if reasons and stale.mark_stale(reasons):
+        lines.append(f"marked {stale.REPORT} STALE until this run rebuilds it")
+        say(lines[-1])
+    if log:
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+        Path(log).write_text("".join(f"[heal] {line}\n" for line in lines), encoding="utf-8")
+    with atomic_open(path, "w") as f:
+        json.dump({"jobs": [a["job"] for a in asked], "why": [h.why for h in heals]}, f, indent=1)
+    request.unlink(missing_ok=True)
