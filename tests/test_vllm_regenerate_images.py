@@ -27,6 +27,7 @@ def user(image: str, text: str) -> dict:
 def test_replies_to_image_prompts_are_regenerated_and_keep_their_images(tiny_vl_dir, tmp_path, monkeypatch):
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    from eagle3prep.config import schema_default
     from eagle3prep.prepare import prepare
     from eagle3prep.prepare.images import ImageOptions
     from eagle3prep.regenerate import RegenerateSettings, merge_shards, run_regenerate_job, split_conversations
@@ -53,9 +54,11 @@ def test_replies_to_image_prompts_are_regenerated_and_keep_their_images(tiny_vl_
     ]
     src, p = tmp_path / "in.jsonl", tmp_path / "prepared"
     src.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    images = ImageOptions(str(tmp_path / "images"), schema_default("data", "max_image_pixels"))
     prepare(
-        [str(src)], p / "c.jsonl", p / "q.jsonl", p / "counts.json", images=ImageOptions(str(tmp_path / "images")),
-        allow_prompt_only=True,
+        [str(src)], p / "c.jsonl", p / "q.jsonl", p / "counts.json", images=images, allow_prompt_only=True,
+        max_line_bytes=schema_default("data", "max_line_bytes"),
+        allow_no_user_turn=schema_default("data", "allow_no_user_turn"),
     )  # fmt: skip
     prepared = [json.loads(x) for x in (p / "c.jsonl").read_text(encoding="utf-8").splitlines()]
     split_conversations(p / "c.jsonl", [tmp_path / "prompts" / "shard_0.jsonl"])
@@ -85,7 +88,8 @@ def test_replies_to_image_prompts_are_regenerated_and_keep_their_images(tiny_vl_
     t2 = tmp_path / "tok"
     stats = tokenize_conversations(
         r / "conversations.jsonl", tiny_vl_dir, [t2 / "shard_0.jsonl"], t2 / "stats.json",
-        t2 / "tf.json", t2 / "q.jsonl", 256,
+        t2 / "tf.json", t2 / "q.jsonl", 256, template_fallback=schema_default("tokenize", "template_fallback"),
+        trust_remote_code=False, workers=schema_default("tokenize", "workers"), chat_template_kwargs={},
     )  # fmt: skip
     rows = [json.loads(x) for x in (t2 / "shard_0.jsonl").read_text().splitlines()]
     assert stats["rows"] == 2 and [r["image_grid_thw"] for r in rows] == [[[1, 4, 4]], [[1, 4, 6]]], stats
