@@ -187,23 +187,22 @@ def test_the_config_in_force_is_named_in_one_line(tmp_path):
 
 
 def test_snakemake_still_exposes_the_command_line_config_files():
-    """The Snakefile reads Workflow.config_settings.configfiles to tell a --configfile from the demo's config;
-    a Snakemake without it must stop the parse in one line, not merge the demo's values under the user's."""
-    import dataclasses
-
+    """The Snakefile reads Workflow.overwrite_configfiles (the --configfile files) to tell them from the demo's
+    config; a Snakemake without it must stop the parse in one line, not merge the demo's values under the user's."""
     import snakemake.api  # noqa: F401 (snakemake.workflow is importable only after it: a circular import)
-    from snakemake.settings.types import ConfigSettings
     from snakemake.workflow import Workflow
 
-    assert "configfiles" in {f.name for f in dataclasses.fields(ConfigSettings)}
-    assert "config_settings" in Workflow.__annotations__
+    assert isinstance(Workflow.overwrite_configfiles, property)
+
+    class Given:
+        overwrite_configfiles = ["/run/a.yaml"]
+
+    assert cli_configfiles(Given()) == ["/run/a.yaml"]
 
     class Renamed:
         config_settings = object()
 
-    with pytest.raises(
-        ConfigError, match=r"^error: this Snakemake \(.*\) has no Workflow.config_settings.configfiles"
-    ):
+    with pytest.raises(ConfigError, match=r"^error: this Snakemake \(.*\) has no Workflow.overwrite_configfiles"):
         cli_configfiles(Renamed())
 
 

@@ -317,3 +317,18 @@ def test_the_workflow_reads_no_private_snakemake_name():
     private = re.compile(r"\bworkflow\._[a-z]\w*|\bdag_settings\b|\bforcerun\b")
     found = [f"{p.name}: {m.group()}" for p in files for m in private.finditer(p.read_text(encoding="utf-8"))]
     assert not found, found
+
+
+def test_the_snakemake_names_the_workflow_reads_are_there():
+    """Pinned against the installed Snakemake: every Workflow attribute the Snakefile reads beyond `config` and the
+    directives (rules/common.smk, run/parse.py, run/mode.py). A release that renames one fails here first."""
+    import snakemake.api  # noqa: F401 (snakemake.workflow is importable only after it)
+    from snakemake.cli import get_argument_parser
+    from snakemake.workflow import Workflow
+    from snakemake_interface_executor_plugins.workflow import WorkflowExecutorInterface
+
+    for name in ("is_main_process", "overwrite_configfiles", "executor_plugin", "deployment_settings", "basedir"):
+        assert hasattr(Workflow, name) or name in Workflow.__annotations__, name
+    assert {"executor_plugin", "deployment_settings"} <= set(dir(WorkflowExecutorInterface))
+    assert "config_settings" in Workflow.__annotations__  # --config given (common.smk: CONFIG_SHOWN)
+    assert {"configfile", "directory"} <= set(vars(get_argument_parser().parse_args([])))  # run/command.py

@@ -32,16 +32,17 @@ TARGET_MARKER = "eagle3prep_target_after_configfile"
 
 def cli_configfiles(workflow: object) -> list[str]:
     """The config files of the command line (--configfile, absolute), [] when none was given. Read from
-    `workflow.config_settings.configfiles`, the settings object of Snakemake's API (the Snakefile has no public
-    way to ask); a release without it stops the parse here rather than laying the demo's config under yours."""
+    `workflow.overwrite_configfiles`, the property Snakefiles ask before a `configfile:` line (the documented
+    directive lays every --configfile over its file's values, so it is read only when this is empty); a release
+    without it stops the parse here rather than laying the demo's config under yours."""
     try:
-        return [str(p) for p in workflow.config_settings.configfiles]  # type: ignore[attr-defined]
+        return [str(p) for p in workflow.overwrite_configfiles or ()]  # type: ignore[attr-defined]
     except AttributeError:
         import snakemake
 
         raise ConfigError(
             f"error: this Snakemake ({getattr(snakemake, '__version__', '?')}) has no "
-            "Workflow.config_settings.configfiles, which eagle3prep reads to tell a --configfile from the demo's "
+            "Workflow.overwrite_configfiles, which eagle3prep reads to tell a --configfile from the demo's "
             f"{DEMO_CONFIG} (Snakefile); use the pinned release in envs/base.txt"
         ) from None
 
