@@ -123,6 +123,7 @@ HEALING = tickets.Healing(
     SETTINGS.heal.keep_failed,
     main=workflow.is_main_process,
     mode=MODE,
+    say=lambda line: print(f"eagle3prep: {line}", file=sys.stderr),
     before=_results_checks,
 )
 

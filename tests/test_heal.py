@@ -191,7 +191,7 @@ def test_the_results_checks_run_once_with_the_mode_and_touch_heals_nothing():
     seen = []
     finished(0, validated=False)
     failed_log(0)
-    h = tickets.Healing([0], False, main=True, mode=lambda: Mode(executor=True, touch=True), before=seen.append)
+    h = tickets.Healing([0], False, True, lambda: Mode(executor=True, touch=True), print, before=seen.append)
     assert h.ticket("extract/0") == [] and h.ticket("validate/0") == [] and seen == [Mode(executor=True, touch=True)]
 
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 
 from ..infra.atomic import atomic_open
+from ..infra.log import get_logger
 from . import heal, stale
 from .mode import Mode
 
@@ -68,13 +68,10 @@ def request_path(n: int, folder: str | os.PathLike = FOLDER) -> str:
     return f"{folder}/{n}.request.json"
 
 
-def _say(line: str) -> None:
-    print(f"eagle3prep: {line}", file=sys.stderr)
-
-
 class Healing:
     """One Snakemake process's healing: `ticket(job)` is the input function's answer for a job; `request` (onstart)
-    and `make_ticket` (the `heal` job, in a process of its own) carry out what was found. `before` runs once, at the first question, with the Mode (the results-folder checks);
+    and `make_ticket` (the `heal` job, in a process of its own) carry out what was found. `before` runs once, at
+    the first question, with the Mode (the results-folder checks); `say` prints a line in the Snakefile's voice;
     `main`: the process that builds the whole DAG (a spawned or remote job's process only reads tickets)."""
 
     def __init__(
@@ -83,9 +80,9 @@ class Healing:
         keep_failed: bool,
         main: bool,
         mode: Callable[[], Mode],
+        say: Callable[[str], None],
         before: Callable[[Mode], None] = lambda mode: None,
         folder: str | os.PathLike = FOLDER,
-        say: Callable[[str], None] = _say,
     ) -> None:
         self.shards, self.keep_failed, self.main = list(shards), keep_failed, main
         self._mode, self._before, self.folder, self._say = mode, before, folder, say
@@ -139,10 +136,11 @@ class Healing:
             json.dump({"heals": heals}, f, indent=1)
 
 
-def make_ticket(path: str, log: str | None = None, say: Callable[[str], None] = _say) -> None:
+def make_ticket(path: str, log: str | None = None, say: Callable[[str], None] | None = None) -> None:
     """The `heal` job: set failed shards aside, mark the last report stale, then write the ticket (atomically,
     last: a run killed before it healed nothing, and the next one finds the same). Its lines go to the terminal
     and to `log`."""
+    say = say or get_logger("heal").info
     n = int(Path(path).name.removesuffix(".json"))
     request = Path(request_path(n, Path(path).parent))
     asked = json.loads(request.read_text(encoding="utf-8"))["heals"] if request.exists() else []

