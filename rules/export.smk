@@ -1,13 +1,13 @@
 # Opt-in (export.speculators): the layout vllm-project/speculators trains from (DESIGN.md §7).
 # export.hidden_states: copy (every hidden-state byte once more) or direct (the arrow part only; the
 # trainer reads the shard folders through `eagle3prep-train ... --hidden-states-backend eagle3prep`).
-rule export_speculators:
+rule export:
     input:
         validations=expand("results/validation/shard_{k}.json", k=SHARDS),
         shards=get_shard_dirs(),
         tokenized=TOKENIZED,
         ticket=heal_ticket("export"),
-        environment=GUARD.input("export_speculators", export_runs),
+        environment=GUARD.input("export", export_runs),
     output:
         directory("results/export/speculators"),
     log:

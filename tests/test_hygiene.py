@@ -396,7 +396,7 @@ def test_the_package_root_holds_few_modules_and_stages_are_folders():
 # Each stage's rule, in rules/<stage>.smk, by its name (export's names the layout it writes).
 STAGE_RULES = {"prepare": "prepare", "regenerate": "regenerate", "tokenize": "tokenize", "extract": "extract",
                "validate": "validate", "report": "report", "overfit_gate": "overfit_gate",
-               "export": "export_speculators"}  # fmt: skip
+               "export": "export"}  # fmt: skip
 
 
 def test_a_stage_is_one_folder_rule_and_script_whose_call_is_its_job_entry():

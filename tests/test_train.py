@@ -232,7 +232,7 @@ def test_workflow_writes_the_direct_export_and_the_backend_reads_it(tmp_path, sm
     (wd / "config/config.yaml").write_text(yaml.safe_dump(config))
     run = snakemake(wd)
     log = run.stdout + run.stderr
-    assert "rule export_speculators:" in log and "rule extract_shard:" not in log
+    assert "rule export:" in log and "rule extract_shard:" not in log
     out = wd / "results/export/speculators"
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["hidden_states"] == "direct" and manifest["hidden_states_backend"] == "eagle3prep"

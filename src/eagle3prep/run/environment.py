@@ -75,7 +75,7 @@ NEEDS = (
         "datasets",
         "export.speculators = true",
         lambda s, _: bool(s.export.speculators),
-        ("export_speculators",),
+        ("export",),
         DATASETS_ENV,
     ),
 )

@@ -63,7 +63,7 @@ class _OpenShard:
         if hashlib.sha256(raw).hexdigest() != src.manifest_sha256:
             raise ExportRowsError(
                 f"{src.dir / MANIFEST} changed since the export was written (the shard was extracted again): "
-                "its input_ids and loss masks may differ; rerun the export (snakemake -R export_speculators)"
+                "its input_ids and loss masks may differ; rerun the export (snakemake -R export)"
             )
         manifest = json.loads(raw)
         if manifest["layer_ids"] != layer_ids:
