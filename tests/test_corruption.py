@@ -21,8 +21,9 @@ from eagle3prep.shard import INDEX, MANIFEST, TOKEN_IDS
 from eagle3prep.shard.fp8 import SCALES_KEY
 from eagle3prep.shard.manifest import read_manifest
 from eagle3prep.shard.readers import read_layer
-from eagle3prep.validate import ValidationError, validate_shard
+from eagle3prep.validate import ValidationError
 
+from testkit import calls
 from testkit.shards import demo_spec, write_tokenized
 from testkit.writers import write_layer
 
@@ -50,18 +51,7 @@ def shard(good, tmp_path):
 
 def failed_checks(shard, good, demo_model_dir, capsys, tmp_path) -> set[str]:
     with pytest.raises(ValidationError) as e:
-        validate_shard(
-            str(shard),
-            str(good[0][1]),
-            str(tmp_path / "v.json"),
-            str(demo_model_dir),
-            sample_rows=2,
-            seed=0,
-            device="cpu",
-            reference=True,
-            trust_remote_code=False,
-            windows=None,
-        )
+        calls.validate(shard, good[0][1], tmp_path / "v.json", demo_model_dir, sample_rows=2)
     assert "\n" not in str(e.value) and not (tmp_path / "v.json").exists()
     failed = set(re.findall(r"^\[validate\] FAIL (\S+):", capsys.readouterr().err, re.M))
     assert failed and any(name in str(e.value) for name in failed)  # the message lists the first five
@@ -78,18 +68,7 @@ def set_file(shard, name: str, data: bytes | None = None) -> None:
 
 
 def test_good_shard_passes_every_check(good, demo_model_dir, tmp_path):
-    report = validate_shard(
-        str(good[0][0]),
-        str(good[0][1]),
-        str(tmp_path / "v.json"),
-        str(demo_model_dir),
-        sample_rows=2,
-        seed=0,
-        device="cpu",
-        reference=True,
-        trust_remote_code=False,
-        windows=None,
-    )
+    report = calls.validate(good[0][0], good[0][1], tmp_path / "v.json", demo_model_dir, sample_rows=2)
     assert report["ok"] and len(report["reference"]) == 2 * 4
     assert {c["check"] for c in report["checks"]} >= {"manifest", "token_ids", "index_rows", "reference:layer_4"}
     manifest = json.loads((good[0][0] / MANIFEST).read_text())
@@ -116,18 +95,7 @@ def test_a_failed_shard_names_the_users_own_command_that_redoes_it(shard, good, 
     monkeypatch.setenv(command.ENV, "snakemake --configfile mine.yaml --directory runs/a")
     (shard / "layer_5.safetensors").unlink()
     with pytest.raises(ValidationError) as e:
-        validate_shard(
-            str(shard),
-            str(good[0][1]),
-            str(tmp_path / "v.json"),
-            str(demo_model_dir),
-            sample_rows=2,
-            seed=0,
-            device="cpu",
-            reference=True,
-            trust_remote_code=False,
-            windows=None,
-        )
+        calls.validate(shard, good[0][1], tmp_path / "v.json", demo_model_dir, sample_rows=2)
     assert str(e.value).endswith(
         "the next run of the same command moves it to results/failed/ and extracts it again: "
         "snakemake --configfile mine.yaml --directory runs/a"

@@ -22,8 +22,8 @@ from eagle3prep.infra.disk import DiskSpaceError
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard.layout import MANIFEST
 from eagle3prep.shard.writer import ShardWriter
-from eagle3prep.validate import validate_shard
 
+from testkit import calls
 from testkit.shards import DEMO_LAYER_IDS, demo_spec, write_tokenized
 from testkit.workflow import make_workdir, snakemake
 
@@ -117,18 +117,7 @@ def test_disk_full_during_the_write_then_a_rerun_with_room(small_fs, tmp_path, d
     manifest = extract_shard(
         str(tokens), str(out), demo_spec(demo_model_dir), ExtractSettings.defaults(batch_tokens=512), shard=0
     )
-    report = validate_shard(
-        str(out),
-        str(tokens),
-        str(tmp_path / "v.json"),
-        str(demo_model_dir),
-        sample_rows=1,
-        seed=0,
-        device="cpu",
-        reference=True,
-        trust_remote_code=False,
-        windows=None,
-    )
+    report = calls.validate(out, tokens, tmp_path / "v.json", demo_model_dir, sample_rows=1)
     assert report["ok"] and manifest.tokens == sum(LENGTHS)
     assert not list(out.glob(".tmp-*"))
     on_disk = sum(p.stat().st_size for p in out.iterdir())

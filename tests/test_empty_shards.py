@@ -17,8 +17,8 @@ from eagle3prep.extract import stage as extract
 from eagle3prep.regenerate import merge_shards, run_regenerate_job, split_conversations
 from eagle3prep.regenerate import stage as regen_stage
 from eagle3prep.settings import ExtractSettings, RegenerateSettings
-from eagle3prep.validate import validate_shard
 
+from testkit import calls
 from testkit.regenerate import U1, conv, run_shard
 from testkit.shards import DEMO_LAYER_IDS
 
@@ -57,18 +57,7 @@ def test_an_empty_extract_shard_starts_no_engine_and_validates(backend, engine, 
     for lid in DEMO_LAYER_IDS:
         assert load_file(out / f"layer_{lid}.safetensors")["hidden_states"].shape == (0, H)
     assert load_file(out / "token_ids.safetensors")["token_ids"].shape == (0,)
-    report = validate_shard(
-        str(out),
-        str(tokens),
-        str(tmp_path / "v.json"),
-        str(demo_model_dir),
-        sample_rows="auto",
-        seed=0,
-        device="cpu",
-        reference=True,
-        trust_remote_code=False,
-        windows=None,
-    )
+    report = calls.validate(out, tokens, tmp_path / "v.json", demo_model_dir)
     assert report["ok"] and report["reference_sample"]["rows"] == 0
 
 

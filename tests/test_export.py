@@ -19,8 +19,8 @@ from eagle3prep.extract import extract_shard
 from eagle3prep.infra.atomic import sha256_file
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard.readers import read_layer
-from eagle3prep.validate import validate_shard
 
+from testkit import calls
 from testkit.shards import DEMO_LAYER_IDS, demo_spec, write_tokenized
 from testkit.workflow import snakemake, tree_digest
 
@@ -56,18 +56,7 @@ def finished_results(tmp_path_factory, model_dir: Path, storage: str = "model_dt
             shard = res / f"hidden_states/shard_{k}"
             settings = ExtractSettings.defaults(storage=storage, batch_tokens=64)
             extract_shard(str(tok), str(shard), demo_spec(model_dir), settings, shard=k)
-            validate_shard(
-                str(shard),
-                str(tok),
-                str(res / f"validation/shard_{k}.json"),
-                str(model_dir),
-                reference=False,
-                sample_rows="auto",
-                seed=0,
-                device="cpu",
-                trust_remote_code=False,
-                windows=None,
-            )
+            calls.validate(shard, tok, res / f"validation/shard_{k}.json", model_dir, reference=False)
             for r in rows_of(tok):
                 freq.update(t for t, m in zip(r["input_ids"], r["loss_mask"], strict=True) if m)
             first += len(lengths)

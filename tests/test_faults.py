@@ -33,8 +33,9 @@ from pathlib import Path
 import pytest
 
 from eagle3prep.extract import iter_batches
-from eagle3prep.validate import ValidationError, validate_shard
+from eagle3prep.validate import ValidationError
 
+from testkit import calls
 from testkit.workflow import SMALL_CONFIG, make_workdir, snakemake, stat_files, tree_digest
 
 pytestmark = pytest.mark.integration
@@ -142,17 +143,12 @@ def assert_half_shard_refused(wd: Path, tmp_path: Path) -> None:
     if not shard.exists():  # killed before the folder was made: nothing that could look finished
         return
     with pytest.raises(ValidationError, match="manifest"):
-        validate_shard(
-            str(shard),
-            str(wd / f"results/tokenized/shard_{KILLED_SHARD}.jsonl"),
-            str(tmp_path / "validation.json"),
-            model_path=str(wd / "results/demo/model"),
+        calls.validate(
+            shard,
+            wd / f"results/tokenized/shard_{KILLED_SHARD}.jsonl",
+            tmp_path / "validation.json",
+            wd / "results/demo/model",
             reference=False,
-            sample_rows="auto",
-            seed=0,
-            device="cpu",
-            trust_remote_code=False,
-            windows=None,
         )
     assert not (tmp_path / "validation.json").exists()
 

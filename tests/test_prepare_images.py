@@ -17,11 +17,13 @@ import pytest
 from PIL import Image, ImageDraw
 
 from eagle3prep.config import validate_config
-from eagle3prep.prepare import IMAGE_REASONS, REASONS, check_invariant, conversation_id, normalize, prepare
+from eagle3prep.prepare import IMAGE_REASONS, REASONS, check_invariant, conversation_id, normalize
 from eagle3prep.prepare.images import ImageOptions
 from eagle3prep.settings import IMAGE_KEYS, DataSettings
 from eagle3prep.tokenize.rows import parse_conversation
 from eagle3prep.tokenize.template import TokenizeError
+
+from testkit import calls
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = [f"resources/demo/{n}" for n in ("sharegpt.jsonl", "openai.jsonl", "sharegpt.parquet", "openai.parquet")]
@@ -80,18 +82,16 @@ def imgdir(tmp_path):
 def run(tmp_path):
     """prepare on records (written as one JSONL file) with images read under `root`; (counts, kept, quarantine)."""
 
-    def _run(records, root=None, max_pixels=4096 * 4096):
+    def _run(records, root=None, **data_keys):
         src = tmp_path / "in.jsonl"
         src.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
         out = tmp_path / "out"
-        counts = prepare(
+        counts = calls.prepare(
             [str(src)],
             out / "conversations.jsonl",
             out / "quarantine.jsonl",
             out / "counts.json",
-            images=ImageOptions(str(root) if root else None, max_pixels),
-            max_line_bytes=1 << 24,
-            allow_no_user_turn=False,
+            images=calls.image_options(root or None, **data_keys),
         )
         check_invariant(counts)
         t = counts["totals"]
@@ -165,7 +165,7 @@ def test_hf_image_feature_bytes_become_a_data_uri():
     data = png()
     messages = normalize(
         llava(images=[{"bytes": data, "path": "x.png"}]),
-        images=ImageOptions(root=None, max_pixels=4096 * 4096),
+        images=calls.image_options(),
         allow_no_user_turn=False,
     )
     assert messages[0]["content"][0]["image"] == data_uri(data) and messages[0]["content"][0]["sha256"] == sha(data)
@@ -193,14 +193,12 @@ def test_the_same_image_by_path_or_data_uri_is_one_conversation(run, imgdir):
 def test_text_only_demo_gives_the_bytes_it_gave_before_images(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     out = tmp_path / "out"
-    counts = prepare(
+    counts = calls.prepare(
         DEMO,
         out / "conversations.jsonl",
         out / "quarantine.jsonl",
         out / "counts.json",
-        images=ImageOptions(root=None, max_pixels=4096 * 4096),
-        max_line_bytes=1 << 24,
-        allow_no_user_turn=False,
+        images=calls.image_options(),
     )
     assert "images" not in counts["totals"] and set(counts["totals"]["quarantined"]) == set(REASONS)
     assert {n: sha((out / n).read_bytes()) for n in DEMO_SHA256} == DEMO_SHA256
@@ -266,7 +264,7 @@ def bad_images(imgdir):
 @pytest.mark.parametrize("reason", list(BAD))
 def test_each_bad_image_is_quarantined_with_its_reason(run, bad_images, reason):
     good = oai(("red.png",), "fine")
-    counts, kept, quar = run([good, *BAD[reason]], root=bad_images, max_pixels=10_000)
+    counts, kept, quar = run([good, *BAD[reason]], root=bad_images, max_image_pixels=10_000)
     assert len(kept) == 1 and [q["reason"] for q in quar] == [reason] * len(BAD[reason])
     assert counts["totals"]["quarantined"][reason] == len(BAD[reason])
     for q in quar:
@@ -298,9 +296,7 @@ def test_without_image_options_images_stay_non_text_content(tmp_path, imgdir):
     src = tmp_path / "a.jsonl"
     src.write_text(json.dumps(oai(("red.png",))) + "\n" + json.dumps(oai("text only")) + "\n")
     out = tmp_path / "out"
-    counts = prepare(
-        [str(src)], out / "c.jsonl", out / "q.jsonl", out / "n.json", max_line_bytes=1 << 24, allow_no_user_turn=False
-    )
+    counts = calls.prepare([str(src)], out / "c.jsonl", out / "q.jsonl", out / "n.json")
     assert counts["totals"]["quarantined"]["non_text_content"] == 1 and counts["totals"]["kept"] == 1
 
 
@@ -389,8 +385,13 @@ def test_a_parquet_of_hf_image_features_is_read(tmp_path):
     })  # fmt: skip
     pq.write_table(table, tmp_path / "llava.parquet")
     out = tmp_path / "out"
-    counts = prepare([str(tmp_path / "llava.parquet")], out / "c.jsonl", out / "q.jsonl", out / "n.json",
-                     images=ImageOptions(root=None, max_pixels=4096 * 4096), max_line_bytes=1 << 24, allow_no_user_turn=False)  # fmt: skip
+    counts = calls.prepare(
+        [str(tmp_path / "llava.parquet")],
+        out / "c.jsonl",
+        out / "q.jsonl",
+        out / "n.json",
+        images=calls.image_options(),
+    )
     kept = [json.loads(x) for x in (out / "c.jsonl").read_text().splitlines()]
     assert counts["totals"]["kept"] == 2 and counts["totals"]["images"] == 2
     assert [c["messages"][0]["content"][0]["sha256"] for c in kept] == [sha(red), sha(blue)]
@@ -403,7 +404,7 @@ def test_a_percent_encoded_data_uri_is_read():
     data = png()
     messages = normalize(
         oai((f"data:image/png,{quote_from_bytes(data)}",)),
-        images=ImageOptions(root=None, max_pixels=4096 * 4096),
+        images=calls.image_options(),
         allow_no_user_turn=False,
     )
     assert messages[0]["content"][0]["sha256"] == sha(data)

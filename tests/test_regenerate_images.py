@@ -11,8 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from eagle3prep.prepare import prepare
-from eagle3prep.prepare.images import ImageOptions
 from eagle3prep.records import Quarantined
 from eagle3prep.regenerate import REASONS, PromptRenderer, RegenerateSettings, Runner, ShardTally
 from eagle3prep.regenerate import thinking as th
@@ -20,6 +18,7 @@ from eagle3prep.regenerate.review import _message_text
 from eagle3prep.tokenize import ChatEncoder, load_tokenizer
 from eagle3prep.tokenize.vision import collapse_runs
 
+from testkit import calls
 from testkit.regenerate import FakeEngine, echo
 from testkit.tiny_vl import image_bytes
 
@@ -53,14 +52,12 @@ def prepared(tmp_path_factory):
     ]  # fmt: skip
     src, p = root / "in.jsonl", root / "prepared"
     src.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    prepare(
+    calls.prepare(
         [str(src)],
         p / "c.jsonl",
         p / "q.jsonl",
         p / "n.json",
-        images=ImageOptions(str(images), max_pixels=4096 * 4096),
-        max_line_bytes=1 << 24,
-        allow_no_user_turn=False,
+        images=calls.image_options(images),
     )
     (images / "gone.png").unlink()
     (images / "changing.png").write_bytes(image_bytes("red_square.png"))  # not the bytes prepare hashed

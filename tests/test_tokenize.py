@@ -25,9 +25,10 @@ from eagle3prep.tokenize import (
     mask_runs,
     row_json_tail,
     shard_ranges,
-    tokenize_conversations,
     tool_probe,
 )
+
+from testkit import calls
 
 SYSTEM = {"role": "system", "content": "You are a patient teacher."}
 
@@ -55,11 +56,16 @@ def run(tmp_path: Path, model_dir: Path, conversations, *, shards: int = 2, max_
     src = write_conversations(tmp_path / "conversations.jsonl", conversations)
     out = tmp_path / "tokenized"
     shard_paths = [out / f"shard_{k}.jsonl" for k in range(shards)]
-    kw = {"template_fallback": True, "trust_remote_code": False, "workers": 2, "chat_template_kwargs": {}, **kw}
-    stats = tokenize_conversations(
-        src, model_dir, shard_paths, out / "stats.json", out / "token_freq.json", out / "quarantine.jsonl",
-        max_seq_len=max_seq_len, **kw,
-    )  # fmt: skip
+    stats = calls.tokenize(
+        src,
+        model_dir,
+        shard_paths,
+        out / "stats.json",
+        out / "token_freq.json",
+        out / "quarantine.jsonl",
+        max_seq_len,
+        **kw,
+    )
     per_shard = [[json.loads(line) for line in p.read_text().splitlines()] for p in shard_paths]
     quarantine = [json.loads(line) for line in (out / "quarantine.jsonl").read_text().splitlines()]
     freq = json.loads((out / "token_freq.json").read_text())
@@ -295,10 +301,17 @@ def test_bad_input_line_names_file_and_line(tmp_path, demo_model_dir, workers):
     with open(src, "a") as f:
         f.write('{"id": "x", "messages": "not a list"}\n')
     with pytest.raises(ValueError, match=r"conversations.jsonl:3: not a normalized conversation"):
-        tokenize_conversations(
-            src, demo_model_dir, [tmp_path / "s.jsonl"], tmp_path / "st.json", tmp_path / "f.json",
-            tmp_path / "q.jsonl", max_seq_len=64, workers=workers, batch_size=2, template_fallback=True, trust_remote_code=False, chat_template_kwargs={},
-        )  # fmt: skip
+        calls.tokenize(
+            src,
+            demo_model_dir,
+            [tmp_path / "s.jsonl"],
+            tmp_path / "st.json",
+            tmp_path / "f.json",
+            tmp_path / "q.jsonl",
+            64,
+            workers=workers,
+            batch_size=2,
+        )
     assert not (tmp_path / "s.jsonl").exists()
 
 
@@ -444,29 +457,25 @@ AGENTIC_RECORD = {
 
 def prepared_agentic(tmp_path: Path) -> Path:
     """The record above through the prepare stage (it was quarantined there as empty_content)."""
-    from eagle3prep.prepare import prepare
-
     src = tmp_path / "agentic.jsonl"
     src.write_text(json.dumps(AGENTIC_RECORD) + "\n" + json.dumps({"messages": conv(("Hi", "Hello."))}) + "\n")
-    counts = prepare(
-        [str(src)],
-        tmp_path / "conv.jsonl",
-        tmp_path / "q.jsonl",
-        tmp_path / "counts.json",
-        max_line_bytes=1 << 24,
-        allow_no_user_turn=False,
-    )
+    counts = calls.prepare([str(src)], tmp_path / "conv.jsonl", tmp_path / "q.jsonl", tmp_path / "counts.json")
     assert counts["totals"]["kept"] == 2
     return tmp_path / "conv.jsonl"
 
 
 def tokenize_prepared(tmp_path: Path, model: Path, conversations: Path, **kw):
     out = tmp_path / "tokenized"
-    kw = {"template_fallback": True, "trust_remote_code": False, "workers": 2, "chat_template_kwargs": {}, **kw}
-    stats = tokenize_conversations(
-        conversations, model, [out / "shard_0.jsonl"], out / "stats.json", out / "freq.json", out / "q.jsonl",
-        max_seq_len=512, **kw,
-    )  # fmt: skip
+    stats = calls.tokenize(
+        conversations,
+        model,
+        [out / "shard_0.jsonl"],
+        out / "stats.json",
+        out / "freq.json",
+        out / "q.jsonl",
+        512,
+        **kw,
+    )
     rows = [json.loads(line) for line in (out / "shard_0.jsonl").read_text().splitlines()]
     quarantine = [json.loads(line) for line in (out / "q.jsonl").read_text().splitlines()]
     return stats, rows, quarantine

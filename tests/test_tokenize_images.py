@@ -11,10 +11,8 @@ from pathlib import Path
 import pytest
 
 from eagle3prep.demo import build_demo_model
-from eagle3prep.prepare import prepare
-from eagle3prep.prepare.images import ImageOptions
-from eagle3prep.tokenize import tokenize_conversations
 
+from testkit import calls
 from testkit.tiny_vl import build_tiny_vl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,32 +39,20 @@ def prepared(tmp_path, monkeypatch, records=None) -> Path:
         src = tmp_path / "in.jsonl"
         src.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     out = tmp_path / "prepared"
-    prepare(
+    calls.prepare(
         [str(src)],
         out / "c.jsonl",
         out / "q.jsonl",
         out / "n.json",
-        images=ImageOptions("resources/demo/images", max_pixels=4096 * 4096),
-        max_line_bytes=1 << 24,
-        allow_no_user_turn=False,
+        images=calls.image_options("resources/demo/images"),
     )
     return out / "c.jsonl"
 
 
 def tokenize(conversations: Path, model: Path, max_seq_len: int = 256):
     out = conversations.parent.parent / "tok"
-    stats = tokenize_conversations(
-        conversations,
-        model,
-        [out / "s0.jsonl"],
-        out / "stats.json",
-        out / "tf.json",
-        out / "q.jsonl",
-        max_seq_len,
-        template_fallback=True,
-        trust_remote_code=False,
-        workers=2,
-        chat_template_kwargs={},
+    stats = calls.tokenize(
+        conversations, model, [out / "s0.jsonl"], out / "stats.json", out / "tf.json", out / "q.jsonl", max_seq_len
     )
     rows = [json.loads(x) for x in (out / "s0.jsonl").read_text().splitlines()]
     quarantine = [json.loads(x) for x in (out / "q.jsonl").read_text().splitlines()]
@@ -128,14 +114,12 @@ def test_an_image_changed_after_prepare_is_quarantined(tmp_path, monkeypatch, vl
     text = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
     (tmp_path / "in.jsonl").write_text(json.dumps(record) + "\n" + json.dumps(text) + "\n")
     out = tmp_path / "prepared"
-    prepare(
+    calls.prepare(
         [str(tmp_path / "in.jsonl")],
         out / "c.jsonl",
         out / "q.jsonl",
         out / "n.json",
-        images=ImageOptions(str(images), max_pixels=4096 * 4096),
-        max_line_bytes=1 << 24,
-        allow_no_user_turn=False,
+        images=calls.image_options(images),
     )
     (images / "a.png").write_bytes((ROOT / "resources/demo/images/blue_circle.png").read_bytes())
     _, rows, quarantine = tokenize(out / "c.jsonl", vl_model)
@@ -193,28 +177,16 @@ def test_text_only_demo_tokenizes_to_the_bytes_it_gave_before_images(tmp_path, m
     model = build_demo_model(tmp_path / "demo", ROOT / "resources/demo/tokenizer_corpus.txt")
     sources = [f"resources/demo/{n}" for n in ("sharegpt.jsonl", "openai.jsonl", "sharegpt.parquet", "openai.parquet")]
     p = tmp_path / "prepared"
-    prepare(
+    calls.prepare(
         sources,
         p / "c.jsonl",
         p / "q.jsonl",
         p / "n.json",
-        images=ImageOptions(root=None, max_pixels=4096 * 4096),
-        max_line_bytes=1 << 24,
-        allow_no_user_turn=False,
+        images=calls.image_options(),
     )
     t = tmp_path / "tok"
-    tokenize_conversations(
-        p / "c.jsonl",
-        model,
-        [t / "s0.jsonl", t / "s1.jsonl"],
-        t / "stats.json",
-        t / "tf.json",
-        t / "q.jsonl",
-        256,
-        template_fallback=True,
-        trust_remote_code=False,
-        workers=2,
-        chat_template_kwargs={},
+    calls.tokenize(
+        p / "c.jsonl", model, [t / "s0.jsonl", t / "s1.jsonl"], t / "stats.json", t / "tf.json", t / "q.jsonl", 256
     )
     assert {
         n: hashlib.sha256((t / n).read_bytes()).hexdigest() for n in DEMO_TOKENIZED_SHA256
@@ -226,10 +198,17 @@ def test_worker_processes_give_the_same_rows(tmp_path, monkeypatch, vl_model):
     out = {}
     for workers in (1, 2):  # images are decoded and processed in the workers
         t = tmp_path / f"w{workers}"
-        tokenize_conversations(
-            conversations, vl_model, [t / "s0.jsonl"], t / "stats.json", t / "tf.json", t / "q.jsonl", 256,
-            batch_size=2, workers=workers, template_fallback=True, trust_remote_code=False, chat_template_kwargs={},
-        )  # fmt: skip
+        calls.tokenize(
+            conversations,
+            vl_model,
+            [t / "s0.jsonl"],
+            t / "stats.json",
+            t / "tf.json",
+            t / "q.jsonl",
+            256,
+            batch_size=2,
+            workers=workers,
+        )
         out[workers] = (t / "s0.jsonl").read_bytes()
     assert out[1] == out[2]
 

@@ -23,6 +23,7 @@ from test_export import export_inputs, finished_results
 
 from eagle3prep.export import export_speculators
 
+from testkit import calls
 from testkit.shards import DEMO_LAYER_IDS
 from testkit.workflow import REPO, snakemake
 
@@ -80,7 +81,6 @@ def fp8_workdir(demo_run: Path, wd: Path) -> Path:
     """A finished run of the demo's first FP8_ROWS rows with extract.storage fp8_e4m3, made with the package
     functions its rules call (tokenized rows and token counts taken from the demo run)."""
     from eagle3prep.extract import extract_shard
-    from eagle3prep.validate import validate_shard
 
     from testkit.shards import demo_spec
 
@@ -98,18 +98,7 @@ def fp8_workdir(demo_run: Path, wd: Path) -> Path:
         ExtractSettings.defaults(storage="fp8_e4m3", batch_tokens=1024),
         shard=0,
     )
-    validate_shard(
-        str(shard),
-        str(tok),
-        str(res / "validation/shard_0.json"),
-        str(model),
-        reference=False,
-        sample_rows="auto",
-        seed=0,
-        device="cpu",
-        trust_remote_code=False,
-        windows=None,
-    )
+    calls.validate(shard, tok, res / "validation/shard_0.json", model, reference=False)
     return wd
 
 

@@ -17,10 +17,10 @@ import os
 import pytest
 
 from eagle3prep.settings import ExtractSettings
-from eagle3prep.validate import ValidationError, validate_shard
+from eagle3prep.validate import ValidationError
 from eagle3prep.validate.reference import ReferencePair
 
-from testkit import matrix
+from testkit import calls, matrix
 from testkit.planted import IMAGE_MISTAKES, MISTAKES
 from testkit.tiny_models import build_family
 
@@ -166,18 +166,7 @@ def test_mla_rotary_bug_forced_on_fails_validation_and_names_the_bug(tmp_path, m
     )
     assert manifest.engine["workarounds"] == []
     with pytest.raises(ValidationError) as e:
-        validate_shard(
-            str(tmp_path / "shard"),
-            str(tokens),
-            str(tmp_path / "v.json"),
-            str(model),
-            sample_rows="auto",
-            seed=0,
-            device="cpu",
-            reference=True,
-            trust_remote_code=False,
-            windows=None,
-        )
+        calls.validate(tmp_path / "shard", tokens, tmp_path / "v.json", model)
     assert "known engine bug cpu-mla-native-rotary was not worked around" in str(e.value)
     assert "unset EAGLE3PREP_NO_WORKAROUNDS" in str(e.value) and "row " in str(e.value)
 

@@ -26,10 +26,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from eagle3prep.backends.base import CaptureSpec  # noqa: E402
 from eagle3prep.extract import extract_shard  # noqa: E402
 from eagle3prep.settings import ExtractSettings  # noqa: E402
-from eagle3prep.validate import ValidationError, validate_shard  # noqa: E402
+from eagle3prep.validate import ValidationError  # noqa: E402
 from eagle3prep.vllm.capture.backend import VLLMBackend  # noqa: E402
 from eagle3prep.vllm.capture.requests import CaptureError  # noqa: E402
 
+from testkit import calls  # noqa: E402
 from testkit.image_rows import chat, tokenize_records  # noqa: E402
 from testkit.planted import plant_image  # noqa: E402
 from testkit.tiny_vl import build_tiny_vl, image_bytes  # noqa: E402
@@ -79,18 +80,7 @@ def extract(vl, engine, shard, out):
 
 
 def validate(vl, shard_dir):
-    return validate_shard(
-        str(shard_dir),
-        str(vl.shard),
-        str(vl.root / "v.json"),
-        vl.model,
-        sample_rows="auto",
-        seed=0,
-        device="cpu",
-        reference=True,
-        trust_remote_code=False,
-        windows=None,
-    )
+    return calls.validate(shard_dir, vl.shard, vl.root / "v.json", vl.model)
 
 
 def test_vllm_captures_image_rows_and_validation_passes_them(vl, engine):

@@ -15,7 +15,8 @@ command line runs a builder as `PYTHONPATH=tests python -m testkit.tiny_models O
   CaptureSpec from a config); regenerate: a fake engine and a one-shard job; workflow: a Snakemake run of the
   small config; slurm_cluster: a one-node Slurm cluster on localhost; train_both, speculators_cpu: speculators'
   trainer on CPU over both exports; vllm_contract: the vLLM sources the registry is checked against; rounds: the
-  benches' round ratios.
+  benches' round ratios; calls: validate_shard, prepare and tokenize_conversations with the config values a
+  test does not name taken from the typed settings.
 
 The demo's own model builder is eagle3prep.demo: the build_demo_model rule runs it.
 """

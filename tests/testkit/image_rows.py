@@ -16,6 +16,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from testkit import calls
 from testkit.tiny_models import DEFAULT_CORPUS
 
 
@@ -62,36 +63,18 @@ def tokenize_records(
 ) -> list[Path]:
     """`records` through prepare (images read from root/images) and tokenize with `model` into `num_shards`
     contiguous shards root/tok/shard_k.jsonl (stats.json beside them, so data: URIs are found again)."""
-    from eagle3prep.prepare import prepare
-    from eagle3prep.prepare.images import ImageOptions
-    from eagle3prep.tokenize import tokenize_conversations
-
     (root / "images").mkdir(parents=True, exist_ok=True)
     src, p, t = root / "in.jsonl", root / "prepared", root / "tok"
     src.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    prepare(
+    calls.prepare(
         [str(src)],
         p / "c.jsonl",
         p / "q.jsonl",
         p / "n.json",
-        images=ImageOptions(str(root / "images"), max_pixels=4096 * 4096),
-        max_line_bytes=1 << 24,
-        allow_no_user_turn=False,
+        images=calls.image_options(root / "images"),
     )
     shards = [t / f"shard_{k}.jsonl" for k in range(num_shards)]
-    tokenize_conversations(
-        p / "c.jsonl",
-        model,
-        shards,
-        t / "stats.json",
-        t / "tf.json",
-        t / "q.jsonl",
-        max_seq_len,
-        template_fallback=True,
-        trust_remote_code=False,
-        workers=2,
-        chat_template_kwargs={},
-    )
+    calls.tokenize(p / "c.jsonl", model, shards, t / "stats.json", t / "tf.json", t / "q.jsonl", max_seq_len)
     return shards
 
 

@@ -12,6 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
+from testkit import calls
 from testkit.shards import write_shard_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,11 +32,6 @@ def _text_record(k: int) -> dict:
 
 def build_image_run(wd: Path, model: Path) -> Path:
     """`wd`/results/ as a finished run with images leaves it (without report and export); returns `wd`."""
-    from eagle3prep.prepare import prepare
-    from eagle3prep.prepare.images import ImageOptions
-    from eagle3prep.tokenize import tokenize_conversations
-    from eagle3prep.validate import validate_shard
-
     res, images = wd / "results", wd / "images"
     shutil.copytree(REPO / "resources/demo/images", images)
     shutil.copy(images / "blue_circle.png", images / "changing.png")
@@ -46,37 +42,21 @@ def build_image_run(wd: Path, model: Path) -> Path:
     src = wd / "sources.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     p, t = res / "prepared", res / "tokenized"
-    prepare([str(src)], p / "conversations.jsonl", p / "quarantine.jsonl", p / "counts.json",
-            images=ImageOptions(str(images), max_pixels=4096 * 4096), max_line_bytes=1 << 24, allow_no_user_turn=False)  # fmt: skip
+    calls.prepare(
+        [str(src)],
+        p / "conversations.jsonl",
+        p / "quarantine.jsonl",
+        p / "counts.json",
+        images=calls.image_options(images),
+    )
     shutil.copy(images / "red_square.png", images / "changing.png")  # not the image prepare read any more
     shards = [t / f"shard_{k}.jsonl" for k in range(NUM_SHARDS)]
-    tokenize_conversations(
-        p / "conversations.jsonl",
-        model,
-        shards,
-        t / "stats.json",
-        t / "token_freq.json",
-        t / "quarantine.jsonl",
-        256,
-        template_fallback=True,
-        trust_remote_code=False,
-        workers=2,
-        chat_template_kwargs={},
+    calls.tokenize(
+        p / "conversations.jsonl", model, shards, t / "stats.json", t / "token_freq.json", t / "quarantine.jsonl", 256
     )
     for k, tok in enumerate(shards):
         shard = write_shard_of(tok, res / f"hidden_states/shard_{k}", model, LAYER_IDS, seed=k)
-        validate_shard(
-            str(shard),
-            str(tok),
-            str(res / f"validation/shard_{k}.json"),
-            str(model),
-            reference=False,
-            sample_rows="auto",
-            seed=0,
-            device="cpu",
-            trust_remote_code=False,
-            windows=None,
-        )
+        calls.validate(shard, tok, res / f"validation/shard_{k}.json", model, reference=False)
     return wd
 
 
