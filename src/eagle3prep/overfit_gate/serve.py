@@ -39,6 +39,8 @@ def eagle3_blocker(model_path: str, trust_remote_code: bool) -> str | None:
     archs = ModelFacts.read(model_path).architectures
     try:
         model_registry, supports_eagle3 = registry.load("ModelRegistry"), registry.load("supports_eagle3")
+        # the class vLLM would build, through the registry like every vLLM read (vllm/families.py asks the same)
+        load_class = registry.member(model_registry, "_ModelRegistry._try_load_model_cls")
     except VLLMInternalError as e:
         if importlib.util.find_spec("vllm") is None:
             return "vLLM is not installed here; the gate needs it to serve the draft"
@@ -46,8 +48,8 @@ def eagle3_blocker(model_path: str, trust_remote_code: bool) -> str | None:
     if not archs:
         return None
     try:
-        cls = model_registry._try_load_model_cls(archs[0])  # noqa: SLF001 - the class vLLM would build
-    except Exception:  # an API that moved, or a model vLLM loads only from its folder: decide at start
+        cls = load_class(archs[0])
+    except Exception:  # a model vLLM loads only from its folder (remote code): decided when the engine starts
         return None
     if cls is None:
         return None if trust_remote_code else f"vLLM has no model class for {archs[0]}"
