@@ -30,7 +30,7 @@ from ..infra.log import get_logger
 from ..infra.provenance import code_version
 from ..layers import resolve_layer_ids
 from ..model_facts import ModelFacts
-from ..settings import ExtractSettings, LayersSettings, RegenerateSettings
+from ..settings import ExtractSettings, LayersSettings, RegenerateSettings, ValidateSettings
 from . import acceptance, rows, serve, train
 
 FORMAT = "eagle3prep.overfit_gate/1"
@@ -175,7 +175,11 @@ def _capture(work_dir: Path, gate_rows: list[dict[str, Any]], record: dict[str, 
         shard = plant(shard)
         record["planted"] = str(shard)
     validation = work_dir / "validation/shard_0.json"
-    validate_shard(str(shard), str(tokenized), str(validation), model_path, reference=False)
+    # the shard's own checks, without the reference forward (the gate's training is the end-to-end check); the
+    # other validate.* values are the schema's, which do nothing without a reference
+    v = ValidateSettings.defaults()
+    validate_shard(str(shard), str(tokenized), str(validation), model_path, v.sample_rows, v.seed, v.device,
+                   False, trust_remote_code, v.windows)  # fmt: skip
     return {"shard": str(shard), "validation": str(validation), "tokenized": str(tokenized), "token_freq": str(freq)}
 
 
