@@ -22,6 +22,41 @@ def test_ctrl_c_is_one_line_not_a_traceback(capsys):
     )
 
 
+def test_sigterm_is_one_line_and_exit_143(capsys):
+    """A preemption (Slurm sends SIGTERM first) unwinds the job like Ctrl-C: the engine is stopped by the
+    `with` blocks on the way out and no half output is sealed; the handler is the caller's again after."""
+    import os
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e, one_line_errors():
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert e.value.code == 143
+    err = capsys.readouterr().err
+    assert err.startswith("error: stopped by SIGTERM") and err.count("\n") == 1 and "same command" in err
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT"])
+def test_full_disk_is_one_line_naming_the_file(capsys, code):
+    import errno
+    import os
+
+    n = getattr(errno, code)
+    with pytest.raises(SystemExit) as e, one_line_errors():
+        raise OSError(n, os.strerror(n), "results/hidden_states/shard_1/layer_4.safetensors.tmp")
+    assert e.value.code == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "layer_4.safetensors.tmp" in last and "finished shards are kept" in last
+
+
+def test_other_os_errors_keep_their_traceback():
+    import errno
+
+    with pytest.raises(OSError), one_line_errors():
+        raise OSError(errno.EIO, "I/O error")
+
+
 def test_ctrl_c_in_an_extract_job_leaves_no_empty_shard_folder(tmp_path, monkeypatch):
     """Issue #27 item 7: Ctrl-C left an empty results/hidden_states/shard_0/ (healed by the rerun, but it looked
     like a shard)."""

@@ -183,3 +183,37 @@ def test_sigkill_then_rerun_is_byte_identical(point, baseline, tmp_path):
     assert tree_digest(wd / "results") == want
     after = stat_files(wd / "results")
     assert {p: after.get(p) for p in finished} == finished, "a finished output was rewritten"
+
+
+# The faults of a GPU host that a CPU run can make (bench/gpu_faults.py makes them on the GPU under vLLM): each
+# stops the run with one line naming the cause and the fix in the job's log, keeps every finished shard, and the
+# README's command once more completes the dataset byte for byte.
+HOST_FAULTS = {
+    # a Slurm preemption or scancel: SIGTERM to every process of the run, mid-shard
+    "sigterm": (f"extract.between_batches:shard={KILLED_SHARD},batch=2", "term", "stopped by SIGTERM"),
+    # a full disk under the layer files, mid-shard (the write threads' error reaches the job)
+    "disk_full": ("shard.mid_write:file=layer_4.safetensors,rows={batch2_rows}", "enospc", "no space left on device"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(HOST_FAULTS))
+def test_host_fault_is_one_line_then_one_rerun_completes(fault, baseline, tmp_path):
+    spec, scope, cause = HOST_FAULTS[fault]
+    tokenized = baseline / f"results/tokenized/shard_{KILLED_SHARD}.jsonl"
+    spec = spec.format(batch2_rows=batch_start_rows(tokenized, 2, FAULT_CONFIG["extract"]["batch_tokens"]))
+    wd = stopped_at(baseline, "extract", tmp_path / "wd")
+    finished = stat_files(wd / "results")
+
+    env = {"EAGLE3PREP_KILL_AT": spec, "EAGLE3PREP_KILL_SCOPE": scope}
+    stopped = snakemake(wd, env=env, check=False, new_session=True)
+    assert stopped.returncode != 0, stopped.stderr[-3000:]
+    log = (wd / f"logs/extract/shard_{KILLED_SHARD}.log").read_text()
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and cause in errors[0] and "same command" in errors[0], log[-3000:]
+    assert "Traceback" not in log.split(errors[0])[1], "the one line is the job's last word"
+    assert_half_shard_refused(wd, tmp_path)
+    assert {p: stat_files(wd / "results").get(p) for p in finished} == finished, "a finished output was touched"
+
+    snakemake(wd)  # the README's command, once
+    assert tree_digest(wd / "results") == tree_digest(baseline / "results")
+    assert {p: stat_files(wd / "results").get(p) for p in finished} == finished, "a finished output was rewritten"

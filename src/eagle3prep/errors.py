@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import signal
 import sys
 from collections.abc import Iterator
 
@@ -15,6 +17,19 @@ class ConfigError(UserError, ValueError):
     """A config value is wrong; the message names the key, the value and what is allowed."""
 
 
+class Terminated(BaseException):
+    """SIGTERM reached the job (a Slurm preemption, `scancel`, a node drain): unwound like Ctrl-C, so the
+    engine is shut down and no half-written output is sealed."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+# A full disk or an exhausted quota: the user's to fix, never a traceback.
+_DISK_FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+
+
 @contextlib.contextmanager
 def one_line_errors(oom_fix: str = "") -> Iterator[None]:
     """In a Snakemake script: print a UserError as `error: <message>` and exit 1 (the job fails). Ctrl-C is
@@ -22,10 +37,31 @@ def one_line_errors(oom_fix: str = "") -> Iterator[None]:
     `oom_fix`: the settings that change a torch out-of-memory error in this job, which then is one line too
     (its traceback stays in the log above). These lines are printed, not logged: `error: ...` is the job's
     verdict, read as is by users and tests, not one more `[stage]` line (eagle3prep.infra.log)."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)  # the job's own process; vLLM's keep theirs
     try:
         yield
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except Terminated:
+        print(
+            "error: stopped by SIGTERM (a scheduler's preemption, scancel or a shutdown): this job's outputs are "
+            "incomplete and were not sealed; finished shards are kept; the same command redoes this job",
+            file=sys.stderr,
+        )
+        sys.exit(143)
+    except OSError as e:
+        if e.errno not in _DISK_FULL:
+            raise
+        import traceback
+
+        traceback.print_exc()
+        where = f" writing {e.filename}" if e.filename else ""
+        print(
+            f"error: {_DISK_FULL[e.errno]}{where}; finished shards are kept: free space (`df -h results`) or point "
+            "results/ at a larger filesystem, then run the same command again (`snakemake plan` gives each shard's size)",
+            file=sys.stderr,
+        )
         sys.exit(1)
     except Exception as e:
         if not oom_fix or type(e).__name__ != "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch
@@ -39,3 +75,5 @@ def one_line_errors(oom_fix: str = "") -> Iterator[None]:
     except KeyboardInterrupt:
         print("interrupted (Ctrl-C): this job's outputs are incomplete; the same command redoes it", file=sys.stderr)
         sys.exit(130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -10,11 +10,17 @@ EAGLE3PREP_KILL_SCOPE=process kills only the job's own process, and EAGLE3PREP_K
 sends SIGINT to the group, as a terminal's Ctrl-C does, at that exact point (no race with a fast job).
 EAGLE3PREP_KILL_SCOPE=raise raises PlantedError there instead: an exception inside a process that must
 report it, such as vLLM's engine core running the hooks (tests/test_vllm_failures.py).
+The faults of a GPU host, made real at that point (bench/gpu_faults.py, tests/test_fault_lines.py):
+  term      SIGTERM to the whole process group, as a Slurm preemption or `scancel` sends it
+  enospc    a full disk: the OSError(ENOSPC) a write there would raise
+  fill      a full disk for real: a file in $EAGLE3PREP_FILL_DIR takes all its filesystem's free space
+  cuda_oom  a CUDA allocation the GPU cannot hold (torch.OutOfMemoryError from the caching allocator)
 Unset, kill_point() costs one dictionary lookup.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
@@ -49,4 +55,28 @@ def kill_point(name: str, **ctx: object) -> None:
     elif scope == "interrupt":
         os.killpg(os.getpgid(0), signal.SIGINT)  # KeyboardInterrupt here, and Snakemake sees its Ctrl-C
         return
+    elif scope == "term":
+        os.killpg(os.getpgid(0), signal.SIGTERM)
+        return
+    elif scope == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"planted at {name}")
+    elif scope == "fill":
+        _fill_filesystem(os.environ["EAGLE3PREP_FILL_DIR"])
+        return
+    elif scope == "cuda_oom":
+        import torch
+
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # 1 PiB: no GPU holds it
     os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def _fill_filesystem(folder: str) -> None:
+    """Take every free byte of `folder`'s filesystem (one file, fallocate'd), so the next write fails."""
+    free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+    fd = os.open(os.path.join(folder, "e3p-fill"), os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, max(free - 4096, 1))
+    except OSError:
+        pass  # a filesystem that cannot hand out its last blocks this way is as full as it gets
+    finally:
+        os.close(fd)

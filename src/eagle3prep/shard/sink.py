@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import schema_default
+from ..infra import faults
 from .files import FLUSH_EVERY, PositionalSafetensorsWriter
 from .formats import DTYPES, StorageFormat, storage_format
 from .layout import layer_tensors
@@ -186,6 +187,8 @@ class LayerSink:
         self._current: _Slot | None = None
         self._stream = None  # side CUDA stream for device-to-host copies, made on first GPU tensor
         self.stall_s = 0.0  # forward time spent waiting for a free slot (the writers were behind)
+        self.steps = 0  # forward steps begun: a kill point's place inside the shard (infra/faults.py)
+        self._dir = Path(next(iter(spec.layer_paths.values()))).parent.name if spec.layer_paths else ""
         self._queues: list[queue.Queue[_Slot | None]] = []  # one a thread: each gets every step's slot
         self._threads = []
         for lid in self.layer_ids:
@@ -199,6 +202,8 @@ class LayerSink:
     # ---- forward side ---------------------------------------------------------------------------
     def begin_step(self, segments: list[Segment]) -> None:
         """Start a step: map its segments to shard rows; take a free host slot."""
+        self.steps += 1
+        faults.kill_point("capture.step", dir=self._dir, step=self.steps)  # in the engine's process
         pieces = []
         for seg in segments:
             place = self.rows.get(seg.tag)
