@@ -26,6 +26,10 @@
 #   shm_f     (p) and (f) in bf16 with the shard in /dev/shm: the path's own cost apart from the disk
 #   quality_mx  the acceptance bench with ours (bf16), fp8 and mxfp4 drafts from the same rows, two seeds each
 #   images    the image-heavy workload on auto's path beside plain compiled prefill
+#   kimi_int4_mx  the Kimi-shaped INT4 MoE target with (g) writing MXFP4 beside plain compiled prefill (p)
+#   faults    the GPU fault matrix through snakemake (bench/gpu_faults.py; needs the tools payload): out of memory at
+#             engine start and mid-shard, the engine core killed, a full disk mid-shard, SIGTERM; each one line,
+#             finished shards kept, one rerun completes
 #   quality   the acceptance bench's ours and peer branches (bench/quality/device_run.sh; needs the tools payload),
 #             its summary in OUT/quality.txt
 # Steps run in the order STEPS gives (default: ALL below); REGRESS_PHASES=pf drops (e) from regress;
@@ -61,7 +65,7 @@ images() {  # the image-heavy workload on auto's path (built-in on 0.34) beside 
   python3 bench/bench_extract.py "$W/images" --images 4 --phases pf --rows 64
 }
 ALL="matrix workflow valid_narrow long64 regress kimi_int4 regen_long quality valid_kimi kimi64 fmt_8b fmt_kimi
-  regress_mx quality_mx fmt_real kimi64_mx shm_f images"
+  regress_mx quality_mx fmt_real kimi64_mx shm_f images kimi_int4_mx faults"
 run_step() {
   case $1 in
     matrix) step matrix "$NEW" matrix ;;
@@ -79,12 +83,14 @@ run_step() {
     fmt_kimi) step fmt_kimi "$NEW" python3 bench/storage_formats.py --shape kimi --tokens 8192 ;;
     fmt_real) step fmt_real "$NEW" python3 bench/storage_formats.py --shard $W/q/wd/ours/results/hidden_states/shard_0 --tokens 65536 ;;
     # capture speed with (g) writing MXFP4 beside (f) in bf16 and plain compiled prefill (p), on the local disk
-    regress_mx) step regress_mx "$NEW" python3 bench/bench_extract.py $W/regress_mx --phases pfg --scaled mxfp4 --rows 192 ;;
-    kimi64_mx) step kimi64_mx "$NEW" python3 bench/bench_extract.py $W/kimi64_mx --shape kimi-vocab --phases pfg --scaled mxfp4 --rows 4 --seq 65536 --min-len 32768 --max-len 65536 ;;
+    regress_mx) step regress_mx "$NEW" python3 bench/bench_extract.py $W/regress_mx --phases ${MX_PHASES:-pfg} --scaled mxfp4 --rows 192 ;;
+    kimi64_mx) step kimi64_mx "$NEW" python3 bench/bench_extract.py $W/kimi64_mx --shape kimi-vocab --phases ${MX_PHASES:-pfg} --scaled mxfp4 --rows 4 --seq 65536 --min-len 32768 --max-len 65536 ;;
     shm_f) step shm_f "$NEW" python3 bench/bench_extract.py /dev/shm/e3p_shm_f --phases pf --rows 192 ;;
     # the acceptance bench: ours (bf16), fp8 and mxfp4 drafts from the same rows, two seeds each
     quality_mx) QBRANCHES="${QMX_BRANCHES:-ours fp8 mxfp4}" step quality_mx "$NEW" quality ;;
     images) step images "$NEW" images ;;
+    kimi_int4_mx) step kimi_int4_mx "$NEW" python3 bench/bench_extract.py $W/kimi_int4_mx --shape kimi-int4 --phases ${MX_PHASES:-pfg} --scaled mxfp4 --rows 384 --seq 1000 --min-len 100 --max-len 1000 ;;
+    faults) step faults "$NEW" python3 bench/gpu_faults.py $W/faults ;;
     *) echo "$(date +%T) no step $1 (of $ALL)" >> "$O/done" ;;
   esac
 }
