@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 MX_COLS = 1024  # columns of a MXFP4 program's tile: 32 blocks (H 4096: 4 tiles a row; 7168: 7)
 MX_ROWS = 4
+MX_WARPS = 4
+FP8_WARPS = (8, 16)  # H up to 4096, wider
 
 
 def interpreting() -> bool:
@@ -73,7 +75,7 @@ def encode_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if n:
         grid = (-(-n // MX_ROWS), -(-h // MX_COLS))
         xb, in_bits = _bits_view(x)
-        k.mxfp4_kernel[grid](xb, q, s, n, h, x.stride(0), ROWS=MX_ROWS, COLS=MX_COLS, IN_BITS=in_bits, num_warps=4)
+        k.mxfp4_kernel[grid](xb, q, s, n, h, x.stride(0), ROWS=MX_ROWS, COLS=MX_COLS, IN_BITS=in_bits, num_warps=MX_WARPS)
     return q, s
 
 
@@ -90,7 +92,7 @@ def encode_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block = 1 << (h - 1).bit_length()
         xb, in_bits = _bits_view(x)
         k.fp8_kernel[(n,)](xb, q.view(torch.uint8), s, h, x.stride(0), BLOCK_H=block, IN_BITS=in_bits,
-                           num_warps=8 if block <= 4096 else 16)  # fmt: skip
+                           num_warps=FP8_WARPS[block > 4096])  # fmt: skip
     return q, s
 
 
