@@ -1,5 +1,8 @@
 """Storage formats compared on the same hidden states: bytes per token, reconstruction error per layer, encode
-cost on the device and decode cost in a trainer's loader (docs/guides/storage.md's table).
+cost on the device and decode cost in a trainer's loader (docs/guides/storage.md's table). On CUDA with Triton, the
+encode is timed twice, the fused kernel (shard/kernels.py: what the capture runs) beside the torch reference, and
+the two are compared byte for byte on the same rows (every layer, plus planted NaN / Inf / zero / subnormal / tie
+rows): one "byte identity ... PASS" or "FAIL" line a format, and the exit status 1 on a FAIL.
 
     python bench/storage_formats.py --shard results/hidden_states/shard_0      # a captured shard's layers
     python bench/storage_formats.py --shape llama-8b   # (or kimi: hidden 7,168) a random Llama of that width
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3prep.shard import formats, mxfp4
+from eagle3prep.shard import formats, fp8, kernels, mxfp4
 from eagle3prep.shard.manifest import read_manifest
 from eagle3prep.shard.readers import LayerReader
 
@@ -72,6 +75,64 @@ def timed(fn, *args, device: str, repeat: int = 3) -> float:
     return best
 
 
+def timed_loop(fn, *args, device: str, loops: int = 20) -> float:
+    """Best of 3 mean seconds a call over `loops` calls (device-synchronized): kernels of ~0.1 ms need a loop."""
+    fn(*args)  # compiled and warm
+    return timed(lambda: [fn(*args) for _ in range(loops)], device=device) / loops
+
+
+def planted_rows(hidden: int, device: str) -> torch.Tensor:
+    """16 bf16 rows a kernel must get right: zero, -0, NaN, +-Inf, subnormals, tiny, huge, exact e2m1 ties."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, hidden, generator=g) * torch.logspace(-3, 3, 16)[:, None]
+    x[1], x[2] = 0.0, -0.0
+    x[3, 5], x[4, hidden - 1], x[5, 40] = float("nan"), float("inf"), -float("inf")
+    x[6, :32] = torch.linspace(-1, 1, 32) * 1e-39
+    x[7] *= 1e-30
+    x[8] *= 1e30
+    ties = torch.tensor([6.0, *mxfp4._MIDPOINTS] * 4)[:32]
+    x[9, :32] = ties * torch.tensor([1.0, -1.0]).repeat(16)
+    return x.to(device, torch.bfloat16)
+
+
+def identical(name: str, ours: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> bool:
+    """Byte for byte; an FP8 NaN token's scale compared as NaN (its payload is the platform's)."""
+    ok = True
+    for a, b in zip(ours, ref, strict=True):
+        if name == "fp8_e4m3" and b.dtype == torch.float32:
+            nan = b.isnan()
+            ok &= torch.equal(a.isnan(), nan) and torch.equal(a[~nan], b[~nan])
+        else:
+            ok &= a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return bool(ok)
+
+
+def kernel_vs_reference(layers: dict[int, torch.Tensor], x: torch.Tensor, device: str) -> bool:
+    """The encode kernels against the references: GB/s of bf16 in, and byte identity on the same rows."""
+    refs = {"fp8_e4m3": fp8.quantize_fp8, "mxfp4": mxfp4.quantize_mxfp4}
+    kerns = {"fp8_e4m3": kernels.encode_fp8, "mxfp4": kernels.encode_mxfp4}
+    if not kernels.available(x):
+        print("\nno encode kernel here (a CUDA device and Triton needed): the reference encodes only")
+        return True
+    tokens, hidden = x.shape
+    gb = x.numel() * 2 / 1e9
+    print(f"\n# encode kernel vs reference, {tokens:,} tokens x hidden {hidden} (bf16 in), mean of 20, best of 3")
+    print("| format | kernel GB/s of bf16 in | reference GB/s | kernel / reference | kernel ms per M tokens | byte identity |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    ok = True
+    for name in ("mxfp4", "fp8_e4m3"):
+        tk = timed_loop(kerns[name], x, device=device)
+        tr = timed_loop(refs[name], x, device=device, loops=3)
+        rows = [*layers.values(), planted_rows(hidden, device)]
+        same = all(identical(name, kerns[name](r), refs[name](r)) for r in rows)
+        ok &= same
+        n = sum(len(r) for r in rows)
+        verdict = f"{'PASS' if same else 'FAIL'} ({n:,} rows: {len(layers)} layers + 16 planted)"
+        print(f"| {name} | {gb / tk:,.0f} | {gb / tr:,.0f} | {tr / tk:.1f}x | {tk / tokens * 1e9:.1f} | {verdict} |")
+        print(f"byte identity {name} kernel vs reference, hidden {hidden}: {verdict}")
+    return ok
+
+
 def states_of_shard(shard: Path, max_tokens: int) -> tuple[dict[int, torch.Tensor], str]:
     m, n = read_manifest(shard), min(read_manifest(shard).tokens, max_tokens)
     out = {lid: LayerReader(shard / f"layer_{lid}.safetensors").rows(0, n) for lid in m.layer_ids}  # fmt: skip
@@ -103,6 +164,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tokens", type=int, default=8192, help="of the shard, or of random rows (--shape)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--encode-tokens", type=int, default=65536, help="rows the encodes are timed on (the last "
+                    "layer's, repeated)")  # fmt: skip
     args = ap.parse_args()
     if not (args.shard or args.shape):
         sys.exit("--shard or --shape")
@@ -145,8 +208,10 @@ def main() -> None:
     topk = (len(ids) - 1) * mx.token_bytes(hidden, "bfloat16") + TOPK * 6 + TOKEN_ID_BYTES
     print(f"| mxfp4, last layer as top-{TOPK} probabilities | {topk:,} | {topk / bf16_bytes:.3f} | | n/a (no state) |")
 
+    big = layers[last].repeat(-(-args.encode_tokens // tokens), 1)[: args.encode_tokens]
+    ok = kernel_vs_reference(layers, big, args.device)
     x = layers[last]
-    print(f"\n# cost of one layer's {tokens:,} tokens (hidden {hidden}); best of 3")
+    print(f"\n# cost of one layer's {tokens:,} tokens (hidden {hidden}), the capture's encode; best of 3")
     for name in ("fp8_e4m3", "mxfp4"):
         fmt = formats.storage_format(name)
         enc = timed(fmt.encode, x, device=args.device)
@@ -162,6 +227,8 @@ def main() -> None:
             f"of bf16 in); decode on {args.device} {dec / mtok * 1e3:.1f} ms per M tokens; decode on one CPU thread "
             f"{dec_cpu / mtok:.2f} s per M tokens ({tokens * hidden / dec_cpu / 1e6:.0f} M values/s)"
         )
+    if not ok:
+        sys.exit("byte identity FAIL: the kernel and the reference encode differ on the same rows")
 
 
 if __name__ == "__main__":

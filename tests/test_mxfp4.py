@@ -36,7 +36,43 @@ def test_every_e2m1_value_times_a_power_of_two_is_stored_exactly():
     assert torch.equal(mxfp4.dequantize_mxfp4(packed, scales), row[None])
     assert int(scales[0, 0]) == 127 - 3  # e8m0: 2^(b - 127)
     # element 2i in the low nibble, 2i + 1 in the high one; bit 3 is the sign
-    assert int(packed[0, 0]) == (1 << 4) | 0 and int(packed[0, 4]) == (0b1001 << 4) | 0  # -0.0 is stored as 0
+    assert int(packed[0, 0]) == (1 << 4) | 0 and int(packed[0, 4]) == (0b1001 << 4) | 0b1000  # -0.0 keeps its sign
+
+
+def e2m1_nearest_even(y: float) -> int:
+    """The e2m1 code of `y` (|y| <= 6) by the definition: the nearest magnitude, at a tie the even code."""
+    mag = min(range(8), key=lambda c: (abs(abs(y) - mxfp4.E2M1[c]), c % 2))
+    return mag | (8 if str(y).startswith("-") else 0)
+
+
+def grid_rows() -> torch.Tensor:
+    """Every multiple of 2^-8 in [-6, 6] (ties and all) in blocks led by 6.0: each block's scale is 2^0."""
+    y = torch.arange(-6 * 256, 6 * 256 + 1) / 256.0
+    y = torch.cat([y, torch.tensor([-0.0, 1e-30, -1e-30])])
+    y = torch.cat([y, torch.zeros(-len(y) % 31)]).view(-1, 31)
+    return torch.cat([torch.full((len(y), 1), 6.0), y], dim=1).reshape(1, -1)
+
+
+def test_rounding_is_to_nearest_with_ties_to_even():
+    x = grid_rows()
+    packed, scales = mxfp4.quantize_mxfp4(x)
+    assert bool((scales == 127).all())
+    want = torch.tensor([e2m1_nearest_even(v) for v in x[0].tolist()], dtype=torch.uint8)
+    assert torch.equal(mxfp4.codes_of(packed)[0], want)
+    assert int(mxfp4.codes_of(mxfp4.quantize_mxfp4(torch.tensor([[6.0] + [2.5] * 31]))[0])[0, 1]) == 4  # 2.5 -> 2
+
+
+def test_codes_are_ml_dtypes_float4_e2m1fn():
+    """The values over their block scale, encoded by ml_dtypes (OCP's round to nearest even), give the same codes:
+    on the exhaustive grid and on Gaussian rows of every magnitude."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes (envs/gpu.txt) is not installed here")
+    import numpy as np
+
+    for x in (grid_rows(), gaussian(64, 4096, seed=4)):
+        packed, scales = mxfp4.quantize_mxfp4(x)
+        y = x.float().view(len(x), -1, 32) / mxfp4.scale_values(scales)
+        theirs = y.reshape(len(x), -1).numpy().astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
+        assert np.array_equal(mxfp4.codes_of(packed).numpy(), theirs)
 
 
 def test_the_scale_is_rounded_up_so_no_value_clips():

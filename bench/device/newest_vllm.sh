@@ -22,6 +22,11 @@
 #             the prompt count, sets it)
 #   fmt_8b / fmt_kimi / fmt_real  bench/storage_formats.py: bytes, per-layer error, encode and decode cost of each
 #             storage format on random 8B- and Kimi-shaped layers, and on the quality target's own shard (after quality_mx)
+#   fmt_kernel_8b / fmt_kernel_kimi  the encode kernels (shard/kernels.py) beside the torch reference: GB/s of bf16 in
+#             on 65,536 rows at hidden 4,096 / 7,168, and the byte-identity check of the two (PASS / FAIL lines)
+#   train_mx  the trainer (eagle3prep-train, direct backend) on bf16 and MXFP4 shards of the same rows of a random
+#             4,096-wide target: median step time of each and their ratio (bench/train_formats.py; needs the tools
+#             payload's speculators)
 #   regress_mx / kimi64_mx  regress / kimi64 with (g) writing MXFP4 beside (f) in bf16 and (p), on the local disk
 #   shm_f     (p) and (f) in bf16 with the shard in /dev/shm: the path's own cost apart from the disk
 #   quality_mx  the acceptance bench with ours (bf16), fp8 and mxfp4 drafts from the same rows, two seeds each
@@ -65,7 +70,7 @@ images() {  # the image-heavy workload on auto's path (built-in on 0.34) beside 
   python3 bench/bench_extract.py "$W/images" --images 4 --phases pf --rows 64
 }
 ALL="matrix workflow valid_narrow long64 regress kimi_int4 regen_long quality valid_kimi kimi64 fmt_8b fmt_kimi
-  regress_mx quality_mx fmt_real kimi64_mx shm_f images kimi_int4_mx faults"
+  regress_mx quality_mx fmt_real kimi64_mx shm_f images kimi_int4_mx faults fmt_kernel_8b fmt_kernel_kimi train_mx"
 run_step() {
   case $1 in
     matrix) step matrix "$NEW" matrix ;;
@@ -82,6 +87,10 @@ run_step() {
     fmt_8b) step fmt_8b "$NEW" python3 bench/storage_formats.py --shape llama-8b --tokens 8192 ;;
     fmt_kimi) step fmt_kimi "$NEW" python3 bench/storage_formats.py --shape kimi --tokens 8192 ;;
     fmt_real) step fmt_real "$NEW" python3 bench/storage_formats.py --shard $W/q/wd/ours/results/hidden_states/shard_0 --tokens 65536 ;;
+    # the encode kernels beside the reference (GB/s, byte identity), and the trainer's pace on MXFP4 shards
+    fmt_kernel_8b) step fmt_kernel_8b "$NEW" python3 bench/storage_formats.py --shape llama-8b --tokens 8192 --encode-tokens 65536 ;;
+    fmt_kernel_kimi) step fmt_kernel_kimi "$NEW" python3 bench/storage_formats.py --shape kimi --tokens 8192 --encode-tokens 65536 ;;
+    train_mx) step train_mx "$NEW" python3 bench/train_formats.py $W/train_mx --hidden 4096 --rows 40 --seq 4096 --steps 30 --workers 8 ;;
     # capture speed with (g) writing MXFP4 beside (f) in bf16 and plain compiled prefill (p), on the local disk
     regress_mx) step regress_mx "$NEW" python3 bench/bench_extract.py $W/regress_mx --phases ${MX_PHASES:-pfg} --scaled mxfp4 --rows 192 ;;
     kimi64_mx) step kimi64_mx "$NEW" python3 bench/bench_extract.py $W/kimi64_mx --shape kimi-vocab --phases ${MX_PHASES:-pfg} --scaled mxfp4 --rows 4 --seq 65536 --min-len 32768 --max-len 65536 ;;

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import fp8, mxfp4
+from . import fp8, kernels, mxfp4
 
 if TYPE_CHECKING:
     import torch
@@ -114,7 +114,7 @@ FORMATS: dict[str, StorageFormat] = {
             "FP8 e4m3 with a float32 scale per token",
             lambda _: fp8.FP8_DTYPE,
             ("float32", lambda h: 1),
-            fp8.quantize_fp8,
+            kernels.quantize_fp8,  # the Triton kernel on CUDA, else fp8.quantize_fp8 (byte for byte)
             fp8.dequantize_fp8,
             fp8.rounding_draw,
             {
@@ -136,7 +136,7 @@ FORMATS: dict[str, StorageFormat] = {
             f"MXFP4: 4-bit e2m1 with a power-of-two scale per {mxfp4.BLOCK} values",
             lambda _: "uint8",
             ("uint8", lambda h: h // mxfp4.BLOCK),
-            mxfp4.quantize_mxfp4,
+            kernels.quantize_mxfp4,  # the Triton kernel on CUDA, else mxfp4.quantize_mxfp4
             mxfp4.dequantize_mxfp4,
             mxfp4.rounding_draw_mxfp4,
             {

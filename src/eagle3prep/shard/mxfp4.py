@@ -4,11 +4,16 @@ The element and scale encodings are the OCP Microscaling (MX) v1.0 ones: e2m1 ho
 6}, the e8m0 byte b stands for 2^(b - 127). One choice differs from the spec's reference quantizer: the scale is
 rounded *up* (the smallest power of two with amax / scale <= 6), so no value of a block clips. A hidden state's
 large outliers are the values a trainer least wants moved; the spec's floor(log2(amax)) - 2 clips them by up
-to 25 %.
+to 25 %. Each value divided by its scale is rounded to nearest, ties to the even code (OCP's rounding, as
+ml_dtypes' float4_e2m1fn does), and keeps its sign bit (a negative value that rounds to zero is stored as -0).
 
 A layer file holds `hidden_states` [T, H / 2] uint8 (element 2i in the low nibble, 2i + 1 in the high one; bit 3
 of a nibble is the sign) and `hidden_states_scales` [T, H / 32] uint8. A decoded value is an e2m1 value times a
-power of two, exact in bfloat16 and float32: decoding loses nothing beyond the encoding.
+power of two, exact in bfloat16 and float32: decoding loses nothing beyond the encoding. A block holding a NaN or
+an Inf gets the scale 255 (NaN: every value of it reads back NaN) and the codes 0.
+
+This is the reference encode (any device, the CPU's path); shard/kernels.py is the same encode as one Triton
+kernel on CUDA, byte for byte (tests/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -23,8 +28,11 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of codes 0..7
 E2M1_MAX = 6.0
 SCALE_BIAS = 127  # e8m0: byte b = 2^(b - 127)
 SCALE_NAN = 255  # e8m0's NaN: a block holding a NaN or an Inf reads back as NaN, so validation still sees it
-# Rounding to nearest: a magnitude goes to the code whose interval holds it (ties toward zero).
+# Round to nearest, ties to even: the midpoint between codes i and i + 1 goes to the even one, so a magnitude
+# counts past a midpoint when it is above it (i even) or at least it (i odd).
 _MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1, E2M1[1:], strict=False))
+ROUNDING = "round to nearest, ties to even (OCP MX v1.0; ml_dtypes float4_e2m1fn)"
+EXP_MASK, MANT_HALF = 0x7F800000, 0x400000  # float32: exponent bits; the mantissa bits of 1.5
 
 
 def _table(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
@@ -40,15 +48,32 @@ def check_width(hidden_size: int) -> None:
         )
 
 
-def block_exponents(x: torch.Tensor) -> torch.Tensor:
-    """[n, H / 32] int32: each block's scale exponent, the smallest e with amax / 2^e <= 6 (frexp: exact)."""
+def _abs_bits(x: torch.Tensor) -> torch.Tensor:
+    """|x| as float32 bits (int32): ordered as the magnitudes are, NaN above Inf above every finite value."""
     import torch
 
+    return x.float().view(torch.int32) & 0x7FFFFFFF
+
+
+def block_exponents(x: torch.Tensor) -> torch.Tensor:
+    """[n, H / 32] int32: each block's scale exponent, the smallest e with amax / 2^e <= 6, from amax's float32
+    bits (exact, no division): amax = 1.m x 2^E fits under 6 x 2^e = 1.5 x 2^(e + 2) with e = E - 2 when
+    1.m <= 1.5, else E - 1. A block of subnormals gets the smallest scale, 2^-127; an all-zero block 2^0 (its
+    codes are 0 whatever the scale)."""
     n, h = x.shape
-    amax = x.abs().view(n, h // BLOCK, BLOCK).amax(-1).float()
-    mant, exp = torch.frexp(amax / E2M1_MAX)  # amax / 6 = mant * 2^exp, mant in [0.5, 1)
-    e = exp - (mant == 0.5).to(exp.dtype)  # an exact power of two needs no round-up
-    return e.clamp(-SCALE_BIAS, SCALE_BIAS)  # an all-zero block: the smallest scale (its codes are 0)
+    return _exponents_of(_abs_bits(x).view(n, h // BLOCK, BLOCK).amax(-1))
+
+
+def _exponents_of(amax_bits: torch.Tensor) -> torch.Tensor:
+    e = (amax_bits >> 23) - 129 + ((amax_bits & 0x7FFFFF) > MANT_HALF).int()
+    return (e.clamp(-SCALE_BIAS, SCALE_BIAS) * (amax_bits != 0)).int()
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2^e (float32) for e in [-126, 127], built from its bits (exact on every device)."""
+    import torch
+
+    return ((e + 127).clamp(0, 254) << 23).int().view(torch.float32)
 
 
 def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,12 +81,15 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
     n, h = x.shape
-    e = block_exponents(x)
-    y = x.float().view(n, h // BLOCK, BLOCK) * torch.exp2(-e.float()).unsqueeze(-1)  # |y| <= 6
-    codes = torch.bucketize(y.abs().nan_to_num(0.0), _table(_MIDPOINTS, x.device)).to(torch.uint8)
-    codes |= (y < 0).to(torch.uint8) << 3
-    codes = codes.view(n, h // 2, 2)
-    scales = torch.where(torch.isfinite(y).all(-1), e + SCALE_BIAS, SCALE_NAN).to(torch.uint8)
+    xf = x.float().view(n, h // BLOCK, BLOCK)
+    amax_bits = _abs_bits(xf).amax(-1)
+    e = _exponents_of(amax_bits)
+    finite = amax_bits < EXP_MASK
+    a = (xf * _pow2(-e).unsqueeze(-1)).abs()  # |y| <= 6: a power of two moves no bit of a normal result
+    codes = sum((a >= m if i % 2 else a > m).to(torch.uint8) for i, m in enumerate(_MIDPOINTS))
+    codes |= (xf.view(torch.int32) < 0).to(torch.uint8) << 3  # x's sign bit
+    codes = torch.where(finite.unsqueeze(-1), codes, 0).view(n, h // 2, 2)
+    scales = torch.where(finite, e + SCALE_BIAS, SCALE_NAN).to(torch.uint8)
     return codes[..., 0] | (codes[..., 1] << 4), scales
 
 

@@ -1,0 +1,141 @@
+"""The storage encodes' Triton kernels (shard/kernels.py) against their references (mxfp4.quantize_mxfp4,
+fp8.quantize_fp8), byte for byte, through Triton's interpreter on the CPU: the widths of an 8B and a Kimi-shaped
+target, row counts that are no multiple of a kernel's tile, NaN / Inf / zero / subnormal / -0 blocks, and
+bfloat16, float16 and float32 rows. The GPU comparison is bench/storage_formats.py's (its "byte identity" line).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3prep.shard import formats, fp8, kernels, mxfp4
+
+# Triton picks its interpreter when it is imported: the kernels run in a child process started with
+# TRITON_INTERPRET=1 (this process may have imported Triton already), on inputs this process made and compares.
+CHILD = """
+import sys, torch
+from eagle3prep.shard import kernels
+cases = torch.load(sys.argv[1])
+out = {k: (kernels.encode_mxfp4(x) if k[0] == "mxfp4" else kernels.encode_fp8(x)) for k, x in cases.items()}
+torch.save(out, sys.argv[2])
+"""
+
+
+def run_kernels(cases: dict, tmp: Path) -> dict:
+    """{key: the kernel's output} for {key: rows} with key[0] "mxfp4" or "fp8", through the interpreter."""
+    torch.save(cases, tmp / "in.pt")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", CHILD, str(tmp / "in.pt"), str(tmp / "out.pt")], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(tmp / "out.pt")
+
+
+def hard_rows(tokens: int, hidden: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Rows spanning 1e-3..1e3, with a zero row, a -0 row, NaN and +-Inf blocks, a block of subnormals (float16:
+    its own), a row far below 1 and exact e2m1 midpoints (ties) under a block scale of 1."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g) * torch.logspace(-3, 3, tokens)[:, None]
+    x[5] = 0.0
+    x[6] = -0.0
+    x[9, 3] = float("nan")
+    x[11, hidden - 1] = float("inf")
+    x[12, 40 % hidden] = -float("inf")
+    x[13, :32] = torch.linspace(-1, 1, 32) * (1e-39 if dtype != torch.float16 else 3e-6)
+    x[14] *= 1e-30 if dtype != torch.float16 else 1e-3
+    ties = torch.tensor([6.0, *mxfp4._MIDPOINTS] * 4)[:32]
+    x[15, :32] = ties * torch.tensor([1.0, -1.0]).repeat(16)
+    return x.to(dtype)
+
+
+WIDTHS = {"H96": 96, "H4096": 4096, "H7168-kimi": 7168}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CASES = [*((w, d) for w in WIDTHS for d in DTYPES), ("strided", "bf16"), ("empty", "bf16")]
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    """Each case's rows and the kernel's output on them: {key: (rows, output)}."""
+    pytest.importorskip("triton", reason="triton is not installed here (envs/gpu.txt pins it for the GPU)")
+    cases = {
+        (fmt, w, d): hard_rows(19, hidden, dtype)  # 19 rows: no multiple of the MXFP4 kernel's 4
+        for fmt in ("mxfp4", "fp8")
+        for w, hidden in WIDTHS.items()
+        for d, dtype in DTYPES.items()
+    }
+    wide = hard_rows(17, 4096 + 64, torch.bfloat16)
+    for fmt in ("mxfp4", "fp8"):
+        cases[(fmt, "strided", "bf16")] = wide[:, 64:]  # a row stride of 4160, as a slice of a wider buffer
+        cases[(fmt, "empty", "bf16")] = wide[:0, 64:]
+    out = run_kernels(cases, tmp_path_factory.mktemp("kernels"))
+    return {k: (x, out[k]) for k, x in cases.items()}
+
+
+@pytest.mark.parametrize(("width", "dtype"), CASES, ids="-".join)
+def test_mxfp4_kernel_is_the_reference_byte_for_byte(outputs, width, dtype):
+    x, (packed, scales) = outputs[("mxfp4", width, dtype)]
+    ref_packed, ref_scales = mxfp4.quantize_mxfp4(x.contiguous())
+    assert packed.shape == ref_packed.shape and scales.shape == ref_scales.shape
+    assert torch.equal(packed, ref_packed) and torch.equal(scales, ref_scales)
+    if width in WIDTHS:
+        assert int(scales[9, 0]) == int(scales[11, -1]) == mxfp4.SCALE_NAN  # the planted blocks are compared
+        assert bool((mxfp4.codes_of(packed)[6] == 8).all())  # -0 keeps its sign bit
+
+
+@pytest.mark.parametrize(("width", "dtype"), CASES, ids="-".join)
+def test_fp8_kernel_is_the_reference_byte_for_byte(outputs, width, dtype):
+    x, (values, scales) = outputs[("fp8", width, dtype)]
+    ref_values, ref_scales = fp8.quantize_fp8(x)
+    assert values.dtype == torch.float8_e4m3fn and scales.shape == ref_scales.shape == (len(x), 1)
+    assert torch.equal(values.view(torch.uint8), ref_values.view(torch.uint8))
+    # bit for bit, but a NaN scale's payload (a NaN token's) is the platform's: compared as NaN
+    nan = ref_scales.isnan()
+    assert torch.equal(scales.isnan(), nan) and torch.equal(
+        scales[~nan].view(torch.int32), ref_scales[~nan].view(torch.int32)
+    )
+
+
+def test_the_comparison_sees_a_rounding_mistake(outputs):
+    """Ties toward zero (the rounding this format once had) differ from the kernel on the planted midpoints: the
+    byte comparison above would fail on it."""
+    x, (packed, _) = outputs[("mxfp4", "H96", "bf16")]
+    n, h = x.shape
+    e = mxfp4.block_exponents(x)
+    y = x.float().view(n, h // 32, 32) * torch.exp2(-e.float()).unsqueeze(-1)
+    toward_zero = torch.bucketize(y.abs().nan_to_num(0.0), torch.tensor(mxfp4._MIDPOINTS)).view(n, h)
+    assert not torch.equal(mxfp4.codes_of(packed)[15] & 7, toward_zero[15].to(torch.uint8))
+
+
+def test_the_format_uses_the_kernel_only_on_cuda(monkeypatch):
+    x = hard_rows(16, 96, torch.bfloat16)
+    assert not kernels.available(x)  # a CPU tensor: the reference, even under the interpreter
+    calls = []
+    monkeypatch.setattr(kernels, "encode_mxfp4", lambda t: calls.append(t) or mxfp4.quantize_mxfp4(t))
+    monkeypatch.setattr(kernels, "available", lambda t: True)
+    assert torch.equal(formats.storage_format("mxfp4").encode(x)[0], mxfp4.quantize_mxfp4(x)[0]) and calls
+
+
+def test_without_triton_the_reference_serves(monkeypatch):
+    """Where Triton does not import (the CPU install), the formats encode through the reference."""
+    real = __import__
+
+    def no_triton(name, *args, **kwargs):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.__import__", no_triton)
+    kernels._triton.cache_clear()
+    try:
+        assert kernels._triton() is None
+        x = hard_rows(16, 96, torch.bfloat16)
+        assert torch.equal(formats.storage_format("mxfp4").encode(x)[1], mxfp4.quantize_mxfp4(x)[1])
+    finally:
+        monkeypatch.undo()
+        kernels._triton.cache_clear()
