@@ -17,7 +17,7 @@ import torch
 from eagle3prep.errors import UserError
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard.sink import Segment
-from eagle3prep.vllm import registry
+from eagle3prep.vllm import names, registry
 from eagle3prep.vllm.capture.hooks import internals
 from eagle3prep.vllm.capture.hooks import worker as vllm_ext
 from eagle3prep.vllm.capture.hooks.internals import step_layout
@@ -214,7 +214,7 @@ def rename_num_computed_tokens(monkeypatch) -> str:
     path = "InputBatch." + renamed[-1]  # the registry's entry, renamed with it
     monkeypatch.setitem(internals.HOOKS_INTERNALS, renamed[-1], path)
     entry = dataclasses.replace(registry.entry("InputBatch.num_computed_tokens_cpu"), path=path)
-    monkeypatch.setitem(registry.BY_PATH, path, entry)
+    monkeypatch.setitem(names.BY_PATH, path, entry)
     return path
 
 

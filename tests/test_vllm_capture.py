@@ -18,7 +18,7 @@ from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.model_facts import ModelFacts
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard.sink import Segment
-from eagle3prep.vllm import registry
+from eagle3prep.vllm import names, registry
 from eagle3prep.vllm.capture import choice, message
 from eagle3prep.vllm.capture.backend import VLLMBackend
 from eagle3prep.vllm.capture.builtin import cpu_connector
@@ -36,12 +36,12 @@ from eagle3prep.vllm.engine import workarounds
     [("0.32.0", (0, 32, 0)), ("0.11.1rc2.dev5+gabc", (0, 11, 1)), ("0.10.1.1", (0, 10, 1)), ("1.0", (1, 0, 0))],
 )
 def test_parse_version(text, expect):
-    assert registry.parse_version(text) == expect
+    assert names.parse_version(text) == expect
 
 
 def fake_executor_rpc(version: str, per_rank: list):
     """collective_rpc(unique_reply_rank=0) as each vLLM's executor answers it."""
-    if registry.parse_version(version) < (0, 11, 1):
+    if names.parse_version(version) < (0, 11, 1):
         return [per_rank[0]]  # 0.11.0: always a list, `(output,) = collective_rpc(...)`
     return per_rank[0]  # 0.11.1+: `return responses[0] if output_rank is not None else responses`
 

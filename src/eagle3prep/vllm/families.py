@@ -19,8 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import registry
-from .registry import parse_version
+from . import names, registry
 
 # Parse runs on every `snakemake -n`: the same vLLM is not asked twice about the same architecture.
 STAMP = ".snakemake/eagle3prep/eagle3-check.json"
@@ -31,7 +30,7 @@ CHILD_TIMEOUT_S = 300
 def hooks_gone(version: str) -> bool:
     """vLLM `version` lacks what the hooks path reads (its V1 model runner, from 0.34 on); False when unknown."""
     try:
-        return bool(registry.blocked(registry.HOOKS, version))
+        return bool(registry.blocked(names.HOOKS, version))
     except ValueError:  # no version to read ("(unknown)")
         return False
 
@@ -60,13 +59,11 @@ def builtin_blocker(version: str, arch: str, supports: bool | None) -> str | Non
 def other_ways(version: str, arch: str) -> str:
     """What can capture `arch` where vLLM `version`'s built-in path cannot: a vLLM and path that do, or hf."""
     ways = []
-    since = registry.EAGLE3_CLASSES.get(arch, ("", None))[1]
+    since = names.EAGLE3_CLASSES.get(arch, ("", None))[1]
     if since and _newer(since, version):
         ways.append(f"vLLM {since} or later (the built-in path)")
     if hooks_gone(version):
-        ways.append(
-            f"a vLLM from {registry.OLDEST} to before {registry.V1_RUNNER_GONE} with extract.capture_path: hooks"
-        )
+        ways.append(f"a vLLM from {names.OLDEST} to before {names.V1_RUNNER_GONE} with extract.capture_path: hooks")
     else:
         ways.append("extract.capture_path: hooks (or auto)")
     ways.append("extract.backend: hf")
@@ -75,7 +72,7 @@ def other_ways(version: str, arch: str) -> str:
 
 def _newer(a: str, b: str) -> bool:
     try:
-        return parse_version(a) > parse_version(b)
+        return names.parse_version(a) > names.parse_version(b)
     except ValueError:
         return False
 
@@ -87,7 +84,7 @@ def refusal(version: str, arch: str, wanted: str, supports: bool | None) -> str 
     if wanted == "hooks" and gone:  # the registry's line names what the hooks read; its fix names the built-in path
         fix = None if supports is not False else f"use {other_ways(version, arch)}"
         return "extract.capture_path = hooks: " + registry.missing_line(
-            registry.blocked(registry.HOOKS, version)[0], version=version, fix_text=fix
+            registry.blocked(names.HOOKS, version)[0], version=version, fix_text=fix
         )
     blocker = builtin_blocker(version, arch, supports)
     if blocker is None:
@@ -97,7 +94,7 @@ def refusal(version: str, arch: str, wanted: str, supports: bool | None) -> str 
     if gone:
         return (
             f"extract.backend = vllm: no capture path of vLLM {version} takes {arch}: {blocker}, and its hooks path "
-            f"is gone (no V1 model runner since {registry.V1_RUNNER_GONE}); use {other_ways(version, arch)}"
+            f"is gone (no V1 model runner since {names.V1_RUNNER_GONE}); use {other_ways(version, arch)}"
         )
     return None  # auto takes the hooks
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .. import families
 from ..engine.workarounds import uses_deepseek_backbone
-from ..registry import BUILTIN_FIRST_SINCE, BUILTIN_SINCE, DEEPSEEK_FINAL_LAYER_SINCE, at_least
+from ..names import BUILTIN_FIRST_SINCE, BUILTIN_SINCE, DEEPSEEK_FINAL_LAYER_SINCE, at_least
 
 _BUILTIN, _DEEPSEEK_N = BUILTIN_SINCE.removesuffix(".0"), DEEPSEEK_FINAL_LAYER_SINCE.removesuffix(".0")  # "0.18"
 
