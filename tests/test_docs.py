@@ -7,6 +7,8 @@ import json
 import re
 import subprocess
 
+from eagle3prep.config import SCHEMA
+
 from testkit.workflow import REPO
 
 GUIDES = ("real-model", "reruns", "storage", "training", "regeneration", "cluster", "validation")
@@ -83,7 +85,7 @@ def test_config_reference_is_generated_from_the_current_schema():
     module = _config_reference()
     import yaml
 
-    expected = module.render(yaml.safe_load((REPO / "config" / "schema.yaml").read_text(encoding="utf-8")))
+    expected = module.render(yaml.safe_load(SCHEMA.read_text(encoding="utf-8")))
     assert (REPO / "config" / "README.md").read_text(encoding="utf-8") == expected, (
         "config/README.md is out of date: run python scripts/config_reference.py"
     )
@@ -92,7 +94,7 @@ def test_config_reference_is_generated_from_the_current_schema():
 def test_config_reference_lists_every_key_of_the_schema():
     import yaml
 
-    schema = yaml.safe_load((REPO / "config" / "schema.yaml").read_text(encoding="utf-8"))
+    schema = yaml.safe_load(SCHEMA.read_text(encoding="utf-8"))
     reference = (REPO / "config" / "README.md").read_text(encoding="utf-8")
 
     def keys(prefix, spec):

@@ -71,7 +71,7 @@ def config_source_line(
         else:
             demo_note = f"the demo's {DEMO_CONFIG} is not read"
         later = ", later files win" if len(configfiles) > 1 else ""
-        source = f"config {shown} over the schema's defaults (config/schema.yaml; {demo_note}{later})"
+        source = f"config {shown} over the schema's defaults (eagle3prep/config/schema.yaml; {demo_note}{later})"
     else:
         source = f"config {DEMO_CONFIG} (the demo's; pass --configfile for your own)"
     extra = " + --config" if overrides else ""
