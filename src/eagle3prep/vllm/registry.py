@@ -54,6 +54,14 @@ def installed_version() -> str:
     return load("__version__")
 
 
+def version_text() -> str:
+    """installed_version(), or "not installed" (an empty shard's manifest, the regenerate stage's without rows)."""
+    try:
+        return installed_version()
+    except ImportError:
+        return "not installed"
+
+
 @functools.cache
 def installed() -> str:
     try:
