@@ -11,7 +11,6 @@ from eagle3prep.layers import (
     resolve_layer_ids,
     to_convention,
 )
-from eagle3prep.settings import ExtractSettings
 
 from testkit.shards import capture_rows, capture_spec
 
@@ -55,16 +54,7 @@ def test_ids_below_n_equal_output_hidden_states(demo_model_dir, fp32_model):
     n = fp32_model.config.num_hidden_layers
     ids = list(range(n + 1))
     backend = HFBackend(
-        capture_spec(
-            "hf",
-            str(demo_model_dir),
-            ids,
-            dtype="float32",
-            device="cpu",
-            tp_size=1,
-            max_seq_len=2048,
-            settings=ExtractSettings.defaults(dtype="float32"),
-        )  # fmt: skip
+        capture_spec("hf", str(demo_model_dir), ids, dtype="float32", device="cpu", tp_size=1, max_seq_len=2048)
     )
     backend.probe()
     row = list(range(5, 45))
@@ -85,16 +75,7 @@ def test_ids_below_n_equal_output_hidden_states(demo_model_dir, fp32_model):
 def test_batched_padded_capture_equals_single_rows(demo_model_dir):
     ids = [2, 4, 5, 8]
     backend = HFBackend(
-        capture_spec(
-            "hf",
-            str(demo_model_dir),
-            ids,
-            dtype="float32",
-            device="cpu",
-            tp_size=1,
-            max_seq_len=2048,
-            settings=ExtractSettings.defaults(dtype="float32"),
-        )  # fmt: skip
+        capture_spec("hf", str(demo_model_dir), ids, dtype="float32", device="cpu", tp_size=1, max_seq_len=2048)
     )
     info = backend.probe()
     assert info.final_layer_reachable and info.num_hidden_layers == 8
