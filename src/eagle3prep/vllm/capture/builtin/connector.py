@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 CONNECTOR = "E3PHiddenStatesConnector"  # vLLM loads it as `kv_connector` from this module (kv_connector_module_path)
 VLLM_MODULE = names.EXAMPLE_CONNECTOR
 SCHED_MODULE = names.SCHEDULER_OUTPUT  # what build_connector_meta reads of a step (PartSave)
-# What of vLLM's example connector module this one uses: its entries in vllm/registry.py (the built-in
+# What of vLLM's example connector module this one uses: its entries in vllm/names.py (the built-in
 # path's), checked by check_internals(): {"module": top-level names, class: its methods and fields}.
 _ENTRIES = [n for n in names.NAMES if n.module == VLLM_MODULE and n.needed_by == names.BUILTIN]
 _PARENT = registry.entry("ExampleHiddenStatesConnector").path

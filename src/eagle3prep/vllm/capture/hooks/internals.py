@@ -4,7 +4,7 @@ No public vLLM API says which rows of a forward step belong to which request, or
 decoder layers are: the hooks read them from the V1 model runner and the model (step_layout,
 worker.HiddenStatesCapture). A vLLM release that renames one must stop the job in one line naming the
 internal and the version, never switch a feature off or read other rows in silence: every read below
-raises VLLMInternalError instead of falling back. Each is an entry of vllm/registry.py (its vLLM
+raises VLLMInternalError instead of falling back. Each is an entry of vllm/names.py (its vLLM
 range: the V1 runner's, gone in 0.34); tests/test_hooks_internals.py removes each one.
 Nothing here imports vLLM.
 """
