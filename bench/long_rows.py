@@ -81,9 +81,9 @@ def main() -> None:
     args = ap.parse_args()
     print("command: python " + " ".join(sys.argv), flush=True)
 
-    from eagle3prep.backends import make_backend
     from eagle3prep.backends.base import CaptureSpec
     from eagle3prep.extract import extract_shard
+    from eagle3prep.extract.backend import make_backend
     from eagle3prep.layers import default_layer_ids
     from eagle3prep.settings import ExtractSettings
     from eagle3prep.validate import ValidationError, validate_shard
@@ -98,15 +98,15 @@ def main() -> None:
     print(f"model {args.shape}: {shape} built in {time.time() - t0:.0f} s", flush=True)
     tokens = write_rows(args.out / f"rows-{args.shape}.jsonl", lengths, shape["vocab_size"])
     ids = args.layer_ids or default_layer_ids(shape["num_hidden_layers"])
-    spec = CaptureSpec(backend="vllm", model_path=str(model), layer_ids=ids, dtype="bfloat16", device="cuda",
-                       tp_size=1, max_seq_len=max(lengths))  # fmt: skip
-    settings = ExtractSettings.defaults(capture_path=args.capture_path, logprob_rows=len(lengths))
+    settings = ExtractSettings.defaults(backend="vllm", dtype="bfloat16", device="cuda", tp_size=1,
+                                        capture_path=args.capture_path, logprob_rows=len(lengths))  # fmt: skip
+    spec = CaptureSpec(settings, model_path=str(model), layer_ids=ids, max_seq_len=max(lengths))
     shard = args.out / f"shard-{args.shape}-{args.capture_path}"
     t0 = time.time()
-    backend = make_backend(spec, settings)
+    backend = make_backend(spec)
     try:
         info = backend.probe()
-        m = extract_shard(str(tokens), str(shard), spec, settings, shard=0, engine=(backend, info))
+        m = extract_shard(str(tokens), str(shard), spec, shard=0, engine=(backend, info))
     finally:
         backend.close()
     timings = json.loads((shard / "timings.json").read_text())

@@ -50,7 +50,7 @@ try:
     check_target_marker(config, CONFIGFILES, os.getcwd())
     # The config as typed settings, built once; rules read SETTINGS, and pass `config` only where its
     # mapping is the params (Snakemake compares their repr, so the user's key order stays).
-    SETTINGS = Settings.validated(config, workflow.source_path("../config/schema.yaml"))
+    SETTINGS = Settings.validated(config)  # against the package's schema.yaml
     SOURCES = config_sources(SETTINGS)
     # Whatever the model folder decides (layer ids, max_seq_len, the tokenizer) fails here, before any job.
     MODEL_NOTES = check_model(SETTINGS)

@@ -1,4 +1,4 @@
-"""Writes config/README.md, the config reference, from config/schema.yaml (the one source of every key).
+"""Writes config/README.md, the config reference, from src/eagle3prep/config/schema.yaml (the one source of every key).
 
     python scripts/config_reference.py            # rewrite config/README.md
     python scripts/config_reference.py --check    # exit 1 when config/README.md is not what the schema gives
@@ -15,13 +15,13 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-SCHEMA = REPO / "config" / "schema.yaml"
+SCHEMA = REPO / "src" / "eagle3prep" / "config" / "schema.yaml"  # package data: the one schema
 OUT = REPO / "config" / "README.md"
 
 HEADER = """\
 # Configuration reference
 
-Generated from `config/schema.yaml` by `scripts/config_reference.py`; do not edit by hand (the tests check
+Generated from `src/eagle3prep/config/schema.yaml` by `scripts/config_reference.py`; do not edit by hand (the tests check
 that it is current: run `python scripts/config_reference.py` after a schema change).
 
 A config you pass with `--configfile` is your whole config over the schema's defaults: every key below that

@@ -383,7 +383,7 @@ def test_cli_a_configfile_is_the_whole_config_not_laid_over_the_demos(tmp_path, 
         "read in this order (row ids follow it))"
     ]
     assert config_lines(proc.stderr) == [
-        f"eagle3prep: config {mine} over the schema's defaults (config/schema.yaml; the demo's config/config.yaml "
+        f"eagle3prep: config {mine} over the schema's defaults (eagle3prep/config/schema.yaml; the demo's config/config.yaml "
         f"is not read); results in {wd}/results"
     ]
     mine.write_text(mine.read_text() + "data: {sources: [resources/demo/openai.jsonl]}\n")

@@ -24,7 +24,7 @@ from eagle3prep.shard.readers import read_layer
 from eagle3prep.validate import ValidationError
 
 from testkit import calls
-from testkit.shards import demo_spec, write_tokenized
+from testkit.shards import demo_spec, with_settings, write_tokenized
 from testkit.writers import write_layer
 
 LENGTHS = [23, 41, 17, 60, 35, 28]  # 204 tokens; shard 1 has the same lengths, other tokens
@@ -38,7 +38,9 @@ def good(request, tmp_path_factory, demo_model_dir):
     for k in (0, 1):
         tokens = write_tokenized(root / f"tokens_{k}.jsonl", LENGTHS, seed=k, first_row=k * len(LENGTHS))
         settings = ExtractSettings.defaults(storage=request.param, batch_tokens=128)
-        extract_shard(str(tokens), str(root / f"shard_{k}"), demo_spec(demo_model_dir), settings, shard=k)
+        extract_shard(
+            str(tokens), str(root / f"shard_{k}"), with_settings(demo_spec(demo_model_dir), settings), shard=k
+        )
         out[k] = (root / f"shard_{k}", tokens)
     return out
 

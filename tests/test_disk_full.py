@@ -24,7 +24,7 @@ from eagle3prep.shard.layout import MANIFEST
 from eagle3prep.shard.writer import ShardWriter
 
 from testkit import calls
-from testkit.shards import DEMO_LAYER_IDS, demo_spec, write_tokenized
+from testkit.shards import DEMO_LAYER_IDS, demo_spec, with_settings, write_tokenized
 from testkit.workflow import make_workdir, snakemake
 
 LENGTHS = [100] * 20  # 2000 tokens x 4 layers x 128 x bf16: a ~2 MiB shard
@@ -74,8 +74,7 @@ def test_precheck_refuses_a_shard_bigger_than_the_free_space(small_fs, tmp_path,
         extract_shard(
             str(tokens),
             str(fs / "shard_0"),
-            demo_spec(demo_model_dir),
-            ExtractSettings.defaults(batch_tokens=512),
+            with_settings(demo_spec(demo_model_dir), ExtractSettings.defaults(batch_tokens=512)),
             shard=0,
         )
     m = re.fullmatch(
@@ -101,7 +100,10 @@ def test_disk_full_during_the_write_then_a_rerun_with_room(small_fs, tmp_path, d
     monkeypatch.setattr(extract, "ShardWriter", FillingWriter)
     with pytest.raises(DiskSpaceError) as e:
         extract_shard(
-            str(tokens), str(out), demo_spec(demo_model_dir), ExtractSettings.defaults(batch_tokens=512), shard=0
+            str(tokens),
+            str(out),
+            with_settings(demo_spec(demo_model_dir), ExtractSettings.defaults(batch_tokens=512)),
+            shard=0,
         )
     m = re.fullmatch(
         r"disk full while writing \S+/shard_0/(layer_\d+|token_ids)\.safetensors: [\d.]+ \w+ \((\d+) bytes\) "
@@ -115,7 +117,10 @@ def test_disk_full_during_the_write_then_a_rerun_with_room(small_fs, tmp_path, d
     monkeypatch.undo()
     ballast.unlink()
     manifest = extract_shard(
-        str(tokens), str(out), demo_spec(demo_model_dir), ExtractSettings.defaults(batch_tokens=512), shard=0
+        str(tokens),
+        str(out),
+        with_settings(demo_spec(demo_model_dir), ExtractSettings.defaults(batch_tokens=512)),
+        shard=0,
     )
     report = calls.validate(out, tokens, tmp_path / "v.json", demo_model_dir, sample_rows=1)
     assert report["ok"] and manifest.tokens == sum(LENGTHS)

@@ -6,6 +6,11 @@ import importlib.util
 import json
 import re
 import subprocess
+from pathlib import Path
+
+import yaml
+
+from eagle3prep.config import SCHEMA
 
 from testkit.workflow import REPO
 
@@ -83,7 +88,7 @@ def test_config_reference_is_generated_from_the_current_schema():
     module = _config_reference()
     import yaml
 
-    expected = module.render(yaml.safe_load((REPO / "config" / "schema.yaml").read_text(encoding="utf-8")))
+    expected = module.render(yaml.safe_load(SCHEMA.read_text(encoding="utf-8")))
     assert (REPO / "config" / "README.md").read_text(encoding="utf-8") == expected, (
         "config/README.md is out of date: run python scripts/config_reference.py"
     )
@@ -92,7 +97,7 @@ def test_config_reference_is_generated_from_the_current_schema():
 def test_config_reference_lists_every_key_of_the_schema():
     import yaml
 
-    schema = yaml.safe_load((REPO / "config" / "schema.yaml").read_text(encoding="utf-8"))
+    schema = yaml.safe_load(SCHEMA.read_text(encoding="utf-8"))
     reference = (REPO / "config" / "README.md").read_text(encoding="utf-8")
 
     def keys(prefix, spec):
@@ -450,3 +455,80 @@ def test_the_readme_says_what_make_test_builds_and_installs():
     assert "install-slurm.sh" in make.split("\ntest-engines:")[1].split("\n\n")[0]  # the test target installs it
     said = readme.split("make test", 1)[1].split("\n## ", 1)[0]
     assert "three venvs" in said and re.search(r"as root, it also installs Debian's Slurm", said), said
+
+
+PACKAGE = REPO / "src" / "eagle3prep"
+# A module named in prose: a path ending .py (`run/tickets.py`, `loop.py`), or a package path with a name in it
+# (`shard/sink.LayerSink`, `extract.run_extract_job`, `eagle3prep.settings`).
+NAMED_FILE = re.compile(r"(?<![\w./<>-])((?:[\w-]+/)*[\w-]+\.py)\b")
+NAMED_DOTTED = re.compile(r"`((?:eagle3prep\.)?[a-z_]\w*(?:[./]\w+)+)(?:\(\))?`")
+
+
+# First words of dotted names in the docs that are no module of the package: another project's module
+# (speculators' hs_connectors), a manifest key (regenerated.from), a vLLM object (engine.step), a format name.
+NOT_MODULES = {"hs_connectors", "regenerated", "engine", "hidden_states", "sys"}
+
+
+def _defines(module: Path, name: str) -> bool:
+    """`module` defines or imports `name` (a def, a class, an assignment, a line of an import)."""
+    text = module.read_text(encoding="utf-8")
+    made = rf"^\s*(?:(?:async\s+)?(?:def|class)\s+{name}\b|{name}\s*[:=])"
+    imported = rf"^from \S+ import [^(\n]*\b{name}\b|^\s+{name},?$"
+    return re.search(f"{made}|{imported}", text, re.M) is not None
+
+
+def unknown_modules(text: str, files: set[str], config_keys: set[str]) -> list[str]:
+    """The modules (and their names) that `text` cites and the repository lacks. A bare file name counts where some
+    file of the repository ends with it (`loop.py` in a sentence about `capture/`)."""
+    broken = [p for p in NAMED_FILE.findall(text) if not any(f == p or f.endswith("/" + p) for f in files)]
+    for token in NAMED_DOTTED.findall(text):
+        if (
+            token in config_keys
+            or (REPO / token).exists()
+            or re.search(r"\.(py|json|md|ya?ml|txt|csv|jsonl|smk|sh|pt)$", token)
+        ):
+            continue
+        parts = re.split(r"[./]", token.removeprefix("eagle3prep."))
+        if not ((PACKAGE / parts[0]).is_dir() or (PACKAGE / f"{parts[0]}.py").is_file()):
+            # a module named by its file's stem (`vision.collapse_runs`): some module of that name must define it
+            if parts[0] not in NOT_MODULES and not any(_defines(m, parts[1]) for m in PACKAGE.rglob(f"{parts[0]}.py")):
+                broken.append(token)
+            continue
+        where, rest = PACKAGE, list(parts)
+        while rest and (where / rest[0]).is_dir():
+            where = where / rest.pop(0)
+        if rest and (where / f"{rest[0]}.py").is_file():
+            where = where / f"{rest.pop(0)}.py"
+        module = where if where.suffix == ".py" else where / "__init__.py"
+        if rest and not (module.is_file() and _defines(module, rest[0])):
+            broken.append(token)
+    return broken
+
+
+def _module_check_inputs() -> tuple[set[str], set[str]]:
+    files = {p.relative_to(REPO).as_posix() for p in REPO.rglob("*.py") if ".venv" not in p.parts}
+    schema = yaml.safe_load(SCHEMA.read_text(encoding="utf-8"))["properties"]
+    keys = {f"{section}.{key}" for section, spec in schema.items() for key in spec.get("properties", {})}
+    return files, keys
+
+
+def test_design_and_the_development_guide_name_only_modules_that_exist():
+    files, keys = _module_check_inputs()
+    broken = {
+        doc: found
+        for doc in ("docs/DESIGN.md", "docs/guides/development.md")
+        if (found := unknown_modules((REPO / doc).read_text(encoding="utf-8"), files, keys))
+    }
+    assert not broken, broken
+
+
+def test_the_module_check_finds_a_module_that_is_gone():
+    files, keys = _module_check_inputs()
+    planted = (
+        "The sink (`shard/sink.LayerSink`, `loop.py`) writes; `shard/relay.py`, `shard/sink.NoSuchSink`, "
+        "`extract.run_nothing_job` and `compat.request_maker` are gone; `extract.logprob_rows` is a key, "
+        "`vision.collapse_runs` is tokenize/vision.py's."
+    )
+    assert unknown_modules(planted, files, keys) == [
+        "shard/relay.py", "shard/sink.NoSuchSink", "extract.run_nothing_job", "compat.request_maker"
+    ]  # fmt: skip

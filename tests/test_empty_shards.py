@@ -11,7 +11,6 @@ import pytest
 from safetensors.torch import load_file
 
 import eagle3prep.regenerate.engine as engine_module
-from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.backends.empty import CAPTURE_PATH, EmptyShardBackend
 from eagle3prep.extract import stage as extract
 from eagle3prep.regenerate import merge_shards, run_regenerate_job, split_conversations
@@ -20,7 +19,7 @@ from eagle3prep.settings import ExtractSettings, RegenerateSettings
 
 from testkit import calls
 from testkit.regenerate import U1, conv, run_shard
-from testkit.shards import DEMO_LAYER_IDS
+from testkit.shards import DEMO_LAYER_IDS, capture_spec, with_settings
 
 H = 128  # the demo model's hidden size
 
@@ -37,7 +36,7 @@ def test_an_empty_extract_shard_starts_no_engine_and_validates(backend, engine, 
     monkeypatch.setattr(extract, "claim_job_gpus", no_engine)
     tokens = tmp_path / "shard_3.jsonl"
     tokens.write_text("")
-    spec = CaptureSpec(
+    spec = capture_spec(
         backend=backend,
         model_path=str(demo_model_dir),
         layer_ids=DEMO_LAYER_IDS,
@@ -47,7 +46,9 @@ def test_an_empty_extract_shard_starts_no_engine_and_validates(backend, engine, 
         max_seq_len=2048,
     )
     out = tmp_path / "shard_3"
-    manifest = extract.extract_shard(str(tokens), str(out), spec, ExtractSettings.defaults(batch_tokens=512), shard=3)
+    manifest = extract.extract_shard(
+        str(tokens), str(out), with_settings(spec, ExtractSettings.defaults(batch_tokens=512)), shard=3
+    )
 
     assert (manifest.rows, manifest.tokens, manifest.row_range) == (0, 0, [0, 0])
     assert manifest.engine["engine"] == engine and manifest.engine["capture_path"] == CAPTURE_PATH
@@ -64,7 +65,7 @@ def test_an_empty_extract_shard_starts_no_engine_and_validates(backend, engine, 
 def test_the_empty_backend_refuses_rows(demo_model_dir):
     from eagle3prep.model_facts import ModelFacts
 
-    spec = CaptureSpec(
+    spec = capture_spec(
         backend="hf",
         model_path=str(demo_model_dir),
         layer_ids=DEMO_LAYER_IDS,
@@ -73,7 +74,7 @@ def test_the_empty_backend_refuses_rows(demo_model_dir):
         tp_size=1,
         max_seq_len=2048,
     )
-    backend = EmptyShardBackend(spec, ExtractSettings.defaults(), ModelFacts.read(demo_model_dir), H)
+    backend = EmptyShardBackend(spec, ModelFacts.read(demo_model_dir), H, engine_version="4.0")
     with pytest.raises(RuntimeError, match="only writes shards without rows"):
         backend.capture_shard(iter([[[1, 2, 3]]]), None)
 

@@ -101,7 +101,7 @@ def rule_imports():
             elif top and top not in sys.stdlib_module_names:
                 found.add(top)
     if src / "vllm" / "registry.py" in seen:  # vLLM is imported through it, by name (importlib)
-        from eagle3prep.vllm.registry import NAMES
+        from eagle3prep.vllm.names import NAMES
 
         found |= {n.module.split(".")[0] for n in NAMES}
     return found

@@ -5,6 +5,8 @@ import pytest
 from eagle3prep.errors import UserError, one_line_errors
 from eagle3prep.settings import ExtractSettings
 
+from testkit.shards import capture_spec, with_settings
+
 
 def test_user_error_is_one_line_and_exit_1(capsys):
     with pytest.raises(SystemExit) as e, one_line_errors():
@@ -61,12 +63,11 @@ def test_ctrl_c_in_an_extract_job_leaves_no_empty_shard_folder(tmp_path, monkeyp
     """Issue #27 item 7: Ctrl-C left an empty results/hidden_states/shard_0/ (healed by the rerun, but it looked
     like a shard)."""
     import eagle3prep.extract.stage as extract
-    from eagle3prep.backends.base import CaptureSpec
 
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"num_hidden_layers": 8, "hidden_size": 16}')
-    spec = CaptureSpec("hf", str(model), [2, 8], dtype="bfloat16", device="cpu", tp_size=1, max_seq_len=2048)
+    spec = capture_spec("hf", str(model), [2, 8], dtype="bfloat16", device="cpu", tp_size=1, max_seq_len=2048)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt  # as in a model load or a batch: after the job made its folder
@@ -74,19 +75,22 @@ def test_ctrl_c_in_an_extract_job_leaves_no_empty_shard_folder(tmp_path, monkeyp
     monkeypatch.setattr(extract, "index_of_tokenized", interrupted)
     out = tmp_path / "hidden_states" / "shard_0"
     with pytest.raises(KeyboardInterrupt):
-        extract.extract_shard("tokens.jsonl", str(out), spec, ExtractSettings.defaults(batch_tokens=1024), shard=0)
+        extract.extract_shard(
+            "tokens.jsonl", str(out), with_settings(spec, ExtractSettings.defaults(batch_tokens=1024)), shard=0
+        )
     assert not out.exists() and out.parent.is_dir()
     # Another failure keeps what the job wrote, for study (Snakemake removes a failed job's outputs itself).
     monkeypatch.setattr(extract, "index_of_tokenized", lambda *a: (_ for _ in ()).throw(OSError("disk")))
     with pytest.raises(OSError, match="disk"):
-        extract.extract_shard("tokens.jsonl", str(out), spec, ExtractSettings.defaults(batch_tokens=1024), shard=0)
+        extract.extract_shard(
+            "tokens.jsonl", str(out), with_settings(spec, ExtractSettings.defaults(batch_tokens=1024)), shard=0
+        )
     assert out.is_dir()
 
 
 def test_a_rerun_removes_what_the_earlier_built_in_path_staged_before_the_engine_starts(tmp_path, monkeypatch):
     """A shard killed under the earlier built-in path left <shard>/.vllm-staging with request files; nothing
     writes there now, so the rerun's job removes it before it starts the engine."""
-    from eagle3prep.backends.base import CaptureSpec
     from eagle3prep.extract import stage as extract
     from eagle3prep.model_facts import ModelFacts
 
@@ -99,12 +103,12 @@ def test_a_rerun_removes_what_the_earlier_built_in_path_staged_before_the_engine
     facts = ModelFacts(8, 16, 100, ["LlamaForCausalLM"], 1024, "llama")
     seen = []
 
-    def make_backend(spec, settings, facts):
+    def make_backend(spec, facts):
         seen.append(sorted(p.name for p in shard.iterdir()))
         raise RuntimeError("no engine here")
 
     monkeypatch.setattr(extract, "make_backend", make_backend)
-    spec = CaptureSpec(
+    spec = capture_spec(
         backend="vllm",
         model_path=str(tmp_path),
         layer_ids=DEMO_LAYER_IDS,
@@ -114,7 +118,7 @@ def test_a_rerun_removes_what_the_earlier_built_in_path_staged_before_the_engine
         max_seq_len=2048,
     )
     with pytest.raises(RuntimeError, match="no engine here"):
-        extract.extract_shard(str(tokens), str(shard), spec, ExtractSettings.defaults(), 0, facts=facts)
+        extract.extract_shard(str(tokens), str(shard), with_settings(spec, ExtractSettings.defaults()), 0, facts=facts)
     assert seen == [[]]
 
 

@@ -21,7 +21,7 @@ from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard.readers import read_layer
 
 from testkit import calls
-from testkit.shards import DEMO_LAYER_IDS, demo_spec, write_tokenized
+from testkit.shards import DEMO_LAYER_IDS, demo_spec, with_settings, write_tokenized
 from testkit.workflow import snakemake, tree_digest
 
 LENGTHS = [[9, 30, 17], [24, 5]]  # shard 0 holds rows 0..2, shard 1 rows 3..4
@@ -55,7 +55,7 @@ def finished_results(tmp_path_factory, model_dir: Path, storage: str = "model_dt
             tok = write_tokenized(res / f"tokenized/shard_{k}.jsonl", lengths, seed=k, first_row=first)
             shard = res / f"hidden_states/shard_{k}"
             settings = ExtractSettings.defaults(storage=storage, batch_tokens=64)
-            extract_shard(str(tok), str(shard), demo_spec(model_dir), settings, shard=k)
+            extract_shard(str(tok), str(shard), with_settings(demo_spec(model_dir), settings), shard=k)
             calls.validate(shard, tok, res / f"validation/shard_{k}.json", model_dir, reference=False)
             for r in rows_of(tok):
                 freq.update(t for t, m in zip(r["input_ids"], r["loss_mask"], strict=True) if m)

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.errors import UserError
 from eagle3prep.extract import extract_shard
 from eagle3prep.settings import ExtractSettings, ValidateSettings
@@ -22,6 +21,7 @@ from eagle3prep.validate import ValidationError, run_validate_job
 
 from testkit.image_rows import chat, tokenize_records
 from testkit.planted import IMAGE_MISTAKES, plant_image
+from testkit.shards import capture_spec, with_settings
 from testkit.tiny_vl import build_tiny_vl, image_bytes
 
 LAYERS = [1, 3, 6]  # an early id, a middle one and N (the pre-norm final state)
@@ -59,12 +59,12 @@ def captured(request, tmp_path_factory):
     model = build_tiny_vl(root / "model", seed=request.param)
     (root / "images").mkdir()
     (shard,) = tokenize_records(records(root / "images"), model, root, 256)
-    spec = CaptureSpec(
+    spec = capture_spec(
         backend="hf", model_path=str(model), layer_ids=LAYERS, dtype="bfloat16", max_seq_len=256, device="cpu",
         tp_size=1,
     )  # fmt: skip
     settings = ExtractSettings.defaults(logprob_rows=5, batch_tokens=128)  # several batches
-    extract_shard(str(shard), str(root / "hs"), spec, settings, 0, 1)
+    extract_shard(str(shard), str(root / "hs"), with_settings(spec, settings), 0, 1)
     rows = [json.loads(x) for x in shard.read_text().splitlines()]
     return SimpleNamespace(root=root, model=str(model), shard=shard, hs=root / "hs", rows=rows)
 

@@ -18,7 +18,7 @@ import pytest
 
 from eagle3prep.settings import ExtractSettings
 
-from testkit.shards import demo_spec, write_tokenized
+from testkit.shards import demo_spec, with_settings, write_tokenized
 
 HOLD_S = 3.0  # long enough that the two jobs overlap
 
@@ -29,7 +29,7 @@ from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.settings import ExtractSettings
 
 class Recorder:
-    def __init__(self, spec, settings, facts):
+    def __init__(self, spec, facts):
         pass
     def __enter__(self):
         return self
@@ -41,9 +41,9 @@ class Recorder:
         raise SystemExit(0)
 
 extract.make_backend = Recorder
-spec = CaptureSpec(backend=sys.argv[3], model_path=sys.argv[4], layer_ids=[2, 4, 5, 8], dtype="bfloat16",
-                   device="cuda", tp_size=1, max_seq_len=2048)
-extract.extract_shard(sys.argv[1], sys.argv[2] + ".shard", spec, ExtractSettings.defaults(batch_tokens=512), 0)
+settings = ExtractSettings.defaults(backend=sys.argv[3], dtype="bfloat16", device="cuda", tp_size=1, batch_tokens=512)
+spec = CaptureSpec(settings, model_path=sys.argv[4], layer_ids=[2, 4, 5, 8], max_seq_len=2048)
+extract.extract_shard(sys.argv[1], sys.argv[2] + ".shard", spec, 0)
 """
 
 VALIDATE_JOB = """
@@ -95,8 +95,7 @@ def shard(demo_model_dir, tmp_path_factory):
     extract_shard(
         str(tokens),
         str(root / "shard_0"),
-        demo_spec(demo_model_dir),
-        ExtractSettings.defaults(batch_tokens=64),
+        with_settings(demo_spec(demo_model_dir), ExtractSettings.defaults(batch_tokens=64)),
         shard=0,
     )
     return tokens, root / "shard_0"
@@ -130,10 +129,9 @@ def test_timings_record_the_claimed_gpus_and_when(shard, demo_model_dir, tmp_pat
     """timings.json names the GPUs a job claimed and its wall-clock times, so a bench can check that jobs
     running at once held different GPUs. The hf backend runs on the CPU here; the
     spec asks for cuda so that the job claims one GPU of the fake 2-GPU host."""
-    import dataclasses
 
-    from eagle3prep.backends import make_backend
     from eagle3prep.extract import stage as extract
+    from eagle3prep.extract.backend import make_backend
 
     tokens, _ = shard
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -142,12 +140,10 @@ def test_timings_record_the_claimed_gpus_and_when(shard, demo_model_dir, tmp_pat
     monkeypatch.setattr(
         extract,
         "make_backend",
-        lambda spec, settings, facts: make_backend(dataclasses.replace(spec, device="cpu"), settings, facts),
+        lambda spec, facts: make_backend(with_settings(spec, device="cpu"), facts),
     )
-    spec = dataclasses.replace(demo_spec(demo_model_dir), device="cuda")
-    extract.extract_shard(
-        str(tokens), str(tmp_path / "shard_0"), spec, ExtractSettings.defaults(batch_tokens=64), shard=0
-    )
+    spec = with_settings(demo_spec(demo_model_dir), ExtractSettings.defaults(batch_tokens=64), device="cuda")
+    extract.extract_shard(str(tokens), str(tmp_path / "shard_0"), spec, shard=0)
     timings = json.loads((tmp_path / "shard_0" / "timings.json").read_text())
     claim = timings["gpu_claim"]
     assert claim["ids"] == [0] and claim["source"] == "locks" and claim["cuda_visible_devices"] == "0"

@@ -17,13 +17,15 @@ import torch
 from eagle3prep.errors import UserError
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard.sink import Segment
-from eagle3prep.vllm import registry
+from eagle3prep.vllm import names, registry
 from eagle3prep.vllm.capture.hooks import internals
 from eagle3prep.vllm.capture.hooks import worker as vllm_ext
 from eagle3prep.vllm.capture.hooks.internals import step_layout
 from eagle3prep.vllm.capture.hooks.worker import HiddenStatesCapture
 from eagle3prep.vllm.capture.requests import TAG_KEY
 from eagle3prep.vllm.engine.errors import INTERNAL_PHRASE, EngineError, engine_error
+
+from testkit.shards import capture_spec, with_settings
 
 VERSION = "0.99.0"  # a vLLM release that renamed something
 
@@ -191,7 +193,6 @@ def vllm_backend(tmp_path, monkeypatch, layer_ids):
     pytest.importorskip("vllm")
     import os
 
-    from eagle3prep.backends.base import CaptureSpec
     from eagle3prep.demo import build_demo_model
     from eagle3prep.vllm.capture.backend import VLLMBackend
 
@@ -201,10 +202,10 @@ def vllm_backend(tmp_path, monkeypatch, layer_ids):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = str(build_demo_model(tmp_path / "model", os.path.join(repo, "resources/demo/tokenizer_corpus.txt")))
-    spec = CaptureSpec(
+    spec = capture_spec(
         backend="vllm", model_path=path, layer_ids=layer_ids, dtype="float32", max_seq_len=64, device="cpu", tp_size=1
     )
-    return VLLMBackend(spec, ExtractSettings.defaults(capture_path="auto", enforce_eager=True))
+    return VLLMBackend(with_settings(spec, ExtractSettings.defaults(capture_path="auto", enforce_eager=True)))
 
 
 def rename_num_computed_tokens(monkeypatch) -> str:
@@ -214,7 +215,7 @@ def rename_num_computed_tokens(monkeypatch) -> str:
     path = "InputBatch." + renamed[-1]  # the registry's entry, renamed with it
     monkeypatch.setitem(internals.HOOKS_INTERNALS, renamed[-1], path)
     entry = dataclasses.replace(registry.entry("InputBatch.num_computed_tokens_cpu"), path=path)
-    monkeypatch.setitem(registry.BY_PATH, path, entry)
+    monkeypatch.setitem(names.BY_PATH, path, entry)
     return path
 
 

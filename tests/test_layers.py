@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.backends.hf import HFBackend
 from eagle3prep.layers import (
     check_layer_ids,
@@ -12,9 +11,8 @@ from eagle3prep.layers import (
     resolve_layer_ids,
     to_convention,
 )
-from eagle3prep.settings import ExtractSettings
 
-from testkit.shards import capture_rows
+from testkit.shards import capture_rows, capture_spec
 
 
 def test_default_ids_are_three_aux_layers_plus_final():
@@ -56,8 +54,7 @@ def test_ids_below_n_equal_output_hidden_states(demo_model_dir, fp32_model):
     n = fp32_model.config.num_hidden_layers
     ids = list(range(n + 1))
     backend = HFBackend(
-        CaptureSpec("hf", str(demo_model_dir), ids, dtype="float32", device="cpu", tp_size=1, max_seq_len=2048),
-        ExtractSettings.defaults(dtype="float32"),
+        capture_spec("hf", str(demo_model_dir), ids, dtype="float32", device="cpu", tp_size=1, max_seq_len=2048)
     )
     backend.probe()
     row = list(range(5, 45))
@@ -78,8 +75,7 @@ def test_ids_below_n_equal_output_hidden_states(demo_model_dir, fp32_model):
 def test_batched_padded_capture_equals_single_rows(demo_model_dir):
     ids = [2, 4, 5, 8]
     backend = HFBackend(
-        CaptureSpec("hf", str(demo_model_dir), ids, dtype="float32", device="cpu", tp_size=1, max_seq_len=2048),
-        ExtractSettings.defaults(dtype="float32"),
+        capture_spec("hf", str(demo_model_dir), ids, dtype="float32", device="cpu", tp_size=1, max_seq_len=2048)
     )
     info = backend.probe()
     assert info.final_layer_reachable and info.num_hidden_layers == 8

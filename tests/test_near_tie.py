@@ -23,6 +23,7 @@ from eagle3prep.validate.routing import force_reroute, margins, ranked, routers
 
 from testkit import calls, matrix
 from testkit.planted import rerouted
+from testkit.shards import capture_spec, with_settings
 
 ROWS, LAYER, IDS = 4, 2, [2, 3, 5, 6]  # MoE layer 2 feeds ids 3..6; id 2 sees no MoE layer
 
@@ -55,7 +56,6 @@ def make_tie(model, ids: list[int], token: int, rel: float = 1e-6) -> float:
 def tie_case(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from eagle3prep.backends.base import CaptureSpec
     from eagle3prep.extract import extract_shard
 
     tmp = tmp_path_factory.mktemp("near_tie")
@@ -68,7 +68,7 @@ def tie_case(tmp_path_factory):
     margin = make_tie(model, ids, tie_token)
     shutil.copytree(base, tmp / "model", ignore=shutil.ignore_patterns("*.safetensors"))
     model.save_pretrained(tmp / "model")
-    spec = CaptureSpec(
+    spec = capture_spec(
         backend="hf",
         model_path=str(tmp / "model"),
         layer_ids=IDS,
@@ -77,7 +77,7 @@ def tie_case(tmp_path_factory):
         device="cpu",
         tp_size=1,
     )
-    extract_shard(str(tokens), str(tmp / "shard"), spec, ExtractSettings.defaults(batch_tokens=2048), 0)
+    extract_shard(str(tokens), str(tmp / "shard"), with_settings(spec, ExtractSettings.defaults(batch_tokens=2048)), 0)
     return dict(tmp=tmp, tokens=tokens, ids=ids, tie=tie_token, far=far_token, margin=margin)
 
 
@@ -111,14 +111,13 @@ def test_vllm_cpu_fp32_reroutes_at_a_natural_near_tie_and_passes(tmp_path):
     pytest.importorskip("vllm")
     import os
 
-    from eagle3prep.backends.base import CaptureSpec
     from eagle3prep.extract import extract_shard
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = matrix.build_variant("qwen2_moe", tmp_path / "model", 4)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     tokens = matrix.write_rows(tmp_path / "tokens.jsonl", 6, vocab, 4000, 0)  # sweep's shard 0
-    spec = CaptureSpec(
+    spec = capture_spec(
         backend="vllm",
         model_path=str(model),
         layer_ids=list(range(1, 7)),
@@ -128,7 +127,10 @@ def test_vllm_cpu_fp32_reroutes_at_a_natural_near_tie_and_passes(tmp_path):
         tp_size=1,
     )
     extract_shard(
-        str(tokens), str(tmp_path / "shard"), spec, ExtractSettings.defaults(enforce_eager=True, batch_tokens=2048), 0
+        str(tokens),
+        str(tmp_path / "shard"),
+        with_settings(spec, ExtractSettings.defaults(enforce_eager=True, batch_tokens=2048)),
+        0,
     )
     report = calls.validate(tmp_path / "shard", tokens, tmp_path / "v.json", model)
     ties = [r for r in report["reference"] if r["tie"]]

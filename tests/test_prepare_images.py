@@ -304,9 +304,9 @@ def test_without_image_options_images_stay_non_text_content(tmp_path, imgdir):
 
 
 def test_image_defaults_match_the_schema():
-    import yaml
+    from eagle3prep.config import load_schema
 
-    schema = yaml.safe_load((ROOT / "config/schema.yaml").read_text())["properties"]["data"]["properties"]
+    schema = load_schema()["properties"]["data"]["properties"]
     defaults = {k: schema[k]["default"] for k in IMAGE_KEYS}
     assert defaults == {"image_root": None, "max_image_pixels": 4096 * 4096}
     data = DataSettings.defaults(sources=["a.jsonl"])

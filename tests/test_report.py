@@ -14,6 +14,8 @@ from eagle3prep.report import data as rd
 from eagle3prep.report import run_report_job
 from eagle3prep.settings import ExtractSettings
 
+from testkit.shards import with_settings
+
 
 def test_funnel_accounts_for_every_row_and_names_the_reasons():
     counts = {"totals": {"rows_in": 20, "duplicates": 3, "kept": 14, "files": 2, "quarantined": {"bad": 2, "x": 1}}}
@@ -142,8 +144,7 @@ def demo_shard(tmp_path_factory, demo_model_dir):
     extract_shard(
         str(tokens),
         str(root / "shard"),
-        demo_spec(demo_model_dir),
-        ExtractSettings.defaults(batch_tokens=128),
+        with_settings(demo_spec(demo_model_dir), ExtractSettings.defaults(batch_tokens=128)),
         shard=0,
     )
     return root / "shard", tokens

@@ -12,7 +12,6 @@ import random
 
 import pytest
 
-from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
 from eagle3prep.settings import ExtractSettings
@@ -23,6 +22,7 @@ from eagle3prep.validate.slices import Checkpoint, raw_config
 from eagle3prep.validate.window import check_window
 
 from testkit.planted import MISTAKES, plant
+from testkit.shards import capture_spec, with_settings
 from testkit.tiny_models import NUM_LAYERS, build_family
 from testkit.writers import reference_logprobs_hf
 
@@ -70,7 +70,7 @@ def family(request, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp(request.param)
     model = build_family(request.param, tmp / "model")
-    spec = CaptureSpec(
+    spec = capture_spec(
         backend="hf",
         model_path=str(model),
         layer_ids=list(range(1, N + 1)),
@@ -83,7 +83,9 @@ def family(request, tmp_path_factory):
     for k, lengths in enumerate(LENGTHS):
         tokens.append(_tokens(tmp / f"tokens_{k}.jsonl", lengths, k, k * 4))
         shards.append(tmp / f"shard_{k}")
-        extract_shard(str(tokens[k]), str(shards[k]), spec, ExtractSettings.defaults(batch_tokens=2048), shard=k)
+        extract_shard(
+            str(tokens[k]), str(shards[k]), with_settings(spec, ExtractSettings.defaults(batch_tokens=2048)), shard=k
+        )
     ckpt = Checkpoint(model)
     norm = ckpt.head(torch.float32)[0]
     planted = {

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.extract import extract_shard
 from eagle3prep.layers import default_layer_ids
 from eagle3prep.settings import ExtractSettings
@@ -18,6 +17,7 @@ from eagle3prep.validate import ValidationError, validate_shard
 
 from testkit.matrix import write_rows
 from testkit.planted import MISTAKES, plant
+from testkit.shards import capture_spec, with_settings
 from testkit.tiny_models import NUM_LAYERS, build_family
 
 ROWS = 6  # rows 1 and 3 share a length (rows_swapped); logprob rows 0, 1, 3, 4 include both
@@ -53,7 +53,7 @@ def test_scalable_checks_pass_right_data_and_catch_every_planted_mistake(tmp_pat
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     ids = default_layer_ids(NUM_LAYERS)  # what the planted shards claim to hold; the window is their last two
     every = list(range(1, NUM_LAYERS + 1))  # captured: the neighbours the layer-off-by-one mistakes take
-    spec = CaptureSpec(
+    spec = capture_spec(
         backend="hf",
         model_path=str(model),
         layer_ids=every,
@@ -67,7 +67,7 @@ def test_scalable_checks_pass_right_data_and_catch_every_planted_mistake(tmp_pat
         tokens.append(write_rows(tmp_path / f"tokens_{k}.jsonl", ROWS, vocab, k, k * ROWS))
         shards.append(tmp_path / f"shard_{k}")
         settings = ExtractSettings.defaults(logprob_rows=4, storage=storage, batch_tokens=512)
-        extract_shard(str(tokens[k]), str(shards[k]), spec, settings, shard=k)
+        extract_shard(str(tokens[k]), str(shards[k]), with_settings(spec, settings), shard=k)
     assert (shards[0] / "logprobs.safetensors").is_file()
 
     window = ids[-2:]

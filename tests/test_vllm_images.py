@@ -23,7 +23,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache (default
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from eagle3prep.backends.base import CaptureSpec  # noqa: E402
 from eagle3prep.extract import extract_shard  # noqa: E402
 from eagle3prep.settings import ExtractSettings  # noqa: E402
 from eagle3prep.validate import ValidationError  # noqa: E402
@@ -33,6 +32,7 @@ from eagle3prep.vllm.capture.requests import CaptureError  # noqa: E402
 from testkit import calls  # noqa: E402
 from testkit.image_rows import chat, tokenize_records  # noqa: E402
 from testkit.planted import plant_image  # noqa: E402
+from testkit.shards import capture_spec, with_settings  # noqa: E402
 from testkit.tiny_vl import build_tiny_vl, image_bytes  # noqa: E402
 
 # The embeddings (vision tokens merged in), a middle id and N (the pre-norm final state); the built-in path cannot
@@ -62,12 +62,12 @@ def vl(tmp_path_factory):
 @pytest.fixture(scope="module", params=["hooks", "builtin"])
 def engine(vl, request):
     path = request.param
-    spec = CaptureSpec(
+    spec = capture_spec(
         backend="vllm", model_path=vl.model, layer_ids=LAYERS[path], dtype="float32", max_seq_len=MAX_SEQ_LEN, device="cpu",
         tp_size=1,
     )  # fmt: skip
     settings = ExtractSettings.defaults(capture_path=path, max_num_batched_tokens=64, enforce_eager=True)
-    backend = VLLMBackend(spec, settings)
+    backend = VLLMBackend(with_settings(spec, settings))
     info = backend.probe()
     yield SimpleNamespace(
         spec=spec, settings=settings, backend=backend, info=info, path=path, hs=vl.root / f"hs_{path}"
@@ -76,7 +76,9 @@ def engine(vl, request):
 
 
 def extract(vl, engine, shard, out):
-    return extract_shard(str(shard), str(out), engine.spec, engine.settings, 0, engine=(engine.backend, engine.info))
+    return extract_shard(
+        str(shard), str(out), with_settings(engine.spec, engine.settings), 0, engine=(engine.backend, engine.info)
+    )
 
 
 def validate(vl, shard_dir):

@@ -147,24 +147,18 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
     """(b) our vllm backend through extract_shard: each workload written as a shard (uniform to
     /dev/shm as well), with its bytes/s, host RSS growth and the writer's waits. `over`: extract
     settings over (b)'s (phases f and g)."""
-    from eagle3prep.backends import make_backend
     from eagle3prep.backends.base import CaptureSpec
     from eagle3prep.extract import extract_shard
+    from eagle3prep.extract.backend import make_backend
     from eagle3prep.settings import ExtractSettings
-
-    spec = CaptureSpec(
-        backend="vllm",
-        model_path=str(model),
-        layer_ids=layer_ids(args.shape),
-        dtype=args.dtype,
-        tp_size=1,
-        max_seq_len=args.max_len,
-        device="cpu",
-    )
 
     def settings_of(**more):
         return ExtractSettings.defaults(
             **{
+                "backend": "vllm",
+                "dtype": args.dtype,
+                "tp_size": 1,
+                "device": "cpu",
                 "capture_path": args.capture_path,
                 "gpu_memory_utilization": args.gpu_mem,
                 "max_num_batched_tokens": args.batched_tokens,
@@ -182,12 +176,14 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
             }
         )
 
-    settings = settings_of()
-    no_logits_check = settings_of(logprob_rows=0)
+    def spec_of(settings: ExtractSettings) -> CaptureSpec:
+        return CaptureSpec(settings, model_path=str(model), layer_ids=layer_ids(args.shape), max_seq_len=args.max_len)
+
+    spec, no_logits_check = spec_of(settings_of()), spec_of(settings_of(logprob_rows=0))
     shards = args.out / "shards"
     shm = Path("/dev/shm")
     t0 = time.perf_counter()
-    backend = make_backend(spec, settings)
+    backend = make_backend(spec)
     info = backend.probe()
     out = {
         "engine_start_s": time.perf_counter() - t0,
@@ -213,8 +209,7 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
             m = extract_shard(
                 str(tok),
                 str(where / name),
-                spec,
-                no_logits_check if name.endswith("_nolp") else settings,
+                no_logits_check if name.endswith("_nolp") else spec,
                 shard=0,
                 engine=(backend, info),
             )

@@ -1,7 +1,7 @@
 """The validated config as frozen, typed settings, built here and nowhere else (DESIGN.md §5, "Settings"):
 one class a schema section (tests/test_settings.py holds each to the schema's keys), `Settings` the whole.
 
-config/schema.yaml holds every default: `validate_config` fills them in, `from_config` reads the result, and
+The schema (src/eagle3prep/config/schema.yaml) holds every default: `validate_config` fills them in, `from_config` reads the result, and
 callers without a whole config (benches, tests) ask `defaults(**values)`, which fills the same schema's.
 A stage's settings are split by structure: `content` decides what a job writes (the rule's params, its rerun
 trigger) and `speed` how fast it goes and what it needs (read from the config as it is now: lowering
@@ -15,10 +15,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any, ClassVar, Self
 
-from .config import SCHEMA, load_schema, reference_mode, schema_default, section_defaults, validate_config
+from .config import load_schema, reference_mode, schema_default, section_defaults, validate_config
 from .config.model import model_layer_ids
 
 # A content field added after results existed: left out of the rule's params while at its schema default,
@@ -342,9 +341,9 @@ class Settings:
         return cls(**parts, **{k: config[k] for k in TOP_LEVEL})
 
     @classmethod
-    def validated(cls, config: dict[str, Any], schema_path: str | Path = SCHEMA) -> Settings:
+    def validated(cls, config: dict[str, Any]) -> Settings:
         """`config` validated in place (validate_config: defaults filled in, one-line ConfigError), then typed."""
-        return cls.from_config(validate_config(config, schema_path))
+        return cls.from_config(validate_config(config))
 
     def layer_ids(self) -> list[int]:
         """The layer ids in our convention; needs the model folder (for N)."""

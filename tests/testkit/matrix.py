@@ -21,9 +21,8 @@ import random
 import time
 from pathlib import Path
 
-from eagle3prep.backends import make_backend
-from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.extract import extract_shard
+from eagle3prep.extract.backend import make_backend
 from eagle3prep.layers import default_layer_ids
 from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard.tokenized import rows as tokenized_rows
@@ -31,6 +30,7 @@ from eagle3prep.validate import ValidationError, validate_shard
 from eagle3prep.validate.reference import ReferencePair
 
 from testkit.planted import IMAGE_MISTAKES, MISTAKES, plant, plant_image
+from testkit.shards import capture_spec, with_settings
 from testkit.tiny_models import FAMILIES, build_family
 
 SEED = 0
@@ -150,7 +150,7 @@ def run_cell(
         cell["seed"] = seed
     wd = args.out / "cells" / (f"{family}-{backend}-{dtype}" + (f"-s{seed}" if seed else ""))
     lengths = [[len(r["input_ids"]) for r in tokenized_rows(t)] for t in tokens]
-    spec = CaptureSpec(
+    spec = capture_spec(
         backend=backend,
         model_path=str(model),
         layer_ids=list(range(1, n + 1)),  # id 0 aside: the built-in path cannot give it
@@ -172,14 +172,14 @@ def run_cell(
         **({"logprob_rows": max(map(len, lengths))} if window else {}),
     )
     t0 = time.time()
-    engine = make_backend(spec, settings)
+    engine = make_backend(with_settings(spec, settings))
     try:
         with logprob_window(window):
             info = engine.probe()
             shards = []
             for k, tok in enumerate(tokens):
                 shard = wd / f"shard_{k}"
-                extract_shard(str(tok), str(shard), spec, settings, shard=k, engine=(engine, info))
+                extract_shard(str(tok), str(shard), with_settings(spec, settings), shard=k, engine=(engine, info))
                 shards.append(shard)
     finally:
         engine.close()

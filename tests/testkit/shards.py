@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import random
 from pathlib import Path
 
 from eagle3prep.backends.base import CaptureSpec
+from eagle3prep.settings import ExtractSettings
 
 DEMO_LAYER_IDS = [2, 4, 5, 8]  # the default [2, N//2, N-3, N] of the 8-layer demo model
 
@@ -25,16 +27,29 @@ def write_tokenized(path: Path, lengths: list[int], seed: int, first_row: int = 
     return path
 
 
+def capture_spec(
+    backend: str, model_path: str, layer_ids: list[int], *, dtype: str, device: str, tp_size: int, max_seq_len: int,
+    trust_remote_code: bool = False, settings: ExtractSettings | None = None,
+) -> CaptureSpec:  # fmt: skip
+    """One capture of `model_path`: `settings` (the schema's defaults if None) with the engine keys given."""
+    engine = {"backend": backend, "dtype": dtype, "device": device, "tp_size": tp_size}
+    settings = settings or ExtractSettings.defaults()
+    settings = dataclasses.replace(settings, content=dataclasses.replace(settings.content, **engine))
+    return CaptureSpec(settings, model_path, list(layer_ids), max_seq_len, trust_remote_code)
+
+
+def with_settings(spec: CaptureSpec, settings: ExtractSettings | None = None, **content) -> CaptureSpec:
+    """`spec` under `settings` (its own if None), keeping its engine keys (backend, dtype, device, tp_size), with the
+    extract.content keys `content` on top."""
+    settings = settings or spec.settings
+    engine = {k: getattr(spec.settings.content, k) for k in ("backend", "dtype", "device", "tp_size")}
+    settings = dataclasses.replace(settings, content=dataclasses.replace(settings.content, **{**engine, **content}))
+    return dataclasses.replace(spec, settings=settings)
+
+
 def demo_spec(model_dir: Path, dtype: str = "bfloat16") -> CaptureSpec:
-    return CaptureSpec(
-        backend="hf",
-        model_path=str(model_dir),
-        layer_ids=DEMO_LAYER_IDS,
-        dtype=dtype,
-        device="cpu",
-        tp_size=1,
-        max_seq_len=2048,
-    )
+    """The hf backend on the CPU, the demo model's default layer ids."""
+    return capture_spec("hf", str(model_dir), DEMO_LAYER_IDS, dtype=dtype, device="cpu", tp_size=1, max_seq_len=2048)
 
 
 def manifest_fields(**kw):

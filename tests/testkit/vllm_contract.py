@@ -22,7 +22,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from eagle3prep.vllm.registry import NAMES, Name
+from eagle3prep.vllm.names import NAMES, Name
 
 CACHE_ENV = "EAGLE3PREP_VLLM_SOURCES"
 # Every wheel of vLLM is one manylinux x86_64 abi3 build: asking for it by platform fetches the same

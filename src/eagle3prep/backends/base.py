@@ -45,28 +45,30 @@ class EngineInfo:
 
 @dataclass(frozen=True, slots=True)
 class CaptureSpec:
-    """What to capture and from which model; shared by every backend."""
+    """One capture, the one object every backend receives: the typed `extract:` settings and what they are applied
+    to (the model, its layer ids, the longest row). The engine, dtype, device and TP size are the settings'."""
 
-    backend: str  # "hf" | "vllm"
+    settings: ExtractSettings
     model_path: str
     layer_ids: list[int]  # our convention (layers.py), ascending; N = pre-norm final state
-    dtype: str  # "bfloat16" | "float16" | "float32"
-    device: str  # hf backend: "cpu" | "cuda"
-    tp_size: int
     max_seq_len: int
     trust_remote_code: bool = schema_default("model", "trust_remote_code")
 
-    @classmethod
-    def of(
-        cls, settings: ExtractSettings, *, model_path: str, layer_ids: list[int], max_seq_len: int,
-        trust_remote_code: bool,
-    ) -> CaptureSpec:  # fmt: skip
-        """The capture the extract settings ask for, of this model's `layer_ids`."""
-        c = settings.content
-        return cls(
-            backend=c.backend, model_path=model_path, layer_ids=layer_ids, dtype=c.dtype, device=c.device,
-            tp_size=c.tp_size, max_seq_len=max_seq_len, trust_remote_code=trust_remote_code,
-        )  # fmt: skip
+    @property
+    def backend(self) -> str:  # "hf" | "vllm"
+        return self.settings.content.backend
+
+    @property
+    def dtype(self) -> str:  # "bfloat16" | "float16" | "float32"
+        return self.settings.content.dtype
+
+    @property
+    def device(self) -> str:  # hf backend: "cpu" | "cuda"
+        return self.settings.content.device
+
+    @property
+    def tp_size(self) -> int:
+        return self.settings.content.tp_size
 
     def gpus(self) -> int:
         """GPUs a job of this spec holds: tp_size for vllm, one for hf on cuda (validate uses the same)."""
@@ -80,12 +82,15 @@ class CaptureBackend(ABC):
 
     name: str = "base"
 
-    def __init__(self, spec: CaptureSpec, settings: ExtractSettings):
+    def __init__(self, spec: CaptureSpec):
         self.spec = spec
-        self.settings = settings
         self.capture_stats: dict[str, Any] = {}  # timings of the last capture_shard(), for timings.json
         # {shard row: [T-1] float32} prompt logprobs of the actual tokens, for SinkSpec.logprob_rows
         self.capture_logprobs: dict[int, Any] = {}
+
+    @property
+    def settings(self) -> ExtractSettings:
+        return self.spec.settings
 
     @abstractmethod
     def probe(self) -> EngineInfo:

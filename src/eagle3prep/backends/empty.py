@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..infra.provenance import engine_version
 from ..shard.sink import LayerSink, SinkPlan
 from .base import CaptureBackend, CaptureSpec, EngineInfo
 
@@ -16,7 +15,6 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from ..model_facts import ModelFacts
-    from ..settings import ExtractSettings
     from ..shard.sink import SinkSpec
 
 CAPTURE_PATH = "none (no rows)"
@@ -25,14 +23,14 @@ CAPTURE_PATH = "none (no rows)"
 class EmptyShardBackend(CaptureBackend):
     name = "empty"
 
-    def __init__(self, spec: CaptureSpec, settings: ExtractSettings, facts: ModelFacts, hidden_size: int):
-        super().__init__(spec, settings)
-        self.facts, self.hidden_size = facts, hidden_size
+    def __init__(self, spec: CaptureSpec, facts: ModelFacts, hidden_size: int, engine_version: str):
+        super().__init__(spec)
+        self.facts, self.hidden_size, self.engine_version = facts, hidden_size, engine_version
 
     def probe(self) -> EngineInfo:
         return EngineInfo(
             engine="transformers" if self.spec.backend == "hf" else self.spec.backend,
-            engine_version=engine_version(self.spec.backend),
+            engine_version=self.engine_version,  # the engine the neighbouring shards name
             capture_path=CAPTURE_PATH,
             tp_size=self.spec.tp_size if self.spec.backend == "vllm" else 1,
             dtype=self.spec.dtype,

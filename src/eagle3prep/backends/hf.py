@@ -17,7 +17,6 @@ from .base import CaptureBackend, CaptureSpec, EngineInfo, smoke_shard
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from ..settings import ExtractSettings
     from ..shard.sink import SinkSpec
 
 HOST_SLOTS = 3  # one step being filled, up to two with the writer threads
@@ -30,8 +29,8 @@ def _first_tensor(x: Any) -> Any:
 class HFBackend(CaptureBackend):
     name = "hf"
 
-    def __init__(self, spec: CaptureSpec, settings: ExtractSettings):
-        super().__init__(spec, settings)
+    def __init__(self, spec: CaptureSpec):
+        super().__init__(spec)
         self.model = None
         self._captured: dict[int, Any] = {}
         self._handles: list[Any] = []

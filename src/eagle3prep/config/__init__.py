@@ -1,11 +1,10 @@
-"""The config layer: config/schema.yaml and its defaults (schema.py), and the checks a value gets beyond the
+"""The config layer: its schema (schema.yaml, package data) and its defaults (schema.py), and the checks a value gets beyond the
 schema, each in one line: the chat template's own arguments (template.py), what the vLLM engine cannot be
 given (engine.py), the model folder (model.py). validate_config runs those a config needs before any job;
 eagle3prep.settings types the result."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
@@ -25,9 +24,9 @@ __all__ = [
 ]
 
 
-def validate_config(config: dict[str, Any], schema_path: str | Path = SCHEMA) -> dict[str, Any]:
+def validate_config(config: dict[str, Any]) -> dict[str, Any]:
     """Validate `config` in place (defaults filled in) and return it; raise ConfigError on the first error."""
-    check_schema(config, schema_path)
+    check_schema(config)
     check_template_kwargs(config["tokenize"]["chat_template_kwargs"])
     check_extract_engine_args(config["extract"]["engine_args"], config["tokenize"]["max_seq_len"])
     if config["layers"]["ids"] is not None:

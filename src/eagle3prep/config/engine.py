@@ -1,13 +1,12 @@
 """What the vLLM engine cannot be given, refused at parse time: extract.engine_args that would capture missing or
-partial rows, and an extract.capture_path the installed vLLM cannot take for the model's family."""
+partial rows. (An extract.capture_path the installed vLLM cannot take for the model's family is refused by
+vllm/families.check_capture_path, which asks that vLLM.)"""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..model_facts import ModelFacts
 from .schema import coerce_scalar
 
 
@@ -32,23 +31,3 @@ def check_extract_engine_args(engine_args: dict[str, Any], max_seq_len: int) -> 
             f"config error: extract.engine_args.max_model_len = {limit} must exceed tokenize.max_seq_len = "
             f"{max_seq_len} (a row and the one token the engine generates); leave it unset, extract sets it"
         )
-
-
-def check_capture_path(backend: str, capture_path: str, model_path: str | Path) -> None:
-    """extract.capture_path against the installed vLLM and the model's family, at parse time: a family no path of
-    this vLLM takes (no SupportsEagle3 for the built-in path, no hooks from 0.34 on) is refused before any GPU job,
-    in one line naming what can capture it (vllm/families.py). Where no vLLM is installed here, or vLLM
-    cannot tell, the engine start decides."""
-    if backend != "vllm" or not (Path(model_path) / "config.json").is_file():
-        return
-    archs = ModelFacts.read(model_path).architectures
-    if not archs:
-        return
-    from ..vllm import families
-
-    asked = families.installed_support(archs[0])
-    if asked is None:
-        return
-    version, supports = asked
-    if line := families.refusal(version, archs[0], capture_path, supports):
-        raise ConfigError(f"config error: {line}")

@@ -1,4 +1,4 @@
-"""config/schema.yaml: read once, its defaults (schema_default, section_defaults), and a config checked against it
+"""The config's schema (schema.yaml beside this module, shipped in the package): read once, its defaults (schema_default, section_defaults), and a config checked against it
 with the defaults filled in (check_schema), each error one line that names the key, the value and what is
 allowed. Command-line values, which reach the config as strings, are read as the schema's types first."""
 
@@ -16,17 +16,18 @@ import yaml
 
 from ..errors import ConfigError
 
-SCHEMA = Path(__file__).resolve().parents[3] / "config" / "schema.yaml"
+# Package data (pyproject.toml): an installed package finds it beside its code (tests/test_packaging.py).
+SCHEMA = Path(__file__).with_name("schema.yaml")
 
 
 @functools.cache
 def load_schema() -> dict[str, Any]:
-    """config/schema.yaml, read once (callers must not change it: schema_default hands out copies)."""
+    """The schema, read once (callers must not change it: schema_default hands out copies)."""
     return yaml.safe_load(SCHEMA.read_text(encoding="utf-8"))
 
 
 def schema_default(section: str, key: str) -> Any:
-    """config/schema.yaml's default of `section`.`key` (a copy: callers may change it)."""
+    """The schema's default of `section`.`key` (a copy: callers may change it)."""
     return copy.deepcopy(load_schema()["properties"][section]["properties"][key]["default"])
 
 
@@ -154,12 +155,12 @@ def _coerce_template_kwargs(config: dict[str, Any]) -> None:
         tokenize["chat_template_kwargs"] = coerce(tokenize["chat_template_kwargs"])
 
 
-def check_schema(config: dict[str, Any], schema_path: str | Path = SCHEMA) -> dict[str, Any]:
+def check_schema(config: dict[str, Any]) -> dict[str, Any]:
     """`config` checked against the schema in place, command-line strings read as their types and the defaults
     filled in; return it, or raise ConfigError on the first error."""
     import jsonschema
 
-    schema = yaml.safe_load(Path(schema_path).read_text(encoding="utf-8"))
+    schema = copy.deepcopy(load_schema())  # the validator fills defaults into `config`: none may be shared
     _coerce_strings(config, schema)
     _coerce_template_kwargs(config)
     validator = _with_defaults(jsonschema.Draft202012Validator)(schema)

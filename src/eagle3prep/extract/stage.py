@@ -16,9 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..backends import make_backend
 from ..backends.base import CaptureBackend, CaptureSpec, EngineInfo
-from ..backends.empty import EmptyShardBackend
 from ..infra import faults
 from ..infra.atomic import sha256_file
 from ..infra.disk import DiskSpaceError, human_bytes
@@ -36,6 +34,7 @@ from ..shard.tokenized import rows as tokenized_rows
 from ..shard.writer import ShardWriter
 from ..tokenize.row_inputs import ImageRow
 from ..vllm.engine.errors import EngineError
+from .backend import empty_backend, make_backend
 
 log = get_logger("extract")
 
@@ -101,21 +100,20 @@ def run_extract_job(
 ) -> ShardManifest:
     """The extract rule's job: layer ids resolved against the model, then extract_shard."""
     facts = ModelFacts.read(model_path)
-    spec = CaptureSpec.of(
+    spec = CaptureSpec(
         settings,
         model_path=model_path,
         layer_ids=resolve_layer_ids(layers.ids, layers.convention, facts.num_hidden_layers),
         max_seq_len=max_seq_len,
         trust_remote_code=trust_remote_code,
     )
-    return extract_shard(tokenized_shard, out_dir, spec, settings, shard, threads, facts=facts)
+    return extract_shard(tokenized_shard, out_dir, spec, shard, threads, facts=facts)
 
 
 def extract_shard(
     tokenized_shard: str,
     out_dir: str,
     spec: CaptureSpec,
-    settings: ExtractSettings,
     shard: int,
     threads: int | None = None,
     engine: tuple[CaptureBackend, EngineInfo] | None = None,
@@ -132,7 +130,7 @@ def extract_shard(
     check_layer_ids(spec.layer_ids, facts.num_hidden_layers)
     out = open_folder(out_dir)  # an earlier run's manifest and temp files removed
     try:
-        return _extract_into(out, tokenized_shard, spec, settings, shard, facts, engine)
+        return _extract_into(out, tokenized_shard, spec, shard, facts, engine)
     except KeyboardInterrupt:
         # Ctrl-C: a folder without a manifest is no shard, and an empty shard_k/ left behind read like one.
         # Any other failure keeps its files for study (Snakemake removes a failed job's output itself).
@@ -141,10 +139,10 @@ def extract_shard(
         raise
 
 
-def _extract_into(out, tokenized_shard, spec, settings, shard, facts, engine) -> ShardManifest:  # noqa: PLR0913
+def _extract_into(out, tokenized_shard, spec, shard, facts, engine) -> ShardManifest:
     index = index_of_tokenized(tokenized_shard, spec.backend)
     tokens = sum(e.length for e in index)
-    storage = check_storage(settings.content.storage)
+    storage = check_storage(spec.settings.content.storage)
     hidden = require_hidden_size(facts, spec.model_path)
     needed = shard_bytes(tokens, len(index), len(spec.layer_ids), hidden, spec.dtype, storage)
     check_free_space(out, needed)  # seconds, not an engine start-up
@@ -154,13 +152,13 @@ def _extract_into(out, tokenized_shard, spec, settings, shard, facts, engine) ->
     claim_record = None
     with contextlib.ExitStack() as stack:
         if engine is None and not index:  # more shards than rows: files of shape [0, H], no engine, no GPU
-            backend = EmptyShardBackend(spec, settings, facts, hidden)
+            backend = empty_backend(spec, facts, hidden)
             info = backend.probe()
         elif engine is None:
             claim = stack.enter_context(claim_job_gpus(spec.gpus()))  # before the engine reads CUDA_VISIBLE_DEVICES
             claim_record = claim.record()
             shutil.rmtree(out / ".vllm-staging", ignore_errors=True)  # an older layout's, left by a killed run
-            backend = stack.enter_context(make_backend(spec, settings, facts))
+            backend = stack.enter_context(make_backend(spec, facts))
             info = backend.probe()
         else:
             backend, info = engine
@@ -169,15 +167,15 @@ def _extract_into(out, tokenized_shard, spec, settings, shard, facts, engine) ->
             f"{info.engine} {info.engine_version} via {info.capture_path}, {storage} storage, ~{needed / 2**20:.1f} MiB"
         )
         check_free_space(out, needed)  # again: other jobs may have taken space meanwhile
-        job = _Job(out, spec, info, index, tokenized_shard, shard, version, t0, settings, claim_record)
+        job = _Job(out, spec, info, index, tokenized_shard, shard, version, t0, claim_record)
         return job.write(backend)
 
 
 class _Job:
     """One shard's stream through a probed backend: token ids, layer files, index, manifest."""
 
-    def __init__(self, out, spec, info, index, tokenized_shard, shard, version, t0, settings, claim=None):  # noqa: PLR0913
-        self.out, self.spec, self.info, self.index, self.settings = out, spec, info, index, settings
+    def __init__(self, out, spec, info, index, tokenized_shard, shard, version, t0, claim=None):  # noqa: PLR0913
+        self.out, self.spec, self.info, self.index, self.settings = out, spec, info, index, spec.settings
         self.tokenized, self.shard, self.version, self.t0 = tokenized_shard, shard, version, t0
         self.claim = claim  # GpuClaim.record() of this job's claim; None when the engine came from the caller
 

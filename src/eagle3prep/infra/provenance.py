@@ -74,18 +74,3 @@ def code_version() -> str:
     for path in sorted(sources):
         digest.update(path.relative_to(here).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return f"eagle3prep {__version__} (src sha256 {digest.hexdigest()[:12]})"
-
-
-def engine_version(backend: str) -> str:
-    """The installed version of the engine `backend` would have started, without starting it: an empty
-    shard's manifest names the same engine as its neighbours'."""
-    if backend == "vllm":
-        from ..vllm.registry import installed_version
-
-        try:
-            return installed_version()
-        except ImportError:
-            return "not installed"
-    import transformers
-
-    return transformers.__version__

@@ -24,7 +24,7 @@ from eagle3prep.errors import UserError
 from eagle3prep.infra.atomic import atomic_open, sha256_file, write_json
 from eagle3prep.infra.folder import file_entry, finish_folder, open_folder
 from eagle3prep.infra.gpus import claim_job_gpus
-from eagle3prep.infra.provenance import code_version, engine_version, model_identity, tokenizer_identity
+from eagle3prep.infra.provenance import code_version, model_identity, tokenizer_identity
 from eagle3prep.model_facts import ModelFacts
 from eagle3prep.prepare.stage import quarantine_line
 from eagle3prep.records import Quarantined
@@ -34,6 +34,7 @@ from eagle3prep.regenerate.runner import Engine, Runner
 from eagle3prep.regenerate.split import shard_entry
 from eagle3prep.regenerate.thinking import resolve
 from eagle3prep.settings import RegenerateSettings
+from eagle3prep.vllm.registry import version_text
 
 from ..infra.log import get_logger
 
@@ -95,7 +96,7 @@ def run_regenerate_job(
     if os.path.getsize(prompts_shard) == 0:  # more shards than conversations: no engine for no request
         return regenerate_shard(
             prompts_shard, out_dir, _NoRequests(), renderer, settings,
-            max_model_len=max_model_len, engine_info={**NO_ENGINE, "engine_version": engine_version("vllm")},
+            max_model_len=max_model_len, engine_info={**NO_ENGINE, "engine_version": version_text()},
             model_path=model_path, trust_remote_code=trust_remote_code, shard=shard, code=version, started={"t0": t0},
         )  # fmt: skip
     with (

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
-from ..config.engine import check_capture_path
 from ..config.model import check_max_seq_len
 from ..layers import default_layer_ids
 from ..model_facts import ModelFacts
 from ..settings import Settings
 from ..shard.formats import storage_format
+from ..vllm.families import check_capture_path
 
 # What extract loads its weights from (transformers and vLLM read these; *.pt and *.pth are older checkpoints).
 WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -71,7 +71,7 @@ def config_source_line(
         else:
             demo_note = f"the demo's {DEMO_CONFIG} is not read"
         later = ", later files win" if len(configfiles) > 1 else ""
-        source = f"config {shown} over the schema's defaults (config/schema.yaml; {demo_note}{later})"
+        source = f"config {shown} over the schema's defaults (eagle3prep/config/schema.yaml; {demo_note}{later})"
     else:
         source = f"config {DEMO_CONFIG} (the demo's; pass --configfile for your own)"
     extra = " + --config" if overrides else ""

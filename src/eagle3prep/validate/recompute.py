@@ -9,7 +9,7 @@ from ..check import Checks
 from ..shard.manifest import ShardManifest
 from ..tokenize.row_inputs import RowImages
 from ..vllm.engine.workarounds import KNOWN_BUGS, NO_WORKAROUNDS_ENV
-from ..vllm.registry import parse_version
+from ..vllm.names import parse_version
 from .passrule import describe_failure, judge_layer, judge_row
 from .reference import ReferencePair
 from .subject import ShardUnderTest

@@ -1,11 +1,12 @@
-"""Which capture path of the installed vLLM takes a model family, decided before any GPU job (DESIGN.md §5).
+"""Whether the installed vLLM has an EAGLE-3 interface for a model family, asked before any GPU job (DESIGN.md §5),
+and the parse-time check of extract.capture_path that reads it (the choice itself is capture/choice.py's).
 
 The built-in path asks vLLM for the target's aux hidden states, which vLLM gives only to a model class with
 SupportsEagle3 (its EAGLE-3 interface): without it the engine start fails with "Model does not support EAGLE3
 interface". The hooks need no interface, only vLLM's V1 model runner, gone since 0.34. A family without the
 interface on a vLLM without the hooks has no path: refused in one line that names what can capture it.
 
-The interface is asked of the installed vLLM's model registry (names in vllm/registry.py). At parse time that
+The interface is asked of the installed vLLM's model registry (names in vllm/names.py). At parse time that
 runs in a child process, since importing vLLM's model classes costs seconds and torch's memory, and its answer is
 kept in a stamp per vLLM version and architecture.
 Usage: python -m eagle3prep.vllm.families ARCH  (prints ANSWER_PREFIX and the answer as JSON)
@@ -19,21 +20,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..errors import ConfigError
+from ..model_facts import ModelFacts
 from . import registry
-from .registry import parse_version
+from .capture.choice import refusal
 
 # Parse runs on every `snakemake -n`: the same vLLM is not asked twice about the same architecture.
 STAMP = ".snakemake/eagle3prep/eagle3-check.json"
 ANSWER_PREFIX = "eagle3prep-eagle3: "  # vLLM logs to stdout too: the child's answer is the line with this prefix
 CHILD_TIMEOUT_S = 300
-
-
-def hooks_gone(version: str) -> bool:
-    """vLLM `version` lacks what the hooks path reads (its V1 model runner, from 0.34 on); False when unknown."""
-    try:
-        return bool(registry.blocked(registry.HOOKS, version))
-    except ValueError:  # no version to read ("(unknown)")
-        return False
 
 
 def supports_eagle3(arch: str) -> bool | None:
@@ -48,58 +43,22 @@ def supports_eagle3(arch: str) -> bool | None:
     return None if cls is None else bool(has_interface(cls))
 
 
-def builtin_blocker(version: str, arch: str, supports: bool | None) -> str | None:
-    """Why the built-in path cannot take `arch` on vLLM `version`, as far as its interface decides; None: it can."""
-    if supports is False:
-        return (
-            f"vLLM {version} has no SupportsEagle3 (its EAGLE-3 interface) for {arch}, which the built-in path needs"
-        )
-    return None
-
-
-def other_ways(version: str, arch: str) -> str:
-    """What can capture `arch` where vLLM `version`'s built-in path cannot: a vLLM and path that do, or hf."""
-    ways = []
-    since = registry.EAGLE3_CLASSES.get(arch, ("", None))[1]
-    if since and _newer(since, version):
-        ways.append(f"vLLM {since} or later (the built-in path)")
-    if hooks_gone(version):
-        ways.append(
-            f"a vLLM from {registry.OLDEST} to before {registry.V1_RUNNER_GONE} with extract.capture_path: hooks"
-        )
-    else:
-        ways.append("extract.capture_path: hooks (or auto)")
-    ways.append("extract.backend: hf")
-    return ", ".join(ways[:-1]) + " or " + ways[-1]
-
-
-def _newer(a: str, b: str) -> bool:
-    try:
-        return parse_version(a) > parse_version(b)
-    except ValueError:
-        return False
-
-
-def refusal(version: str, arch: str, wanted: str, supports: bool | None) -> str | None:
-    """The one line refusing extract.capture_path `wanted` (auto | builtin | hooks) for `arch` on vLLM `version`:
-    why, and what can capture it (never a path this vLLM refuses). None: a path of this vLLM takes it."""
-    gone = hooks_gone(version)
-    if wanted == "hooks" and gone:  # the registry's line names what the hooks read; its fix names the built-in path
-        fix = None if supports is not False else f"use {other_ways(version, arch)}"
-        return "extract.capture_path = hooks: " + registry.missing_line(
-            registry.blocked(registry.HOOKS, version)[0], version=version, fix_text=fix
-        )
-    blocker = builtin_blocker(version, arch, supports)
-    if blocker is None:
-        return None
-    if wanted == "builtin":
-        return f"extract.capture_path = builtin: {blocker}; use {other_ways(version, arch)}"
-    if gone:
-        return (
-            f"extract.backend = vllm: no capture path of vLLM {version} takes {arch}: {blocker}, and its hooks path "
-            f"is gone (no V1 model runner since {registry.V1_RUNNER_GONE}); use {other_ways(version, arch)}"
-        )
-    return None  # auto takes the hooks
+def check_capture_path(backend: str, capture_path: str, model_path: str | os.PathLike) -> None:
+    """extract.capture_path against the installed vLLM and the model's family, at parse time: a family no path of
+    this vLLM takes (no SupportsEagle3 for the built-in path, no hooks from 0.34 on) is refused before any GPU job,
+    in one line naming what can capture it (capture/choice.refusal). Where no vLLM is installed here, or vLLM
+    cannot tell, the engine start decides."""
+    if backend != "vllm" or not (Path(model_path) / "config.json").is_file():
+        return
+    archs = ModelFacts.read(model_path).architectures
+    if not archs:
+        return
+    asked = installed_support(archs[0])
+    if asked is None:
+        return
+    version, supports = asked
+    if line := refusal(version, archs[0], capture_path, supports):
+        raise ConfigError(f"config error: {line}")
 
 
 def installed_support(arch: str, stamp: str | os.PathLike | None = STAMP) -> tuple[str, bool | None] | None:

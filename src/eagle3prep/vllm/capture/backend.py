@@ -1,6 +1,7 @@
 """vLLM capture backend (DESIGN.md §5): start the engine, pick a capture path, stream a shard.
 
-probe() picks the path (extract.capture_path: auto | builtin | hooks; choice.py), starts the engine
+probe() picks the path (extract.capture_path: auto | builtin | hooks; choice.choose), starts the engine with the
+arguments engine_args.py assembles
 and writes a one-row smoke shard at the real TP size, so a wrong layer count stops the job before
 its real work, with the vLLM version and the fix in the message.
 """
@@ -14,28 +15,27 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from ...backends.base import CaptureBackend, CaptureSpec, EngineInfo, smoke_shard
-from ...config import ConfigError
 from ...errors import UserError
+from ...infra.log import get_logger
 from ...layers import check_layer_ids
 from ...model_facts import ModelFacts, require_hidden_size
 from ...shard.sink import SinkPlan
-from ...tokenize.vision import EXPANDS
 from .. import families, memory, registry
-from ..engine import workarounds
 from ..engine.errors import ChildOutput, EngineError, engine_died, engine_error
 from ..engine.launch import prefer_forked_workers, resolve_workarounds, shutdown_engine, start_llm
+from ..engine.workarounds import Workarounds
 from . import choice
 from .builtin.path import BuiltinPath
+from .engine_args import engine_kwargs, memory_plan
 from .hooks.path import HooksPath
-from .loop import log
 from .requests import CaptureError
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from ...settings import ExtractSettings
     from ...shard.sink import SinkSpec
 
+log = get_logger("vllm backend").info
 SMOKE_TOKENS = 16  # length of the smoke-capture prompt
 # Pinned host slots of the hooks path, each one forward step of every requested layer (8B shape,
 # 16k-token steps: 512 MiB): one being filled, up to two with the writer threads (docs/DESIGN.md §5).
@@ -48,15 +48,15 @@ class VLLMBackend(CaptureBackend):
 
     name = "vllm"
 
-    def __init__(self, spec: CaptureSpec, settings: ExtractSettings, facts: ModelFacts | None = None):
-        super().__init__(spec, settings)
+    def __init__(self, spec: CaptureSpec, facts: ModelFacts | None = None):
+        super().__init__(spec)
         self.facts = facts
         self.llm: Any = None
         self.path: BuiltinPath | HooksPath | None = None
         self.info: EngineInfo | None = None
         self._run = uuid.uuid4().hex[:8]  # part of every request tag: unique for the engine's lifetime
         self._shards = itertools.count()
-        self._workarounds = workarounds.Workarounds()
+        self._workarounds = Workarounds()
         self._children = ChildOutput()
         self.memory_note = ""  # how the GPU memory was planned (vllm/memory.py), for the manifest
 
@@ -77,10 +77,19 @@ class VLLMBackend(CaptureBackend):
         on_cpu = self._on_cpu()
         self._workarounds = resolve_workarounds(version, on_cpu, model.architectures, self.spec.dtype, log)
         arch = model.architectures[0] if model.architectures else ""
-        supports = families.supports_eagle3(arch) if arch else None
-        candidates, fallback_reason = self._candidate_paths(version, model, supports, on_cpu)
+        facts = choice.PathFacts(
+            model.architectures, model.num_hidden_layers, self.spec.layer_ids,
+            supports_eagle3=families.supports_eagle3(arch) if arch else None, on_cpu=on_cpu,
+        )  # fmt: skip
+        candidates, fallback_reason = choice.choose(version, facts, self.settings.content.capture_path)
+        if fallback_reason:  # the one path left, and why the other is no choice here
+            left_out = "hooks path is no choice" if candidates == ["builtin"] else "built-in path is no fallback"
+            log(f"the {left_out} here: {fallback_reason}")
         timings, fallback_reason = self._start_first(candidates, version, model, on_cpu, fallback_reason)
-        self.info = self._engine_info(version, model, on_cpu, fallback_reason)
+        self.info = engine_info(self.spec, self.path.name, version, model, on_cpu)
+        self.info.details.update(fallback_reason=fallback_reason, workarounds=self._workarounds.names)
+        if self.memory_note:
+            self.info.details["memory"] = self.memory_note
         self.info.volatile.update(probe_s=round(time.time() - t0, 2), **timings)
         return self.info
 
@@ -105,135 +114,27 @@ class VLLMBackend(CaptureBackend):
                     EngineError(str(e))  # the smoke capture's message names the version and the fix
                     if isinstance(e, CaptureError)
                     else engine_error(e, self._children.text(), version=version, arch=arch, path=name, wanted=wanted,
-                                      builtin_fix=f"use {families.other_ways(version, arch)}")
+                                      builtin_fix=f"use {choice.other_ways(version, arch)}")
                 )  # fmt: skip
                 if last or getattr(err, "any_path", False):
                     raise err from e
                 fallback_reason = f"{name} path failed its probe: {err}"[:500]
                 log(f"the {name} capture path failed its probe ({err}); trying {candidates[k + 1]}")
-        raise AssertionError("no capture path to try")  # _candidate_paths names at least one
-
-    def _engine_info(self, version: str, model: ModelFacts, on_cpu: bool, fallback_reason: str | None) -> EngineInfo:
-        """What the running engine is, for the manifest; `volatile` gets the probe's timings after."""
-        n = model.num_hidden_layers
-        return EngineInfo(
-            engine="vllm",
-            engine_version=version,
-            capture_path=self.path.name,
-            tp_size=self.spec.tp_size,
-            dtype=self.spec.dtype,
-            num_hidden_layers=n,
-            hidden_size=require_hidden_size(model, self.spec.model_path),
-            final_layer_reachable=self.path.name == "hooks"
-            or choice.builtin_final_layer_reachable(version, model.architectures),
-            details={
-                "final_layer_captured": n in self.spec.layer_ids,
-                "architectures": model.architectures,
-                "platform": "cpu" if on_cpu else "cuda",
-                "fallback_reason": fallback_reason,
-                "workarounds": self._workarounds.names,
-                **({"memory": self.memory_note} if self.memory_note else {}),
-            },
-            volatile={"gpu_ids": os.environ.get("CUDA_VISIBLE_DEVICES") if not on_cpu else None},
-        )
+        raise AssertionError("no capture path to try")  # choice.choose names at least one
 
     @staticmethod
     def _on_cpu() -> bool:
         return registry.member(registry.load("current_platform"), "Platform.is_cpu")()
 
-    def _candidate_paths(
-        self, version: str, model: ModelFacts, supports_eagle3: bool | None = None, on_cpu: bool = False
-    ) -> tuple[list[str], str | None]:
-        """The capture paths to try in order, and why the built-in one was left out (if it was).
-        `supports_eagle3`: whether this vLLM's model class has SupportsEagle3 (None: unknown)."""
-        wanted = self.settings.content.capture_path  # the schema allows auto | builtin | hooks
-        arch = model.architectures[0] if model.architectures else "the model"
-        # A family no path of this vLLM takes, or hooks asked of a vLLM without them: the parse-time line, again
-        # here for a job whose environment the parse could not see (vllm/families.py).
-        if refusal := families.refusal(version, arch, wanted, supports_eagle3):
-            raise ConfigError(refusal)
-        # What the hooks read of vLLM's V1 model runner is gone from this vLLM (0.34 on): auto has the built-in path.
-        hooks_gone = registry.blocked(registry.HOOKS, version)
-        if wanted == "hooks":
-            return ["hooks"], None
-        blocker = choice.builtin_blocker(
-            version, model.architectures, self.spec.layer_ids, model.num_hidden_layers, supports_eagle3
-        )
-        if hooks_gone and wanted == "auto":
-            hooks_refusal = registry.missing_line(hooks_gone[0], version=version)
-            if blocker:
-                other = registry.missing_line(
-                    hooks_gone[0], version=version, fix_text=f"use {families.other_ways(version, arch)}"
-                )
-                raise ConfigError(f"no capture path runs on vLLM {version} here: {blocker}; {other}")
-            log(f"the hooks path is no choice here: {hooks_refusal}")
-            return ["builtin"], hooks_refusal
-        if wanted == "builtin":
-            if blocker:
-                raise ConfigError(
-                    f"extract.capture_path = builtin cannot capture layer ids {self.spec.layer_ids}: {blocker}; "
-                    f"use {families.other_ways(version, arch)}"
-                )
-            return ["builtin"], None
-        if blocker:
-            log(f"the built-in path is no fallback here: {blocker}")
-            return ["hooks"], blocker
-        if choice.builtin_first(version, on_cpu):
-            # No GPU measurement of this vLLM: the nearest are 0.34's built-in path (0.94 / 0.93 of compiled
-            # prefill; the matrix's cells validated) and 0.26's hooks (docs/guides/install.md).
-            return ["builtin", "hooks"], None
-        # Hooks first on every family: with vLLM 0.26 they beat the built-in path on the 8B shape and the DeepSeek-V3
-        # MoE, with the same validation verdicts (docs/DESIGN.md §5, docs/evidence.md).
-        return ["hooks", "builtin"], None
-
     def _engine_kwargs(self, path: BuiltinPath | HooksPath) -> dict[str, Any]:
-        content, speed = self.settings.content, self.settings.speed
-        kwargs: dict[str, Any] = {
-            "model": self.spec.model_path,
-            # We hand over token ids; the engine needs no tokenizer, except for a target we feed images to
-            # (tokenize's EXPANDS): vLLM builds its multimodal processor with it. Kimi-K2.5 (a VLM wrapper
-            # whose images are not fed yet) keeps skipping it: its tokenizer would need trust_remote_code.
-            "skip_tokenizer_init": self.facts.vision_model_type not in EXPANDS,
-            "dtype": self.spec.dtype,
-            "tensor_parallel_size": self.spec.tp_size,
-            # +1: the one sampled token must fit after a prompt of max_seq_len tokens.
-            "max_model_len": self.spec.max_seq_len + 1,
-            "max_num_batched_tokens": speed.max_num_batched_tokens,
-            "gpu_memory_utilization": speed.gpu_memory_utilization,
-            "enforce_eager": content.enforce_eager,
-            "quantization": content.quantization,
-            # A prefix-cache hit skips the forward of the cached tokens: their rows would be missing.
-            "enable_prefix_caching": False,
-            "trust_remote_code": self.spec.trust_remote_code,
-            "seed": 0,
-        }
-        kwargs.update(path.engine_kwargs())
-        kwargs.update(content.engine_args)  # the user's word wins, as documented...
-        kwargs.update(path.engine_kwargs())  # ...except where a capture path needs its setting (hooks: eager)
-        if self.facts.vision_model_type in EXPANDS:
-            # Image rows' requests are made by several workers (images.RequestPool); vLLM's processor cache is
-            # not made for that (its sender side mirrors the engine's cache in the order requests are made).
-            kwargs["mm_processor_cache_gb"] = 0
-        kwargs = workarounds.merge_engine_kwargs(kwargs, self._workarounds.engine_kwargs)  # known engine bugs
-        if kwargs.get("enable_prefix_caching"):
-            raise ValueError(
-                "extract.engine_args.enable_prefix_caching must stay false: cached tokens are not captured"
-            )
+        """vllm.LLM's arguments for `path` (engine_args.py), gpu_memory_utilization lowered where the card needs it."""
+        kwargs = engine_kwargs(self.spec, self.facts, path.engine_kwargs(), self._workarounds.engine_kwargs)
         if not self._on_cpu():
-            kwargs["gpu_memory_utilization"] = self._memory_plan(kwargs).gpu_memory_utilization
-        return {k: v for k, v in kwargs.items() if v is not None}
-
-    def _memory_plan(self, kwargs: dict[str, Any]) -> memory.MemoryPlan:
-        """Room outside vLLM's budget for the logits check's prompt logprobs and the hooks' step copies
-        (vllm/memory.py), logged and kept for the manifest."""
-        step = int(kwargs.get("max_num_batched_tokens") or self.settings.speed.max_num_batched_tokens)
-        need = memory.hooks_peak_bytes(step, self.facts.hidden_size or 0, len(self.spec.layer_ids))
-        if self.settings.content.logprob_rows:
-            need += memory.logprob_peak_bytes(self.facts.vocab_size or 0, min(memory.LOGPROB_WINDOW, step))
-        plan = memory.plan(float(kwargs["gpu_memory_utilization"]), memory.gpu_total_bytes(), need)
-        log(f"memory: {plan.note}")
-        self.memory_note = plan.note
-        return plan
+            plan = memory_plan(self.spec, self.facts, kwargs, memory.gpu_total_bytes())
+            log(f"memory: {plan.note}")
+            self.memory_note = plan.note  # for the manifest
+            kwargs["gpu_memory_utilization"] = plan.gpu_memory_utilization
+        return kwargs
 
     def _start(self, name: str, version: str, on_cpu: bool) -> None:
         self._children = ChildOutput()  # the engine's processes print the root cause of a failed start
@@ -252,13 +153,9 @@ class VLLMBackend(CaptureBackend):
             smoke_shard(self, prompt, model.hidden_size)
         except CaptureError as e:
             raise CaptureError(
-                f"smoke capture on vLLM {version} ({self.path.name} path) failed: {e}; {self._hint(version, model)}"
+                f"smoke capture on vLLM {version} ({self.path.name} path) failed: {e}; "
+                f"{choice.smoke_fix(version, self.path.name, model.architectures)}"
             ) from e
-
-    def _hint(self, version: str, model: ModelFacts) -> str:
-        if self.path is not None and self.path.name == "builtin":
-            return choice.builtin_fix_hint(version, model.architectures)
-        return "report this model and vLLM version; the hf backend (extract.backend: hf) is the fallback"
 
     # ---- capture -----------------------------------------------------------------------------
     def capture_shard(self, batches: Iterator[list[list[int]]], sink: SinkSpec) -> dict[int, dict[str, Any]]:
@@ -272,9 +169,8 @@ class VLLMBackend(CaptureBackend):
             raise
         except Exception as e:  # the engine died mid-shard: its own exception, from its processes' output
             version = self.info.engine_version if self.info else registry.installed_version()
-            raise engine_died(
-                e, self._children.text(), version=version, doing=f"capturing ({self.path.name} path)"
-            ) from e
+            doing = f"capturing ({self.path.name} path)"
+            raise engine_died(e, self._children.text(), version=version, doing=doing) from e
         self.capture_stats, self.capture_logprobs = self.path.stats, self.path.logprobs
         return entries
 
@@ -293,6 +189,27 @@ class VLLMBackend(CaptureBackend):
             tag_prefix=f"e3p-{self._run}-{next(self._shards)}",
         )
 
-    # ---- close -------------------------------------------------------------------------------
     def close(self) -> None:
         shutdown_engine(self)
+
+
+def engine_info(spec: CaptureSpec, path: str, version: str, model: ModelFacts, on_cpu: bool) -> EngineInfo:
+    """What an engine started for `spec` on capture path `path` is, for the manifest; the backend adds why a path
+    was passed over, the workarounds and the memory plan to `details`, and the probe's timings to `volatile`."""
+    n = model.num_hidden_layers
+    return EngineInfo(
+        engine="vllm",
+        engine_version=version,
+        capture_path=path,
+        tp_size=spec.tp_size,
+        dtype=spec.dtype,
+        num_hidden_layers=n,
+        hidden_size=require_hidden_size(model, spec.model_path),
+        final_layer_reachable=path == "hooks" or choice.builtin_final_layer_reachable(version, model.architectures),
+        details={
+            "final_layer_captured": n in spec.layer_ids,
+            "architectures": model.architectures,
+            "platform": "cpu" if on_cpu else "cuda",
+        },
+        volatile={"gpu_ids": os.environ.get("CUDA_VISIBLE_DEVICES") if not on_cpu else None},
+    )

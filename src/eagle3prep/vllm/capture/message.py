@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .. import registry
+from .. import names, registry
 
 
 @dataclass(slots=True)
@@ -65,11 +65,11 @@ def rpc_result(reply: Any, *, version: str, unique_reply_rank: int | None = None
     """The rank-0 (or `unique_reply_rank`) result of a collective_rpc call.
 
     - LLM.collective_rpc and executor calls without unique_reply_rank: a list, one item per worker.
-    - executor.collective_rpc(unique_reply_rank=r): vLLM before registry.RPC_BARE_REPLY_SINCE returns a 1-element
+    - executor.collective_rpc(unique_reply_rank=r): vLLM before names.RPC_BARE_REPLY_SINCE returns a 1-element
       list, later ones the bare result (which may itself be a list, so the shape cannot decide).
     Never truth-test a reply: on a tensor it raises, on a list of tensors it answers the wrong question.
     """
-    if unique_reply_rank is not None and registry.at_least(version, registry.RPC_BARE_REPLY_SINCE):
+    if unique_reply_rank is not None and names.at_least(version, names.RPC_BARE_REPLY_SINCE):
         return reply
     if not isinstance(reply, list | tuple) or len(reply) == 0:
         raise RuntimeError(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import registry
-from ..registry import parse_version
+from ..names import parse_version
 
 # Architectures on vLLM's deepseek_v2.py backbone (DeepSeek-V2/V3, Kimi-K2.x, GLM-5, Mistral Large 3).
 _DEEPSEEK_BACKBONE = re.compile(r"^(Deepseek|Kimi|GlmMoeDsa|Glm4MoeLite|MistralLarge3)")

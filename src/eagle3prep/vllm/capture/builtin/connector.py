@@ -21,7 +21,7 @@ import functools
 import time
 from typing import TYPE_CHECKING, Any
 
-from ... import registry
+from ... import names, registry
 from ..requests import request_tag
 from ..worker import PORT, Done
 from .prefill_parts import PartSave, PrefillParts
@@ -34,11 +34,11 @@ if TYPE_CHECKING:
     from ....shard.sink import LayerSink
 
 CONNECTOR = "E3PHiddenStatesConnector"  # vLLM loads it as `kv_connector` from this module (kv_connector_module_path)
-VLLM_MODULE = registry.EXAMPLE_CONNECTOR
-SCHED_MODULE = registry.SCHEDULER_OUTPUT  # what build_connector_meta reads of a step (PartSave)
-# What of vLLM's example connector module this one uses: its entries in vllm/registry.py (the built-in
+VLLM_MODULE = names.EXAMPLE_CONNECTOR
+SCHED_MODULE = names.SCHEDULER_OUTPUT  # what build_connector_meta reads of a step (PartSave)
+# What of vLLM's example connector module this one uses: its entries in vllm/names.py (the built-in
 # path's), checked by check_internals(): {"module": top-level names, class: its methods and fields}.
-_ENTRIES = [n for n in registry.NAMES if n.module == VLLM_MODULE and n.needed_by == registry.BUILTIN]
+_ENTRIES = [n for n in names.NAMES if n.module == VLLM_MODULE and n.needed_by == names.BUILTIN]
 _PARENT = registry.entry("ExampleHiddenStatesConnector").path
 # Set by the parent's __init__; checked right after it, so a changed vLLM fails the engine start.
 INSTANCE_INTERNALS = tuple(
@@ -49,8 +49,8 @@ for _cls, _, _attr in (n.path.partition(".") for n in _ENTRIES if n.kind in ("me
     if not (_cls == _PARENT and _attr in INSTANCE_INTERNALS):
         INTERNALS[_cls] = (*INTERNALS.get(_cls, ()), _attr)
 SCHED_INTERNALS: dict[str, tuple[str, ...]] = {}
-for _name in registry.NAMES:
-    if _name.module == SCHED_MODULE and _name.needed_by == registry.BUILTIN and _name.kind == "member":
+for _name in names.NAMES:
+    if _name.module == SCHED_MODULE and _name.needed_by == names.BUILTIN and _name.kind == "member":
         _cls, _, _attr = _name.path.partition(".")
         SCHED_INTERNALS[_cls] = (*SCHED_INTERNALS.get(_cls, ()), _attr)
 
@@ -67,12 +67,12 @@ def check_internals(module: Any, sched: Any = None) -> str | None:
     output module, when given) all SCHED_INTERNALS; else one line naming what's gone."""
     missing = [n for n in INTERNALS["module"] if not hasattr(module, n)]
     for mod, table in ((module, INTERNALS), (sched, SCHED_INTERNALS if sched is not None else {})):
-        for cls, names in table.items():
+        for cls, fields in table.items():
             if cls != "module" and hasattr(mod, cls):
                 have = _fields(getattr(mod, cls))
-                missing += [f"{cls}.{n}" for n in names if n not in have]
+                missing += [f"{cls}.{n}" for n in fields if n not in have]
             elif cls != "module":  # the class itself is gone: named by its first entry
-                missing.append(f"{cls}.{names[0]}")
+                missing.append(f"{cls}.{fields[0]}")
     if not missing:
         return None
     first = registry.missing_line(missing[0])

@@ -4,7 +4,7 @@ No public vLLM API says which rows of a forward step belong to which request, or
 decoder layers are: the hooks read them from the V1 model runner and the model (step_layout,
 worker.HiddenStatesCapture). A vLLM release that renames one must stop the job in one line naming the
 internal and the version, never switch a feature off or read other rows in silence: every read below
-raises VLLMInternalError instead of falling back. Each is an entry of vllm/registry.py (its vLLM
+raises VLLMInternalError instead of falling back. Each is an entry of vllm/names.py (its vLLM
 range: the V1 runner's, gone in 0.34); tests/test_hooks_internals.py removes each one.
 Nothing here imports vLLM.
 """
@@ -15,7 +15,7 @@ import inspect
 from typing import Any
 
 from ....shard.sink import Segment
-from ... import registry
+from ... import names, registry
 from ...registry import VLLMInternalError
 from ..requests import TAG_KEY
 
@@ -33,7 +33,7 @@ HOOKS_INTERNALS = {
     "requests": "GPUModelRunner.requests",
     "sampling_params": "CachedRequestState.sampling_params",
     "extra_args": "SamplingParams.extra_args",
-    # on any model, whichever class holds them (registry.ANY_MODEL)
+    # on any model, whichever class holds them (names.ANY_MODEL)
     "layers": "decoder layers at model.model.layers (or get_language_model().model.layers)",
     "layer_forward": "DecoderLayer.forward(positions, hidden_states, residual)",
 }
@@ -47,7 +47,7 @@ def missing(name: str, owner: Any = None, fix: str | None = None) -> VLLMInterna
     """The one line for internal `name` (a HOOKS_INTERNALS key) missing on `owner`; the fix, unless given, is the
     registry's for the installed version (the built-in path, on a vLLM without the V1 runner)."""
     entry = registry.entry(HOOKS_INTERNALS[name])
-    return registry.missing(entry, owner, fix or (None if entry.needed_by == registry.HOOKS else FIX))
+    return registry.missing(entry, owner, fix or (None if entry.needed_by == names.HOOKS else FIX))
 
 
 def require(owner: Any, name: str, fix: str | None = None) -> Any:

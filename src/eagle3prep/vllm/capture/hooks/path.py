@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ....infra.log import get_logger
 from ... import registry
 from .. import message
-from ..loop import WorkerSinkPath, log
+from ..loop import WorkerSinkPath
 from .worker import HiddenStatesCapture
 
+log = get_logger("vllm backend").info
 WORKER_EXTENSION = f"{HiddenStatesCapture.__module__}.{HiddenStatesCapture.__qualname__}"
 
 

@@ -1,0 +1,45 @@
+"""The extract stage's one seam to the engines: which capture backend a shard gets, built from its CaptureSpec.
+The engines' modules are imported only here, when a shard needs them (vLLM's import costs seconds)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..backends.empty import EmptyShardBackend
+
+if TYPE_CHECKING:
+    from ..backends.base import CaptureBackend, CaptureSpec
+    from ..model_facts import ModelFacts
+
+BACKENDS = ("hf", "vllm")
+
+
+def make_backend(spec: CaptureSpec, facts: ModelFacts | None = None) -> CaptureBackend:
+    """The backend extract.backend names. `facts`: the model's, when the job has read them (the vllm probe needs
+    them)."""
+    if spec.backend == "hf":
+        from ..backends.hf import HFBackend
+
+        return HFBackend(spec)
+    if spec.backend == "vllm":
+        from ..vllm.capture.backend import VLLMBackend
+
+        return VLLMBackend(spec, facts)
+    raise ValueError(f"extract.backend = {spec.backend!r} is not one of {list(BACKENDS)}")
+
+
+def empty_backend(spec: CaptureSpec, facts: ModelFacts, hidden_size: int) -> EmptyShardBackend:
+    """The backend of a shard without rows: no engine started, the installed one's version named."""
+    return EmptyShardBackend(spec, facts, hidden_size, engine_version(spec.backend))
+
+
+def engine_version(backend: str) -> str:
+    """The installed version of the engine `backend` would have started, without starting it: an empty
+    shard's manifest names the same engine as its neighbours'."""
+    if backend == "vllm":
+        from ..vllm.registry import version_text
+
+        return version_text()
+    import transformers
+
+    return transformers.__version__
