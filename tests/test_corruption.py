@@ -100,6 +100,20 @@ def test_a_failed_shard_names_the_users_own_command_that_redoes_it(shard, good, 
         "the next run of the same command moves it to results/failed/ and extracts it again: "
         "snakemake --configfile mine.yaml --directory runs/a"
     )
+    # heal.keep_failed, or a shard already redone heal.MAX_REDOS times: it is validated again in place, not moved.
+    with pytest.raises(ValidationError) as e:
+        calls.validate(shard, good[0][1], tmp_path / "v.json", demo_model_dir, sample_rows=2, keep_failed=True)
+    assert "results/failed" not in str(e.value) and "moves it" not in str(e.value)
+    assert str(e.value).endswith(
+        f"the next run of the same command validates it again and fails, kept in place (heal.keep_failed), until it "
+        f"passes or you remove {shard} (then it is extracted again): snakemake --configfile mine.yaml --directory runs/a"
+    )
+    monkeypatch.chdir(tmp_path)
+    for copy in (f"{shard.name}", f"{shard.name}.1"):
+        (tmp_path / "results/failed" / copy).mkdir(parents=True)
+    with pytest.raises(ValidationError) as e:
+        calls.validate(shard, good[0][1], tmp_path / "v.json", demo_model_dir, sample_rows=2)
+    assert "validates it again and fails, not extracted again after 2 redos, until it passes" in str(e.value)
 
 
 def test_swapped_layer_files(shard, good, demo_model_dir, capsys, tmp_path):
