@@ -70,6 +70,11 @@ def set_file(shard, name: str, data: bytes | None = None) -> None:
 def test_good_shard_passes_every_check(good, demo_model_dir, tmp_path):
     report = calls.validate(good[0][0], good[0][1], tmp_path / "v.json", demo_model_dir, sample_rows=2)
     assert report["ok"] and len(report["reference"]) == 2 * 4
+    # Each file's size and mtime, as a rerun's healing compares them (run.heal.changed_in_place).
+    listed = json.loads((good[0][0] / MANIFEST).read_text())["files"]
+    seen = report["files_seen"]
+    assert set(seen) >= set(listed) | {MANIFEST}
+    assert all(seen[n] == [(good[0][0] / n).stat().st_size, (good[0][0] / n).stat().st_mtime_ns] for n in seen)
     assert {c["check"] for c in report["checks"]} >= {"manifest", "token_ids", "index_rows", "reference:layer_4"}
     manifest = json.loads((good[0][0] / MANIFEST).read_text())
     assert manifest["model"]["trust_remote_code"] is False  # the default, recorded (hygiene)

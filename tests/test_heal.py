@@ -289,6 +289,37 @@ def test_a_deleted_or_added_file_is_extracted_again_at_once_not_validated_to_fai
     assert heals[2].force == heal.validation_json(2) and "validating it again" in heals[2].why
 
 
+def test_a_file_written_in_place_after_validation_is_noticed_by_its_size_or_mtime():
+    """A byte written into a layer file in place leaves the folder's date alone: the size and mtime validation
+    recorded per file (files_seen) tell. Before: a rerun noticed nothing."""
+    folder = finished(0)
+    val = Path(heal.validation_json(0))
+    layer = folder / "layer_2.safetensors"
+    past = layer.stat().st_mtime_ns - 5 * 10**9
+    os.utime(layer, ns=(past, past))
+    val.write_text(json.dumps({"ok": True, "files_seen": heal.files_seen(folder)}))
+    later = folder.stat().st_mtime_ns + 10**9
+    os.utime(val, ns=(later, later))
+    assert set(heal.files_seen(folder)) == {"layer_2.safetensors", "manifest.json"} and heal.find([0]) == []
+    os.utime(layer, ns=(past + 10**8, past + 10**8))  # the same second (a copy that keeps whole seconds)
+    assert heal.find([0]) == []
+    folder_ns = folder.stat().st_mtime_ns
+    with open(layer, "r+b") as f:  # in place: same size, the folder's date unchanged
+        f.write(b"y")
+    os.utime(folder, ns=(folder_ns, folder_ns))
+    [h] = heal.find([0])
+    assert h.force == heal.validation_json(0) and h.why == (
+        f"{folder}: layer_2.safetensors was written again (its mtime is not the one validated) since {val} was "
+        "written: validating it again"
+    )
+    layer.write_bytes(b"xy")
+    os.utime(folder, ns=(folder_ns, folder_ns))
+    assert "layer_2.safetensors is 2 bytes, not the 1 validated" in heal.find([0])[0].why
+    layer.unlink()
+    os.utime(folder, ns=(folder_ns, folder_ns))
+    assert "layer_2.safetensors is gone" in heal.find([0])[0].why
+
+
 def test_what_verify_found_damaged_is_made_again_once():
     for k in range(3):
         finished(k)

@@ -75,8 +75,12 @@ def validate_shard(
     model.trust_remote_code. `refs`: a ReferencePair already loaded (the validation matrix judges many shards
     of one model). `keep_failed`: heal.keep_failed (what the error says the next run does).
     """
+    from ..run.heal import files_seen
+
     checks = Checks()
     report: dict[str, Any] = {"shard_dir": str(shard_dir), "tokenized": str(tokenized_shard)}
+    # Each file's size and mtime before a byte is read: a rerun that finds another one validates the shard again.
+    report["files_seen"] = files_seen(shard_dir) if Path(shard_dir).is_dir() else {}
     m = check_manifest(shard_dir, checks)
     if m is not None:
         report.update(
