@@ -3,9 +3,10 @@ missing, unfinished, changed after validation or that failed validation, and say
 
 Snakemake alone does not redo them: a deleted shard whose validation and report exist is an intermediate
 file it does not need, and a failed shard's folder still looks finished. The checks are directory listings,
-`stat`s and existence tests (no file is read but the validation log of a shard that has no validation),
-so `snakemake -n` on 10,000 shards stays fast. What is found is redone through heal tickets (run.tickets): the
-one change on disk, moving a failed shard to results/failed/, is the ticket job's, under Snakemake's lock.
+`stat`s and existence tests; the files read are a validated shard's validation report (the size and mtime of each
+file it saw: a file written in place leaves the folder's date alone) and the validation log of a shard that has
+no validation. What is found is redone through heal tickets (run.tickets): the one change on disk, moving a
+failed shard to results/failed/, is made when the run starts, under Snakemake's lock.
 """
 
 from __future__ import annotations
