@@ -5,7 +5,8 @@ with the folder's date put back (only the file's size and mtime that validation 
 with every date put back, which only `snakemake verify` finds and records.
 
 Before: the copied and metadata-less folders printed "validating it again" / "extracting it again", then Snakemake
-said "Nothing to be done" and the run exited 0 over damaged data; (b) was not noticed at all."""
+said "Nothing to be done" and the run exited 0 over damaged data; (b) was not noticed at all. The copied folder
+is taken on to the run that sets the failed shards aside and ends with exit status 0 and the finished run's bytes."""
 
 from __future__ import annotations
 
@@ -83,6 +84,8 @@ def test_a_damaged_folder_heals_wherever_it_is_and_with_or_without_metadata(smal
     assert (wd / heal.validation_json(2)).exists()  # extracted again, and it passed
     assert same_bytes(wd, small_demo_run, 2)
     assert stale.is_stale(wd / stale.REPORT)
+    if kind != "copied":
+        return  # what follows (set aside, extracted again) no longer depends on where the folder is
 
     second = snakemake(wd, check=False)
     assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
