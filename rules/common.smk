@@ -77,7 +77,6 @@ TOKENIZED = "results/tokenized"
 
 wildcard_constraints:
     k=r"\d+",
-    n=r"\d+",
 
 
 if workflow.is_main_process:
@@ -109,7 +108,7 @@ def _results_checks(mode):
 
 # Shards that are missing, unfinished, changed after validation or failed it are redone by the same command, each
 # named in one line (eagle3prep.run.heal; docs/guides/reruns.md), through heal tickets: a job to redo gets this
-# run's ticket as one more input, made by the local rule `heal` below (eagle3prep.run.tickets says how).
+# run's ticket as one more input, a file newer than its outputs (eagle3prep.run.tickets says how).
 REDO = []  # the config change that redoes finished shards, when there is one
 
 
@@ -177,8 +176,9 @@ def missing(*patterns):
 
 onstart:
     record_owner()
-    # What the `heal` job does, for the jobs to redo that this run's DAG holds (it runs in a process of its own).
-    HEALING.request()
+    # Healing's changes on disk (failed shards set aside, the last report marked stale), for the jobs to redo that
+    # this run's DAG holds: under Snakemake's lock, before any job starts.
+    HEALING.carry_out()
     # Each running GPU job's rate, share done and ETA on the terminal (EAGLE3PREP_PROGRESS_S=0: off).
     progress.start(
         SHARDS, regenerate_shards=REGEN_SHARDS if REGEN.workflow.enabled else ()

@@ -72,6 +72,11 @@ def set_file(shard, name: str, data: bytes | None = None) -> None:
 def test_good_shard_passes_every_check(good, demo_model_dir, tmp_path):
     report = calls.validate(good[0][0], good[0][1], tmp_path / "v.json", demo_model_dir, sample_rows=2)
     assert report["ok"] and len(report["reference"]) == 2 * 4
+    # Each file's size and mtime, as a rerun's healing compares them (run.heal.changed_in_place).
+    listed = json.loads((good[0][0] / MANIFEST).read_text())["files"]
+    seen = report["files_seen"]
+    assert set(seen) >= set(listed) | {MANIFEST}
+    assert all(seen[n] == [(good[0][0] / n).stat().st_size, (good[0][0] / n).stat().st_mtime_ns] for n in seen)
     assert {c["check"] for c in report["checks"]} >= {"manifest", "token_ids", "index_rows", "reference:layer_4"}
     manifest = json.loads((good[0][0] / MANIFEST).read_text())
     assert manifest["model"]["trust_remote_code"] is False  # the default, recorded (hygiene)
@@ -102,6 +107,20 @@ def test_a_failed_shard_names_the_users_own_command_that_redoes_it(shard, good, 
         "the next run of the same command moves it to results/failed/ and extracts it again: "
         "snakemake --configfile mine.yaml --directory runs/a"
     )
+    # heal.keep_failed, or a shard already redone heal.MAX_REDOS times: it is validated again in place, not moved.
+    with pytest.raises(ValidationError) as e:
+        calls.validate(shard, good[0][1], tmp_path / "v.json", demo_model_dir, sample_rows=2, keep_failed=True)
+    assert "results/failed" not in str(e.value) and "moves it" not in str(e.value)
+    assert str(e.value).endswith(
+        f"the next run of the same command validates it again and fails, kept in place (heal.keep_failed), until it "
+        f"passes or you remove {shard} (then it is extracted again): snakemake --configfile mine.yaml --directory runs/a"
+    )
+    monkeypatch.chdir(tmp_path)
+    for copy in (f"{shard.name}", f"{shard.name}.1"):
+        (tmp_path / "results/failed" / copy).mkdir(parents=True)
+    with pytest.raises(ValidationError) as e:
+        calls.validate(shard, good[0][1], tmp_path / "v.json", demo_model_dir, sample_rows=2)
+    assert "validates it again and fails, not extracted again after 2 redos, until it passes" in str(e.value)
 
 
 def test_swapped_layer_files(shard, good, demo_model_dir, capsys, tmp_path):

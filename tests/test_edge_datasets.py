@@ -2,9 +2,9 @@
 record quarantined, an empty file, a file of blank lines), and fewer conversations than shards.
 
 A file whose every record is quarantined stops the run in the prepare job with one line naming the file, the
-reasons and data.max_quarantine_share, the quarantine kept beside the log (a failed job loses its outputs); sources
-that hold no record stop it in the tokenize job with one line naming them. Fewer rows than shards gives empty shards that are
-written without an engine, validated, reported, exported and loaded like the others.
+reasons and data.max_quarantine_share, the quarantine kept beside the log (a failed job loses its outputs); a source
+file that holds no record stops it there too, in one line naming the file. Fewer rows than shards gives empty shards
+that are written without an engine, validated, reported, exported and loaded like the others.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def test_a_file_with_every_record_quarantined_stops_the_prepare_job_with_one_lin
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     message = (
         "error: all_bad.jsonl: prepare quarantined 3 of its 3 rows (all; invalid_json 1, unknown_role 1, "
-        "no_assistant_turn 1), over data.max_quarantine_share = 0.5; each record and its reason is in "
-        "logs/prepare.quarantine.jsonl: fix the file, drop it from data.sources, or raise data.max_quarantine_share"
+        "no_assistant_turn 1), a file that loses every row fails whatever data.max_quarantine_share is (now 0.5); "
+        "each record and its reason is in logs/prepare.quarantine.jsonl: fix the file or drop it from data.sources"
     )
     assert (wd / "logs/prepare.log").read_text().splitlines()[-1] == message
     assert message in proc.stderr  # the profile's show-failed-logs prints it under the failed job
@@ -67,34 +67,30 @@ def test_a_file_with_every_record_quarantined_stops_the_prepare_job_with_one_lin
 
 
 NOTHING_KEPT = {
-    "empty_file": (
-        {"empty.jsonl": (BAD / "sources/empty.jsonl").read_text()},
-        "error: no conversations to tokenize: data.sources hold no records: empty.jsonl (empty); "
-        "list files that contain conversations in data.sources",
-    ),
+    "empty_file": ({"empty.jsonl": (BAD / "sources/empty.jsonl").read_text()}, "an empty file"),
     "blank_lines_only": (
         {"blank_lines_only.jsonl": (BAD / "sources/blank_lines_only.jsonl").read_text()},
-        "error: no conversations to tokenize: data.sources hold no records: blank_lines_only.jsonl (only 4 blank "
-        "lines); list files that contain conversations in data.sources",
+        "only 4 blank lines",
     ),
 }
 
 
 @pytest.mark.parametrize("case", list(NOTHING_KEPT))
-def test_nothing_kept_stops_the_tokenize_job_with_one_line(case, tmp_path, demo_model_dir):
-    sources, message = NOTHING_KEPT[case]
+def test_a_source_file_without_records_stops_the_prepare_job_with_one_line(case, tmp_path, demo_model_dir):
+    """An empty file (or blank lines only) is an error naming it; before, it passed as `0 rows in, 0 kept`."""
+    sources, what = NOTHING_KEPT[case]
     wd = edge_workdir(tmp_path, demo_model_dir, sources)
     proc = snakemake(wd, check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert (wd / "logs/tokenize.log").read_text().splitlines() == [message]
+    name = next(iter(sources))
+    message = (
+        f"error: {name}: no records ({what}); a source file must hold conversations: fix the file or drop it from "
+        "data.sources"
+    )
+    assert (wd / "logs/prepare.log").read_text().splitlines()[-1] == message
     assert message in proc.stderr  # the profile's show-failed-logs prints it under the failed job
-    # prepare succeeded: its counts and the quarantine the message points at are there to read.
-    counts = json.loads((wd / "results/prepared/counts.json").read_text())["totals"]
-    quarantine = [json.loads(x) for x in (wd / "results/prepared/quarantine.jsonl").read_text().splitlines()]
-    assert counts["kept"] == 0 and counts["rows_in"] == counts["quarantined_total"] == len(quarantine)
-    assert quarantine == [] and counts["rows_in"] == 0
     # Nothing after it ran: no empty "successful" dataset (config.json: the record of the config that made the folder).
-    assert sorted(p.name for p in (wd / "results").iterdir()) == ["config.json", "prepared"]
+    assert sorted(p.name for p in (wd / "results").iterdir() if p.is_file() or any(p.iterdir())) == ["config.json"]
 
 
 # ------------------------------------------------------------------------------- fewer rows than shards
@@ -102,15 +98,13 @@ def test_nothing_kept_stops_the_tokenize_job_with_one_line(case, tmp_path, demo_
 
 @pytest.fixture(scope="module")
 def few_rows_run(tmp_path_factory, demo_model_dir) -> Path:
-    """2 conversations kept (of 5 records in 3 files, two of them empty) for 3 shards: shard 2 is empty."""
+    """2 conversations kept (of 5 records) for 3 shards: shard 2 is empty."""
     duplicate = good_line(1)
     sources = {
         "few.jsonl": "".join(
             x + "\n"
             for x in [good_line(1), corpus_line("no_assistant_turn.jsonl", 2), duplicate, "{oops", good_line(2)]
         ),
-        "empty.jsonl": (BAD / "sources/empty.jsonl").read_text(),
-        "blank_lines_only.jsonl": (BAD / "sources/blank_lines_only.jsonl").read_text(),
     }
     wd = edge_workdir(
         tmp_path_factory.mktemp("few_rows"),
@@ -126,13 +120,9 @@ def few_rows_run(tmp_path_factory, demo_model_dir) -> Path:
 def test_fewer_rows_than_shards_makes_empty_shards_that_validate(few_rows_run):
     res = few_rows_run / "results"
     counts = json.loads((res / "prepared/counts.json").read_text())
-    assert [(f["file"], f["rows_in"], f["kept"]) for f in counts["files"]] == [
-        ("few.jsonl", 5, 2),
-        ("empty.jsonl", 0, 0),
-        ("blank_lines_only.jsonl", 0, 0),
-    ]
+    assert [(f["file"], f["rows_in"], f["kept"]) for f in counts["files"]] == [("few.jsonl", 5, 2)]
     t = counts["totals"]
-    assert (t["duplicates"], t["quarantined_total"], t["blank_lines"]) == (1, 2, 4)
+    assert (t["duplicates"], t["quarantined_total"], t["blank_lines"]) == (1, 2, 0)
 
     tokenized = [
         [json.loads(x) for x in (res / f"tokenized/shard_{k}.jsonl").read_text().splitlines()] for k in range(3)

@@ -139,9 +139,10 @@ def healing(main=True, dry=False, **kw):
     return h, said
 
 
-def test_a_job_to_redo_gets_this_runs_ticket_and_keeps_it_once_healed():
-    """Healing through Snakemake's own rules: the redone job's one more input is the next ticket; once the heal
-    job wrote it, the next run asks the same input of that job (nothing re-queued) and none of the others."""
+def test_a_job_to_redo_gets_this_runs_ticket_newer_than_its_outputs_and_keeps_it_once_healed():
+    """Healing through Snakemake's own rules: the redone job's one more input is the next ticket, written while the
+    DAG is built, so it is there and newer than the job's outputs (Snakemake's mtime trigger, no metadata needed);
+    once carried out, the next run asks the same input of that job (nothing re-queued) and none of the others."""
     for k in range(3):
         finished(k)
     shutil.rmtree(heal.shard_dir(2))
@@ -150,29 +151,42 @@ def test_a_job_to_redo_gets_this_runs_ticket_and_keeps_it_once_healed():
     assert h.ticket("validate/2") == [] and said == [
         f"{heal.shard_dir(2)} is missing but {heal.validation_json(2)} exists: extracting it again"
     ]
-    h.request()  # onstart; the ticket job runs in a process of its own, which finds nothing itself
-    tickets.make_ticket(".eagle3prep/heal/1.json")
-    assert json.loads(Path(".eagle3prep/heal/1.json").read_text())["jobs"] == ["extract/2"]
-    assert not Path(".eagle3prep/heal/1.request.json").exists()
+    ticket = Path(".eagle3prep/heal/1.json")
+    assert ticket.stat().st_mtime_ns > Path(heal.validation_json(2)).stat().st_mtime_ns
+    # Not carried out yet (a run refused before onstart): no later run takes it as a job's last ticket.
+    assert tickets.read_tickets() == {1: None} and healing(main=False)[0].ticket("extract/2") == []
+    assert h.carry_out() == [f"redo extract/2: {said[0]}"]
+    assert json.loads(ticket.read_text())["jobs"] == ["extract/2"] and json.loads(ticket.read_text())["started"]
+    assert Path("logs/heal/1.log").read_text() == f"[heal] redo extract/2: {said[0]}\n"
+    assert healing(main=False)[0].ticket("extract/2") == [str(ticket)]  # a spawned job's process: the same input
     finished(2)  # what the redone job made
     again, said = healing()
     assert again.ticket("extract/2") == [".eagle3prep/heal/1.json"] and again.ticket("extract/1") == [] and not said
+    assert not Path(".eagle3prep/heal/2.json").exists()  # nothing due: no ticket
     shutil.rmtree(heal.shard_dir(2))  # damaged again: the next ticket, and the other shards keep theirs
     third, _ = healing()
     assert third.ticket("extract/2") == [".eagle3prep/heal/2.json"]
 
 
-def test_the_ticket_job_sets_failed_shards_aside_and_names_only_the_jobs_the_dag_holds():
+def test_a_ticket_no_job_of_the_dag_took_is_removed():
+    for k in range(3):
+        finished(k)
+    shutil.rmtree(heal.shard_dir(2))
+    h, _ = healing()
+    assert h.is_due("extract/2") and Path(".eagle3prep/heal/1.json").exists()
+    assert h.carry_out() == [] and not Path(".eagle3prep/heal/1.json").exists()
+
+
+def test_carrying_out_sets_failed_shards_aside_and_names_only_the_jobs_the_dag_holds():
     for k in range(3):
         finished(k, validated=k != 1)
     failed_log(1)
     h, said = healing()
     assert h.ticket("extract/1") == [".eagle3prep/heal/1.json"]
-    h.request()
     said.clear()
-    tickets.make_ticket(".eagle3prep/heal/1.json", "logs/heal/1.log", say=said.append)
+    lines = h.carry_out("logs/heal/1.log")
     assert not Path(heal.shard_dir(1)).exists() and Path("results/failed/shard_1/hidden_states/manifest.json").exists()
-    assert said[-1] == f"moved {heal.shard_dir(1)} to results/failed/shard_1"
+    assert said[-1] == f"moved {heal.shard_dir(1)} to results/failed/shard_1" and lines[-1] == said[-1]
     assert Path("logs/heal/1.log").read_text().splitlines()[-1] == f"[heal] {said[-1]}"
 
 
@@ -181,8 +195,10 @@ def test_a_dry_run_or_a_spawned_jobs_process_changes_nothing():
     finished(1, validated=False)
     failed_log(1)
     dry, said = healing(dry=True)
-    assert dry.ticket("extract/1") == [".eagle3prep/heal/1.json"] and "would move it" in said[0]
-    assert Path(heal.shard_dir(1)).is_dir() and not Path(".eagle3prep").exists()
+    # A dry run's ticket is made (so -n lists the job) and removed when the process exits; nothing is moved.
+    assert dry.ticket("extract/1") == [".eagle3prep/heal/dry-run.json"] and "would move it" in said[0]
+    assert Path(".eagle3prep/heal/dry-run.json").exists() and tickets.read_tickets() == {}
+    assert dry.carry_out() == [] and Path(heal.shard_dir(1)).is_dir()
     spawned, said = healing(main=False)  # a job's own process: the tickets on disk only, no finding, no lines
     assert spawned.ticket("extract/1") == [] and not said
 
@@ -271,6 +287,37 @@ def test_a_deleted_or_added_file_is_extracted_again_at_once_not_validated_to_fai
     )
     assert heals[1].force == heal.shard_dir(1) and "notes.txt is not in its manifest.json" in heals[1].why
     assert heals[2].force == heal.validation_json(2) and "validating it again" in heals[2].why
+
+
+def test_a_file_written_in_place_after_validation_is_noticed_by_its_size_or_mtime():
+    """A byte written into a layer file in place leaves the folder's date alone: the size and mtime validation
+    recorded per file (files_seen) tell. Before: a rerun noticed nothing."""
+    folder = finished(0)
+    val = Path(heal.validation_json(0))
+    layer = folder / "layer_2.safetensors"
+    past = layer.stat().st_mtime_ns - 5 * 10**9
+    os.utime(layer, ns=(past, past))
+    val.write_text(json.dumps({"ok": True, "files_seen": heal.files_seen(folder)}))
+    later = folder.stat().st_mtime_ns + 10**9
+    os.utime(val, ns=(later, later))
+    assert set(heal.files_seen(folder)) == {"layer_2.safetensors", "manifest.json"} and heal.find([0]) == []
+    os.utime(layer, ns=(past + 10**8, past + 10**8))  # the same second (a copy that keeps whole seconds)
+    assert heal.find([0]) == []
+    folder_ns = folder.stat().st_mtime_ns
+    with open(layer, "r+b") as f:  # in place: same size, the folder's date unchanged
+        f.write(b"y")
+    os.utime(folder, ns=(folder_ns, folder_ns))
+    [h] = heal.find([0])
+    assert h.force == heal.validation_json(0) and h.why == (
+        f"{folder}: layer_2.safetensors was written again (its mtime is not the one validated) since {val} was "
+        "written: validating it again"
+    )
+    layer.write_bytes(b"xy")
+    os.utime(folder, ns=(folder_ns, folder_ns))
+    assert "layer_2.safetensors is 2 bytes, not the 1 validated" in heal.find([0])[0].why
+    layer.unlink()
+    os.utime(folder, ns=(folder_ns, folder_ns))
+    assert "layer_2.safetensors is gone" in heal.find([0])[0].why
 
 
 def test_what_verify_found_damaged_is_made_again_once():

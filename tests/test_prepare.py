@@ -27,6 +27,7 @@ from eagle3prep.prepare import (
     require_conversations,
     summarize,
 )
+from eagle3prep.prepare.counts import loss_error
 
 from testkit import calls
 
@@ -670,9 +671,9 @@ def assert_fails_naming_the_lossy_file(tmp_path: Path, script: str, odd: Path, s
     assert e.value.code == 1
     errors = [line for line in (tmp_path / "prepare.log").read_text().splitlines() if line.startswith("error: ")]
     assert errors == [
-        f"error: {odd}: prepare quarantined 3 of its 3 rows (all; unknown_shape 3), over data.max_quarantine_share "
-        f"= 0.5; each record and its reason is in {tmp_path / 'prepare.quarantine.jsonl'}: fix the file, drop it "
-        "from data.sources, or raise data.max_quarantine_share"
+        f"error: {odd}: prepare quarantined 3 of its 3 rows (all; unknown_shape 3), a file that loses every row "
+        f"fails whatever data.max_quarantine_share is (now 0.5); each record and its reason is in "
+        f"{tmp_path / 'prepare.quarantine.jsonl'}: fix the file or drop it from data.sources"
     ]
     assert len(read_jsonl(tmp_path / "prepare.quarantine.jsonl")) == 3
 
@@ -689,6 +690,39 @@ def test_a_source_file_that_loses_all_or_most_of_its_rows_fails_prepare_in_one_l
         run_prepare_script(tmp_path, "prepare.py", [good, odd])
     assert "quarantined 2 of its 3 rows (67%;" in (tmp_path / "prepare.log").read_text()
     assert "error:" not in run_prepare_script(tmp_path, "prepare.py", [good, odd], max_share=1)
+    assert "or raise data.max_quarantine_share" in loss_error(
+        json.loads((tmp_path / "out/n.json").read_text()), 0.5, "q.jsonl"
+    )
+
+
+def test_a_file_that_loses_every_row_is_never_told_to_raise_the_share(tmp_path, monkeypatch):
+    """At data.max_quarantine_share = 1 a file with every row quarantined still fails: the line says so, and does
+    not send the user to raise a share that is already 1 (before: "... or raise data.max_quarantine_share")."""
+    good, odd = lossy_sources(tmp_path)
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
+    with pytest.raises(SystemExit):
+        run_prepare_script(tmp_path, "prepare.py", [good, odd], max_share=1)
+    error = [x for x in (tmp_path / "prepare.log").read_text().splitlines() if x.startswith("error: ")][-1]
+    assert "quarantined 3 of its 3 rows (all; unknown_shape 3), a file that loses every row fails whatever " in error
+    assert "data.max_quarantine_share is (now 1)" in error and error.endswith("fix the file or drop it from data.sources")
+    assert "raise" not in error
+
+
+@pytest.mark.parametrize("text,what", [("", "an empty file"), ("\n\n", "only 2 blank lines")])
+def test_an_empty_source_file_beside_good_ones_is_an_error_naming_it(tmp_path, monkeypatch, text, what):
+    """Before: `empty.jsonl: 0 rows in, 0 kept`, and the run went on without the file in silence."""
+    good, _ = lossy_sources(tmp_path)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(text)
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
+    with pytest.raises(SystemExit) as e:
+        run_prepare_script(tmp_path, "prepare.py", [good, empty])
+    assert e.value.code == 1
+    errors = [x for x in (tmp_path / "prepare.log").read_text().splitlines() if x.startswith("error: ")]
+    assert errors == [
+        f"error: {empty}: no records ({what}); a source file must hold conversations: fix the file or drop it "
+        "from data.sources"
+    ]
 
 
 def test_the_regenerate_stages_prompt_only_prepare_applies_the_loss_share_too(tmp_path, monkeypatch):

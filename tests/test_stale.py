@@ -4,6 +4,7 @@ files named (eagle3prep.report.page.banners)."""
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -49,6 +50,24 @@ def test_the_stale_banner_goes_at_the_top_once_and_names_each_reason():
     assert text.index("STALE") < text.index(GREEN)
     assert "<li>shard_7 changed</li>" in text
     assert not stale.mark_stale(["x"], "results/report/none.html")
+
+
+def test_a_stale_report_shows_no_green_and_the_failure_comes_first():
+    """Before: the red STALE banner went on top, with "Every check passed on every shard" and "4 / 4" right under."""
+    ok = {"ok": True, "checks": [{"check": "sha256", "ok": True}]}
+    c = ctx([ok] * 4, shards=4, counts={}, stats={}, coverage={"at": {}})
+    body = "".join(page.banners(c)) + stale.while_current("", stale.STALE_VERDICTS)
+    kpis = page.kpis(c | {"dataset": {"shards": [{}] * 4, "rows": 8, "tokens": 80, "bytes": 1, "layer_ids": [2]},
+                          "counts": {"files": [], "totals": {"rows_in": 8}}})  # fmt: skip
+    path = old_report(f"<html><body><h1>report</h1>{body}{kpis}</body></html>")
+    fresh = re.sub("<!--.*?-->", "", path.read_text())  # what a browser shows
+    assert GREEN in fresh and "<b>4 / 4</b>" in fresh and "STALE" not in fresh
+    assert stale.mark_stale(["results/hidden_states/shard_1 failed validation"], path)
+    text = path.read_text()
+    assert GREEN not in text and "4 / 4" not in text and "class='banner good'" not in text
+    assert text.startswith(f"<html><body>{stale.MARK_START}<div class='banner bad'>STALE")  # first on the page
+    assert "<b>STALE: see the top of the page</b>" in text and "verdicts below are from before the changes" in text
+    assert stale.mark_stale(["again"], path) and path.read_text().count("STALE: see the top") == 1
 
 
 def test_a_failed_run_marks_an_older_report_with_the_failed_validation():
@@ -102,7 +121,13 @@ def test_set_aside_shards_and_lossy_files_are_in_the_banners():
     )  # fmt: skip
     assert "<div class='banner bad'>1 shard copy failed validation and was set aside" in text
     assert "<code>results/failed/shard_6</code>: sha256" in text
-    assert "<code>odd.parquet</code>: 4 rows in, 1 kept (unknown_shape 3)" in text and "good.jsonl" not in text
+    assert "<code>odd.parquet</code>: 4 rows in, 1 kept, 3 quarantined (unknown_shape 3)" in text
+    assert "good.jsonl" not in text
+    # Duplicates are named too, so the numbers add up (rows in = kept + duplicates + quarantined).
+    losses[1] |= {"rows_in": 6, "duplicates": 2}
+    assert "<code>odd.parquet</code>: 6 rows in, 1 kept, 2 duplicates, 3 quarantined (unknown_shape 3)" in "".join(
+        page.banners(ctx([ok], shards=1, source_losses=losses))
+    )
 
 
 def test_the_end_of_a_run_counts_rows_in_and_kept_per_file_when_any_were_quarantined():
@@ -122,7 +147,7 @@ def test_the_end_of_a_run_counts_rows_in_and_kept_per_file_when_any_were_quarant
     )
     lines = closing.run_losses()
     assert lines[1:] == [
-        "  a.jsonl: 10 rows in, 8 kept, 1 duplicates, 1 quarantined (tokenize 1)",
+        "  a.jsonl: 10 rows in, 8 kept, 1 duplicates, 1 quarantined (no_assistant_tokens 1)",
         "  b.parquet: 5 rows in, 3 kept, 2 quarantined (unknown_shape 2)",
     ]
     counts["files"][1].update(kept=5, quarantined={"unknown_shape": 0}, quarantined_total=0)
@@ -155,7 +180,7 @@ def test_a_failed_shard_kept_in_place_fails_every_later_run_and_the_report_says_
     assert "1 check(s) failed: file:layer_4.safetensors" in first.stderr, first.stderr[-3000:]
     assert stale.is_stale(report)
     text = report.read_text()
-    assert text.index("<div class='banner bad'>STALE") < text.index(GREEN)
+    assert text.index("<div class='banner bad'>STALE") < text.index("<h1>") and GREEN not in text
     assert "results/hidden_states/shard_1 failed validation (logs/validate/shard_1.log)" in text
 
     # Kept in place: every later run fails too, before and after the shard is validated again.

@@ -25,7 +25,8 @@ PathLike = str | os.PathLike
 
 def validate(
     shard: PathLike, tokenized: PathLike, out_json: PathLike, model: PathLike, *,
-    trust_remote_code: bool = schema_default("model", "trust_remote_code"), refs=None, **validate_keys: Any,
+    trust_remote_code: bool = schema_default("model", "trust_remote_code"), refs=None,
+    keep_failed: bool = schema_default("heal", "keep_failed"), **validate_keys: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """validate_shard of `shard` against `tokenized` and `model`, its report written to `out_json`."""
     from eagle3prep.validate import validate_shard
@@ -33,7 +34,7 @@ def validate(
     s = replace(ValidateSettings.defaults(), **validate_keys)
     return validate_shard(
         str(shard), str(tokenized), str(out_json), str(model),
-        s.sample_rows, s.seed, s.device, s.reference, trust_remote_code, s.windows, refs=refs,
+        s.sample_rows, s.seed, s.device, s.reference, trust_remote_code, s.windows, refs=refs, keep_failed=keep_failed,
     )  # fmt: skip
 
 

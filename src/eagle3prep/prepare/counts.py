@@ -159,10 +159,12 @@ LOSS_SETTING = "data.max_quarantine_share"
 
 
 def loss_error(counts: dict[str, Any], max_share: float, kept_copy: str | os.PathLike) -> str | None:
-    """One line when a source file lost every row, or more than `max_share` of its rows, to quarantine; None
+    """One line when a source file holds no record (empty_error), lost every row, or more than `max_share` of its rows, to quarantine; None
     otherwise. Such a file was misread (other column names, another chat shape), not a few bad records, and a run
     that drops it in silence trains on a dataset the user did not ask for. `kept_copy`: where the quarantine is kept
     for study (the job's own outputs are removed when it fails)."""
+    if empty := [f for f in counts["files"] if not f["rows_in"]]:
+        return empty_error(empty)
     lossy = [
         f
         for f in counts["files"]
@@ -178,10 +180,28 @@ def loss_error(counts: dict[str, Any], max_share: float, kept_copy: str | os.Pat
     more = f" (and {len(lossy) - 1} more file{'s' * (len(lossy) > 2)}: {', '.join(g['file'] for g in lossy[1:3])}" + (
         ", ...)" if len(lossy) > 3 else ")"
     )
+    # A file that loses every row fails whatever the share: raising it is offered only when it would pass.
+    partial = any(g["quarantined_total"] < g["rows_in"] for g in lossy)
+    over = f"over {LOSS_SETTING} = {max_share:g}" if lost != "all" else (
+        f"a file that loses every row fails whatever {LOSS_SETTING} is (now {max_share:g})"
+    )  # fmt: skip
     return (
         f"{f['file']}: prepare quarantined {f['quarantined_total']} of its {_plural(f['rows_in'], 'row')} ({lost}; "
-        f"{reasons}), over {LOSS_SETTING} = {max_share:g}{more if len(lossy) > 1 else ''}; each record and its "
-        f"reason is in {kept_copy}: fix the file, drop it from data.sources, or raise {LOSS_SETTING}"
+        f"{reasons}), {over}{more if len(lossy) > 1 else ''}; each record and its "
+        f"reason is in {kept_copy}: fix the file{',' if partial else ' or'} drop it from data.sources"
+        + (f", or raise {LOSS_SETTING}" if partial else "")
+    )
+
+
+def empty_error(empty: list[dict[str, Any]]) -> str:
+    """One line naming the source files that hold no record (empty, or blank lines only): a listed source that gives
+    nothing was not what the user meant to train on, and `0 rows in, 0 kept` passed it in silence."""
+    f = empty[0]
+    what = f"only {_plural(f['blank_lines'], 'blank line')}" if f.get("blank_lines") else "an empty file"
+    more = f" (and {len(empty) - 1} more: {', '.join(g['file'] for g in empty[1:3])}{', ...' * (len(empty) > 3)})"
+    return (
+        f"{f['file']}: no records ({what}){more if len(empty) > 1 else ''}; a source file must hold conversations: "
+        "fix the file or drop it from data.sources"
     )
 
 
@@ -199,18 +219,18 @@ def check_losses(counts: dict[str, Any], max_share: float, quarantine: str | os.
         raise UserError(error)
 
 
-def loss_lines(counts: dict[str, Any], later: dict[str, int] | None = None) -> list[str]:
-    """Per source file, rows in and rows kept, when any file lost rows to quarantine (else []). `later`: rows of each
-    file that a later stage (tokenize) quarantined."""
+def loss_lines(counts: dict[str, Any], later: dict[str, dict[str, int]] | None = None) -> list[str]:
+    """Per source file, rows in and rows kept, when any file lost rows to quarantine (else []). `later`: {file:
+    {reason: rows}} that a later stage (tokenize) quarantined, named by the same reasons as the report's."""
     later = later or {}
     files = counts.get("files", [])
-    if not any(f["quarantined_total"] for f in files) and not any(later.values()):
+    if not any(f["quarantined_total"] for f in files) and not any(n for r in later.values() for n in r.values()):
         return []
     lines = []
     for f in files:
-        after = later.get(f["file"], 0)
-        reasons = ", ".join(f"{r} {n}" for r, n in f["quarantined"].items() if n)
-        reasons += (", " if reasons and after else "") + (f"tokenize {after}" if after else "")
+        after_reasons = {r: n for r, n in later.get(f["file"], {}).items() if n}
+        after = sum(after_reasons.values())
+        reasons = ", ".join(f"{r} {n}" for r, n in [*f["quarantined"].items(), *after_reasons.items()] if n)
         dup = f", {f['duplicates']} duplicates" if f["duplicates"] else ""
         lines.append(
             f"{f['file']}: {f['rows_in']:,} rows in, {f['kept'] - after:,} kept{dup}"

@@ -1,6 +1,6 @@
-"""The report's HTML page: what a person needs before spending GPU-days on the data comes first
-(banners, the row funnel, every check's verdict, the reference margins); details follow. One
-self-contained file (figures inlined), laid out for a 1,000-pixel-wide window."""
+"""The report's HTML page: what a person needs before spending GPU-days on the data comes first (banners, the row
+funnel, every check's verdict, the reference margins); details follow. One self-contained file (figures inlined),
+laid out for a 1,000-pixel-wide window. What says "passed" is written through run.stale.while_current."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..infra.atomic import atomic_open
+from ..run.stale import GREEN_BANNER, STALE_VERDICTS, while_current
 from ..shard.formats import storage_format
 from . import data
 from .tables import loss_banner, set_aside_banner, source_table, tool_banner
@@ -85,7 +86,7 @@ def banners(ctx: dict[str, Any]) -> list[str]:
     if (not_ok := [k for k, v in enumerate(ctx["reports"]) if not v.get("ok")]) and not failed:
         out.append(f"<div class='banner bad'>Validation did not pass on shards {not_ok}.</div>")
     if not out and len(ctx["reports"]) == len(ctx.get("dataset", {}).get("shards", ctx["reports"])):
-        out.append("<div class='banner good'>Every check passed on every shard, the reference check included.</div>")
+        out.append(while_current(GREEN_BANNER))
     extra = set_aside_banner(ctx.get("set_aside", [])) + loss_banner(ctx.get("source_losses", []))
     return out + tool_banner(ctx.get("tool_quarantine")) + extra
 
@@ -115,7 +116,7 @@ def kpis(ctx: dict[str, Any]) -> str:
     items = [
         ("rows in → rows out", f"{t['rows_in']:,} → {d['rows']:,}"),
         ("tokens (loss-masked share)", f"{d['tokens']:,} ({stats.get('assistant_token_share', 0):.1%})"),
-        ("shards validated", f"{ok} / {len(ctx['reports'])}"),
+        ("shards validated", while_current(f"{ok} / {len(ctx['reports'])}", "STALE: see the top of the page")),
         ("worst reference error / bound (below 1 passes)", f"{max(worst):.2f}" if worst else "not checked"),
         ("hidden states on disk", mib(d["bytes"])),
         ("layer ids (vLLM convention)", esc(str(d["layer_ids"]))),
@@ -126,8 +127,7 @@ def kpis(ctx: dict[str, Any]) -> str:
 
 
 def funnel_table(steps: list[tuple[str, int | None, str]]) -> str:
-    rows = [[esc(step), num(n), esc(note)] for step, n, note in steps]
-    return _table(["step", "rows", "note"], rows, text=(0, 2)) + (
+    return _table(["step", "rows", "note"], [[esc(s), num(n), esc(note)] for s, n, note in steps], text=(0, 2)) + (
         "<p>Every quarantined record, with its file, line and reason: <code>results/prepared/quarantine.jsonl</code>, "
         "<code>results/tokenized/quarantine.jsonl</code>.</p>"
     )
@@ -374,7 +374,7 @@ def write_page(path: str, ctx: dict[str, Any], figs: dict[str, str]) -> None:
         source_table(ctx.get("source_losses", [])),
         *images_section(ctx.get("images")),
         "<h2>Validation: every check per shard (hover a cell for its detail)</h2>",
-        check_grid_table(cols, grid),
+        while_current("", STALE_VERDICTS) + check_grid_table(cols, grid),
         img("reference margin", figs["margin"]) if figs.get("margin") else "<p>No reference comparison ran.</p>",
         margin_note(ctx["margins"]) if figs.get("margin") else "",
         quality_note(),

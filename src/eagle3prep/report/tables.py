@@ -82,7 +82,8 @@ def set_aside_banner(set_aside: list[dict[str, str]]) -> list[str]:
 
 
 def loss_banner(losses: list[dict[str, Any]]) -> list[str]:
-    """The source files that lost rows to quarantine, each with its rows in and rows kept and the reasons."""
+    """The source files that lost rows to quarantine, each with its rows in, rows kept, duplicates and quarantined
+    rows by reason (so the numbers add up), in the words the end of a run prints (prepare.counts.loss_lines)."""
     lossy = [s for s in losses if any(n for reasons in s["lost"].values() for n in reasons.values())]
     if not lossy:
         return []
@@ -91,7 +92,12 @@ def loss_banner(losses: list[dict[str, Any]]) -> list[str]:
         reasons = ", ".join(f"{r} {n}" for stage in s["lost"].values() for r, n in stage.items() if n)
         kept = "?" if s["rows_out"] is None else f"{s['rows_out']:,}"
         rows_in = "?" if s["rows_in"] is None else f"{s['rows_in']:,}"
-        return f"<li><code>{esc(str(s['file']))}</code>: {rows_in} rows in, {kept} kept ({esc(reasons)})</li>"
+        dup = f", {s['duplicates']:,} duplicates" if s.get("duplicates") else ""
+        lost = sum(n for stage in s["lost"].values() for n in stage.values())
+        return (
+            f"<li><code>{esc(str(s['file']))}</code>: {rows_in} rows in, {kept} kept{dup}, {lost:,} quarantined "
+            f"({esc(reasons)})</li>"
+        )
 
     return [
         f"<div class='banner warn'>Rows quarantined in {len(lossy)} source file{'s' * (len(lossy) != 1)} "

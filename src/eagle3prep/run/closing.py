@@ -16,11 +16,12 @@ PREPARED_COUNTS = "results/prepared/counts.json"
 TOKENIZED_QUARANTINE = "results/tokenized/quarantine.jsonl"
 
 
-def tokenize_losses(quarantine: str | os.PathLike = TOKENIZED_QUARANTINE) -> dict[str, int]:
-    """{source file: rows tokenize quarantined}, from its quarantine.jsonl (each record keeps its "file:line")."""
+def tokenize_losses(quarantine: str | os.PathLike = TOKENIZED_QUARANTINE) -> dict[str, dict[str, int]]:
+    """{source file: {reason: rows tokenize quarantined}}, from its quarantine.jsonl (each record keeps its
+    "file:line"), read as the report reads it, so both name a row's reason alike."""
     from ..report.data import quarantine_facts
 
-    return {file: sum(reasons.values()) for file, reasons in quarantine_facts(quarantine)["by_source"].items()}
+    return quarantine_facts(quarantine)["by_source"]
 
 
 def run_losses(counts_path: str | os.PathLike = PREPARED_COUNTS) -> list[str]:

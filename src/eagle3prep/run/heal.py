@@ -3,9 +3,10 @@ missing, unfinished, changed after validation or that failed validation, and say
 
 Snakemake alone does not redo them: a deleted shard whose validation and report exist is an intermediate
 file it does not need, and a failed shard's folder still looks finished. The checks are directory listings,
-`stat`s and existence tests (no file is read but the validation log of a shard that has no validation),
-so `snakemake -n` on 10,000 shards stays fast. What is found is redone through heal tickets (run.tickets): the
-one change on disk, moving a failed shard to results/failed/, is the ticket job's, under Snakemake's lock.
+`stat`s and existence tests; the files read are a validated shard's validation report (the size and mtime of each
+file it saw: a file written in place leaves the folder's date alone) and the validation log of a shard that has
+no validation. What is found is redone through heal tickets (run.tickets): the one change on disk, moving a
+failed shard to results/failed/, is made when the run starts, under Snakemake's lock.
 """
 
 from __future__ import annotations
@@ -139,6 +140,8 @@ def find(
                     heals.append(Heal(k, f"{folder}: {listing}: extracting it again", folder))
                 else:
                     heals.append(Heal(k, f"{folder} changed after {val} was written: validating it again", val))
+            elif changed := changed_in_place(folder, val):  # written in place: the folder's date does not move
+                heals.append(Heal(k, f"{folder}: {changed} since {val} was written: validating it again", val))
             continue
         failure = validation_failure(k, manifest_ns)
         if failure:
@@ -146,6 +149,40 @@ def find(
         elif downstream:
             heals.append(Heal(k, f"{val} is missing but {downstream} exists: validating {folder} again", val))
     return heals
+
+
+def files_seen(folder: str | os.PathLike) -> dict[str, list[int]]:
+    """{file: [size, mtime_ns]} of a shard folder's files (its Snakemake marker aside), as validation saw them: the
+    record a rerun compares with (changed_in_place), one stat per file, no file read."""
+    with os.scandir(folder) as entries:
+        return {
+            e.name: [st.st_size, st.st_mtime_ns]
+            for e in entries
+            if e.name != SNAKEMAKE_MARKER and e.is_file() and (st := e.stat())
+        }
+
+
+def changed_in_place(folder: str, val: str) -> str | None:
+    """The first file of `folder` whose size or mtime differs from what its validation recorded (`files_seen`), in
+    words; None when all agree or there is no record. Mtimes are compared to the second, so a copy that keeps only
+    whole seconds (tar, some rsync targets) is not taken for a change; a file written again has a later second."""
+    try:
+        with open(val, encoding="utf-8") as f:
+            seen = json.load(f).get("files_seen")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(seen, dict):
+        return None
+    for name, (size, mtime_ns) in sorted(seen.items()):
+        try:
+            st = os.stat(os.path.join(folder, name))
+        except FileNotFoundError:
+            return f"{name} is gone"
+        if st.st_size != size:
+            return f"{name} is {st.st_size} bytes, not the {size} validated"
+        if st.st_mtime_ns // 10**9 != mtime_ns // 10**9:
+            return f"{name} was written again (its mtime is not the one validated)"
+    return None
 
 
 def listing_mismatch(folder: str) -> str | None:

@@ -18,16 +18,36 @@ REPORT = "results/report/report.html"
 FAILED = "results/failed"  # heal.FAILED; not imported, so the report job does not need the run package
 MARK_START, MARK_END = "<!--eagle3prep:stale-->", "<!--/eagle3prep:stale-->"
 SHOWN = 8  # reasons listed in the banner; the rest are counted
+# What says "passed" on the page (the green banner, the count of shards validated) is written inside these marks
+# with what to show instead once the report is stale: marked stale, no green is left beside the red banner.
+PASS_START, PASS_END = "<!--eagle3prep:pass:", "<!--/eagle3prep:pass-->"
+_PASS = re.compile(re.escape(PASS_START) + "(.*?)-->.*?" + re.escape(PASS_END), flags=re.S)
+
+
+GREEN_BANNER = "<div class='banner good'>Every check passed on every shard, the reference check included.</div>"
+STALE_VERDICTS = (
+    "<p class='banner bad'>STALE: the verdicts below are from before the changes named at the top of the page, not "
+    "the shards' current state.</p>"
+)
+
+
+def while_current(shown: str, when_stale: str = "") -> str:
+    """`shown` (HTML) as long as the report is current; `when_stale` (HTML without "--") once mark_stale ran."""
+    if "--" in when_stale:
+        raise ValueError(f"{when_stale!r} cannot go inside an HTML comment")
+    return f"{PASS_START}{when_stale}-->{shown}{PASS_END}"
 
 
 def mark_stale(reasons: list[str], report: str | os.PathLike = REPORT) -> bool:
-    """Put (or replace) the stale banner at the top of the report; False when there is no report to mark."""
+    """Put (or replace) the stale banner at the top of the report, first on the page, and take away what says
+    passed (while_current); False when there is no report to mark."""
     path = Path(report)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError:
         return False
     text = re.sub(re.escape(MARK_START) + ".*?" + re.escape(MARK_END), "", text, flags=re.S)
+    text = _PASS.sub(lambda m: m.group(1), text)
     shown = "".join(f"<li>{html.escape(r)}</li>" for r in reasons[:SHOWN])
     more = f"<li>... and {len(reasons) - SHOWN} more</li>" if len(reasons) > SHOWN else ""
     banner = (

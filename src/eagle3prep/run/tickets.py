@@ -1,12 +1,15 @@
 """How the same command redoes what healing found (run.heal), through Snakemake's own rules: heal tickets.
 
 A job that must be redone gets one more input, the ticket `.eagle3prep/heal/<n>.json` of this run (n: one past the
-last ticket), which the local rule `heal` makes. Snakemake then runs that job because its input is new, in a dry run
-too, where the `heal` job is listed beside it: nothing is forced from outside the DAG, and no Snakemake internal is
-read. A job keeps the last ticket that named it as its input, so the next run sees the same inputs and re-queues
-nothing; a job never healed has no ticket input, so a results folder made before tickets existed re-queues nothing
-either. The ticket job moves failed shards aside and marks the last report stale, under Snakemake's lock and before
-the jobs it heals start.
+last ticket), written while Snakemake builds the DAG, so it exists and is newer than the job's outputs when
+Snakemake decides what runs: "Updated input files" is Snakemake's mtime trigger, which needs no `.snakemake/`
+metadata, so a results folder copied, moved or without `.snakemake/` heals exactly as one with it (with metadata,
+the changed set of inputs says the same). A ticket made in the DAG names no job it heals until `onstart` (under
+Snakemake's lock, before any job) has set failed shards aside, marked the last report stale and recorded the
+ticket as carried out: a run refused before it starts leaves a ticket no later run reads. A job keeps the last
+carried-out ticket that named it as its input, so the next run sees the same inputs and re-queues nothing; a job
+never healed has no ticket input. A dry run's due jobs get `.eagle3prep/heal/dry-run.json`, made the same way and
+removed when the process exits, so `-n` lists what the run would redo and leaves no ticket behind.
 
 Everything is asked from input functions, which Snakemake calls while it builds the DAG, only for the jobs of the
 targets asked for: `snakemake verify` heals nothing, and the lines say only what the DAG will do.
@@ -14,18 +17,19 @@ targets asked for: `snakemake verify` heals nothing, and the lines say only what
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import asdict
 from pathlib import Path
 
 from ..infra.atomic import atomic_open
-from ..infra.log import get_logger
 from . import heal, stale
 from .mode import Mode
 
 FOLDER = ".eagle3prep/heal"
+DRY_RUN = "dry-run.json"  # a dry run's ticket, removed at exit
 
 
 def job_key(force: str) -> str:
@@ -40,9 +44,10 @@ def job_key(force: str) -> str:
     raise ValueError(f"no job makes {force}")
 
 
-def read_tickets(folder: str | os.PathLike = FOLDER) -> dict[int, frozenset[str]]:
-    """{n: the jobs ticket n healed}; a ticket that cannot be read names none (its jobs keep an older one)."""
-    out: dict[int, frozenset[str]] = {}
+def read_tickets(folder: str | os.PathLike = FOLDER) -> dict[int, frozenset[str] | None]:
+    """{n: the jobs ticket n healed, or None while it is not carried out (made in a DAG whose run has not started,
+    or that never started)}; a ticket that cannot be read names none (its jobs keep an older one)."""
+    out: dict[int, frozenset[str] | None] = {}
     try:
         names = os.listdir(folder)
     except FileNotFoundError:
@@ -52,27 +57,46 @@ def read_tickets(folder: str | os.PathLike = FOLDER) -> dict[int, frozenset[str]
         if not (name.endswith(".json") and stem.isdigit()):
             continue
         try:
-            jobs = json.loads(Path(folder, name).read_text(encoding="utf-8"))["jobs"]
-        except (OSError, ValueError, KeyError, TypeError):
+            data = json.loads(Path(folder, name).read_text(encoding="utf-8"))
+            jobs = data["jobs"] if data.get("started", True) else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             jobs = []
-        out[int(stem)] = frozenset(j for j in jobs if isinstance(j, str))
+        out[int(stem)] = None if jobs is None else frozenset(j for j in jobs if isinstance(j, str))
     return out
+
+
+# What the due jobs' outputs are compared with when a job's own output is missing (Snakemake takes a later job's).
+OUTPUTS_AFTER = ("results/report/report.html", "results/report/dataset_manifest.json", heal.EXPORT)
+
+
+def _shard_outputs(k: int | None) -> tuple[str, ...]:
+    return () if k is None else (heal.shard_dir(k), heal.validation_json(k))
+
+
+def _mtime_ns(path: str | None) -> int:
+    """The newest mtime of `path` and its Snakemake directory marker; 0 when missing."""
+    out = 0
+    for p in (path, os.path.join(path, heal.SNAKEMAKE_MARKER)) if path else ():
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            out = max(out, os.stat(p).st_mtime_ns)
+    return out
+
+
+def write_ticket(path: str | os.PathLike, content: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_open(path, "w") as f:
+        json.dump(content, f, indent=1)
 
 
 def ticket_path(n: int, folder: str | os.PathLike = FOLDER) -> str:
     return f"{folder}/{n}.json"
 
 
-def request_path(n: int, folder: str | os.PathLike = FOLDER) -> str:
-    """What the main process asks of ticket n's job (Healing.request)."""
-    return f"{folder}/{n}.request.json"
-
-
 class Healing:
-    """One Snakemake process's healing: `ticket(job)` is the input function's answer for a job; `request` (onstart)
-    and `make_ticket` (the `heal` job, in a process of its own) carry out what was found. `before` runs once, at
-    the first question, with the Mode (the results-folder checks); `say` prints a line in the Snakefile's voice;
-    `main`: the process that builds the whole DAG (a spawned or remote job's process only reads tickets)."""
+    """One Snakemake process's healing: `ticket(job)` is the input function's answer for a job; `carry_out`
+    (onstart) does what was found. `before` runs once, at the first question, with the Mode (the results-folder
+    checks); `say` prints a line in the Snakefile's voice; `main`: the process that builds the whole DAG (a spawned
+    or remote job's process only reads tickets)."""
 
     def __init__(
         self,
@@ -89,11 +113,13 @@ class Healing:
         self._started = False
         self.due: dict[str, heal.Heal] = {}  # job -> why, for the jobs this run redoes
         self.asked: set[str] = set()  # the due jobs the DAG holds (their input function was called)
-        self.tickets: dict[int, frozenset[str]] = {}
+        self.tickets: dict[int, frozenset[str] | None] = {}
         self.next = 1
+        self.path: str | None = None  # this run's ticket (a dry run's: DRY_RUN), made when a job is due
 
     def start(self) -> Mode | None:
-        """Once per process: read the tickets and, in the main process, find what to heal and say it."""
+        """Once per process: read the tickets and, in the main process, find what to heal, say it and make the
+        ticket the due jobs take as input."""
         if self._started:
             return None
         self._started = True
@@ -109,54 +135,59 @@ class Healing:
         self.due = {job_key(h.force): h for h in heals if h.force}
         for line in heal.summary(heals):
             self._say(line)
+        if self.due and mode.executor:
+            self._make_ticket(dry=not mode.jobs_run)
         return mode
 
+    def _make_ticket(self, dry: bool) -> None:
+        """The ticket file, now, before Snakemake compares the due jobs' inputs with their outputs."""
+        self.path = f"{self.folder}/{DRY_RUN}" if dry else ticket_path(self.next, self.folder)
+        write_ticket(self.path, {"jobs": sorted(self.due), "started": False, "dry_run": dry})
+        # Newer than every output the due jobs compare it with, also one dated ahead of this host's clock (a folder
+        # from a host whose clock runs ahead): a redo too many is cheap, a silent pass is not.
+        outputs = [p for h in self.due.values() for p in (h.force, *_shard_outputs(h.shard))]
+        newest = max(map(_mtime_ns, [*outputs, *OUTPUTS_AFTER]), default=0)
+        if newest >= (now := os.stat(self.path).st_mtime_ns):
+            os.utime(self.path, ns=(now, newest + 10**9))
+        if dry:
+            atexit.register(lambda path=self.path: Path(path).unlink(missing_ok=True))
+
     def ticket(self, job: str) -> list[str]:
-        """The ticket input of `job`: this run's when it is redone, else the last one that named it, else none."""
+        """The ticket input of `job`: this run's when it is redone, else the last carried-out one that named it,
+        else none."""
         self.start()
-        if job in self.due:
+        if job in self.due and self.path:
             self.asked.add(job)
-            return [ticket_path(self.next, self.folder)]
-        last = max((n for n, jobs in self.tickets.items() if job in jobs), default=None)
+            return [self.path]
+        last = max((n for n, jobs in self.tickets.items() if jobs and job in jobs), default=None)
         return [ticket_path(last, self.folder)] if last is not None else []
 
     def is_due(self, job: str) -> bool:
         self.start()
         return job in self.due
 
-    def request(self) -> None:
-        """In the main process when the run starts (`onstart`, after the DAG is built, before any job): write what
-        the `heal` job does, for the jobs the DAG holds. That job runs in a process of its own, which finds nothing."""
+    def carry_out(self, log: str | None = None) -> list[str]:
+        """In the main process when the run starts (`onstart`: after the DAG is built, under Snakemake's lock,
+        before any job), for the due jobs the DAG holds: set failed shards aside, mark the last report stale, then
+        record the ticket as carried out (last: a run killed before it healed nothing, and the next one finds the
+        same). A ticket no job took is removed. Returns the lines said (also written to `log`)."""
+        if not self.path or self.path.endswith(DRY_RUN):
+            return []
         if not self.asked:
-            return
-        heals = [asdict(self.due[j]) | {"job": j} for j in sorted(self.asked)]
-        path = request_path(self.next, self.folder)
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with atomic_open(path, "w") as f:
-            json.dump({"heals": heals}, f, indent=1)
-
-
-def make_ticket(path: str, log: str | None = None, say: Callable[[str], None] | None = None) -> None:
-    """The `heal` job: set failed shards aside, mark the last report stale, then write the ticket (atomically,
-    last: a run killed before it healed nothing, and the next one finds the same). Its lines go to the terminal
-    and to `log`."""
-    say = say or get_logger("heal").info
-    n = int(Path(path).name.removesuffix(".json"))
-    request = Path(request_path(n, Path(path).parent))
-    asked = json.loads(request.read_text(encoding="utf-8"))["heals"] if request.exists() else []
-    heals = [heal.Heal(a["shard"], a["why"], a["force"], a["set_aside"]) for a in asked]
-    lines = [f"redo {a['job']}: {a['why']}" for a in asked]
-    for h in heals:
-        if h.set_aside:
-            lines.append(f"moved {heal.shard_dir(h.shard)} to {heal.set_aside(h)}")
-            say(lines[-1])
-    reasons = [h.why for h in heals if h.shard is not None]
-    if reasons and stale.mark_stale(reasons):
-        lines.append(f"marked {stale.REPORT} STALE until this run rebuilds it")
-        say(lines[-1])
-    if log:
+            Path(self.path).unlink(missing_ok=True)
+            return []
+        heals = [self.due[j] for j in sorted(self.asked)]
+        lines = [f"redo {j}: {self.due[j].why}" for j in sorted(self.asked)]
+        for h in heals:
+            if h.set_aside:
+                lines.append(f"moved {heal.shard_dir(h.shard)} to {heal.set_aside(h)}")
+                self._say(lines[-1])
+        reasons = [h.why for h in heals if h.shard is not None]
+        if reasons and stale.mark_stale(reasons):
+            lines.append(f"marked {stale.REPORT} STALE until this run rebuilds it")
+            self._say(lines[-1])
+        log = log or f"logs/heal/{Path(self.path).stem}.log"
         Path(log).parent.mkdir(parents=True, exist_ok=True)
         Path(log).write_text("".join(f"[heal] {line}\n" for line in lines), encoding="utf-8")
-    with atomic_open(path, "w") as f:
-        json.dump({"jobs": [a["job"] for a in asked], "why": [h.why for h in heals]}, f, indent=1)
-    request.unlink(missing_ok=True)
+        write_ticket(self.path, {"jobs": sorted(self.asked), "why": [h.why for h in heals], "started": True})
+        return lines

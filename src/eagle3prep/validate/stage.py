@@ -43,14 +43,15 @@ class ValidationError(UserError, RuntimeError):
 
 def run_validate_job(
     shard_dir: str, tokenized_shard: str, out_json: str, *, model_path: str, settings: ValidateSettings,
-    trust_remote_code: bool,
+    trust_remote_code: bool, keep_failed: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """The validate stage's job: shard `shard_dir` checked against its tokenized rows and the model at
-    `model_path`, by `settings` (config `validate:`); the report written to `out_json`."""
+    `model_path`, by `settings` (config `validate:`); the report written to `out_json`. `keep_failed`:
+    heal.keep_failed, which decides what the next run does with a failed shard (the error says it)."""
     s = settings
     return validate_shard(
         shard_dir, tokenized_shard, out_json, model_path,
-        s.sample_rows, s.seed, s.device, s.reference, trust_remote_code, s.windows,
+        s.sample_rows, s.seed, s.device, s.reference, trust_remote_code, s.windows, keep_failed=keep_failed,
     )  # fmt: skip
 
 
@@ -66,15 +67,20 @@ def validate_shard(
     trust_remote_code: bool,
     windows: Sequence[Sequence[int]] | None,
     refs: ReferencePair | None = None,
+    keep_failed: bool = False,
 ) -> dict[str, Any]:
     """Run every check, write the report to `out_json`, raise ValidationError if any failed.
 
     The arguments after `model_path` are validate.* (run_validate_job passes them from the settings) and
     model.trust_remote_code. `refs`: a ReferencePair already loaded (the validation matrix judges many shards
-    of one model).
+    of one model). `keep_failed`: heal.keep_failed (what the error says the next run does).
     """
+    from ..run.heal import files_seen
+
     checks = Checks()
     report: dict[str, Any] = {"shard_dir": str(shard_dir), "tokenized": str(tokenized_shard)}
+    # Each file's size and mtime before a byte is read: a rerun that finds another one validates the shard again.
+    report["files_seen"] = files_seen(shard_dir) if Path(shard_dir).is_dir() else {}
     m = check_manifest(shard_dir, checks)
     if m is not None:
         report.update(
@@ -90,7 +96,7 @@ def validate_shard(
                     subject, checks, model_path, sample_rows, seed, device, reference, trust_remote_code, refs, windows
                 )
             )
-    _finish(report, checks, out_json, shard_dir)
+    _finish(report, checks, out_json, shard_dir, keep_failed)
     return report
 
 
@@ -139,7 +145,7 @@ def _sample(n_rows: int, sample_rows: int | str, seed: int) -> list[int]:
     return sorted(random.Random(seed).sample(range(n_rows), n))
 
 
-def _finish(report: dict[str, Any], checks: Checks, out_json: str, shard_dir: str) -> None:
+def _finish(report: dict[str, Any], checks: Checks, out_json: str, shard_dir: str, keep_failed: bool = False) -> None:
     """Write the report and print every check; a failed shard raises ValidationError and leaves no report."""
     report["checks"] = checks.to_json()
     report["ok"] = not checks.failed
@@ -150,12 +156,27 @@ def _finish(report: dict[str, Any], checks: Checks, out_json: str, shard_dir: st
     if checks.failed:
         Path(out_json).unlink()  # a failed shard must not leave a report that looks like a pass
         names = ", ".join(f"{c.name} ({c.detail})" for c in checks.failed[:5])
-        from ..run.command import same_command
-
-        # heal (rules/common.smk) sets a failed shard aside and extracts it again in the next run.
         error = ValidationError(
-            f"{shard_dir}: {len(checks.failed)} check(s) failed: {names}; the next run of the same command moves it "
-            f"to results/failed/ and extracts it again: {same_command()}"
+            f"{shard_dir}: {len(checks.failed)} check(s) failed: {names}; {next_run(shard_dir, keep_failed)}"
         )
         error.failed = [c.name for c in checks.failed]
         raise error
+
+
+def next_run(shard_dir: str, keep_failed: bool) -> str:
+    """What the next run of the same command does with a shard that failed validation (run.heal decides it), in
+    words: set aside and extracted again, or, kept in place (heal.keep_failed) or after too many redos, validated
+    again, failing the run until it passes or is removed. Starts with "the next run" (run.heal cuts there)."""
+    from ..run.command import same_command
+    from ..run.heal import MAX_REDOS, failed_copies
+
+    name = Path(shard_dir).name
+    k = int(name.removeprefix("shard_")) if name.removeprefix("shard_").isdigit() else None
+    redos = len(failed_copies(k)) if k is not None else 0
+    if keep_failed or redos >= MAX_REDOS:
+        why = "kept in place (heal.keep_failed)" if keep_failed else f"not extracted again after {redos} redos"
+        return (
+            f"the next run of the same command validates it again and fails, {why}, until it passes or you "
+            f"remove {shard_dir} (then it is extracted again): {same_command()}"
+        )
+    return f"the next run of the same command moves it to results/failed/ and extracts it again: {same_command()}"
