@@ -7,7 +7,8 @@ import pytest
 
 from eagle3prep.config import ConfigError, validate_config
 from eagle3prep.extract import shard_bytes
-from eagle3prep.run.plan import format_plan, make_plan, min_tokens_per_shard, plan_run
+from eagle3prep.plan.estimate import format_plan, make_plan, min_tokens_per_shard
+from eagle3prep.plan.stage import plan_run
 from eagle3prep.settings import Settings
 
 SIZES = [{"shard": 0, "rows": 10, "tokens": 3000}, {"shard": 1, "rows": 9, "tokens": 1000}]
@@ -192,11 +193,11 @@ def test_plan_and_the_dry_run_agree_on_a_folder_of_shards_another_config_made(sm
 
     wd = shutil.copytree(small_demo_run, tmp_path / "wd", symlinks=True)
     snakemake(wd, "plan")
-    assert (wd / "results/plan/plan.txt").read_text().count("done (has manifest)") == 3
+    assert (wd / ".eagle3prep/plan/plan.txt").read_text().count("done (has manifest)") == 3
     other = ("--config", "extract={dtype: float32}")
     assert re.search(r"^extract\s+3$", snakemake(wd, "-n", *other).stdout, re.M)
     snakemake(wd, "plan", *other)
-    text = (wd / "results/plan/plan.txt").read_text()
+    text = (wd / ".eagle3prep/plan/plan.txt").read_text()
     assert text.count("to redo: made with dtype bfloat16 (now float32)") == 3 and "done (has manifest)" not in text
-    plan = json.loads((wd / "results/plan/plan.json").read_text())
+    plan = json.loads((wd / ".eagle3prep/plan/plan.json").read_text())
     assert plan["bytes_to_write"] == plan["bytes_total"]
