@@ -90,8 +90,9 @@ if workflow.is_main_process:
 
 def _results_checks(mode):
     """Once, as Snakemake starts building the DAG of a target that holds shard jobs: a config that would extract
-    finished shards again is refused (in a run and in -n) unless replace_results accepts it, and a run records the
-    config in results/config.json when it starts (onstart: never in -n, plan, verify or a refused run)."""
+    finished shards again is refused (in a run and in -n) unless replace_results accepts it; a run records the
+    config in results/config.json when it starts (onstart), never in -n, plan, verify or a refused run.
+    """
     _keys = made_by.shard_keys(config)
     _error, _note = made_by.check(
         SETTINGS,
@@ -116,7 +117,8 @@ def _results_checks(mode):
 # named in one line (eagle3prep.run.heal; docs/guides/reruns.md), through heal tickets: a job to redo gets this
 # run's ticket as one more input, made by the local rule `heal` below (eagle3prep.run.tickets says how).
 REDO = []  # the config change that redoes finished shards, when there is one
-RECORD = []  # this config's shard keys, for results/config.json when a run with shard jobs starts
+# This config's shard keys, for results/config.json when a run with shard jobs starts.
+RECORD = []
 
 
 def MODE():

@@ -151,6 +151,8 @@ def shard_state(folder: Path, made_with: dict[str, Any] | None) -> tuple[bool, s
     differ = [f"{key} {made[key]} (now {made_with[key]})" for key in made if made[key] != made_with[key]]
     if differ:
         return False, "made with " + ", ".join(differ)
+    if made_with.get("redo"):  # the plan tokenized this config's shards itself: results/'s are another config's
+        return False, made_with["redo"]
     tokenized = Path(made_with["tokenized"])
     stamp = next((p for p in (tokenized / ".snakemake_timestamp", tokenized / "stats.json") if p.is_file()), None)
     if stamp is not None and stamp.stat().st_mtime_ns > manifest.stat().st_mtime_ns:

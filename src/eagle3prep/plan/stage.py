@@ -35,14 +35,16 @@ def run_plan_job(
     `tokenized`: the folder whose stats.json is planned; `prepared`: given when the plan makes that folder itself
     (a scratch folder, never under results/), from the conversations there (made too when they are missing)."""
     s = settings
+    redo = None
     if prepared is not None:
         make_scratch_tokenized(tokenized, prepared, model_path=model_path, settings=s)
+        redo = "made from other tokenized shards (a data, model, tokenize or regenerate key differs)"
     return plan_run(
         Path(tokenized, "stats.json"), hidden_states_dir, json_path, txt_path,
         model_path=model_path, layers=s.layers, dtype=s.extract.content.dtype, storage=s.extract.content.storage,
         plan=s.plan, reference=s.validate.reference, windows=s.validate.windows, validate_device=s.validate.device,
         sample_rows=s.validate.sample_rows, gpus_per_job=gpus_per_job,
-        export_copy=s.export.speculators and s.export.hidden_states == "copy",
+        export_copy=s.export.speculators and s.export.hidden_states == "copy", redo=redo,
     )  # fmt: skip
 
 
@@ -111,6 +113,7 @@ def plan_run(
     sample_rows: int | str,
     gpus_per_job: int = 1,
     export_copy: bool = False,
+    redo: str | None = None,
 ) -> str:
     """The `plan` rule: plan the extract jobs of these config values (validated), write the plan, return its text.
 
@@ -118,7 +121,8 @@ def plan_run(
     validate.reference (what the scalable reference loads is planned only when it is the one that runs);
     export_copy: export.speculators with export.hidden_states copy (every hidden-state byte once more);
     validate_device: validate.device, where the validation's reference forward runs; sample_rows:
-    validate.sample_rows, the rows whose tokens the reference recomputes (the validation estimate's)."""
+    validate.sample_rows, the rows whose tokens the reference recomputes (the validation estimate's); redo: why
+    every finished shard is extracted again, when the plan's tokenized shards are not results/'s."""
     ids = model_layer_ids(model_path, layers.ids, layers.convention)
     try:
         hidden_size = require_hidden_size(ModelFacts.read(model_path), model_path)
@@ -143,6 +147,7 @@ def plan_run(
             "storage": storage or "model_dtype",
             "model_path": model_path,
             "tokenized": Path(stats_path).parent,
+            "redo": redo,
         },
     )
     if reference_mode(reference) == "scalable":
