@@ -16,7 +16,8 @@ rule plan:
     conda:
         "../envs/cpu.yaml"
     params:
-        tokenized=PLAN_SOURCE.tokenized,
+        # what the plan reads when Snakemake does not make it (another config's: made by the job, in scratch)
+        **({} if PLAN_SOURCE.from_run else {"tokenized": PLAN_SOURCE.tokenized}),
         prepared=PLAN_SOURCE.prepared,
         hidden_states="results/hidden_states",
         layers=config["layers"],

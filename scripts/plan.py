@@ -11,7 +11,7 @@ from eagle3prep.settings import Settings
 
 with one_line_errors():
     text = run_plan_job(
-        snakemake.params.tokenized,
+        snakemake.input.get("tokenized") or snakemake.params.tokenized,
         snakemake.params.hidden_states,
         snakemake.output.json,
         snakemake.output.txt,

@@ -182,7 +182,7 @@ def _times(shards: list[ShardPlan], tokens_per_s: float, engine_start_s: float, 
 
 
 def format_plan(plan: dict[str, Any], num_shards_key: str = "tokenize.num_shards") -> str:
-    """The plan as a short table and a few sentences (results/plan/plan.txt)."""
+    """The plan as a short table and a few sentences (.eagle3prep/plan/plan.txt)."""
     lines = _table(plan) + _disk(plan, num_shards_key) + _validation_memory(plan) + _time(plan, num_shards_key)
     lines += plan.get("bill_lines", [])
     return "\n".join(lines) + "\n"

@@ -87,11 +87,11 @@ class PlanSource:
 
 
 def plan_source(keys: dict[str, Any], record_path: str | os.PathLike = RECORD, tokenized: str = TOKENIZED,
-                hidden_states: str | os.PathLike = HIDDEN_STATES, scratch: str = PLAN_SCRATCH) -> PlanSource:  # fmt: skip
+                shard_root: str | os.PathLike = HIDDEN_STATES, scratch: str = PLAN_SCRATCH) -> PlanSource:  # fmt: skip
     """results/tokenized when it holds this config's shards (the record's token keys are this config's), or when
     there is none and no finished shard; otherwise this config's in `scratch` (named by a hash of its token keys),
     so that a plan leaves results/ as it is."""
-    if not os.path.exists(tokenized) and not finished_shards(hidden_states):
+    if not os.path.exists(tokenized) and not finished_shards(shard_root):
         return PlanSource(tokenized, from_run=True)
     changed, old = changed_keys(token_keys(keys), record_path)
     if old and not changed and os.path.isfile(os.path.join(tokenized, "stats.json")):
@@ -114,11 +114,11 @@ def changed_keys(keys: dict[str, Any], record_path: str | os.PathLike = RECORD) 
     return [k for k in keys if k in old and old[k] != keys[k]], old
 
 
-def redo_cost(hidden_states: str | os.PathLike = HIDDEN_STATES, gpus_per_job: int = 1) -> str:
+def redo_cost(shard_root: str | os.PathLike = HIDDEN_STATES, gpus_per_job: int = 1) -> str:
     """About what the finished shards took, by their own timings.json (engine start + capture, scaled to the
     shards without one): "about 3.2 GPU-hours by their timings.json", or that none has one."""
     n, timed, seconds = 0, 0, 0.0
-    for folder in _finished_folders(hidden_states):
+    for folder in _finished_folders(shard_root):
         n += 1
         try:
             t = json.loads(Path(folder, "timings.json").read_text(encoding="utf-8"))
@@ -201,14 +201,14 @@ def write_record(settings: Settings, config_files: list[str], path: str | os.Pat
     return True
 
 
-def _finished_folders(hidden_states: str | os.PathLike = HIDDEN_STATES) -> list[str]:
+def _finished_folders(shard_root: str | os.PathLike = HIDDEN_STATES) -> list[str]:
     """Shard folders with a manifest (one listing, one stat each)."""
     try:
-        with os.scandir(hidden_states) as entries:
+        with os.scandir(shard_root) as entries:
             names = sorted(e.name for e in entries if e.name.startswith("shard_") and e.is_dir())
     except FileNotFoundError:
         return []
-    return [os.path.join(hidden_states, n) for n in names if os.path.isfile(os.path.join(hidden_states, n, MANIFEST))]
+    return [os.path.join(shard_root, n) for n in names if os.path.isfile(os.path.join(shard_root, n, MANIFEST))]
 
 
 def finished_shards(hidden_states: str | os.PathLike = HIDDEN_STATES) -> int:
