@@ -88,28 +88,36 @@ if workflow.is_main_process:
 
 
 def _results_checks(mode):
-    """Once, as Snakemake starts building the DAG of a target that holds shard jobs: another config's finished
-    shards are refused (in a run and in -n), a config change that redoes shards is announced, and a run records
-    the config in results/config.json (eagle3prep.run.made_by)."""
+    """Once, as Snakemake starts building the DAG of a target that holds shard jobs: a config that would extract
+    finished shards again is refused (in a run and in -n) unless replace_results accepts it; a run records the
+    config in results/config.json when it starts (onstart), never in -n, plan, verify or a refused run.
+    """
+    _keys = made_by.shard_keys(config)
     _error, _note = made_by.check(
-        SETTINGS, CONFIG_SHOWN, demo=not CONFIGFILES, command=_command
+        SETTINGS,
+        CONFIG_SHOWN,
+        demo=not CONFIGFILES,
+        command=_command,
+        keys=_keys,
+        gpus_per_job=get_gpus(),
     )
     if _error:
         sys.exit(_error)
     if _note:
         print(f"eagle3prep: {_note}", file=sys.stderr)
-    _keys = made_by.shard_keys(config)
     if _redo := made_by.redo_note(_keys, SHARDS):
         REDO.append(_redo)
         print(f"eagle3prep: {_redo}", file=sys.stderr)
     if mode.jobs_run:
-        made_by.write_record(SETTINGS, CONFIG_SHOWN, keys=_keys)
+        RECORD.append(_keys)
 
 
 # Shards that are missing, unfinished, changed after validation or failed it are redone by the same command, each
 # named in one line (eagle3prep.run.heal; docs/guides/reruns.md), through heal tickets: a job to redo gets this
 # run's ticket as one more input, a file newer than its outputs (eagle3prep.run.tickets says how).
 REDO = []  # the config change that redoes finished shards, when there is one
+# This config's shard keys, for results/config.json when a run with shard jobs starts.
+RECORD = []
 
 
 def MODE():
@@ -176,6 +184,8 @@ def missing(*patterns):
 
 onstart:
     record_owner()
+    for _keys in RECORD:
+        made_by.write_record(SETTINGS, CONFIG_SHOWN, keys=_keys)
     # Healing's changes on disk (failed shards set aside, the last report marked stale), for the jobs to redo that
     # this run's DAG holds: under Snakemake's lock, before any job starts.
     HEALING.carry_out()

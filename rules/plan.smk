@@ -1,18 +1,24 @@
 # Disk and GPU time before any GPU job runs: bytes per shard, free space, job time, a shard size.
-# Not part of `all`: `snakemake plan` (add -f to refresh the free space after freeing disk).
+# Not part of `all`: `snakemake plan` (add -f to refresh the free space after freeing disk). It changes nothing
+# under results/: another config's shards are tokenized in .eagle3prep/plan/ (eagle3prep.run.made_by.plan_source).
+PLAN_SOURCE = made_by.plan_source(made_by.shard_keys(config))
+
+
 rule plan:
     input:
-        tokenized=TOKENIZED,
+        **({"tokenized": TOKENIZED} if PLAN_SOURCE.from_run else {}),
         model=get_model(),
     output:
-        json="results/plan/plan.json",
-        txt="results/plan/plan.txt",
+        json=".eagle3prep/plan/plan.json",
+        txt=".eagle3prep/plan/plan.txt",
     log:
         "logs/plan.log",
     conda:
         "../envs/cpu.yaml"
     params:
-        stats=f"{TOKENIZED}/stats.json",
+        # what the plan reads when Snakemake does not make it (another config's: made by the job, in scratch)
+        **({} if PLAN_SOURCE.from_run else {"tokenized": PLAN_SOURCE.tokenized}),
+        prepared=PLAN_SOURCE.prepared,
         hidden_states="results/hidden_states",
         layers=config["layers"],
         dtype=SETTINGS.extract.content.dtype,
@@ -25,5 +31,7 @@ rule plan:
         and SETTINGS.export.hidden_states == "copy",
         validate_device=SETTINGS.validate.device,
         sample_rows=SETTINGS.validate.sample_rows,
+        # every key that decides the shards: another config's plan is made again
+        shard_keys=made_by.shard_keys(config),
     script:
         "../scripts/plan.py"

@@ -1,4 +1,4 @@
-"""`plan` is the whole bill (eagle3prep.run.bill, plan_run): every byte the run leaves under results/ (shards, the
+"""`plan` is the whole bill (eagle3prep.plan.bill, plan_run): every byte the run leaves under results/ (shards, the
 export's copy, set-asides), each stage's time with measured rates from finished shards, and du agreement on the
 demo within 5 %."""
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3prep.run import bill
-from eagle3prep.run.plan import format_plan, make_plan
+from eagle3prep.plan import bill
+from eagle3prep.plan.estimate import format_plan, make_plan
 
 from testkit.workflow import SMALL_CONFIG, make_workdir, snakemake
 
@@ -68,12 +68,12 @@ def test_one_gpu_per_job_is_not_plural():
 @pytest.mark.integration
 def test_plan_agrees_with_du_after_the_run_within_5_percent(tmp_path):
     """On the demo with the speculators export (copy): the plan made before any shard is within 5 % of `du -sb
-    results` after the run (results/plan itself aside)."""
+    results` after the run."""
     wd = make_workdir(tmp_path / "wd", {**SMALL_CONFIG, "export": {"speculators": True}})
     snakemake(wd, "plan", "-c2")
-    planned = json.loads((wd / "results/plan/plan.json").read_text())["bill"]["total"]
+    planned = json.loads((wd / ".eagle3prep/plan/plan.json").read_text())["bill"]["total"]
     snakemake(wd, "-c2")
-    used = bill.du(wd / "results") - bill.du(wd / "results/plan")
+    used = bill.du(wd / "results")
     du = int(subprocess.run(["du", "-sB1", str(wd / "results")], capture_output=True, text=True).stdout.split()[0])
     assert abs(du - bill.du(wd / "results")) <= 0.01 * du  # bill.du counts as du does
     assert abs(planned - used) <= 0.05 * used, (planned, used)

@@ -135,10 +135,10 @@ def test_cli_plan_and_refusal_on_a_small_filesystem_then_rerun_with_room(small_f
     fs = small_fs(wd / "results" / "hidden_states", "512k")
 
     planned = snakemake(wd, "plan")
-    plan = json.loads((wd / "results/plan/plan.json").read_text())
+    plan = json.loads((wd / ".eagle3prep/plan/plan.json").read_text())
     assert plan["free_space_path"] == str(fs) and plan["largest_shard_bytes"] > plan["free_bytes"]
     assert not plan["fits"] and "DOES NOT FIT" in planned.stdout
-    assert (wd / "results/plan/plan.txt").read_text() in planned.stdout
+    assert (wd / ".eagle3prep/plan/plan.txt").read_text() in planned.stdout
 
     refused = snakemake(wd, "results/hidden_states/shard_0", check=False)
     assert refused.returncode != 0
@@ -156,5 +156,5 @@ def test_cli_plan_and_refusal_on_a_small_filesystem_then_rerun_with_room(small_f
     assert json.loads((wd / "results/validation/shard_0.json").read_text())["ok"]
     assert not list((wd / "results").rglob(".tmp-*"))
     snakemake(wd, "-f", "plan")  # -f: plan again, with the new free space
-    plan = json.loads((wd / "results/plan/plan.json").read_text())
+    plan = json.loads((wd / ".eagle3prep/plan/plan.json").read_text())
     assert plan["fits"] and [s["done"] for s in plan["shards"]] == [True, False, False]

@@ -184,4 +184,4 @@ def test_plan_names_the_empty_shards(few_rows_run, tmp_path):
     assert (
         "empty shards: 1 of 3 hold no rows (2 rows for 3 shards); they start no engine and validate, but each "
         "is still a job; set tokenize.num_shards to 2 or fewer to avoid them"
-    ) in (wd / "results/plan/plan.txt").read_text()
+    ) in (wd / ".eagle3prep/plan/plan.txt").read_text()

@@ -15,7 +15,7 @@ import torch
 from test_export import LENGTHS, finished_results
 
 from eagle3prep.extract import shard_bytes
-from eagle3prep.run.plan import make_plan
+from eagle3prep.plan.estimate import make_plan
 from eagle3prep.shard.formats import storage_format
 from eagle3prep.shard.fp8 import SCALES_KEY, dequantize_fp8, quantize_fp8, rounding_draw, roundtrip_fp8
 from eagle3prep.shard.layout import FORMAT, FORMAT_FP8, MANIFEST, layer_file

@@ -56,7 +56,7 @@ def test_a_forgotten_configfile_is_offered_the_recorded_config_first_and_never_r
     extract the user's shards again with the demo's model and sources."""
     demo = cfg(data={"sources": ["resources/demo/a.jsonl"]})
     error, _ = made_by.check(demo, ["config/config.yaml"], demo=True, command=command.Command("snakemake"))
-    ways = error.split("so it would extract them again. ")[1]
+    ways = re.split(r"so it would extract them again \(no timings.json says what they took\)\. ", error)[1]
     assert ways.startswith("Run with the config that made them: snakemake --configfile my-run.yaml; ")
     assert "replace_results" not in error
     error, _ = made_by.check(demo, ["other.yaml"], demo=False, command=command.Command("snakemake"))
@@ -156,19 +156,137 @@ def test_a_forgotten_configfile_is_refused_before_any_job_and_adding_work_is_not
     assert re.search(r"^export\s+1$", more.stdout, re.M) and "rule extract:" not in more.stdout
 
 
-def test_a_config_change_that_redoes_finished_shards_is_announced_with_the_key_and_the_count(folder):
-    base = {"data": {"sources": ["mine.jsonl"]}, "model": {"path": "/models/mine"}}
-    before = made_by.shard_keys(_completed(base))
+BASE = {"data": {"sources": ["mine.jsonl"]}, "model": {"path": "/models/mine"}}
+
+
+def timed(tmp_path, k: int, start_s: float, capture_s: float) -> None:
+    path = tmp_path / "results" / "hidden_states" / f"shard_{k}" / "timings.json"
+    path.write_text(json.dumps({"engine_start_s": start_s, "capture_s": capture_s, "tokens_per_s": 1000.0}))
+
+
+def test_a_content_key_change_is_refused_in_one_line_with_the_shards_and_their_gpu_hours(folder):
+    """It printed one warning and extracted every finished shard again: now refused, priced by the shards' own
+    timings.json, with the three ways out; replace_results: true accepts it, with the note that says so."""
+    before = made_by.shard_keys(_completed(BASE))
     made_by.write_record(cfg(), ["my-run.yaml"], keys=before)
-    assert made_by.redo_note(before, [0, 1, 2]) is None  # same config: nothing to say
-    after = made_by.shard_keys(_completed({**base, "tokenize": {"max_seq_len": 512}}))
-    assert made_by.redo_note(after, [0, 1, 2]) == (
-        "config change: tokenize.max_seq_len 2048 -> 512 since the last run: 2 finished shards will be extracted "
-        "(and validated) again; put the old value back to keep them"
+    timed(folder, 0, 60, 1740)  # 30 minutes; shard 1 has none: priced like the timed one
+    assert made_by.check(cfg(), ["my-run.yaml"], demo=False, keys=before, gpus_per_job=8) == (None, None)
+    after = made_by.shard_keys(_completed({**BASE, "tokenize": {"max_seq_len": 512}}))
+    mine = command.Command("snakemake", {"--configfile": ["my-run.yaml"]})
+    error, note = made_by.check(cfg(), ["my-run.yaml"], demo=False, command=mine, keys=after, gpus_per_job=8)
+    assert note is None and "\n" not in error
+    assert error == (
+        "config error: results/ holds 2 finished shards made with another value of a key that decides their "
+        "bytes: tokenize.max_seq_len 2048 -> 512; this run's config my-run.yaml would extract all 2 again (about "
+        "8.0 GPU-hours by their timings.json). Put the old value back to keep them; run this config in another "
+        "folder: snakemake --configfile my-run.yaml --directory OTHER_FOLDER; or replace them with this config: "
+        "snakemake --configfile my-run.yaml --config replace_results=true (or replace_results: true in the config)"
     )
-    # A speed knob decides no byte: not a shard key.
-    speed = made_by.shard_keys(_completed({**base, "extract": {"batch_tokens": 4096}}))
-    assert made_by.redo_note(speed, [0, 1]) is None
+    accepted = cfg(replace_results=True)
+    assert made_by.check(accepted, ["my-run.yaml"], demo=False, keys=after) == (None, None)
+    assert made_by.redo_note(after, [0, 1, 2]) == (
+        "replace_results: config change tokenize.max_seq_len 2048 -> 512 since the last run: 2 finished shards "
+        "will be extracted (and validated) again"
+    )
+    # On CPU (hf backend, no GPU a job): job time, not GPU time.
+    error, _ = made_by.check(cfg(), ["my-run.yaml"], demo=False, keys=after, gpus_per_job=0)
+    assert "(about 1.0 CPU job-hours by their timings.json)" in error
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"extract": {"batch_tokens": 4096, "threads": 2, "gpu_memory_utilization": 0.5}},  # speed knobs
+        {"validate": {"sample_rows": 3}, "plan": {"tokens_per_s": 1000}, "heal": {"keep_failed": True}},
+        {"export": {"speculators": True}},  # only adds work
+        {"regenerate": {"sampling": {"temperature": 0.7}}},  # the stage is off: it decides nothing
+    ],
+)
+def test_a_key_that_decides_no_shard_byte_is_not_refused(folder, over):
+    made_by.write_record(cfg(), ["my-run.yaml"], keys=made_by.shard_keys(_completed(BASE)))
+    keys = made_by.shard_keys(_completed({**BASE, **over}))
+    assert made_by.check(cfg(), ["my-run.yaml"], demo=False, keys=keys) == (None, None)
+    assert made_by.redo_note(keys, [0, 1]) is None
+
+
+REGEN_ON = {
+    **BASE,
+    "regenerate": {"enabled": True},
+    "extract": {"storage": "fp8_e4m3"},  # a LATER key: a param only away from its default
+    "tokenize": {"chat_template_kwargs": {"enable_thinking": False}},
+}
+
+
+def test_every_content_key_is_refused(folder):
+    """Each key of shard_keys, changed alone, is refused naming it (what test_the_content_keys_are_every_param_of_
+    the_chain below holds to the rules)."""
+    keys = made_by.shard_keys(_completed(REGEN_ON))
+    made_by.write_record(cfg(), ["my-run.yaml"], keys=keys)
+    assert len(keys) > 30
+    for key in keys:
+        changed = {**keys, key: ["another", "value"]}
+        error, _ = made_by.check(cfg(), ["my-run.yaml"], demo=False, keys=changed)
+        assert error and f"{key} " in error and "would extract all 2 again" in error, key
+
+
+# What the chain's params and inputs read, by the names rules/common.smk gives them: the config keys behind each.
+CHAIN_RULES = ("prepare", "prepare_prompt_only", "regenerate_split", "regenerate", "regenerate_merge", "tokenize",
+               "extract")  # fmt: skip
+NAMES = {
+    "SOURCES": ["data.sources"],
+    "get_model": ["model.path"],
+    "TOKENIZED": ["tokenize.num_shards"],  # one folder of num_shards shards
+    "get_tokenized_shard": ["tokenize.num_shards"],
+    "get_tokenized_shards": ["tokenize.num_shards"],
+    "get_template_kwargs_params": ["tokenize.chat_template_kwargs"],
+    "image_params": [f"data.{k}" for k in ("image_root", "max_image_pixels")],
+    "REGEN_SHARDS": ["regenerate.num_shards"],
+    "REGEN_PROMPTS": ["regenerate.num_shards"],
+    "get_regen_prompt_shard": ["regenerate.num_shards"],
+    "CONVERSATIONS": ["regenerate.enabled"],
+}
+NOT_CONTENT = {"GUARD", "missing", "shard_extract_runs", "heal_ticket", "expand"}  # what a job needs, not its bytes
+NOT_CONTENT |= {"True", "False", "None", "if", "else", "and", "or", "not"}
+
+
+def test_the_content_keys_are_every_param_and_input_of_the_chain():
+    """A param or an input of a job of prepare -> regenerate -> tokenize -> extract re-queues every shard when it
+    changes, so each is a shard key (refused above); a name this test does not know fails it until mapped."""
+    from dataclasses import fields
+
+    from eagle3prep.settings import ExtractContent, RegenerateContent
+
+    names = dict(NAMES)
+    names["get_extract_data_params"] = [f"extract.{f.name}" for f in fields(ExtractContent)]
+    names["get_regen_data_params"] = [f"regenerate.{f.name}" for f in fields(RegenerateContent)]
+    names["get_regen_data_params"] += ["tokenize.chat_template_kwargs"]
+    keys = set(made_by.shard_keys(_completed(REGEN_ON)))
+    repo = __import__("pathlib").Path(__file__).resolve().parents[1]
+    text = "\n".join((repo / "rules" / f).read_text() for f in ("prepare.smk", "regenerate.smk", "tokenize.smk",
+                                                                  "extract.smk"))  # fmt: skip
+    found = 0
+    for rule, body in re.findall(r"^\s*rule (\w+):\n((?:\s+.*\n|\n)*?)(?=^\s*(?:rule |#|\Z)|\Z)", text, re.M):
+        if rule not in CHAIN_RULES:
+            continue
+        for _, block in re.findall(r"^( +)(?:input|params):\n((?:\1 +.*\n)*)", body, re.M):
+            block = re.sub(r"#.*", "", block)
+            settings = re.findall(r"SETTINGS\.(\w+)\.(?:content\.)?(\w+)", block)
+            used = [x for s, k in settings for x in names.get(k, [f"{s}.{k}"])]
+            used += [f"{s}.{k}" for s in re.findall(r"config\[\"(\w+)\"\]", block) for k in
+                     made_by.CONTENT_KEYS[s]]  # fmt: skip
+            block = re.sub(r"SETTINGS(\.\w+)+|config\[\"\w+\"\]|f?\"[^\"]*\"", "", block)
+            block = re.sub(r"^\s*\w+=", "", block, flags=re.M)  # a param's or an input's own name
+            for name in re.findall(r"(?<![\w.])([A-Za-z_]\w*)", block):
+                if name in NOT_CONTENT or name == "k":  # k: expand's wildcard
+                    continue
+                assert name in names, f"rule {rule}: map {name} in NAMES (the config keys it reads) or NOT_CONTENT"
+                used += names[name]
+            missing = sorted(set(used) - keys)
+            assert not missing, f"rule {rule} reads {missing}, which shard_keys leaves out"
+            found += len(used)
+    assert found > 20
+    # and the other way: no key is refused that no job of the chain reads
+    assert "regenerate.review_samples" not in keys and "extract.batch_tokens" not in keys
 
 
 def _completed(config: dict) -> dict:

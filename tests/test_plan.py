@@ -7,7 +7,8 @@ import pytest
 
 from eagle3prep.config import ConfigError, validate_config
 from eagle3prep.extract import shard_bytes
-from eagle3prep.run.plan import format_plan, make_plan, min_tokens_per_shard, plan_run
+from eagle3prep.plan.estimate import format_plan, make_plan, min_tokens_per_shard
+from eagle3prep.plan.stage import plan_run
 from eagle3prep.settings import Settings
 
 SIZES = [{"shard": 0, "rows": 10, "tokens": 3000}, {"shard": 1, "rows": 9, "tokens": 1000}]
@@ -192,11 +193,47 @@ def test_plan_and_the_dry_run_agree_on_a_folder_of_shards_another_config_made(sm
 
     wd = shutil.copytree(small_demo_run, tmp_path / "wd", symlinks=True)
     snakemake(wd, "plan")
-    assert (wd / "results/plan/plan.txt").read_text().count("done (has manifest)") == 3
+    assert (wd / ".eagle3prep/plan/plan.txt").read_text().count("done (has manifest)") == 3
     other = ("--config", "extract={dtype: float32}")
-    assert re.search(r"^extract\s+3$", snakemake(wd, "-n", *other).stdout, re.M)
-    snakemake(wd, "plan", *other)
-    text = (wd / "results/plan/plan.txt").read_text()
+    refused = snakemake(wd, "-n", *other, check=False)  # a content key: refused, priced (test_read_only.py)
+    assert refused.returncode == 1 and "extract.dtype bfloat16 -> float32" in refused.stderr
+    accepted = snakemake(wd, "-n", *other, "replace_results=true")
+    assert re.search(r"^extract\s+3$", accepted.stdout, re.M)
+    snakemake(wd, "plan", *other)  # a plan prices the change without being refused
+    text = (wd / ".eagle3prep/plan/plan.txt").read_text()
     assert text.count("to redo: made with dtype bfloat16 (now float32)") == 3 and "done (has manifest)" not in text
-    plan = json.loads((wd / "results/plan/plan.json").read_text())
+    plan = json.loads((wd / ".eagle3prep/plan/plan.json").read_text())
     assert plan["bytes_to_write"] == plan["bytes_total"]
+
+
+def test_plan_reads_results_tokenized_only_when_it_is_this_configs(tmp_path, monkeypatch):
+    """The plan of another config tokenized into results/tokenized, and the folder's own config then extracted every
+    shard again: it reads results/ only when the record's tokenize keys are this config's."""
+    from eagle3prep.run import made_by
+
+    monkeypatch.chdir(tmp_path)
+
+    def keys(**over):
+        config = {"data": {"sources": ["mine.jsonl"]}, "model": {"path": "/m"}, **over}
+        Settings.validated(config)
+        return made_by.shard_keys(config)
+
+    fresh = made_by.plan_source(keys())
+    assert fresh == made_by.PlanSource("results/tokenized", from_run=True)  # nothing there: the run's first step
+    (tmp_path / "results/tokenized").mkdir(parents=True)
+    (tmp_path / "results/tokenized/stats.json").write_text("{}")
+    (tmp_path / "results/prepared").mkdir()
+    (tmp_path / "results/prepared/counts.json").write_text("{}")
+    settings = Settings.validated({"data": {"sources": ["mine.jsonl"]}, "model": {"path": "/m"}})
+    made_by.write_record(settings, ["mine.yaml"], keys=keys())
+    assert made_by.plan_source(keys()) == made_by.PlanSource("results/tokenized")
+    # extract and layer keys decide no tokenized byte: results/tokenized is still this config's
+    assert made_by.plan_source(keys(extract={"dtype": "float32"})) == made_by.PlanSource("results/tokenized")
+    shorter = made_by.plan_source(keys(tokenize={"max_seq_len": 64}))
+    assert shorter.tokenized.startswith(".eagle3prep/plan/tokenized-") and shorter.prepared == "results/prepared"
+    assert not shorter.from_run
+    other = made_by.plan_source(keys(data={"sources": ["theirs.jsonl"]}))
+    assert other.prepared.startswith(".eagle3prep/plan/prepared-") and other.tokenized != shorter.tokenized
+    assert made_by.plan_source(keys(tokenize={"max_seq_len": 64})) == shorter  # the same scratch folder again
+    (tmp_path / "results/config.json").unlink()  # no record: which config made results/ is not known
+    assert made_by.plan_source(keys()).tokenized.startswith(".eagle3prep/plan/")

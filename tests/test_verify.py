@@ -202,3 +202,19 @@ def test_both_verify_commands_check_the_shards_of_the_dataset_and_leave_another_
         out[0].startswith("not checked: shard_2, shard_3 (not in ") and "left by a config with more shards" in out[0]
     )
     assert out[1].startswith("verify: ok: 12 files of 2 shards")
+
+
+def test_a_healthy_folder_is_left_as_it_is_and_a_record_of_damage_is_cleared(results):
+    """verify on a healthy folder wrote results/verify.json: a read-only command changed results/."""
+    verify(results, [0, 1, 2, 3]).write_record(results)
+    assert not (results / "verify.json").exists()
+    data = (results / "hidden_states" / "shard_2" / "layer_4.safetensors").read_bytes()
+    flip_byte(results / "hidden_states" / "shard_2" / "layer_4.safetensors")
+    verify(results, [0, 1, 2, 3]).write_record(results)
+    assert list(json.loads((results / "verify.json").read_text())["places"]) == ["hidden_states/shard_2"]
+    (results / "hidden_states" / "shard_2" / "layer_4.safetensors").write_bytes(data)  # put back by hand
+    verify(results, [0, 1, 2, 3]).write_record(results)
+    assert json.loads((results / "verify.json").read_text()) == {"places": {}}
+    stamp = (results / "verify.json").stat().st_mtime_ns
+    verify(results, [0, 1, 2, 3]).write_record(results)
+    assert (results / "verify.json").stat().st_mtime_ns == stamp

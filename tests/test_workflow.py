@@ -100,7 +100,10 @@ def test_speed_knobs_requeue_no_finished_shard_but_data_keys_do(tmp_path, full_r
 
     def dry_run(extract: dict) -> str:
         override = tmp_path / "override.yaml"  # merged over config/config.yaml, named first (issue #27 item 2)
-        override.write_text(yaml.safe_dump({"extract": {**SMALL_CONFIG["extract"], **extract}}))
+        # replace_results: a content key (dtype) is refused on finished shards without it (test_made_by.py)
+        override.write_text(
+            yaml.safe_dump({"extract": {**SMALL_CONFIG["extract"], **extract}, "replace_results": True})
+        )
         return snakemake(full_run, "-n", "--configfile", "config/config.yaml", str(override)).stdout
 
     speed = {"batch_tokens": 512, "threads": 2, "gpu_memory_utilization": 0.5, "max_num_batched_tokens": 4096}
@@ -115,7 +118,7 @@ def test_chat_template_kwargs_requeue_tokenize_and_their_default_adds_no_param(f
     tokenize and what follows. At its default {} the rule has the params it had before the key existed."""
     assert "Nothing to be done" in snakemake(full_run, "-n").stdout
     kwargs = "tokenize={chat_template_kwargs: {enable_thinking: false}}"
-    out = snakemake(full_run, "-n", "--config", kwargs).stdout
+    out = snakemake(full_run, "-n", "--config", kwargs, "replace_results=true").stdout  # refused without it
     assert re.search(r"^tokenize\s+1$", out, re.M) and re.search(r"^extract\s+3$", out, re.M), out
     assert "Params have changed since last execution" in out
     bad = snakemake(full_run, "-n", "--config", "tokenize={chat_template_kwargs: {eos_token: x}}", check=False)

@@ -252,7 +252,7 @@ def print_writers(b: dict) -> None:
 
 def print_shard_size(b: dict) -> None:
     """The shard size at which (b)'s engine start stays under plan's START_SHARE of a job."""
-    from eagle3prep.run.plan import START_SHARE, min_tokens_per_shard
+    from eagle3prep.plan.estimate import START_SHARE, min_tokens_per_shard
 
     rate, start = b["uniform"]["tokens_per_s"], b["engine_start_s"]
     print(

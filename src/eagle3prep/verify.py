@@ -71,8 +71,20 @@ class Verdict:
         )
 
     def write_record(self, results: str | Path) -> None:
-        """RECORD under `results`: the places found damaged, for the next run to redo (heal.verified_damage)."""
-        write_json(Path(results) / RECORD, {"places": dict(sorted(self.bad_places.items()))})
+        """RECORD under `results`: the places found damaged, for the next run to redo (heal.verified_damage). A
+        healthy folder with no damage recorded is left as it is (verify changes nothing there); a record of
+        earlier damage is cleared."""
+        path = Path(results) / RECORD
+        places = dict(sorted(self.bad_places.items()))
+        if not places:
+            try:
+                if not json.loads(path.read_text(encoding="utf-8")).get("places"):
+                    return
+            except FileNotFoundError:
+                return
+            except (OSError, ValueError, AttributeError):
+                pass  # unreadable: written again
+        write_json(path, {"places": places})
 
 
 def _natural(name: str) -> tuple:

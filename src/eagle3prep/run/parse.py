@@ -94,7 +94,7 @@ def shown_path(path: str, cwd: str | os.PathLike) -> str:
 def check_target_marker(config: dict[str, Any], configfiles: list[str], cwd: str | os.PathLike) -> None:
     """One line for `snakemake --configfile my.yaml plan`, where Snakemake took `plan` for a config file (the
     marker files at the repository root: plan, verify, overfit_gate, regenerate_review), or took one of the
-    workflow's outputs (`results/plan/plan.json`) for one."""
+    workflow's outputs (`results/report/summary.csv`) for one."""
     outputs = [f for f in configfiles[1:] if _is_output(f, cwd)]
     if outputs:
         target = shown_path(outputs[0], cwd)

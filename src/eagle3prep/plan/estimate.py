@@ -1,4 +1,4 @@
-"""The `plan` target: what the extract jobs will write and how long they will take, before any of them runs.
+"""The plan's numbers: what the extract jobs will write and how long they will take, before any of them runs.
 
 From the tokenized shards' sizes (results/tokenized/stats.json) and the model's shape: the bytes each
 hidden-state shard will take (extract.shard_bytes, the same estimate the extract job checks against
@@ -12,21 +12,15 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, reference_mode
-from ..config.model import model_layer_ids
 from ..extract import free_space_probe, shard_bytes
 from ..infra.atomic import atomic_open, write_json
 from ..infra.disk import human_bytes
-from ..model_facts import ModelFacts, require_hidden_size
-from ..settings import LayersSettings, PlanSettings, Settings
 from ..shard.formats import storage_format
 from ..shard.layout import MANIFEST
-from . import bill
 
 START_SHARE = 0.05  # engine start-up should stay under this share of a shard's job time
 TIMES = ("job_hours_total", "job_hours_left", "gpu_hours_left", "start_share_worst", "recommended")
@@ -157,6 +151,8 @@ def shard_state(folder: Path, made_with: dict[str, Any] | None) -> tuple[bool, s
     differ = [f"{key} {made[key]} (now {made_with[key]})" for key in made if made[key] != made_with[key]]
     if differ:
         return False, "made with " + ", ".join(differ)
+    if made_with.get("redo"):  # the plan tokenized this config's shards itself: results/'s are another config's
+        return False, made_with["redo"]
     tokenized = Path(made_with["tokenized"])
     stamp = next((p for p in (tokenized / ".snakemake_timestamp", tokenized / "stats.json") if p.is_file()), None)
     if stamp is not None and stamp.stat().st_mtime_ns > manifest.stat().st_mtime_ns:
@@ -186,7 +182,7 @@ def _times(shards: list[ShardPlan], tokens_per_s: float, engine_start_s: float, 
 
 
 def format_plan(plan: dict[str, Any], num_shards_key: str = "tokenize.num_shards") -> str:
-    """The plan as a short table and a few sentences (results/plan/plan.txt)."""
+    """The plan as a short table and a few sentences (.eagle3prep/plan/plan.txt)."""
     lines = _table(plan) + _disk(plan, num_shards_key) + _validation_memory(plan) + _time(plan, num_shards_key)
     lines += plan.get("bill_lines", [])
     return "\n".join(lines) + "\n"
@@ -285,102 +281,6 @@ def write_plan(plan: dict[str, Any], json_path: str | os.PathLike, txt_path: str
     with atomic_open(txt_path, "w", encoding="utf-8") as f:
         f.write(text)
     return text
-
-
-def run_plan_job(
-    stats_path: str | os.PathLike, hidden_states_dir: str | os.PathLike, json_path: str | os.PathLike,
-    txt_path: str | os.PathLike, *, model_path: str, settings: Settings, gpus_per_job: int,
-) -> str:  # fmt: skip
-    """The `plan` rule's job: the extract jobs planned from the whole config's `settings` (layers, extract's
-    dtype and storage, plan, validate, export); `gpus_per_job`: what one extract job holds (common.smk get_gpus)."""
-    s = settings
-    return plan_run(
-        stats_path, hidden_states_dir, json_path, txt_path,
-        model_path=model_path, layers=s.layers, dtype=s.extract.content.dtype, storage=s.extract.content.storage,
-        plan=s.plan, reference=s.validate.reference, windows=s.validate.windows, validate_device=s.validate.device,
-        sample_rows=s.validate.sample_rows, gpus_per_job=gpus_per_job,
-        export_copy=s.export.speculators and s.export.hidden_states == "copy",
-    )  # fmt: skip
-
-
-def plan_run(
-    stats_path: str | os.PathLike,
-    hidden_states_dir: str | os.PathLike,
-    json_path: str | os.PathLike,
-    txt_path: str | os.PathLike,
-    *,
-    model_path: str,
-    layers: LayersSettings,
-    dtype: str,
-    storage: str | None,
-    plan: PlanSettings,
-    reference: bool | str,
-    windows: Sequence[Sequence[int]] | None,
-    validate_device: str,
-    sample_rows: int | str,
-    gpus_per_job: int = 1,
-    export_copy: bool = False,
-) -> str:
-    """The `plan` rule: plan the extract jobs of these config values (validated), write the plan, return its text.
-
-    layers: the config's `layers` section; plan: its `plan` section; windows, reference: validate.windows and
-    validate.reference (what the scalable reference loads is planned only when it is the one that runs);
-    export_copy: export.speculators with export.hidden_states copy (every hidden-state byte once more);
-    validate_device: validate.device, where the validation's reference forward runs; sample_rows:
-    validate.sample_rows, the rows whose tokens the reference recomputes (the validation estimate's)."""
-    ids = model_layer_ids(model_path, layers.ids, layers.convention)
-    try:
-        hidden_size = require_hidden_size(ModelFacts.read(model_path), model_path)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    sizes = shard_sizes_from_stats(stats_path)
-    # Finished shards' own timings (timings.json) over the config's guess.
-    meas = bill.measured(sizes, hidden_states_dir)
-    result = make_plan(
-        sizes,
-        num_layers=len(ids),
-        hidden_size=hidden_size,
-        dtype=dtype,
-        storage=storage or "model_dtype",
-        hidden_states_dir=hidden_states_dir,
-        tokens_per_s=meas["tokens_per_s"] or plan.tokens_per_s,
-        engine_start_s=meas["engine_start_s"] if meas["engine_start_s"] is not None else plan.engine_start_s,
-        gpus_per_job=gpus_per_job,
-        made_with={
-            "layer_ids": ids,
-            "dtype": dtype,
-            "storage": storage or "model_dtype",
-            "model_path": model_path,
-            "tokenized": Path(stats_path).parent,
-        },
-    )
-    if reference_mode(reference) == "scalable":
-        result["validation_memory"] = validation_memory(model_path, ids, windows)
-    result["measured"] = meas
-    result["tokens_per_s_config"] = plan.tokens_per_s
-    result["bill"] = bill.disk(result, export_copy, Path(hidden_states_dir).parent)
-    mode = reference_mode(reference)
-    estimate = bill.validate_estimate(result, bill.model_weights(model_path), sample_rows, mode, validate_device)
-    root = Path(hidden_states_dir).parent.parent  # the working directory: logs/ and benchmarks/ beside results/
-    result["bill_lines"] = [
-        "",
-        bill.disk_line(result["bill"], result["free_bytes"], bill.du(root / "logs") + bill.du(root / "benchmarks")),
-        *bill.time_lines(result, meas, validate_device, mode != "off", estimate),
-    ]
-    return write_plan(result, json_path, txt_path)
-
-
-def validation_memory(model_path: str, ids: list[int], windows: list[list[int]] | None) -> dict[str, Any] | None:
-    """What validate.reference scalable loads, from the model's config.json shapes: the logits check
-    (final norm + lm_head) and the largest window (its layers at bf16); None when the shapes cannot be read."""
-    from ..validate.scalable import check_memory
-
-    windows = windows or ([ids[-2:]] if len(ids) >= 2 else [])
-    try:
-        mem = check_memory(model_path, ids, [tuple(w) for w in windows])
-    except (ValueError, KeyError, OSError) as e:  # an architecture transformers does not know
-        return {"error": str(e)[:300]}
-    return {k: mem[k] for k in ("logits_bytes", "window_bytes", "largest_window", "layer_peak_bytes")}
 
 
 def shard_sizes_from_stats(stats_path: str | os.PathLike) -> list[dict[str, int]]:
