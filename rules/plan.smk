@@ -14,7 +14,7 @@ rule plan:
     params:
         stats=f"{TOKENIZED}/stats.json",
         hidden_states="results/hidden_states",
-        layers=config["layers"],
+        layers=LayersSettings.params(config),
         dtype=SETTINGS.extract.content.dtype,
         storage=SETTINGS.extract.content.storage,
         plan=config["plan"],

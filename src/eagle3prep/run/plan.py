@@ -328,7 +328,7 @@ def plan_run(
     export_copy: export.speculators with export.hidden_states copy (every hidden-state byte once more);
     validate_device: validate.device, where the validation's reference forward runs; sample_rows:
     validate.sample_rows, the rows whose tokens the reference recomputes (the validation estimate's)."""
-    ids = model_layer_ids(model_path, layers.ids, layers.convention)
+    ids = model_layer_ids(model_path, layers.ids, layers.convention, layers.drafts)
     try:
         hidden_size = require_hidden_size(ModelFacts.read(model_path), model_path)
     except ValueError as e:
