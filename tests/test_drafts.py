@@ -140,3 +140,28 @@ def test_draft_lines_carry_the_storage_bytes():
     lines = draft_lines(drafts, [2, 30, 58, 61], token_bytes=7168 * 2, tokens=1_000_000)
     assert lines[0].endswith("57,344 B/token, 57.34 GB") and lines[1].endswith("14,336 B/token, 14.34 GB")
     assert missing_layers(drafts, [2, 30, 61]) == {"eagle3": [58]}
+
+
+def test_plan_shows_each_drafts_layers_and_bytes_in_the_storage_format(tmp_path, demo_model_dir):
+    from eagle3prep.run.plan import plan_run
+    from eagle3prep.shard.formats import storage_format
+
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps({"shards": [{"shard": 0, "path": "x", "first_row": 0, "rows": 10, "tokens": 3000}]}))
+    drafts = [{"type": "eagle3"}, {"type": "dflash", "ids": [0, 3, 6], "convention": "output_of_layer"}, {"type": "mtp"}]
+    settings = Settings.validated(base(model={"path": str(demo_model_dir)}, layers={"drafts": drafts}))
+    args = {"layers": settings.layers, "plan": settings.plan, "model_path": str(demo_model_dir), "dtype": "bfloat16"}
+    args |= {"windows": None, "reference": False, "validate_device": "cpu", "sample_rows": 8}
+    for storage in ("model_dtype", "mxfp4"):
+        text = plan_run(stats, tmp_path / "hs", tmp_path / f"{storage}.json", tmp_path / f"{storage}.txt",
+                        storage=storage, **args)  # fmt: skip
+        plan = json.loads((tmp_path / f"{storage}.json").read_text())
+        per_layer = storage_format(storage).token_bytes(128, "bfloat16")
+        assert plan["num_layers"] == 6  # the union [1, 2, 4, 5, 7, 8], captured once
+        assert [(d["name"], d["reads"], d["bytes"]) for d in plan["drafts"]] == [
+            ("eagle3", [2, 4, 5, 8], 4 * per_layer * 3000),
+            ("dflash", [1, 4, 7, 8], 4 * per_layer * 3000),
+            ("mtp", [8], per_layer * 3000),
+        ]
+        assert f"draft mtp (mtp) reads layers [8] (--target-layer-ids (none: the final state only)), {per_layer:,} B/token" in text
+        assert f"capturing the union of their layers once, [1, 2, 4, 5, 7, 8] (input_of_layer), {6 * per_layer:,} B/token" in text
