@@ -13,7 +13,12 @@ from eagle3prep.run import (
     tickets,
 )
 from eagle3prep.run.mode import Mode
-from eagle3prep.settings import ExtractSettings, RegenerateSettings, Settings
+from eagle3prep.settings import (
+    ExtractSettings,
+    LayersSettings,
+    RegenerateSettings,
+    Settings,
+)
 from eagle3prep.run.parse import (
     check_model,
     check_model_files,

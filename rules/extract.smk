@@ -22,7 +22,7 @@ rule extract:
     params:
         tokens=get_tokenized_shard,
         extract=get_extract_data_params(),
-        layers=config["layers"],
+        layers=LayersSettings.params(config),
         max_seq_len=SETTINGS.tokenize.max_seq_len,
         trust_remote_code=SETTINGS.model.trust_remote_code,
     script:

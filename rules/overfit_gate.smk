@@ -31,7 +31,7 @@ if SETTINGS.validate.overfit_gate:
         params:
             tokens=f"{TOKENIZED}/shard_0.jsonl",
             work="results/overfit_gate",
-            layers=config["layers"],
+            layers=LayersSettings.params(config),
             extract=get_extract_data_params(),
             # the engine settings of the regenerate stage (used whether or not it is enabled)
             regenerate=get_regen_data_params(),

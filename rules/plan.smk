@@ -20,7 +20,7 @@ rule plan:
         **({} if PLAN_SOURCE.from_run else {"tokenized": PLAN_SOURCE.tokenized}),
         prepared=PLAN_SOURCE.prepared,
         hidden_states="results/hidden_states",
-        layers=config["layers"],
+        layers=LayersSettings.params(config),
         dtype=SETTINGS.extract.content.dtype,
         storage=SETTINGS.extract.content.storage,
         plan=config["plan"],

@@ -21,7 +21,8 @@ def base(**over):
 
 def test_defaults_are_filled_in():
     c = validate_config(base())
-    assert c["extract"]["backend"] == "hf" and c["layers"] == {"ids": None, "convention": "input_of_layer"}
+    assert c["extract"]["backend"] == "hf"
+    assert c["layers"] == {"ids": None, "convention": "input_of_layer", "drafts": []}
     assert c["tokenize"]["num_shards"] == 1 and c["export"]["speculators"] is False
 
 

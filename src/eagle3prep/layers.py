@@ -11,10 +11,15 @@ from __future__ import annotations
 
 CONVENTION = "input_of_layer"
 
-# name -> offset added to a configured id to get our id.
-#   output_of_layer: older speculators (<= 0.4) and SGLang's explicit ids name the *output* of
-#   decoder layer k, which is the input of layer k + 1. Their "last layer" N-1 is our N.
-CONVENTIONS = {"input_of_layer": 0, "output_of_layer": 1}
+# name -> offset added to a configured id to get our id. Every source's numbering is one of two:
+#   input_of_layer: ours; vLLM's eagle_aux_hidden_state_layer_ids; speculators >= 0.5 --target-layer-ids
+#     (models/utils.resolve_target_layer_ids accepts 0..N, N = the final state launch_vllm.py appends);
+#     transformers' output_hidden_states[k] for k < N.
+#   output_of_layer: older speculators (<= 0.4) and SGLang's explicit ids, and published DFlash checkpoints'
+#     dflash_config.target_layer_ids (speculators' DFlash converter adds 1: "z-lab reads hidden_states[layer_id + 1]")
+#     name the *output* of decoder layer k, which is the input of layer k + 1. Their "last layer" N-1 is our N.
+# `vllm` and `speculators` are input_of_layer under the name of the source a user copies ids from.
+CONVENTIONS = {"input_of_layer": 0, "output_of_layer": 1, "vllm": 0, "speculators": 0}
 
 
 def default_layer_ids(num_hidden_layers: int) -> list[int]:
@@ -28,7 +33,8 @@ def convert_layer_ids(ids: list[int], convention: str) -> list[int]:
     if convention not in CONVENTIONS:
         raise ValueError(
             f"layers.convention = {convention!r} is not one of {sorted(CONVENTIONS)}; "
-            "use input_of_layer for vLLM-style ids, output_of_layer for older speculators/SGLang ids"
+            "use input_of_layer (= vllm, speculators) for vLLM-style ids, output_of_layer for published DFlash, "
+            "older speculators and SGLang ids"
         )
     return [int(i) + CONVENTIONS[convention] for i in ids]
 

@@ -257,7 +257,37 @@ class LayersSettings(_Section):
 
     SECTION: ClassVar[str] = "layers"
     ids: Sequence[int] | None  # None: layers.default_layer_ids of the model's depth
-    convention: str  # input_of_layer | output_of_layer
+    convention: str  # input_of_layer | output_of_layer | vllm | speculators
+    drafts: Sequence[Mapping[str, Any]] = field(default_factory=list, metadata=LATER)  # drafts.py: each adds its layers
+
+    @classmethod
+    def of(cls, section: Mapping[str, Any]) -> Self:
+        """From a rule's `layers` param, which leaves `drafts` out when there are none (params below)."""
+        return _build(cls, {"drafts": [], **section})
+
+    def capture_ids(self, num_hidden_layers: int) -> list[int]:
+        """The ids the run captures (ours): layers.ids extended by every draft's layers (drafts.capture_layer_ids)."""
+        from .drafts import capture_layer_ids
+
+        return capture_layer_ids(self.ids, self.convention, self.drafts, num_hidden_layers)
+
+    @staticmethod
+    def params(config: Mapping[str, Any]) -> dict[str, Any]:
+        """The rules' `layers` param (a rerun trigger): the section as written, `drafts` left out. Drafts that
+        add layers make it the captured ids themselves, so that naming a draft the finished shards already
+        serve re-queues no shard; while the model folder is still to be built (model.build_demo), the drafts."""
+        section = config["layers"]
+        base = {k: v for k, v in section.items() if k != "drafts"}
+        if not section.get("drafts"):
+            return base
+        try:
+            n = _model_depth(config["model"]["path"])
+        except (OSError, ValueError, KeyError):
+            return dict(section)
+        union = LayersSettings.of(section).capture_ids(n)
+        if union == LayersSettings.of(base).capture_ids(n):
+            return base
+        return {"ids": union, "convention": "input_of_layer"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,8 +376,14 @@ class Settings:
         return cls.from_config(validate_config(config))
 
     def layer_ids(self) -> list[int]:
-        """The layer ids in our convention; needs the model folder (for N)."""
-        return model_layer_ids(self.model.path, self.layers.ids, self.layers.convention)
+        """The layer ids the run captures, in our convention (its drafts' included); needs the model folder (N)."""
+        return model_layer_ids(self.model.path, self.layers.ids, self.layers.convention, self.layers.drafts)
+
+
+def _model_depth(model_path: str) -> int:
+    from .model_facts import ModelFacts
+
+    return ModelFacts.read(model_path).num_hidden_layers
 
 
 _FIELD_TYPES: dict[type, dict[str, type]] = {

@@ -3,19 +3,23 @@ its context."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from ..errors import ConfigError
-from ..layers import resolve_layer_ids
+from ..drafts import capture_layer_ids
 from ..model_facts import ModelFacts
 
 
-def model_layer_ids(model_path: str, ids: Sequence[int] | None, convention: str) -> list[int]:
-    """layers.ids in `convention` resolved against the model's N, or a one-line ConfigError."""
+def model_layer_ids(
+    model_path: str, ids: Sequence[int] | None, convention: str, drafts: Sequence[Mapping[str, Any]] = ()
+) -> list[int]:
+    """layers.ids in `convention`, extended by the drafts' layers, resolved against the model's N, or a one-line
+    ConfigError."""
     n = ModelFacts.read(model_path).num_hidden_layers
     try:
-        return resolve_layer_ids(ids, convention, n)
+        return capture_layer_ids(ids, convention, drafts, n)
     except ValueError as e:
         raise ConfigError(f"config error: {e}") from None
 

@@ -24,7 +24,7 @@ from ..infra.folder import open_folder
 from ..infra.gpus import claim_job_gpus
 from ..infra.log import get_logger
 from ..infra.provenance import code_version, model_identity, tokenizer_identity
-from ..layers import CONVENTION, check_layer_ids, resolve_layer_ids
+from ..layers import CONVENTION, check_layer_ids
 from ..model_facts import ModelFacts, require_hidden_size
 from ..settings import ExtractSettings, LayersSettings
 from ..shard.layout import MANIFEST, check_storage, layer_file, token_bytes
@@ -103,7 +103,7 @@ def run_extract_job(
     spec = CaptureSpec(
         settings,
         model_path=model_path,
-        layer_ids=resolve_layer_ids(layers.ids, layers.convention, facts.num_hidden_layers),
+        layer_ids=layers.capture_ids(facts.num_hidden_layers),
         max_seq_len=max_seq_len,
         trust_remote_code=trust_remote_code,
     )

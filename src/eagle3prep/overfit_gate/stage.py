@@ -28,7 +28,6 @@ from ..infra.atomic import write_json
 from ..infra.gpus import claim_job_gpus
 from ..infra.log import get_logger
 from ..infra.provenance import code_version
-from ..layers import resolve_layer_ids
 from ..model_facts import ModelFacts
 from ..settings import ExtractSettings, LayersSettings, RegenerateSettings, ValidateSettings
 from . import acceptance, rows, serve, train
@@ -117,7 +116,7 @@ def run_overfit_gate_job(
     work_dir = Path(work)
     work_dir.mkdir(parents=True, exist_ok=True)
     facts = ModelFacts.read(model_path)
-    ids = resolve_layer_ids(layers.ids, layers.convention, facts.num_hidden_layers)
+    ids = layers.capture_ids(facts.num_hidden_layers)
     record: dict[str, Any] = {"format": FORMAT, "model": model_path, "layer_ids": ids, "settings": asdict(s),
                               "bound": acceptance.bound(s.k), "code_version": code_version()}  # fmt: skip
     python, how, blocker = _trainer(model_path, trust_remote_code)

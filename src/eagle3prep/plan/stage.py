@@ -19,6 +19,7 @@ from ..config.model import model_layer_ids
 from ..infra.log import get_logger
 from ..model_facts import ModelFacts, require_hidden_size
 from ..settings import LayersSettings, PlanSettings, Settings
+from ..shard.formats import storage_format
 from . import bill
 from .estimate import make_plan, shard_sizes_from_stats, write_plan
 
@@ -123,7 +124,7 @@ def plan_run(
     validate_device: validate.device, where the validation's reference forward runs; sample_rows:
     validate.sample_rows, the rows whose tokens the reference recomputes (the validation estimate's); redo: why
     every finished shard is extracted again, when the plan's tokenized shards are not results/'s."""
-    ids = model_layer_ids(model_path, layers.ids, layers.convention)
+    ids = model_layer_ids(model_path, layers.ids, layers.convention, layers.drafts)
     try:
         hidden_size = require_hidden_size(ModelFacts.read(model_path), model_path)
     except ValueError as e:
@@ -163,7 +164,22 @@ def plan_run(
         bill.disk_line(result["bill"], result["free_bytes"], bill.du(root / "logs") + bill.du(root / "benchmarks")),
         *bill.time_lines(result, meas, validate_device, mode != "off", estimate),
     ]
+    if layers.drafts:  # each draft's layers and what it reads of the dataset, in the storage's bytes
+        result["drafts"], lines = drafts_plan(layers.drafts, ids, storage or "model_dtype", dtype, hidden_size,
+                                              result["tokens"])  # fmt: skip
+        result["bill_lines"] += ["", *lines]
     return write_plan(result, json_path, txt_path)
+
+
+def drafts_plan(drafts, ids: list[int], storage: str, dtype: str, hidden_size: int, tokens: int):
+    """([{draft, bytes_per_token, bytes}], lines): the bytes each named draft reads, per token and in all."""
+    from ..drafts import draft_lines, resolve_drafts
+
+    served = resolve_drafts(drafts, ids[-1])  # with drafts the captured ids end with N: every draft reads it
+    per_layer = storage_format(storage).token_bytes(hidden_size, dtype)
+    table = [{**d.to_json(), "bytes_per_token": len(d.reads) * per_layer, "bytes": len(d.reads) * per_layer * tokens}
+             for d in served]  # fmt: skip
+    return table, draft_lines(served, ids, per_layer, tokens)
 
 
 def validation_memory(model_path: str, ids: list[int], windows: list[list[int]] | None) -> dict[str, Any] | None:

@@ -20,6 +20,8 @@ from ..settings import Settings
 from ..shard.formats import storage_format
 from ..vllm.families import check_capture_path
 
+HIDDEN_STATES = "results/hidden_states"  # the finished shards, relative to the workflow's folder
+
 # What extract loads its weights from (transformers and vLLM read these; *.pt and *.pth are older checkpoints).
 WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
@@ -234,7 +236,7 @@ def check_model(settings: Settings) -> list[str]:
     except (ValueError, OSError) as e:  # json.JSONDecodeError is a ValueError
         raise ConfigError(f"config error: model.path = '{path}': cannot read config.json ({e})") from None
     notes = []
-    if settings.layers.ids is None:
+    if settings.layers.ids is None and not settings.layers.drafts:
         ids, formula = default_layer_ids(n), [2, n // 2, n - 3, n]
         if len(ids) < len(formula):
             notes.append(
@@ -242,7 +244,9 @@ def check_model(settings: Settings) -> list[str]:
                 f"{len(ids)} distinct ids {ids} are captured, not 4; set layers.ids to choose others"
             )
     else:
-        ids = settings.layer_ids()  # raises ConfigError in one line
+        ids = settings.layer_ids()  # raises ConfigError in one line (the drafts' layers included)
+        if settings.layers.drafts:
+            notes += drafts_notes(settings, n, ids)
         if settings.export.speculators:
             from ..shard.shardset import speculators_layer_error
 
@@ -253,6 +257,40 @@ def check_model(settings: Settings) -> list[str]:
     if note := images_note(settings, path):
         notes.append(note)
     return notes
+
+
+def finished_layer_ids(hidden_states: str | os.PathLike = HIDDEN_STATES) -> list[int] | None:
+    """The layer ids every finished shard holds (their manifests' `layer_ids` in common); None without one."""
+    held = None
+    for manifest in sorted(Path(hidden_states).glob("shard_*/manifest.json")):
+        try:
+            ids = json.loads(manifest.read_text(encoding="utf-8"))["layer_ids"]
+        except (OSError, ValueError, KeyError):  # an unfinished or broken shard: healing redoes it
+            continue
+        held = set(ids) if held is None else held & set(ids)
+    return None if held is None else sorted(held)
+
+
+def drafts_notes(settings: Settings, n: int, ids: list[int], hidden_states: str | os.PathLike = HIDDEN_STATES
+                 ) -> list[str]:  # fmt: skip
+    """Each draft's layers and the union the run captures (the opening lines of -n and a run); a ConfigError in one
+    line when finished shards lack a draft's layers and the config does not let the run replace them."""
+    from ..drafts import draft_lines, missing_layers, resolve_drafts
+
+    try:
+        drafts = resolve_drafts(settings.layers.drafts, n)
+    except ValueError as e:
+        raise ConfigError(f"config error: {e}") from None
+    held = finished_layer_ids(hidden_states)
+    missing = missing_layers(drafts, held) if held is not None else {}
+    if missing and not settings.replace_results:
+        name, lack = next(iter(missing.items()))
+        raise ConfigError(
+            f"config error: layers.drafts: draft {name} reads layer ids {lack} that the finished shards in "
+            f"{hidden_states} do not hold (they hold {held}); capturing them extracts every shard again: set "
+            "replace_results: true to do so, or drop the draft"
+        )
+    return [f"layers.drafts: {line}" for line in draft_lines(drafts, ids)]
 
 
 def images_note(settings: Settings, path: Path) -> str | None:
