@@ -143,7 +143,7 @@ def test_draft_lines_carry_the_storage_bytes():
 
 
 def test_plan_shows_each_drafts_layers_and_bytes_in_the_storage_format(tmp_path, demo_model_dir):
-    from eagle3prep.run.plan import plan_run
+    from eagle3prep.plan.stage import plan_run
     from eagle3prep.shard.formats import storage_format
 
     stats = tmp_path / "stats.json"
