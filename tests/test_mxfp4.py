@@ -235,3 +235,21 @@ def test_a_hidden_size_without_whole_blocks_is_refused_at_parse_time(tmp_path, d
     check_model_files(
         Settings.validated({"data": data, "model": {"path": str(model)}, "extract": {"storage": "fp8_e4m3"}})
     )
+
+
+def test_the_validation_line_says_how_much_of_the_bound_is_the_formats_own_floor():
+    """A passed layer's line on an MXFP4 shard names the share of its bound that MXFP4's own floor makes; on a
+    model-dtype shard no share is claimed."""
+    from eagle3prep.validate.passrule import judge_layer, judge_row
+    from eagle3prep.validate.recompute import _layer_summary, reference_ok_detail
+
+    ref = gaussian(16, 256, seed=5).float()
+    mx_rows = [{"row": 0, "layer_id": 2, **judge_row(MX.roundtrip(ref), ref, None, "float32", MX)}]
+    plain_rows = [{"row": 0, "layer_id": 2, **judge_row(ref.clone(), ref, None, "float32")}]
+    for rows in (mx_rows, plain_rows):
+        judge_layer(rows)
+    mx, plain = _layer_summary(mx_rows), _layer_summary(plain_rows)
+    assert 0.9 < mx["storage_share"] <= 1.0 and plain["storage_share"] == 0.0  # fp32 exact: the bound is MXFP4's
+    line = reference_ok_detail(mx)
+    assert f"{mx['storage_share']:.0%} of that bound is the MXFP4 format's own floor" in line
+    assert "own floor" not in reference_ok_detail(plain)
