@@ -136,7 +136,57 @@ def test_layer_file_and_reader(tmp_path):
     assert torch.equal(reader.rows(3, 9, torch.float32), MX.roundtrip(x)[3:9])
     assert reader.rows(3, 9).dtype == torch.bfloat16  # what trainers read
     size = (tmp_path / "mx.safetensors").stat().st_size
-    assert size - 20 * (32 + 2) < 256  # values, scales, the header
+    assert size - 20 * (32 + 2) < 2048  # values, scales, the header with its metadata
+
+
+def test_a_layer_file_describes_itself(tmp_path):
+    """The safetensors metadata names the format, the model and stored dtypes, the packing, the scales and the
+    rounding: a reader needs no manifest. A file without metadata (written before) is read by its tensors."""
+    from safetensors import safe_open
+
+    x = gaussian(8, 64)
+    write_layer(tmp_path / "mx.safetensors", x, "mxfp4")
+    with safe_open(str(tmp_path / "mx.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["storage"] == "mxfp4" and meta["format"] == formats.FORMAT_MXFP4
+    assert meta["model_dtype"] == "bfloat16" and meta["stored_dtype"] == "uint8"
+    assert "low nibble" in meta["packing"] and "e8m0" in meta["scales"] and "ties to even" in meta["rounding"]
+    assert LayerReader(tmp_path / "mx.safetensors").metadata == meta
+    for name in formats.STORAGES:  # every format names itself and its rounding
+        m = formats.storage_format(name).metadata("bfloat16")
+        assert m["storage"] == name and "rounding" in m and all(isinstance(v, str) for v in m.values())
+    old = tmp_path / "old.safetensors"
+    raw = (tmp_path / "mx.safetensors").read_bytes()
+    from eagle3prep.shard.layout import safetensors_header
+
+    layout = [("hidden_states", "uint8", (8, 32)), ("hidden_states_scales", "uint8", (8, 2))]
+    old.write_bytes(safetensors_header(layout) + raw[-8 * 34 :])  # no metadata
+    reader = LayerReader(old)
+    assert reader.metadata == {} and reader.format is MX
+    assert torch.equal(
+        reader.rows(0, 8, torch.float32), LayerReader(tmp_path / "mx.safetensors").rows(0, 8, torch.float32)
+    )
+
+
+def test_metadata_that_contradicts_the_tensors_is_refused(tmp_path):
+    from eagle3prep.shard.layout import layer_metadata, safetensors_header
+
+    path = tmp_path / "layer_3.safetensors"
+    layout = [("hidden_states", "uint8", (8, 32)), ("hidden_states_scales", "uint8", (8, 2))]
+    path.write_bytes(safetensors_header(layout, layer_metadata("model_dtype", "bfloat16")) + bytes(8 * 34))
+    with pytest.raises(ValueError, match=r"layer_3.safetensors: its metadata names storage 'model_dtype'"):
+        LayerReader(path)
+
+
+def test_the_manifest_names_the_model_and_the_stored_dtype_apart():
+    from test_fp8 import read_manifest_fields
+
+    m = {**read_manifest_fields(), "format": formats.FORMAT_MXFP4, "storage": MX.entry}
+    old = ShardManifest.from_json(m)  # a manifest written before stored_dtype: derived from its format
+    assert old.dtype == "float32" and old.stored_dtype == "uint8"
+    new = ShardManifest.from_json({**m, "dtype": "bfloat16", "stored_dtype": "uint8"}).to_json()
+    assert new["dtype"] == "bfloat16" and new["stored_dtype"] == "uint8" and new["storage"]["rounding"]
+    assert ShardManifest.from_json(read_manifest_fields()).stored_dtype == "float32"  # model dtype: as computed
 
 
 def test_the_registry_knows_every_storage_the_schema_offers():
@@ -185,3 +235,21 @@ def test_a_hidden_size_without_whole_blocks_is_refused_at_parse_time(tmp_path, d
     check_model_files(
         Settings.validated({"data": data, "model": {"path": str(model)}, "extract": {"storage": "fp8_e4m3"}})
     )
+
+
+def test_the_validation_line_says_how_much_of_the_bound_is_the_formats_own_floor():
+    """A passed layer's line on an MXFP4 shard names the share of its bound that MXFP4's own floor makes; on a
+    model-dtype shard no share is claimed."""
+    from eagle3prep.validate.passrule import judge_layer, judge_row
+    from eagle3prep.validate.recompute import _layer_summary, reference_ok_detail
+
+    ref = gaussian(16, 256, seed=5).float()
+    mx_rows = [{"row": 0, "layer_id": 2, **judge_row(MX.roundtrip(ref), ref, None, "float32", MX)}]
+    plain_rows = [{"row": 0, "layer_id": 2, **judge_row(ref.clone(), ref, None, "float32")}]
+    for rows in (mx_rows, plain_rows):
+        judge_layer(rows)
+    mx, plain = _layer_summary(mx_rows), _layer_summary(plain_rows)
+    assert 0.9 < mx["storage_share"] <= 1.0 and plain["storage_share"] == 0.0  # fp32 exact: the bound is MXFP4's
+    line = reference_ok_detail(mx)
+    assert f"{mx['storage_share']:.0%} of that bound is the MXFP4 format's own floor" in line
+    assert "own floor" not in reference_ok_detail(plain)

@@ -6,7 +6,7 @@ import os
 from typing import TYPE_CHECKING
 
 from eagle3prep.shard.formats import SCALES_KEY, VALUES_KEY, storage_format
-from eagle3prep.shard.layout import MODEL_DTYPE, safetensors_header
+from eagle3prep.shard.layout import MODEL_DTYPE, layer_metadata, safetensors_header
 
 if TYPE_CHECKING:
     import torch
@@ -21,7 +21,7 @@ def write_layer(path: str | os.PathLike, hidden: torch.Tensor, storage: str = MO
     tensors = dict(zip((VALUES_KEY, SCALES_KEY), parts, strict=False))
     layout = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
     with open(path, "wb") as f:
-        f.write(safetensors_header(layout))
+        f.write(safetensors_header(layout, layer_metadata(storage, str(hidden.dtype).removeprefix("torch."))))
         for t in tensors.values():
             f.write(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
 

@@ -44,9 +44,11 @@ class StreamingSafetensorsWriter:
         dtype: str,
         shape: tuple[int, ...],
         after: tuple[str, str, tuple[int, ...]] | None = None,
+        metadata: dict[str, str] | None = None,
     ):
         """`after`: (name, dtype, shape) of a second tensor stored behind this one (FP8 scales), whose
-        rows match this tensor's; only PositionalSafetensorsWriter fills it."""
+        rows match this tensor's; only PositionalSafetensorsWriter fills it. `metadata`: the header's
+        `__metadata__` (a layer file's: layout.layer_metadata)."""
         self.path = Path(path)
         self.dtype = dtype
         self.shape = tuple(shape)
@@ -56,7 +58,7 @@ class StreamingSafetensorsWriter:
         if after is not None and after[2][0] != self.expected_rows:
             raise ValueError(f"{self.path.name}: {after[0]} has {after[2][0]} rows, {name} {self.expected_rows}")
         self.rows = 0
-        header = safetensors_header([(name, dtype, self.shape), *([after] if after else [])])
+        header = safetensors_header([(name, dtype, self.shape), *([after] if after else [])], metadata)
         self.tmp = temp_of(self.path)
         self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish() or abort()
         self._sha = hashlib.sha256()

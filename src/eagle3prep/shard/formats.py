@@ -61,6 +61,9 @@ class StorageFormat:
     # (Kimi's H 7168: ~200 MiB at 4096 rows), outside what vLLM's memory profile saw.
     chunk: int = fp8.QUANT_CHUNK
     packing: int = 1  # model values a stored element holds (MXFP4: two a byte)
+    # Each layer file's safetensors metadata, beside the storage name and the model dtype (metadata()): how its
+    # values are stored, so a reader needs no manifest.
+    described: dict[str, str] = field(default_factory=dict)
 
     @property
     def scaled(self) -> bool:
@@ -78,6 +81,17 @@ class StorageFormat:
     def token_bytes(self, hidden_size: int, dtype: str) -> int:
         """Bytes one token takes in one layer file (values and scales)."""
         return sum(DTYPES[d][1] * shape[1] for _, d, shape in self.tensors(1, hidden_size, dtype))
+
+    def metadata(self, model_dtype: str) -> dict[str, str]:
+        """A layer file's safetensors `__metadata__` (strings only): the format's mark and name, the dtype the
+        model computed in and the one stored, and how to read the values back."""
+        return {
+            "format": self.mark,
+            "storage": self.name,
+            "model_dtype": model_dtype,
+            "stored_dtype": self.values_dtype(model_dtype),
+            **self.described,
+        }
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The stored tensors of rows `x` [n, H], on x's device, in file order."""
@@ -106,7 +120,14 @@ class StorageFormat:
 FORMATS: dict[str, StorageFormat] = {
     f.name: f
     for f in (
-        StorageFormat(MODEL_DTYPE, "model dtype", FORMAT, "the model dtype", lambda dtype: dtype),
+        StorageFormat(
+            MODEL_DTYPE,
+            "model dtype",
+            FORMAT,
+            "the model dtype",
+            lambda dtype: dtype,
+            described={"values": f"{VALUES_KEY} [tokens, hidden] in the model dtype, as captured", "rounding": "none"},
+        ),
         StorageFormat(
             FP8_E4M3,
             "FP8",
@@ -128,6 +149,13 @@ FORMATS: dict[str, StorageFormat] = {
                     "(speculators' fp8_utils)",
                 },
             },
+            described={
+                "values": f"{VALUES_KEY} [tokens, hidden] float8_e4m3fn",
+                "scales": f"{SCALES_KEY} [tokens, 1] float32, one per token: scale = max(amax / {fp8.FP8_MAX:g}, "
+                f"{fp8.SCALE_MIN:g}) (speculators' fp8_utils)",
+                "rounding": "x / scale rounded to nearest, ties to even (torch's float32 -> float8_e4m3fn)",
+                "decode": "value = float32(e4m3) x scale",
+            },
         ),
         StorageFormat(
             MXFP4,
@@ -143,6 +171,7 @@ FORMATS: dict[str, StorageFormat] = {
                 "name": MXFP4,
                 "dtype": "uint8",
                 "values": "e2m1 (OCP MX v1.0), two per byte, element 2i in the low nibble, sign in bit 3",
+                "rounding": mxfp4.ROUNDING,
                 "scales": {
                     "key": SCALES_KEY,
                     "dtype": "uint8",
@@ -152,6 +181,16 @@ FORMATS: dict[str, StorageFormat] = {
             },
             mxfp4.check_width,
             packing=2,
+            described={
+                "values": f"{VALUES_KEY} [tokens, hidden / 2] uint8: e2m1 codes (OCP MX v1.0: magnitudes 0, 0.5, 1, "
+                "1.5, 2, 3, 4, 6 for codes 0-7, bit 3 the sign)",
+                "packing": "two codes a byte: element 2i in the low nibble, element 2i + 1 in the high nibble",
+                "scales": f"{SCALES_KEY} [tokens, hidden / {mxfp4.BLOCK}] uint8 e8m0, one per {mxfp4.BLOCK} "
+                "consecutive values: byte b = 2^(b - 127), 255 = NaN (that block holds a NaN or an Inf)",
+                "scale_choice": "the smallest power of two with amax / scale <= 6 (rounded up: no value clips)",
+                "rounding": mxfp4.ROUNDING,
+                "decode": "value = e2m1[code & 7] x (-1 if code & 8) x 2^(b - 127)",
+            },
         ),
     )
 }
@@ -167,8 +206,15 @@ def storage_format(storage: str) -> StorageFormat:
         raise ValueError(f"extract.storage = {storage!r} is not one of {list(STORAGES)}") from None
 
 
-def format_of_file(tensors: dict[str, tuple[str, list[int]]]) -> StorageFormat:
-    """The format a layer file is stored in, from its tensors ({name: (safetensors dtype code, shape)})."""
+def format_of_file(tensors: dict[str, tuple[str, list[int]]], metadata: dict[str, str] | None = None) -> StorageFormat:
+    """The format a layer file is stored in: the one its metadata names (files written since they carry it), else
+    from its tensors ({name: (safetensors dtype code, shape)})."""
+    named = (metadata or {}).get("storage")
+    if named is not None:
+        fmt = storage_format(named)
+        if fmt.scaled != (SCALES_KEY in tensors):
+            raise ValueError(f"its metadata names storage {named!r}, its tensors are {sorted(tensors)}")
+        return fmt
     if SCALES_KEY not in tensors:
         return FORMATS[MODEL_DTYPE]
     return FORMATS[MXFP4] if tensors[VALUES_KEY][0] == "U8" else FORMATS[FP8_E4M3]

@@ -75,7 +75,9 @@ def encode_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if n:
         grid = (-(-n // MX_ROWS), -(-h // MX_COLS))
         xb, in_bits = _bits_view(x)
-        k.mxfp4_kernel[grid](xb, q, s, n, h, x.stride(0), ROWS=MX_ROWS, COLS=MX_COLS, IN_BITS=in_bits, num_warps=MX_WARPS)
+        k.mxfp4_kernel[grid](
+            xb, q, s, n, h, x.stride(0), ROWS=MX_ROWS, COLS=MX_COLS, IN_BITS=in_bits, num_warps=MX_WARPS
+        )
     return q, s
 
 

@@ -54,14 +54,23 @@ def token_bytes(storage: str, hidden_size: int, dtype: str) -> int:
     return storage_format(storage).token_bytes(hidden_size, dtype)
 
 
+def layer_metadata(storage: str, model_dtype: str) -> dict[str, str]:
+    """A layer file's safetensors metadata: its format, the model dtype and how its values are stored."""
+    return storage_format(storage).metadata(model_dtype)
+
+
 def storage_entry(storage: str) -> dict[str, Any] | None:
     """The manifest's `storage` field: None (left out) for model-dtype shards, so their manifests stay as they were."""
     return storage_format(storage).entry or None
 
 
-def safetensors_header(tensors: list[tuple[str, str, tuple[int, ...]]]) -> bytes:
-    """The 8-byte length and the JSON header of a safetensors file holding `tensors` back to back."""
-    header, offset = {}, 0
+def safetensors_header(
+    tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
+) -> bytes:
+    """The 8-byte length and the JSON header of a safetensors file holding `tensors` back to back, with
+    `metadata` (strings) as its `__metadata__`."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
     for name, dtype, shape in tensors:
         nbytes = DTYPES[dtype][1] * math.prod(shape)
         header[name] = {"dtype": DTYPES[dtype][0], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}

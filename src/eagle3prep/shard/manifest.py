@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .formats import FORMAT, MARKS, MODEL_DTYPE, StorageFormat, storage_format
+from .formats import FORMAT, FORMATS, MARKS, MODEL_DTYPE, StorageFormat, storage_format
 from .layout import MANIFEST, TIMINGS, layer_file
 
 
@@ -22,7 +22,7 @@ class ShardManifest:
     layer_id_convention: str
     num_hidden_layers: int
     hidden_size: int
-    dtype: str
+    dtype: str  # the model's: what the capture computed in (the stored values' own dtype is stored_dtype)
     rows: int
     tokens: int
     row_range: list[int]
@@ -34,6 +34,12 @@ class ShardManifest:
     files: dict[str, dict[str, Any]]  # name -> sha256, bytes (shape, dtype for tensors)
     format: str = FORMAT
     storage: dict[str, Any] | None = None  # layout.storage_entry(): None = hidden_states in `dtype`
+    stored_dtype: str | None = None  # the layer files' values (uint8 for MXFP4); None in manifests before it
+
+    def __post_init__(self) -> None:
+        fmt = FORMATS.get(self.storage_name)  # an unknown one is refused by from_json
+        if self.stored_dtype is None and fmt is not None:  # an older manifest: what its format stores
+            self.stored_dtype = fmt.values_dtype(self.dtype)
 
     @property
     def storage_name(self) -> str:

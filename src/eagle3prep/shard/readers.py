@@ -48,7 +48,8 @@ def index_of_tokenized(tokenized_shard: str | os.PathLike, backend: str | None =
 class LayerReader:
     """One layer file open for reading rows (memory-mapped); scaled files are decoded on read.
 
-    The file says how it is stored (its tensors, formats.format_of_file), so any layer file reads the same way:
+    The file says how it is stored (its metadata, or for files written before it had any, its tensors:
+    formats.format_of_file), so any layer file reads the same way:
     `rows(a, b)` is [b - a, H]; `dtype` None gives a model-dtype file as stored and a scaled one as bfloat16
     (what trainers read); validation asks for float32.
     """
@@ -60,7 +61,11 @@ class LayerReader:
         self._f = safe_open(str(path), framework="pt")
         self.values = self._f.get_slice(VALUES_KEY)
         self.scales = self._f.get_slice(SCALES_KEY) if SCALES_KEY in self._f.keys() else None  # noqa: SIM118
-        self.format: StorageFormat = format_of_file(self.tensors())
+        self.metadata: dict[str, str] = self._f.metadata() or {}  # files written before it carried none
+        try:
+            self.format: StorageFormat = format_of_file(self.tensors(), self.metadata)
+        except ValueError as e:
+            raise ValueError(f"{self.path}: {e}") from None
 
     @property
     def fp8(self) -> bool:

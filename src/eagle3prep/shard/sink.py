@@ -32,7 +32,7 @@ from ..config import schema_default
 from ..infra import faults
 from .files import FLUSH_EVERY, PositionalSafetensorsWriter
 from .formats import DTYPES, StorageFormat, storage_format
-from .layout import layer_tensors
+from .layout import layer_metadata, layer_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -176,8 +176,9 @@ class LayerSink:
             for lid in self.layer_ids:
                 path = Path(spec.layer_paths[lid])
                 self.writers[lid] = PositionalSafetensorsWriter(
-                    path, name, dtype, shape, after[0] if after else None, sync_bytes=spec.sync_bytes
-                )
+                    path, name, dtype, shape, after[0] if after else None, sync_bytes=spec.sync_bytes,
+                    metadata=layer_metadata(spec.storage, spec.dtype),
+                )  # fmt: skip
         except BaseException:
             for w in self.writers.values():  # no flush thread or temp file left behind
                 w.abort()

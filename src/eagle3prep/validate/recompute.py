@@ -10,7 +10,7 @@ from ..shard.manifest import ShardManifest
 from ..tokenize.row_inputs import RowImages
 from ..vllm.engine.workarounds import KNOWN_BUGS, NO_WORKAROUNDS_ENV
 from ..vllm.names import parse_version
-from .passrule import describe_failure, judge_layer, judge_row
+from .passrule import STORAGE_FACTOR, describe_failure, judge_layer, judge_row
 from .reference import ReferencePair
 from .subject import ShardUnderTest
 
@@ -74,6 +74,10 @@ def _layer_summary(mine: list[dict[str, Any]]) -> dict[str, Any]:
         "bound_rel": worst["bound_rel"],
         "worst_margin": worst["rel"] / worst["bound_rel"],
         "worst_row": worst["row"],
+        # the part of the worst row's bound that is the storage format's own floor (0: the model dtype)
+        "storage_share": STORAGE_FACTOR * worst.get("storage_rel", 0.0) / worst["bound_rel"],
+        "storage_rel": worst.get("storage_rel", 0.0),
+        "stored_as": worst.get("stored_as"),
         "cascade_rows": sum(r["cascade"] for r in mine),
         "tie_rows": sum(r["tie"] for r in mine),
         "diverged_share": sum(r["diverged"] for r in mine) / tokens,
@@ -89,10 +93,16 @@ def reference_ok_detail(s: dict[str, Any]) -> str:
         if s.get("max_rel_row") is not None and s["max_rel_row"] != s["worst_row"]
         else ""
     )
+    own = (
+        f"; {s['storage_share']:.0%} of that bound is the {s['stored_as']} format's own floor ({STORAGE_FACTOR:g} x "
+        f"{s['storage_rel']:.3g}: the reference stored as {s['stored_as']} and read back)"
+        if s.get("storage_share")
+        else ""
+    )
     return (
         f"{s['rows']} rows ok; nearest its bound: row {s['worst_row']}, error {s['worst_rel']:.3g} = "
         f"{s['worst_margin']:.2f} x its bound {s['bound_rel']:.3g} (passes below 1; error = RMS over the row's "
-        f"tokens of |captured - reference| / |reference|){largest}; "
+        f"tokens of |captured - reference| / |reference|){own}{largest}; "
         f"diverged tokens {s['diverged_share']:.2%} of all sampled (floor run {s['floor_diverged_share']:.2%}); "
         f"routing cascades in {s['cascade_rows']} rows ({s['tie_rows']} at a router near-tie)"
     )
