@@ -139,3 +139,26 @@ def test_without_triton_the_reference_serves(monkeypatch):
     finally:
         monkeypatch.undo()
         kernels._triton.cache_clear()
+
+
+def test_a_kernel_that_cannot_run_leaves_the_reference_said_once(monkeypatch, caplog):
+    """A Triton that cannot build a kernel here: the format encodes through the reference (the same bytes), and
+    the log says so once."""
+    import logging
+
+    x = hard_rows(16, 96, torch.bfloat16)
+    calls = []
+
+    def broken(t):
+        calls.append(t)
+        raise RuntimeError("PTX assembly failed")
+
+    monkeypatch.setattr(kernels, "available", lambda t: True)
+    monkeypatch.setattr(kernels, "FAILED", {})
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            assert torch.equal(
+                kernels._guarded("mxfp4", broken, mxfp4.quantize_mxfp4, x)[0], mxfp4.quantize_mxfp4(x)[0]
+            )
+    assert len(calls) == 1 and "PTX assembly failed" in kernels.FAILED["mxfp4"]
+    assert sum("mxfp4 encode kernel cannot run here" in r.getMessage() for r in caplog.records) == 1

@@ -16,11 +16,13 @@ import functools
 import os
 from typing import TYPE_CHECKING, Any
 
+from ..infra.log import get_logger
 from . import fp8, mxfp4
 
 if TYPE_CHECKING:
     import torch
 
+log = get_logger("extract")
 MX_COLS = 1024  # columns of a MXFP4 program's tile: 32 blocks (H 4096: 4 tiles a row; 7168: 7)
 MX_ROWS = 4
 MX_WARPS = 4
@@ -100,9 +102,28 @@ def encode_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP8 encode: the kernel where it serves `x`, else the reference."""
-    return encode_fp8(x) if available(x) else fp8.quantize_fp8(x)
+    return _guarded("fp8", encode_fp8, fp8.quantize_fp8, x)
 
 
 def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The MXFP4 encode: the kernel where it serves `x`, else the reference."""
-    return encode_mxfp4(x) if available(x) else mxfp4.quantize_mxfp4(x)
+    return _guarded("mxfp4", encode_mxfp4, mxfp4.quantize_mxfp4, x)
+
+
+FAILED: dict[str, str] = {}  # kernel -> why it could not run here (its format then encodes through the reference)
+
+
+def _guarded(name: str, kernel: Any, reference: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernel(x)` where it serves `x`; a Triton that cannot build or launch it here (a version or device it does
+    not support) leaves the reference, whose bytes are the same, said once in the log."""
+    import torch
+
+    if name not in FAILED and available(x):
+        try:
+            return kernel(x)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any build or launch failure; the reference writes the same bytes
+            FAILED[name] = f"{type(e).__name__}: {e}"[:500]
+            log.warning(f"the {name} encode kernel cannot run here ({FAILED[name]}); encoding with torch instead")
+    return reference(x)
