@@ -13,7 +13,6 @@ and the kernels made (triton_kernels.py), on the first call.
 from __future__ import annotations
 
 import functools
-import os
 from typing import TYPE_CHECKING, Any
 
 from ..infra.log import get_logger
@@ -29,23 +28,17 @@ MX_WARPS = 4
 FP8_WARPS = (8, 16)  # H up to 4096, wider
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 @functools.cache
 def _triton() -> Any:
-    """The kernels' module, or None where Triton does not import (made under the interpreter when
-    TRITON_INTERPRET is set at the first call: the tests clear this cache after setting it)."""
+    """The kernels' module, or None where Triton does not import. Triton chooses its interpreter when it is first
+    imported (TRITON_INTERPRET=1 then: the tests' child process)."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return None
-    import importlib
-
     from . import triton_kernels
 
-    return importlib.reload(triton_kernels)
+    return triton_kernels
 
 
 def available(x: torch.Tensor) -> bool:
