@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # the test kit (testkit.calls, testkit.train_both)
+sys.path.insert(0, str(REPO / "tests"))  # the test kit (testkit.calls)
 LAYER_IDS = [1, 2, 3, 4]  # three auxiliary layers and N (4 layers)
 VOCAB, DRAFT_VOCAB, WARMUP = 32000, 8192, 5
 
@@ -96,12 +96,18 @@ def capture(wd: Path, model: Path, tok: Path, freq: Path, storage: str, seq: int
 
 def train(export: Path, model: Path, out: Path, steps: int, seq: int, workers: int, device: str) -> list[dict]:
     """speculators' trainer from `export` in a child process; each step's profile (speculators' own timer)."""
-    from testkit.train_both import Recipe, train_args
-
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    recipe = Recipe(seq_len=seq, draft_vocab_size=DRAFT_VOCAB, ratio=0.95, num_workers=workers)
-    args = train_args(model, export, out, steps, 1, recipe)
+    manifest = json.loads((export / "manifest.json").read_text())
+    args = [  # tests/testkit/train_both.py's recipe (a 1-layer eagle3 draft, eager loss, sdpa), one epoch
+        *("--verifier-name-or-path", str(model), "--data-path", str(export), "--speculator-type", "eagle3"),
+        *("--target-layer-ids", *map(str, manifest["target_layer_ids"])),
+        *("--hidden-states-backend", manifest["hidden_states_backend"], "--on-missing", "raise"),
+        *("--draft-vocab-size", str(DRAFT_VOCAB), "--total-seq-len", str(seq), "--train-data-ratio", "0.95"),
+        *("--epochs", "1", "--max-steps", str(steps), "--seed", "0", "--num-workers", str(workers)),
+        *("--loss-implementation", "eager", "--draft-attn-impl", "sdpa"),
+        *("--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"), "--checkpoint-freq", "1"),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     cpu = ["--cpu"] if device == "cpu" else []  # a smoke run on a host without a GPU
     cmd = [sys.executable, "-m", "eagle3prep.train", *cpu, "--metrics-jsonl", str(metrics), "--", *args]

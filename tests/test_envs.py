@@ -31,6 +31,9 @@ DISTRIBUTIONS = {
     "torch": "torch",
     "tqdm": "tqdm",
     "transformers": "transformers",
+    # Optional: the storage encodes' kernels run where it imports (envs/gpu.txt and envs/base.txt pin it), the
+    # torch reference where not (envs/vllm.txt removes it: no CPU backend).
+    "triton": None,
     "vllm": "vllm",
     "yaml": "pyyaml",
 }

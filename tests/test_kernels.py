@@ -139,3 +139,57 @@ def test_without_triton_the_reference_serves(monkeypatch):
     finally:
         monkeypatch.undo()
         kernels._triton.cache_clear()
+
+
+def test_a_kernel_that_cannot_run_leaves_the_reference_said_once(monkeypatch, caplog):
+    """A Triton that cannot build a kernel here: the format encodes through the reference (the same bytes), and
+    the log says so once."""
+    import logging
+
+    x = hard_rows(16, 96, torch.bfloat16)
+    calls = []
+
+    def broken(t):
+        calls.append(t)
+        raise RuntimeError("PTX assembly failed")
+
+    monkeypatch.setattr(kernels, "available", lambda t: True)
+    monkeypatch.setattr(kernels, "FAILED", {})
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            assert torch.equal(
+                kernels._guarded("mxfp4", broken, mxfp4.quantize_mxfp4, x)[0], mxfp4.quantize_mxfp4(x)[0]
+            )
+    assert len(calls) == 1 and "PTX assembly failed" in kernels.FAILED["mxfp4"]
+    assert sum("mxfp4 encode kernel cannot run here" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("in_bits", [16, 32, 0], ids=["bf16", "fp32", "fp16"])
+def test_the_kernels_build_for_hopper(in_bits):
+    """Both kernels compile for sm_90 (H100/H200) down to machine code, here without a GPU (Triton's own ptxas),
+    so a lowering the interpreter accepts and the compiler refuses fails on the CPU; FP8's divisions are the
+    IEEE-rounded ones that keep subnormals (div.rn.f32, no .ftz), as torch's."""
+    triton = pytest.importorskip("triton", reason="triton is not installed here (envs/gpu.txt pins it for the GPU)")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from eagle3prep.shard import triton_kernels as tk
+
+    ptr = {16: "*i16", 32: "*i32", 0: "*fp16"}[in_bits]
+    target = GPUTarget("cuda", 90, 32)
+    common = {"x_ptr": ptr, "q_ptr": "*u8", "stride_x": "i32", "h": "i32", "IN_BITS": "constexpr"}
+    mx = ASTSource(
+        fn=tk.mxfp4_kernel,
+        signature={**common, "s_ptr": "*u8", "n": "i32", "ROWS": "constexpr", "COLS": "constexpr"},
+        constexprs={"ROWS": kernels.MX_ROWS, "COLS": kernels.MX_COLS, "IN_BITS": in_bits},
+    )
+    assert triton.compile(mx, target=target, options={"num_warps": kernels.MX_WARPS}).asm["cubin"]
+    for block in (4096, 8192):  # hidden 4,096 and 7,168
+        src = ASTSource(
+            fn=tk.fp8_kernel,
+            signature={**common, "s_ptr": "*fp32", "BLOCK_H": "constexpr"},
+            constexprs={"BLOCK_H": block, "IN_BITS": in_bits},
+        )
+        ptx = triton.compile(src, target=target, options={"num_warps": kernels.FP8_WARPS[block > 4096]}).asm["ptx"]
+        divs = {line.split()[0] for line in ptx.splitlines() if line.strip().startswith("div")}
+        assert divs == {"div.rn.f32"}

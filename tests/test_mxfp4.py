@@ -253,3 +253,12 @@ def test_the_validation_line_says_how_much_of_the_bound_is_the_formats_own_floor
     line = reference_ok_detail(mx)
     assert f"{mx['storage_share']:.0%} of that bound is the MXFP4 format's own floor" in line
     assert "own floor" not in reference_ok_detail(plain)
+
+
+def test_the_reports_storage_floor_names_the_format():
+    from types import SimpleNamespace
+
+    from eagle3prep.validate.stage import _storage_floor
+
+    text = _storage_floor(SimpleNamespace(scaled=MX))
+    assert text.startswith("the MXFP4 format's own floor") and "1.5x its error" in text

@@ -13,37 +13,32 @@ and the kernels made (triton_kernels.py), on the first call.
 from __future__ import annotations
 
 import functools
-import os
 from typing import TYPE_CHECKING, Any
 
+from ..infra.log import get_logger
 from . import fp8, mxfp4
 
 if TYPE_CHECKING:
     import torch
 
+log = get_logger("extract")
 MX_COLS = 1024  # columns of a MXFP4 program's tile: 32 blocks (H 4096: 4 tiles a row; 7168: 7)
 MX_ROWS = 4
 MX_WARPS = 4
 FP8_WARPS = (8, 16)  # H up to 4096, wider
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 @functools.cache
 def _triton() -> Any:
-    """The kernels' module, or None where Triton does not import (made under the interpreter when
-    TRITON_INTERPRET is set at the first call: the tests clear this cache after setting it)."""
+    """The kernels' module, or None where Triton does not import. Triton chooses its interpreter when it is first
+    imported (TRITON_INTERPRET=1 then: the tests' child process)."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return None
-    import importlib
-
     from . import triton_kernels
 
-    return importlib.reload(triton_kernels)
+    return triton_kernels
 
 
 def available(x: torch.Tensor) -> bool:
@@ -100,9 +95,28 @@ def encode_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP8 encode: the kernel where it serves `x`, else the reference."""
-    return encode_fp8(x) if available(x) else fp8.quantize_fp8(x)
+    return _guarded("fp8", encode_fp8, fp8.quantize_fp8, x)
 
 
 def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The MXFP4 encode: the kernel where it serves `x`, else the reference."""
-    return encode_mxfp4(x) if available(x) else mxfp4.quantize_mxfp4(x)
+    return _guarded("mxfp4", encode_mxfp4, mxfp4.quantize_mxfp4, x)
+
+
+FAILED: dict[str, str] = {}  # kernel -> why it could not run here (its format then encodes through the reference)
+
+
+def _guarded(name: str, kernel: Any, reference: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernel(x)` where it serves `x`; a Triton that cannot build or launch it here (a version or device it does
+    not support) leaves the reference, whose bytes are the same, said once in the log."""
+    import torch
+
+    if name not in FAILED and available(x):
+        try:
+            return kernel(x)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any build or launch failure; the reference writes the same bytes
+            FAILED[name] = f"{type(e).__name__}: {e}"[:500]
+            log.warning(f"the {name} encode kernel cannot run here ({FAILED[name]}); encoding with torch instead")
+    return reference(x)

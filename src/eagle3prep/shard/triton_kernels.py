@@ -67,7 +67,9 @@ def fp8_kernel(x_ptr, q_ptr, s_ptr, h, stride_x, BLOCK_H: tl.constexpr, IN_BITS:
     amax = tl.max(bits & 0x7FFFFFFF, axis=0).to(tl.float32, bitcast=True)  # ordered as |x|: a NaN wins
     scale = tl.math.div_rn(amax, 448.0)
     scale = tl.where(scale < 1e-12, 1e-12, scale)  # a NaN scale stays NaN, as torch's clamp keeps it
-    qb = tl.math.div_rn(bits.to(tl.float32, bitcast=True), scale).to(tl.int32, bitcast=True)
+    # the row's scale broadcast to the row explicitly, as div_rn's operands
+    qb = tl.math.div_rn(bits.to(tl.float32, bitcast=True), tl.broadcast_to(scale, (BLOCK_H,)))
+    qb = qb.to(tl.int32, bitcast=True)
     # c10's fp8e4m3fn_from_fp32_value: >= 480 (and Inf, NaN) -> NaN; below 2^-6 rounded by a float add; else
     # round to nearest even on the bits
     mag = qb & 0x7FFFFFFF
