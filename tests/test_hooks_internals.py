@@ -23,7 +23,8 @@ from eagle3prep.vllm.capture.hooks import worker as vllm_ext
 from eagle3prep.vllm.capture.hooks.internals import step_layout
 from eagle3prep.vllm.capture.hooks.worker import HiddenStatesCapture
 from eagle3prep.vllm.capture.requests import TAG_KEY
-from eagle3prep.vllm.engine.errors import INTERNAL_PHRASE, EngineError, engine_error
+from eagle3prep.vllm.engine.errors import EngineError, engine_error
+from eagle3prep.vllm.registry import INTERNAL_PHRASE
 
 from testkit.shards import capture_spec, with_settings
 

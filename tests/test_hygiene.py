@@ -386,6 +386,45 @@ def test_the_circle_check_sees_a_lazy_import(tmp_path):
     assert circles(import_graph(pkg)) == [frozenset({"eagle3prep.a.x", "eagle3prep.a.y"})]
 
 
+# The capture seam (DESIGN.md §5): the interface imports no engine's wing, one module makes every backend.
+ENGINE_BACKENDS = {"eagle3prep.backends.hf", "eagle3prep.vllm.capture.backend"}
+CAPTURE_CLASS_MAX_LINES = 150
+
+
+def seam_breaks(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that split the capture seam: backends/ reaching into vllm/, or an engine's backend made elsewhere
+    than extract/backend.py."""
+    into_wing = [f"{m} -> {d}" for m, deps in graph.items() if m.startswith("eagle3prep.backends") for d in deps
+                 if d.startswith("eagle3prep.vllm")]  # fmt: skip
+    makers = [f"{m} -> {d}" for m, deps in graph.items() for d in deps & ENGINE_BACKENDS
+              if m != "eagle3prep.extract.backend" and not m.startswith("eagle3prep.vllm.capture")]  # fmt: skip
+    return into_wing + makers
+
+
+def test_the_capture_seam_is_one_factory_and_the_interface_imports_no_engine():
+    assert not seam_breaks(import_graph())
+
+
+def test_the_seam_check_sees_an_interface_importing_the_wing():
+    graph = {"eagle3prep.backends.base": {"eagle3prep.vllm.registry"},
+             "eagle3prep.validate.stage": {"eagle3prep.backends.hf"}, "eagle3prep.extract.backend": ENGINE_BACKENDS}  # fmt: skip
+    assert seam_breaks(graph) == [
+        "eagle3prep.backends.base -> eagle3prep.vllm.registry", "eagle3prep.validate.stage -> eagle3prep.backends.hf"
+    ]  # fmt: skip
+
+
+def test_no_class_of_the_vllm_capture_is_over_150_lines():
+    """The capture's classes stay one concern each: the choice, the engine's arguments and the rows' requests are
+    modules of their own (choice.py, engine_args.py, feed.py)."""
+    long = [
+        f"{path.relative_to(PACKAGE)}:{node.name} {node.end_lineno - node.lineno + 1}"
+        for path in sorted((PACKAGE / "vllm" / "capture").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > CAPTURE_CLASS_MAX_LINES
+    ]
+    assert not long, long
+
+
 def test_the_package_root_holds_few_modules_and_stages_are_folders():
     root = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(root) <= ROOT_MODULES_MAX, f"{len(root)} modules at src/eagle3prep/: {root}; put a stage in a folder"

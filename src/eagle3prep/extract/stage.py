@@ -1,8 +1,8 @@
 """The extract stage: one tokenized shard in, one hidden-state shard folder out (DESIGN.md §4).
 
-run_extract_job is what the extract rule runs. extract_shard is the same with a CaptureSpec already
-made, and optionally an engine already running (benchmarks reuse one across shards). Both take the
-typed ExtractSettings (settings.py); the model's config.json is read once per job.
+run_extract_job is what the extract rule runs: it makes the job's one CaptureSpec (the typed ExtractSettings of
+settings.py, the model, its layer ids). extract_shard is the same with a CaptureSpec already made, and optionally an
+engine already running (benchmarks reuse one across shards); the model's config.json is read once per job.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ import importlib
 from typing import Any
 
 from ..errors import UserError
-from .engine.errors import INTERNAL_PHRASE
 from .names import (
     ANY_MODEL,
     BUILTIN,
@@ -24,6 +23,10 @@ from .names import (
     Name,
     parse_version,
 )
+
+# Marks the one line of a vLLM name eagle3prep reads and this vLLM lacks (missing_line); engine/errors.engine_error
+# finds it inside vLLM's wrappers ("Worker failed with error '...'").
+INTERNAL_PHRASE = "a name eagle3prep reads of vLLM"
 
 
 class VLLMInternalError(UserError, RuntimeError):

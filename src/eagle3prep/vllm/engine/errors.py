@@ -18,11 +18,9 @@ import time
 from collections.abc import Iterator
 
 from ...errors import UserError
+from ..registry import INTERNAL_PHRASE
 
 KEEP_BYTES = 1 << 18  # tail of the children's output kept for the root cause
-# Marks the one line of a vLLM name eagle3prep reads and this vLLM lacks (written by vllm/registry.py);
-# engine_error finds it inside vLLM's wrappers ("Worker failed with error '...'").
-INTERNAL_PHRASE = "a name eagle3prep reads of vLLM"
 
 
 class EngineError(UserError):
