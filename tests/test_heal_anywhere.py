@@ -71,6 +71,12 @@ def same_bytes(wd: Path, finished: Path, k: int) -> bool:
 def test_a_damaged_folder_heals_wherever_it_is_and_with_or_without_metadata(small_demo_run, tmp_path, kind):
     wd = place(small_demo_run, tmp_path, kind)
     damage(wd)
+    if kind == "copied":  # -n lists what the run will redo, and leaves no ticket behind
+        dry = snakemake(wd, "-n")
+        said = dry.stdout + dry.stderr
+        assert "Nothing to be done" not in said
+        assert said.count("reason: Updated input files: .eagle3prep/heal/dry-run.json") == 3, said[-3000:]
+        assert not (wd / ".eagle3prep/heal/dry-run.json").exists()
 
     first = snakemake(wd, check=False)
     err = first.stdout + first.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -69,12 +70,21 @@ def snakemake(
     return proc
 
 
+# Keys of a validation report that hold file dates (run.heal.files_seen): they differ between equal runs.
+DATED_KEYS = ("files_seen",)
+
+
 def tree_digest(root: Path, skip: set[str] = TIMING_FILES) -> dict[str, str]:
-    """{relative path: sha256} of every file under root, except wall-clock outputs and Snakemake markers."""
+    """{relative path: sha256} of every file under root, except wall-clock outputs and Snakemake markers; a
+    validation report is hashed without its file dates (DATED_KEYS)."""
     out = {}
     for p in sorted(root.rglob("*")):
         if p.is_file() and p.name not in skip and p.name != ".snakemake_timestamp":
-            out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
+            data = p.read_bytes()
+            if p.parent.name == "validation" and p.suffix == ".json":
+                report = json.loads(data)
+                data = json.dumps({k: v for k, v in report.items() if k not in DATED_KEYS}, sort_keys=True).encode()
+            out[str(p.relative_to(root))] = hashlib.sha256(data).hexdigest()
     return out
 
 

@@ -150,7 +150,7 @@ class Healing:
         if newest >= (now := os.stat(self.path).st_mtime_ns):
             os.utime(self.path, ns=(now, newest + 10**9))
         if dry:
-            atexit.register(lambda path=self.path: Path(path).unlink(missing_ok=True))
+            atexit.register(Path(os.path.abspath(self.path)).unlink, missing_ok=True)
 
     def ticket(self, job: str) -> list[str]:
         """The ticket input of `job`: this run's when it is redone, else the last carried-out one that named it,
