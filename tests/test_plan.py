@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from eagle3prep.plan.estimate import format_plan, make_plan, min_tokens_per_shar
 from eagle3prep.plan.stage import plan_run
 from eagle3prep.settings import Settings
 
+DEMO = Path(__file__).resolve().parents[1] / "resources" / "demo"
 SIZES = [{"shard": 0, "rows": 10, "tokens": 3000}, {"shard": 1, "rows": 9, "tokens": 1000}]
 
 
@@ -237,3 +239,33 @@ def test_plan_reads_results_tokenized_only_when_it_is_this_configs(tmp_path, mon
     assert made_by.plan_source(keys(tokenize={"max_seq_len": 64})) == shorter  # the same scratch folder again
     (tmp_path / "results/config.json").unlink()  # no record: which config made results/ is not known
     assert made_by.plan_source(keys()).tokenized.startswith(".eagle3prep/plan/")
+
+
+def test_run_plan_job_tokenizes_another_config_in_its_scratch_folder_and_writes_nothing_under_results(
+    tmp_path, monkeypatch, demo_model_dir
+):
+    from eagle3prep.plan.stage import run_plan_job
+
+    monkeypatch.chdir(tmp_path)
+    source = str(DEMO / "sharegpt.jsonl")
+    config = {
+        "data": {"sources": [source]},
+        "model": {"path": str(demo_model_dir)},
+        "tokenize": {"num_shards": 2, "max_seq_len": 128},
+    }
+    settings = Settings.validated(config)
+    (tmp_path / "results/hidden_states/shard_0").mkdir(parents=True)  # a finished shard of the folder's config
+    made = {"layer_ids": settings.layer_ids(), "dtype": "bfloat16", "model": {"path": str(demo_model_dir)}}
+    (tmp_path / "results/hidden_states/shard_0/manifest.json").write_text(json.dumps(made))
+    before = sorted(p for p in (tmp_path / "results").rglob("*"))
+    scratch = ".eagle3prep/plan"
+    args = dict(model_path=str(demo_model_dir), settings=settings, gpus_per_job=1)
+    text = run_plan_job(f"{scratch}/tokenized-a", "results/hidden_states", f"{scratch}/p.json", f"{scratch}/p.txt",
+                        prepared=f"{scratch}/prepared-a", **args)  # fmt: skip
+    assert sorted(p for p in (tmp_path / "results").rglob("*")) == before
+    stats = json.loads((tmp_path / scratch / "tokenized-a/stats.json").read_text())
+    assert [s["shard"] for s in stats["shards"]] == [0, 1] and (tmp_path / scratch / "prepared-a/counts.json").exists()
+    assert "to redo: made from other tokenized shards" in text and text.count("to do") == 1
+    assert not list((tmp_path / scratch).glob("*.tmp"))
+    with pytest.raises(ValueError, match="writes nothing under results/"):
+        run_plan_job("results/tokenized", "results/hidden_states", "p.json", "p.txt", prepared="x", **args)
