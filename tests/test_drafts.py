@@ -165,3 +165,22 @@ def test_plan_shows_each_drafts_layers_and_bytes_in_the_storage_format(tmp_path,
         ]
         assert f"draft mtp (mtp) reads layers [8] (--target-layer-ids (none: the final state only)), {per_layer:,} B/token" in text
         assert f"capturing the union of their layers once, [1, 2, 4, 5, 7, 8] (input_of_layer), {6 * per_layer:,} B/token" in text
+
+
+def test_the_report_says_which_drafts_the_dataset_serves_and_the_bytes_each_reads():
+    from eagle3prep.report.drafts import drafts_section, served
+
+    # Kimi-K2.5's depth, EAGLE-3's default layers plus a published DFlash draft's, stored in MXFP4
+    ids = capture_layer_ids(None, "input_of_layer", [{"type": "eagle3"}, KIMI_DFLASH], KIMI_N)
+    dataset = {"num_hidden_layers": KIMI_N, "layer_ids": ids, "hidden_size": 7168, "dtype": "bfloat16",
+               "storage": {"name": "mxfp4"}, "tokens": 1000}  # fmt: skip
+    rows = {r["type"]: r for r in served(dataset)}
+    assert rows["eagle3"]["held"] and rows["mtp"]["held"] and rows["mtp"]["reads"] == [61]
+    per_layer = 7168 // 2 + 7168 // 32  # MXFP4: 4 bits a value and one scale byte a block of 32
+    assert rows["eagle3"]["bytes_per_token"] == 4 * per_layer and rows["mtp"]["bytes"] == per_layer * 1000
+    html = "".join(drafts_section(dataset))
+    assert "Drafts this dataset serves" in html and "[2, 13, 25, 30, 36, 48, 58, 59, 61]" in html
+    # a dataset without the final state serves no draft, and says why
+    assert "lack the pre-norm final state" in "".join(drafts_section({**dataset, "layer_ids": [2, 30]}))
+    partial = {r["type"]: r for r in served({**dataset, "layer_ids": [2, 61]})}
+    assert not partial["dflash"]["held"] and partial["dflash"]["missing"] == [30, 58]
