@@ -184,3 +184,53 @@ def test_the_report_says_which_drafts_the_dataset_serves_and_the_bytes_each_read
     assert "lack the pre-norm final state" in "".join(drafts_section({**dataset, "layer_ids": [2, 30]}))
     partial = {r["type"]: r for r in served({**dataset, "layer_ids": [2, 61]})}
     assert not partial["dflash"]["held"] and partial["dflash"]["missing"] == [30, 58]
+
+
+# ---- the numbering on every family of the validation matrix ---------------------------------------------------
+
+
+def family_model(family: str):
+    """(tiny random model of `family`, its text config's N), built in memory as the validation matrix builds it."""
+    from eagle3prep.demo import build_tokenizer
+
+    from testkit import tiny_kimi, tiny_models, tiny_vl
+
+    if family == "kimi_int4":  # the INT4 target's bf16 twin: the same decoder stack
+        return tiny_kimi.build_model(build_tokenizer(tiny_models.DEFAULT_CORPUS))
+    if family == "qwen2_5_vl":
+        return tiny_vl.build_model(tiny_vl.build_vl_tokenizer())
+    return tiny_models.build_model(family, build_tokenizer(tiny_models.DEFAULT_CORPUS))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3", "kimi_int4", "qwen2_5_vl"])
+def test_a_published_drafts_ids_are_the_outputs_of_those_layers_on_every_family(family):
+    """A DFlash draft's published ids j ("output of layer j") become ours j + 1, whose hook (layers.hook_point, the
+    one both capture backends use) sees exactly the output of decoder layer j: transformers' output_hidden_states
+    [j + 1], and for j = N - 1 the last layer's output before the final norm (normed, it is hidden_states[N])."""
+    import torch
+
+    from eagle3prep.layers import decoder_stack, hook_point
+
+    model = family_model(family)
+    stack = decoder_stack(model)
+    n = len(stack.layers)
+    published = [0, n // 2, n - 1]
+    draft = resolve_drafts([{"type": "dflash", "ids": published, "convention": "output_of_layer"}], n)[0]
+    assert draft.reads == [1, n // 2 + 1, n]  # n - 1 + 1 = N is the last slot, read once
+    seen: dict[int, torch.Tensor] = {}
+    handles = []
+    for lid in draft.reads:
+        layer, where = hook_point(lid, n)
+        assert (layer, where) == (lid - 1, "output")  # published j is the output of decoder layer j
+        handles.append(stack.layers[layer].register_forward_hook(
+            lambda _m, _a, out, lid=lid: seen.__setitem__(lid, (out[0] if isinstance(out, tuple) else out).detach())
+        ))  # fmt: skip
+    ids = torch.arange(5, 29).unsqueeze(0)
+    with torch.no_grad():
+        hs = model(input_ids=ids, output_hidden_states=True).hidden_states
+    for h in handles:
+        h.remove()
+    for lid in draft.aux:
+        assert torch.equal(seen[lid], hs[lid]), (family, lid)
+    torch.testing.assert_close(stack.norm(seen[n]), hs[n])  # transformers' last entry is after the final norm
+    assert not torch.allclose(seen[n], hs[n])  # and the pre-norm state the drafts read is not it
