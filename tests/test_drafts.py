@@ -58,10 +58,16 @@ def test_explicit_layer_ids_are_kept_and_extended():
 @pytest.mark.parametrize(
     ("drafts", "match"),
     [
-        ([{"type": "dflash", "ids": [1, 62]}], r"^layers.drafts\[0\] \(dflash\).ids = \[1, 62\] has ids \[62\] outside"),
+        (
+            [{"type": "dflash", "ids": [1, 62]}],
+            r"^layers.drafts\[0\] \(dflash\).ids = \[1, 62\] has ids \[62\] outside",
+        ),
         ([{"type": "dflash", "ids": [1, 61], "convention": "output_of_layer"}], r"\(output_of_layer\) has ids \[61\]"),
         ([{"type": "mtp", "ids": [3]}], r"^layers.drafts\[0\] \(mtp\): mtp reads the pre-norm final state"),
-        ([{"type": "dflash"}, {"type": "dflash", "ids": [3]}], r"^layers.drafts\[1\] \(dflash\): two drafts are named"),
+        (
+            [{"type": "dflash"}, {"type": "dflash", "ids": [3]}],
+            r"^layers.drafts\[1\] \(dflash\): two drafts are named",
+        ),
         ([{"type": "dflash", "ids": [9, 3]}], "ascending"),
     ],
 )
@@ -89,7 +95,9 @@ def test_parse_time_shows_each_draft_and_the_union_and_refuses_ids_outside_the_t
         "layers.drafts: drafts: capturing the union of their layers once, [1, 2, 4, 5, 7, 8] (input_of_layer)",
     ]
     bad = [{"type": "dflash", "ids": [1, 9]}]
-    with pytest.raises(ConfigError, match=r"^config error: layers.drafts\[0\] \(dflash\).ids = \[1, 9\] has ids \[9\]"):
+    with pytest.raises(
+        ConfigError, match=r"^config error: layers.drafts\[0\] \(dflash\).ids = \[1, 9\] has ids \[9\]"
+    ):
         check_model(Settings.validated(base(model={"path": path}, layers={"drafts": bad})))
 
 
@@ -148,7 +156,11 @@ def test_plan_shows_each_drafts_layers_and_bytes_in_the_storage_format(tmp_path,
 
     stats = tmp_path / "stats.json"
     stats.write_text(json.dumps({"shards": [{"shard": 0, "path": "x", "first_row": 0, "rows": 10, "tokens": 3000}]}))
-    drafts = [{"type": "eagle3"}, {"type": "dflash", "ids": [0, 3, 6], "convention": "output_of_layer"}, {"type": "mtp"}]
+    drafts = [
+        {"type": "eagle3"},
+        {"type": "dflash", "ids": [0, 3, 6], "convention": "output_of_layer"},
+        {"type": "mtp"},
+    ]
     settings = Settings.validated(base(model={"path": str(demo_model_dir)}, layers={"drafts": drafts}))
     args = {"layers": settings.layers, "plan": settings.plan, "model_path": str(demo_model_dir), "dtype": "bfloat16"}
     args |= {"windows": None, "reference": False, "validate_device": "cpu", "sample_rows": 8}
@@ -163,8 +175,14 @@ def test_plan_shows_each_drafts_layers_and_bytes_in_the_storage_format(tmp_path,
             ("dflash", [1, 4, 7, 8], 4 * per_layer * 3000),
             ("mtp", [8], per_layer * 3000),
         ]
-        assert f"draft mtp (mtp) reads layers [8] (--target-layer-ids (none: the final state only)), {per_layer:,} B/token" in text
-        assert f"capturing the union of their layers once, [1, 2, 4, 5, 7, 8] (input_of_layer), {6 * per_layer:,} B/token" in text
+        assert (
+            f"draft mtp (mtp) reads layers [8] (--target-layer-ids (none: the final state only)), {per_layer:,} B/token"
+            in text
+        )
+        assert (
+            f"capturing the union of their layers once, [1, 2, 4, 5, 7, 8] (input_of_layer), {6 * per_layer:,} B/token"
+            in text
+        )
 
 
 def test_the_report_says_which_drafts_the_dataset_serves_and_the_bytes_each_reads():
@@ -202,7 +220,9 @@ def family_model(family: str):
     return tiny_models.build_model(family, build_tokenizer(tiny_models.DEFAULT_CORPUS))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3", "kimi_int4", "qwen2_5_vl"])
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3", "kimi_int4", "qwen2_5_vl"]
+)
 def test_a_published_drafts_ids_are_the_outputs_of_those_layers_on_every_family(family):
     """A DFlash draft's published ids j ("output of layer j") become ours j + 1, whose hook (layers.hook_point, the
     one both capture backends use) sees exactly the output of decoder layer j: transformers' output_hidden_states

@@ -259,7 +259,7 @@ class LayersSettings(_Section):
     SECTION: ClassVar[str] = "layers"
     ids: Sequence[int] | None  # None: layers.default_layer_ids of the model's depth
     convention: str  # input_of_layer | output_of_layer | vllm | speculators
-    drafts: Sequence[Mapping[str, Any]] = field(default_factory=list, metadata=LATER)  # drafts.py: each adds its layers
+    drafts: Sequence[Mapping[str, Any]] = field(default_factory=list, metadata=LATER)  # each adds its layers
 
     @classmethod
     def of(cls, section: Mapping[str, Any]) -> Self:

@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
 from ..drafts import capture_layer_ids
+from ..errors import ConfigError
 from ..model_facts import ModelFacts
 
 

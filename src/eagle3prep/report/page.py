@@ -372,7 +372,7 @@ def write_page(path: str, ctx: dict[str, Any], figs: dict[str, str]) -> None:
         shard_tokens_table(ctx["summary"]),
         "</div></div>",
         source_table(ctx.get("source_losses", [])),
-        *images_section(ctx.get("images")), *drafts.drafts_section(d),
+        *images_section(ctx.get("images")) + drafts.drafts_section(d),
         "<h2>Validation: every check per shard (hover a cell for its detail)</h2>",
         check_grid_table(cols, grid),
         img("reference margin", figs["margin"]) if figs.get("margin") else "<p>No reference comparison ran.</p>",
