@@ -92,7 +92,7 @@ def test_parse_time_shows_each_draft_and_the_union_and_refuses_ids_outside_the_t
     assert notes == [
         "layers.drafts: draft eagle3 (eagle3) reads layers [2, 4, 5, 8] (--target-layer-ids 2 4 5)",
         "layers.drafts: draft dflash (dflash) reads layers [1, 4, 7, 8] (--target-layer-ids 1 4 7)",
-        "layers.drafts: drafts: capturing the union of their layers once, [1, 2, 4, 5, 7, 8] (input_of_layer)",
+        "layers.drafts: captured once for all drafts: the union [1, 2, 4, 5, 7, 8] (input_of_layer)",
     ]
     bad = [{"type": "dflash", "ids": [1, 9]}]
     with pytest.raises(
@@ -180,7 +180,7 @@ def test_plan_shows_each_drafts_layers_and_bytes_in_the_storage_format(tmp_path,
             in text
         )
         assert (
-            f"capturing the union of their layers once, [1, 2, 4, 5, 7, 8] (input_of_layer), {6 * per_layer:,} B/token"
+            f"captured once for all drafts: the union [1, 2, 4, 5, 7, 8] (input_of_layer), {6 * per_layer:,} B/token"
             in text
         )
 

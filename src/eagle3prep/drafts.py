@@ -110,9 +110,7 @@ def draft_lines(
         f"(--target-layer-ids {' '.join(map(str, d.aux)) or '(none: the final state only)'}){size(len(d.reads))}"
         for d in drafts
     ]
-    lines.append(
-        f"drafts: capturing the union of their layers once, {list(captured)} ({CONVENTION}){size(len(captured))}"
-    )
+    lines.append(f"captured once for all drafts: the union {list(captured)} ({CONVENTION}){size(len(captured))}")
     return lines
 
 
