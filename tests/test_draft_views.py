@@ -120,3 +120,41 @@ def test_speculators_trains_every_draft_from_the_one_dataset(data, kind, tmp_pat
     losses = [json.loads(line)["train"]["loss"] for line in metrics.read_text().splitlines() if '"train"' in line]
     assert len(losses) >= 2 * K and all(map(torch.isfinite, torch.tensor(losses)))
     assert sum(losses[-K:]) / K < sum(losses[:K]) / K, losses
+
+
+@pytest.mark.integration
+def test_the_workflow_captures_the_drafts_union_once_and_a_served_draft_redoes_nothing(tmp_path):
+    """The demo workflow with drafts named: every shard holds the union, the export serves each draft's view, and
+    naming one more draft whose layers are held (mtp) leaves every extract job done."""
+    import copy
+
+    import yaml
+
+    from testkit.workflow import SMALL_CONFIG, make_workdir, snakemake
+
+    config = copy.deepcopy(SMALL_CONFIG)
+    config["tokenize"]["num_shards"] = 2
+    config["export"] = {"speculators": True, "hidden_states": "direct"}
+    config["layers"] = {
+        "drafts": [{"type": "eagle3"}, {"type": "dflash", "ids": [0, 3, 6], "convention": "output_of_layer"}]
+    }
+    wd = make_workdir(tmp_path / "wd", config)
+    run = snakemake(wd, "results/export/speculators")
+    assert "captured once for all drafts: the union [1, 2, 4, 5, 7, 8]" in run.stderr
+    for k in range(2):
+        assert json.loads((wd / f"results/hidden_states/shard_{k}/manifest.json").read_text())["layer_ids"] == [
+            1,
+            2,
+            4,
+            5,
+            7,
+            8,
+        ]
+    rows = ExportRows.from_export(wd / "results/export/speculators", wd / "results/hidden_states")
+    full = rows.get(0)["hidden_states"]
+    assert torch.equal(rows.with_view([1, 4, 7, 8]).get(0)["hidden_states"], full[:, [0, 2, 4, 5]])
+
+    config["layers"]["drafts"].append({"type": "mtp"})
+    (wd / "config/config.yaml").write_text(yaml.safe_dump(config))
+    dry = snakemake(wd, "-n", "results/export/speculators")
+    assert "rule extract" not in dry.stdout + dry.stderr, dry.stdout[-2000:]

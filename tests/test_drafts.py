@@ -135,12 +135,16 @@ def test_the_rules_layers_param_changes_only_when_a_draft_adds_layers(tmp_path):
     before = {"ids": None, "convention": "input_of_layer"}
     assert LayersSettings.params(cfg({})) == before  # no `drafts` key: runs made before it are not re-queued
     assert LayersSettings.params(cfg({"drafts": [{"type": "eagle3"}, {"type": "mtp"}]})) == before
-    adds = LayersSettings.params(cfg({"drafts": [{"type": "dflash", "ids": [1, 4]}]}))
+    dflash = [{"type": "dflash", "ids": [1, 4]}]
+    adds = LayersSettings.params(cfg({"drafts": dflash}))
     assert adds == {"ids": [1, 4, 8], "convention": "input_of_layer"}
     assert LayersSettings.of(adds).capture_ids(8) == [1, 4, 8]
-    # the model folder not built yet (model.build_demo): the drafts travel, and the job resolves them
+    # no model folder to read N from: the drafts travel, and the job resolves them
     later = LayersSettings.params(cfg({"drafts": [{"type": "mtp"}]}, model=str(tmp_path / "not_yet")))
     assert [d["type"] for d in later["drafts"]] == ["mtp"] and LayersSettings.of(later).capture_ids(8) == [8]
+    # the demo's, before model.build_demo builds it: its depth is known, so the param does not change once it is built
+    demo = validate_config(base(model={"path": str(tmp_path / "demo"), "build_demo": True}, layers={"drafts": dflash}))
+    assert LayersSettings.params(demo) == adds
 
 
 def test_draft_lines_carry_the_storage_bytes():
