@@ -158,3 +158,11 @@ def test_the_workflow_captures_the_drafts_union_once_and_a_served_draft_redoes_n
     (wd / "config/config.yaml").write_text(yaml.safe_dump(config))
     dry = snakemake(wd, "-n", "results/export/speculators")
     assert "rule extract" not in dry.stdout + dry.stderr, dry.stdout[-2000:]
+    # a draft whose layers are not held: refused at parse time; with replace_results every shard is captured again
+    config["layers"]["drafts"].append({"type": "dspark", "ids": [3]})
+    (wd / "config/config.yaml").write_text(yaml.safe_dump(config))
+    refused = snakemake(wd, "-n", "results/export/speculators", check=False)
+    assert refused.returncode != 0 and "draft dspark reads layer ids [3] that the finished shards" in refused.stderr
+    (wd / "config/config.yaml").write_text(yaml.safe_dump({**config, "replace_results": True}))
+    again = snakemake(wd, "-n", "results/export/speculators")
+    assert "rule extract" in again.stdout + again.stderr
