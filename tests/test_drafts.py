@@ -58,10 +58,16 @@ def test_explicit_layer_ids_are_kept_and_extended():
 @pytest.mark.parametrize(
     ("drafts", "match"),
     [
-        ([{"type": "dflash", "ids": [1, 62]}], r"^layers.drafts\[0\] \(dflash\).ids = \[1, 62\] has ids \[62\] outside"),
+        (
+            [{"type": "dflash", "ids": [1, 62]}],
+            r"^layers.drafts\[0\] \(dflash\).ids = \[1, 62\] has ids \[62\] outside",
+        ),
         ([{"type": "dflash", "ids": [1, 61], "convention": "output_of_layer"}], r"\(output_of_layer\) has ids \[61\]"),
         ([{"type": "mtp", "ids": [3]}], r"^layers.drafts\[0\] \(mtp\): mtp reads the pre-norm final state"),
-        ([{"type": "dflash"}, {"type": "dflash", "ids": [3]}], r"^layers.drafts\[1\] \(dflash\): two drafts are named"),
+        (
+            [{"type": "dflash"}, {"type": "dflash", "ids": [3]}],
+            r"^layers.drafts\[1\] \(dflash\): two drafts are named",
+        ),
         ([{"type": "dflash", "ids": [9, 3]}], "ascending"),
     ],
 )
@@ -86,10 +92,12 @@ def test_parse_time_shows_each_draft_and_the_union_and_refuses_ids_outside_the_t
     assert notes == [
         "layers.drafts: draft eagle3 (eagle3) reads layers [2, 4, 5, 8] (--target-layer-ids 2 4 5)",
         "layers.drafts: draft dflash (dflash) reads layers [1, 4, 7, 8] (--target-layer-ids 1 4 7)",
-        "layers.drafts: drafts: capturing the union of their layers once, [1, 2, 4, 5, 7, 8] (input_of_layer)",
+        "layers.drafts: captured once for all drafts: the union [1, 2, 4, 5, 7, 8] (input_of_layer)",
     ]
     bad = [{"type": "dflash", "ids": [1, 9]}]
-    with pytest.raises(ConfigError, match=r"^config error: layers.drafts\[0\] \(dflash\).ids = \[1, 9\] has ids \[9\]"):
+    with pytest.raises(
+        ConfigError, match=r"^config error: layers.drafts\[0\] \(dflash\).ids = \[1, 9\] has ids \[9\]"
+    ):
         check_model(Settings.validated(base(model={"path": path}, layers={"drafts": bad})))
 
 
@@ -127,12 +135,16 @@ def test_the_rules_layers_param_changes_only_when_a_draft_adds_layers(tmp_path):
     before = {"ids": None, "convention": "input_of_layer"}
     assert LayersSettings.params(cfg({})) == before  # no `drafts` key: runs made before it are not re-queued
     assert LayersSettings.params(cfg({"drafts": [{"type": "eagle3"}, {"type": "mtp"}]})) == before
-    adds = LayersSettings.params(cfg({"drafts": [{"type": "dflash", "ids": [1, 4]}]}))
+    dflash = [{"type": "dflash", "ids": [1, 4]}]
+    adds = LayersSettings.params(cfg({"drafts": dflash}))
     assert adds == {"ids": [1, 4, 8], "convention": "input_of_layer"}
     assert LayersSettings.of(adds).capture_ids(8) == [1, 4, 8]
-    # the model folder not built yet (model.build_demo): the drafts travel, and the job resolves them
+    # no model folder to read N from: the drafts travel, and the job resolves them
     later = LayersSettings.params(cfg({"drafts": [{"type": "mtp"}]}, model=str(tmp_path / "not_yet")))
     assert [d["type"] for d in later["drafts"]] == ["mtp"] and LayersSettings.of(later).capture_ids(8) == [8]
+    # the demo's, before model.build_demo builds it: its depth is known, so the param does not change once it is built
+    demo = validate_config(base(model={"path": str(tmp_path / "demo"), "build_demo": True}, layers={"drafts": dflash}))
+    assert LayersSettings.params(demo) == adds
 
 
 def test_draft_lines_carry_the_storage_bytes():
@@ -148,7 +160,11 @@ def test_plan_shows_each_drafts_layers_and_bytes_in_the_storage_format(tmp_path,
 
     stats = tmp_path / "stats.json"
     stats.write_text(json.dumps({"shards": [{"shard": 0, "path": "x", "first_row": 0, "rows": 10, "tokens": 3000}]}))
-    drafts = [{"type": "eagle3"}, {"type": "dflash", "ids": [0, 3, 6], "convention": "output_of_layer"}, {"type": "mtp"}]
+    drafts = [
+        {"type": "eagle3"},
+        {"type": "dflash", "ids": [0, 3, 6], "convention": "output_of_layer"},
+        {"type": "mtp"},
+    ]
     settings = Settings.validated(base(model={"path": str(demo_model_dir)}, layers={"drafts": drafts}))
     args = {"layers": settings.layers, "plan": settings.plan, "model_path": str(demo_model_dir), "dtype": "bfloat16"}
     args |= {"windows": None, "reference": False, "validate_device": "cpu", "sample_rows": 8}
@@ -163,5 +179,82 @@ def test_plan_shows_each_drafts_layers_and_bytes_in_the_storage_format(tmp_path,
             ("dflash", [1, 4, 7, 8], 4 * per_layer * 3000),
             ("mtp", [8], per_layer * 3000),
         ]
-        assert f"draft mtp (mtp) reads layers [8] (--target-layer-ids (none: the final state only)), {per_layer:,} B/token" in text
-        assert f"capturing the union of their layers once, [1, 2, 4, 5, 7, 8] (input_of_layer), {6 * per_layer:,} B/token" in text
+        assert (
+            f"draft mtp (mtp) reads layers [8] (--target-layer-ids (none: the final state only)), {per_layer:,} B/token"
+            in text
+        )
+        assert (
+            f"captured once for all drafts: the union [1, 2, 4, 5, 7, 8] (input_of_layer), {6 * per_layer:,} B/token"
+            in text
+        )
+
+
+def test_the_report_says_which_drafts_the_dataset_serves_and_the_bytes_each_reads():
+    from eagle3prep.report.drafts import drafts_section, served
+
+    # Kimi-K2.5's depth, EAGLE-3's default layers plus a published DFlash draft's, stored in MXFP4
+    ids = capture_layer_ids(None, "input_of_layer", [{"type": "eagle3"}, KIMI_DFLASH], KIMI_N)
+    dataset = {"num_hidden_layers": KIMI_N, "layer_ids": ids, "hidden_size": 7168, "dtype": "bfloat16",
+               "storage": {"name": "mxfp4"}, "tokens": 1000}  # fmt: skip
+    rows = {r["type"]: r for r in served(dataset)}
+    assert rows["eagle3"]["held"] and rows["mtp"]["held"] and rows["mtp"]["reads"] == [61]
+    per_layer = 7168 // 2 + 7168 // 32  # MXFP4: 4 bits a value and one scale byte a block of 32
+    assert rows["eagle3"]["bytes_per_token"] == 4 * per_layer and rows["mtp"]["bytes"] == per_layer * 1000
+    html = "".join(drafts_section(dataset))
+    assert "Drafts this dataset serves" in html and "[2, 13, 25, 30, 36, 48, 58, 59, 61]" in html
+    # a dataset without the final state serves no draft, and says why
+    assert "lack the pre-norm final state" in "".join(drafts_section({**dataset, "layer_ids": [2, 30]}))
+    partial = {r["type"]: r for r in served({**dataset, "layer_ids": [2, 61]})}
+    assert not partial["dflash"]["held"] and partial["dflash"]["missing"] == [30, 58]
+
+
+# ---- the numbering on every family of the validation matrix ---------------------------------------------------
+
+
+def family_model(family: str):
+    """(tiny random model of `family`, its text config's N), built in memory as the validation matrix builds it."""
+    from eagle3prep.demo import build_tokenizer
+
+    from testkit import tiny_kimi, tiny_models, tiny_vl
+
+    if family == "kimi_int4":  # the INT4 target's bf16 twin: the same decoder stack
+        return tiny_kimi.build_model(build_tokenizer(tiny_models.DEFAULT_CORPUS))
+    if family == "qwen2_5_vl":
+        return tiny_vl.build_model(tiny_vl.build_vl_tokenizer())
+    return tiny_models.build_model(family, build_tokenizer(tiny_models.DEFAULT_CORPUS))
+
+
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3", "kimi_int4", "qwen2_5_vl"]
+)
+def test_a_published_drafts_ids_are_the_outputs_of_those_layers_on_every_family(family):
+    """A DFlash draft's published ids j ("output of layer j") become ours j + 1, whose hook (layers.hook_point, the
+    one both capture backends use) sees exactly the output of decoder layer j: transformers' output_hidden_states
+    [j + 1], and for j = N - 1 the last layer's output before the final norm (normed, it is hidden_states[N])."""
+    import torch
+
+    from eagle3prep.layers import decoder_stack, hook_point
+
+    model = family_model(family)
+    stack = decoder_stack(model)
+    n = len(stack.layers)
+    published = [0, n // 2, n - 1]
+    draft = resolve_drafts([{"type": "dflash", "ids": published, "convention": "output_of_layer"}], n)[0]
+    assert draft.reads == [1, n // 2 + 1, n]  # n - 1 + 1 = N is the last slot, read once
+    seen: dict[int, torch.Tensor] = {}
+    handles = []
+    for lid in draft.reads:
+        layer, where = hook_point(lid, n)
+        assert (layer, where) == (lid - 1, "output")  # published j is the output of decoder layer j
+        handles.append(stack.layers[layer].register_forward_hook(
+            lambda _m, _a, out, lid=lid: seen.__setitem__(lid, (out[0] if isinstance(out, tuple) else out).detach())
+        ))  # fmt: skip
+    ids = torch.arange(5, 29).unsqueeze(0)
+    with torch.no_grad():
+        hs = model(input_ids=ids, output_hidden_states=True).hidden_states
+    for h in handles:
+        h.remove()
+    for lid in draft.aux:
+        assert torch.equal(seen[lid], hs[lid]), (family, lid)
+    torch.testing.assert_close(stack.norm(seen[n]), hs[n])  # transformers' last entry is after the final norm
+    assert not torch.allclose(seen[n], hs[n])  # and the pre-norm state the drafts read is not it

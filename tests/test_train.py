@@ -168,9 +168,12 @@ def test_direct_export_holds_no_hidden_state_byte_and_serves_the_same_rows(demo)
 
 
 class _Args:
-    """The namespace speculators hands a backend's from_train_args (our flag left at its default)."""
+    """The namespace speculators hands a backend's from_train_args (our flag left at its default): an eagle3 draft
+    reading every captured auxiliary layer, the view the copy export's hs files hold."""
 
     eagle3prep_shards = None
+    speculator_type = "eagle3"
+    target_layer_ids = DEMO_LAYER_IDS[:-1]
 
 
 @pytest.fixture(scope="module")

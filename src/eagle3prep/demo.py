@@ -17,6 +17,7 @@ from eagle3prep.infra.atomic import fsync_dir
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 VOCAB_SIZE = 512
+NUM_HIDDEN_LAYERS = 8  # the demo model's depth, known before the model.build_demo rule builds it
 MAX_POSITIONS = 1024
 
 # ChatML. The assistant content and its <|im_end|> sit inside {% generation %} so that
@@ -77,7 +78,7 @@ def build_model(tokenizer, seed: int = 1234):
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=8,
+        num_hidden_layers=NUM_HIDDEN_LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,  # vLLM's CPU attention takes head_dim in {32, 64, 80, 96, ...}

@@ -93,8 +93,9 @@ def missing_layers(drafts: Sequence[Draft], held: Sequence[int]) -> dict[str, li
     return {d.name: sorted(set(d.reads) - set(held)) for d in drafts if set(d.reads) - set(held)}
 
 
-def draft_lines(drafts: Sequence[Draft], captured: Sequence[int], token_bytes: int | None = None,
-                tokens: int | None = None) -> list[str]:
+def draft_lines(
+    drafts: Sequence[Draft], captured: Sequence[int], token_bytes: int | None = None, tokens: int | None = None
+) -> list[str]:
     """One line a draft, then the union, for -n's opening lines and the plan: the ids each reads (ours) and, with
     the storage format's bytes per token per layer and the tokens, the bytes it reads."""  # fmt: skip
 
@@ -109,8 +110,21 @@ def draft_lines(drafts: Sequence[Draft], captured: Sequence[int], token_bytes: i
         f"(--target-layer-ids {' '.join(map(str, d.aux)) or '(none: the final state only)'}){size(len(d.reads))}"
         for d in drafts
     ]
-    lines.append(f"drafts: capturing the union of their layers once, {list(captured)} ({CONVENTION}){size(len(captured))}")
+    lines.append(f"captured once for all drafts: the union {list(captured)} ({CONVENTION}){size(len(captured))}")
     return lines
+
+
+def plan_drafts(
+    drafts: Sequence[Mapping[str, Any]], ids: list[int], per_layer: int, tokens: int
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """The plan's part: ([{draft..., bytes_per_token, bytes}], its lines), `per_layer` the storage format's bytes per
+    token per layer. With drafts the captured ids end with N: every draft reads it."""
+    served = resolve_drafts(drafts, ids[-1])
+    table = [
+        {**d.to_json(), "bytes_per_token": len(d.reads) * per_layer, "bytes": len(d.reads) * per_layer * tokens}
+        for d in served
+    ]
+    return table, draft_lines(served, ids, per_layer, tokens)
 
 
 def _gb(n: int) -> str:

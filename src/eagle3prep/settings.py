@@ -258,7 +258,7 @@ class LayersSettings(_Section):
     SECTION: ClassVar[str] = "layers"
     ids: Sequence[int] | None  # None: layers.default_layer_ids of the model's depth
     convention: str  # input_of_layer | output_of_layer | vllm | speculators
-    drafts: Sequence[Mapping[str, Any]] = field(default_factory=list, metadata=LATER)  # drafts.py: each adds its layers
+    drafts: Sequence[Mapping[str, Any]] = field(default_factory=list, metadata=LATER)  # each adds its layers
 
     @classmethod
     def of(cls, section: Mapping[str, Any]) -> Self:
@@ -275,13 +275,14 @@ class LayersSettings(_Section):
     def params(config: Mapping[str, Any]) -> dict[str, Any]:
         """The rules' `layers` param (a rerun trigger): the section as written, `drafts` left out. Drafts that
         add layers make it the captured ids themselves, so that naming a draft the finished shards already
-        serve re-queues no shard; while the model folder is still to be built (model.build_demo), the drafts."""
+        serve re-queues no shard (the demo's depth is known before model.build_demo builds it); without a model
+        folder to read N from, the drafts themselves, resolved by the job."""
         section = config["layers"]
         base = {k: v for k, v in section.items() if k != "drafts"}
         if not section.get("drafts"):
             return base
         try:
-            n = _model_depth(config["model"]["path"])
+            n = _model_depth(config["model"]["path"], config["model"].get("build_demo", False))
         except (OSError, ValueError, KeyError):
             return dict(section)
         union = LayersSettings.of(section).capture_ids(n)
@@ -380,9 +381,13 @@ class Settings:
         return model_layer_ids(self.model.path, self.layers.ids, self.layers.convention, self.layers.drafts)
 
 
-def _model_depth(model_path: str) -> int:
+def _model_depth(model_path: str, build_demo: bool) -> int:
     from .model_facts import ModelFacts
 
+    if build_demo and not (Path(model_path) / "config.json").is_file():
+        from .demo import NUM_HIDDEN_LAYERS
+
+        return NUM_HIDDEN_LAYERS
     return ModelFacts.read(model_path).num_hidden_layers
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..config import ConfigError, reference_mode
 from ..config.model import model_layer_ids
+from ..drafts import plan_drafts
 from ..infra.log import get_logger
 from ..model_facts import ModelFacts, require_hidden_size
 from ..settings import LayersSettings, PlanSettings, Settings
@@ -164,22 +165,11 @@ def plan_run(
         bill.disk_line(result["bill"], result["free_bytes"], bill.du(root / "logs") + bill.du(root / "benchmarks")),
         *bill.time_lines(result, meas, validate_device, mode != "off", estimate),
     ]
-    if layers.drafts:  # each draft's layers and what it reads of the dataset, in the storage's bytes
-        result["drafts"], lines = drafts_plan(layers.drafts, ids, storage or "model_dtype", dtype, hidden_size,
-                                              result["tokens"])  # fmt: skip
+    if layers.drafts:  # each draft's layers and the bytes it reads
+        per_layer = storage_format(storage or "model_dtype").token_bytes(hidden_size, dtype)
+        result["drafts"], lines = plan_drafts(layers.drafts, ids, per_layer, result["tokens"])
         result["bill_lines"] += ["", *lines]
     return write_plan(result, json_path, txt_path)
-
-
-def drafts_plan(drafts, ids: list[int], storage: str, dtype: str, hidden_size: int, tokens: int):
-    """([{draft, bytes_per_token, bytes}], lines): the bytes each named draft reads, per token and in all."""
-    from ..drafts import draft_lines, resolve_drafts
-
-    served = resolve_drafts(drafts, ids[-1])  # with drafts the captured ids end with N: every draft reads it
-    per_layer = storage_format(storage).token_bytes(hidden_size, dtype)
-    table = [{**d.to_json(), "bytes_per_token": len(d.reads) * per_layer, "bytes": len(d.reads) * per_layer * tokens}
-             for d in served]  # fmt: skip
-    return table, draft_lines(served, ids, per_layer, tokens)
 
 
 def validation_memory(model_path: str, ids: list[int], windows: list[list[int]] | None) -> dict[str, Any] | None:

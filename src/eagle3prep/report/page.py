@@ -13,7 +13,7 @@ from typing import Any
 from ..infra.atomic import atomic_open
 from ..run.stale import GREEN_BANNER, STALE_VERDICTS, while_current
 from ..shard.formats import storage_format
-from . import data
+from . import data, drafts
 from .tables import loss_banner, set_aside_banner, source_table, tool_banner
 from .tables import table as _table
 
@@ -372,7 +372,7 @@ def write_page(path: str, ctx: dict[str, Any], figs: dict[str, str]) -> None:
         shard_tokens_table(ctx["summary"]),
         "</div></div>",
         source_table(ctx.get("source_losses", [])),
-        *images_section(ctx.get("images")),
+        *images_section(ctx.get("images")) + drafts.drafts_section(d),
         "<h2>Validation: every check per shard (hover a cell for its detail)</h2>",
         while_current("", STALE_VERDICTS) + check_grid_table(cols, grid),
         img("reference margin", figs["margin"]) if figs.get("margin") else "<p>No reference comparison ran.</p>",

@@ -220,8 +220,8 @@ def check_model(settings: Settings) -> list[str]:
     line each). Skipped while the folder does not exist yet and model.build_demo will build it."""
     path = Path(settings.model.path)
     if not path.is_dir():
-        if settings.model.build_demo:
-            return []
+        if settings.model.build_demo:  # the demo's depth is known before its rule builds it
+            return demo_drafts_notes(settings)
         raise ConfigError(
             f"config error: model.path = '{path}': no such folder (cwd: {os.getcwd()}); set model.path to a local "
             "Hugging Face model folder (or model.build_demo: true to build the demo model there)"
@@ -257,6 +257,19 @@ def check_model(settings: Settings) -> list[str]:
     if note := images_note(settings, path):
         notes.append(note)
     return notes
+
+
+def demo_drafts_notes(settings: Settings) -> list[str]:
+    """The drafts' lines of a run whose demo model is still to be built (model.build_demo)."""
+    if not settings.layers.drafts:
+        return []
+    from ..demo import NUM_HIDDEN_LAYERS
+
+    try:
+        ids = settings.layers.capture_ids(NUM_HIDDEN_LAYERS)
+    except ValueError as e:
+        raise ConfigError(f"config error: {e}") from None
+    return drafts_notes(settings, NUM_HIDDEN_LAYERS, ids)
 
 
 def finished_layer_ids(hidden_states: str | os.PathLike = HIDDEN_STATES) -> list[int] | None:

@@ -61,7 +61,26 @@ class Eagle3PrepBackend(HiddenStatesBackend):
     @staticmethod
     def from_train_args(args: argparse.Namespace, data_path: str) -> ShardTransfer:
         # getattr: the flag exists only when this module was imported before speculators.train.config.
-        return ShardTransfer(ExportRows.from_export(data_path, getattr(args, "eagle3prep_shards", None)))
+        rows = ExportRows.from_export(data_path, getattr(args, "eagle3prep_shards", None))
+        return ShardTransfer(rows.with_view(draft_view(args, rows.layer_ids)))
+
+
+def draft_view(args: argparse.Namespace, captured: list[int]) -> list[int]:
+    """The layers the draft being trained reads, in the order its trainer stacks them (eagle3prep.drafts): its
+    --target-layer-ids (speculators' default [2, N//2, N-3] when not given; none for mtp), then N, the
+    pre-norm final state every export ends with."""
+    from ..drafts import FINAL_ONLY
+
+    n = captured[-1]
+    kind = getattr(args, "speculator_type", "eagle3")
+    if kind in FINAL_ONLY:
+        return [n]
+    aux = getattr(args, "target_layer_ids", None)
+    if aux is None:  # what the draft model itself resolves (it warns that the default is taken)
+        from speculators.models.utils import resolve_target_layer_ids
+
+        aux = resolve_target_layer_ids(None, args.verifier_name_or_path, getattr(args, "trust_remote_code", False))
+    return [*aux, n]
 
     @staticmethod
     def build_kv_transfer_config(args: argparse.Namespace) -> dict[str, Any]:

@@ -54,9 +54,10 @@ def _sha256(path: Path) -> str:
 
 
 class _OpenShard:
-    """One shard's index offsets and open safetensors handles (per process, never pickled)."""
+    """One shard's index offsets and open safetensors handles (per process, never pickled): the files of the
+    layers in `view` only, stacked in its order."""
 
-    def __init__(self, src: Source, layer_ids: list[int]):
+    def __init__(self, src: Source, layer_ids: list[int], view: list[int]):
         from safetensors import safe_open
 
         raw = (src.dir / MANIFEST).read_bytes()  # checked again here: a shard may be redone during training
@@ -74,7 +75,7 @@ class _OpenShard:
             raise ExportRowsError(f"{src.dir / INDEX} does not hold rows {first}..{src.row_range[1] - 1}")
         self.first = first
         self.spans = [(e["offset"], e["offset"] + e["length"]) for e in index]
-        self.layers = [LayerReader(src.dir / layer_file(i)) for i in layer_ids]
+        self.layers = [LayerReader(src.dir / layer_file(i)) for i in view]
         self._token_file = safe_open(src.dir / TOKEN_IDS, framework="pt")
         self.tokens = self._token_file.get_slice("token_ids")
 
@@ -96,13 +97,26 @@ def layer_rows(reader: LayerReader, a: int, b: int) -> torch.Tensor:
 
 
 class ExportRows:
-    """Global row id -> that row's token ids and stacked hidden states, from the shard folders."""
+    """Global row id -> that row's token ids and stacked hidden states, from the shard folders.
 
-    def __init__(self, sources: list[Source], layer_ids: list[int]):
+    `view`: the layer ids a row's `hidden_states` holds, in slot order (default every captured layer, ascending):
+    one draft's layers (drafts.Draft.reads: its --target-layer-ids, then N), read from their files alone."""
+
+    def __init__(self, sources: list[Source], layer_ids: list[int], view: list[int] | None = None):
         self.sources = [s for s in sources if s.row_range[1] > s.row_range[0]]  # empty shards hold no row
         self.layer_ids = layer_ids
+        self.view = list(layer_ids) if view is None else list(view)
+        if lacking := [i for i in self.view if i not in layer_ids]:
+            raise ExportRowsError(
+                f"layer ids {lacking} of the view {self.view} were not captured: the dataset holds {layer_ids} "
+                "(ours = speculators' --target-layer-ids numbering); name the draft in layers.drafts and capture again"
+            )
         self._starts = [s.row_range[0] for s in self.sources]
         self._open: OrderedDict[int, _OpenShard] = OrderedDict()
+
+    def with_view(self, view: list[int]) -> ExportRows:
+        """The same rows with `hidden_states` holding the layers `view`, in that order (no byte copied)."""
+        return ExportRows(self.sources, self.layer_ids, view)
 
     @classmethod
     def from_export(cls, data_path: str | os.PathLike, shards_dir: str | os.PathLike | None = None) -> ExportRows:
@@ -149,7 +163,7 @@ class ExportRows:
         if k in self._open:
             self._open.move_to_end(k)
         else:
-            self._open[k] = _OpenShard(self.sources[k], self.layer_ids)
+            self._open[k] = _OpenShard(self.sources[k], self.layer_ids, self.view)
             if len(self._open) > MAX_OPEN:
                 self._open.popitem(last=False)  # closes its memory maps once no tensor refers to them
         return self._open[k]
