@@ -704,7 +704,9 @@ def test_a_file_that_loses_every_row_is_never_told_to_raise_the_share(tmp_path, 
         run_prepare_script(tmp_path, "prepare.py", [good, odd], max_share=1)
     error = [x for x in (tmp_path / "prepare.log").read_text().splitlines() if x.startswith("error: ")][-1]
     assert "quarantined 3 of its 3 rows (all; unknown_shape 3), a file that loses every row fails whatever " in error
-    assert "data.max_quarantine_share is (now 1)" in error and error.endswith("fix the file or drop it from data.sources")
+    assert "data.max_quarantine_share is (now 1)" in error and error.endswith(
+        "fix the file or drop it from data.sources"
+    )
     assert "raise" not in error
 
 
