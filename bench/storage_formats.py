@@ -107,6 +107,29 @@ def identical(name: str, ours: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor
     return bool(ok)
 
 
+def where(name: str, kern, ref, sets: dict[str, torch.Tensor]) -> None:
+    """Which rows differ, each set of rows against the reference on this device and on the CPU: whether the kernel
+    or the device's own torch conversion leaves the CPU's bytes."""
+    for label, r in sets.items():
+        ours, here, cpu = kern(r), ref(r), ref(r.cpu())
+        bad = [
+            i
+            for i in range(len(r))
+            if not identical(name, tuple(t[i : i + 1] for t in ours), tuple(t[i : i + 1] for t in here))
+        ]
+        cpu_bad = [
+            i
+            for i in range(len(r))
+            if not identical(name, tuple(t[i : i + 1].cpu() for t in ours), tuple(t[i : i + 1] for t in cpu))
+        ]
+        ref_bad = sum(
+            not identical(name, tuple(t[i : i + 1].cpu() for t in here), tuple(t[i : i + 1] for t in cpu))
+            for i in range(len(r))
+        )
+        print(f"  {name} {label}: {len(bad)} of {len(r)} rows differ from the reference here (first {bad[:8]}), "
+              f"{len(cpu_bad)} from the CPU reference; the reference here vs on the CPU: {ref_bad} rows differ")  # fmt: skip
+
+
 def kernel_vs_reference(layers: dict[int, torch.Tensor], x: torch.Tensor, device: str) -> bool:
     """The encode kernels against the references: GB/s of bf16 in, and byte identity on the same rows."""
     refs = {"fp8_e4m3": fp8.quantize_fp8, "mxfp4": mxfp4.quantize_mxfp4}
@@ -136,6 +159,8 @@ def kernel_vs_reference(layers: dict[int, torch.Tensor], x: torch.Tensor, device
         verdict = f"{'PASS' if same else 'FAIL'} ({n:,} rows: {len(layers)} layers + 16 planted)"
         print(f"| {name} | {gb / tk:,.0f} | {gb / tr:,.0f} | {tr / tk:.1f}x | {tk / tokens * 1e9:.1f} | {verdict} |")
         print(f"byte identity {name} kernel vs reference, hidden {hidden}: {verdict}")
+        if not same:
+            where(name, kerns[name], refs[name], {**{f"layer {k}": v for k, v in layers.items()}, "planted": rows[-1]})
     tiles(x, device)
     return ok
 

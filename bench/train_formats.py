@@ -84,9 +84,8 @@ def capture(wd: Path, model: Path, tok: Path, freq: Path, storage: str, seq: int
     from testkit import calls
 
     shard, val, export = wd / storage / "shard_0", wd / storage / "validation.json", wd / storage / "export"
-    spec = CaptureSpec(backend="hf", model_path=str(model), layer_ids=LAYER_IDS, dtype="bfloat16", device=device,
-                       tp_size=1, max_seq_len=seq)  # fmt: skip
-    extract_shard(str(tok), str(shard), spec, ExtractSettings.defaults(storage=storage, batch_tokens=seq), shard=0)
+    settings = ExtractSettings.defaults(storage=storage, batch_tokens=seq, backend="hf", dtype="bfloat16", device=device)
+    extract_shard(str(tok), str(shard), CaptureSpec(settings, str(model), LAYER_IDS, seq), shard=0)
     report = calls.validate(shard, tok, val, model, reference=False, device=device)
     if not report["ok"]:
         sys.exit(f"{storage}: validation did not pass: {val}")

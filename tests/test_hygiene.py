@@ -232,7 +232,9 @@ def test_the_tracking_check_refuses_binaries_dumps_and_big_printouts(tmp_path):
 
 
 # bench/ holds the regression benches a maintainer re-runs, not one-off investigations (git history keeps those).
-BENCH_MAX_LINES = 4000
+# The budget grows only with a claim a bench backs (the GPU fault matrix, the trainer's pace on each format, the disk
+# per billion tokens came with theirs).
+BENCH_MAX_LINES = 4800
 
 
 def _docstring_spans(tree: ast.AST) -> set[int]:
