@@ -73,7 +73,7 @@ def validate(c, shard_dir: Path, **kw):
     settings = ValidateSettings.defaults(**kw)
     return run_validate_job(
         str(shard_dir), str(c.shard), str(c.root / "v.json"), model_path=c.model, settings=settings,
-        trust_remote_code=False,
+        trust_remote_code=False, keep_failed=False,
     )  # fmt: skip
 
 

@@ -31,6 +31,12 @@ NOT_CONFIG = {
     "run/made_by.py:write_record:path": "the record file, not model.path",
     "run/made_by.py:finished_shards:hidden_states": "the hidden-state folder, not export.hidden_states",
     "run/made_by.py:check:hidden_states": "the hidden-state folder, not export.hidden_states",
+    "run/parse.py:finished_layer_ids:hidden_states": "the hidden-state folder, not export.hidden_states",
+    "run/parse.py:drafts_notes:hidden_states": "the hidden-state folder, not export.hidden_states",
+    "config/model.py:model_layer_ids:drafts": "no drafts: the ids alone (callers with a config pass layers.drafts)",
+    "settings.py:LayersSettings:drafts": "an empty list, the schema's default, as a field's factory",
+    "validate/stage.py:validate_shard:keep_failed": "the failure line's wording; benches judging shards outside a "
+    "workflow have no heal setting (run_validate_job passes heal.keep_failed)",
     "regenerate/review.py:sample_pairs:seed": "the review's sample seed",
     "regenerate/review.py:review:seed": "the review's sample seed",
     "regenerate/runner.py:_Conv:seed": "one conversation's seed, set from conversation_seed",

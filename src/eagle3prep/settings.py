@@ -283,7 +283,7 @@ class LayersSettings(_Section):
         if not section.get("drafts"):
             return base
         try:
-            n = _model_depth(config["model"]["path"], config["model"].get("build_demo", False))
+            n = _model_depth(config["model"]["path"], config["model"]["build_demo"])
         except (OSError, ValueError, KeyError):
             return dict(section)
         union = LayersSettings.of(section).capture_ids(n)

@@ -22,7 +22,7 @@ from eagle3prep.settings import ExtractSettings
 from eagle3prep.shard.tokenized import rows as tokenized_rows
 
 from testkit import calls
-from testkit.shards import demo_spec, write_tokenized
+from testkit.shards import demo_spec, with_settings, write_tokenized
 from testkit.tiny_models import NUM_LAYERS, build_family
 
 N = NUM_LAYERS
@@ -74,8 +74,8 @@ def build(root: Path) -> dict:
     for k, lengths in enumerate(LENGTHS):
         tok = write_tokenized(res / f"tokenized/shard_{k}.jsonl", lengths, seed=10 + k, first_row=first)
         shard = res / f"hidden_states/shard_{k}"
-        extract_shard(str(tok), str(shard), replace(demo_spec(model_dir), layer_ids=ids),
-                      ExtractSettings.defaults(batch_tokens=256), shard=k)  # fmt: skip
+        spec = with_settings(replace(demo_spec(model_dir), layer_ids=ids), ExtractSettings.defaults(batch_tokens=256))
+        extract_shard(str(tok), str(shard), spec, shard=k)
         calls.validate(shard, tok, res / f"validation/shard_{k}.json", model_dir, reference=False)
         for r in tokenized_rows(tok):
             freq.update(t for t, m in zip(r["input_ids"], r["loss_mask"], strict=True) if m)

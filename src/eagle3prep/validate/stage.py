@@ -43,7 +43,7 @@ class ValidationError(UserError, RuntimeError):
 
 def run_validate_job(
     shard_dir: str, tokenized_shard: str, out_json: str, *, model_path: str, settings: ValidateSettings,
-    trust_remote_code: bool, keep_failed: bool = False,
+    trust_remote_code: bool, keep_failed: bool,
 ) -> dict[str, Any]:  # fmt: skip
     """The validate stage's job: shard `shard_dir` checked against its tokenized rows and the model at
     `model_path`, by `settings` (config `validate:`); the report written to `out_json`. `keep_failed`:
@@ -158,7 +158,7 @@ def _sample(n_rows: int, sample_rows: int | str, seed: int) -> list[int]:
     return sorted(random.Random(seed).sample(range(n_rows), n))
 
 
-def _finish(report: dict[str, Any], checks: Checks, out_json: str, shard_dir: str, keep_failed: bool = False) -> None:
+def _finish(report: dict[str, Any], checks: Checks, out_json: str, shard_dir: str, keep_failed: bool) -> None:
     """Write the report and print every check; a failed shard raises ValidationError and leaves no report."""
     report["checks"] = checks.to_json()
     report["ok"] = not checks.failed
