@@ -84,7 +84,9 @@ def capture(wd: Path, model: Path, tok: Path, freq: Path, storage: str, seq: int
     from testkit import calls
 
     shard, val, export = wd / storage / "shard_0", wd / storage / "validation.json", wd / storage / "export"
-    settings = ExtractSettings.defaults(storage=storage, batch_tokens=seq, backend="hf", dtype="bfloat16", device=device)
+    settings = ExtractSettings.defaults(
+        storage=storage, batch_tokens=seq, backend="hf", dtype="bfloat16", device=device
+    )
     extract_shard(str(tok), str(shard), CaptureSpec(settings, str(model), LAYER_IDS, seq), shard=0)
     report = calls.validate(shard, tok, val, model, reference=False, device=device)
     if not report["ok"]:

@@ -247,7 +247,8 @@ NAMES = {
     # the captured ids: layers.ids and the union of layers.drafts' layers (a draft whose layers are held adds none)
     "LayersSettings": ["layers.ids", "layers.convention"],
 }
-NOT_CONTENT = {"GUARD", "missing", "shard_extract_runs", "heal_ticket", "expand", "params", "config"}  # what a job needs, not its bytes
+# what a job needs, not its bytes
+NOT_CONTENT = {"GUARD", "missing", "shard_extract_runs", "heal_ticket", "expand", "params", "config"}
 NOT_CONTENT |= {"True", "False", "None", "if", "else", "and", "or", "not"}
 
 
