@@ -1,6 +1,7 @@
 # Disk and GPU time before any GPU job runs: bytes per shard, free space, job time, a shard size.
 # Not part of `all`: `snakemake plan` (add -f to refresh the free space after freeing disk). It changes nothing
-# under results/: another config's shards are tokenized in .eagle3prep/plan/ (eagle3prep.run.made_by.plan_source).
+# under results/ but, in a folder with no tokenized shards yet, the run's own first steps (prepare, tokenize);
+# another config's shards are tokenized in .eagle3prep/plan/ (eagle3prep.run.made_by.plan_source).
 PLAN_SOURCE = made_by.plan_source(made_by.shard_keys(config))
 
 

@@ -225,10 +225,9 @@ def check_config(case: dict, tmp_path: Path, request) -> None:
     config_sources(settings)
     check_model(settings)
     check_tokenizer(settings, stamp=None)
-    CaptureSpec.of(  # what the extract job builds from the settings: refuses what the settings cannot capture
-        settings.extract, model_path=model, layer_ids=settings.layer_ids(),
-        max_seq_len=settings.tokenize.max_seq_len, trust_remote_code=settings.model.trust_remote_code,
-    )  # fmt: skip
+    CaptureSpec(  # what the extract job builds from the settings (the layer ids need the model folder)
+        settings.extract, model, settings.layer_ids(), settings.tokenize.max_seq_len, settings.model.trust_remote_code
+    )
 
 
 @pytest.mark.parametrize("case", [c for c in CONFIG_CASES if c["at"] != "gpus"], ids=case_id)

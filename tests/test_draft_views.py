@@ -166,3 +166,14 @@ def test_the_workflow_captures_the_drafts_union_once_and_a_served_draft_redoes_n
     (wd / "config/config.yaml").write_text(yaml.safe_dump({**config, "replace_results": True}))
     again = snakemake(wd, "-n", "results/export/speculators")
     assert "rule extract" in again.stdout + again.stderr
+
+
+def test_the_backend_refuses_to_configure_a_vllm_connector_in_one_line():
+    """speculators asks a backend for its connector config when it would launch vLLM; ours captured already."""
+    import argparse
+
+    from eagle3prep.train.backend import Eagle3PrepBackend
+
+    assert "build_kv_transfer_config" in vars(Eagle3PrepBackend)
+    with pytest.raises(ValueError, match="no vLLM connector to configure"):
+        Eagle3PrepBackend.build_kv_transfer_config(argparse.Namespace())

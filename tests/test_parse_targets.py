@@ -23,12 +23,12 @@ def test_every_target_the_guides_name_stops_in_one_line_after_configfile(tmp_pat
 
 
 def test_a_workflow_output_after_configfile_is_named_not_read_as_a_config(tmp_path):
-    files = [str(tmp_path / "my.yaml"), str(tmp_path / "results/plan/plan.json")]
+    files = [str(tmp_path / "my.yaml"), str(tmp_path / ".eagle3prep/plan/plan.json")]
     with pytest.raises(ConfigError) as e:
         check_target_marker({"shards": []}, files, tmp_path)
     assert str(e.value) == (
-        "config error: `results/plan/plan.json` after --configfile was read as a config file (--configfile takes "
-        "several), but it is one of the workflow's outputs; put the target first: snakemake results/plan/plan.json "
+        "config error: `.eagle3prep/plan/plan.json` after --configfile was read as a config file (--configfile takes "
+        "several), but it is one of the workflow's outputs; put the target first: snakemake .eagle3prep/plan/plan.json "
         "--configfile my.yaml"
     )
     check_target_marker({}, [str(tmp_path / "results.yaml")], tmp_path)  # a config of that name is no output

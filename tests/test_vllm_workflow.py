@@ -104,7 +104,7 @@ HOST_FAULTS = {
     # a Slurm preemption: SIGTERM to every process of the run, mid-shard
     "sigterm": ("extract.between_batches:batch=2", "term", "stopped by SIGTERM"),
     # a full disk under the worker's layer files
-    "disk_full": ("shard.mid_write:file=layer_4.safetensors", "enospc", "disk full|no space left on device"),
+    "disk_full": ("shard.write:file=layer_4.safetensors", "enospc", "disk full while writing"),
 }
 FAULTS = sorted(HOST_FAULTS) if os.environ.get("EAGLE3PREP_ALL_FAULTS") == "1" else ["engine_killed"]
 

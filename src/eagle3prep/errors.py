@@ -26,7 +26,8 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated
 
 
-# A full disk or an exhausted quota: the user's to fix, never a traceback.
+# A full disk or an exhausted quota outside the shard writers (which say so themselves, infra/disk.py):
+# the user's to fix, never a traceback.
 _DISK_FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
 
 

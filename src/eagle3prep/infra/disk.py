@@ -35,6 +35,7 @@ def disk_full_is_user_error(path: Path) -> Iterator[None]:
         free = shutil.disk_usage(path.parent).free
         raise DiskSpaceError(
             f"disk full while writing {path}: {human_bytes(free)} ({free} bytes) free on its filesystem now; "
-            "another job may have used the space since the pre-check. Free space or point results/ at a larger "
-            "filesystem, then rerun (`snakemake plan` lists every shard's size)"
+            "another job may have used the space since the pre-check. Finished shards are kept: free space or "
+            "point results/ at a larger filesystem, then run the same command again (`snakemake plan` lists every "
+            "shard's size)"
         ) from e

@@ -10,9 +10,9 @@ EAGLE3PREP_KILL_SCOPE=process kills only the job's own process, and EAGLE3PREP_K
 sends SIGINT to the group, as a terminal's Ctrl-C does, at that exact point (no race with a fast job).
 EAGLE3PREP_KILL_SCOPE=raise raises PlantedError there instead: an exception inside a process that must
 report it, such as vLLM's engine core running the hooks (tests/test_vllm_failures.py).
-The faults of a GPU host, made real at that point (bench/gpu_faults.py, tests/test_fault_lines.py):
+The faults of a GPU host, made real at that point (bench/gpu_faults.py, tests/test_faults.py):
   term      SIGTERM to the whole process group, as a Slurm preemption or `scancel` sends it
-  enospc    a full disk: the OSError(ENOSPC) a write there would raise
+  enospc    a full disk: the OSError(ENOSPC) a write raises (shard.write sits where the layer files' writes do)
   fill      a full disk for real: a file in $EAGLE3PREP_FILL_DIR takes all its filesystem's free space
   cuda_oom  a CUDA allocation the GPU cannot hold (torch.OutOfMemoryError from the caching allocator)
 Unset, kill_point() costs one dictionary lookup.
@@ -72,7 +72,8 @@ def kill_point(name: str, **ctx: object) -> None:
 
 def _fill_filesystem(folder: str) -> None:
     """Take every free byte of `folder`'s filesystem (one file, fallocate'd), so the next write fails."""
-    free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+    st = os.statvfs(folder)
+    free = st.f_bavail * st.f_frsize
     fd = os.open(os.path.join(folder, "e3p-fill"), os.O_CREAT | os.O_WRONLY, 0o644)
     try:
         os.posix_fallocate(fd, 0, max(free - 4096, 1))

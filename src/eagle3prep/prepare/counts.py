@@ -181,8 +181,8 @@ def loss_error(counts: dict[str, Any], max_share: float, kept_copy: str | os.Pat
         ", ...)" if len(lossy) > 3 else ")"
     )
     # A file that loses every row fails whatever the share: raising it is offered only when it would pass.
-    partial = any(g["quarantined_total"] < g["rows_in"] for g in lossy)
-    over = f"over {LOSS_SETTING} = {max_share:g}" if lost != "all" else (
+    partial = all(g["quarantined_total"] < g["rows_in"] for g in lossy)
+    over = f"over {LOSS_SETTING} = {max_share:g}" if partial else (
         f"a file that loses every row fails whatever {LOSS_SETTING} is (now {max_share:g})"
     )  # fmt: skip
     return (

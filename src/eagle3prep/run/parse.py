@@ -115,7 +115,7 @@ def check_target_marker(config: dict[str, Any], configfiles: list[str], cwd: str
         )
 
 
-OUTPUT_DIRS = ("results", "logs", "benchmarks")  # what the workflow writes: never a config file
+OUTPUT_DIRS = ("results", "logs", "benchmarks", ".eagle3prep")  # what the workflow writes: never a config file
 
 
 def _is_output(path: str, cwd: str | os.PathLike) -> bool:

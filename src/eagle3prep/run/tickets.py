@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ..infra.atomic import atomic_open
+from ..infra.atomic import write_json
 from . import heal, stale
 from .mode import Mode
 
@@ -82,12 +82,6 @@ def _mtime_ns(path: str | None) -> int:
     return out
 
 
-def write_ticket(path: str | os.PathLike, content: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with atomic_open(path, "w") as f:
-        json.dump(content, f, indent=1)
-
-
 def ticket_path(n: int, folder: str | os.PathLike = FOLDER) -> str:
     return f"{folder}/{n}.json"
 
@@ -142,7 +136,7 @@ class Healing:
     def _make_ticket(self, dry: bool) -> None:
         """The ticket file, now, before Snakemake compares the due jobs' inputs with their outputs."""
         self.path = f"{self.folder}/{DRY_RUN}" if dry else ticket_path(self.next, self.folder)
-        write_ticket(self.path, {"jobs": sorted(self.due), "started": False, "dry_run": dry})
+        write_json(self.path, {"jobs": sorted(self.due), "started": False, "dry_run": dry})
         # Newer than every output the due jobs compare it with, also one dated ahead of this host's clock (a folder
         # from a host whose clock runs ahead): a redo too many is cheap, a silent pass is not.
         outputs = [p for h in self.due.values() for p in (h.force, *_shard_outputs(h.shard))]
@@ -189,5 +183,5 @@ class Healing:
         log = log or f"logs/heal/{Path(self.path).stem}.log"
         Path(log).parent.mkdir(parents=True, exist_ok=True)
         Path(log).write_text("".join(f"[heal] {line}\n" for line in lines), encoding="utf-8")
-        write_ticket(self.path, {"jobs": sorted(self.asked), "why": [h.why for h in heals], "started": True})
+        write_json(self.path, {"jobs": sorted(self.asked), "why": [h.why for h in heals], "started": True})
         return lines

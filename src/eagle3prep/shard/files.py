@@ -70,6 +70,7 @@ class StreamingSafetensorsWriter:
 
     def _write(self, data: bytes | memoryview) -> None:
         with disk_full_is_user_error(self.path):
+            faults.kill_point("shard.write", file=self.path.name, rows=self.rows)  # where a full disk raises
             self._f.write(data)
         self._sha.update(data)
 
@@ -290,6 +291,7 @@ class PositionalSafetensorsWriter(StreamingSafetensorsWriter):
             parts.append((after, self._after_start + first_row * self.after_row_bytes))
         t0 = time.perf_counter()
         with disk_full_is_user_error(self.path):
+            faults.kill_point("shard.write", file=self.path.name, rows=first_row)  # where a full disk raises
             for view, offset in parts:
                 while view:  # pwrite may write less than asked
                     done = os.pwrite(self._f.fileno(), view, offset)

@@ -94,7 +94,7 @@ def encode_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # The FP8 kernel matches the reference under Triton's interpreter, but on an H100 (torch 2.11, Triton 3.6) its bytes
-# left the reference's on some rows (docs/runs/storage/encode_kernels_h100.txt): until a GPU run passes that
+# left the reference's on some rows (docs/runs/storage/encode_kernels_8b_h100.txt, ..._kimi_h100.txt): until a GPU run passes that
 # comparison, FP8 shards are written by the reference everywhere (190-200 GB/s there).
 FP8_KERNEL = False
 
@@ -108,6 +108,7 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The MXFP4 encode: the kernel where it serves `x`, else the reference."""
+    mxfp4.check_width(x.shape[-1])  # the caller's mistake, not a kernel that cannot run here
     return _guarded("mxfp4", encode_mxfp4, mxfp4.quantize_mxfp4, x)
 
 

@@ -64,6 +64,13 @@ class Eagle3PrepBackend(HiddenStatesBackend):
         rows = ExportRows.from_export(data_path, getattr(args, "eagle3prep_shards", None))
         return ShardTransfer(rows.with_view(draft_view(args, rows.layer_ids)))
 
+    @staticmethod
+    def build_kv_transfer_config(args: argparse.Namespace) -> dict[str, Any]:
+        raise ValueError(
+            "the eagle3prep backend reads hidden states the workflow already captured; there is no vLLM "
+            "connector to configure (capture with `snakemake`, extract.backend: vllm)"
+        )
+
 
 def draft_view(args: argparse.Namespace, captured: list[int]) -> list[int]:
     """The layers the draft being trained reads, in the order its trainer stacks them (eagle3prep.drafts): its
@@ -81,13 +88,6 @@ def draft_view(args: argparse.Namespace, captured: list[int]) -> list[int]:
 
         aux = resolve_target_layer_ids(None, args.verifier_name_or_path, getattr(args, "trust_remote_code", False))
     return [*aux, n]
-
-    @staticmethod
-    def build_kv_transfer_config(args: argparse.Namespace) -> dict[str, Any]:
-        raise ValueError(
-            "the eagle3prep backend reads hidden states the workflow already captured; there is no vLLM "
-            "connector to configure (capture with `snakemake`, extract.backend: vllm)"
-        )
 
 
 if BACKEND not in HiddenStatesBackend.registry:  # a second import (another module name) must not raise
