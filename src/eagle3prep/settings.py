@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Self
 
 from .config import load_schema, reference_mode, schema_default, section_defaults, validate_config
 from .config.model import model_layer_ids
+from .layers import CONVENTION
 
 # A content field added after results existed: left out of the rule's params while at its schema default,
 # because Snakemake compares params as a whole and a new key would re-queue every finished job made before it.
@@ -289,7 +290,7 @@ class LayersSettings(_Section):
         union = LayersSettings.of(section).capture_ids(n)
         if union == LayersSettings.of(base).capture_ids(n):
             return base
-        return {"ids": union, "convention": "input_of_layer"}
+        return {"ids": union, "convention": CONVENTION}
 
 
 @dataclass(frozen=True, slots=True)

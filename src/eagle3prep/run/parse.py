@@ -19,8 +19,7 @@ from ..model_facts import ModelFacts
 from ..settings import Settings
 from ..shard.formats import storage_format
 from ..vllm.families import check_capture_path
-
-HIDDEN_STATES = "results/hidden_states"  # the finished shards, relative to the workflow's folder
+from .heal import HIDDEN_STATES
 
 # What extract loads its weights from (transformers and vLLM read these; *.pt and *.pth are older checkpoints).
 WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")

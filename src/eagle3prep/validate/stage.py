@@ -24,7 +24,7 @@ from ..shard.shardset import read_tokenized
 from ..tokenize.row_inputs import RowImages
 from .content import check_content
 from .integrity import check_intact, check_manifest
-from .passrule import miss_probability, rows_to_sample
+from .passrule import STORAGE_FACTOR, miss_probability, rows_to_sample
 from .recompute import check_reference
 from .reference import ReferencePair
 from .subject import ShardUnderTest
@@ -143,7 +143,6 @@ def _check_sampled_rows(
 
 def _storage_floor(subject: ShardUnderTest) -> str:
     """A scaled storage's part of every bound, in words."""
-    from .passrule import STORAGE_FACTOR
 
     label = subject.scaled.label
     return (

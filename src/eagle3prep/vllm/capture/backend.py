@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 from ...backends.base import CaptureBackend, CaptureSpec, EngineInfo, smoke_shard
 from ...errors import UserError
-from ...infra.log import get_logger
 from ...layers import check_layer_ids
 from ...model_facts import ModelFacts, require_hidden_size
 from ...shard.sink import SinkPlan
@@ -27,6 +26,7 @@ from ..engine.workarounds import Workarounds
 from . import choice
 from .builtin.path import BuiltinPath
 from .engine_args import engine_kwargs, memory_plan
+from .feed import log
 from .hooks.path import HooksPath
 from .requests import CaptureError
 
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 
     from ...shard.sink import SinkSpec
 
-log = get_logger("vllm backend").info
 SMOKE_TOKENS = 16  # length of the smoke-capture prompt
 # Pinned host slots of the hooks path, each one forward step of every requested layer (8B shape,
 # 16k-token steps: 512 MiB): one being filled, up to two with the writer threads (docs/DESIGN.md §5).

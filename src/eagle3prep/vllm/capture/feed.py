@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # (submit_rows): the tail after the last forward (write, sha256 and fsync of its rows) shrinks with that step.
 TAIL_PARTS = 4
 
-log = get_logger("vllm backend").info
+log = get_logger("vllm backend").info  # the capture's lines, every path's
 
 
 class Row(NamedTuple):

@@ -7,10 +7,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ....infra.log import get_logger
 from ... import registry
 from .. import loop, message
-from ..feed import ShardRun
+from ..feed import ShardRun, log
 from ..loop import WorkerSinkPath
 from ..requests import CaptureError
 from . import connector
@@ -18,7 +17,6 @@ from .worker import ConnectorWorker
 
 CONNECTOR_MODULE = connector.__name__  # vLLM imports it by name
 WORKER_EXTENSION = f"{ConnectorWorker.__module__}.{ConnectorWorker.__qualname__}"
-log = get_logger("vllm backend").info
 DRAIN_S = 600  # a shard's last rows reach the worker a step after their request ends: seconds, not minutes
 
 

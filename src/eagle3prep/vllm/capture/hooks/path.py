@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ....infra.log import get_logger
 from ... import registry
 from .. import message
+from ..feed import log
 from ..loop import WorkerSinkPath
 from .worker import HiddenStatesCapture
 
-log = get_logger("vllm backend").info
 WORKER_EXTENSION = f"{HiddenStatesCapture.__module__}.{HiddenStatesCapture.__qualname__}"
 
 
