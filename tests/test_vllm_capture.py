@@ -691,3 +691,28 @@ def test_hooks_failure_fixture_replaces_the_builtin_cause():
     from eagle3prep.vllm.engine.errors import root_cause
 
     assert root_cause(HOOKS_FAILED_OUTPUT).startswith("ValueError: torch.compile of the capture graph")
+
+
+def test_root_cause_is_our_disk_full_line_not_the_oserror_it_chains():
+    """A full disk under the worker's layer files: the traceback prints the OSError first, then the DiskSpaceError
+    raised from it, whose line names the file and the free space."""
+    from eagle3prep.vllm.engine.errors import root_cause
+
+    output = (
+        "(EngineCore pid=1) ERROR 12-07 14:06:29 [core.py:1750] Traceback (most recent call last):\n"
+        '(EngineCore pid=1) ERROR 12-07 14:06:29 [core.py:1750]   File "files.py", line 294, in place\n'
+        "(EngineCore pid=1) ERROR 12-07 14:06:29 [core.py:1750] OSError: [Errno 28] No space left on device\n"
+        "(EngineCore pid=1) ERROR 12-07 14:06:29 [core.py:1750] \n"
+        "(EngineCore pid=1) ERROR 12-07 14:06:29 [core.py:1750] The above exception was the direct cause of the "
+        "following exception:\n"
+        "(EngineCore pid=1) ERROR 12-07 14:06:29 [core.py:1750] Traceback (most recent call last):\n"
+        "(EngineCore pid=1) ERROR 12-07 14:06:29 [core.py:1750] eagle3prep.infra.disk.DiskSpaceError: disk full "
+        "while writing /r/shard_0/layer_4.safetensors: 1.0 KiB (1024 bytes) free on its filesystem now\n"
+    )
+    assert root_cause(output) == (
+        "DiskSpaceError: disk full while writing /r/shard_0/layer_4.safetensors: 1.0 KiB (1024 bytes) free on its "
+        "filesystem now"
+    )
+    assert root_cause(output.replace("DiskSpaceError: disk full while writing", "ValueError: x")) == (
+        "OSError: [Errno 28] No space left on device"
+    )

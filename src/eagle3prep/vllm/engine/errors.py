@@ -100,9 +100,18 @@ _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)): 
 _WRAPPERS = ("root cause", "initialization failed", "failed to start")
 
 
+# Our own one-line errors raised inside the engine's process, chained to what caused them: the traceback prints the
+# cause (OSError: [Errno 28] ...) first, and the user's line is ours (the file and the free space).
+_OURS = re.compile(r"(DiskSpaceError): (disk full while writing [^\n]*)")
+
+
 def root_cause(output: str) -> str | None:
     """The first exception of the children's tracebacks that is not one of vLLM's wrappers, as
-    "Type: message"; tracebacks logged as warnings (e.g. "Chat template warmup failed") are skipped."""
+    "Type: message"; tracebacks logged as warnings (e.g. "Chat template warmup failed") are skipped. One of our
+    own errors that says what to do (_OURS) comes before the exception that caused it."""
+    ours = _OURS.search(_ANSI.sub("", output))
+    if ours:
+        return f"{ours.group(1)}: {ours.group(2).rstrip()}"
     in_traceback = False
     for raw in output.splitlines():
         text = _ANSI.sub("", raw)
