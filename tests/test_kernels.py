@@ -22,13 +22,17 @@ CHILD = """
 import sys, torch
 from eagle3prep.shard import kernels
 cases = torch.load(sys.argv[1])
-out = {k: (kernels.encode_mxfp4(x) if k[0] == "mxfp4" else kernels.encode_fp8(x)) for k, x in cases.items()}
+out = {
+    k: kernels.encode_mxfp4(x) if k[0] == "mxfp4" else kernels.encode_fp8(x, by_inverse=k[0] == "fp8-inverse")
+    for k, x in cases.items()
+}
 torch.save(out, sys.argv[2])
 """
 
 
 def run_kernels(cases: dict, tmp: Path) -> dict:
-    """{key: the kernel's output} for {key: rows} with key[0] "mxfp4" or "fp8", through the interpreter."""
+    """{key: the kernel's output} for {key: rows} with key[0] "mxfp4", "fp8" or "fp8-inverse" (the scale as torch
+    computes it on a CUDA tensor), through the interpreter."""
     torch.save(cases, tmp / "in.pt")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     done = subprocess.run([sys.executable, "-c", CHILD, str(tmp / "in.pt"), str(tmp / "out.pt")], env=env,
@@ -99,6 +103,23 @@ def test_fp8_kernel_is_the_reference_byte_for_byte(outputs, width, dtype):
     assert torch.equal(scales.isnan(), nan) and torch.equal(
         scales[~nan].view(torch.int32), ref_scales[~nan].view(torch.int32)
     )
+
+
+def test_fp8_kernel_scales_as_torch_does_on_cuda(tmp_path):
+    """On a CUDA tensor torch computes `amax / 448.0` as amax x float32(1 / 448) (its CPU-scalar divisor path), which
+    differs from the division on some rows: the kernel's BY_INVERSE mode is that torch, byte for byte (emulated here
+    in float32 on the CPU), and the two modes are told apart on these rows."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(512, 96, generator=g) * torch.logspace(-3, 3, 512)[:, None]).to(torch.bfloat16)
+    amax = x.abs().amax(dim=1, keepdim=True).float()
+    by_division, by_inverse = amax / fp8.FP8_MAX, amax * torch.tensor(fp8.INV_MAX)
+    assert (by_division != by_inverse).any()  # the rows where the two scales part
+    scale = by_inverse.clamp(min=fp8.SCALE_MIN)
+    ref = (x.float() / scale).to(torch.float8_e4m3fn)
+    out = run_kernels({("fp8-inverse", "H96", "bf16"): x, ("fp8", "H96", "bf16"): x}, tmp_path)
+    values, scales = out[("fp8-inverse", "H96", "bf16")]
+    assert torch.equal(scales, scale) and torch.equal(values.view(torch.uint8), ref.view(torch.uint8))
+    assert not torch.equal(out[("fp8", "H96", "bf16")][1], scale)  # the CPU's division, the other scale
 
 
 def test_the_comparison_sees_a_rounding_mistake(outputs):
@@ -187,8 +208,8 @@ def test_the_kernels_build_for_hopper(in_bits):
     for block in (4096, 8192):  # hidden 4,096 and 7,168
         src = ASTSource(
             fn=tk.fp8_kernel,
-            signature={**common, "s_ptr": "*fp32", "BLOCK_H": "constexpr"},
-            constexprs={"BLOCK_H": block, "IN_BITS": in_bits},
+            signature={**common, "s_ptr": "*fp32", "inv_max": "fp32", "BLOCK_H": "constexpr", "BY_INVERSE": "constexpr"},
+            constexprs={"BLOCK_H": block, "IN_BITS": in_bits, "BY_INVERSE": True},
         )
         ptx = triton.compile(src, target=target, options={"num_warps": kernels.FP8_WARPS[block > 4096]}).asm["ptx"]
         divs = {line.split()[0] for line in ptx.splitlines() if line.strip().startswith("div")}

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 FP8_DTYPE = "float8_e4m3fn"
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# float32(1 / 448): torch on a CUDA tensor computes `amax / FP8_MAX` as amax x this (its CPU-scalar divisor path)
+INV_MAX = 0.0022321429569274187
 SCALE_MIN = 1e-12  # an all-zero token keeps a finite scale (its values are 0 whatever the scale)
 SCALES_KEY = "hidden_states_scales"  # hs_connectors.fp8_utils.SCALES_KEY
 # Rows quantized at once on the device: the temporaries are QUANT_CHUNK x H x 7 bytes (Kimi, H 7168: 196 MiB),

@@ -76,8 +76,10 @@ def encode_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def encode_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8.quantize_fp8(x) for rows [n, H] in one kernel: (values [n, H] float8_e4m3fn, scales [n, 1] float32)."""
+def encode_fp8(x: torch.Tensor, by_inverse: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8.quantize_fp8(x) for rows [n, H] in one kernel: (values [n, H] float8_e4m3fn, scales [n, 1] float32).
+    by_inverse: the scale as amax x float32(1 / 448), as torch computes `amax / 448.0` on a CUDA tensor; None follows
+    x's device (on the CPU torch divides)."""
     import torch
 
     k = _triton()
@@ -88,8 +90,9 @@ def encode_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if n:
         block = 1 << (h - 1).bit_length()
         xb, in_bits = _bits_view(x)
-        k.fp8_kernel[(n,)](xb, q.view(torch.uint8), s, h, x.stride(0), BLOCK_H=block, IN_BITS=in_bits,
-                           num_warps=FP8_WARPS[block > 4096])  # fmt: skip
+        inverse = x.is_cuda if by_inverse is None else by_inverse
+        k.fp8_kernel[(n,)](xb, q.view(torch.uint8), s, h, x.stride(0), fp8.INV_MAX, BLOCK_H=block, IN_BITS=in_bits,
+                           BY_INVERSE=inverse, num_warps=FP8_WARPS[block > 4096])  # fmt: skip
     return q, s
 
 

@@ -59,13 +59,20 @@ def mxfp4_kernel(x_ptr, q_ptr, s_ptr, n, h, stride_x, ROWS: tl.constexpr, COLS: 
 
 
 @triton.jit
-def fp8_kernel(x_ptr, q_ptr, s_ptr, h, stride_x, BLOCK_H: tl.constexpr, IN_BITS: tl.constexpr):
+def fp8_kernel(
+    x_ptr, q_ptr, s_ptr, h, stride_x, inv_max, BLOCK_H: tl.constexpr, IN_BITS: tl.constexpr, BY_INVERSE: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < h
     bits = _f32_bits(x_ptr + row * stride_x + cols, mask, IN_BITS)
     amax = tl.max(bits & 0x7FFFFFFF, axis=0).to(tl.float32, bitcast=True)  # ordered as |x|: a NaN wins
-    scale = tl.math.div_rn(amax, 448.0)
+    # torch's `amax / 448.0` on a CUDA tensor multiplies by the float32 inverse (a CPU scalar divisor), on the CPU
+    # it divides: BY_INVERSE follows the device the reference would run on
+    if BY_INVERSE:
+        scale = amax * inv_max
+    else:
+        scale = tl.math.div_rn(amax, 448.0)
     scale = tl.where(scale < 1e-12, 1e-12, scale)  # a NaN scale stays NaN, as torch's clamp keeps it
     # the row's scale broadcast to the row explicitly, as div_rn's operands
     qb = tl.math.div_rn(bits.to(tl.float32, bitcast=True), tl.broadcast_to(scale, (BLOCK_H,)))
