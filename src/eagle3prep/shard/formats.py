@@ -135,7 +135,7 @@ FORMATS: dict[str, StorageFormat] = {
             "FP8 e4m3 with a float32 scale per token",
             lambda _: fp8.FP8_DTYPE,
             ("float32", lambda h: 1),
-            kernels.quantize_fp8,  # fp8.quantize_fp8 (kernels.FP8_KERNEL says why the kernel is off)
+            kernels.quantize_fp8,  # fp8.quantize_fp8's bytes, by the kernel where it runs
             fp8.dequantize_fp8,
             fp8.rounding_draw,
             {

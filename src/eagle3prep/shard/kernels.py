@@ -96,16 +96,8 @@ def encode_fp8(x: torch.Tensor, by_inverse: bool | None = None) -> tuple[torch.T
     return q, s
 
 
-# The FP8 kernel matches the reference under Triton's interpreter, but on an H100 (torch 2.11, Triton 3.6) its bytes
-# left the reference's on some rows (docs/runs/storage/encode_kernels_8b_h100.txt, ..._kimi_h100.txt): until a GPU run passes that
-# comparison, FP8 shards are written by the reference everywhere (190-200 GB/s there).
-FP8_KERNEL = False
-
-
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The FP8 encode: the reference (FP8_KERNEL says why); the kernel, where it serves `x`, once switched on."""
-    if not FP8_KERNEL:
-        return fp8.quantize_fp8(x)
+    """The FP8 encode: the kernel where it serves `x`, else the reference."""
     return _guarded("fp8", encode_fp8, fp8.quantize_fp8, x)
 
 
