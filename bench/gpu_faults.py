@@ -1,7 +1,7 @@
 """The GPU fault matrix: each fault a GPU host deals a capture, made real under vLLM through the workflow's GPU rule.
 
 Runs on a GPU host (device setup: bench/device/README.md; the step `faults` of bench/device/newest_vllm.sh):
-    python bench/gpu_faults.py OUTDIR [--faults oom_start oom_mid engine_kill disk_full sigterm]
+    python bench/gpu_faults.py OUTDIR [--faults oom_start oom_mid engine_kill disk_full sigterm] [--parallel]
 
 One workdir (the random Llama of gpu_validate.py, the demo conversations, one shard per fault plus one finished
 before them) whose results/ is a tmpfs of its own when the host lets us mount one (root), so a full disk is a real
@@ -11,9 +11,13 @@ results/validation/shard_<i>.json`), and the same command is run once more. Each
 - rc: the faulted run's exit status (never 0);
 - line: the job's one `error:` line (cause and fix), read from its log;
 - kept: every shard finished before it is untouched (its manifest's bytes and mtime);
-- gpu free: the GPU's free share after the faulted run (an engine left running would hold its memory);
+- left: processes of the faulted run still alive after it ended (an engine left behind would hold the GPU), and
+  the GPU's free share then (with --parallel the other rows' engines share the GPU, so only the first counts);
 - rerun: the same command's exit status and the shard's validation verdict.
 At the end every shard's validation is asked for at once: no finished shard may be captured again.
+--parallel gives each fault a workdir of its own (its shard 0, then its fault on shard 1), all at once, each
+engine with a fixed KV cache (vLLM's memory profile fails when another process frees memory meanwhile): the rows
+in the time of one (oom_start holds the whole GPU, so it stays out of a parallel run).
 
 The faults (infra/faults.py makes each at one step inside the shard, in the engine's own process):
   oom_start    another process holds all but 0.5 GiB of the GPU when the engine starts
@@ -62,15 +66,34 @@ def snakemake(wd: Path, *targets: str, env: dict | None = None) -> tuple[subproc
     exe = Path(sys.executable).with_name("snakemake")
     cmd = [str(exe) if exe.exists() else "snakemake", "--snakefile", str(REPO / "Snakefile"), *targets]
     t0 = time.time()
-    proc = subprocess.run(
-        [*cmd, "--cores", "8", "--resources", "gpu=1"],
+    # a session of its own: a planted SIGTERM goes to the run's process group, not to this bench, and what the run
+    # leaves alive is found by its session id (the leader's pid)
+    popen = subprocess.Popen(
+        [*cmd, "--cores", "4", "--resources", "gpu=1"],
         cwd=wd,
         env={**os.environ, **(env or {})},
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,  # a planted SIGTERM goes to the run's process group, not to this bench
+        start_new_session=True,
     )
+    out, err = popen.communicate()
+    proc = subprocess.CompletedProcess(popen.args, popen.returncode, out, err)
+    proc.sid = popen.pid  # type: ignore[attr-defined]
     return proc, time.time() - t0
+
+
+def left_alive(sid: int) -> list[int]:
+    """Processes of the session `sid` still alive (an engine the run left behind)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getsid(int(d.name)) == sid:
+                    pids.append(int(d.name))
+            except OSError:
+                continue
+    return pids
 
 
 def finished(wd: Path) -> dict[str, tuple[str, int]]:
@@ -102,7 +125,7 @@ def mount_tmpfs(folder: Path, size: str) -> bool:
     return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)]).returncode == 0
 
 
-def make_workdir(wd: Path, model: Path, shards: int) -> None:
+def make_workdir(wd: Path, model: Path, shards: int, shared_gpu: bool = False) -> None:
     (wd / "config").mkdir(parents=True, exist_ok=True)
     (wd / "resources").symlink_to(REPO / "resources")
     cfg = {
@@ -119,6 +142,8 @@ def make_workdir(wd: Path, model: Path, shards: int) -> None:
         },
         "validate": {"sample_rows": 4, "device": "cuda"},
     }
+    if shared_gpu:
+        cfg["extract"].update(gpu_memory_utilization=0.15, engine_args={"kv_cache_memory_bytes": 2 << 30})
     (wd / "config/config.yaml").write_text(yaml.safe_dump(cfg))
 
 
@@ -150,6 +175,7 @@ def strike(wd: Path, fault: str, k: int) -> dict:
         "wall_s": round(wall, 1),
         "line": error_line(wd, k, proc),
         "kept": {s: finished(wd).get(s) == v for s, v in before.items()},
+        "left": left_alive(proc.sid),
         "gpu_free": round(gpu_free_share(), 3),
     }
     (wd / "results/e3p-fill").unlink(missing_ok=True)  # the user frees the disk
@@ -162,56 +188,89 @@ def strike(wd: Path, fault: str, k: int) -> dict:
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--faults", nargs="+", default=FAULTS, choices=FAULTS)
-    ap.add_argument("--tmpfs", default="8G", help="size of the workdir's own tmpfs (a real full disk)")
-    args = ap.parse_args()
-    import torch
-    import vllm
-
-    model = build_target(Path(os.environ.get("TMPDIR", "/tmp")) / "e3p-gpu-target" / "model")
-    wd = args.out / "wd"
-    on_tmpfs = mount_tmpfs(wd / "results", args.tmpfs)
-    make_workdir(wd, model, shards=len(args.faults) + 1)
-    where = f"its own tmpfs of {args.tmpfs}" if on_tmpfs else "the host disk (no tmpfs could be mounted)"
-    print(
-        f"# {torch.cuda.get_device_name(0)}, vLLM {vllm.__version__}, torch {torch.__version__}; results/ on {where}"
+def table_row(r: dict) -> tuple[str, bool]:
+    kept = all(r["kept"].values())
+    good = (
+        r["rc"] != 0
+        and r["line"].startswith("error: ")
+        and kept
+        and not r["left"]
+        and r["rerun_rc"] == 0
+        and r["validation_ok"]
     )
+    line = (
+        f"| {r['fault']} | {r['shard']} | {r['rc']} | {r['line']} | {kept} ({len(r['kept'])}) | "
+        f"{len(r['left'])} | {r['gpu_free']:.0%} | {r['rerun_rc']} | {r['rerun_s']} | {r['validation_ok']} |"
+    )
+    return line, bool(good)
+
+
+def run_rows(wd: Path, model: Path, faults: list[str], tmpfs: str, shared_gpu: bool) -> tuple[list[str], bool]:
+    """One workdir: shard 0 captured and validated, then each fault on the next shard, then every shard at once."""
+    on_tmpfs = mount_tmpfs(wd / "results", tmpfs)
+    make_workdir(wd, model, shards=len(faults) + 1, shared_gpu=shared_gpu)
     first, wall = snakemake(wd, "results/validation/shard_0.json")
     assert first.returncode == 0, first.stderr[-4000:]
-    print(f"shard 0 captured and validated in {wall:.0f} s")
-    print("| fault | shard | rc | the job's one line | finished kept | GPU free after | rerun rc | rerun s | valid |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    rows, ok = [], True
-    for k, fault in enumerate(args.faults, start=1):
+    lines, ok = [f"{wd.name}: shard 0 captured and validated in {wall:.0f} s; results/ on "
+                 + (f"its own tmpfs of {tmpfs}" if on_tmpfs else "the host disk")], True  # fmt: skip
+    rows = []
+    for k, fault in enumerate(faults, start=1):
         if fault == "disk_full" and not on_tmpfs:
-            print(f"| {fault} | {k} | skipped: no tmpfs could be mounted (not root) | | | | | | |")
+            lines.append(f"| {fault} | {k} | skipped: no tmpfs could be mounted (not root) | | | | | | | |")
             snakemake(wd, f"results/validation/shard_{k}.json")
             continue
         r = strike(wd, fault, k)
         rows.append(r)
-        kept = all(r["kept"].values())
-        good = r["rc"] != 0 and r["line"].startswith("error: ") and kept and r["rerun_rc"] == 0 and r["validation_ok"]
-        ok &= bool(good)
-        print(
-            f"| {fault} | {k} | {r['rc']} | {r['line']} | {kept} ({len(r['kept'])}) | {r['gpu_free']:.0%} | "
-            f"{r['rerun_rc']} | {r['rerun_s']} | {r['validation_ok']} |",
-            flush=True,
-        )
-        (args.out / "gpu_faults.json").write_text(json.dumps(rows, indent=1))
+        line, good = table_row(r)
+        ok &= good
+        lines.append(line)
+        print(line, flush=True)
+        (wd / "gpu_faults.json").write_text(json.dumps(rows, indent=1))
     before = finished(wd)
-    final, wall = snakemake(wd, *(f"results/validation/shard_{k}.json" for k in range(len(args.faults) + 1)))
+    final, wall = snakemake(wd, *(f"results/validation/shard_{k}.json" for k in range(len(faults) + 1)))
     redone = [s for s, v in before.items() if finished(wd).get(s) != v]
-    print(
-        f"every shard's validation after the faults: rc {final.returncode} in {wall:.0f} s, "
+    lines.append(
+        f"{wd.name}: every shard's validation after the faults: rc {final.returncode} in {wall:.0f} s, "
         f"finished shards captured again: {redone or 'none'}"
     )
     ok &= final.returncode == 0 and not redone
-    print("GPU FAULT MATRIX:", "PASS" if ok else "FAIL")
     if on_tmpfs:
         subprocess.run(["umount", "-l", str(wd / "results")])
+    return lines, ok
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--faults", nargs="+", default=FAULTS, choices=FAULTS)
+    ap.add_argument("--tmpfs", default="8G", help="size of each workdir's own tmpfs (a real full disk)")
+    ap.add_argument("--parallel", action="store_true", help="each fault in a workdir of its own, all at once")
+    args = ap.parse_args()
+    import torch
+    import vllm
+
+    if args.parallel and "oom_start" in args.faults:
+        sys.exit("oom_start holds the whole GPU: run it without --parallel")
+    model = build_target(Path(os.environ.get("TMPDIR", "/tmp")) / "e3p-gpu-target" / "model")
+    print(f"# {torch.cuda.get_device_name(0)}, vLLM {vllm.__version__}, torch {torch.__version__}"
+          + (", one workdir a fault, all at once" if args.parallel else ""))  # fmt: skip
+    header = (
+        "| fault | shard | rc | the job's one line | finished kept | processes left | GPU free after | rerun rc "
+        "| rerun s | valid |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    print(header, flush=True)
+    if args.parallel:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(args.faults)) as pool:
+            done = list(pool.map(lambda f: run_rows(args.out / f"wd_{f}", model, [f], args.tmpfs, True), args.faults))
+    else:
+        done = [run_rows(args.out / "wd", model, args.faults, args.tmpfs, False)]
+    print("\n".join(["", header, *(ln for lines, _ in done for ln in lines if ln.startswith("|"))]))
+    for lines, _ in done:
+        print("\n".join(ln for ln in lines if not ln.startswith("|")))
+    ok = all(good for _, good in done)
+    print("GPU FAULT MATRIX:", "PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)
 
 

@@ -38,7 +38,7 @@
 #   quality   the acceptance bench's ours and peer branches (bench/quality/device_run.sh; needs the tools payload),
 #             its summary in OUT/quality.txt
 # Steps run in the order STEPS gives (default: ALL below); REGRESS_PHASES=pf drops (e) from regress; FAULTS="a b"
-# only those rows of the fault matrix;
+# only those rows of the fault matrix, FAULTS_PARALLEL=1 each in a workdir of its own, all at once;
 # MATRIX_FAMILIES="qwen2_5_vl" only that
 # family's matrix.
 set -u
@@ -100,7 +100,7 @@ run_step() {
     quality_mx) QBRANCHES="${QMX_BRANCHES:-ours fp8 mxfp4}" step quality_mx "$NEW" quality ;;
     images) step images "$NEW" images ;;
     kimi_int4_mx) step kimi_int4_mx "$NEW" python3 bench/bench_extract.py $W/kimi_int4_mx --shape kimi-int4 --phases ${MX_PHASES:-pfg} --scaled mxfp4 --rows 384 --seq 1000 --min-len 100 --max-len 1000 ;;
-    faults) step faults "$NEW" python3 bench/gpu_faults.py $W/faults ${FAULTS:+--faults $FAULTS} ;;
+    faults) step faults "$NEW" python3 bench/gpu_faults.py $W/faults ${FAULTS:+--faults $FAULTS} ${FAULTS_PARALLEL:+--parallel} ;;
     *) echo "$(date +%T) no step $1 (of $ALL)" >> "$O/done" ;;
   esac
 }
