@@ -43,13 +43,13 @@ HOST_SLOTS = 3
 
 class VLLMBackend(CaptureBackend):
     """Capture with vLLM, as the typed `extract:` settings say. Both capture paths write the layer files from
-    TP rank 0's worker; nothing is staged per request. `facts`: the model's, when the job has read them."""
+    TP rank 0's worker; nothing is staged per request."""
 
     name = "vllm"
 
-    def __init__(self, spec: CaptureSpec, facts: ModelFacts | None = None):
+    def __init__(self, spec: CaptureSpec):
         super().__init__(spec)
-        self.facts = facts
+        self.facts: ModelFacts | None = spec.facts  # read by the probe where the spec carries none
         self.llm: Any = None
         self.path: BuiltinPath | HooksPath | None = None
         self.info: EngineInfo | None = None
@@ -71,7 +71,7 @@ class VLLMBackend(CaptureBackend):
         t0 = time.time()
         prefer_forked_workers()
         version = registry.installed_version()
-        model = self.facts = self.facts or ModelFacts.read(self.spec.model_path)
+        model = self.facts = self.spec.model_facts()
         check_layer_ids(self.spec.layer_ids, model.num_hidden_layers)
         on_cpu = self._on_cpu()
         self._workarounds = resolve_workarounds(version, on_cpu, model.architectures, self.spec.dtype, log)
