@@ -1,7 +1,7 @@
 """The arguments vllm.LLM is started with for a capture, assembled from the capture's settings, the model's facts,
 the capture path's needs and the known engine bugs' workarounds (DESIGN.md §5); and the GPU memory plan that may
-lower gpu_memory_utilization (vllm/memory.py), applied by planned_kwargs. Plain functions of plain values: tested without vLLM
-(tests/test_vllm_choice.py)."""
+lower gpu_memory_utilization (vllm/memory.py), applied by planned_kwargs. Plain functions of plain values: tested
+without vLLM (tests/test_vllm_choice.py)."""
 
 from __future__ import annotations
 
