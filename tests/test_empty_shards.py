@@ -63,8 +63,6 @@ def test_an_empty_extract_shard_starts_no_engine_and_validates(backend, engine, 
 
 
 def test_the_empty_backend_refuses_rows(demo_model_dir):
-    from eagle3prep.model_facts import ModelFacts
-
     spec = capture_spec(
         backend="hf",
         model_path=str(demo_model_dir),
@@ -74,7 +72,7 @@ def test_the_empty_backend_refuses_rows(demo_model_dir):
         tp_size=1,
         max_seq_len=2048,
     )
-    backend = EmptyShardBackend(spec, ModelFacts.read(demo_model_dir), H, engine_version="4.0")
+    backend = EmptyShardBackend(spec, engine_version="4.0")
     with pytest.raises(RuntimeError, match="only writes shards without rows"):
         backend.capture_shard(iter([[[1, 2, 3]]]), None)
 

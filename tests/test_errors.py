@@ -1,5 +1,7 @@
 """One line per job for a user's error and for Ctrl-C (eagle3prep.errors.one_line_errors)."""
 
+import dataclasses
+
 import pytest
 
 from eagle3prep.errors import UserError, one_line_errors
@@ -103,7 +105,7 @@ def test_a_rerun_removes_what_the_earlier_built_in_path_staged_before_the_engine
     facts = ModelFacts(8, 16, 100, ["LlamaForCausalLM"], 1024, "llama")
     seen = []
 
-    def make_backend(spec, facts):
+    def make_backend(spec):
         seen.append(sorted(p.name for p in shard.iterdir()))
         raise RuntimeError("no engine here")
 
@@ -118,7 +120,8 @@ def test_a_rerun_removes_what_the_earlier_built_in_path_staged_before_the_engine
         max_seq_len=2048,
     )
     with pytest.raises(RuntimeError, match="no engine here"):
-        extract.extract_shard(str(tokens), str(shard), with_settings(spec, ExtractSettings.defaults()), 0, facts=facts)
+        spec = dataclasses.replace(with_settings(spec, ExtractSettings.defaults()), facts=facts)  # no config.json here
+        extract.extract_shard(str(tokens), str(shard), spec, 0)
     assert seen == [[]]
 
 

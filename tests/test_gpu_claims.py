@@ -29,7 +29,7 @@ from eagle3prep.backends.base import CaptureSpec
 from eagle3prep.settings import ExtractSettings
 
 class Recorder:
-    def __init__(self, spec, facts):
+    def __init__(self, spec):
         pass
     def __enter__(self):
         return self
@@ -140,7 +140,7 @@ def test_timings_record_the_claimed_gpus_and_when(shard, demo_model_dir, tmp_pat
     monkeypatch.setattr(
         extract,
         "make_backend",
-        lambda spec, facts: make_backend(with_settings(spec, device="cpu"), facts),
+        lambda spec: make_backend(with_settings(spec, device="cpu")),
     )
     spec = with_settings(demo_spec(demo_model_dir), ExtractSettings.defaults(batch_tokens=64), device="cuda")
     extract.extract_shard(str(tokens), str(tmp_path / "shard_0"), spec, shard=0)

@@ -635,7 +635,7 @@ def probe_with_fakes(monkeypatch, tmp_path, arch, start, options=None):
     )
     backend = VLLMBackend(with_settings(spec, ExtractSettings.defaults(capture_path="auto", **(options or {}))))
     monkeypatch.setattr(backend_mod.ModelFacts, "read", staticmethod(lambda path: model_facts(arch)))
-    monkeypatch.setattr(backend, "_on_cpu", lambda: True)
+    monkeypatch.setattr(backend_mod, "runs_on_cpu", lambda: True)
     monkeypatch.setattr(backend, "_smoke", lambda version, model: None)
     monkeypatch.setattr(backend, "_start", lambda name, version, on_cpu: start(backend, name))
     return backend, lines

@@ -10,7 +10,7 @@ from eagle3prep.model_facts import ModelFacts
 from eagle3prep.vllm import memory
 from eagle3prep.vllm.capture import choice
 from eagle3prep.vllm.capture.choice import PathFacts, choose
-from eagle3prep.vllm.capture.engine_args import engine_kwargs, memory_plan
+from eagle3prep.vllm.capture.engine_args import engine_kwargs, memory_plan, planned_kwargs
 
 from testkit.shards import capture_spec
 
@@ -75,8 +75,14 @@ def test_auto_capture_path_vllm(version, arch, layer_ids, on_cpu, expect):
 
 
 def test_auto_says_why_the_hooks_are_no_choice_vllm_0_34():
-    _, why = choose("0.34.0", facts(LLAMA), "auto")
+    paths, why = choose("0.34.0", facts(LLAMA), "auto")
     assert why.startswith("vLLM 0.34.0 has no GPUModelRunner."), why
+    assert choice.left_out_line(paths, why) == f"the hooks path is no choice here: {why}"
+
+
+def test_auto_says_why_the_built_in_path_is_no_fallback_vllm_0_32():
+    paths, why = choose("0.32.0", facts(LLAMA, (0, 4, 8)), "auto")
+    assert choice.left_out_line(paths, why).startswith("the built-in path is no fallback here: layer id 0")
 
 
 @pytest.mark.parametrize("version", ["0.27.0", "0.32.0", "0.33.0"])
@@ -204,3 +210,16 @@ def test_the_memory_plan_keeps_room_for_the_logits_check_only_when_it_runs():
     logits = memory.logprob_peak_bytes(128_256, memory.LOGPROB_WINDOW)
     assert checked.need_bytes - unchecked.need_bytes == logits
     assert checked.gpu_memory_utilization <= unchecked.gpu_memory_utilization <= 0.9
+
+
+def test_the_planned_arguments_take_the_plans_utilization_and_keep_the_assembled_ones():
+    settings = {"gpu_memory_utilization": 0.95, "logprob_rows": 2, "max_num_batched_tokens": 16_384}
+    kwargs = engine_kwargs(spec(**settings), model(), {}, {})
+    planned, note = planned_kwargs(spec(**settings), model(), kwargs, 20 * memory.GiB)
+    assert 0.3 <= planned["gpu_memory_utilization"] < 0.95 and "0.95 -> " in note
+    assert kwargs["gpu_memory_utilization"] == 0.95  # the assembled arguments are left as they were
+    assert {k: v for k, v in planned.items() if k != "gpu_memory_utilization"} == {
+        k: v for k, v in kwargs.items() if k != "gpu_memory_utilization"
+    }
+    unknown, note = planned_kwargs(spec(**settings), model(), kwargs, None)  # no nvidia-smi: the setting stands
+    assert unknown == kwargs and note == "extract.gpu_memory_utilization 0.95"

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import tempfile
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle3prep.config import schema_default
+
+from ..model_facts import ModelFacts
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -46,13 +48,23 @@ class EngineInfo:
 @dataclass(frozen=True, slots=True)
 class CaptureSpec:
     """One capture, the one object every backend receives: the typed `extract:` settings and what they are applied
-    to (the model, its layer ids, the longest row). The engine, dtype, device and TP size are the settings'."""
+    to (the model and its config.json facts, its layer ids, the longest row). The engine, dtype, device and TP size
+    are the settings'."""
 
     settings: ExtractSettings
     model_path: str
     layer_ids: list[int]  # our convention (layers.py), ascending; N = pre-norm final state
     max_seq_len: int
     trust_remote_code: bool = schema_default("model", "trust_remote_code")
+    facts: ModelFacts | None = None  # the model's, when the job has read them (model_facts() reads them otherwise)
+
+    def model_facts(self) -> ModelFacts:
+        """The model's config.json facts: those the spec carries, or read now."""
+        return self.facts or ModelFacts.read(self.model_path)
+
+    def with_facts(self) -> CaptureSpec:
+        """This spec carrying the model's facts, so that no backend reads config.json again."""
+        return self if self.facts is not None else replace(self, facts=ModelFacts.read(self.model_path))
 
     @property
     def backend(self) -> str:  # "hf" | "vllm"

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..model_facts import require_hidden_size
 from ..shard.sink import LayerSink, SinkPlan
 from .base import CaptureBackend, CaptureSpec, EngineInfo
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from ..model_facts import ModelFacts
     from ..shard.sink import SinkSpec
 
 CAPTURE_PATH = "none (no rows)"
@@ -23,19 +23,20 @@ CAPTURE_PATH = "none (no rows)"
 class EmptyShardBackend(CaptureBackend):
     name = "empty"
 
-    def __init__(self, spec: CaptureSpec, facts: ModelFacts, hidden_size: int, engine_version: str):
+    def __init__(self, spec: CaptureSpec, engine_version: str):
         super().__init__(spec)
-        self.facts, self.hidden_size, self.engine_version = facts, hidden_size, engine_version
+        self.engine_version = engine_version  # the engine the neighbouring shards name
 
     def probe(self) -> EngineInfo:
+        facts = self.spec.model_facts()
         return EngineInfo(
             engine="transformers" if self.spec.backend == "hf" else self.spec.backend,
-            engine_version=self.engine_version,  # the engine the neighbouring shards name
+            engine_version=self.engine_version,
             capture_path=CAPTURE_PATH,
             tp_size=self.spec.tp_size if self.spec.backend == "vllm" else 1,
             dtype=self.spec.dtype,
-            num_hidden_layers=self.facts.num_hidden_layers,
-            hidden_size=self.hidden_size,
+            num_hidden_layers=facts.num_hidden_layers,
+            hidden_size=require_hidden_size(facts, self.spec.model_path),
             final_layer_reachable=True,  # nothing was captured: no layer was out of reach
             details={"engine_started": False},
         )

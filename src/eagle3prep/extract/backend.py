@@ -9,14 +9,12 @@ from ..backends.empty import EmptyShardBackend
 
 if TYPE_CHECKING:
     from ..backends.base import CaptureBackend, CaptureSpec
-    from ..model_facts import ModelFacts
 
 BACKENDS = ("hf", "vllm")
 
 
-def make_backend(spec: CaptureSpec, facts: ModelFacts | None = None) -> CaptureBackend:
-    """The backend extract.backend names. `facts`: the model's, when the job has read them (the vllm probe needs
-    them)."""
+def make_backend(spec: CaptureSpec) -> CaptureBackend:
+    """The backend extract.backend names, for the one capture `spec` describes."""
     if spec.backend == "hf":
         from ..backends.hf import HFBackend
 
@@ -24,13 +22,13 @@ def make_backend(spec: CaptureSpec, facts: ModelFacts | None = None) -> CaptureB
     if spec.backend == "vllm":
         from ..vllm.capture.backend import VLLMBackend
 
-        return VLLMBackend(spec, facts)
+        return VLLMBackend(spec)
     raise ValueError(f"extract.backend = {spec.backend!r} is not one of {list(BACKENDS)}")
 
 
-def empty_backend(spec: CaptureSpec, facts: ModelFacts, hidden_size: int) -> EmptyShardBackend:
+def empty_backend(spec: CaptureSpec) -> EmptyShardBackend:
     """The backend of a shard without rows: no engine started, the installed one's version named."""
-    return EmptyShardBackend(spec, facts, hidden_size, engine_version(spec.backend))
+    return EmptyShardBackend(spec, engine_version(spec.backend))
 
 
 def engine_version(backend: str) -> str:

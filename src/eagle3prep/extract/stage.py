@@ -1,8 +1,9 @@
 """The extract stage: one tokenized shard in, one hidden-state shard folder out (DESIGN.md §4).
 
 run_extract_job is what the extract rule runs: it makes the job's one CaptureSpec (the typed ExtractSettings of
-settings.py, the model, its layer ids). extract_shard is the same with a CaptureSpec already made, and optionally an
-engine already running (benchmarks reuse one across shards); the model's config.json is read once per job.
+settings.py, the model and its config.json facts, its layer ids). extract_shard is the same with a CaptureSpec already
+made, and optionally an engine already running (benchmarks reuse one across shards); the model's config.json is read
+once per job, and the spec carries it to the backend.
 """
 
 from __future__ import annotations
@@ -106,8 +107,9 @@ def run_extract_job(
         layer_ids=layers.capture_ids(facts.num_hidden_layers),
         max_seq_len=max_seq_len,
         trust_remote_code=trust_remote_code,
+        facts=facts,
     )
-    return extract_shard(tokenized_shard, out_dir, spec, shard, threads, facts=facts)
+    return extract_shard(tokenized_shard, out_dir, spec, shard, threads)
 
 
 def extract_shard(
@@ -117,20 +119,19 @@ def extract_shard(
     shard: int,
     threads: int | None = None,
     engine: tuple[CaptureBackend, EngineInfo] | None = None,
-    facts: ModelFacts | None = None,
 ) -> ShardManifest:
     """Capture one shard: refuse early (layer ids, disk), claim GPUs, start the engine, stream the
     rows. `engine` = (backend, probe info) already running: left open, no GPUs claimed here. A shard
-    without rows starts no engine. `facts`: the model's, when the caller has read them already."""
+    without rows starts no engine."""
     import torch
 
     if threads:  # the job's Snakemake `threads`; also keeps CPU results independent of the host's core count
         torch.set_num_threads(threads)
-    facts = facts or ModelFacts.read(spec.model_path)
-    check_layer_ids(spec.layer_ids, facts.num_hidden_layers)
+    spec = spec.with_facts()  # config.json read once, here or by the caller
+    check_layer_ids(spec.layer_ids, spec.facts.num_hidden_layers)
     out = open_folder(out_dir)  # an earlier run's manifest and temp files removed
     try:
-        return _extract_into(out, tokenized_shard, spec, shard, facts, engine)
+        return _extract_into(out, tokenized_shard, spec, shard, engine)
     except KeyboardInterrupt:
         # Ctrl-C: a folder without a manifest is no shard, and an empty shard_k/ left behind read like one.
         # Any other failure keeps its files for study (Snakemake removes a failed job's output itself).
@@ -139,11 +140,11 @@ def extract_shard(
         raise
 
 
-def _extract_into(out, tokenized_shard, spec, shard, facts, engine) -> ShardManifest:
+def _extract_into(out, tokenized_shard, spec, shard, engine) -> ShardManifest:
     index = index_of_tokenized(tokenized_shard, spec.backend)
     tokens = sum(e.length for e in index)
     storage = check_storage(spec.settings.content.storage)
-    hidden = require_hidden_size(facts, spec.model_path)
+    hidden = require_hidden_size(spec.facts, spec.model_path)
     needed = shard_bytes(tokens, len(index), len(spec.layer_ids), hidden, spec.dtype, storage)
     check_free_space(out, needed)  # seconds, not an engine start-up
     version = code_version()  # the code this shard starts with, before hours of capture
@@ -152,13 +153,13 @@ def _extract_into(out, tokenized_shard, spec, shard, facts, engine) -> ShardMani
     claim_record = None
     with contextlib.ExitStack() as stack:
         if engine is None and not index:  # more shards than rows: files of shape [0, H], no engine, no GPU
-            backend = empty_backend(spec, facts, hidden)
+            backend = empty_backend(spec)
             info = backend.probe()
         elif engine is None:
             claim = stack.enter_context(claim_job_gpus(spec.gpus()))  # before the engine reads CUDA_VISIBLE_DEVICES
             claim_record = claim.record()
             shutil.rmtree(out / ".vllm-staging", ignore_errors=True)  # an older layout's, left by a killed run
-            backend = stack.enter_context(make_backend(spec, facts))
+            backend = stack.enter_context(make_backend(spec))
             info = backend.probe()
         else:
             backend, info = engine

@@ -16,7 +16,13 @@ from eagle3prep.settings import RegenerateSettings, Sampling
 from eagle3prep.tokenize.vision import EXPANDS
 from eagle3prep.vllm import registry
 from eagle3prep.vllm.engine.errors import ChildOutput, engine_died, engine_error
-from eagle3prep.vllm.engine.launch import prefer_forked_workers, resolve_workarounds, shutdown_engine, start_llm
+from eagle3prep.vllm.engine.launch import (
+    prefer_forked_workers,
+    resolve_workarounds,
+    runs_on_cpu,
+    shutdown_engine,
+    start_llm,
+)
 from eagle3prep.vllm.engine.workarounds import merge_engine_kwargs
 
 from ..infra.log import get_logger
@@ -89,7 +95,7 @@ class VLLMEngine:
         version = registry.installed_version()
         facts = ModelFacts.read(self.model_path)
         self.vision = facts.vision_model_type in EXPANDS
-        on_cpu = registry.load("current_platform").is_cpu()
+        on_cpu = runs_on_cpu()
         fixes = resolve_workarounds(version, on_cpu, facts.architectures, self.settings.content.dtype, log)
         kwargs = self.engine_kwargs(fixes.engine_kwargs)
         log(f"starting vLLM {version}: {kwargs}")

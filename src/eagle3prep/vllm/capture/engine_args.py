@@ -1,7 +1,7 @@
 """The arguments vllm.LLM is started with for a capture, assembled from the capture's settings, the model's facts,
 the capture path's needs and the known engine bugs' workarounds (DESIGN.md §5); and the GPU memory plan that may
-lower gpu_memory_utilization (vllm/memory.py). Plain functions of plain values: tested without vLLM
-(tests/test_vllm_choice.py)."""
+lower gpu_memory_utilization (vllm/memory.py), applied by planned_kwargs. Plain functions of plain values: tested
+without vLLM (tests/test_vllm_choice.py)."""
 
 from __future__ import annotations
 
@@ -67,3 +67,12 @@ def memory_plan(
     if spec.settings.content.logprob_rows:
         need += memory.logprob_peak_bytes(facts.vocab_size or 0, min(memory.LOGPROB_WINDOW, step))
     return memory.plan(float(kwargs["gpu_memory_utilization"]), total_bytes, need)
+
+
+def planned_kwargs(
+    spec: CaptureSpec, facts: ModelFacts, kwargs: Mapping[str, Any], total_bytes: int | None
+) -> tuple[dict[str, Any], str]:
+    """`kwargs` with gpu_memory_utilization as memory_plan sets it on a card of `total_bytes`, and the plan's one
+    line (for the job's log and the manifest)."""
+    plan = memory_plan(spec, facts, kwargs, total_bytes)
+    return {**kwargs, "gpu_memory_utilization": plan.gpu_memory_utilization}, plan.note

