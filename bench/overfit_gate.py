@@ -75,7 +75,7 @@ def run_case(case: str, tokenized: Path, model: Path, out: Path, dtype: str) -> 
     from eagle3prep.errors import UserError
     from eagle3prep.layers import default_layer_ids
     from eagle3prep.model_facts import ModelFacts
-    from eagle3prep.overfit_gate.stage import run_overfit_gate_job
+    from eagle3prep.overfit_gate.stage import OverfitGateJobSettings, OverfitGatePaths, run_overfit_gate_job
     from eagle3prep.settings import ExtractSettings, LayersSettings, RegenerateSettings
 
     n = ModelFacts.read(str(model)).num_hidden_layers
@@ -89,9 +89,9 @@ def run_case(case: str, tokenized: Path, model: Path, out: Path, dtype: str) -> 
     t0 = time.time()
     try:
         run_overfit_gate_job(
-            str(tokenized), str(out / "gate.json"), str(out), model_path=str(model), layers=layers,
-            extract=extract, regenerate=regenerate, chat_template_kwargs={}, trust_remote_code=False, threads=2,
-            plant=planter(case, model, ids),
+            OverfitGatePaths(str(tokenized), str(out / "gate.json"), str(out), str(model)),
+            OverfitGateJobSettings(layers, extract, regenerate, {}, trust_remote_code=False, threads=2,
+                                   plant=planter(case, model, ids)),
         )  # fmt: skip
     except UserError as e:
         print(f"[bench] {case}: {e}", file=sys.stderr)

@@ -10,19 +10,11 @@ if __name__ == "__main__":
     os.dup2(sys.stderr.fileno(), 1)  # and vLLM's logger writes to stdout: its lines belong to this job
 
     from eagle3prep.errors import one_line_errors
-    from eagle3prep.extract import run_extract_job
-    from eagle3prep.settings import ExtractSettings, LayersSettings
+    from eagle3prep.extract import ExtractJobSettings, ExtractPaths, run_extract_job
 
     with one_line_errors():
-        run_extract_job(
-            snakemake.params.tokens,
-            snakemake.output[0],
-            model_path=snakemake.input.model,
-            # from the config as it is now: params.extract is only the rerun trigger (settings.py says why)
-            settings=ExtractSettings.from_config(snakemake.config),
-            layers=LayersSettings.of(snakemake.params.layers),
-            max_seq_len=snakemake.params.max_seq_len,
-            trust_remote_code=snakemake.params.trust_remote_code,
-            shard=int(snakemake.wildcards.k),
-            threads=snakemake.threads,
+        paths = ExtractPaths(
+            snakemake.params.tokens, snakemake.output[0], snakemake.input.model, shard=int(snakemake.wildcards.k)
         )
+        # from the config as it is now: params.extract and params.layers are only the rerun trigger
+        run_extract_job(paths, ExtractJobSettings.from_config(snakemake.config, threads=snakemake.threads))

@@ -9,19 +9,10 @@ if __name__ == "__main__":
     os.dup2(sys.stderr.fileno(), 1)  # and vLLM's logger writes to stdout: its lines belong to this job
 
     from eagle3prep.errors import one_line_errors
-    from eagle3prep.overfit_gate.stage import run_overfit_gate_job
-    from eagle3prep.settings import ExtractSettings, LayersSettings, RegenerateSettings, TokenizeSettings
+    from eagle3prep.overfit_gate.stage import OverfitGateJobSettings, OverfitGatePaths, run_overfit_gate_job
 
     with one_line_errors():
-        run_overfit_gate_job(
-            snakemake.params.tokens,
-            snakemake.output[0],
-            snakemake.params.work,
-            model_path=snakemake.input.model,
-            layers=LayersSettings.of(snakemake.params.layers),
-            extract=ExtractSettings.from_config(snakemake.config),
-            regenerate=RegenerateSettings.from_config(snakemake.config),
-            chat_template_kwargs=TokenizeSettings.from_config(snakemake.config).chat_template_kwargs,
-            trust_remote_code=snakemake.params.trust_remote_code,
-            threads=snakemake.threads,
+        paths = OverfitGatePaths(
+            snakemake.params.tokens, snakemake.output[0], snakemake.params.work, snakemake.input.model
         )
+        run_overfit_gate_job(paths, OverfitGateJobSettings.from_config(snakemake.config, threads=snakemake.threads))

@@ -6,15 +6,10 @@ sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: SIM115 (the log s
 os.dup2(sys.stderr.fileno(), 2)
 
 from eagle3prep.errors import one_line_errors
-from eagle3prep.prepare import run_prepare_job
-from eagle3prep.settings import DataSettings
+from eagle3prep.prepare import PrepareJobSettings, PreparePaths, run_prepare_job
 
 with one_line_errors():
-    run_prepare_job(
-        snakemake.output.conversations,
-        snakemake.output.quarantine,
-        snakemake.output.counts,
-        settings=DataSettings.from_config(snakemake.config),
-        log_path=snakemake.log[0],
-        allow_prompt_only=bool(snakemake.params.allow_prompt_only),
-    )
+    out = snakemake.output
+    paths = PreparePaths(out.conversations, out.quarantine, out.counts, log_path=snakemake.log[0])
+    prompt_only = bool(snakemake.params.allow_prompt_only)
+    run_prepare_job(paths, PrepareJobSettings.from_config(snakemake.config, allow_prompt_only=prompt_only))

@@ -9,20 +9,10 @@ if __name__ == "__main__":
     os.dup2(sys.stderr.fileno(), 1)  # and vLLM's logger writes to stdout: its lines belong to this job
 
     from eagle3prep.errors import one_line_errors
-    from eagle3prep.regenerate import run_regenerate_job
-    from eagle3prep.settings import RegenerateSettings, TokenizeSettings
+    from eagle3prep.regenerate import RegenerateJobSettings, RegeneratePaths, run_regenerate_job
 
     with one_line_errors():
-        # Settings from the config as it is now (the params only trigger reruns, RegenerateSettings.params),
-        # so a speed knob changed after a crash applies to the shards still to make.
-        run_regenerate_job(
-            snakemake.params.prompts,
-            snakemake.output[0],
-            model_path=snakemake.input.model,
-            settings=RegenerateSettings.from_config(snakemake.config),
-            chat_template_kwargs=TokenizeSettings.from_config(snakemake.config).chat_template_kwargs,
-            trust_remote_code=snakemake.params.trust_remote_code,
-            shard=int(snakemake.wildcards.k),
-            max_seq_len=snakemake.params.max_seq_len,
-            threads=snakemake.threads,
+        paths = RegeneratePaths(
+            snakemake.params.prompts, snakemake.output[0], snakemake.input.model, shard=int(snakemake.wildcards.k)
         )
+        run_regenerate_job(paths, RegenerateJobSettings.from_config(snakemake.config, threads=snakemake.threads))

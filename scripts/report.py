@@ -5,11 +5,11 @@ sys.stderr = open(snakemake.log[0], "w", buffering=1)
 os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM workers, tokenizers) log there too
 
 from eagle3prep.errors import one_line_errors
-from eagle3prep.report import run_report_job
+from eagle3prep.report import ReportJobSettings, ReportPaths, run_report_job
 from eagle3prep.run.stale import FAILED
 
 with one_line_errors():
-    run_report_job(
+    paths = ReportPaths(
         validations=list(snakemake.input.validations),
         shard_dirs=list(snakemake.input.shards),
         tokenized=list(snakemake.params.tokens),
@@ -27,3 +27,4 @@ with one_line_errors():
         # Not an input: a set-aside copy is listed, but moving one out of the way re-queues nothing.
         failed_dir=FAILED,
     )
+    run_report_job(paths, ReportJobSettings.from_config(snakemake.config))

@@ -5,17 +5,9 @@ sys.stderr = open(snakemake.log[0], "w", buffering=1)
 os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM workers, tokenizers) log there too
 
 from eagle3prep.errors import one_line_errors
-from eagle3prep.settings import HealSettings, ValidateSettings
-from eagle3prep.validate import run_validate_job
+from eagle3prep.validate import ValidateJobSettings, ValidatePaths, run_validate_job
 
 with one_line_errors(oom_fix="set validate.device: cpu, or lower validate.sample_rows"):
-    run_validate_job(
-        snakemake.input.shard,
-        snakemake.params.tokens,
-        snakemake.output[0],
-        model_path=snakemake.input.model,
-        # the config as validated, equal to params.validate (the rerun trigger) in the same run
-        settings=ValidateSettings.from_config(snakemake.config),
-        trust_remote_code=snakemake.params.trust_remote_code,
-        keep_failed=HealSettings.from_config(snakemake.config).keep_failed,
-    )
+    paths = ValidatePaths(snakemake.input.shard, snakemake.params.tokens, snakemake.output[0], snakemake.input.model)
+    # the config as validated, equal to params.validate (the rerun trigger) in the same run
+    run_validate_job(paths, ValidateJobSettings.from_config(snakemake.config))

@@ -13,7 +13,13 @@ from safetensors.torch import load_file
 import eagle3prep.regenerate.engine as engine_module
 from eagle3prep.backends.empty import CAPTURE_PATH, EmptyShardBackend
 from eagle3prep.extract import stage as extract
-from eagle3prep.regenerate import merge_shards, run_regenerate_job, split_conversations
+from eagle3prep.regenerate import (
+    RegenerateJobSettings,
+    RegeneratePaths,
+    merge_shards,
+    run_regenerate_job,
+    split_conversations,
+)
 from eagle3prep.regenerate import stage as regen_stage
 from eagle3prep.settings import ExtractSettings, RegenerateSettings
 
@@ -87,9 +93,9 @@ def test_an_empty_regenerate_shard_starts_no_engine_and_merges(tmp_path, demo_mo
     assert shards[1].read_text() == ""  # one conversation for two shards
 
     manifest = run_regenerate_job(
-        str(shards[1]), str(tmp_path / "shard_1"), model_path=str(demo_model_dir),
-        settings=RegenerateSettings.defaults(tp_size=2), chat_template_kwargs={}, trust_remote_code=False, shard=1,
-        max_seq_len=1024,  # run_shard's max_model_len
+        RegeneratePaths(str(shards[1]), str(tmp_path / "shard_1"), str(demo_model_dir), shard=1),
+        RegenerateJobSettings(RegenerateSettings.defaults(tp_size=2), {}, trust_remote_code=False,
+                              max_seq_len=1024, threads=None),  # run_shard's max_model_len
     )  # fmt: skip
     assert manifest["engine"] == {"engine": "vllm", "engine_started": False, "engine_version": "not installed"}
     assert manifest["counts"]["rows_in"] == manifest["counts"]["kept"] == 0

@@ -17,7 +17,7 @@ from eagle3prep.errors import UserError
 from eagle3prep.extract import extract_shard
 from eagle3prep.settings import ExtractSettings, ValidateSettings
 from eagle3prep.tokenize.row_inputs import RowImages
-from eagle3prep.validate import ValidationError, run_validate_job
+from eagle3prep.validate import ValidateJobSettings, ValidatePaths, ValidationError, run_validate_job
 
 from testkit.image_rows import chat, tokenize_records
 from testkit.planted import IMAGE_MISTAKES, plant_image
@@ -70,11 +70,8 @@ def captured(request, tmp_path_factory):
 
 
 def validate(c, shard_dir: Path, **kw):
-    settings = ValidateSettings.defaults(**kw)
-    return run_validate_job(
-        str(shard_dir), str(c.shard), str(c.root / "v.json"), model_path=c.model, settings=settings,
-        trust_remote_code=False, keep_failed=False,
-    )  # fmt: skip
+    settings = ValidateJobSettings(ValidateSettings.defaults(**kw), trust_remote_code=False, keep_failed=False)
+    return run_validate_job(ValidatePaths(str(shard_dir), str(c.shard), str(c.root / "v.json"), c.model), settings)
 
 
 def test_hf_captures_image_rows_and_validation_passes_right_data(captured):

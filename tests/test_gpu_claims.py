@@ -79,9 +79,9 @@ class Recorder:
         raise SystemExit(0)
 
 engine.VLLMEngine = Recorder  # run_regenerate_job imports it from there when it runs
-stage.run_regenerate_job(sys.argv[1], sys.argv[2] + ".shard", model_path=sys.argv[4],
-                         settings=RegenerateSettings.defaults(tp_size=1), chat_template_kwargs={},
-                         trust_remote_code=False, shard=0, max_seq_len=256)
+stage.run_regenerate_job(stage.RegeneratePaths(sys.argv[1], sys.argv[2] + ".shard", sys.argv[4], shard=0),
+                         stage.RegenerateJobSettings(RegenerateSettings.defaults(tp_size=1), {},
+                                                     trust_remote_code=False, max_seq_len=256, threads=None))
 """
 JOBS = {"validate": VALIDATE_JOB, "regenerate": REGENERATE_JOB}
 

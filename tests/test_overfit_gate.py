@@ -139,19 +139,19 @@ def test_gate_without_vllm_is_skipped_with_one_line(demo_model_dir, tmp_path):
     """A target vLLM cannot serve with an EAGLE-3 draft, or no vLLM at all: skipped, not failed, before
     any engine or training."""
     from eagle3prep.overfit_gate import serve
-    from eagle3prep.overfit_gate.stage import run_overfit_gate_job
+    from eagle3prep.overfit_gate.stage import OverfitGateJobSettings, OverfitGatePaths, run_overfit_gate_job
 
     out = tmp_path / "overfit_gate.json"
-    kwargs = dict(model_path=str(demo_model_dir), layers=LayersSettings.defaults(),
-                  extract=ExtractSettings.defaults(),
-                  regenerate=RegenerateSettings.defaults(), chat_template_kwargs={}, trust_remote_code=False)  # fmt: skip
+    paths = OverfitGatePaths("unused.jsonl", str(out), str(tmp_path / "work"), str(demo_model_dir))
+    settings = OverfitGateJobSettings(LayersSettings.defaults(), ExtractSettings.defaults(),
+                                      RegenerateSettings.defaults(), {}, trust_remote_code=False, threads=None)  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(serve, "eagle3_blocker", lambda *a: "vLLM 0.32.0 cannot serve X with an EAGLE-3 draft (...)")
-        record = run_overfit_gate_job("unused.jsonl", str(out), str(tmp_path / "work"), **kwargs)
+        record = run_overfit_gate_job(paths, settings)
     assert record["verdict"] == "skipped: vLLM 0.32.0 cannot serve X with an EAGLE-3 draft (...)"
     assert json.loads(out.read_text())["ok"] is True and record["layer_ids"] == [2, 4, 5, 8]
     if importlib_find("vllm") is None:  # the base environment: no vLLM to serve with
-        record = run_overfit_gate_job("unused.jsonl", str(out), str(tmp_path / "work"), **kwargs)
+        record = run_overfit_gate_job(paths, settings)
         assert record["verdict"].startswith("skipped: vLLM is not installed here")
 
 

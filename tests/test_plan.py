@@ -244,7 +244,7 @@ def test_plan_reads_results_tokenized_only_when_it_is_this_configs(tmp_path, mon
 def test_run_plan_job_tokenizes_another_config_in_its_scratch_folder_and_writes_nothing_under_results(
     tmp_path, monkeypatch, demo_model_dir
 ):
-    from eagle3prep.plan.stage import run_plan_job
+    from eagle3prep.plan.stage import PlanJobSettings, PlanPaths, run_plan_job
 
     monkeypatch.chdir(tmp_path)
     source = str(DEMO / "sharegpt.jsonl")
@@ -259,13 +259,14 @@ def test_run_plan_job_tokenizes_another_config_in_its_scratch_folder_and_writes_
     (tmp_path / "results/hidden_states/shard_0/manifest.json").write_text(json.dumps(made))
     before = sorted(p for p in (tmp_path / "results").rglob("*"))
     scratch = ".eagle3prep/plan"
-    args = dict(model_path=str(demo_model_dir), settings=settings, gpus_per_job=1)
-    text = run_plan_job(f"{scratch}/tokenized-a", "results/hidden_states", f"{scratch}/p.json", f"{scratch}/p.txt",
-                        prepared=f"{scratch}/prepared-a", **args)  # fmt: skip
+    job, model = PlanJobSettings(settings, gpus_per_job=1), str(demo_model_dir)
+    paths = PlanPaths(f"{scratch}/tokenized-a", "results/hidden_states", f"{scratch}/p.json", f"{scratch}/p.txt",
+                      model, prepared=f"{scratch}/prepared-a")  # fmt: skip
+    text = run_plan_job(paths, job)
     assert sorted(p for p in (tmp_path / "results").rglob("*")) == before
     stats = json.loads((tmp_path / scratch / "tokenized-a/stats.json").read_text())
     assert [s["shard"] for s in stats["shards"]] == [0, 1] and (tmp_path / scratch / "prepared-a/counts.json").exists()
     assert "to redo: made from other tokenized shards" in text and text.count("to do") == 1
     assert not list((tmp_path / scratch).glob("*.tmp"))
     with pytest.raises(ValueError, match="writes nothing under results/"):
-        run_plan_job("results/tokenized", "results/hidden_states", "p.json", "p.txt", prepared="x", **args)
+        run_plan_job(PlanPaths("results/tokenized", "results/hidden_states", "p.json", "p.txt", model, "x"), job)

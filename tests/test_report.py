@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from eagle3prep.report import ReportJobSettings, ReportPaths, run_report_job
 from eagle3prep.report import data as rd
-from eagle3prep.report import run_report_job
 from eagle3prep.settings import ExtractSettings
 
 from testkit.shards import with_settings
@@ -80,7 +80,7 @@ def test_sampled_outlier_share_reads_the_layer_file(tmp_path):
 
 
 def _report_inputs(wd, out, reports: list[dict]) -> dict:
-    """run_report_job's arguments on a finished demo run, with the validation files replaced by `reports`."""
+    """run_report_job's paths on a finished demo run, with the validation files replaced by `reports`."""
     n = len(reports)
     for k, v in enumerate(reports):
         (out / f"v{k}.json").write_text(json.dumps(v))
@@ -113,13 +113,13 @@ def test_page_flags_a_skipped_reference_and_a_near_miss(small_demo_run, tmp_path
         v["checks"] = [c for c in v["checks"] if not c["check"].startswith("reference")]
         for key in ("reference", "reference_layers", "reference_sample", "reference_floor"):
             v.pop(key, None)
-    run_report_job(**_report_inputs(wd, tmp_path, off))
+    run_report_job(ReportPaths(**_report_inputs(wd, tmp_path, off)), ReportJobSettings())
     page = (tmp_path / "report.html").read_text()
     assert "Reference check SKIPPED on every shard" in page and "<td class='skipped'" in page
 
     near = copy.deepcopy(reports)
     near[1]["reference_layers"]["5"]["worst_margin"] = 0.93
-    dataset = run_report_job(**_report_inputs(wd, tmp_path, near))
+    dataset = run_report_job(ReportPaths(**_report_inputs(wd, tmp_path, near)), ReportJobSettings())
     page = (tmp_path / "report.html").read_text()
     assert "Near the reference bound" in page and "layer 5: 0.93" in page
     assert dataset["sources"] == ["resources/demo/sharegpt.jsonl", "resources/demo/openai.parquet"]

@@ -4,15 +4,15 @@ share and each stage's image quarantine reasons; a run without images gets nothi
 from __future__ import annotations
 
 from eagle3prep.prepare.errors import IMAGE_REASONS
+from eagle3prep.report import ReportJobSettings, ReportPaths, page, run_report_job
 from eagle3prep.report import data as rd
-from eagle3prep.report import page, run_report_job
 from eagle3prep.tokenize.vision import UNSUPPORTED
 
 from testkit.image_run import report_inputs
 
 
 def test_the_report_of_a_run_with_images_shows_them(image_run, tiny_vl_dir, tmp_path):
-    dataset = run_report_job(**report_inputs(image_run, tmp_path, tiny_vl_dir))
+    dataset = run_report_job(ReportPaths(**report_inputs(image_run, tmp_path, tiny_vl_dir)), ReportJobSettings())
     html = (tmp_path / "report.html").read_text()
     section = html.split("<h2>Images</h2>")[1].split("<h2>")[0]
     # tests/testkit/image_run.py: 8 rows, 5 with 6 images (one with two), 36 of 398 tokens are vision tokens

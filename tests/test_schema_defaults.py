@@ -18,10 +18,7 @@ FIXTURES = PACKAGE / "testing"
 # Named like a schema key, meaning something else: "file:function_or_class:name" -> what it is.
 NOT_CONFIG = {
     "demo.py:build_model:seed": "the demo model's weights' seed",
-    "extract/stage.py:run_extract_job:threads": "the job's Snakemake threads; None leaves torch's own",
     "extract/stage.py:extract_shard:threads": "the job's Snakemake threads; None leaves torch's own",
-    "overfit_gate/stage.py:run_overfit_gate_job:threads": "the job's Snakemake threads; None leaves torch's own",
-    "regenerate/stage.py:run_regenerate_job:threads": "the job's Snakemake threads; None leaves torch's own",
     "layers.py:check_layer_ids:convention": "the ids' convention, by default the package's own (layers.CONVENTION)",
     "shard/shardset.py:speculators_layer_error:convention": "the ids' convention, by default the package's own",
     "demo.py:build_demo_model:seed": "the demo model's weights' seed",
@@ -40,7 +37,7 @@ NOT_CONFIG = {
     "regenerate/review.py:sample_pairs:seed": "the review's sample seed",
     "regenerate/review.py:review:seed": "the review's sample seed",
     "regenerate/runner.py:_Conv:seed": "one conversation's seed, set from conversation_seed",
-    "report/__init__.py:run_report_job:overfit_gate": "the gate's report file, None without one",
+    "report/__init__.py:ReportPaths:overfit_gate": "the gate's report file, None without one",
     "report/data.py:funnel:max_seq_len": "a stats.json value shown as '?' when absent",
     "report/page.py:provenance_table:tp_size": "a manifest's engine record, older ones without it",
     "report/plots.py:distributions:max_seq_len": "the histogram's cap line, None to draw none",

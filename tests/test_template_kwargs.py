@@ -11,7 +11,14 @@ import pytest
 
 from eagle3prep.config import ConfigError, validate_config
 from eagle3prep.records import Conversation
-from eagle3prep.regenerate import PromptRenderer, ShardError, run_regenerate_job, split_conversations
+from eagle3prep.regenerate import (
+    PromptRenderer,
+    RegenerateJobSettings,
+    RegeneratePaths,
+    ShardError,
+    run_regenerate_job,
+    split_conversations,
+)
 from eagle3prep.regenerate.merge import _check_same_settings
 from eagle3prep.settings import RegenerateSettings, TokenizeSettings
 from eagle3prep.tokenize import ChatEncoder, TokenizeError, tokenize_conversations
@@ -289,9 +296,9 @@ def test_the_regenerate_job_takes_the_kwargs_from_its_params_to_the_engine_and_t
     prepared.write_text("".join(json.dumps(c) + "\n" for c in [regen_conv([U1, A1, U2], "a"), regen_conv([U2], "b")]))
     split_conversations(prepared, [tmp_path / "prompts" / "shard_0.jsonl"])
     manifest = run_regenerate_job(
-        str(tmp_path / "prompts" / "shard_0.jsonl"), str(tmp_path / "shard_0"), model_path=str(folder),
-        settings=RegenerateSettings.from_config(config), chat_template_kwargs=config["tokenize"]["chat_template_kwargs"],
-        trust_remote_code=False, shard=0, max_seq_len=256,
+        RegeneratePaths(str(tmp_path / "prompts" / "shard_0.jsonl"), str(tmp_path / "shard_0"), str(folder), shard=0),
+        RegenerateJobSettings(RegenerateSettings.from_config(config), config["tokenize"]["chat_template_kwargs"],
+                              trust_remote_code=False, max_seq_len=256, threads=None),
     )  # fmt: skip
     prompts = list(engines[0].prompts.values())
     assert len(prompts) == 3 and all(p.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") for p in prompts)

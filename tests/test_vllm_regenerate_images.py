@@ -30,7 +30,14 @@ def test_replies_to_image_prompts_are_regenerated_and_keep_their_images(tiny_vl_
     from eagle3prep.config import schema_default
     from eagle3prep.prepare import prepare
     from eagle3prep.prepare.images import ImageOptions
-    from eagle3prep.regenerate import RegenerateSettings, merge_shards, run_regenerate_job, split_conversations
+    from eagle3prep.regenerate import (
+        RegenerateJobSettings,
+        RegeneratePaths,
+        RegenerateSettings,
+        merge_shards,
+        run_regenerate_job,
+        split_conversations,
+    )
     from eagle3prep.tokenize import tokenize_conversations
 
     from testkit.tiny_vl import image_bytes
@@ -66,8 +73,8 @@ def test_replies_to_image_prompts_are_regenerated_and_keep_their_images(tiny_vl_
         dtype="float32", enforce_eager=True, max_model_len=256, on_empty="keep", sampling={"max_tokens": MAX_TOKENS}
     )
     manifest = run_regenerate_job(
-        str(tmp_path / "prompts" / "shard_0.jsonl"), str(tmp_path / "shard_0"), model_path=str(tiny_vl_dir),
-        settings=settings, chat_template_kwargs={}, trust_remote_code=False, shard=0, max_seq_len=256, threads=1,
+        RegeneratePaths(str(tmp_path / "prompts" / "shard_0.jsonl"), str(tmp_path / "shard_0"), str(tiny_vl_dir), 0),
+        RegenerateJobSettings(settings, {}, trust_remote_code=False, max_seq_len=256, threads=1),
     )  # fmt: skip
     assert manifest["engine"]["engine"] == "vllm" and manifest["engine"]["platform"] == "cpu"
     t = manifest["counts"]

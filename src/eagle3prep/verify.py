@@ -16,11 +16,11 @@ import argparse
 import json
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from .infra.atomic import sha256_file, write_json
 from .infra.disk import human_bytes
@@ -215,13 +215,34 @@ def report(verdict: Verdict, results: str | Path, out=sys.stderr) -> None:
     print(verdict.summary(Path(results)), file=out)
 
 
-def run_verify_job(results: str | Path, log_path: str | Path, *, threads: int) -> Verdict:
+@dataclass(frozen=True, slots=True)
+class VerifyPaths:
+    """The verify job's files: the results folder it checks (and records its verdict in), and its log."""
+
+    results: str | Path
+    log_path: str | Path
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyJobSettings:
+    """What the verify job reads: no config key (it checks files against their manifests), only `threads`, the
+    job's Snakemake threads, its files hashed at once."""
+
+    threads: int
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], *, threads: int) -> Self:
+        return cls(threads)
+
+
+def run_verify_job(paths: VerifyPaths, settings: VerifyJobSettings) -> Verdict:
     """The verify rule's job: every damaged file and the summary to stderr (the terminal, what the user ran it for),
     the summary to `log_path` too, and the verdict recorded for the next run to redo what it found damaged."""
-    verdict = verify(results, threads=threads)
+    results = paths.results
+    verdict = verify(results, threads=settings.threads)
     verdict.write_record(results)
     report(verdict, results, sys.stderr)
-    Path(log_path).write_text(verdict.summary(results) + "\n", encoding="utf-8")
+    Path(paths.log_path).write_text(verdict.summary(results) + "\n", encoding="utf-8")
     return verdict
 
 

@@ -61,7 +61,7 @@ def build_image_run(wd: Path, model: Path) -> Path:
 
 
 def report_inputs(wd: Path, out: Path, model: Path) -> dict:
-    """run_report_job's arguments on the run (no benchmark files: the throughput cells stay empty)."""
+    """run_report_job's paths on the run (no benchmark files: the throughput cells stay empty)."""
     k = range(NUM_SHARDS)
     res = wd / "results"
     return dict(

@@ -37,9 +37,10 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from ..errors import UserError
 from ..infra.atomic import TMP_PREFIX, atomic_open, fsync_dir, sha256_file
@@ -222,12 +223,35 @@ def _copy_hidden_states(out: Path, shards: ShardSet, files: dict[str, dict[str, 
     return tokens
 
 
-def run_export_job(
-    shard_dirs: list[str], validations: list[str], tokenized: list[str], token_freq_json: str, out_dir: str, *,
-    settings: ExportSettings,
-) -> dict[str, Any]:  # fmt: skip
-    """The export stage's job: the validated shards written to `out_dir` as `settings` (config `export:`) say."""
-    return export_speculators(shard_dirs, validations, tokenized, token_freq_json, out_dir, settings.hidden_states)
+@dataclass(frozen=True, slots=True)
+class ExportPaths:
+    """The export job's files: every shard, its validation and tokenized rows (in row order), the folder out."""
+
+    shard_dirs: Sequence[str]
+    validations: Sequence[str]
+    tokenized: Sequence[str]
+    token_freq_json: str  # results/tokenized/token_freq.json
+    out_dir: str  # results/export/speculators
+
+
+@dataclass(frozen=True, slots=True)
+class ExportJobSettings:
+    """What the export job reads: `export:` (params.hidden_states, the rerun trigger, holds the same value)."""
+
+    export: ExportSettings
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Self:
+        from ..settings import ExportSettings
+
+        return cls(ExportSettings.from_config(config))
+
+
+def run_export_job(paths: ExportPaths, settings: ExportJobSettings) -> dict[str, Any]:
+    """The export stage's job: the validated shards written to `out_dir` as `settings` say."""
+    p = paths
+    return export_speculators(list(p.shard_dirs), list(p.validations), list(p.tokenized), p.token_freq_json,
+                              p.out_dir, settings.export.hidden_states)  # fmt: skip
 
 
 def export_speculators(

@@ -4,6 +4,22 @@ backend.py picks the capture backend a shard gets (backends/, vllm/capture/); th
 stage.py is the job around them.
 """
 
-from eagle3prep.extract.stage import extract_shard, free_space_probe, iter_batches, run_extract_job, shard_bytes
+from eagle3prep.extract.stage import (
+    ExtractJobSettings,
+    ExtractPaths,
+    extract_shard,
+    free_space_probe,
+    iter_batches,
+    run_extract_job,
+    shard_bytes,
+)
 
-__all__ = ["extract_shard", "free_space_probe", "iter_batches", "run_extract_job", "shard_bytes"]
+__all__ = [
+    "ExtractJobSettings",
+    "ExtractPaths",
+    "extract_shard",
+    "free_space_probe",
+    "iter_batches",
+    "run_extract_job",
+    "shard_bytes",
+]

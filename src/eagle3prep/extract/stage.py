@@ -1,9 +1,9 @@
 """The extract stage: one tokenized shard in, one hidden-state shard folder out (DESIGN.md §4).
 
-run_extract_job is what the extract rule runs: it makes the job's one CaptureSpec (the typed ExtractSettings of
-settings.py, the model and its config.json facts, its layer ids). extract_shard is the same with a CaptureSpec already
-made, and optionally an engine already running (benchmarks reuse one across shards); the model's config.json is read
-once per job, and the spec carries it to the backend.
+run_extract_job(paths, settings) is what the extract rule runs: it makes the job's one CaptureSpec (the typed
+ExtractSettings of settings.py, the model and its config.json facts, its layer ids). extract_shard is the same with a
+CaptureSpec already made, and optionally an engine already running (benchmarks reuse one across shards); the model's
+config.json is read once per job, and the spec carries it to the backend.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from ..backends.base import CaptureBackend, CaptureSpec, EngineInfo
 from ..infra import faults
@@ -87,29 +88,47 @@ def check_free_space(out_dir: Path, needed: int) -> None:
         )
 
 
-def run_extract_job(
-    tokenized_shard: str,
-    out_dir: str,
-    *,
-    model_path: str,
-    settings: ExtractSettings,
-    layers: LayersSettings,
-    max_seq_len: int,
-    trust_remote_code: bool,
-    shard: int,
-    threads: int | None = None,
-) -> ShardManifest:
+@dataclass(frozen=True, slots=True)
+class ExtractPaths:
+    """The extract job's files, what differs between its jobs: shard `shard`'s rows in, its folder out."""
+
+    tokenized_shard: str  # results/tokenized/shard_{k}.jsonl
+    out_dir: str  # results/hidden_states/shard_{k}
+    model_path: str
+    shard: int  # k
+
+
+@dataclass(frozen=True, slots=True)
+class ExtractJobSettings:
+    """What every extract job of a run reads: the config's `extract:` and `layers:` and what Snakemake grants."""
+
+    extract: ExtractSettings
+    layers: LayersSettings
+    max_seq_len: int  # tokenize.max_seq_len: the longest row a shard can hold
+    trust_remote_code: bool
+    threads: int | None  # the job's Snakemake threads; None leaves torch's own
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], *, threads: int | None) -> Self:
+        """From the config as it is now (its `extract:` params are only the rerun trigger, settings.py says why)."""
+        return cls(
+            ExtractSettings.from_config(config), LayersSettings.from_config(config),
+            config["tokenize"]["max_seq_len"], config["model"]["trust_remote_code"], threads,
+        )  # fmt: skip
+
+
+def run_extract_job(paths: ExtractPaths, settings: ExtractJobSettings) -> ShardManifest:
     """The extract rule's job: layer ids resolved against the model, then extract_shard."""
-    facts = ModelFacts.read(model_path)
+    facts = ModelFacts.read(paths.model_path)
     spec = CaptureSpec(
-        settings,
-        model_path=model_path,
-        layer_ids=layers.capture_ids(facts.num_hidden_layers),
-        max_seq_len=max_seq_len,
-        trust_remote_code=trust_remote_code,
+        settings.extract,
+        model_path=paths.model_path,
+        layer_ids=settings.layers.capture_ids(facts.num_hidden_layers),
+        max_seq_len=settings.max_seq_len,
+        trust_remote_code=settings.trust_remote_code,
         facts=facts,
     )
-    return extract_shard(tokenized_shard, out_dir, spec, shard, threads)
+    return extract_shard(paths.tokenized_shard, paths.out_dir, spec, paths.shard, settings.threads)
 
 
 def extract_shard(

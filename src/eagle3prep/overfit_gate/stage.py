@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from ..errors import UserError
 from ..infra.atomic import write_json
@@ -29,7 +29,7 @@ from ..infra.gpus import claim_job_gpus
 from ..infra.log import get_logger
 from ..infra.provenance import code_version
 from ..model_facts import ModelFacts
-from ..settings import ExtractSettings, LayersSettings, RegenerateSettings, ValidateSettings
+from ..settings import ExtractSettings, LayersSettings, RegenerateSettings, TokenizeSettings, ValidateSettings
 from . import acceptance, rows, serve, train
 
 FORMAT = "eagle3prep.overfit_gate/1"
@@ -93,27 +93,49 @@ def _prompts(tokenized_shard: str, facts: ModelFacts, s: GateSettings) -> tuple[
     return prompts, budget, max((len(p.ids) for p in prompts), default=0) + budget + s.k
 
 
-def run_overfit_gate_job(
-    tokenized_shard: str,
-    out_json: str,
-    work: str,
-    *,
-    model_path: str,
-    layers: LayersSettings,
-    extract: ExtractSettings,
-    regenerate: RegenerateSettings,
-    chat_template_kwargs: Mapping[str, Any],
-    trust_remote_code: bool,
-    threads: int | None = None,
-    settings: GateSettings | None = None,
-    plant: Callable[[Path], Path] | None = None,
-) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class OverfitGatePaths:
+    """The gate's files: shard 0's tokenized rows in, the verdict out, its work folder."""
+
+    tokenized_shard: str  # results/tokenized/shard_0.jsonl
+    out_json: str  # results/validation/overfit_gate.json
+    work: str  # results/overfit_gate/
+    model_path: str
+
+
+@dataclass(frozen=True, slots=True)
+class OverfitGateJobSettings:
+    """What the gate reads: the run's capture (`layers:`, `extract:`), the engines' (`regenerate:`), the template's
+    kwargs, and the gate's own size; `plant` (bench/overfit_gate.py) turns the captured shard into a wrong one
+    before training, None in the workflow."""
+
+    layers: LayersSettings
+    extract: ExtractSettings
+    regenerate: RegenerateSettings
+    chat_template_kwargs: Mapping[str, Any]  # tokenize.chat_template_kwargs
+    trust_remote_code: bool
+    threads: int | None  # the job's Snakemake threads; None leaves torch's own
+    size: GateSettings = GateSettings()
+    plant: Callable[[Path], Path] | None = None
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], *, threads: int | None) -> Self:
+        return cls(
+            LayersSettings.from_config(config), ExtractSettings.from_config(config),
+            RegenerateSettings.from_config(config), TokenizeSettings.from_config(config).chat_template_kwargs,
+            config["model"]["trust_remote_code"], threads,
+        )  # fmt: skip
+
+
+def run_overfit_gate_job(paths: OverfitGatePaths, settings: OverfitGateJobSettings) -> dict[str, Any]:
     """The gate; writes `out_json` on a pass or a skip and raises GateFailed on a fail (the record then
-    stays in `work`/overfit_gate.json). `plant` (bench/overfit_gate.py) turns the captured shard into a
-    wrong one before training."""
-    s = settings or GateSettings()
+    stays in `work`/overfit_gate.json)."""
+    tokenized_shard, out_json, model_path = paths.tokenized_shard, paths.out_json, paths.model_path
+    layers, extract, regenerate = settings.layers, settings.extract, settings.regenerate
+    trust_remote_code, chat_template_kwargs = settings.trust_remote_code, settings.chat_template_kwargs
+    s = settings.size
     t0 = time.time()
-    work_dir = Path(work)
+    work_dir = Path(paths.work)
     work_dir.mkdir(parents=True, exist_ok=True)
     facts = ModelFacts.read(model_path)
     ids = layers.capture_ids(facts.num_hidden_layers)
@@ -140,8 +162,7 @@ def run_overfit_gate_job(
         regen = serve.generate(model_path, regenerate, ask, budget, stop_ids, max_model_len, trust_remote_code)
         record["regenerate_engine"] = regen.engine
         gate_rows = rows.training_rows(prompts, regen.outputs, s.copies)
-        files = _capture(work_dir, gate_rows, record, model_path=model_path, layers=layers, extract=extract,
-                         trust_remote_code=trust_remote_code, threads=threads, plant=plant)  # fmt: skip
+        files = _capture(work_dir, gate_rows, record, model_path, settings)
         job = _train_job(model_path, files, work_dir, gate_rows, len(prompts), ids, facts, s)
         record["training"] = _train_draft(job, python, work_dir, s, len(prompts))
 
@@ -155,30 +176,30 @@ def run_overfit_gate_job(
         return _finish(record, work_dir, out_json)
 
 
-def _capture(work_dir: Path, gate_rows: list[dict[str, Any]], record: dict[str, Any], *, model_path: str,
-             layers: LayersSettings, extract: ExtractSettings, trust_remote_code: bool, threads: int | None,
-             plant: Callable[[Path], Path] | None) -> dict[str, Any]:  # fmt: skip
+def _capture(work_dir: Path, gate_rows: list[dict[str, Any]], record: dict[str, Any], model_path: str,
+             settings: OverfitGateJobSettings) -> dict[str, Any]:  # fmt: skip
     """Write the gate's rows, capture and validate their shard as the workflow would (planted, when asked):
     the files the trainer reads, as its job's entries."""
     tokenized, freq = work_dir / "rows/shard_0.jsonl", work_dir / "rows/token_freq.json"
     rows.write_rows(gate_rows, tokenized, freq)
 
-    from ..extract import run_extract_job
+    from ..extract import ExtractJobSettings, ExtractPaths, run_extract_job
     from ..validate import validate_shard
 
     shard = work_dir / "hidden_states/shard_0"
     longest = max(r["seq_len"] for r in gate_rows)
-    run_extract_job(str(tokenized), str(shard), model_path=model_path, settings=extract, layers=layers,
-                    max_seq_len=longest, trust_remote_code=trust_remote_code, shard=0, threads=threads)  # fmt: skip
-    if plant is not None:
-        shard = plant(shard)
+    capture = ExtractJobSettings(settings.extract, settings.layers, longest, settings.trust_remote_code,
+                                 settings.threads)  # fmt: skip
+    run_extract_job(ExtractPaths(str(tokenized), str(shard), model_path, shard=0), capture)
+    if settings.plant is not None:
+        shard = settings.plant(shard)
         record["planted"] = str(shard)
     validation = work_dir / "validation/shard_0.json"
     # the shard's own checks, without the reference forward (the gate's training is the end-to-end check); the
     # other validate.* values are the schema's, which do nothing without a reference
     v = ValidateSettings.defaults()
     validate_shard(str(shard), str(tokenized), str(validation), model_path, v.sample_rows, v.seed, v.device,
-                   False, trust_remote_code, v.windows)  # fmt: skip
+                   False, settings.trust_remote_code, v.windows)  # fmt: skip
     return {"shard": str(shard), "validation": str(validation), "tokenized": str(tokenized), "token_freq": str(freq)}
 
 

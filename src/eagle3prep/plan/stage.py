@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from ..config import ConfigError, reference_mode
 from ..config.model import model_layer_ids
@@ -27,25 +28,46 @@ from .estimate import make_plan, shard_sizes_from_stats, write_plan
 log = get_logger("plan")
 
 
-def run_plan_job(
-    tokenized: str | os.PathLike, hidden_states_dir: str | os.PathLike, json_path: str | os.PathLike,
-    txt_path: str | os.PathLike, *, model_path: str, settings: Settings, gpus_per_job: int,
-    prepared: str | os.PathLike | None = None,
-) -> str:  # fmt: skip
-    """The `plan` rule's job: the extract jobs planned from the whole config's `settings` (layers, extract's
-    dtype and storage, plan, validate, export); `gpus_per_job`: what one extract job holds (common.smk get_gpus).
-    `tokenized`: the folder whose stats.json is planned; `prepared`: given when the plan makes that folder itself
-    (a scratch folder, never under results/), from the conversations there (made too when they are missing)."""
-    s = settings
+@dataclass(frozen=True, slots=True)
+class PlanPaths:
+    """The plan job's files. `tokenized`: the folder whose stats.json is planned; `prepared`: given when the plan
+    makes that folder itself (a scratch folder, never under results/), from the conversations there (made too
+    when they are missing)."""
+
+    tokenized: str | os.PathLike
+    hidden_states_dir: str | os.PathLike
+    json_path: str | os.PathLike
+    txt_path: str | os.PathLike
+    model_path: str
+    prepared: str | os.PathLike | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PlanJobSettings:
+    """What the plan reads: the whole config (layers, extract's dtype and storage, plan, validate, export), and
+    `gpus_per_job`, what one extract job holds (common.smk get_gpus)."""
+
+    config: Settings
+    gpus_per_job: int
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], *, gpus_per_job: int) -> Self:
+        return cls(Settings.from_config(config), gpus_per_job)
+
+
+def run_plan_job(paths: PlanPaths, settings: PlanJobSettings) -> str:
+    """The `plan` rule's job: the extract jobs planned from the config, written to the plan's two files; its
+    text returned."""
+    s, model_path, tokenized = settings.config, paths.model_path, paths.tokenized
     redo = None
-    if prepared is not None:
-        make_scratch_tokenized(tokenized, prepared, model_path=model_path, settings=s)
+    if paths.prepared is not None:
+        make_scratch_tokenized(tokenized, paths.prepared, model_path=model_path, settings=s)
         redo = "made from other tokenized shards (a data, model, tokenize or regenerate key differs)"
     return plan_run(
-        Path(tokenized, "stats.json"), hidden_states_dir, json_path, txt_path,
+        Path(tokenized, "stats.json"), paths.hidden_states_dir, paths.json_path, paths.txt_path,
         model_path=model_path, layers=s.layers, dtype=s.extract.content.dtype, storage=s.extract.content.storage,
         plan=s.plan, reference=s.validate.reference, windows=s.validate.windows, validate_device=s.validate.device,
-        sample_rows=s.validate.sample_rows, gpus_per_job=gpus_per_job,
+        sample_rows=s.validate.sample_rows, gpus_per_job=settings.gpus_per_job,
         export_copy=s.export.speculators and s.export.hidden_states == "copy", redo=redo,
     )  # fmt: skip
 
@@ -68,21 +90,25 @@ def make_scratch_tokenized(tokenized: str | os.PathLike, prepared: str | os.Path
             "the ones in results/; plan it in another folder, where that stage runs first: "
             "snakemake plan --directory OTHER_FOLDER"
         )
-    from ..prepare import run_prepare_job
-    from ..tokenize import run_tokenize_job
+    from ..prepare import PrepareJobSettings, PreparePaths, run_prepare_job
+    from ..tokenize import TokenizeJobSettings, TokenizePaths, run_tokenize_job
 
     if not (prepared / "counts.json").is_file():
         log.info(f"plan: preparing this config's conversations in {prepared} (results/ is left as it is)")
         tmp = _fresh(prepared.with_name(prepared.name + ".tmp"))
-        run_prepare_job(tmp / "conversations.jsonl", tmp / "quarantine.jsonl", tmp / "counts.json",
-                        settings=settings.data, log_path=tmp / "prepare.log")  # fmt: skip
+        run_prepare_job(
+            PreparePaths(
+                tmp / "conversations.jsonl", tmp / "quarantine.jsonl", tmp / "counts.json", tmp / "prepare.log"
+            ),
+            PrepareJobSettings(settings.data, allow_prompt_only=False),
+        )
         _replace(tmp, prepared)
     log.info(f"plan: tokenizing this config's conversations in {tokenized} (results/ is left as it is)")
     tmp = _fresh(tokenized.with_name(tokenized.name + ".tmp"))
     shards = [tmp / f"shard_{k}.jsonl" for k in range(settings.tokenize.num_shards)]
-    run_tokenize_job(prepared / "conversations.jsonl", prepared / "counts.json", prepared / "quarantine.jsonl",
-                     tmp, shards, model_path=model_path, settings=settings.tokenize,
-                     trust_remote_code=settings.model.trust_remote_code, workers=1)  # fmt: skip
+    paths = TokenizePaths(prepared / "conversations.jsonl", prepared / "counts.json", prepared / "quarantine.jsonl",
+                          tmp, shards, model_path)  # fmt: skip
+    run_tokenize_job(paths, TokenizeJobSettings(settings.tokenize, settings.model.trust_remote_code, workers=1))
     _replace(tmp, tokenized)
 
 

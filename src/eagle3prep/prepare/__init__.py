@@ -54,7 +54,7 @@ from eagle3prep.prepare.readers import (
     expand_sources,
     reader_for,
 )
-from eagle3prep.prepare.stage import prepare, quarantine_line, run_prepare_job
+from eagle3prep.prepare.stage import PrepareJobSettings, PreparePaths, prepare, quarantine_line, run_prepare_job
 
 __all__ = [
     "BATCH_ROWS",
@@ -74,6 +74,8 @@ __all__ = [
     "JsonlReader",
     "NoConversationsError",
     "ParquetReader",
+    "PrepareJobSettings",
+    "PreparePaths",
     "RawRecord",
     "Rejected",
     "check_invariant",

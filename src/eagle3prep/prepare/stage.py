@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, Self, TextIO
 
 from eagle3prep.infra import faults
 from eagle3prep.infra.atomic import atomic_open, write_json
@@ -31,23 +32,46 @@ if TYPE_CHECKING:
 log = get_logger("prepare")
 
 
-def run_prepare_job(
-    out_conversations: str | os.PathLike, out_quarantine: str | os.PathLike, out_counts: str | os.PathLike, *,
-    settings: DataSettings, log_path: str | os.PathLike, allow_prompt_only: bool = False,
-) -> dict[str, Any]:  # fmt: skip
-    """The prepare stage's job: settings.sources (config `data:`) read into the three outputs, a summary logged; a
-    file that lost more than data.max_quarantine_share of its rows fails the job, its quarantine kept beside
-    `log_path`. `allow_prompt_only` (the regenerate stage's prepare): records without an assistant turn are kept,
-    and images are quarantined as the stage cannot send them, with data.allow_no_user_turn off as before it."""
+@dataclass(frozen=True, slots=True)
+class PreparePaths:
+    """The prepare job's files (its sources are a setting, data.sources): the three outputs and the log, beside
+    which a failed job's quarantine is kept."""
+
+    out_conversations: str | os.PathLike
+    out_quarantine: str | os.PathLike
+    out_counts: str | os.PathLike
+    log_path: str | os.PathLike
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareJobSettings:
+    """What the prepare job reads: `data:`, and `allow_prompt_only` (the regenerate stage's prepare): records
+    without an assistant turn are kept, and images are quarantined as the stage cannot send them, with
+    data.allow_no_user_turn off as before it."""
+
+    data: DataSettings
+    allow_prompt_only: bool
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], *, allow_prompt_only: bool) -> Self:
+        from eagle3prep.settings import DataSettings
+
+        return cls(DataSettings.from_config(config), allow_prompt_only)
+
+
+def run_prepare_job(paths: PreparePaths, settings: PrepareJobSettings) -> dict[str, Any]:
+    """The prepare stage's job: data.sources read into the three outputs, a summary logged; a file that lost more
+    than data.max_quarantine_share of its rows fails the job, its quarantine kept beside `log_path`."""
+    data, prompt_only = settings.data, settings.allow_prompt_only
     counts = prepare(
-        list(settings.sources), out_conversations, out_quarantine, out_counts,
-        max_line_bytes=settings.max_line_bytes,
-        allow_no_user_turn=settings.allow_no_user_turn and not allow_prompt_only,
-        allow_prompt_only=allow_prompt_only,
-        images=None if allow_prompt_only else ImageOptions.of(settings),
+        list(data.sources), paths.out_conversations, paths.out_quarantine, paths.out_counts,
+        max_line_bytes=data.max_line_bytes,
+        allow_no_user_turn=data.allow_no_user_turn and not prompt_only,
+        allow_prompt_only=prompt_only,
+        images=None if prompt_only else ImageOptions.of(data),
     )  # fmt: skip
     log.info(summarize(counts))
-    check_losses(counts, settings.max_quarantine_share, out_quarantine, log_path)
+    check_losses(counts, data.max_quarantine_share, paths.out_quarantine, paths.log_path)
     return counts
 
 

@@ -23,7 +23,13 @@ from eagle3prep.regenerate.merge import ShardError, merge_shards
 from eagle3prep.regenerate.prompts import PromptRenderer
 from eagle3prep.regenerate.runner import Engine, Finished, RequestRejected, Runner
 from eagle3prep.regenerate.split import split_conversations
-from eagle3prep.regenerate.stage import RegenerateError, regenerate_shard, run_regenerate_job
+from eagle3prep.regenerate.stage import (
+    RegenerateError,
+    RegenerateJobSettings,
+    RegeneratePaths,
+    regenerate_shard,
+    run_regenerate_job,
+)
 from eagle3prep.regenerate.thinking import ThinkingPlan, prompt_prefill, reply_message, resolve, split_thinking
 from eagle3prep.regenerate.turns import Rejection, TurnPlan, assemble, plan_turns
 from eagle3prep.settings import RegenerateSettings, Sampling, conversation_seed
@@ -35,6 +41,8 @@ __all__ = [
     "Finished",
     "PromptRenderer",
     "RegenerateError",
+    "RegenerateJobSettings",
+    "RegeneratePaths",
     "RegenerateSettings",
     "Rejection",
     "RequestRejected",

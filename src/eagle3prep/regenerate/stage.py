@@ -17,8 +17,9 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from eagle3prep.errors import UserError
 from eagle3prep.infra.atomic import atomic_open, sha256_file, write_json
@@ -33,7 +34,7 @@ from eagle3prep.regenerate.prompts import PromptRenderer
 from eagle3prep.regenerate.runner import Engine, Runner
 from eagle3prep.regenerate.split import shard_entry
 from eagle3prep.regenerate.thinking import resolve
-from eagle3prep.settings import RegenerateSettings
+from eagle3prep.settings import RegenerateSettings, TokenizeSettings
 from eagle3prep.vllm.registry import version_text
 
 from ..infra.log import get_logger
@@ -68,43 +69,62 @@ def model_len(settings: RegenerateSettings, model_path: str | os.PathLike, max_s
     return wanted
 
 
-def run_regenerate_job(
-    prompts_shard: str,
-    out_dir: str,
-    *,
-    model_path: str,
-    settings: RegenerateSettings,
-    chat_template_kwargs: Mapping[str, Any],
-    trust_remote_code: bool,
-    shard: int,
-    max_seq_len: int,
-    threads: int | None = None,
-) -> dict[str, Any]:
-    """The regenerate rule's job: claim GPUs, start vLLM, regenerate one shard; return its manifest.
-    `chat_template_kwargs` (tokenize's) render the prompts as tokenize renders the rows; `max_seq_len`
-    (tokenize.max_seq_len) stands for regenerate.max_model_len when that is null; `threads`: the job's."""
+@dataclass(frozen=True, slots=True)
+class RegeneratePaths:
+    """The regenerate job's files: prompt shard `shard` in, its folder out."""
+
+    prompts_shard: str  # results/regenerate_prompts/shard_{k}.jsonl
+    out_dir: str  # results/regenerate/shard_{k}
+    model_path: str
+    shard: int  # k
+
+
+@dataclass(frozen=True, slots=True)
+class RegenerateJobSettings:
+    """What every regenerate job of a run reads: `regenerate:`, tokenize's template kwargs (the prompts render as
+    tokenize renders the rows) and max_seq_len (regenerate.max_model_len's stand-in when null)."""
+
+    regenerate: RegenerateSettings
+    chat_template_kwargs: Mapping[str, Any]
+    trust_remote_code: bool
+    max_seq_len: int
+    threads: int | None  # the job's Snakemake threads; None leaves torch's own
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], *, threads: int | None) -> Self:
+        """From the config as it is now (the params only trigger reruns, RegenerateSettings.params), so a speed
+        knob changed after a crash applies to the shards still to make."""
+        tokenize = TokenizeSettings.from_config(config)
+        return cls(RegenerateSettings.from_config(config), tokenize.chat_template_kwargs,
+                   config["model"]["trust_remote_code"], tokenize.max_seq_len, threads)  # fmt: skip
+
+
+def run_regenerate_job(paths: RegeneratePaths, settings: RegenerateJobSettings) -> dict[str, Any]:
+    """The regenerate rule's job: claim GPUs, start vLLM, regenerate one shard; return its manifest."""
     from eagle3prep.regenerate.engine import VLLMEngine
 
-    if threads:  # the job's Snakemake threads (torch intra-op threads on a CPU engine)
+    if settings.threads:  # the job's Snakemake threads (torch intra-op threads on a CPU engine)
         import torch
 
-        torch.set_num_threads(threads)
-    renderer = PromptRenderer.load(model_path, trust_remote_code, dict(chat_template_kwargs))
-    max_model_len = model_len(settings, model_path, max_seq_len)
+        torch.set_num_threads(settings.threads)
+    regen, model_path, trust_remote_code = settings.regenerate, paths.model_path, settings.trust_remote_code
+    renderer = PromptRenderer.load(model_path, trust_remote_code, dict(settings.chat_template_kwargs))
+    max_model_len = model_len(regen, model_path, settings.max_seq_len)
     version = code_version()  # the code this shard starts with, before the engine's start-up
     t0 = time.time()
-    if os.path.getsize(prompts_shard) == 0:  # more shards than conversations: no engine for no request
+    if os.path.getsize(paths.prompts_shard) == 0:  # more shards than conversations: no engine for no request
         return regenerate_shard(
-            prompts_shard, out_dir, _NoRequests(), renderer, settings,
+            paths.prompts_shard, paths.out_dir, _NoRequests(), renderer, regen,
             max_model_len=max_model_len, engine_info={**NO_ENGINE, "engine_version": version_text()},
-            model_path=model_path, trust_remote_code=trust_remote_code, shard=shard, code=version, started={"t0": t0},
+            model_path=model_path, trust_remote_code=trust_remote_code, shard=paths.shard, code=version,
+            started={"t0": t0},
         )  # fmt: skip
     with (
-        claim_job_gpus(settings.content.tp_size),  # before vLLM reads CUDA_VISIBLE_DEVICES
+        claim_job_gpus(regen.content.tp_size),  # before vLLM reads CUDA_VISIBLE_DEVICES
         VLLMEngine(
             model_path,
-            settings,
-            settings.content.sampling,
+            regen,
+            regen.content.sampling,
             renderer.stop_token_ids(),
             max_model_len,
             trust_remote_code,
@@ -112,9 +132,9 @@ def run_regenerate_job(
     ):
         info = engine.start()
         return regenerate_shard(
-            prompts_shard, out_dir, engine, renderer, settings,
+            paths.prompts_shard, paths.out_dir, engine, renderer, regen,
             max_model_len=max_model_len, engine_info=info, model_path=model_path,
-            trust_remote_code=trust_remote_code, shard=shard, code=version,
+            trust_remote_code=trust_remote_code, shard=paths.shard, code=version,
             started={"t0": t0, **engine.volatile},
         )  # fmt: skip
 

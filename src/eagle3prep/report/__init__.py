@@ -6,8 +6,10 @@ workflow's outputs and writes the three files (DESIGN.md §6).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from ..infra import faults
 from ..infra.atomic import atomic_open, sha256_file, write_json
@@ -125,61 +127,72 @@ def _dataset_manifest(shard_dirs, manifests, summary, counts, stats, reports) ->
     }
 
 
-def run_report_job(
-    validations: list[str],
-    shard_dirs: list[str],
-    tokenized: list[str],
-    counts_path: str,
-    stats_path: str,
-    token_freq_path: str,
-    benchmarks: list[str],
-    out_html: str,
-    out_csv: str,
-    out_manifest: str,
-    export_dir: str | None = None,
-    overfit_gate: str | None = None,
-    model_dir: str | None = None,
-    failed_dir: str | None = None,
-) -> dict[str, Any]:
-    """The report stage's job: summary.csv, dataset_manifest.json and report.html written (in that order); the
-    manifest returned. It takes no settings: what the config decided is in its inputs (counts, stats,
-    manifests, validations), so a config edit reruns the report only through the jobs it reruns.
+@dataclass(frozen=True, slots=True)
+class ReportPaths:
+    """The report job's files: every shard's outputs and the run's counts in, the three files out."""
 
-    `export_dir` is the speculators export when it was requested (the report then records it);
-    `overfit_gate` the gate's JSON when validate.overfit_gate is on (its verdict is a banner);
-    `model_dir` the model folder whose tokenizer renders the sample rows (None: they show token ids);
-    `failed_dir` results/failed/, whose set-aside shard copies the report lists in red.
-    """
+    validations: Sequence[str]
+    shard_dirs: Sequence[str]
+    tokenized: Sequence[str]
+    counts_path: str  # prepare's counts.json, or the regenerate stage's
+    stats_path: str
+    token_freq_path: str
+    benchmarks: Sequence[str]  # the extract jobs' benchmark TSVs (a missing one leaves its cells empty)
+    out_html: str
+    out_csv: str
+    out_manifest: str
+    export_dir: str | None = None  # the speculators export when it was requested (the report records it)
+    overfit_gate: str | None = None  # the gate's JSON when validate.overfit_gate is on (its verdict is a banner)
+    model_dir: str | None = None  # whose tokenizer renders the sample rows (None: they show token ids)
+    failed_dir: str | None = None  # results/failed/, whose set-aside shard copies the report lists in red
+
+
+@dataclass(frozen=True, slots=True)
+class ReportJobSettings:
+    """None, on purpose: what the config decided is in the report's inputs (counts, stats, manifests,
+    validations), so a config edit reruns the report only through the jobs it reruns."""
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Self:
+        return cls()
+
+
+def run_report_job(paths: ReportPaths, settings: ReportJobSettings) -> dict[str, Any]:
+    """The report stage's job: summary.csv, dataset_manifest.json and report.html written (in that order); the
+    manifest returned."""
+    validations, shard_dirs, tokenized = list(paths.validations), list(paths.shard_dirs), list(paths.tokenized)
+    counts_path, stats_path, failed_dir = paths.counts_path, paths.stats_path, paths.failed_dir
     counts, stats = data.load_json(counts_path), data.load_json(stats_path)
     manifests = [s.manifest for s in ShardSet.open(shard_dirs, tokenized).check(final_layer=False).shards]
     reports = [data.load_json(v) for v in validations]
     margins = data.reference_margins(reports)
 
-    summary = _summary(shard_dirs, manifests, reports, benchmarks, margins)
+    summary = _summary(shard_dirs, manifests, reports, list(paths.benchmarks), margins)
     faults.kill_point("report.before_summary")
-    with atomic_open(out_csv, "w", encoding="utf-8", newline="") as f:
+    with atomic_open(paths.out_csv, "w", encoding="utf-8", newline="") as f:
         summary.to_csv(f, index=False)
 
     dataset = _dataset_manifest(shard_dirs, manifests, summary, counts, stats, reports)
     faults.kill_point("report.before_manifest")
-    write_json(out_manifest, dataset)
+    write_json(paths.out_manifest, dataset)
 
     outlier_note, series = _layer_series(shard_dirs, reports)
     row_stats = _row_stats(tokenized)
-    coverage = data.vocab_coverage(data.load_json(token_freq_path))
+    coverage = data.vocab_coverage(data.load_json(paths.token_freq_path))
     ctx = _page_context(dataset, stats, counts, reports, summary, margins, row_stats, coverage)
     ctx.update(_quarantine_context(counts, stats, counts_path, stats_path))
     ctx["set_aside"] = stale.set_aside_shards(failed_dir) if failed_dir else []
     ctx.update(outlier_note=outlier_note, code_versions={str(m.code_version) for m in manifests},
-               export=_export_facts(export_dir), overfit_gate=data.load_json(overfit_gate) if overfit_gate else None)  # fmt: skip
+               export=_export_facts(paths.export_dir),
+               overfit_gate=data.load_json(paths.overfit_gate) if paths.overfit_gate else None)  # fmt: skip
     # The tokenizer the rows were made with (trust_remote_code as the shards recorded it).
     tokenizer, ctx["samples_note"] = samples.load_tokenizer_or_reason(
-        model_dir, bool(dataset["model"].get("trust_remote_code"))
+        paths.model_dir, bool(dataset["model"].get("trust_remote_code"))
     )
     ctx["samples"] = samples.samples(tokenized, tokenizer, max_seq_len=stats.get("max_seq_len"))
     figs = _figures(margins, series, coverage, summary, row_stats, stats, len(reports))
     faults.kill_point("report.before_html")
-    page.write_page(out_html, ctx, figs)
+    page.write_page(paths.out_html, ctx, figs)
     return dataset
 
 
@@ -243,4 +256,4 @@ def _figures(margins, series, coverage, summary, row_stats, stats, n: int) -> di
     }
 
 
-__all__ = ["DATASET_FORMAT", "run_report_job"]
+__all__ = ["DATASET_FORMAT", "ReportJobSettings", "ReportPaths", "run_report_job"]

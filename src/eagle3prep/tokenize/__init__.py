@@ -32,6 +32,8 @@ Modules, in the order a conversation meets them:
 from eagle3prep.tokenize.rows import EncodedChunk, encode_lines, mask_runs, parse_conversation, row_json_tail
 from eagle3prep.tokenize.stage import (
     BATCH_SIZE,
+    TokenizeJobSettings,
+    TokenizePaths,
     copy_lines,
     no_rows_error,
     run_tokenize_job,
@@ -67,6 +69,8 @@ __all__ = [
     "ModelNotFoundError",
     "Rejected",
     "TokenizeError",
+    "TokenizeJobSettings",
+    "TokenizePaths",
     "batched",
     "choose_mask_source",
     "copy_lines",

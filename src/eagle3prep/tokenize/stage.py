@@ -8,10 +8,10 @@ import math
 import os
 from array import array
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Self
 
 from eagle3prep.config.model import check_max_seq_len
 from eagle3prep.infra import faults
@@ -32,20 +32,45 @@ log = get_logger("tokenize")
 BATCH_SIZE = 256  # conversations per render + batch-encode call
 
 
-def run_tokenize_job(
-    conversations_path: str | os.PathLike, counts_path: str | os.PathLike, prepare_quarantine: str | os.PathLike,
-    out_dir: str | os.PathLike, out_shards: list[str | os.PathLike], *, model_path: str | os.PathLike,
-    settings: TokenizeSettings, trust_remote_code: bool, workers: int,
-) -> dict[str, Any]:  # fmt: skip
+@dataclass(frozen=True, slots=True)
+class TokenizePaths:
+    """The tokenize job's files: prepare's (or regenerate's) three outputs in, the tokenized folder out."""
+
+    conversations_path: str | os.PathLike
+    counts_path: str | os.PathLike  # read first: no conversation kept stops the job, naming the sources
+    prepare_quarantine: str | os.PathLike
+    out_dir: str | os.PathLike  # stats.json, token_freq.json and quarantine.jsonl go here
+    out_shards: Sequence[str | os.PathLike]  # shard_{k}.jsonl for every k
+    model_path: str | os.PathLike
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeJobSettings:
+    """What the tokenize job reads: `tokenize:`, and `workers`, the job's Snakemake threads (the worker
+    processes it encodes in, capped by --cores)."""
+
+    tokenize: TokenizeSettings
+    trust_remote_code: bool
+    workers: int
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], *, workers: int) -> Self:
+        from eagle3prep.settings import TokenizeSettings
+
+        return cls(TokenizeSettings.from_config(config), config["model"]["trust_remote_code"], workers)
+
+
+def run_tokenize_job(paths: TokenizePaths, settings: TokenizeJobSettings) -> dict[str, Any]:
     """The tokenize stage's job: the conversations (prepare's or regenerate's; none kept stops here, naming the
-    sources and the quarantine) rendered by `settings` (config `tokenize:`) into `out_shards`, with stats.json,
-    token_freq.json and quarantine.jsonl in `out_dir`. `workers`: the job's Snakemake threads."""
-    require_conversations(counts_path, prepare_quarantine)
+    sources and the quarantine) rendered by `settings` into `out_shards`, with stats.json, token_freq.json and
+    quarantine.jsonl in `out_dir`."""
+    p, s = paths, settings.tokenize
+    require_conversations(p.counts_path, p.prepare_quarantine)
     return tokenize_conversations(
-        conversations_path, model_path, out_shards,
-        f"{out_dir}/stats.json", f"{out_dir}/token_freq.json", f"{out_dir}/quarantine.jsonl",
-        settings.max_seq_len, template_fallback=settings.template_fallback, trust_remote_code=trust_remote_code,
-        workers=workers, chat_template_kwargs=settings.chat_template_kwargs,
+        p.conversations_path, p.model_path, list(p.out_shards),
+        f"{p.out_dir}/stats.json", f"{p.out_dir}/token_freq.json", f"{p.out_dir}/quarantine.jsonl",
+        s.max_seq_len, template_fallback=s.template_fallback, trust_remote_code=settings.trust_remote_code,
+        workers=settings.workers, chat_template_kwargs=s.chat_template_kwargs,
     )  # fmt: skip
 
 

@@ -4,6 +4,6 @@ window.py and logits.py (the scalable checks, scalable.py, on slices.py's checkp
 the pass rule (passrule.py) against the independent forward (reference.py; routing.py: MoE router margins).
 stage.py runs them and writes the report; every check's verdict is an eagle3prep.check.Check."""
 
-from .stage import ValidationError, run_validate_job, validate_shard
+from .stage import ValidateJobSettings, ValidatePaths, ValidationError, run_validate_job, validate_shard
 
-__all__ = ["ValidationError", "run_validate_job", "validate_shard"]
+__all__ = ["ValidateJobSettings", "ValidatePaths", "ValidationError", "run_validate_job", "validate_shard"]

@@ -9,9 +9,10 @@ LayerReader (subject.py).
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from ..check import Checks
 from ..config import reference_mode
@@ -41,17 +42,40 @@ class ValidationError(UserError, RuntimeError):
     failed: list[str] = []  # noqa: RUF012 - set per instance when raised
 
 
-def run_validate_job(
-    shard_dir: str, tokenized_shard: str, out_json: str, *, model_path: str, settings: ValidateSettings,
-    trust_remote_code: bool, keep_failed: bool,
-) -> dict[str, Any]:  # fmt: skip
-    """The validate stage's job: shard `shard_dir` checked against its tokenized rows and the model at
-    `model_path`, by `settings` (config `validate:`); the report written to `out_json`. `keep_failed`:
-    heal.keep_failed, which decides what the next run does with a failed shard (the error says it)."""
-    s = settings
+@dataclass(frozen=True, slots=True)
+class ValidatePaths:
+    """The validate job's files: shard k's folder and tokenized rows in, its report out."""
+
+    shard_dir: str  # results/hidden_states/shard_{k}
+    tokenized_shard: str  # results/tokenized/shard_{k}.jsonl
+    out_json: str  # results/validation/shard_{k}.json
+    model_path: str
+
+
+@dataclass(frozen=True, slots=True)
+class ValidateJobSettings:
+    """What every validate job reads: `validate:`, and heal.keep_failed, which decides what the next run does
+    with a failed shard (the error says it)."""
+
+    validate: ValidateSettings
+    trust_remote_code: bool
+    keep_failed: bool
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Self:
+        from ..settings import HealSettings, ValidateSettings
+
+        keep_failed = HealSettings.from_config(config).keep_failed
+        return cls(ValidateSettings.from_config(config), config["model"]["trust_remote_code"], keep_failed)
+
+
+def run_validate_job(paths: ValidatePaths, settings: ValidateJobSettings) -> dict[str, Any]:
+    """The validate stage's job: shard `shard_dir` checked against its tokenized rows and the model, by
+    `settings`; the report written to `out_json`."""
+    s, p = settings.validate, paths
     return validate_shard(
-        shard_dir, tokenized_shard, out_json, model_path,
-        s.sample_rows, s.seed, s.device, s.reference, trust_remote_code, s.windows, keep_failed=keep_failed,
+        p.shard_dir, p.tokenized_shard, p.out_json, p.model_path, s.sample_rows, s.seed, s.device, s.reference,
+        settings.trust_remote_code, s.windows, keep_failed=settings.keep_failed,
     )  # fmt: skip
 
 
