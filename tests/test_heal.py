@@ -1,4 +1,4 @@
-"""eagle3prep.run.heal on a fake results folder: which shards the same command redoes, and why (one line each)."""
+"""eagle3prep.healing.heal on a fake results folder: which shards the same command redoes, and why (one line each)."""
 
 import json
 import os
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3prep.run import heal, tickets
+from eagle3prep.healing import heal, tickets
 from eagle3prep.run.mode import Mode
 
 

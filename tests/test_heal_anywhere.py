@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3prep.run import heal, stale
+from eagle3prep.healing import heal
+from eagle3prep.report import stale
 
 from testkit.workflow import snakemake
 

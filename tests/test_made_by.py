@@ -1,4 +1,4 @@
-"""A results folder remembers the config that made it (eagle3prep.run.made_by), the header names the config really
+"""A results folder remembers the config that made it (eagle3prep.made_by), the header names the config really
 read, and suggested commands carry the user's own flags (eagle3prep.run.command)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-from eagle3prep.run import command, made_by
+from eagle3prep import made_by
+from eagle3prep.run import command
 from eagle3prep.run.parse import config_source_line
 from eagle3prep.settings import Settings
 

@@ -1,4 +1,4 @@
-"""A report that a run did not rebuild never reads as the truth (eagle3prep.run.stale, eagle3prep.run.closing), and
+"""A report that a run did not rebuild never reads as the truth (eagle3prep.report.stale, eagle3prep.run.closing), and
 the report's banner is green only when every shard of the config passed, with set-aside copies and lossy source
 files named (eagle3prep.report.page.banners)."""
 
@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from eagle3prep.report import page
-from eagle3prep.run import closing, heal, stale
+from eagle3prep.healing import heal
+from eagle3prep.report import stale
+from eagle3prep.run import closing
 
 GREEN = "Every check passed on every shard"
 
