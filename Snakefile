@@ -27,7 +27,6 @@ report: "report/workflow.rst"
 
 
 include: "rules/common.smk"
-include: "rules/heal.smk"
 include: "rules/demo.smk"
 include: "rules/prepare.smk"
 include: "rules/regenerate.smk"

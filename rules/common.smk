@@ -114,7 +114,7 @@ def _results_checks(mode):
 
 # Shards that are missing, unfinished, changed after validation or failed it are redone by the same command, each
 # named in one line (eagle3prep.healing.heal; docs/guides/reruns.md), through heal tickets: a job to redo gets this
-# run's ticket as one more input, the output of the heal job (rules/heal.smk; eagle3prep.healing.tickets says how).
+# run's ticket as one more input, a file newer than its outputs (eagle3prep.healing.tickets says how).
 REDO = []  # the config change that redoes finished shards, when there is one
 # This config's shard keys, for results/config.json when a run with shard jobs starts.
 RECORD = []
@@ -133,6 +133,10 @@ HEALING = tickets.Healing(
     say=lambda line: print(f"eagle3prep: {line}", file=sys.stderr),
     before=_results_checks,
 )
+# The one place healing writes before the DAG is built: a job's ticket must exist, newer than its outputs, when
+# Snakemake compares them, and Snakemake calls no hook between this parse and that comparison (an input function
+# would; they only look up what this found). Removed at exit unless onstart carries it out.
+HEALING.prepare()
 
 
 def heal_ticket(job):
@@ -186,7 +190,8 @@ onstart:
     record_owner()
     for _keys in RECORD:
         made_by.write_record(SETTINGS, CONFIG_SHOWN, keys=_keys)
-    # The jobs to redo that this run's DAG holds, for the heal job, which carries them out (rules/heal.smk).
+    # Healing's changes on disk (failed shards set aside, the last report marked stale), for the jobs to redo that
+    # this run's DAG holds: under Snakemake's lock, before any job starts.
     HEALING.carry_out()
     # Each running GPU job's rate, share done and ETA on the terminal (EAGLE3PREP_PROGRESS_S=0: off).
     progress.start(

@@ -144,60 +144,61 @@ def test_summary_is_one_line_per_shard_then_a_count():
 def healing(main=True, dry=False, **kw):
     said = []
     h = tickets.Healing(range(3), False, main=main, mode=lambda: Mode(executor=True, dry=dry), say=said.append, **kw)
+    h.prepare()  # at parse time
     return h, said
 
 
-def test_a_job_to_redo_gets_this_runs_ticket_the_heal_job_writes_and_keeps_it_once_healed():
-    """Healing through Snakemake's own rules: the redone job's one more input is the next ticket, the heal job's
-    output (so Snakemake runs the job after it, no metadata needed); nothing is written while the DAG is built.
-    Once written, the next run asks the same input of that job (nothing re-queued) and none of the others."""
+def test_a_job_to_redo_gets_this_runs_ticket_newer_than_its_outputs_and_keeps_it_once_healed():
+    """Healing through Snakemake's own rules: the redone job's one more input is the next ticket, written at parse
+    time, so it is there and newer than the job's outputs (Snakemake's mtime trigger, no metadata needed); once
+    carried out, the next run asks the same input of that job (nothing re-queued) and none of the others."""
     for k in range(3):
         finished(k)
     shutil.rmtree(heal.shard_dir(2))
     h, said = healing()
-    assert h.path == ".eagle3prep/heal/1.json"
-    assert h.ticket("extract/2") == [h.path] and h.ticket("extract/0") == []
+    assert h.ticket("extract/2") == [".eagle3prep/heal/1.json"] and h.ticket("extract/0") == []
     assert h.ticket("validate/2") == [] and said == [
         f"{heal.shard_dir(2)} is missing but {heal.validation_json(2)} exists: extracting it again"
     ]
-    assert not Path(".eagle3prep").exists()  # the input functions wrote nothing
-    h.carry_out()  # onstart: what the heal job does, for the jobs the DAG holds
-    assert not Path(h.path).exists()
-    assert tickets.run_heal_job(h.path, say=lambda line: None) == [f"redo extract/2: {said[0]}"]
-    ticket = Path(h.path)
+    ticket = Path(".eagle3prep/heal/1.json")
+    assert ticket.stat().st_mtime_ns > Path(heal.validation_json(2)).stat().st_mtime_ns
+    # Not carried out yet (a run refused before onstart): no later run takes it as a job's last ticket.
+    assert tickets.read_tickets() == {1: None} and healing(main=False)[0].ticket("extract/2") == []
+    assert h.carry_out() == [f"redo extract/2: {said[0]}"]
     assert json.loads(ticket.read_text())["jobs"] == ["extract/2"] and json.loads(ticket.read_text())["started"]
-    assert not Path(tickets.pending_path(h.path)).exists()
+    assert Path("logs/heal/1.log").read_text() == f"[heal] redo extract/2: {said[0]}\n"
     assert healing(main=False)[0].ticket("extract/2") == [str(ticket)]  # a spawned job's process: the same input
     finished(2)  # what the redone job made
     again, said = healing()
     assert again.ticket("extract/2") == [".eagle3prep/heal/1.json"] and again.ticket("extract/1") == [] and not said
-    assert again.path == ".eagle3prep/heal/2.json"
+    assert not Path(".eagle3prep/heal/2.json").exists()  # nothing due: no ticket
     shutil.rmtree(heal.shard_dir(2))  # damaged again: the next ticket, and the other shards keep theirs
     third, _ = healing()
     assert third.ticket("extract/2") == [".eagle3prep/heal/2.json"]
 
 
-def test_a_due_job_the_dag_does_not_hold_is_handed_nothing():
+def test_a_ticket_not_carried_out_is_removed_at_exit():
     for k in range(3):
         finished(k)
     shutil.rmtree(heal.shard_dir(2))
     h, _ = healing()
-    assert h.is_due("extract/2")
-    h.carry_out()
-    assert not Path(".eagle3prep").exists()
+    assert h.is_due("extract/2") and Path(".eagle3prep/heal/1.json").exists()
+    assert h.carry_out() == []  # no job of the DAG took it
+    h._remove_unless_carried_out(h.path)  # what the process's exit does
+    assert not Path(".eagle3prep/heal/1.json").exists()
 
 
-def test_the_heal_job_sets_failed_shards_aside_and_names_only_the_jobs_the_dag_holds():
+def test_carrying_out_sets_failed_shards_aside_and_names_only_the_jobs_the_dag_holds():
     for k in range(3):
         finished(k, validated=k != 1)
     failed_log(1)
     h, said = healing()
     assert h.ticket("extract/1") == [".eagle3prep/heal/1.json"]
-    h.carry_out()
-    lines = tickets.run_heal_job(h.path, say=said.append)
+    said.clear()
+    lines = h.carry_out("logs/heal/1.log")
     assert not Path(heal.shard_dir(1)).exists() and Path("results/failed/shard_1/hidden_states/manifest.json").exists()
     assert said[-1] == f"moved {heal.shard_dir(1)} to results/failed/shard_1" and lines[-1] == said[-1]
-    assert json.loads(Path(h.path).read_text())["jobs"] == ["extract/1"]
+    assert Path("logs/heal/1.log").read_text().splitlines()[-1] == f"[heal] {said[-1]}"
 
 
 def test_a_dry_run_or_a_spawned_jobs_process_changes_nothing():
@@ -205,9 +206,11 @@ def test_a_dry_run_or_a_spawned_jobs_process_changes_nothing():
     finished(1, validated=False)
     failed_log(1)
     dry, said = healing(dry=True)
-    # A dry run lists the heal job and the job it redoes; nothing is written or moved.
+    # A dry run's ticket is made (so -n lists the job) and removed when the process exits; nothing is moved.
     assert dry.ticket("extract/1") == [".eagle3prep/heal/1.json"] and "would move it" in said[0]
-    assert not Path(".eagle3prep").exists() and Path(heal.shard_dir(1)).is_dir()
+    assert tickets.read_tickets() == {1: None} and Path(heal.shard_dir(1)).is_dir()
+    dry._remove_unless_carried_out(dry.path)
+    assert tickets.read_tickets() == {}
     spawned, said = healing(main=False)  # a job's own process: the tickets on disk only, no finding, no lines
     assert spawned.ticket("extract/1") == [] and not said
 
@@ -217,6 +220,7 @@ def test_the_results_checks_run_once_with_the_mode_and_touch_heals_nothing():
     finished(0, validated=False)
     failed_log(0)
     h = tickets.Healing([0], False, True, lambda: Mode(executor=True, touch=True), print, before=seen.append)
+    h.prepare()
     assert h.ticket("extract/0") == [] and h.ticket("validate/0") == [] and seen == [Mode(executor=True, touch=True)]
 
 

@@ -27,6 +27,7 @@ from ..paths import EXPORT, FAILED, HIDDEN_STATES, MANIFEST, VALIDATION, VERIFIE
 DOWNSTREAM = (paths.DATASET_MANIFEST, EXPORT)
 SNAKEMAKE_MARKER = ".snakemake_timestamp"  # shard.manifest.SNAKEMAKE_MARKER; allowed beside the listed files
 SHARD_EXTRAS = frozenset({MANIFEST, "timings.json", SNAKEMAKE_MARKER})  # shard.manifest.SHARD_EXTRAS
+MOVING, WOULD_MOVE = "moving it to", "would move it (not in a dry run) to"
 MAX_REDOS = 2  # a shard that fails validation this many times is not extracted a third time
 SHOWN = 10  # lines printed at parse time; the rest are counted
 
@@ -39,6 +40,10 @@ class Heal:
     why: str
     force: str | None = None  # the output made again (its job gets a heal ticket); None: nothing is redone
     set_aside: bool = False  # move the shard folder to results/failed/ before the run starts
+
+    def said(self, dryrun: bool = False) -> str:
+        """`why`, or in a dry run what the run would do (a dry run moves nothing)."""
+        return self.why.replace(MOVING, WOULD_MOVE) if dryrun and self.set_aside else self.why
 
 
 def validate_log(k: int) -> str:
@@ -248,7 +253,7 @@ def _failed(k: int, failure: str, keep_failed: bool, dryrun: bool = False) -> He
             "until it passes or is removed",
             val,
         )
-    move = "would move it (not in a dry run) to" if dryrun else "moving it to"
+    move = WOULD_MOVE if dryrun else MOVING
     return Heal(
         k,
         f"{folder} failed validation ({failure[:200]}): {move} "
@@ -277,9 +282,10 @@ def set_aside(heal: Heal) -> str:
     return str(dest)
 
 
-def summary(heals: list[Heal], shown: int = SHOWN) -> list[str]:
-    """The lines printed at parse time: the first `shown` heals, then a count of the rest."""
-    lines = [h.why for h in heals[:shown]]
+def summary(heals: list[Heal], shown: int = SHOWN, dryrun: bool = False) -> list[str]:
+    """The lines said when the DAG is built: the first `shown` heals, then a count of the rest (`dryrun`: what a
+    run would do; -n moves nothing)."""
+    lines = [h.said(dryrun) for h in heals[:shown]]
     if len(heals) > shown:
         lines.append(f"... and {len(heals) - shown} more shards (the first {shown} are listed above)")
     return lines

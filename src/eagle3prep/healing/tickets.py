@@ -1,25 +1,29 @@
 """How the same command redoes what healing found (healing.heal), through Snakemake's own rules: heal tickets.
 
-A job that must be redone gets one more input, this run's ticket `.eagle3prep/heal/<n>.json` (n: one past the last
-ticket), the output of the `heal` job (rules/heal.smk). Snakemake runs every job downstream of a job it runs, which
-needs no `.snakemake/` metadata, so a results folder copied, moved or without `.snakemake/` heals exactly as one
-with it, and a dry run lists the heal job and the jobs it redoes and writes nothing. `onstart` (after the DAG is
-built, under Snakemake's lock, before any job) writes what the run carries out, for the jobs to redo that the DAG
-holds, beside the ticket (`<n>.pending.json`); the heal job then sets failed shards aside, marks the last report
-stale and writes the ticket. A job keeps the last ticket that named it as its input, so the next run sees the same
-inputs and re-queues nothing; a job never healed has no ticket input.
+A job that must be redone gets one more input, the ticket `.eagle3prep/heal/<n>.json` of this run (n: one past the
+last ticket). It must exist and be newer than the job's outputs when Snakemake decides what runs: "Updated input
+files" is Snakemake's mtime trigger, which needs no `.snakemake/` metadata, so a results folder copied, moved or
+without `.snakemake/` heals exactly as one with it (a ticket that is only an output of another job would not do:
+Snakemake remakes a missing input only for a job that runs for another reason). Snakemake reads no Snakefile hook
+between the parse and the DAG's comparisons, so the ticket is written at parse time, by `prepare`, and removed when
+the process exits unless `onstart` (under Snakemake's lock, before any job) carried it out: set failed shards aside,
+marked the last report stale and recorded the jobs the DAG holds. A dry run, `--lint`, `verify` or a refused run
+thus leaves no ticket. A job keeps the last carried-out ticket that named it as its input, so the next run sees the
+same inputs and re-queues nothing; a job never healed has no ticket input.
 
-What healing finds is asked once, at the first input function's question (Snakemake calls input functions only
-for the jobs of the targets asked for: `snakemake verify` heals nothing), said once, and held: the input
-functions only look it up, and nothing is written before the run starts.
+The input functions only look up what `prepare` found; they write nothing. The first of them to ask runs the
+results-folder checks with the Mode (a run or a dry run is known only once Snakemake builds the DAG) and says what
+healing found, once. Snakemake calls them only for the jobs of the targets asked for: `snakemake verify` heals
+nothing.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -71,17 +75,31 @@ def ticket_path(n: int, folder: str | os.PathLike = FOLDER) -> str:
     return f"{folder}/{n}.json"
 
 
-def pending_path(ticket: str | os.PathLike) -> str:
-    """What `onstart` hands the heal job: the jobs to redo that the DAG holds, and why."""
-    return str(ticket).removesuffix(".json") + ".pending.json"
+
+
+
+# What the due jobs' outputs are compared with when a job's own output is missing (Snakemake takes a later job's).
+OUTPUTS_AFTER = (paths.REPORT, paths.DATASET_MANIFEST, paths.EXPORT)
+
+
+def _shard_outputs(k: int | None) -> tuple[str, ...]:
+    return () if k is None else (paths.shard_dir(k), paths.validation_json(k))
+
+
+def _mtime_ns(path: str | None) -> int:
+    """The newest mtime of `path` and its Snakemake directory marker; 0 when missing."""
+    out = 0
+    for p in (path, os.path.join(path, heal.SNAKEMAKE_MARKER)) if path else ():
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            out = max(out, os.stat(p).st_mtime_ns)
+    return out
 
 
 class Healing:
-    """One Snakemake process's healing: `ticket(job)` is the input function's answer for a job, `carry_out`
-    (onstart) hands the heal job what to do. `before` runs once, at the first question, with the Mode (the
-    results-folder checks); `say` prints a line in the Snakefile's voice; `main`: the process that builds the whole
-    DAG (a spawned or remote job's process only reads tickets). The tickets are read when it is made (the Snakefile
-    is read), so `path`, the heal job's output, is known to the rules."""
+    """One Snakemake process's healing: `prepare` (parse time) finds what to redo and writes the ticket, `ticket(job)`
+    is the input function's answer for a job, `carry_out` (onstart) does what was found. `before` runs once, at the
+    first question, with the Mode (the results-folder checks); `say` prints a line in the Snakefile's voice; `main`:
+    the process that builds the whole DAG (a spawned or remote job's process only reads tickets)."""
 
     def __init__(
         self,
@@ -95,34 +113,56 @@ class Healing:
     ) -> None:
         self.shards, self.keep_failed, self.main = list(shards), keep_failed, main
         self._mode, self._before, self.folder, self._say = mode, before, folder, say
-        self._started = False
-        self.due: dict[str, heal.Heal] = {}  # job -> why, for the jobs this run redoes
-        self.asked: set[str] = set()  # the due jobs the DAG holds (their input function was called)
         self.tickets = read_tickets(folder)
         self.next = max(self.tickets, default=0) + 1
-        self.path = ticket_path(self.next, folder)  # this run's ticket: the heal job's output
-        self.executor = False  # a run or dry run: only then does a due job take this run's ticket
+        self.found: list[heal.Heal] = []
+        self.due: dict[str, heal.Heal] = {}  # job -> why, for the jobs this run redoes
+        self.asked: set[str] = set()  # the due jobs the DAG holds (their input function was called)
+        self.path: str | None = None  # this run's ticket, written by prepare when a job is due
+        self._started = self._carried_out = False
+
+    def prepare(self) -> None:
+        """At parse time, in the main process: find what to heal (listings and stats) and write the ticket the due
+        jobs take as input, newer than their outputs; it is removed at exit unless carry_out ran."""
+        if not self.main:
+            return
+        self.found = heal.find(self.shards, self.keep_failed)
+        due = {job_key(h.force): h for h in self.found if h.force}
+        if not due:
+            return
+        self.due, self.path = due, ticket_path(self.next, self.folder)
+        write_json(self.path, {"jobs": sorted(due), "started": False})
+        # Newer than every output the due jobs compare it with, also one dated ahead of this host's clock (a folder
+        # from a host whose clock runs ahead): a redo too many is cheap, a silent pass is not.
+        outputs = [p for h in due.values() for p in (h.force, *_shard_outputs(h.shard))]
+        newest = max(map(_mtime_ns, [*outputs, *OUTPUTS_AFTER]), default=0)
+        if newest >= (now := os.stat(self.path).st_mtime_ns):
+            os.utime(self.path, ns=(now, newest + 10**9))
+        atexit.register(self._remove_unless_carried_out, os.path.abspath(self.path))
+
+    def _remove_unless_carried_out(self, path: str) -> None:
+        if not self._carried_out:
+            Path(path).unlink(missing_ok=True)
 
     def start(self) -> None:
-        """Once per process, at the first question: in the main process, find what to heal and say it."""
+        """Once, at the first question, in the main process: the results-folder checks, then what healing found,
+        said (a dry run says what a run would do); --touch and a command that runs no job redo nothing."""
         if self._started or not self.main:
             return
         self._started = True
         mode = self._mode()
         self._before(mode)
-        if mode.touch:
+        if mode.touch or not mode.executor:
+            self.due = {}
             return
-        self.executor = mode.executor
-        heals = heal.find(self.shards, self.keep_failed, dryrun=not mode.jobs_run)
-        self.due = {job_key(h.force): h for h in heals if h.force}
-        for line in heal.summary(heals):
+        for line in heal.summary(self.found, dryrun=not mode.jobs_run):
             self._say(line)
 
     def ticket(self, job: str) -> list[str]:
         """The ticket input of `job`: this run's when it is redone, else the last carried-out one that named it,
         else none."""
         self.start()
-        if job in self.due and self.executor:
+        if job in self.due and self.path:
             self.asked.add(job)
             return [self.path]
         last = max((n for n, jobs in self.tickets.items() if jobs and job in jobs), default=None)
@@ -132,29 +172,26 @@ class Healing:
         self.start()
         return job in self.due
 
-    def carry_out(self) -> None:
-        """`onstart`, in the main process of a run: hand the heal job the due jobs this DAG holds, and why."""
-        if self.asked:
-            jobs = sorted(self.asked)
-            write_json(pending_path(self.path), {"jobs": jobs, "heals": [asdict(self.due[j]) for j in jobs]})
-
-
-def run_heal_job(ticket: str, say: Callable[[str], None] = print) -> list[str]:
-    """The heal job: for the jobs `onstart` named, set failed shards aside and mark the last report stale, then
-    write the ticket that names them (last: a run killed before it healed nothing, and the next one finds the
-    same). Returns the lines said."""
-    pending = Path(pending_path(ticket))
-    todo = json.loads(pending.read_text(encoding="utf-8"))
-    heals = [heal.Heal(**h) for h in todo["heals"]]
-    lines = [f"redo {j}: {h.why}" for j, h in zip(todo["jobs"], heals, strict=True)]
-    for h in heals:
-        if h.set_aside:
-            lines.append(f"moved {heal.shard_dir(h.shard)} to {heal.set_aside(h)}")
-    reasons = [h.why for h in heals if h.shard is not None]
-    if reasons and stale.mark_stale(reasons):
-        lines.append(f"marked {stale.REPORT} STALE until this run rebuilds it")
-    for line in lines:
-        say(line)
-    write_json(ticket, {"jobs": todo["jobs"], "why": [h.why for h in heals], "started": True})
-    pending.unlink()
-    return lines
+    def carry_out(self, log: str | None = None) -> list[str]:
+        """In the main process when the run starts (`onstart`: after the DAG is built, under Snakemake's lock,
+        before any job), for the due jobs the DAG holds: set failed shards aside, mark the last report stale, then
+        record the ticket as carried out (last: a run killed before it healed nothing, and the next one finds the
+        same). Returns the lines said (also written to `log`)."""
+        if not self.path or not self.asked:
+            return []
+        heals = [self.due[j] for j in sorted(self.asked)]
+        lines = [f"redo {j}: {self.due[j].why}" for j in sorted(self.asked)]
+        for h in heals:
+            if h.set_aside:
+                lines.append(f"moved {heal.shard_dir(h.shard)} to {heal.set_aside(h)}")
+                self._say(lines[-1])
+        reasons = [h.why for h in heals if h.shard is not None]
+        if reasons and stale.mark_stale(reasons):
+            lines.append(f"marked {stale.REPORT} STALE until this run rebuilds it")
+            self._say(lines[-1])
+        log = log or paths.log(f"heal/{Path(self.path).stem}")
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+        Path(log).write_text("".join(f"[heal] {line}\n" for line in lines), encoding="utf-8")
+        write_json(self.path, {"jobs": sorted(self.asked), "why": [h.why for h in heals], "started": True})
+        self._carried_out = True
+        return lines
