@@ -44,7 +44,7 @@ def test_verify_after_configfile_names_the_file_snakemake_could_not_read(tmp_pat
     wd = make_workdir(tmp_path / "wd")
     cmd = [SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "--directory", str(wd), "--configfile", str(config)]
     proc = subprocess.run([*cmd, "verify", "-n"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "No such file or directory: 'verify'" in proc.stderr
+    assert proc.returncode != 0 and "No such file or directory: 'verify'" in proc.stdout + proc.stderr
 
 
 def test_any_other_target_after_configfile_runs_when_the_files_end_with_a_double_dash(tmp_path):
