@@ -2,16 +2,11 @@ import os
 import sys
 import time
 
+from eagle3prep import made_by, paths
 from eagle3prep.config import ConfigError
-from eagle3prep.run import (
-    closing,
-    command,
-    environment,
-    made_by,
-    progress,
-    stale,
-    tickets,
-)
+from eagle3prep.healing import tickets
+from eagle3prep.report import stale
+from eagle3prep.run import closing, command, environment, progress
 from eagle3prep.run.mode import Mode
 from eagle3prep.settings import (
     ExtractSettings,
@@ -22,7 +17,7 @@ from eagle3prep.settings import (
 from eagle3prep.run.parse import (
     check_model,
     check_model_files,
-    check_target_marker,
+    check_targets_after_configfile,
     check_tokenizer,
     config_source_line,
     config_sources,
@@ -52,7 +47,7 @@ if workflow.is_main_process:
     )
     print(f"eagle3prep: {_line}", file=sys.stderr)
 try:
-    check_target_marker(config, CONFIGFILES, os.getcwd())
+    check_targets_after_configfile(CONFIGFILES, os.getcwd())
     # The config as typed settings, built once; rules read SETTINGS, and pass `config` only where its
     # mapping is the params (Snakemake compares their repr, so the user's key order stays).
     SETTINGS = Settings.validated(config)  # against the package's schema.yaml
@@ -77,7 +72,7 @@ SHARDS = list(range(SETTINGS.tokenize.num_shards))
 MODEL = SETTINGS.model.path
 # The tokenize job's output is this one folder, not one output per shard: Snakemake's DAG work
 # grows with (outputs of a job) x (jobs using them), so N declared outputs made `-n` quadratic.
-TOKENIZED = "results/tokenized"
+TOKENIZED = paths.TOKENIZED
 
 
 wildcard_constraints:
@@ -118,8 +113,8 @@ def _results_checks(mode):
 
 
 # Shards that are missing, unfinished, changed after validation or failed it are redone by the same command, each
-# named in one line (eagle3prep.run.heal; docs/guides/reruns.md), through heal tickets: a job to redo gets this
-# run's ticket as one more input, a file newer than its outputs (eagle3prep.run.tickets says how).
+# named in one line (eagle3prep.healing.heal; docs/guides/reruns.md), through heal tickets: a job to redo gets this
+# run's ticket as one more input, a file newer than its outputs (eagle3prep.healing.tickets says how).
 REDO = []  # the config change that redoes finished shards, when there is one
 # This config's shard keys, for results/config.json when a run with shard jobs starts.
 RECORD = []
@@ -138,6 +133,10 @@ HEALING = tickets.Healing(
     say=lambda line: print(f"eagle3prep: {line}", file=sys.stderr),
     before=_results_checks,
 )
+# The one place healing writes before the DAG is built: a job's ticket must exist, newer than its outputs, when
+# Snakemake compares them, and Snakemake calls no hook between this parse and that comparison (an input function
+# would; they only look up what this found). Removed at exit unless onstart carries it out.
+HEALING.prepare()
 
 
 def heal_ticket(job):
@@ -161,7 +160,7 @@ def shard_extract_runs(wildcards):
     """Whether extract will (re)make shard {k}: unfinished, healed, or a config change redoes the shards."""
     k = wildcards.k
     return (
-        not os.path.exists(f"results/hidden_states/shard_{k}/manifest.json")
+        not os.path.exists(paths.shard_manifest(k))
         or HEALING.is_due(f"extract/{k}")
         or bool(REDO)
     )
@@ -170,14 +169,14 @@ def shard_extract_runs(wildcards):
 def validation_runs(wildcards):
     """Whether validate will (re)judge shard {k} (its device may be a GPU): no verdict yet, healed, or re-extracted."""
     return (
-        not os.path.exists(f"results/validation/shard_{wildcards.k}.json")
+        not os.path.exists(paths.validation_json(wildcards.k))
         or HEALING.is_due(f"validate/{wildcards.k}")
         or shard_extract_runs(wildcards)
     )
 
 
 def export_runs(wildcards):
-    return not os.path.exists("results/export/speculators") or HEALING.is_due("export")
+    return not os.path.exists(paths.EXPORT) or HEALING.is_due("export")
 
 
 def missing(*patterns):
@@ -230,11 +229,11 @@ def get_template_kwargs_params(wildcards=None):
 
 def get_tokenized_shard(wildcards):
     """The tokenized rows of shard {k} (a file inside the tokenize job's folder)."""
-    return f"{TOKENIZED}/shard_{wildcards.k}.jsonl"
+    return paths.tokenized_shard(wildcards.k)
 
 
 def get_tokenized_shards():
-    return expand(f"{TOKENIZED}/shard_{{k}}.jsonl", k=SHARDS)
+    return expand(paths.tokenized_shard(), k=SHARDS)
 
 
 def get_extract_env():
@@ -266,17 +265,13 @@ def get_extract_data_params(wildcards=None):
 
 
 def get_shard_dirs(wildcards=None):
-    return expand("results/hidden_states/shard_{k}", k=SHARDS)
+    return expand(paths.shard_dir(), k=SHARDS)
 
 
 def get_final_output():
-    out = [
-        "results/report/report.html",
-        "results/report/summary.csv",
-        "results/report/dataset_manifest.json",
-    ]
+    out = [paths.REPORT, paths.SUMMARY, paths.DATASET_MANIFEST]
     if SETTINGS.export.speculators:
-        out.append("results/export/speculators")
+        out.append(paths.EXPORT)
     return out
 
 
@@ -286,13 +281,13 @@ def get_final_output():
 # an existing results/ folder is re-queued.
 REGEN = SETTINGS.regenerate
 REGEN_SHARDS = list(range(REGEN.workflow.num_shards))
-REGEN_PROMPTS = "results/regenerate/prompts"
+REGEN_PROMPTS = paths.REGEN_PROMPTS
 # The conversations tokenize reads (and the counts the report starts from).
-CONVERSATIONS = "results/regenerated" if REGEN.workflow.enabled else "results/prepared"
+CONVERSATIONS = paths.REGENERATED if REGEN.workflow.enabled else paths.PREPARED
 
 
 def get_regen_prompt_shard(wildcards):
-    return f"{REGEN_PROMPTS}/shard_{wildcards.k}.jsonl"
+    return paths.regen_prompt_shard(wildcards.k)
 
 
 def get_regen_gpus(wildcards=None):

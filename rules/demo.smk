@@ -7,9 +7,9 @@ if SETTINGS.model.build_demo:
         output:
             directory(MODEL),
         log:
-            "logs/build_demo_model.log",
+            paths.log("build_demo_model"),
         benchmark:
-            "benchmarks/build_demo_model.tsv"
+            paths.benchmark("build_demo_model")
         conda:
             "../envs/cpu.yaml"
         script:

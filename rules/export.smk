@@ -3,17 +3,17 @@
 # trainer reads the shard folders through `eagle3prep-train ... --hidden-states-backend eagle3prep`).
 rule export:
     input:
-        validations=expand("results/validation/shard_{k}.json", k=SHARDS),
+        validations=expand(paths.validation_json(), k=SHARDS),
         shards=get_shard_dirs(),
         tokenized=TOKENIZED,
         ticket=heal_ticket("export"),
         environment=GUARD.input("export", export_runs),
     output:
-        directory("results/export/speculators"),
+        directory(paths.EXPORT),
     log:
-        "logs/export/speculators.log",
+        paths.log("export/speculators"),
     benchmark:
-        "benchmarks/export/speculators.tsv"
+        paths.benchmark("export/speculators")
     conda:
         "../envs/cpu.yaml"
     params:

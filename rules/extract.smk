@@ -8,11 +8,11 @@ rule extract:
         ticket=heal_ticket("extract/{k}"),
         environment=GUARD.input("extract", shard_extract_runs),
     output:
-        directory("results/hidden_states/shard_{k}"),
+        directory(paths.shard_dir()),
     log:
-        "logs/extract/shard_{k}.log",
+        paths.log("extract/shard_{k}"),
     benchmark:
-        "benchmarks/extract/shard_{k}.tsv"
+        paths.benchmark("extract/shard_{k}")
     conda:
         get_extract_env()
     threads: SETTINGS.extract.speed.threads

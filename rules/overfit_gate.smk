@@ -6,19 +6,17 @@ if SETTINGS.validate.overfit_gate:
 
     rule overfit_gate:
         input:
-            validation="results/validation/shard_0.json",
-            shard="results/hidden_states/shard_0",
+            validation=paths.validation_json(0),
+            shard=paths.shard_dir(0),
             tokenized=TOKENIZED,
             model=get_model(),
-            environment=GUARD.input(
-                "overfit_gate", missing("results/validation/overfit_gate.json")
-            ),
+            environment=GUARD.input("overfit_gate", missing(paths.OVERFIT_GATE)),
         output:
-            "results/validation/overfit_gate.json",
+            paths.OVERFIT_GATE,
         log:
-            "logs/validate/overfit_gate.log",
+            paths.log("validate/overfit_gate"),
         benchmark:
-            "benchmarks/validate/overfit_gate.tsv"
+            paths.benchmark("validate/overfit_gate")
         # Its engines and training before the other shards' extract jobs when they compete for GPUs.
         priority: 10
         conda:
@@ -29,8 +27,8 @@ if SETTINGS.validate.overfit_gate:
             gpus=max(get_regen_gpus(), get_gpus()),
             gpu=max(get_regen_gpus(), get_gpus()),
         params:
-            tokens=f"{TOKENIZED}/shard_0.jsonl",
-            work="results/overfit_gate",
+            tokens=paths.tokenized_shard(0),
+            work=paths.OVERFIT_GATE_WORK,
             layers=LayersSettings.params(config),
             extract=get_extract_data_params(),
             # the engine settings of the regenerate stage (used whether or not it is enabled)
@@ -47,13 +45,13 @@ if SETTINGS.validate.overfit_gate:
     rule report_with_gate:
         input:
             **rules.report.input,
-            gate="results/validation/overfit_gate.json",
+            gate=paths.OVERFIT_GATE,
         output:
             **rules.report.output,
         log:
-            "logs/report.log",
+            paths.log("report"),
         benchmark:
-            "benchmarks/report.tsv"
+            paths.benchmark("report")
         conda:
             "../envs/cpu.yaml"
         params:

@@ -1,7 +1,7 @@
 # Disk and GPU time before any GPU job runs: bytes per shard, free space, job time, a shard size.
 # Not part of `all`: `snakemake plan` (add -f to refresh the free space after freeing disk). It changes nothing
 # under results/ but, in a folder with no tokenized shards yet, the run's own first steps (prepare, tokenize);
-# another config's shards are tokenized in .eagle3prep/plan/ (eagle3prep.run.made_by.plan_source).
+# another config's shards are tokenized in .eagle3prep/plan/ (eagle3prep.made_by.plan_source).
 PLAN_SOURCE = made_by.plan_source(made_by.shard_keys(config))
 
 
@@ -10,17 +10,17 @@ rule plan:
         **({"tokenized": TOKENIZED} if PLAN_SOURCE.from_run else {}),
         model=get_model(),
     output:
-        json=".eagle3prep/plan/plan.json",
-        txt=".eagle3prep/plan/plan.txt",
+        json=f"{paths.PLAN_DIR}/plan.json",
+        txt=f"{paths.PLAN_DIR}/plan.txt",
     log:
-        "logs/plan.log",
+        paths.log("plan"),
     conda:
         "../envs/cpu.yaml"
     params:
         # what the plan reads when Snakemake does not make it (another config's: made by the job, in scratch)
         **({} if PLAN_SOURCE.from_run else {"tokenized": PLAN_SOURCE.tokenized}),
         prepared=PLAN_SOURCE.prepared,
-        hidden_states="results/hidden_states",
+        hidden_states=paths.HIDDEN_STATES,
         layers=LayersSettings.params(config),
         dtype=SETTINGS.extract.content.dtype,
         storage=SETTINGS.extract.content.storage,

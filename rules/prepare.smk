@@ -2,15 +2,15 @@
 rule prepare:
     input:
         SOURCES,
-        environment=GUARD.input("prepare", missing("results/prepared/counts.json")),
+        environment=GUARD.input("prepare", missing(paths.prepared("counts.json"))),
     output:
-        conversations="results/prepared/conversations.jsonl",
-        quarantine="results/prepared/quarantine.jsonl",
-        counts="results/prepared/counts.json",
+        conversations=paths.prepared("conversations.jsonl"),
+        quarantine=paths.prepared("quarantine.jsonl"),
+        counts=paths.prepared("counts.json"),
     log:
-        "logs/prepare.log",
+        paths.log("prepare"),
     benchmark:
-        "benchmarks/prepare.tsv"
+        paths.benchmark("prepare")
     conda:
         "../envs/cpu.yaml"
     params:

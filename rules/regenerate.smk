@@ -10,16 +10,16 @@ if REGEN.workflow.enabled:
         input:
             SOURCES,
             environment=GUARD.input(
-                "prepare_prompt_only", missing("results/prepared/counts.json")
+                "prepare_prompt_only", missing(paths.prepared("counts.json"))
             ),
         output:
-            conversations="results/prepared/conversations.jsonl",
-            quarantine="results/prepared/quarantine.jsonl",
-            counts="results/prepared/counts.json",
+            conversations=paths.prepared("conversations.jsonl"),
+            quarantine=paths.prepared("quarantine.jsonl"),
+            counts=paths.prepared("counts.json"),
         log:
-            "logs/prepare.log",
+            paths.log("prepare"),
         benchmark:
-            "benchmarks/prepare.tsv"
+            paths.benchmark("prepare")
         conda:
             "../envs/cpu.yaml"
         params:
@@ -32,20 +32,20 @@ if REGEN.workflow.enabled:
     # The prepared conversations cut into contiguous prompt shards (one folder: see TOKENIZED in common.smk).
     rule regenerate_split:
         input:
-            conversations="results/prepared/conversations.jsonl",
+            conversations=paths.prepared("conversations.jsonl"),
             # Read first: no conversation kept stops the run here, before any engine starts.
-            counts="results/prepared/counts.json",
-            quarantine="results/prepared/quarantine.jsonl",
+            counts=paths.prepared("counts.json"),
+            quarantine=paths.prepared("quarantine.jsonl"),
         output:
             directory(REGEN_PROMPTS),
         log:
-            "logs/regenerate/split.log",
+            paths.log("regenerate/split"),
         benchmark:
-            "benchmarks/regenerate/split.tsv"
+            paths.benchmark("regenerate/split")
         conda:
             "../envs/cpu.yaml"
         params:
-            shards=expand(f"{REGEN_PROMPTS}/shard_{{k}}.jsonl", k=REGEN_SHARDS),
+            shards=expand(paths.regen_prompt_shard(), k=REGEN_SHARDS),
         script:
             "../scripts/regenerate_split.py"
 
@@ -55,14 +55,14 @@ if REGEN.workflow.enabled:
             prompts=REGEN_PROMPTS,
             model=get_model(),
             environment=GUARD.input(
-                "regenerate", missing("results/regenerate/shard_{k}/manifest.json")
+                "regenerate", missing(f"{paths.regen_shard()}/{paths.MANIFEST}")
             ),
         output:
-            directory("results/regenerate/shard_{k}"),
+            directory(paths.regen_shard()),
         log:
-            "logs/regenerate/shard_{k}.log",
+            paths.log("regenerate/shard_{k}"),
         benchmark:
-            "benchmarks/regenerate/shard_{k}.tsv"
+            paths.benchmark("regenerate/shard_{k}")
         conda:
             "../envs/gpu.yaml"
         threads: REGEN.speed.threads
@@ -81,16 +81,16 @@ if REGEN.workflow.enabled:
     # The shards joined, each checked against its manifest; rows in = regenerated + quarantined.
     rule regenerate_merge:
         input:
-            shards=expand("results/regenerate/shard_{k}", k=REGEN_SHARDS),
-            counts="results/prepared/counts.json",
+            shards=expand(paths.regen_shard(), k=REGEN_SHARDS),
+            counts=paths.prepared("counts.json"),
         output:
-            conversations="results/regenerated/conversations.jsonl",
-            quarantine="results/regenerated/quarantine.jsonl",
-            counts="results/regenerated/counts.json",
+            conversations=paths.prepared("conversations.jsonl", paths.REGENERATED),
+            quarantine=paths.prepared("quarantine.jsonl", paths.REGENERATED),
+            counts=paths.prepared("counts.json", paths.REGENERATED),
         log:
-            "logs/regenerate/merge.log",
+            paths.log("regenerate/merge"),
         benchmark:
-            "benchmarks/regenerate/merge.tsv"
+            paths.benchmark("regenerate/merge")
         conda:
             "../envs/cpu.yaml"
         script:
@@ -100,13 +100,13 @@ if REGEN.workflow.enabled:
     # the originals, before any extract job runs.
     rule regenerate_review:
         input:
-            prepared="results/prepared/conversations.jsonl",
-            regenerated="results/regenerated/conversations.jsonl",
-            counts="results/regenerated/counts.json",
+            prepared=paths.prepared("conversations.jsonl"),
+            regenerated=paths.prepared("conversations.jsonl", paths.REGENERATED),
+            counts=paths.prepared("counts.json", paths.REGENERATED),
         output:
-            "results/regenerated/review.txt",
+            paths.prepared("review.txt", paths.REGENERATED),
         log:
-            "logs/regenerate/review.log",
+            paths.log("regenerate/review"),
         conda:
             "../envs/cpu.yaml"
         params:

@@ -6,7 +6,7 @@
 
 rule report:
     input:
-        validations=expand("results/validation/shard_{k}.json", k=SHARDS),
+        validations=expand(paths.validation_json(), k=SHARDS),
         shards=get_shard_dirs(),
         # prepare's counts, or the regenerate stage's (which hold prepare's totals too)
         counts=f"{CONVERSATIONS}/counts.json",
@@ -14,35 +14,35 @@ rule report:
         # its tokenizer renders the report's sample rows
         model=get_model(),
         # The speculators export when requested: the report then waits for it and records it.
-        export=(["results/export/speculators"] if SETTINGS.export.speculators else []),
+        export=([paths.EXPORT] if SETTINGS.export.speculators else []),
     output:
         html=report(
-            "results/report/report.html",
+            paths.REPORT,
             caption="../report/report_html.rst",
             category="Report",
         ),
         summary=report(
-            "results/report/summary.csv",
+            paths.SUMMARY,
             caption="../report/summary_csv.rst",
             category="Dataset",
             labels={"file": "per-shard summary"},
         ),
         manifest=report(
-            "results/report/dataset_manifest.json",
+            paths.DATASET_MANIFEST,
             caption="../report/dataset_manifest.rst",
             category="Dataset",
             labels={"file": "dataset manifest"},
         ),
     log:
-        "logs/report.log",
+        paths.log("report"),
     benchmark:
-        "benchmarks/report.tsv"
+        paths.benchmark("report")
     conda:
         "../envs/cpu.yaml"
     params:
         stats=f"{TOKENIZED}/stats.json",
         token_freq=f"{TOKENIZED}/token_freq.json",
         tokens=get_tokenized_shards(),
-        benchmarks=expand("benchmarks/extract/shard_{k}.tsv", k=SHARDS),
+        benchmarks=expand(paths.benchmark("extract/shard_{k}"), k=SHARDS),
     script:
         "../scripts/report.py"

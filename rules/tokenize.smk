@@ -11,9 +11,9 @@ rule tokenize:
         # shard_{k}.jsonl for every k, stats.json, token_freq.json, quarantine.jsonl
         directory(TOKENIZED),
     log:
-        "logs/tokenize.log",
+        paths.log("tokenize"),
     benchmark:
-        "benchmarks/tokenize.tsv"
+        paths.benchmark("tokenize")
     conda:
         "../envs/cpu.yaml"
     # Worker processes that render the chat template (capped by --cores).

@@ -2,22 +2,22 @@
 # and a transformers recomputation of sampled rows. The job fails when a check fails.
 rule validate:
     input:
-        shard="results/hidden_states/shard_{k}",
+        shard=paths.shard_dir(),
         tokenized=TOKENIZED,
         model=get_model(),
         ticket=heal_ticket("validate/{k}"),
         environment=GUARD.input("validate", validation_runs),
     output:
         report(
-            "results/validation/shard_{k}.json",
+            paths.validation_json(),
             caption="../report/validation.rst",
             category="Validation",
             labels={"shard": "{k}"},
         ),
     log:
-        "logs/validate/shard_{k}.log",
+        paths.log("validate/shard_{k}"),
     benchmark:
-        "benchmarks/validate/shard_{k}.tsv"
+        paths.benchmark("validate/shard_{k}")
     conda:
         "../envs/cpu.yaml"
     resources:
@@ -37,7 +37,7 @@ rule validate:
 # No input or output: Snakemake makes nothing first and re-queues no job, and always runs this one.
 rule verify:
     log:
-        "logs/verify.log",
+        paths.log("verify"),
     localrule: True
     conda:
         "../envs/cpu.yaml"

@@ -6,7 +6,7 @@ os.dup2(sys.stderr.fileno(), 2)  # child processes (vLLM workers, tokenizers) lo
 
 from eagle3prep.errors import one_line_errors
 from eagle3prep.report import ReportJobSettings, ReportPaths, run_report_job
-from eagle3prep.run.stale import FAILED
+from eagle3prep.report.stale import FAILED
 
 with one_line_errors():
     paths = ReportPaths(

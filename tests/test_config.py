@@ -5,7 +5,7 @@ import pytest
 from eagle3prep.config import ConfigError, validate_config
 from eagle3prep.run.parse import (
     check_model,
-    check_target_marker,
+    check_targets_after_configfile,
     check_tokenizer,
     cli_configfiles,
     config_source_line,
@@ -208,21 +208,16 @@ def test_snakemake_still_exposes_the_command_line_config_files():
 
 
 def test_a_target_read_as_a_config_file_says_how_to_write_the_command(tmp_path):
-    """`snakemake --configfile config/my-run.yaml plan`: Snakemake reads `plan` as a second config file; the
-    repository's file of that name carries the marker this check turns into one line."""
-    import yaml
-
-    from testkit.workflow import REPO
-
-    marker = yaml.safe_load((REPO / "plan").read_text())
-    files = [str(tmp_path / "config/my-run.yaml"), str(REPO / "plan")]
+    """`snakemake --configfile config/my-run.yaml plan` with a file `plan` in the working directory: Snakemake reads
+    it as a second config file; the check turns that into one line."""
+    files = [str(tmp_path / "config/my-run.yaml"), str(tmp_path / "plan")]
     with pytest.raises(ConfigError) as e:
-        check_target_marker(base(**marker), files, tmp_path)
+        check_targets_after_configfile(files, tmp_path)
     assert str(e.value) == (
         "config error: `plan` after --configfile was read as a config file (--configfile takes several); "
         "put the target first: snakemake plan --configfile config/my-run.yaml"
     )
-    check_target_marker(base(), files[:1], tmp_path)  # no marker: nothing to say
+    check_targets_after_configfile(files[:1], tmp_path)  # one config file: nothing to say
 
 
 def test_a_model_folder_without_a_loadable_tokenizer_is_refused_at_parse_time(tmp_path, demo_model_dir):

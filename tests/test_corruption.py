@@ -72,7 +72,7 @@ def set_file(shard, name: str, data: bytes | None = None) -> None:
 def test_good_shard_passes_every_check(good, demo_model_dir, tmp_path):
     report = calls.validate(good[0][0], good[0][1], tmp_path / "v.json", demo_model_dir, sample_rows=2)
     assert report["ok"] and len(report["reference"]) == 2 * 4
-    # Each file's size and mtime, as a rerun's healing compares them (run.heal.changed_in_place).
+    # Each file's size and mtime, as a rerun's healing compares them (healing.heal.changed_in_place).
     listed = json.loads((good[0][0] / MANIFEST).read_text())["files"]
     seen = report["files_seen"]
     assert set(seen) >= set(listed) | {MANIFEST}

@@ -1,4 +1,4 @@
-"""eagle3prep.run.heal on a fake results folder: which shards the same command redoes, and why (one line each)."""
+"""eagle3prep.healing.heal on a fake results folder: which shards the same command redoes, and why (one line each)."""
 
 import json
 import os
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3prep.run import heal, tickets
+from eagle3prep import paths
+from eagle3prep.healing import heal, tickets
 from eagle3prep.run.mode import Mode
 
 
@@ -26,15 +27,19 @@ def finished(k: int, validated: bool = True) -> Path:
 
 
 def failed_log(k: int, manifest_newer: bool = False) -> None:
+    """What a failed validation leaves: its log, and its report under paths.validation_failure (the verdict)."""
     log = Path(heal.validate_log(k))
     log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(
-        "[validate] ok   manifest: \n[validate] FAIL file:layer_2.safetensors: sha256 1 != 2\n"
-        f"error: {heal.shard_dir(k)}: 1 check(s) failed: file:layer_2.safetensors (sha256 1 != 2)\n"
-    )
+    log.write_text("[validate] ok   manifest: \n[validate] FAIL file:layer_2.safetensors: sha256 1 != 2\n")
+    verdict = Path(paths.validation_failure(k))
+    verdict.parent.mkdir(parents=True, exist_ok=True)
+    checks = [{"check": "manifest", "ok": True, "detail": ""},
+              {"check": "file:layer_2.safetensors", "ok": False, "detail": "sha256 1 != 2"}]  # fmt: skip
+    verdict.write_text(json.dumps({"ok": False, "checks": checks}))
     manifest = Path(heal.shard_dir(k)) / "manifest.json"
     t = manifest.stat().st_mtime_ns + (-(10**9) if manifest_newer else 10**9)
-    os.utime(log, ns=(t, t))
+    for path in (log, verdict):
+        os.utime(path, ns=(t, t))
 
 
 @pytest.fixture(autouse=True)
@@ -94,8 +99,9 @@ def test_a_shard_that_failed_validation_is_set_aside_and_redone(tmp_path):
     assert heal.set_aside(h) == "results/failed/shard_1"
     assert not Path(heal.shard_dir(1)).exists()
     kept = Path("results/failed/shard_1")
-    assert sorted(p.name for p in kept.iterdir()) == ["extract.log", "hidden_states", "validate.log"]
+    assert sorted(p.name for p in kept.iterdir()) == ["extract.log", "hidden_states", "validate.log", "validation.json"]
     assert (kept / "hidden_states/manifest.json").is_file() and "FAIL" in (kept / "validate.log").read_text()
+    assert not Path(paths.validation_failure(1)).exists()
 
 
 def test_failed_shards_are_kept_on_request_and_redone_at_most_twice():
@@ -119,11 +125,13 @@ def test_a_dry_run_says_it_would_move_a_failed_shard():
     assert "would move it (not in a dry run) to results/failed/shard_1" in h.why and "moving it" not in h.why
 
 
-def test_a_validation_log_older_than_the_shard_or_without_a_verdict_is_no_failure():
+def test_a_failed_verdict_older_than_the_shard_or_none_at_all_is_no_failure():
+    """The verdict is the report validation kept, never the log's text: a log that says FAIL decides nothing."""
     finished(1, validated=False)
     failed_log(1, manifest_newer=True)  # the shard was redone after that validation
     assert heal.find([1]) == []
-    Path(heal.validate_log(1)).write_text("interrupted (Ctrl-C): ...\n")
+    Path(paths.validation_failure(1)).unlink()  # a job that stopped before judging leaves none
+    os.utime(heal.validate_log(1))
     assert heal.find([1]) == []
 
 
@@ -136,13 +144,14 @@ def test_summary_is_one_line_per_shard_then_a_count():
 def healing(main=True, dry=False, **kw):
     said = []
     h = tickets.Healing(range(3), False, main=main, mode=lambda: Mode(executor=True, dry=dry), say=said.append, **kw)
+    h.prepare()  # at parse time
     return h, said
 
 
 def test_a_job_to_redo_gets_this_runs_ticket_newer_than_its_outputs_and_keeps_it_once_healed():
-    """Healing through Snakemake's own rules: the redone job's one more input is the next ticket, written while the
-    DAG is built, so it is there and newer than the job's outputs (Snakemake's mtime trigger, no metadata needed);
-    once carried out, the next run asks the same input of that job (nothing re-queued) and none of the others."""
+    """Healing through Snakemake's own rules: the redone job's one more input is the next ticket, written at parse
+    time, so it is there and newer than the job's outputs (Snakemake's mtime trigger, no metadata needed); once
+    carried out, the next run asks the same input of that job (nothing re-queued) and none of the others."""
     for k in range(3):
         finished(k)
     shutil.rmtree(heal.shard_dir(2))
@@ -168,13 +177,15 @@ def test_a_job_to_redo_gets_this_runs_ticket_newer_than_its_outputs_and_keeps_it
     assert third.ticket("extract/2") == [".eagle3prep/heal/2.json"]
 
 
-def test_a_ticket_no_job_of_the_dag_took_is_removed():
+def test_a_ticket_not_carried_out_is_removed_at_exit():
     for k in range(3):
         finished(k)
     shutil.rmtree(heal.shard_dir(2))
     h, _ = healing()
     assert h.is_due("extract/2") and Path(".eagle3prep/heal/1.json").exists()
-    assert h.carry_out() == [] and not Path(".eagle3prep/heal/1.json").exists()
+    assert h.carry_out() == []  # no job of the DAG took it
+    h._remove_unless_carried_out(h.path)  # what the process's exit does
+    assert not Path(".eagle3prep/heal/1.json").exists()
 
 
 def test_carrying_out_sets_failed_shards_aside_and_names_only_the_jobs_the_dag_holds():
@@ -196,9 +207,10 @@ def test_a_dry_run_or_a_spawned_jobs_process_changes_nothing():
     failed_log(1)
     dry, said = healing(dry=True)
     # A dry run's ticket is made (so -n lists the job) and removed when the process exits; nothing is moved.
-    assert dry.ticket("extract/1") == [".eagle3prep/heal/dry-run.json"] and "would move it" in said[0]
-    assert Path(".eagle3prep/heal/dry-run.json").exists() and tickets.read_tickets() == {}
-    assert dry.carry_out() == [] and Path(heal.shard_dir(1)).is_dir()
+    assert dry.ticket("extract/1") == [".eagle3prep/heal/1.json"] and "would move it" in said[0]
+    assert tickets.read_tickets() == {1: None} and Path(heal.shard_dir(1)).is_dir()
+    dry._remove_unless_carried_out(dry.path)
+    assert tickets.read_tickets() == {}
     spawned, said = healing(main=False)  # a job's own process: the tickets on disk only, no finding, no lines
     assert spawned.ticket("extract/1") == [] and not said
 
@@ -208,6 +220,7 @@ def test_the_results_checks_run_once_with_the_mode_and_touch_heals_nothing():
     finished(0, validated=False)
     failed_log(0)
     h = tickets.Healing([0], False, True, lambda: Mode(executor=True, touch=True), print, before=seen.append)
+    h.prepare()
     assert h.ticket("extract/0") == [] and h.ticket("validate/0") == [] and seen == [Mode(executor=True, touch=True)]
 
 

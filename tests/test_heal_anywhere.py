@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3prep.run import heal, stale
+from eagle3prep.healing import heal
+from eagle3prep.report import stale
 
 from testkit.workflow import snakemake
 
@@ -75,8 +76,8 @@ def test_a_damaged_folder_heals_wherever_it_is_and_with_or_without_metadata(smal
         dry = snakemake(wd, "-n")
         said = dry.stdout + dry.stderr
         assert "Nothing to be done" not in said
-        assert said.count("reason: Updated input files: .eagle3prep/heal/dry-run.json") == 3, said[-3000:]
-        assert not (wd / ".eagle3prep/heal/dry-run.json").exists()
+        assert said.count("reason: Updated input files: .eagle3prep/heal/1.json") == 3, said[-3000:]
+        assert not (wd / ".eagle3prep/heal/1.json").exists()
 
     first = snakemake(wd, check=False)
     err = first.stdout + first.stderr

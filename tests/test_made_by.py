@@ -1,4 +1,4 @@
-"""A results folder remembers the config that made it (eagle3prep.run.made_by), the header names the config really
+"""A results folder remembers the config that made it (eagle3prep.made_by), the header names the config really
 read, and suggested commands carry the user's own flags (eagle3prep.run.command)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-from eagle3prep.run import command, made_by
+from eagle3prep import made_by
+from eagle3prep.run import command
 from eagle3prep.run.parse import config_source_line
 from eagle3prep.settings import Settings
 
@@ -250,6 +251,8 @@ NAMES = {
 # what a job needs, not its bytes
 NOT_CONTENT = {"GUARD", "missing", "shard_extract_runs", "heal_ticket", "expand", "params", "config"}
 NOT_CONTENT |= {"True", "False", "None", "if", "else", "and", "or", "not"}
+# paths: the files a rule names (eagle3prep.paths), which no config key decides
+NOT_CONTENT |= {"paths"}
 
 
 def test_the_content_keys_are_every_param_and_input_of_the_chain():

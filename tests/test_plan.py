@@ -211,7 +211,7 @@ def test_plan_and_the_dry_run_agree_on_a_folder_of_shards_another_config_made(sm
 def test_plan_reads_results_tokenized_only_when_it_is_this_configs(tmp_path, monkeypatch):
     """The plan of another config tokenized into results/tokenized, and the folder's own config then extracted every
     shard again: it reads results/ only when the record's tokenize keys are this config's."""
-    from eagle3prep.run import made_by
+    from eagle3prep import made_by
 
     monkeypatch.chdir(tmp_path)
 

@@ -24,10 +24,10 @@ NOT_CONFIG = {
     "demo.py:build_demo_model:seed": "the demo model's weights' seed",
     "overfit_gate/stage.py:GateSettings:max_tokens": "the gate's reply length, not regenerate.sampling.max_tokens",
     "overfit_gate/train.py:epochs_for:seed": "speculators' batch sampler's seed",
-    "run/made_by.py:read_record:path": "the record file, not model.path",
-    "run/made_by.py:write_record:path": "the record file, not model.path",
-    "run/made_by.py:finished_shards:hidden_states": "the hidden-state folder, not export.hidden_states",
-    "run/made_by.py:check:hidden_states": "the hidden-state folder, not export.hidden_states",
+    "made_by.py:read_record:path": "the record file, not model.path",
+    "made_by.py:write_record:path": "the record file, not model.path",
+    "made_by.py:finished_shards:hidden_states": "the hidden-state folder, not export.hidden_states",
+    "made_by.py:check:hidden_states": "the hidden-state folder, not export.hidden_states",
     "run/parse.py:finished_layer_ids:hidden_states": "the hidden-state folder, not export.hidden_states",
     "run/parse.py:drafts_notes:hidden_states": "the hidden-state folder, not export.hidden_states",
     "config/model.py:model_layer_ids:drafts": "no drafts: the ids alone (callers with a config pass layers.drafts)",
@@ -156,7 +156,7 @@ def test_no_schema_key_has_a_second_default_in_code():
 
 # Parameters that still default to schema_default(...), to be given by every caller: heal.find's callers pass
 # SETTINGS.heal.keep_failed already.
-SIGNATURE_LEFT = {"run/heal.py:find:keep_failed"}
+SIGNATURE_LEFT = {"healing/heal.py:find:keep_failed"}
 
 
 def config_parameters(tree):

@@ -1,4 +1,4 @@
-"""A report that a run did not rebuild never reads as the truth (eagle3prep.run.stale, eagle3prep.run.closing), and
+"""A report that a run did not rebuild never reads as the truth (eagle3prep.report.stale, eagle3prep.run.closing), and
 the report's banner is green only when every shard of the config passed, with set-aside copies and lossy source
 files named (eagle3prep.report.page.banners)."""
 
@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 
 from eagle3prep.report import page
-from eagle3prep.run import closing, heal, stale
+from eagle3prep import paths
+from eagle3prep.healing import heal
+from eagle3prep.report import stale
+from eagle3prep.run import closing
 
 GREEN = "Every check passed on every shard"
 
@@ -34,11 +37,11 @@ def failed_shard(k: int) -> None:
     folder = Path(heal.shard_dir(k))
     folder.mkdir(parents=True)
     (folder / "manifest.json").write_text("{}")
-    log = Path(heal.validate_log(k))
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(f"[validate] FAIL file:layer_2.safetensors: sha256\nerror: {folder}: 1 check(s) failed\n")
+    verdict = Path(paths.validation_failure(k))
+    verdict.parent.mkdir(parents=True, exist_ok=True)
+    verdict.write_text(json.dumps({"ok": False, "checks": [{"check": "sha256", "ok": False, "detail": "1 != 2"}]}))
     later = time.time_ns() + 10**9
-    os.utime(log, ns=(later, later))
+    os.utime(verdict, ns=(later, later))
 
 
 def test_the_stale_banner_goes_at_the_top_once_and_names_each_reason():
@@ -89,10 +92,10 @@ def test_a_report_this_run_rebuilt_is_left_alone():
 def test_set_aside_copies_are_listed_with_their_error():
     copy = Path(stale.FAILED) / "shard_6"
     copy.mkdir(parents=True)
-    (copy / "validate.log").write_text("[validate] FAIL x\nerror: shard_6: 1 check(s) failed: sha256\n")
+    (copy / "validation.json").write_text(json.dumps({"checks": [{"check": "sha256", "ok": False, "detail": "1 != 2"}]}))
     (Path(stale.FAILED) / "shard_6.1").mkdir()
     assert stale.set_aside_shards() == [
-        {"dir": "results/failed/shard_6", "why": "shard_6: 1 check(s) failed: sha256"},
+        {"dir": "results/failed/shard_6", "why": "1 check(s) failed: sha256 (1 != 2)"},
         {"dir": "results/failed/shard_6.1", "why": "failed validation"},
     ]
 

@@ -48,3 +48,19 @@ class Checks:
 
     def to_json(self) -> list[dict[str, Any]]:
         return [c.to_json() for c in self.items]
+
+
+def failed_line(failed: list[Check], shown: int = 5) -> str:
+    """The failed checks in one line, as the validate job's error and the next run's healing say them."""
+    names = ", ".join(f"{c.name} ({c.detail})" for c in failed[:shown])
+    return f"{len(failed)} check(s) failed: {names}"
+
+
+def report_failures(report: object) -> str | None:
+    """failed_line of a validation report (its `checks` list, as written); None when it records no failed check."""
+    entries = report.get("checks") if isinstance(report, dict) else None
+    failed = [
+        Check(str(e.get("check")), False, str(e.get("detail", "")))
+        for e in entries if isinstance(e, dict) and e.get("ok") is False
+    ] if isinstance(entries, list) else []  # fmt: skip
+    return failed_line(failed) if failed else None

@@ -365,7 +365,7 @@ class Settings:
     plan: PlanSettings
     heal: HealSettings
     regenerate: RegenerateSettings
-    replace_results: bool  # a run may replace another config's finished shards (run.made_by)
+    replace_results: bool  # a run may replace another config's finished shards (made_by)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Settings:

@@ -63,7 +63,7 @@ class Verdict:
         if self.ok:
             return f"verify: ok: {checked} match their manifests"
         places = sorted(self.bad_places, key=_natural)
-        # heal (eagle3prep.run.heal) reads RECORD and redoes these places in the workflow's next run
+        # heal (eagle3prep.healing.heal) reads RECORD and redoes these places in the workflow's next run
         yours = "" if command.known() else " (with your --configfile and --directory)"
         return (
             f"verify: {len(self.damaged)} damaged of {checked}, in {', '.join(places)}; the next run of the same "

@@ -70,7 +70,7 @@ def snakemake(
     return proc
 
 
-# Keys of a validation report that hold file dates (run.heal.files_seen): they differ between equal runs.
+# Keys of a validation report that hold file dates (healing.heal.files_seen): they differ between equal runs.
 DATED_KEYS = ("files_seen",)
 
 

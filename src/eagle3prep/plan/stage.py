@@ -3,7 +3,7 @@
 A plan changes nothing under results/. It reads results/tokenized when those are this config's shards (or makes
 them there through Snakemake in a folder that has none yet: the run's own first step); for another config it
 prepares and tokenizes into a scratch folder of its own (.eagle3prep/plan/tokenized-<hash>, made once and reused),
-so pricing a what-if redoes no finished shard (run.made_by.plan_source says which).
+so pricing a what-if redoes no finished shard (made_by.plan_source says which).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from typing import Any, Self
 
 from ..infra import faults
 from ..infra.atomic import atomic_open, sha256_file, write_json
-from ..run import stale
+from . import stale
 from ..shard.layout import MANIFEST, TIMINGS
 from ..shard.shardset import ShardSet
 from ..shard.tokenized import rows as tokenized_rows

@@ -1,6 +1,6 @@
 """The report's HTML page: what a person needs before spending GPU-days on the data comes first (banners, the row
 funnel, every check's verdict, the reference margins); details follow. One self-contained file (figures inlined),
-laid out for a 1,000-pixel-wide window. What says "passed" is written through run.stale.while_current."""
+laid out for a 1,000-pixel-wide window. What says "passed" is written through report.stale.while_current."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..infra.atomic import atomic_open
-from ..run.stale import GREEN_BANNER, STALE_VERDICTS, while_current
+from .stale import GREEN_BANNER, STALE_VERDICTS, while_current
 from ..shard.formats import storage_format
 from . import data, drafts
 from .tables import loss_banner, set_aside_banner, source_table, tool_banner

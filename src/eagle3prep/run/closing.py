@@ -8,12 +8,13 @@ import json
 import os
 from pathlib import Path
 
+from .. import paths
+from ..healing import heal
 from ..prepare.counts import loss_lines
-from . import heal
-from .stale import REPORT, is_stale, mark_stale
+from ..report.stale import REPORT, is_stale, mark_stale
 
-PREPARED_COUNTS = "results/prepared/counts.json"
-TOKENIZED_QUARANTINE = "results/tokenized/quarantine.jsonl"
+PREPARED_COUNTS = paths.prepared("counts.json")
+TOKENIZED_QUARANTINE = f"{paths.TOKENIZED}/quarantine.jsonl"
 
 
 def tokenize_losses(quarantine: str | os.PathLike = TOKENIZED_QUARANTINE) -> dict[str, dict[str, int]]:
@@ -39,17 +40,15 @@ def run_losses(counts_path: str | os.PathLike = PREPARED_COUNTS) -> list[str]:
 
 
 def failed_validations(shards: list[int]) -> list[str]:
-    """One line per shard whose last validation failed (its validate log, newer than its manifest)."""
+    """One line per shard whose last validation failed (its kept report, newer than its manifest)."""
     out = []
     for k in shards:
         try:
-            since = os.stat(f"{heal.shard_dir(k)}/{heal.MANIFEST}").st_mtime_ns
+            since = os.stat(paths.shard_manifest(k)).st_mtime_ns
         except FileNotFoundError:
             since = 0
         if failure := heal.validation_failure(k, since):
-            out.append(
-                f"{heal.shard_dir(k)} failed validation ({heal.validate_log(k)}): {failure.removeprefix('error: ')}"
-            )
+            out.append(f"{paths.shard_dir(k)} failed validation ({heal.validate_log(k)}): {failure}")
     return out
 
 

@@ -19,16 +19,15 @@ from ..model_facts import ModelFacts
 from ..settings import Settings
 from ..shard.formats import storage_format
 from ..vllm.families import check_capture_path
-from .heal import HIDDEN_STATES
+from ..paths import HIDDEN_STATES, OUTPUT_ROOTS
 
 # What extract loads its weights from (transformers and vLLM read these; *.pt and *.pth are older checkpoints).
 WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 DEMO_CONFIG = "config/config.yaml"
-# The key of the file named `plan` at the repository root. `snakemake --configfile my.yaml plan` reads `plan` as
-# a second config file (Snakemake's --configfile takes several, and loads them before the Snakefile runs), so
-# that file exists to be read and to stop the run with one line saying how to write the command.
-TARGET_MARKER = "eagle3prep_target_after_configfile"
+# The targets the guides name. Typed after --configfile, Snakemake reads one as a config file before the Snakefile
+# runs, and stops on the missing file in its own traceback; only a file of that name that exists reaches us.
+TARGETS = ("all", "plan", "verify", "overfit_gate", "regenerate_review")
 
 
 def cli_configfiles(workflow: object) -> list[str]:
@@ -92,34 +91,24 @@ def shown_path(path: str, cwd: str | os.PathLike) -> str:
     return path if rel.startswith("..") else rel
 
 
-def check_target_marker(config: dict[str, Any], configfiles: list[str], cwd: str | os.PathLike) -> None:
-    """One line for `snakemake --configfile my.yaml plan`, where Snakemake took `plan` for a config file (the
-    marker files at the repository root: plan, verify, overfit_gate, regenerate_review), or took one of the
-    workflow's outputs (`results/report/summary.csv`) for one."""
-    outputs = [f for f in configfiles[1:] if _is_output(f, cwd)]
-    if outputs:
-        target = shown_path(outputs[0], cwd)
-        files = [shown_path(f, cwd) for f in configfiles if f not in outputs]
-        raise ConfigError(
-            f"config error: `{target}` after --configfile was read as a config file (--configfile takes several), "
-            f"but it is one of the workflow's outputs; put the target first: snakemake {target} --configfile "
-            f"{' '.join(files)}"
-        )
-    if TARGET_MARKER in config:
-        target = config[TARGET_MARKER]
-        files = [shown_path(f, cwd) for f in configfiles if Path(f).name != target] or ["my-run.yaml"]
-        raise ConfigError(
-            f"config error: `{target}` after --configfile was read as a config file (--configfile takes several); "
-            f"put the target first: snakemake {target} --configfile {' '.join(files)}"
-        )
-
-
-OUTPUT_DIRS = ("results", "logs", "benchmarks", ".eagle3prep")  # what the workflow writes: never a config file
+def check_targets_after_configfile(configfiles: list[str], cwd: str | os.PathLike) -> None:
+    """One line for a target typed after --configfile that Snakemake could read as a config file: one of the
+    workflow's outputs (`results/report/summary.csv`), or a file named like a target the guides name."""
+    for f in configfiles[1:]:
+        output = _is_output(f, cwd)
+        if output or (Path(f).name in TARGETS and os.path.dirname(os.path.abspath(f)) == os.path.abspath(cwd)):
+            target = shown_path(f, cwd)
+            files = " ".join(shown_path(c, cwd) for c in configfiles if c != f)
+            but = ", but it is one of the workflow's outputs" if output else ""
+            raise ConfigError(
+                f"config error: `{target}` after --configfile was read as a config file (--configfile takes "
+                f"several){but}; put the target first: snakemake {target} --configfile {files}"
+            )
 
 
 def _is_output(path: str, cwd: str | os.PathLike) -> bool:
     rel = os.path.relpath(os.path.abspath(path), os.path.abspath(cwd))
-    return rel.split(os.sep)[0] in OUTPUT_DIRS
+    return rel.split(os.sep)[0] in OUTPUT_ROOTS
 
 
 # The last tokenizer check that passed: importing transformers costs seconds (more on a busy login node), and

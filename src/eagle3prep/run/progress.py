@@ -18,8 +18,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-EXTRACT_LOG = "logs/extract/shard_{k}.log"
-MANIFEST_OF = "results/hidden_states/shard_{k}/manifest.json"
+from .. import paths
+
+EXTRACT_LOG = paths.log("extract/shard_{k}")
+MANIFEST_OF = paths.shard_manifest()
 INTERVAL_S = 60.0  # hours-long jobs: a line a minute shows movement without burying Snakemake's own lines
 ENV = "EAGLE3PREP_PROGRESS_S"  # seconds between looks; 0 turns the lines off
 TAIL = 8192
@@ -46,7 +48,7 @@ class Stage:
 
 EXTRACT = Stage("extract", EXTRACT_LOG, MANIFEST_OF, "tok", "tokens")
 REGENERATE = Stage(
-    "regenerate", "logs/regenerate/shard_{k}.log", "results/regenerate/shard_{k}/manifest.json", "conv",
+    "regenerate", paths.log("regenerate/shard_{k}"), f"{paths.regen_shard()}/{paths.MANIFEST}", "conv",
     "conversations",
 )  # fmt: skip
 BAR = EXTRACT.bar()

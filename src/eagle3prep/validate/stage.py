@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
-from ..check import Checks
+from .. import paths
+from ..check import Checks, failed_line
 from ..config import reference_mode
 from ..errors import UserError
 from ..infra import faults
@@ -99,7 +100,7 @@ def validate_shard(
     model.trust_remote_code. `refs`: a ReferencePair already loaded (the validation matrix judges many shards
     of one model). `keep_failed`: heal.keep_failed (what the error says the next run does).
     """
-    from ..run.heal import files_seen
+    from ..healing.heal import files_seen
 
     checks = Checks()
     report: dict[str, Any] = {"shard_dir": str(shard_dir), "tokenized": str(tokenized_shard)}
@@ -182,29 +183,30 @@ def _sample(n_rows: int, sample_rows: int | str, seed: int) -> list[int]:
 
 
 def _finish(report: dict[str, Any], checks: Checks, out_json: str, shard_dir: str, keep_failed: bool) -> None:
-    """Write the report and print every check; a failed shard raises ValidationError and leaves no report."""
+    """Write the report and print every check; a failed shard raises ValidationError, and its report goes to
+    paths.failed_verdict(out_json) instead: it must not look like a pass, and it is the verdict the next run's
+    healing reads."""
     report["checks"] = checks.to_json()
     report["ok"] = not checks.failed
     faults.kill_point("validate.before_report", shard=Path(shard_dir).name)
-    write_json(out_json, report)
+    failed_at = paths.failed_verdict(out_json)
+    write_json(failed_at if checks.failed else out_json, report)
     for c in checks.items:
         log.info(f"{'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}")
-    if checks.failed:
-        Path(out_json).unlink()  # a failed shard must not leave a report that looks like a pass
-        names = ", ".join(f"{c.name} ({c.detail})" for c in checks.failed[:5])
-        error = ValidationError(
-            f"{shard_dir}: {len(checks.failed)} check(s) failed: {names}; {next_run(shard_dir, keep_failed)}"
-        )
-        error.failed = [c.name for c in checks.failed]
-        raise error
+    if not checks.failed:
+        Path(failed_at).unlink(missing_ok=True)  # an earlier failure of this shard is no verdict any more
+        return
+    error = ValidationError(f"{shard_dir}: {failed_line(checks.failed)}; {next_run(shard_dir, keep_failed)}")
+    error.failed = [c.name for c in checks.failed]
+    raise error
 
 
 def next_run(shard_dir: str, keep_failed: bool) -> str:
-    """What the next run of the same command does with a shard that failed validation (run.heal decides it), in
+    """What the next run of the same command does with a shard that failed validation (healing.heal decides it), in
     words: set aside and extracted again, or, kept in place (heal.keep_failed) or after too many redos, validated
-    again, failing the run until it passes or is removed. Starts with "the next run" (run.heal cuts there)."""
+    again, failing the run until it passes or is removed. Starts with "the next run" (healing.heal cuts there)."""
     from ..run.command import same_command
-    from ..run.heal import MAX_REDOS, failed_copies
+    from ..healing.heal import MAX_REDOS, failed_copies
 
     name = Path(shard_dir).name
     k = int(name.removeprefix("shard_")) if name.removeprefix("shard_").isdigit() else None

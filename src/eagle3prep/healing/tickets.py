@@ -1,18 +1,20 @@
-"""How the same command redoes what healing found (run.heal), through Snakemake's own rules: heal tickets.
+"""How the same command redoes what healing found (healing.heal), through Snakemake's own rules: heal tickets.
 
 A job that must be redone gets one more input, the ticket `.eagle3prep/heal/<n>.json` of this run (n: one past the
-last ticket), written while Snakemake builds the DAG, so it exists and is newer than the job's outputs when
-Snakemake decides what runs: "Updated input files" is Snakemake's mtime trigger, which needs no `.snakemake/`
-metadata, so a results folder copied, moved or without `.snakemake/` heals exactly as one with it (with metadata,
-the changed set of inputs says the same). A ticket made in the DAG names no job it heals until `onstart` (under
-Snakemake's lock, before any job) has set failed shards aside, marked the last report stale and recorded the
-ticket as carried out: a run refused before it starts leaves a ticket no later run reads. A job keeps the last
-carried-out ticket that named it as its input, so the next run sees the same inputs and re-queues nothing; a job
-never healed has no ticket input. A dry run's due jobs get `.eagle3prep/heal/dry-run.json`, made the same way and
-removed when the process exits, so `-n` lists what the run would redo and leaves no ticket behind.
+last ticket). It must exist and be newer than the job's outputs when Snakemake decides what runs: "Updated input
+files" is Snakemake's mtime trigger, which needs no `.snakemake/` metadata, so a results folder copied, moved or
+without `.snakemake/` heals exactly as one with it (a ticket that is only an output of another job would not do:
+Snakemake remakes a missing input only for a job that runs for another reason). Snakemake reads no Snakefile hook
+between the parse and the DAG's comparisons, so the ticket is written at parse time, by `prepare`, and removed when
+the process exits unless `onstart` (under Snakemake's lock, before any job) carried it out: set failed shards aside,
+marked the last report stale and recorded the jobs the DAG holds. A dry run, `--lint`, `verify` or a refused run
+thus leaves no ticket. A job keeps the last carried-out ticket that named it as its input, so the next run sees the
+same inputs and re-queues nothing; a job never healed has no ticket input.
 
-Everything is asked from input functions, which Snakemake calls while it builds the DAG, only for the jobs of the
-targets asked for: `snakemake verify` heals nothing, and the lines say only what the DAG will do.
+The input functions only look up what `prepare` found; they write nothing. The first of them to ask runs the
+results-folder checks with the Mode (a run or a dry run is known only once Snakemake builds the DAG) and says what
+healing found, once. Snakemake calls them only for the jobs of the targets asked for: `snakemake verify` heals
+nothing.
 """
 
 from __future__ import annotations
@@ -23,13 +25,17 @@ import json
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from .. import paths
 from ..infra.atomic import write_json
-from . import heal, stale
-from .mode import Mode
+from ..report import stale
+from . import heal
 
-FOLDER = ".eagle3prep/heal"
-DRY_RUN = "dry-run.json"  # a dry run's ticket, removed at exit
+if TYPE_CHECKING:
+    from ..run.mode import Mode
+
+FOLDER = paths.HEAL_TICKETS
 
 
 def job_key(force: str) -> str:
@@ -65,12 +71,19 @@ def read_tickets(folder: str | os.PathLike = FOLDER) -> dict[int, frozenset[str]
     return out
 
 
+def ticket_path(n: int, folder: str | os.PathLike = FOLDER) -> str:
+    return f"{folder}/{n}.json"
+
+
+
+
+
 # What the due jobs' outputs are compared with when a job's own output is missing (Snakemake takes a later job's).
-OUTPUTS_AFTER = ("results/report/report.html", "results/report/dataset_manifest.json", heal.EXPORT)
+OUTPUTS_AFTER = (paths.REPORT, paths.DATASET_MANIFEST, paths.EXPORT)
 
 
 def _shard_outputs(k: int | None) -> tuple[str, ...]:
-    return () if k is None else (heal.shard_dir(k), heal.validation_json(k))
+    return () if k is None else (paths.shard_dir(k), paths.validation_json(k))
 
 
 def _mtime_ns(path: str | None) -> int:
@@ -82,15 +95,11 @@ def _mtime_ns(path: str | None) -> int:
     return out
 
 
-def ticket_path(n: int, folder: str | os.PathLike = FOLDER) -> str:
-    return f"{folder}/{n}.json"
-
-
 class Healing:
-    """One Snakemake process's healing: `ticket(job)` is the input function's answer for a job; `carry_out`
-    (onstart) does what was found. `before` runs once, at the first question, with the Mode (the results-folder
-    checks); `say` prints a line in the Snakefile's voice; `main`: the process that builds the whole DAG (a spawned
-    or remote job's process only reads tickets)."""
+    """One Snakemake process's healing: `prepare` (parse time) finds what to redo and writes the ticket, `ticket(job)`
+    is the input function's answer for a job, `carry_out` (onstart) does what was found. `before` runs once, at the
+    first question, with the Mode (the results-folder checks); `say` prints a line in the Snakefile's voice; `main`:
+    the process that builds the whole DAG (a spawned or remote job's process only reads tickets)."""
 
     def __init__(
         self,
@@ -104,47 +113,50 @@ class Healing:
     ) -> None:
         self.shards, self.keep_failed, self.main = list(shards), keep_failed, main
         self._mode, self._before, self.folder, self._say = mode, before, folder, say
-        self._started = False
+        self.tickets = read_tickets(folder)
+        self.next = max(self.tickets, default=0) + 1
+        self.found: list[heal.Heal] = []
         self.due: dict[str, heal.Heal] = {}  # job -> why, for the jobs this run redoes
         self.asked: set[str] = set()  # the due jobs the DAG holds (their input function was called)
-        self.tickets: dict[int, frozenset[str] | None] = {}
-        self.next = 1
-        self.path: str | None = None  # this run's ticket (a dry run's: DRY_RUN), made when a job is due
+        self.path: str | None = None  # this run's ticket, written by prepare when a job is due
+        self._started = self._carried_out = False
 
-    def start(self) -> Mode | None:
-        """Once per process: read the tickets and, in the main process, find what to heal, say it and make the
-        ticket the due jobs take as input."""
-        if self._started:
-            return None
-        self._started = True
-        self.tickets = read_tickets(self.folder)
-        self.next = max(self.tickets, default=0) + 1
+    def prepare(self) -> None:
+        """At parse time, in the main process: find what to heal (listings and stats) and write the ticket the due
+        jobs take as input, newer than their outputs; it is removed at exit unless carry_out ran."""
         if not self.main:
-            return None
-        mode = self._mode()
-        self._before(mode)
-        if mode.touch:
-            return mode
-        heals = heal.find(self.shards, self.keep_failed, dryrun=not mode.jobs_run)
-        self.due = {job_key(h.force): h for h in heals if h.force}
-        for line in heal.summary(heals):
-            self._say(line)
-        if self.due and mode.executor:
-            self._make_ticket(dry=not mode.jobs_run)
-        return mode
-
-    def _make_ticket(self, dry: bool) -> None:
-        """The ticket file, now, before Snakemake compares the due jobs' inputs with their outputs."""
-        self.path = f"{self.folder}/{DRY_RUN}" if dry else ticket_path(self.next, self.folder)
-        write_json(self.path, {"jobs": sorted(self.due), "started": False, "dry_run": dry})
+            return
+        self.found = heal.find(self.shards, self.keep_failed)
+        due = {job_key(h.force): h for h in self.found if h.force}
+        if not due:
+            return
+        self.due, self.path = due, ticket_path(self.next, self.folder)
+        write_json(self.path, {"jobs": sorted(due), "started": False})
         # Newer than every output the due jobs compare it with, also one dated ahead of this host's clock (a folder
         # from a host whose clock runs ahead): a redo too many is cheap, a silent pass is not.
-        outputs = [p for h in self.due.values() for p in (h.force, *_shard_outputs(h.shard))]
+        outputs = [p for h in due.values() for p in (h.force, *_shard_outputs(h.shard))]
         newest = max(map(_mtime_ns, [*outputs, *OUTPUTS_AFTER]), default=0)
         if newest >= (now := os.stat(self.path).st_mtime_ns):
             os.utime(self.path, ns=(now, newest + 10**9))
-        if dry:
-            atexit.register(Path(os.path.abspath(self.path)).unlink, missing_ok=True)
+        atexit.register(self._remove_unless_carried_out, os.path.abspath(self.path))
+
+    def _remove_unless_carried_out(self, path: str) -> None:
+        if not self._carried_out:
+            Path(path).unlink(missing_ok=True)
+
+    def start(self) -> None:
+        """Once, at the first question, in the main process: the results-folder checks, then what healing found,
+        said (a dry run says what a run would do); --touch and a command that runs no job redo nothing."""
+        if self._started or not self.main:
+            return
+        self._started = True
+        mode = self._mode()
+        self._before(mode)
+        if mode.touch or not mode.executor:
+            self.due = {}
+            return
+        for line in heal.summary(self.found, dryrun=not mode.jobs_run):
+            self._say(line)
 
     def ticket(self, job: str) -> list[str]:
         """The ticket input of `job`: this run's when it is redone, else the last carried-out one that named it,
@@ -164,11 +176,8 @@ class Healing:
         """In the main process when the run starts (`onstart`: after the DAG is built, under Snakemake's lock,
         before any job), for the due jobs the DAG holds: set failed shards aside, mark the last report stale, then
         record the ticket as carried out (last: a run killed before it healed nothing, and the next one finds the
-        same). A ticket no job took is removed. Returns the lines said (also written to `log`)."""
-        if not self.path or self.path.endswith(DRY_RUN):
-            return []
-        if not self.asked:
-            Path(self.path).unlink(missing_ok=True)
+        same). Returns the lines said (also written to `log`)."""
+        if not self.path or not self.asked:
             return []
         heals = [self.due[j] for j in sorted(self.asked)]
         lines = [f"redo {j}: {self.due[j].why}" for j in sorted(self.asked)]
@@ -180,8 +189,9 @@ class Healing:
         if reasons and stale.mark_stale(reasons):
             lines.append(f"marked {stale.REPORT} STALE until this run rebuilds it")
             self._say(lines[-1])
-        log = log or f"logs/heal/{Path(self.path).stem}.log"
+        log = log or paths.log(f"heal/{Path(self.path).stem}")
         Path(log).parent.mkdir(parents=True, exist_ok=True)
         Path(log).write_text("".join(f"[heal] {line}\n" for line in lines), encoding="utf-8")
         write_json(self.path, {"jobs": sorted(self.asked), "why": [h.why for h in heals], "started": True})
+        self._carried_out = True
         return lines

@@ -4,9 +4,9 @@ missing, unfinished, changed after validation or that failed validation, and say
 Snakemake alone does not redo them: a deleted shard whose validation and report exist is an intermediate
 file it does not need, and a failed shard's folder still looks finished. The checks are directory listings,
 `stat`s and existence tests; the files read are a validated shard's validation report (the size and mtime of each
-file it saw: a file written in place leaves the folder's date alone) and the validation log of a shard that has
-no validation. What is found is redone through heal tickets (run.tickets): the one change on disk, moving a
-failed shard to results/failed/, is made when the run starts, under Snakemake's lock.
+file it saw: a file written in place leaves the folder's date alone) and the failed validation report of a shard
+that failed (paths.validation_failure). What is found is redone through heal tickets (healing.tickets): the one
+change on disk, moving a failed shard to results/failed/, is made by the heal job, before the shard's jobs.
 """
 
 from __future__ import annotations
@@ -18,20 +18,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3prep.config import schema_default
+from .. import paths
+from ..check import report_failures
+from ..config import schema_default
+from ..paths import EXPORT, FAILED, HIDDEN_STATES, MANIFEST, VALIDATION, VERIFIED, shard_dir, validation_json
 
-HIDDEN_STATES = "results/hidden_states"
-VALIDATION = "results/validation"
-FAILED = "results/failed"
 # Outputs that are made from every validated shard: when one exists, a missing shard is not "not made yet".
-MANIFEST = "manifest.json"  # shard.MANIFEST; not imported, to keep torch out of the Snakefile's parse
-EXPORT = "results/export/speculators"
-DOWNSTREAM = ("results/report/dataset_manifest.json", EXPORT)
-# What the last `snakemake verify` (or python -m eagle3prep.verify) found damaged: the next run redoes it.
-VERIFIED = "results/verify.json"
+DOWNSTREAM = (paths.DATASET_MANIFEST, EXPORT)
 SNAKEMAKE_MARKER = ".snakemake_timestamp"  # shard.manifest.SNAKEMAKE_MARKER; allowed beside the listed files
 SHARD_EXTRAS = frozenset({MANIFEST, "timings.json", SNAKEMAKE_MARKER})  # shard.manifest.SHARD_EXTRAS
-FAIL_MARK = "[validate] FAIL"  # a check that failed, as the validate job logs it
+MOVING, WOULD_MOVE = "moving it to", "would move it (not in a dry run) to"
 MAX_REDOS = 2  # a shard that fails validation this many times is not extracted a third time
 SHOWN = 10  # lines printed at parse time; the rest are counted
 
@@ -45,17 +41,13 @@ class Heal:
     force: str | None = None  # the output made again (its job gets a heal ticket); None: nothing is redone
     set_aside: bool = False  # move the shard folder to results/failed/ before the run starts
 
-
-def shard_dir(k: int) -> str:
-    return f"{HIDDEN_STATES}/shard_{k}"
-
-
-def validation_json(k: int) -> str:
-    return f"{VALIDATION}/shard_{k}.json"
+    def said(self, dryrun: bool = False) -> str:
+        """`why`, or in a dry run what the run would do (a dry run moves nothing)."""
+        return self.why.replace(MOVING, WOULD_MOVE) if dryrun and self.set_aside else self.why
 
 
 def validate_log(k: int) -> str:
-    return f"logs/validate/shard_{k}.log"
+    return paths.log(f"validate/shard_{k}")
 
 
 def _mtimes(folder: str, suffix: str = "") -> dict[str, int]:
@@ -68,22 +60,17 @@ def _mtimes(folder: str, suffix: str = "") -> dict[str, int]:
 
 
 def validation_failure(k: int, since_ns: int) -> str | None:
-    """The reason shard k failed its last validation, from the validate job's log; None when it did not fail
-    (no log, a log older than the shard, or a job that stopped before judging)."""
-    log = validate_log(k)
+    """Why shard k failed its last validation, from the report that validation kept (paths.validation_failure);
+    None when it did not fail (no such report, one older than the shard, or a job that stopped before judging)."""
+    path = paths.validation_failure(k)
     try:
-        if os.stat(log).st_mtime_ns < since_ns:
+        if os.stat(path).st_mtime_ns < since_ns:
             return None
-        with open(log, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - (1 << 16)))
-            lines = f.read().decode("utf-8", errors="replace").splitlines()
-    except FileNotFoundError:
+        with open(path, encoding="utf-8") as f:
+            failures = report_failures(json.load(f))
+    except (OSError, ValueError):
         return None
-    failed = [line for line in lines if line.startswith(FAIL_MARK)]
-    if not failed:
-        return None
-    errors = [line for line in lines if line.startswith("error: ")]
-    return (errors[-1] if errors else failed[0]).strip()
+    return f"{shard_dir(k)}: {failures}" if failures else None
 
 
 def failed_copies(k: int) -> list[str]:
@@ -266,10 +253,10 @@ def _failed(k: int, failure: str, keep_failed: bool, dryrun: bool = False) -> He
             "until it passes or is removed",
             val,
         )
-    move = "would move it (not in a dry run) to" if dryrun else "moving it to"
+    move = WOULD_MOVE if dryrun else MOVING
     return Heal(
         k,
-        f"{folder} failed validation ({failure.removeprefix('error: ').split('; the next run')[0][:200]}): {move} "
+        f"{folder} failed validation ({failure[:200]}): {move} "
         f"{next_failed_dir(k)} and extracting it again",
         folder,
         set_aside=True,
@@ -282,21 +269,23 @@ def next_failed_dir(k: int) -> str:
 
 
 def set_aside(heal: Heal) -> str:
-    """Move a failed shard to results/failed/shard_k[.n]/ (hidden_states/, validate.log, extract.log) for
-    study, so that its extract job starts from an empty folder; return where it went."""
+    """Move a failed shard to results/failed/shard_k[.n]/ (hidden_states/, its failed validation report as
+    validation.json, validate.log, extract.log) for study, so that its extract job starts from an empty folder;
+    return where it went."""
     dest = Path(next_failed_dir(heal.shard))
     dest.mkdir(parents=True)
     os.rename(shard_dir(heal.shard), dest / "hidden_states")
-    shutil.copy2(validate_log(heal.shard), dest / "validate.log")
-    extract_log = f"logs/extract/shard_{heal.shard}.log"
-    if os.path.exists(extract_log):
-        shutil.copy2(extract_log, dest / "extract.log")
+    os.replace(paths.validation_failure(heal.shard), dest / paths.SET_ASIDE_VERDICT)
+    for log, name in ((validate_log(heal.shard), "validate.log"), (paths.log(f"extract/shard_{heal.shard}"), "extract.log")):
+        if os.path.exists(log):
+            shutil.copy2(log, dest / name)
     return str(dest)
 
 
-def summary(heals: list[Heal], shown: int = SHOWN) -> list[str]:
-    """The lines printed at parse time: the first `shown` heals, then a count of the rest."""
-    lines = [h.why for h in heals[:shown]]
+def summary(heals: list[Heal], shown: int = SHOWN, dryrun: bool = False) -> list[str]:
+    """The lines said when the DAG is built: the first `shown` heals, then a count of the rest (`dryrun`: what a
+    run would do; -n moves nothing)."""
+    lines = [h.said(dryrun) for h in heals[:shown]]
     if len(heals) > shown:
         lines.append(f"... and {len(heals) - shown} more shards (the first {shown} are listed above)")
     return lines

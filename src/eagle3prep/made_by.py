@@ -19,15 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..settings import Settings
-from .command import Command
+from . import paths
+from .settings import Settings
+from .paths import HIDDEN_STATES, MANIFEST, PREPARED, TOKENIZED
+from .run.command import Command
 
-RECORD = "results/config.json"
-HIDDEN_STATES = "results/hidden_states"  # as heal.HIDDEN_STATES
-TOKENIZED = "results/tokenized"  # as common.smk TOKENIZED
-PREPARED = "results/prepared"
-PLAN_SCRATCH = ".eagle3prep/plan"  # what `plan` makes for another config than results/'s
-MANIFEST = "manifest.json"  # shard.MANIFEST; not imported, to keep torch out of the Snakefile's parse
+RECORD = paths.CONFIG_RECORD
+PLAN_SCRATCH = paths.PLAN_DIR  # what `plan` makes for another config than results/'s
 REPLACE = "replace_results"  # the config key that lets a run replace another config's shards
 IDENTITY = ("model.path", "data.sources", "layers")
 
@@ -58,7 +56,7 @@ TOKEN_SECTIONS = ("data", "model", "tokenize", "regenerate")
 def shard_keys(config: dict[str, Any]) -> dict[str, Any]:
     """{dotted key: value} of what decides the finished shards' bytes, from a validated config (the extract rule's
     params for extract.*, the regenerate rule's for regenerate.* while the stage is on)."""
-    from ..settings import ExtractSettings, RegenerateSettings
+    from .settings import ExtractSettings, RegenerateSettings
 
     keys = {f"{sec}.{k}": config.get(sec, {}).get(k) for sec, names in CONTENT_KEYS.items() for k in names}
     keys |= {f"extract.{k}": v for k, v in ExtractSettings.params(config).items()}
@@ -193,7 +191,7 @@ def write_record(settings: Settings, config_files: list[str], path: str | os.Pat
             return False
     except OSError:
         pass
-    from ..infra.atomic import atomic_open
+    from .infra.atomic import atomic_open
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_open(path, "w", encoding="utf-8") as f:

@@ -3,19 +3,21 @@ names what changed since it was written (a failed or changed validation, a faile
 under results/failed/ are listed for the report's own banner.
 
 The report job runs only when every shard validated, so a failed validation leaves the last report on disk; it
-is marked here, by the main Snakemake process (at parse time for what healing found, in `onerror` for what
-failed during the run). A rebuilt report has no mark.
+is marked here, by the heal job for what healing found and by the main Snakemake process in `onerror` for what
+failed during the run. A rebuilt report has no mark.
 """
 
 from __future__ import annotations
 
 import html
+import json
 import os
 import re
 from pathlib import Path
 
-REPORT = "results/report/report.html"
-FAILED = "results/failed"  # heal.FAILED; not imported, so the report job does not need the run package
+from ..check import report_failures
+from ..paths import FAILED, REPORT, SET_ASIDE_VERDICT
+
 MARK_START, MARK_END = "<!--eagle3prep:stale-->", "<!--/eagle3prep:stale-->"
 SHOWN = 8  # reasons listed in the banner; the rest are counted
 # What says "passed" on the page (the green banner, the count of shards validated) is written inside these marks
@@ -72,19 +74,18 @@ def is_stale(report: str | os.PathLike = REPORT) -> bool:
 
 
 def set_aside_shards(failed: str | os.PathLike = FAILED) -> list[dict[str, str]]:
-    """Each set-aside copy under results/failed/ (shard_k, shard_k.1, ...) and the first error line of its
-    validate.log: [{"dir", "why"}], sorted by name."""
+    """Each set-aside copy under results/failed/ (shard_k, shard_k.1, ...) and the checks its kept validation
+    report (paths.SET_ASIDE_VERDICT) records failed: [{"dir", "why"}], sorted by name."""
     try:
         names = sorted(e.name for e in os.scandir(failed) if e.is_dir() and e.name.startswith("shard_"))
     except FileNotFoundError:
         return []
     out = []
     for name in names:
-        why = "failed validation"
         try:
-            lines = (Path(failed) / name / "validate.log").read_text(encoding="utf-8", errors="replace").splitlines()
-            why = next((ln.removeprefix("error: ") for ln in reversed(lines) if ln.startswith("error: ")), why)
-        except OSError:
-            pass
+            report = json.loads((Path(failed) / name / SET_ASIDE_VERDICT).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            report = None
+        why = report_failures(report) or "failed validation"
         out.append({"dir": f"{Path(failed) / name}", "why": why[:300]})
     return out
