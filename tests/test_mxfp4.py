@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from eagle3prep.shard import formats, mxfp4
-from eagle3prep.shard.layout import DTYPES
+from eagle3prep.shard.formats import DTYPES
 from eagle3prep.shard.manifest import ShardManifest
 from eagle3prep.shard.readers import LayerReader
 from eagle3prep.validate.passrule import token_errors
@@ -131,7 +131,7 @@ def test_layer_file_and_reader(tmp_path):
     x = gaussian(20, 64)
     write_layer(tmp_path / "mx.safetensors", x, "mxfp4")
     reader = LayerReader(tmp_path / "mx.safetensors")
-    assert reader.format is MX and reader.shape == [20, 64] and not reader.fp8
+    assert reader.format is MX and reader.shape == [20, 64] and not reader.format.exports_scales
     assert reader.tensors() == {"hidden_states": ("U8", [20, 32]), "hidden_states_scales": ("U8", [20, 2])}
     assert torch.equal(reader.rows(3, 9, torch.float32), MX.roundtrip(x)[3:9])
     assert reader.rows(3, 9).dtype == torch.bfloat16  # what trainers read
@@ -169,11 +169,12 @@ def test_a_layer_file_describes_itself(tmp_path):
 
 
 def test_metadata_that_contradicts_the_tensors_is_refused(tmp_path):
-    from eagle3prep.shard.layout import layer_metadata, safetensors_header
+    from eagle3prep.shard.layout import safetensors_header
 
     path = tmp_path / "layer_3.safetensors"
     layout = [("hidden_states", "uint8", (8, 32)), ("hidden_states_scales", "uint8", (8, 2))]
-    path.write_bytes(safetensors_header(layout, layer_metadata("model_dtype", "bfloat16")) + bytes(8 * 34))
+    metadata = formats.storage_format("model_dtype").metadata("bfloat16")
+    path.write_bytes(safetensors_header(layout, metadata) + bytes(8 * 34))
     with pytest.raises(ValueError, match=r"layer_3.safetensors: its metadata names storage 'model_dtype'"):
         LayerReader(path)
 

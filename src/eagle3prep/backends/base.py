@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from eagle3prep.config import schema_default
 
+from ..shard.formats import StorageFormat, storage_format
+
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
@@ -46,13 +48,18 @@ class EngineInfo:
 @dataclass(frozen=True, slots=True)
 class CaptureSpec:
     """One capture, the one object every backend receives: the typed `extract:` settings and what they are applied
-    to (the model, its layer ids, the longest row). The engine, dtype, device and TP size are the settings'."""
+    to (the model, its layer ids, the longest row). The engine, dtype, device and TP size are the settings'; the
+    storage format is the one extract.storage names, resolved once here for every writer of the job."""
 
     settings: ExtractSettings
     model_path: str
     layer_ids: list[int]  # our convention (layers.py), ascending; N = pre-norm final state
     max_seq_len: int
     trust_remote_code: bool = schema_default("model", "trust_remote_code")
+    storage: StorageFormat = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "storage", storage_format(self.settings.content.storage))  # frozen: set once
 
     @property
     def backend(self) -> str:  # "hf" | "vllm"
@@ -136,7 +143,7 @@ def smoke_shard(backend: CaptureBackend, prompt: list[int], hidden_size: int) ->
             step_tokens=max(len(prompt), 16),
             slots=plan.slots,
             tag_prefix=plan.tag_prefix,
-            storage=backend.settings.content.storage,
+            storage=backend.spec.storage,
         )
         backend.capture_shard(iter([[prompt]]), spec)
         out = {lid: read_layer(spec.layer_paths[lid]) for lid in ids}
