@@ -204,6 +204,20 @@ def test_the_registry_knows_every_storage_the_schema_offers():
     assert len({f.mark for f in formats.FORMATS.values()}) == len(formats.FORMATS)
 
 
+def test_each_format_answers_the_exports_questions_and_travels_by_name():
+    """speculators reads FP8 values and scales itself; it reads no 4-bit, so an MXFP4 export copy is decoded (and
+    billed) in the model dtype. A format pickles as its name: the one another process resolves is the same row."""
+    import pickle
+
+    plain, fp8, mx = (formats.storage_format(n) for n in ("model_dtype", "fp8_e4m3", "mxfp4"))
+    assert [f.speculators_backend for f in (plain, fp8, mx)] == ["file", "fp8", "file"]
+    assert [f.exports_scales for f in (plain, fp8, mx)] == [False, True, False]
+    assert (plain.export_copy, fp8.export_copy, mx.export_copy) == (plain, fp8, plain)
+    assert (plain.manifest_entry, fp8.manifest_entry) == (None, fp8.entry)
+    assert all(pickle.loads(pickle.dumps(f)) is f for f in formats.FORMATS.values())
+    assert formats.storage_of_entry(None) == "model_dtype" and formats.storage_of_entry(mx.entry) == "mxfp4"
+
+
 def test_manifest_format_and_storage_must_agree():
     from test_fp8 import read_manifest_fields
 

@@ -91,9 +91,13 @@ def test_a_sink_spec_comes_back_from_the_wire_with_int_layer_ids_and_tuple_rows(
 
     from eagle3prep.shard.sink import SinkSpec
 
+    from eagle3prep.shard.formats import storage_format
+
     spec = SinkSpec({2: "/x/layer_2"}, 16, "bfloat16", [(0, 3), (3, 2)], tag_prefix="p", step_tokens=8, slots=3)
     back = message.spec_from_wire(json.loads(json.dumps(message.spec_to_wire(spec))))  # an RPC that knows only JSON
     assert (back.layer_paths, back.rows, back.total_tokens) == (spec.layer_paths, spec.rows, spec.total_tokens)
+    mx = dataclasses.replace(spec, storage=storage_format("mxfp4"))  # the format travels by its name
+    assert message.spec_from_wire(json.loads(json.dumps(message.spec_to_wire(mx)))).storage is mx.storage
 
 
 # ---- step layout (which rows of a forward belong to which request) -------------------------------
