@@ -10,6 +10,7 @@ import pytest
 
 from eagle3prep.plan import bill
 from eagle3prep.plan.estimate import format_plan, make_plan
+from eagle3prep.shard.formats import storage_format
 
 from testkit.workflow import SMALL_CONFIG, make_workdir, snakemake
 
@@ -22,7 +23,7 @@ def in_tmp(tmp_path, monkeypatch):
 
 
 def plan_of(**kw):
-    kw = {"tokens_per_s": None, "engine_start_s": 60, "storage": "model_dtype", **kw}
+    kw = {"tokens_per_s": None, "engine_start_s": 60, "storage": storage_format("model_dtype"), **kw}
     return make_plan(SIZES, num_layers=4, hidden_size=128, dtype="bfloat16", hidden_states_dir="results/hidden_states",
                      **kw)  # fmt: skip
 

@@ -20,6 +20,7 @@ from eagle3prep.extract import extract_shard, shard_bytes
 from eagle3prep.extract import stage as extract
 from eagle3prep.infra.disk import DiskSpaceError
 from eagle3prep.settings import ExtractSettings
+from eagle3prep.shard.formats import storage_format
 from eagle3prep.shard.layout import MANIFEST
 from eagle3prep.shard.writer import ShardWriter
 
@@ -28,7 +29,7 @@ from testkit.shards import DEMO_LAYER_IDS, demo_spec, with_settings, write_token
 from testkit.workflow import make_workdir, snakemake
 
 LENGTHS = [100] * 20  # 2000 tokens x 4 layers x 128 x bf16: a ~2 MiB shard
-NEEDED = shard_bytes(sum(LENGTHS), len(LENGTHS), len(DEMO_LAYER_IDS), 128, "bfloat16", storage="model_dtype")
+NEEDED = shard_bytes(sum(LENGTHS), len(LENGTHS), len(DEMO_LAYER_IDS), 128, "bfloat16", storage_format("model_dtype"))
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ from test_export import LENGTHS, finished_results
 
 from eagle3prep.extract import shard_bytes
 from eagle3prep.plan.estimate import make_plan
-from eagle3prep.shard.formats import storage_format
+from eagle3prep.shard.formats import FORMAT, FORMAT_FP8, storage_format
 from eagle3prep.shard.fp8 import SCALES_KEY, dequantize_fp8, quantize_fp8, rounding_draw, roundtrip_fp8
-from eagle3prep.shard.layout import FORMAT, FORMAT_FP8, MANIFEST, layer_file
+from eagle3prep.shard.layout import MANIFEST, layer_file
 from eagle3prep.shard.manifest import ShardManifest, read_manifest
 from eagle3prep.shard.readers import LayerReader, read_layer
 from eagle3prep.validate.passrule import STORAGE_FACTOR, judge_tokens, storage_floor, token_errors
@@ -78,7 +78,8 @@ def test_layer_reader_dequantizes_and_leaves_model_dtype_files_alone(tmp_path):
     write_layer(tmp_path / "bf16.safetensors", x)
     write_layer(tmp_path / "fp8.safetensors", x, "fp8_e4m3")
     plain, fp8 = LayerReader(tmp_path / "bf16.safetensors"), LayerReader(tmp_path / "fp8.safetensors")
-    assert not plain.fp8 and fp8.fp8 and plain.shape == fp8.shape == list(x.shape)
+    assert (plain.format.name, fp8.format.name) == ("model_dtype", "fp8_e4m3")
+    assert plain.shape == fp8.shape == list(x.shape)
     assert torch.equal(plain.rows(3, 9), x[3:9])  # as stored
     assert fp8.rows(3, 9).dtype == torch.bfloat16  # what trainers read
     assert torch.equal(fp8.rows(3, 9, torch.float32), roundtrip_fp8(x)[3:9])
@@ -141,17 +142,12 @@ def read_manifest_fields() -> dict:
 
 def test_plan_and_the_disk_precheck_halve_with_fp8(tmp_path):
     shards = [{"shard": 0, "rows": 1000, "tokens": 1_000_000}]
-    plain = make_plan(
-        shards, 4, 4096, "bfloat16", tmp_path, tokens_per_s=None, engine_start_s=60, storage="model_dtype"
-    )
-    fp8 = make_plan(shards, 4, 4096, "bfloat16", tmp_path, storage="fp8_e4m3", tokens_per_s=None, engine_start_s=60)
+    model, fp8_e4m3 = storage_format("model_dtype"), storage_format("fp8_e4m3")
+    plain = make_plan(shards, 4, 4096, "bfloat16", tmp_path, tokens_per_s=None, engine_start_s=60, storage=model)
+    fp8 = make_plan(shards, 4, 4096, "bfloat16", tmp_path, storage=fp8_e4m3, tokens_per_s=None, engine_start_s=60)
     assert fp8["storage"] == "fp8_e4m3" and 0.50 < fp8["bytes_total"] / plain["bytes_total"] < 0.51
     # per token and layer: 2 x 4096 bytes in bf16, 4096 + a 4-byte scale in FP8 (token ids: 8 bytes a token)
-    assert (
-        shard_bytes(1, 0, 1, 4096, "bfloat16", "fp8_e4m3")
-        - shard_bytes(0, 0, 1, 4096, "bfloat16", storage="model_dtype")
-        == 4100 + 8
-    )
+    assert shard_bytes(1, 0, 1, 4096, "bfloat16", fp8_e4m3) - shard_bytes(0, 0, 1, 4096, "bfloat16", model) == 4100 + 8
 
 
 def test_pass_rule_adds_the_fp8_floor():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from eagle3prep.shard import formats, mxfp4
-from eagle3prep.shard.layout import DTYPES
+from eagle3prep.shard.formats import DTYPES
 from eagle3prep.shard.manifest import ShardManifest
 from eagle3prep.shard.readers import LayerReader
 from eagle3prep.validate.passrule import token_errors
@@ -131,7 +131,7 @@ def test_layer_file_and_reader(tmp_path):
     x = gaussian(20, 64)
     write_layer(tmp_path / "mx.safetensors", x, "mxfp4")
     reader = LayerReader(tmp_path / "mx.safetensors")
-    assert reader.format is MX and reader.shape == [20, 64] and not reader.fp8
+    assert reader.format is MX and reader.shape == [20, 64] and not reader.format.exports_scales
     assert reader.tensors() == {"hidden_states": ("U8", [20, 32]), "hidden_states_scales": ("U8", [20, 2])}
     assert torch.equal(reader.rows(3, 9, torch.float32), MX.roundtrip(x)[3:9])
     assert reader.rows(3, 9).dtype == torch.bfloat16  # what trainers read
@@ -169,11 +169,12 @@ def test_a_layer_file_describes_itself(tmp_path):
 
 
 def test_metadata_that_contradicts_the_tensors_is_refused(tmp_path):
-    from eagle3prep.shard.layout import layer_metadata, safetensors_header
+    from eagle3prep.shard.layout import safetensors_header
 
     path = tmp_path / "layer_3.safetensors"
     layout = [("hidden_states", "uint8", (8, 32)), ("hidden_states_scales", "uint8", (8, 2))]
-    path.write_bytes(safetensors_header(layout, layer_metadata("model_dtype", "bfloat16")) + bytes(8 * 34))
+    metadata = formats.storage_format("model_dtype").metadata("bfloat16")
+    path.write_bytes(safetensors_header(layout, metadata) + bytes(8 * 34))
     with pytest.raises(ValueError, match=r"layer_3.safetensors: its metadata names storage 'model_dtype'"):
         LayerReader(path)
 
@@ -201,6 +202,20 @@ def test_the_registry_knows_every_storage_the_schema_offers():
             assert dtype in DTYPES
         assert (fmt.entry.get("name", "model_dtype")) == fmt.name  # the manifest names the format it holds
     assert len({f.mark for f in formats.FORMATS.values()}) == len(formats.FORMATS)
+
+
+def test_each_format_answers_the_exports_questions_and_travels_by_name():
+    """speculators reads FP8 values and scales itself; it reads no 4-bit, so an MXFP4 export copy is decoded (and
+    billed) in the model dtype. A format pickles as its name: the one another process resolves is the same row."""
+    import pickle
+
+    plain, fp8, mx = (formats.storage_format(n) for n in ("model_dtype", "fp8_e4m3", "mxfp4"))
+    assert [f.speculators_backend for f in (plain, fp8, mx)] == ["file", "fp8", "file"]
+    assert [f.exports_scales for f in (plain, fp8, mx)] == [False, True, False]
+    assert (plain.export_copy, fp8.export_copy, mx.export_copy) == (plain, fp8, plain)
+    assert (plain.manifest_entry, fp8.manifest_entry) == (None, fp8.entry)
+    assert all(pickle.loads(pickle.dumps(f)) is f for f in formats.FORMATS.values())
+    assert formats.storage_of_entry(None) == "model_dtype" and formats.storage_of_entry(mx.entry) == "mxfp4"
 
 
 def test_manifest_format_and_storage_must_agree():

@@ -11,9 +11,11 @@ from eagle3prep.extract import shard_bytes
 from eagle3prep.plan.estimate import format_plan, make_plan, min_tokens_per_shard
 from eagle3prep.plan.stage import plan_run
 from eagle3prep.settings import Settings
+from eagle3prep.shard.formats import storage_format
 
 DEMO = Path(__file__).resolve().parents[1] / "resources" / "demo"
 SIZES = [{"shard": 0, "rows": 10, "tokens": 3000}, {"shard": 1, "rows": 9, "tokens": 1000}]
+MODEL = storage_format("model_dtype")  # extract.storage as the plan stage resolves it
 
 
 def test_bytes_free_space_and_finished_shards(tmp_path):
@@ -27,7 +29,7 @@ def test_bytes_free_space_and_finished_shards(tmp_path):
         hidden_states_dir=tmp_path / "nope",
         tokens_per_s=None,
         engine_start_s=60,
-        storage="model_dtype",
+        storage=MODEL,
     )
     assert [s["done"] for s in plan["shards"]] == [False, False]  # another folder: nothing finished there
     assert plan["free_space_path"] == str(tmp_path)  # the nearest existing parent's filesystem
@@ -40,11 +42,11 @@ def test_bytes_free_space_and_finished_shards(tmp_path):
         hidden_states_dir=tmp_path,
         tokens_per_s=None,
         engine_start_s=60,
-        storage="model_dtype",
+        storage=MODEL,
     )
     assert [s["bytes"] for s in plan["shards"]] == [
-        shard_bytes(3000, 10, 4, 4096, "bfloat16", storage="model_dtype"),
-        shard_bytes(1000, 9, 4, 4096, "bfloat16", storage="model_dtype"),
+        shard_bytes(3000, 10, 4, 4096, "bfloat16", storage=MODEL),
+        shard_bytes(1000, 9, 4, 4096, "bfloat16", storage=MODEL),
     ]
     assert plan["shards"][0]["bytes"] > 3000 * 4 * 4096 * 2
     assert [s["done"] for s in plan["shards"]] == [True, False]
@@ -56,20 +58,20 @@ def test_bytes_free_space_and_finished_shards(tmp_path):
 def test_empty_shards_are_named_with_the_shard_count_that_avoids_them(tmp_path):
     sizes = [{"shard": 0, "rows": 1, "tokens": 30}, {"shard": 1, "rows": 1, "tokens": 20}]
     sizes += [{"shard": k, "rows": 0, "tokens": 0} for k in (2, 3)]  # 2 rows, num_shards = 4
-    plan = make_plan(sizes, 4, 128, "bfloat16", tmp_path, tokens_per_s=None, engine_start_s=60, storage="model_dtype")
+    plan = make_plan(sizes, 4, 128, "bfloat16", tmp_path, tokens_per_s=None, engine_start_s=60, storage=MODEL)
     assert plan["empty_shards"] == [2, 3]
     assert (
         "empty shards: 2 of 4 hold no rows (2 rows for 4 shards); they start no engine and validate, but each "
         "is still a job; set tokenize.num_shards to 2 or fewer to avoid them"
     ) in format_plan(plan)
     assert (
-        make_plan(SIZES, 4, 128, "bfloat16", tmp_path, tokens_per_s=None, engine_start_s=60, storage="model_dtype")[
+        make_plan(SIZES, 4, 128, "bfloat16", tmp_path, tokens_per_s=None, engine_start_s=60, storage=MODEL)[
             "empty_shards"
         ]
         == []
     )
     assert "empty shards" not in format_plan(
-        make_plan(SIZES, 4, 128, "bfloat16", tmp_path, tokens_per_s=None, engine_start_s=60, storage="model_dtype")
+        make_plan(SIZES, 4, 128, "bfloat16", tmp_path, tokens_per_s=None, engine_start_s=60, storage=MODEL)
     )
 
 
@@ -83,7 +85,7 @@ def test_job_time_and_a_shard_size_that_keeps_start_up_under_5_percent(tmp_path)
         tokens_per_s=100.0,
         engine_start_s=60.0,
         gpus_per_job=8,
-        storage="model_dtype",
+        storage=MODEL,
     )
     assert [s["job_s"] for s in plan["shards"]] == [90.0, 70.0]
     assert plan["job_hours_left"] == round(160 / 3600, 3) and plan["gpu_hours_left"] == round(8 * 160 / 3600, 3)
@@ -133,7 +135,7 @@ def test_one_shard_is_singular(tmp_path):
     """It printed "at most 1 shards" (and "1 shards" in the table's header) for a small run."""
     sizes = [{"shard": 0, "rows": 10, "tokens": 3000}]
     text = format_plan(
-        make_plan(sizes, 4, 4096, "bfloat16", tmp_path, tokens_per_s=100.0, engine_start_s=60.0, storage="model_dtype")
+        make_plan(sizes, 4, 4096, "bfloat16", tmp_path, tokens_per_s=100.0, engine_start_s=60.0, storage=MODEL)
     )
     assert "at most 1 shard for 3,000 tokens" in text and text.startswith("eagle3prep plan: 1 shard, ")
     assert "1 shards" not in text
@@ -159,7 +161,7 @@ def test_a_finished_shard_of_another_config_or_older_tokens_is_to_redo_as_the_wo
         tokens_per_s=100.0,
         made_with=now | {"tokenized": tokenized},
         engine_start_s=60,
-        storage="model_dtype",
+        storage=MODEL,
     )
     assert [s["done"] for s in plan["shards"]] == [True, False, False, False]
     assert plan["shards"][1]["redo"] == "made with layer_ids [1, 2, 3, 8] (now [2, 4, 5, 8])"
@@ -177,7 +179,7 @@ def test_a_finished_shard_of_another_config_or_older_tokens_is_to_redo_as_the_wo
         made_with=now | {"tokenized": tokenized},
         tokens_per_s=None,
         engine_start_s=60,
-        storage="model_dtype",
+        storage=MODEL,
     )
     assert (
         plan["shards"][0]["redo"] == "older than the tokenized shards"

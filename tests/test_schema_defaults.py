@@ -49,6 +49,7 @@ NOT_CONFIG = {
     "shard/readers.py:read_layer:dtype": "the dtype to read into, not extract.dtype",
     "shard/manifest.py:ShardManifest:storage": "a manifest written before storage existed",
     "shard/sink.py:SinkSpec:logprob_rows": "the rows whose logprobs are kept, not their count",
+    "shard/sink.py:SinkSpec:storage": "the schema's extract.storage as its format (schema_default inside)",
     "shard/writer.py:sink_spec:logprob_rows": "the rows whose logprobs are kept, not their count",
     "train/cpu.py:<lambda>:device": "torch's .to(device=None)",
     "validate/logits.py:logprobs_from_state:dtype": "the arithmetic's dtype, not extract.dtype",

@@ -5,6 +5,7 @@ from safetensors.torch import save_file
 
 from eagle3prep.records import IndexEntry
 from eagle3prep.shard.files import StreamingSafetensorsWriter
+from eagle3prep.shard.formats import storage_format
 from eagle3prep.shard.layout import INDEX, TOKEN_IDS
 from eagle3prep.shard.manifest import read_manifest
 from eagle3prep.shard.readers import read_index
@@ -62,7 +63,8 @@ def test_shard_writer_layout_and_manifest_last(tmp_path, monkeypatch):
     from eagle3prep.infra import faults
 
     index = [IndexEntry(row=10, id="a", offset=0, length=3), IndexEntry(row=11, id="b", offset=3, length=2)]
-    w = ShardWriter(tmp_path / "shard_0", [2, 8], hidden_size=4, dtype="float32", index=index, storage="model_dtype")
+    model_dtype = storage_format("model_dtype")
+    w = ShardWriter(tmp_path / "shard_0", [2, 8], hidden_size=4, dtype="float32", index=index, storage=model_dtype)
     seen = []
     entries = _write(w, [[[1, 2, 3]], [[4, 5]]], {2: 1.0, 8: 0.0})
     # The kill point before the manifest: where a crash leaves every file but the manifest.
@@ -89,7 +91,7 @@ def test_unfinished_shard_is_not_finished(tmp_path):
 
 
 def test_backend_layer_mismatch_is_refused(tmp_path):
-    w = ShardWriter(tmp_path, [2, 8], 4, "float32", [IndexEntry(0, "a", 0, 1)], storage="model_dtype")
+    w = ShardWriter(tmp_path, [2, 8], 4, "float32", [IndexEntry(0, "a", 0, 1)], storage=storage_format("model_dtype"))
     entries = _write(w, [[[7]]], {2: 1.0, 8: 2.0})
     with pytest.raises(ValueError, match="expected \\[2, 8\\]"):
         w.finish({2: entries[2], 7: entries[8]}, manifest_fields())

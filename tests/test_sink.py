@@ -23,8 +23,9 @@ from eagle3prep.infra.disk import DiskSpaceError
 from eagle3prep.records import IndexEntry
 from eagle3prep.shard import files as shard_files
 from eagle3prep.shard.files import BackgroundFlush, PositionalSafetensorsWriter, StreamingSafetensorsWriter
+from eagle3prep.shard.formats import FORMAT_FP8, storage_format
 from eagle3prep.shard.fp8 import SCALES_KEY
-from eagle3prep.shard.layout import FORMAT_FP8, layer_file, layer_metadata, temp_of
+from eagle3prep.shard.layout import layer_file, temp_of
 from eagle3prep.shard.manifest import read_manifest
 from eagle3prep.shard.readers import read_layer
 from eagle3prep.shard.sink import LayerSink, Segment, SinkPlan, SinkSpec
@@ -353,7 +354,7 @@ def make_sink(tmp_path, lengths, slots=2, step_tokens=16, sync_bytes=256 << 20, 
         step_tokens=step_tokens,
         slots=slots,
         sync_bytes=sync_bytes,
-        storage=storage,
+        storage=storage_format(storage),
         tag_prefix="row",
     )
     return LayerSink(spec)
@@ -371,7 +372,7 @@ def test_sink_writes_what_the_in_order_writer_writes(tmp_path, slots):
     entries = sink.finish()
     total = sum(lengths)
     for lid in LAYERS:
-        ref_bytes, ref_entry = streamed(tmp_path, total, lid, layer_metadata("model_dtype", "bfloat16"))
+        ref_bytes, ref_entry = streamed(tmp_path, total, lid, storage_format("model_dtype").metadata("bfloat16"))
         assert (tmp_path / layer_file(lid)).read_bytes() == ref_bytes, lid
         assert entries[lid] == ref_entry
         assert torch.equal(load_file(tmp_path / layer_file(lid))["hidden_states"], rows_tensor(total, lid))
@@ -491,7 +492,7 @@ def test_sink_hashes_a_step_while_its_rows_are_written_and_reads_back_only_place
     for lid in LAYERS:
         data = (tmp_path / layer_file(lid)).read_bytes()
         assert entries[lid]["sha256"] == hashlib.sha256(data).hexdigest()
-        assert entries[lid] == streamed(tmp_path, 15, lid, layer_metadata("model_dtype", "bfloat16"))[1]
+        assert entries[lid] == streamed(tmp_path, 15, lid, storage_format("model_dtype").metadata("bfloat16"))[1]
         w, ino = sink.writers[lid], os.stat(tmp_path / layer_file(lid)).st_ino
         early = w._data_start + 10 * w.row_bytes  # rows 10..15
         mine = [(kind, offset) for kind, i, offset in events if i == ino]
@@ -572,7 +573,7 @@ def test_a_failed_seal_drops_every_file_and_raises_the_first_layers_error(tmp_pa
 def test_shard_writer_takes_the_layer_files_of_a_sink(tmp_path):
     lengths = [3, 5]
     index = [IndexEntry(row=0, id="a", offset=0, length=3), IndexEntry(row=1, id="b", offset=3, length=5)]
-    writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index, storage="model_dtype")
+    writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index, storage=storage_format("model_dtype"))
     spec = writer.sink_spec(SinkPlan(8, 3, "row"))
     assert sorted(spec.layer_paths) == LAYERS and spec.rows == [(0, 3), (3, 5)]
     sink = LayerSink(spec)
@@ -589,7 +590,7 @@ def test_shard_writer_takes_the_layer_files_of_a_sink(tmp_path):
 
 def test_shard_writer_refuses_an_entry_that_does_not_match_the_file(tmp_path):
     index = [IndexEntry(row=0, id="a", offset=0, length=4)]
-    writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index, storage="model_dtype")
+    writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index, storage=storage_format("model_dtype"))
     spec = writer.sink_spec(SinkPlan(4, 3, "row"))
     sink = LayerSink(spec)
     list(writer.tee(iter([[[1, 2, 3, 4]]])))
@@ -662,9 +663,9 @@ def test_fp8_positional_writer_needs_each_ranges_scales(tmp_path):
 def test_shard_writer_of_an_fp8_shard(tmp_path):
     """Manifest format /2 with its storage entry; a sink that stored the model dtype instead is refused."""
     index = [IndexEntry(row=0, id="a", offset=0, length=3), IndexEntry(row=1, id="b", offset=3, length=5)]
-    writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index, storage="fp8_e4m3")
+    writer = ShardWriter(tmp_path, LAYERS, H, "bfloat16", index, storage=storage_format("fp8_e4m3"))
     spec = writer.sink_spec(SinkPlan(8, 3, "row"))
-    assert spec.storage == "fp8_e4m3"
+    assert spec.storage.name == "fp8_e4m3"
     sink = LayerSink(spec)
     list(writer.tee(iter([[[1, 2, 3], [4, 5, 6, 7, 8]]])))
     simulate(sink, [3, 5], [spec.tag(0), spec.tag(1)], budget=8, seed=1)
@@ -676,8 +677,9 @@ def test_shard_writer_of_an_fp8_shard(tmp_path):
     assert float(((back - x).norm(dim=-1) / x.norm(dim=-1)).max()) < 0.04  # e4m3: 3 mantissa bits
 
     bf16 = tmp_path / "bf16"
-    writer = ShardWriter(bf16, LAYERS, H, "bfloat16", index, storage="fp8_e4m3")
-    sink = LayerSink(dataclasses.replace(writer.sink_spec(SinkPlan(8, 3, "row")), storage="model_dtype"))
+    writer = ShardWriter(bf16, LAYERS, H, "bfloat16", index, storage=storage_format("fp8_e4m3"))
+    spec = dataclasses.replace(writer.sink_spec(SinkPlan(8, 3, "row")), storage=storage_format("model_dtype"))
+    sink = LayerSink(spec)
     list(writer.tee(iter([[[1, 2, 3], [4, 5, 6, 7, 8]]])))
     simulate(sink, [3, 5], [sink.spec.tag(0), sink.spec.tag(1)], budget=8, seed=1)
     with pytest.raises(ValueError, match="fp8_e4m3 storage"):

@@ -89,11 +89,14 @@ def test_a_worker_reply_travels_as_the_fields_it_has_and_comes_back_the_same():
 def test_a_sink_spec_comes_back_from_the_wire_with_int_layer_ids_and_tuple_rows():
     import json
 
+    from eagle3prep.shard.formats import storage_format
     from eagle3prep.shard.sink import SinkSpec
 
     spec = SinkSpec({2: "/x/layer_2"}, 16, "bfloat16", [(0, 3), (3, 2)], tag_prefix="p", step_tokens=8, slots=3)
     back = message.spec_from_wire(json.loads(json.dumps(message.spec_to_wire(spec))))  # an RPC that knows only JSON
     assert (back.layer_paths, back.rows, back.total_tokens) == (spec.layer_paths, spec.rows, spec.total_tokens)
+    mx = dataclasses.replace(spec, storage=storage_format("mxfp4"))  # the format travels by its name
+    assert message.spec_from_wire(json.loads(json.dumps(message.spec_to_wire(mx)))).storage is mx.storage
 
 
 # ---- step layout (which rows of a forward belong to which request) -------------------------------
@@ -215,7 +218,7 @@ def test_worker_extension_attributes_rows_under_batching_and_chunked_prefill(tmp
     spec = SinkSpec(
         paths, 3, "float32", [(0, len(row_a)), (len(row_a), len(row_b))], step_tokens=8, tag_prefix="t", slots=3
     )
-    assert worker.e3p_open_shard(dataclasses.asdict(spec)) == {"rank": 0, "files": 3}
+    assert worker.e3p_open_shard(message.spec_to_wire(spec)) == {"rank": 0, "files": 3}
     # Step 1: all of B and the first 2 tokens of A; step 2: the rest of A (chunked prefill), B first.
     steps = [
         (["req-b", "req-a"], [0, 3, 5], [0, 0], row_b + row_a[:2]),

@@ -239,6 +239,7 @@ def phase_c(args, model: Path, work: dict) -> dict:
     import transformers
 
     from eagle3prep.extract import iter_batches
+    from eagle3prep.shard.formats import storage_format
     from eagle3prep.shard.readers import index_of_tokenized
     from eagle3prep.shard.sink import LayerSink, Segment, SinkPlan
     from eagle3prep.shard.writer import ShardWriter
@@ -256,7 +257,8 @@ def phase_c(args, model: Path, work: dict) -> dict:
     for name in ("uniform", "mixed"):
         tok = write_tokenized(args.out / f"hf_{name}.jsonl", work[name])
         index = index_of_tokenized(tok)
-        writer = ShardWriter(args.out / f"hf_{name}", ids, cfg.hidden_size, args.dtype, index, storage="model_dtype")
+        model_dtype = storage_format("model_dtype")
+        writer = ShardWriter(args.out / f"hf_{name}", ids, cfg.hidden_size, args.dtype, index, storage=model_dtype)
         sink = LayerSink(writer.sink_spec(SinkPlan(args.hf_batch_tokens, 3, "row")))
         if dev == "cuda":
             torch.cuda.synchronize()

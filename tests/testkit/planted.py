@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle3prep.infra.atomic import sha256_file
-from eagle3prep.shard.layout import MANIFEST, MODEL_DTYPE, layer_file
+from eagle3prep.shard.formats import MODEL_DTYPE
+from eagle3prep.shard.layout import MANIFEST, layer_file
 from eagle3prep.shard.manifest import read_manifest
 from eagle3prep.shard.readers import read_index, read_layer
 from eagle3prep.shard.tokenized import rows as tokenized_rows

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from eagle3prep.shard.formats import SCALES_KEY, VALUES_KEY, storage_format
-from eagle3prep.shard.layout import MODEL_DTYPE, layer_metadata, safetensors_header
+from eagle3prep.shard.formats import MODEL_DTYPE, SCALES_KEY, VALUES_KEY, storage_format
+from eagle3prep.shard.layout import safetensors_header
 
 if TYPE_CHECKING:
     import torch
@@ -17,11 +17,12 @@ def write_layer(path: str | os.PathLike, hidden: torch.Tensor, storage: str = MO
     A scaled storage encodes `hidden` as the capture does; model_dtype stores it as it is."""
     import torch
 
-    parts = storage_format(storage).encode(hidden.detach().contiguous())
+    fmt = storage_format(storage)
+    parts = fmt.encode(hidden.detach().contiguous())
     tensors = dict(zip((VALUES_KEY, SCALES_KEY), parts, strict=False))
     layout = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
     with open(path, "wb") as f:
-        f.write(safetensors_header(layout, layer_metadata(storage, str(hidden.dtype).removeprefix("torch."))))
+        f.write(safetensors_header(layout, fmt.metadata(str(hidden.dtype).removeprefix("torch."))))
         for t in tensors.values():
             f.write(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
 

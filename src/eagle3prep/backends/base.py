@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from eagle3prep.config import schema_default
 
 from ..model_facts import ModelFacts
+from ..shard.formats import StorageFormat, storage_format
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -49,7 +50,8 @@ class EngineInfo:
 class CaptureSpec:
     """One capture, the one object every backend receives: the typed `extract:` settings and what they are applied
     to (the model and its config.json facts, its layer ids, the longest row). The engine, dtype, device and TP size
-    are the settings'."""
+    are the settings'; the storage format is the one extract.storage names, resolved once here for every writer of
+    the job."""
 
     settings: ExtractSettings
     model_path: str
@@ -57,6 +59,10 @@ class CaptureSpec:
     max_seq_len: int
     trust_remote_code: bool = schema_default("model", "trust_remote_code")
     facts: ModelFacts | None = None  # the model's, when the job has read them (model_facts() reads them otherwise)
+    storage: StorageFormat = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "storage", storage_format(self.settings.content.storage))  # frozen: set once
 
     def model_facts(self) -> ModelFacts:
         """The model's config.json facts: those the spec carries, or read now."""
@@ -148,7 +154,7 @@ def smoke_shard(backend: CaptureBackend, prompt: list[int], hidden_size: int) ->
             step_tokens=max(len(prompt), 16),
             slots=plan.slots,
             tag_prefix=plan.tag_prefix,
-            storage=backend.settings.content.storage,
+            storage=backend.spec.storage,
         )
         backend.capture_shard(iter([[prompt]]), spec)
         out = {lid: read_layer(spec.layer_paths[lid]) for lid in ids}

@@ -48,8 +48,8 @@ from ..infra.folder import file_entry, finish_folder, open_folder
 from ..infra.log import get_logger
 from ..infra.provenance import code_version
 from ..layers import CONVENTION
-from ..shard.fp8 import SCALES_KEY
-from ..shard.layout import FP8_E4M3, MANIFEST, MXFP4, TOKEN_IDS, layer_file
+from ..shard.formats import SCALES_KEY
+from ..shard.layout import MANIFEST, TOKEN_IDS, layer_file
 from ..shard.readers import LayerReader
 from ..shard.shardset import Shard, ShardSet, ShardSetError
 from ..shard.tokenized import rows as tokenized_rows
@@ -98,7 +98,7 @@ def _write_hidden_states(out: Path, shard: Shard, layer_ids: list[int], files: d
     from safetensors.torch import save
 
     tokens = 0
-    fp8 = shard.manifest.storage_name == FP8_E4M3  # kept as stored; any other scaled storage is decoded
+    as_stored = shard.manifest.storage_format.exports_scales  # values and scales kept; any other storage is decoded
     with contextlib.ExitStack() as stack:
         shard_dir, tokenized = shard.dir, shard.tokenized
         readers = [LayerReader(shard_dir / layer_file(i)) for i in layer_ids]  # each [sum_T, H], memory-mapped
@@ -110,7 +110,7 @@ def _write_hidden_states(out: Path, shard: Shard, layer_ids: list[int], files: d
             token_ids = token_slice[a:b]  # [T] int64
             if token_ids.tolist() != rec["input_ids"]:
                 raise ExportError(f"{shard_dir}: stored token ids of row {e.row} differ from {tokenized}")
-            if fp8:  # the shards' FP8 bytes [T, L, H] and their per-layer scales [T, L, 1], not rounded again
+            if as_stored:  # the shards' FP8 bytes [T, L, H] and their per-layer scales [T, L, 1], not rounded again
                 values = torch.stack([r.values[a:b] for r in readers], dim=1)
                 scales = torch.stack([r.scales[a:b] for r in readers], dim=1)
                 blob = save({"token_ids": token_ids, "hidden_states": values, SCALES_KEY: scales})
@@ -176,17 +176,11 @@ def _write_token_freq(out: Path, token_freq_json: str, files: dict[str, dict[str
 
 
 def _storage_fields(first) -> dict[str, Any]:
-    """What the hs files hold, for FP8 shards, and the speculators backend that reads them: its default `file`
-    for the model's dtype (named, so the manifest says how to train from it), `fp8` for FP8."""
-    if first.storage_name == MXFP4:
-        # The shards' 4-bit values decoded to bfloat16, exactly: `export.hidden_states: direct` keeps them 4-bit.
-        return {"storage": {"name": MXFP4, "copy": "decoded to bfloat16"}, "hidden_states_backend": "file"}
-    if first.storage_name != FP8_E4M3:
-        return {"hidden_states_backend": "file"}  # speculators train --hidden-states-backend file (its default)
-    return {
-        "storage": {"name": FP8_E4M3, "dtype": "float8_e4m3fn", "scales": {"key": SCALES_KEY, "shape": "[T, L, 1]"}},
-        "hidden_states_backend": "fp8",  # speculators train --hidden-states-backend fp8
-    }
+    """What the hs files hold, for scaled shards, and the speculators backend that reads them (named for the model's
+    dtype too, so the manifest says how to train from it): the shards' format says both."""
+    fmt = first.storage_format
+    backend = {"hidden_states_backend": fmt.speculators_backend}  # speculators train --hidden-states-backend
+    return {"storage": fmt.export_entry, **backend} if fmt.export_entry else backend
 
 
 # What an earlier or killed export left in its folder, removed by name (infra.folder.open_folder: the folder may

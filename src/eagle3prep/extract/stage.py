@@ -1,9 +1,10 @@
 """The extract stage: one tokenized shard in, one hidden-state shard folder out (DESIGN.md §4).
 
 run_extract_job(paths, settings) is what the extract rule runs: it makes the job's one CaptureSpec (the typed
-ExtractSettings of settings.py, the model and its config.json facts, its layer ids). extract_shard is the same with a
-CaptureSpec already made, and optionally an engine already running (benchmarks reuse one across shards); the model's
-config.json is read once per job, and the spec carries it to the backend.
+ExtractSettings of settings.py, the model and its config.json facts, its layer ids, and the storage format they name,
+resolved there once). extract_shard is the same with a CaptureSpec already made, and optionally an engine already
+running (benchmarks reuse one across shards); the model's config.json is read once per job, and the spec carries it
+to the backend.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from ..infra.provenance import code_version, model_identity, tokenizer_identity
 from ..layers import CONVENTION, check_layer_ids
 from ..model_facts import ModelFacts, require_hidden_size
 from ..settings import ExtractSettings, LayersSettings
-from ..shard.layout import MANIFEST, check_storage, layer_file, token_bytes
+from ..shard.formats import StorageFormat
+from ..shard.layout import MANIFEST, layer_file
 from ..shard.manifest import ShardManifest
 from ..shard.readers import index_of_tokenized
 from ..shard.tokenized import rows as tokenized_rows
@@ -62,11 +64,11 @@ def shard_bytes(
     num_layers: int,
     hidden_size: int,
     dtype: str,
-    storage: str,
+    storage: StorageFormat,
 ) -> int:
     """Bytes a shard will take: layer files (values and any scales, shard/formats.py) + token ids +
     index/manifest (a generous 200 B per row)."""
-    return tokens * (num_layers * token_bytes(storage, hidden_size, dtype) + 8) + 200 * rows + 65536
+    return tokens * (num_layers * storage.token_bytes(hidden_size, dtype) + 8) + 200 * rows + 65536
 
 
 def free_space_probe(path: Path) -> Path:
@@ -162,9 +164,8 @@ def extract_shard(
 def _extract_into(out, tokenized_shard, spec, shard, engine) -> ShardManifest:
     index = index_of_tokenized(tokenized_shard, spec.backend)
     tokens = sum(e.length for e in index)
-    storage = check_storage(spec.settings.content.storage)
     hidden = require_hidden_size(spec.facts, spec.model_path)
-    needed = shard_bytes(tokens, len(index), len(spec.layer_ids), hidden, spec.dtype, storage)
+    needed = shard_bytes(tokens, len(index), len(spec.layer_ids), hidden, spec.dtype, spec.storage)
     check_free_space(out, needed)  # seconds, not an engine start-up
     version = code_version()  # the code this shard starts with, before hours of capture
     t0 = time.time()
@@ -184,7 +185,7 @@ def _extract_into(out, tokenized_shard, spec, shard, engine) -> ShardManifest:
             backend, info = engine
         log.info(
             f"shard {shard}: {len(index)} rows, {tokens} tokens, layers {spec.layer_ids}, "
-            f"{info.engine} {info.engine_version} via {info.capture_path}, {storage} storage, ~{needed / 2**20:.1f} MiB"
+            f"{info.engine} {info.engine_version} via {info.capture_path}, {spec.storage.name} storage, ~{needed / 2**20:.1f} MiB"
         )
         check_free_space(out, needed)  # again: other jobs may have taken space meanwhile
         job = _Job(out, spec, info, index, tokenized_shard, shard, version, t0, claim_record)
@@ -209,7 +210,7 @@ class _Job:
             self.info.hidden_size,
             self.spec.dtype,
             self.index,
-            storage=self.settings.content.storage,
+            storage=self.spec.storage,
         )
         bar = tqdm(
             total=tokens, unit="tok", unit_scale=True, file=sys.stderr, mininterval=1.0, desc=f"shard {self.shard}"

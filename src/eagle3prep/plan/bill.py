@@ -13,6 +13,7 @@ from typing import Any
 
 from ..extract import shard_bytes
 from ..infra.disk import human_bytes
+from ..shard.formats import storage_format
 
 RESULTS = "results"
 # Made by the run beside the shards, per shard and per run (validation JSON, the report's three files, the export's
@@ -87,12 +88,11 @@ def disk(plan: dict[str, Any], export_copy: bool, results: str | os.PathLike = R
     shards_b = plan["bytes_total"]
     export_b = 0
     if export_copy:
-        # The copy stores what the shards store, in the model's dtype when the shards are block-scaled (decoded).
+        copy = storage_format(plan["storage"]).export_copy  # as the shards store it, or decoded where speculators must
         per = [
-            shard_bytes(s["tokens"], s["rows"], plan["num_layers"], plan["hidden_size"], plan["dtype"],
-                        "model_dtype" if plan["storage"] == "mxfp4" else plan["storage"])
+            shard_bytes(s["tokens"], s["rows"], plan["num_layers"], plan["hidden_size"], plan["dtype"], copy)
             for s in plan["shards"]
-        ]  # fmt: skip
+        ]
         export_b = sum(per) + plan["rows"] * EXPORT_ROW_BYTES + plan["tokens"] * EXPORT_TOKEN_BYTES
     small = SMALL_PER_RUN + SMALL_PER_SHARD * plan["num_shards"]
     bill = {

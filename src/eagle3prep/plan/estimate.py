@@ -19,7 +19,7 @@ from typing import Any
 from ..extract import free_space_probe, shard_bytes
 from ..infra.atomic import atomic_open, write_json
 from ..infra.disk import human_bytes
-from ..shard.formats import storage_format
+from ..shard.formats import StorageFormat, storage_format, storage_of_entry
 from ..shard.layout import MANIFEST
 
 START_SHARE = 0.05  # engine start-up should stay under this share of a shard's job time
@@ -52,7 +52,7 @@ def make_plan(
     *,
     tokens_per_s: float | None,
     engine_start_s: float,
-    storage: str,
+    storage: StorageFormat,
     gpus_per_job: int = 1,
     made_with: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -67,7 +67,7 @@ def make_plan(
             timings.json has it); None leaves the time estimate and the shard size out.
         engine_start_s: seconds from job start to the first batch (model load, engine start-up).
         gpus_per_job: GPUs one extract job holds (tp_size for vllm, 1 for hf on cuda, 0 on cpu).
-        storage: extract.storage; its bytes per token come from shard/formats.py.
+        storage: extract.storage's format (shard/formats.py): its bytes per token.
         made_with: what this config's shards hold ({"layer_ids", "dtype", "storage", "model_path", "tokenized"}, the
             tokenized folder): a finished shard that differs, or is older than the tokenized shards, is not done,
             as the workflow extracts it again (shard_state); None: every shard with a manifest is done.
@@ -89,7 +89,7 @@ def make_plan(
         "num_layers": num_layers,
         "hidden_size": hidden_size,
         "dtype": dtype,
-        "storage": storage,
+        "storage": storage.name,
         "bytes_total": sum(s.bytes for s in shards),
         "bytes_to_write": to_write,
         "largest_shard_bytes": max((s.bytes for s in shards), default=0),
@@ -109,7 +109,7 @@ def make_plan(
     return plan
 
 
-def _shard_plan(size: dict[str, int], out: Path, num_layers: int, hidden_size: int, dtype: str, storage: str,
+def _shard_plan(size: dict[str, int], out: Path, num_layers: int, hidden_size: int, dtype: str, storage: StorageFormat,
                 tokens_per_s: float | None, engine_start_s: float,
                 made_with: dict[str, Any] | None) -> ShardPlan:  # fmt: skip
     """One shard's plan from its stats.json entry; done when its folder has a manifest of this config's capture."""
@@ -145,7 +145,7 @@ def shard_state(folder: Path, made_with: dict[str, Any] | None) -> tuple[bool, s
     made = {
         "layer_ids": m.get("layer_ids"),
         "dtype": m.get("dtype"),
-        "storage": (m.get("storage") or {}).get("name", "model_dtype"),
+        "storage": storage_of_entry(m.get("storage")),
         "model_path": (m.get("model") or {}).get("path"),
     }
     differ = [f"{key} {made[key]} (now {made_with[key]})" for key in made if made[key] != made_with[key]]
@@ -190,10 +190,11 @@ def format_plan(plan: dict[str, Any], num_shards_key: str = "tokenize.num_shards
 
 def _table(plan: dict[str, Any]) -> list[str]:
     """The plan's first line (what each token stores) and one line per shard."""
+    fmt = storage_format(plan["storage"])
     lines = [
         f"eagle3prep plan: {_shards(plan['num_shards'])}, {plan['rows']:,} rows, {plan['tokens']:,} tokens; "
         f"each token stores {plan['num_layers']} layers x hidden {plan['hidden_size']} in "
-        + (storage_format(plan["storage"]).summary if storage_format(plan["storage"]).scaled else plan["dtype"]),
+        + (fmt.summary if fmt.scaled else plan["dtype"]),
         "",
         f"{'shard':>5}  {'rows':>9}  {'tokens':>13}  {'bytes':>10}  {'job time':>9}  status",
     ]

@@ -21,7 +21,7 @@ from ..drafts import plan_drafts
 from ..infra.log import get_logger
 from ..model_facts import ModelFacts, require_hidden_size
 from ..settings import LayersSettings, PlanSettings, Settings
-from ..shard.formats import storage_format
+from ..shard.formats import MODEL_DTYPE, storage_format
 from . import bill
 from .estimate import make_plan, shard_sizes_from_stats, write_plan
 
@@ -151,6 +151,7 @@ def plan_run(
     validate_device: validate.device, where the validation's reference forward runs; sample_rows:
     validate.sample_rows, the rows whose tokens the reference recomputes (the validation estimate's); redo: why
     every finished shard is extracted again, when the plan's tokenized shards are not results/'s."""
+    fmt = storage_format(storage or MODEL_DTYPE)  # extract.storage, resolved once for the whole plan
     ids = model_layer_ids(model_path, layers.ids, layers.convention, layers.drafts)
     try:
         hidden_size = require_hidden_size(ModelFacts.read(model_path), model_path)
@@ -164,7 +165,7 @@ def plan_run(
         num_layers=len(ids),
         hidden_size=hidden_size,
         dtype=dtype,
-        storage=storage or "model_dtype",
+        storage=fmt,
         hidden_states_dir=hidden_states_dir,
         tokens_per_s=meas["tokens_per_s"] or plan.tokens_per_s,
         engine_start_s=meas["engine_start_s"] if meas["engine_start_s"] is not None else plan.engine_start_s,
@@ -172,7 +173,7 @@ def plan_run(
         made_with={
             "layer_ids": ids,
             "dtype": dtype,
-            "storage": storage or "model_dtype",
+            "storage": fmt.name,
             "model_path": model_path,
             "tokenized": Path(stats_path).parent,
             "redo": redo,
@@ -192,7 +193,7 @@ def plan_run(
         *bill.time_lines(result, meas, validate_device, mode != "off", estimate),
     ]
     if layers.drafts:  # each draft's layers and the bytes it reads
-        per_layer = storage_format(storage or "model_dtype").token_bytes(hidden_size, dtype)
+        per_layer = fmt.token_bytes(hidden_size, dtype)
         result["drafts"], lines = plan_drafts(layers.drafts, ids, per_layer, result["tokens"])
         result["bill_lines"] += ["", *lines]
     return write_plan(result, json_path, txt_path)

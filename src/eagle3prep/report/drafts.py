@@ -13,15 +13,15 @@ import html
 from typing import Any
 
 from ..drafts import ALGORITHMS, default_aux
-from ..shard.formats import storage_format
+from ..shard.formats import storage_format, storage_of_entry
 from .tables import table
 
 
 def served(dataset: dict[str, Any]) -> list[dict[str, Any]]:
     """One row a draft type: its default view, held or not, and what a token of it reads (bytes)."""
     n, held = dataset["num_hidden_layers"], set(dataset["layer_ids"])
-    storage = (dataset.get("storage") or {}).get("name", "model_dtype")
-    per_layer = storage_format(storage).token_bytes(dataset["hidden_size"], dataset["dtype"])
+    storage = storage_format(storage_of_entry(dataset.get("storage")))
+    per_layer = storage.token_bytes(dataset["hidden_size"], dataset["dtype"])
     rows = []
     for kind in ALGORITHMS:
         reads = [*default_aux(kind, n), n]

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..infra import faults
 from ..infra.disk import disk_full_is_user_error
-from .layout import DTYPES, safetensors_header, temp_of
+from .formats import DTYPES
+from .layout import safetensors_header, temp_of
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +49,7 @@ class StreamingSafetensorsWriter:
     ):
         """`after`: (name, dtype, shape) of a second tensor stored behind this one (FP8 scales), whose
         rows match this tensor's; only PositionalSafetensorsWriter fills it. `metadata`: the header's
-        `__metadata__` (a layer file's: layout.layer_metadata)."""
+        `__metadata__` (a layer file's: StorageFormat.metadata)."""
         self.path = Path(path)
         self.dtype = dtype
         self.shape = tuple(shape)

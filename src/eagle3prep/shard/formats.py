@@ -1,14 +1,17 @@
 """The storage formats of a layer file (`extract.storage`): the one place that knows each.
 
 Each format says what tensors a layer file holds, how rows are encoded on their device and decoded on read, its
-bytes per token, the manifest marks that name it, and the rounding it may add (what validation widens its bounds
-by). Everything that writes, reads, plans or judges shards asks the format of its shard here:
+bytes per token, the manifest marks that name it, the rounding it may add (what validation widens its bounds by)
+and what speculators' export makes of it. A name is resolved once, where it enters (the extract job's CaptureSpec,
+a manifest, the plan's config), and the StorageFormat itself travels from there; nothing else tells formats apart
+by name:
 
-    fmt = storage_format(manifest.storage_name)
+    fmt = storage_format(settings.content.storage)   # or manifest.storage_format
     fmt.tensors(tokens, hidden_size, dtype)   # [(name, dtype, shape)] in file order
     fmt.encode(x)                             # (values, scales...) on x's device; () parts for model_dtype
     fmt.decode(parts, dtype)                  # [n, H]
     fmt.roundtrip(x), fmt.draw(x, generator)  # the rounding floor (validation)
+    fmt.speculators_backend, fmt.export_copy  # what speculators' export stores and trains from
 
 Formats: `model_dtype` (as captured), `fp8_e4m3` (one float32 scale per token; speculators' own math, fp8.py),
 `mxfp4` (4-bit e2m1 with a power-of-two scale per 32 values, mxfp4.py).
@@ -64,10 +67,36 @@ class StorageFormat:
     # Each layer file's safetensors metadata, beside the storage name and the model dtype (metadata()): how its
     # values are stored, so a reader needs no manifest.
     described: dict[str, str] = field(default_factory=dict)
+    # speculators' `train --hidden-states-backend` for the export of this storage: `file` reads decoded rows, `fp8`
+    # reads FP8 values and scales as stored (its FP8Transfer), so the export copies those bytes unrounded.
+    speculators_backend: str = "file"
+    export_entry: dict[str, Any] = field(default_factory=dict)  # the export manifest's `storage` (empty: left out)
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # By name: a format holds functions, and the one a name gives in another process is the same table row.
+        return storage_format, (self.name,)
 
     @property
     def scaled(self) -> bool:
         return self.scales is not None
+
+    @property
+    def manifest_entry(self) -> dict[str, Any] | None:
+        """The shard manifest's `storage` field: None (left out) for model-dtype shards, so their manifests stay as
+        they were."""
+        return self.entry or None
+
+    @property
+    def exports_scales(self) -> bool:
+        """speculators reads this storage's values and scales itself: the export keeps both as stored, and a reader
+        standing in for speculators' trainer decodes them with its math."""
+        return self.speculators_backend != "file"
+
+    @property
+    def export_copy(self) -> StorageFormat:
+        """How the export's hs files (export.hidden_states: copy) store the rows: as the shards do, or decoded to
+        the model's dtype where speculators cannot read the stored bytes (MXFP4: it reads no 4-bit)."""
+        return self if self.exports_scales or not self.scaled else FORMATS[MODEL_DTYPE]
 
     def tensors(self, tokens: int, hidden_size: int, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype, shape) of each tensor of a layer file, in file order: the values, then any scales."""
@@ -156,6 +185,12 @@ FORMATS: dict[str, StorageFormat] = {
                 "rounding": "x / scale rounded to nearest, ties to even (torch's float32 -> float8_e4m3fn)",
                 "decode": "value = float32(e4m3) x scale",
             },
+            speculators_backend="fp8",
+            export_entry={
+                "name": FP8_E4M3,
+                "dtype": fp8.FP8_DTYPE,
+                "scales": {"key": SCALES_KEY, "shape": "[T, L, 1]"},
+            },
         ),
         StorageFormat(
             MXFP4,
@@ -191,6 +226,8 @@ FORMATS: dict[str, StorageFormat] = {
                 "rounding": mxfp4.ROUNDING,
                 "decode": "value = e2m1[code & 7] x (-1 if code & 8) x 2^(b - 127)",
             },
+            # The shards' 4-bit values decoded to bfloat16, exactly: `export.hidden_states: direct` keeps them 4-bit.
+            export_entry={"name": MXFP4, "copy": "decoded to bfloat16"},
         ),
     )
 }
@@ -204,6 +241,11 @@ def storage_format(storage: str) -> StorageFormat:
         return FORMATS[storage]
     except KeyError:
         raise ValueError(f"extract.storage = {storage!r} is not one of {list(STORAGES)}") from None
+
+
+def storage_of_entry(entry: dict[str, Any] | None) -> str:
+    """The storage name a shard manifest's `storage` field gives; a manifest without one is a model-dtype shard's."""
+    return (entry or {}).get("name", MODEL_DTYPE)
 
 
 def format_of_file(tensors: dict[str, tuple[str, list[int]]], metadata: dict[str, str] | None = None) -> StorageFormat:

@@ -1,15 +1,14 @@
-"""The shard folder's layout (DESIGN.md §4): file names, format marks, the dtype table, each layer file's
-tensors and the safetensors header they are written under.
+"""The shard folder's layout (DESIGN.md §4): file names and the safetensors header its files are written under.
 
 A shard folder holds one `layer_{id}.safetensors` per layer id (tensor `hidden_states`, [sum_T, H]),
 `token_ids.safetensors` (tensor `token_ids`, [sum_T] int64), `index.json` and, written last,
 `manifest.json` (shard/manifest.py). A folder without a valid manifest is not finished.
 
-Storage (`extract.storage`): each format (shard/formats.py) says which tensors a layer file holds: the
-values, then any scales, e.g. `fp8_e4m3`'s float8_e4m3fn values and [sum_T, 1] float32 scales, `mxfp4`'s
-packed [sum_T, H / 2] uint8 values and [sum_T, H / 32] e8m0 scales. A scaled shard's manifest carries the
-format's mark and `storage` entry. Every reader goes through shard/readers.py (LayerReader / read_layer),
-which decodes.
+Storage (`extract.storage`): each format (shard/formats.py, the one place its names and marks are imported
+from) says which tensors a layer file holds: the values, then any scales, e.g. `fp8_e4m3`'s float8_e4m3fn
+values and [sum_T, 1] float32 scales, `mxfp4`'s packed [sum_T, H / 2] uint8 values and [sum_T, H / 32] e8m0
+scales. A scaled shard's manifest carries the format's mark and `storage` entry. Every reader goes through
+shard/readers.py (LayerReader / read_layer), which decodes.
 """
 
 from __future__ import annotations
@@ -22,46 +21,11 @@ from typing import Any
 
 from ..infra.atomic import TMP_PREFIX
 from ..infra.folder import MANIFEST, TIMINGS  # noqa: F401  (named here with the shard's other files)
-from .formats import (  # noqa: F401  (the format names and the dtype table, re-exported with the layout)
-    DTYPES,
-    FORMAT,
-    FORMAT_FP8,
-    FORMAT_MXFP4,
-    FP8_E4M3,
-    MODEL_DTYPE,
-    MXFP4,
-    SCALES_KEY,
-    STORAGES,
-    storage_format,
-)
+from .formats import DTYPES
 
 INDEX = "index.json"
 TOKEN_IDS = "token_ids.safetensors"
 LOGPROBS = "logprobs.safetensors"  # the engine's prompt logprobs of a few rows (validate's logits check)
-
-
-def check_storage(storage: str) -> str:
-    return storage_format(storage).name
-
-
-def layer_tensors(storage: str, tokens: int, hidden_size: int, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(name, dtype, shape) of each tensor of a layer file, in file order: the values, then any scales."""
-    return storage_format(storage).tensors(tokens, hidden_size, dtype)
-
-
-def token_bytes(storage: str, hidden_size: int, dtype: str) -> int:
-    """Bytes one token takes in one layer file (values and scales)."""
-    return storage_format(storage).token_bytes(hidden_size, dtype)
-
-
-def layer_metadata(storage: str, model_dtype: str) -> dict[str, str]:
-    """A layer file's safetensors metadata: its format, the model dtype and how its values are stored."""
-    return storage_format(storage).metadata(model_dtype)
-
-
-def storage_entry(storage: str) -> dict[str, Any] | None:
-    """The manifest's `storage` field: None (left out) for model-dtype shards, so their manifests stay as they were."""
-    return storage_format(storage).entry or None
 
 
 def safetensors_header(

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .formats import FORMAT, FORMATS, MARKS, MODEL_DTYPE, StorageFormat, storage_format
+from .formats import FORMAT, FORMATS, MARKS, StorageFormat, storage_format, storage_of_entry
 from .layout import MANIFEST, TIMINGS, layer_file
 
 
@@ -33,7 +33,7 @@ class ShardManifest:
     code_version: str
     files: dict[str, dict[str, Any]]  # name -> sha256, bytes (shape, dtype for tensors)
     format: str = FORMAT
-    storage: dict[str, Any] | None = None  # layout.storage_entry(): None = hidden_states in `dtype`
+    storage: dict[str, Any] | None = None  # StorageFormat.manifest_entry: None = hidden_states in `dtype`
     stored_dtype: str | None = None  # the layer files' values (uint8 for MXFP4); None in manifests before it
 
     def __post_init__(self) -> None:
@@ -43,7 +43,7 @@ class ShardManifest:
 
     @property
     def storage_name(self) -> str:
-        return (self.storage or {}).get("name", MODEL_DTYPE)
+        return storage_of_entry(self.storage)
 
     @property
     def storage_format(self) -> StorageFormat:

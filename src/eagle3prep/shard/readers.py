@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from ..records import IndexEntry
-from .formats import FP8_E4M3, SCALES_KEY, VALUES_KEY, StorageFormat, format_of_file
+from .formats import SCALES_KEY, VALUES_KEY, StorageFormat, format_of_file
 from .layout import INDEX, LOGPROBS, TOKEN_IDS
 from .tokenized import rows as tokenized_rows
 
@@ -66,10 +66,6 @@ class LayerReader:
             self.format: StorageFormat = format_of_file(self.tensors(), self.metadata)
         except ValueError as e:
             raise ValueError(f"{self.path}: {e}") from None
-
-    @property
-    def fp8(self) -> bool:
-        return self.format.name == FP8_E4M3
 
     @property
     def shape(self) -> list[int]:

@@ -32,7 +32,6 @@ from ..config import schema_default
 from ..infra import faults
 from .files import FLUSH_EVERY, PositionalSafetensorsWriter
 from .formats import DTYPES, StorageFormat, storage_format
-from .layout import layer_metadata, layer_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +63,8 @@ class SinkPlan:
 
 @dataclass(frozen=True, slots=True)
 class SinkSpec:
-    """Everything a LayerSink needs, plain data so it can travel to a vLLM worker by RPC."""
+    """Everything a LayerSink needs, plain data so it can travel to a vLLM worker by RPC (the storage by its name:
+    vllm/capture/message.py)."""
 
     layer_paths: dict[int, str]  # final path of each layer file
     hidden_size: int
@@ -75,11 +75,7 @@ class SinkSpec:
     tag_prefix: str
     sync_bytes: int = FLUSH_EVERY
     logprob_rows: tuple[int, ...] = ()  # rows whose prompt logprobs the engine also returns (logits check)
-    storage: str = schema_default("extract", "storage")  # formats.STORAGES
-
-    @property
-    def format(self) -> StorageFormat:
-        return storage_format(self.storage)
+    storage: StorageFormat = storage_format(schema_default("extract", "storage"))
 
     @property
     def total_tokens(self) -> int:
@@ -109,7 +105,7 @@ class SlotPool:
         dtype: str,
         step_tokens: int,
         size: int,
-        storage: str,
+        storage: StorageFormat,
     ):
         """`dtype`: the rows' model dtype; `storage`: the slot holds that format's stored tensors of each row."""
         self.key = (num_layers, hidden_size, dtype, step_tokens, size, storage)
@@ -134,7 +130,7 @@ class SlotPool:
         num_layers, hidden_size, dtype, _, _, storage = self.key
         pinned = torch.cuda.is_available()
         parts = []
-        for _, part_dtype, (_, width) in storage_format(storage).tensors(1, hidden_size, dtype):
+        for _, part_dtype, (_, width) in storage.tensors(1, hidden_size, dtype):
             # Pinned as bytes and viewed as the stored dtype: a same-dtype copy_ into it is a plain byte copy.
             raw = torch.empty(
                 (num_layers, capacity, width * DTYPES[part_dtype][1]), dtype=torch.uint8, pin_memory=pinned
@@ -144,7 +140,7 @@ class SlotPool:
 
 
 def _pool_key(spec: SinkSpec) -> tuple:
-    return (len(spec.layer_paths), spec.hidden_size, spec.dtype, spec.step_tokens, spec.slots, spec.format.name)
+    return (len(spec.layer_paths), spec.hidden_size, spec.dtype, spec.step_tokens, spec.slots, spec.storage)
 
 
 def pool_for(spec: SinkSpec) -> SlotPool:
@@ -171,13 +167,13 @@ class LayerSink:
         self.total_tokens = spec.total_tokens
         self.pool = pool if pool is not None and pool.key == _pool_key(spec) else pool_for(spec)
         self.writers: dict[int, PositionalSafetensorsWriter] = {}
-        (name, dtype, shape), *after = layer_tensors(spec.storage, self.total_tokens, spec.hidden_size, spec.dtype)
+        (name, dtype, shape), *after = spec.storage.tensors(self.total_tokens, spec.hidden_size, spec.dtype)
         try:
             for lid in self.layer_ids:
                 path = Path(spec.layer_paths[lid])
                 self.writers[lid] = PositionalSafetensorsWriter(
                     path, name, dtype, shape, after[0] if after else None, sync_bytes=spec.sync_bytes,
-                    metadata=layer_metadata(spec.storage, spec.dtype),
+                    metadata=spec.storage.metadata(spec.dtype),
                 )  # fmt: skip
         except BaseException:
             for w in self.writers.values():  # no flush thread or temp file left behind
@@ -272,7 +268,7 @@ class LayerSink:
         if slot.scales is None:
             slot.host[j, :n].copy_(stream[:n], non_blocking=stream.is_cuda)
             return
-        fmt = self.spec.format
+        fmt = self.spec.storage
         for a in range(0, n, fmt.chunk):
             b = min(a + fmt.chunk, n)
             values, scales = fmt.encode(stream[a:b])

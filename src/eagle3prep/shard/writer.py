@@ -20,20 +20,8 @@ from ..infra.disk import disk_full_is_user_error
 from ..infra.folder import file_entry, finish_folder
 from ..records import IndexEntry
 from .files import StreamingSafetensorsWriter
-from .layout import (
-    INDEX,
-    LOGPROBS,
-    MANIFEST,
-    TIMINGS,
-    TOKEN_IDS,
-    check_storage,
-    layer_file,
-    layer_tensors,
-    storage_entry,
-    storage_format,
-    temp_of,
-    token_bytes,
-)
+from .formats import StorageFormat
+from .layout import INDEX, LOGPROBS, MANIFEST, TIMINGS, TOKEN_IDS, layer_file, temp_of
 from .manifest import ShardManifest
 from .sink import SinkPlan, SinkSpec
 
@@ -48,10 +36,10 @@ class ShardWriter:
         hidden_size: int,
         dtype: str,
         index: list[IndexEntry],
-        storage: str,
+        storage: StorageFormat,
     ):
         self.out_dir = Path(out_dir)
-        self.storage = check_storage(storage)
+        self.storage = storage
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.layer_ids = list(layer_ids)
         self.index = index
@@ -102,9 +90,9 @@ class ShardWriter:
         files = {}
         if sorted(layer_entries) != self.layer_ids:
             raise ValueError(f"the backend wrote layers {sorted(layer_entries)}, expected {self.layer_ids}")
-        (name, dtype, shape), *after = layer_tensors(self.storage, self.total_tokens, self.hidden_size, self.dtype)
+        (name, dtype, shape), *after = self.storage.tensors(self.total_tokens, self.hidden_size, self.dtype)
         want = {"shape": list(shape), "dtype": dtype, **{n: {"dtype": d, "shape": list(s)} for n, d, s in after}}
-        data_bytes = self.total_tokens * token_bytes(self.storage, self.hidden_size, self.dtype)
+        data_bytes = self.total_tokens * self.storage.token_bytes(self.hidden_size, self.dtype)
         for lid in self.layer_ids:
             path, entry = self.out_dir / layer_file(lid), layer_entries[lid]
             self._placed.append(path)
@@ -114,7 +102,7 @@ class ShardWriter:
             if size != entry["bytes"] or got != want or not 0 < entry["bytes"] - data_bytes <= 1 << 20:
                 raise ValueError(
                     f"{path}: {size} bytes on disk, its entry says {entry['bytes']} bytes of {got}; expected {want} "
-                    f"({data_bytes} bytes of data, {self.storage} storage)"
+                    f"({data_bytes} bytes of data, {self.storage.name} storage)"
                 )
             files[path.name] = entry
             faults.kill_point("shard.between_files", file=path.name)
@@ -135,8 +123,8 @@ class ShardWriter:
             rows=len(self.index),
             tokens=self.total_tokens,
             layer_ids=self.layer_ids,
-            storage=storage_entry(self.storage),
-            format=storage_format(self.storage).mark,
+            storage=self.storage.manifest_entry,
+            format=self.storage.mark,
         )
         with disk_full_is_user_error(self.out_dir / MANIFEST):
             finish_folder(self.out_dir, result.to_json(), timings, kill_point)

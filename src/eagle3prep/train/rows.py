@@ -87,7 +87,7 @@ class _OpenShard:
 
 def layer_rows(reader: LayerReader, a: int, b: int) -> torch.Tensor:
     """Rows a..b-1 of one layer, [b - a, H], as speculators' trainer gets them from an hs file."""
-    if not reader.fp8:
+    if not reader.format.exports_scales:
         return reader.rows(a, b)  # the stored dtype, as FileTransfer returns it
     # hs_connectors' FP8Transfer math (fp8.to(bf16) * scale.to(bf16)); LayerReader's float32 product can
     # round the last bf16 bit the other way, and the two ways would then train on different numbers.

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..check import Checks
 from ..infra import faults
-from ..shard.layout import DTYPES, layer_tensors
+from ..shard.formats import DTYPES
 from ..shard.readers import LayerReader, read_token_ids
 from .subject import ShardUnderTest
 
@@ -45,7 +45,7 @@ def check_token_ids(subject: ShardUnderTest, checks: Checks) -> bool:
 def layout_matches(reader: LayerReader, subject: ShardUnderTest) -> tuple[bool, str]:
     """Every tensor of a layer file has the dtype and shape the manifest's storage gives it."""
     m = subject.manifest
-    want = layer_tensors(m.storage_name, m.tokens, m.hidden_size, m.dtype)
+    want = m.storage_format.tensors(m.tokens, m.hidden_size, m.dtype)
     have = reader.tensors()
     got = [(n, *have[n]) for n, _, _ in want if n in have]
     expected = [(n, DTYPES[d][0], list(shape)) for n, d, shape in want]

@@ -44,12 +44,13 @@ class WorkerReply:
 
 
 def spec_to_wire(spec: Any) -> dict[str, Any]:
-    """A SinkSpec as the worker receives it."""
-    return dataclasses.asdict(spec)
+    """A SinkSpec as the worker receives it: its storage format by name."""
+    return dataclasses.asdict(spec) | {"storage": spec.storage.name}
 
 
 def spec_from_wire(wire: dict[str, Any]) -> Any:
     """The SinkSpec the driver sent: the RPC may turn int keys into strings and tuples into lists."""
+    from ...shard.formats import storage_format
     from ...shard.sink import SinkSpec
 
     return SinkSpec(
@@ -57,6 +58,7 @@ def spec_from_wire(wire: dict[str, Any]) -> Any:
             **wire,
             "layer_paths": {int(k): v for k, v in wire["layer_paths"].items()},
             "rows": [tuple(r) for r in wire["rows"]],
+            "storage": storage_format(wire["storage"]),
         }
     )
 
