@@ -9,6 +9,11 @@ The target (target.json), the workflow stages (summary.json, the regenerate coun
 draft's training (first and last loss, the trainer's validation of its first and last epoch: full_acc per
 position and 1 + their sum), and each served engine (serve/*.json: acceptance, per position, tok/s, decode
 wall, and how many greedy outputs equal the target's alone).
+
+With --drafts (run.py), a table per draft type: each variant's seeds, its mean and spread, and a verdict line of
+each of ours' variants against the peer: ours >= peer within seed noise, the noise the larger seed spread of the
+two. The figure is vLLM's mean acceptance length where vLLM served the type, else speculators' own validation
+metric of the last epoch (SPECULATORS_METRICS).
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ def _val_epochs(metrics: Path) -> list[tuple[int, list[float]]]:
 
 def main(runs: list[Path]) -> None:
     first = runs[0]
-    target_out = json.loads(_text(first / "serve/target_only.json"))["outputs"]
+    alone = first / "serve/target_only.json"  # none on a run that served nothing (the toy run on the CPU)
+    target_out = json.loads(_text(alone))["outputs"] if _glob(alone.parent, alone.name) else None
     cells, summaries = {}, []
     for run in runs:
         print(f"# run {run}")
@@ -58,6 +64,8 @@ def main(runs: list[Path]) -> None:
                 raise SystemExit(f"error: {variant} seed {seed} served in two runs ({res})")
             cells.setdefault(variant, {})[int(seed)] = json.loads(_text(res))
     table(cells, summaries, runs)
+    for kind, variants in draft_cells(runs).items():
+        drafts_table(kind, variants)
 
 
 def sections(run: Path, summary: dict, target_out: list) -> None:
@@ -95,12 +103,14 @@ def sections(run: Path, summary: dict, target_out: list) -> None:
         if res.name == "prompts.json":
             continue
         s = json.loads(_text(res))
-        same = sum(a == b for a, b in zip(s["outputs"], target_out, strict=True))
+        if res.name == "vllm_serves.json" or "outputs" not in s:
+            continue
+        same = sum(a == b for a, b in zip(s["outputs"], target_out, strict=True)) if target_out else None
         print(
             f"serve {res.stem}: draft {s['draft']}, mean acceptance length {s.get('mean_acceptance_length')}, "
             f"per position {s.get('acceptance_per_position')}, {s['output_tokens_per_s']} tok/s "
             f"({s['output_tokens']} tokens in {s['wall_s']} s), engine start {s['engine_start_s']} s, "
-            f"outputs equal to the target's alone {same}/{len(target_out)}"
+            f"outputs equal to the target's alone {same}/{len(target_out or ())}"
         )
     peer = summary.get("peer", {}).get("peer", {})
     if "validation" in peer:
@@ -165,3 +175,71 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", type=Path, nargs="+", help="run.py's OUT, then later runs that add cells")
     main(ap.parse_args().runs)
+
+
+# speculators' validation metric of each type (the val record's `<key>_epoch`), the first the record holds; for
+# each its label and whether higher is better. eagle3's 1 + sum of its per-step full accuracies is the acceptance
+# length a chain of those accuracies gives; dflash logs an expected acceptance length (eal), dspark accept_len.
+SPECULATORS_METRICS = (
+    ("eal", "speculators val eal", True),
+    ("accept_len", "speculators val accept_len", True),
+    ("full_acc_0", "speculators val 1 + sum full_acc_i", True),
+    ("full_acc", "speculators val full_acc", True),
+    ("loss", "speculators val loss", False),
+)
+
+
+def speculators_metric(metrics: Path) -> tuple[float, str, bool] | None:
+    """The last epoch's validation figure of a draft (SPECULATORS_METRICS), its label and direction."""
+    vals = [json.loads(line)["val"] for line in _text(metrics).splitlines() if '"val"' in line]
+    for key, label, higher in SPECULATORS_METRICS if vals else ():
+        if f"{key}_epoch" in vals[-1]:
+            last = vals[-1]
+            accs = [v for k, v in sorted(last.items()) if re.fullmatch(r"full_acc_\d+_epoch", k)]
+            return (1 + sum(accs) if key == "full_acc_0" else last[f"{key}_epoch"]), label, higher
+    return None
+
+
+def draft_cells(runs: list[Path]) -> dict[str, dict[str, dict[int, tuple[float, str, bool]]]]:
+    """{type: {variant: {seed: (figure, label, higher is better)}}} of the drafts run.py --drafts trained (their
+    recipe.json names the type): vLLM's acceptance length where served, else speculators' metric."""
+    cells: dict = {}
+    for run in runs:
+        for recipe in sorted((run / "drafts").glob("*/recipe.json")):
+            r, save = json.loads(recipe.read_text()), recipe.parent
+            if "type" not in r:
+                continue  # before --drafts: the table above
+            served = run / "serve" / f"{save.name}.json"
+            acc = json.loads(_text(served)).get("mean_acceptance_length") if _glob(served.parent, served.name) else None
+            metrics = save / "metrics.jsonl"
+            own = speculators_metric(metrics) if _glob(save, "metrics.jsonl") else None
+            cell = (acc, "vLLM mean acceptance length", True) if acc is not None else own
+            if cell is not None:
+                cells.setdefault(r["type"], {}).setdefault(r["variant"], {})[r["seed"]] = cell
+    return cells
+
+
+def drafts_table(kind: str, variants: dict[str, dict[int, tuple[float, str, bool]]]) -> None:
+    """One draft type: variant x seed, mean and spread, then ours' variants against the peer."""
+    labels = {c[1] for runs in variants.values() for c in runs.values()}
+    if len(labels) > 1:  # a type served for some cells only: not one figure to compare
+        print(f"\n{kind}: cells measured differently ({', '.join(sorted(labels))}); no verdict")
+    label, higher = next(iter(variants.values()))[min(next(iter(variants.values())))][1:]
+    stats = {}
+    print(f"\n{kind} ({label}, {'higher' if higher else 'lower'} is better)")
+    print("variant | seeds | mean | spread")
+    for v, runs in sorted(variants.items()):
+        xs = [c[0] for _, c in sorted(runs.items())]
+        stats[v] = (sum(xs) / len(xs), max(xs) - min(xs), len(xs))
+        cells = " ".join(f"s{seed} {c[0]:.4f}" for seed, c in sorted(runs.items()))
+        print(f"{v} | {cells} | {stats[v][0]:.4f} | {stats[v][1]:.4f}")
+    if "peer" not in stats or len(labels) > 1:
+        print(f"{kind}: no verdict ({'no peer cells' if 'peer' not in stats else 'mixed figures'})")
+        return
+    for v in [v for v in stats if v != "peer"]:
+        (mine, spread, n), (peer, peer_spread, m) = stats[v], stats["peer"]
+        noise = max(spread, peer_spread)
+        gap = (mine - peer) if higher else (peer - mine)  # > 0: ours better
+        ok = "yes" if gap >= -noise else "NO"
+        few = "" if min(n, m) > 1 else " (one seed: no spread, noise 0)"
+        print(f"{kind} {v} >= peer within seed noise: {ok} (gap {gap:+.4f}, noise {noise:.4f}){few}")
