@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path[:0] = [str(HERE), str(REPO / "tests"), str(REPO / "src")]  # its parts, the test kit, the package
 
-from eagle3prep.drafts import ALGORITHMS, Draft, resolve_drafts  # noqa: E402
+from eagle3prep.drafts import ALGORITHMS, Draft, resolve_drafts, trainer_args  # noqa: E402
 
 # The training recipe every row of the table shares; only the data and the seed change.
 RECIPE = {"steps": 600, "lr": 1e-3, "draft_vocab_size": 2048, "seq_len": 4096, "ratio": 0.95, "attn": "sdpa"}
@@ -172,26 +172,17 @@ def stage_peer(opts: argparse.Namespace) -> dict:
 def draft_args(opts: argparse.Namespace, export: Path, manifest: dict, draft: Draft) -> list[str]:
     """The draft's type and ids, and where its rows come from: our backend cuts its view from the shards; the
     peer's hs files (the union) are cut to it by peer_view, for speculators' `file` backend."""
-    kind, backend = draft.type, manifest.get("hidden_states_backend") or "file"
-    args = ["--speculator-type", kind, *(["--target-layer-ids", *map(str, draft.aux)] if draft.aux else [])]
-    args += ["--hidden-states-backend", backend, "--on-missing", "raise"]
+    backend = manifest.get("hidden_states_backend") or "file"
+    args = ["--hidden-states-backend", backend, "--on-missing", "raise"]
     if backend == "file" and manifest.get("layer_ids", draft.reads) != draft.reads:
         from peer import peer_view
 
         args += ["--hidden-states-path", str(peer_view(export, manifest["layer_ids"], draft.reads))]
-    # As tests/test_draft_views.py trains each type: dflash2 and mtp take the verifier's whole vocabulary and mtp
-    # has no attention or loss choice. One draft layer, eagle3's default (the block drafts' is 5): each type is
-    # compared with the peer's draft of its own recipe, and 30 drafts fit one device session; toy blocks of 4.
+    # One draft layer, eagle3's default (the block drafts' is 5): each type is compared with the peer's draft of
+    # its own recipe, and 30 drafts fit one device session. Toy blocks of 4 (default 8 or 16).
     recipe = RECIPE if opts.size == "h200" else TOY_RECIPE
-    if kind not in ("dflash2", "mtp"):
-        args += ["--draft-vocab-size", str(recipe["draft_vocab_size"])]
-    if kind != "mtp":
-        args += ["--loss-implementation", "eager", "--draft-attn-impl", recipe["attn"]]
-        args += ["--num-layers", "1", *(["--block-size", "4"] if kind in BLOCK_DRAFTS and opts.size == "toy" else [])]
-    return args
-
-
-BLOCK_DRAFTS = ("dflash", "dflash2", "dspark", "xpress")
+    block = 4 if opts.size == "toy" else None
+    return args + trainer_args(draft, recipe["draft_vocab_size"], 1, block, recipe["attn"])
 
 
 def train_args(opts: argparse.Namespace, export: Path, save: Path, seed: int, draft: Draft) -> list[str]:
