@@ -218,7 +218,7 @@ def stage_train(opts: argparse.Namespace) -> dict:
             epochs = int(args[args.index("--epochs") + 1])
             recipe = {"epochs": epochs, "seed": seed, "variant": variant, "type": draft.type, "argv": args}
             (save / "recipe.json").write_text(json.dumps(recipe, indent=1))
-            argv = ["--metrics-jsonl", str(metrics), "--", *args]
+            argv = [*(["--cpu"] if opts.device == "cpu" else []), "--metrics-jsonl", str(metrics), "--", *args]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
             t0 = time.time()
             with open(save.parent / f"{save.name}.log", "w") as log:
