@@ -21,10 +21,10 @@ One stage per device call (each reads what the earlier wrote to OUT, on the same
   serve    vLLM, the target alone and with each draft whose type the installed vLLM serves (eagle3: k = 3,
            the others their checkpoint's own; greedy) on held-out prompts (bench/quality/serve.py, one engine per
            process): OUT/serve/*.json; the types it serves: OUT/vllm_serves.json
+  summary  OUT/summary.json and the table (acceptance length, per position, tokens/s, validation verdict)
 
 --drafts names speculators' draft types (eagle3prep.drafts.ALGORITHMS): the data stage hands them to the workflow
 as `layers.drafts`, so every variant captures their layers' union once, and each draft trains on its own view.
-  summary  OUT/summary.json and the table (acceptance length, per position, tokens/s, validation verdict)
 """
 
 from __future__ import annotations
