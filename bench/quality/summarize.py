@@ -103,7 +103,7 @@ def sections(run: Path, summary: dict, target_out: list) -> None:
         if res.name == "prompts.json":
             continue
         s = json.loads(_text(res))
-        if res.name == "vllm_serves.json" or "outputs" not in s:
+        if "outputs" not in s:
             continue
         same = sum(a == b for a, b in zip(s["outputs"], target_out, strict=True)) if target_out else None
         print(
@@ -112,6 +112,8 @@ def sections(run: Path, summary: dict, target_out: list) -> None:
             f"({s['output_tokens']} tokens in {s['wall_s']} s), engine start {s['engine_start_s']} s, "
             f"outputs equal to the target's alone {same}/{len(target_out or ())}"
         )
+    if (run / "vllm_serves.json").exists():  # run.py's serve stage asked the installed vLLM
+        print(f"vLLM loads speculators' {json.loads((run / 'vllm_serves.json').read_text())['types']}")
     peer = summary.get("peer", {}).get("peer", {})
     if "validation" in peer:
         print(f"peer validation (validate_shard, every row): {peer['validation']}")
