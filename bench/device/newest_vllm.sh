@@ -38,12 +38,13 @@
 #   quality   the acceptance bench's ours and peer branches (bench/quality/device_run.sh; needs the tools payload),
 #             its summary in OUT/quality.txt
 #   quality_drafts  each draft type (eagle3 peagle dflash dspark mtp; QDRAFTS picks) trained on ours (bf16), mxfp4 and
-#             the peer's rows, two seeds, served where this vLLM serves the type (mtp: speculators' validation
-#             instead); summarize.py's table and verdict per type in OUT/quality_drafts.txt. About 35 GPU minutes
-#             from the H200 quality run (docs/runs/acceptance/summary.txt): the target 71 s, ours' data 256 s, then
-#             beside it mxfp4's (fp8's 156 s) and the peer; per branch 5 drafts one after the other at ~160 s
-#             (eagle3's train with ~9 beside it; every type at one draft layer) = ~800 s, then 8 serves (4 types x 2
-#             seeds; mtp is not served) at ~70 s engine start each = ~560 s: 71 + 256 + 156 + 800 + 560 = ~1,840 s
+#             the peer's rows, two seeds, served where this vLLM serves the type; summarize.py's table and verdict
+#             per type in OUT/quality_drafts.txt. speculators 0.9 trains mtp on qwen3-family targets only, so on this
+#             Llama target its trainer refuses in seconds and the printout says so. About 30 GPU minutes from the
+#             H200 quality run (docs/runs/acceptance/summary.txt): the target 71 s, ours' data 256 s, then beside
+#             it mxfp4's (fp8's 156 s) and the peer; per branch 4 types one after the other at ~160 s (eagle3's
+#             train with ~9 beside it; every type at one draft layer) = ~640 s, then 8 serves (4 types x 2 seeds) at
+#             ~70 s engine start each = ~560 s: 71 + 256 + 156 + 640 + 560 = ~1,680 s
 # Steps run in the order STEPS gives (default: ALL below); REGRESS_PHASES=pf drops (e) from regress; FAULTS="a b"
 # only those rows of the fault matrix;
 # MATRIX_FAMILIES="qwen2_5_vl" only that

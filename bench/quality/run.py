@@ -230,6 +230,8 @@ def stage_train(opts: argparse.Namespace) -> dict:
                 "wall_s": round(time.time() - t0, 1),
                 "loss_first_last": losses[:1] + losses[-1:],
             }
+            if rc.returncode:  # the trainer's refusal, e.g. speculators 0.9's mtp on a Llama target (qwen3 only)
+                out[save.name]["error"] = (save.parent / f"{save.name}.log").read_text().strip().splitlines()[-1:]
             # Drafts train side by side (device_run.sh), so summary.json may miss one; this file does not.
             (save / "result.json").write_text(json.dumps(out[save.name], indent=1))
     return out

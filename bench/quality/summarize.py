@@ -64,8 +64,12 @@ def main(runs: list[Path]) -> None:
                 raise SystemExit(f"error: {variant} seed {seed} served in two runs ({res})")
             cells.setdefault(variant, {})[int(seed)] = json.loads(_text(res))
     table(cells, summaries, runs)
-    for kind, variants in draft_cells(runs).items():
+    cells = draft_cells(runs)
+    for kind, variants in cells.items():
         drafts_table(kind, variants)
+    trained = {json.loads(r.read_text()).get("type") for run in runs for r in (run / "drafts").glob("*/recipe.json")}
+    for kind in sorted(trained - set(cells) - {None}):
+        print(f"\n{kind}: no draft of this type trained (its train lines above say why)")
 
 
 def sections(run: Path, summary: dict, target_out: list) -> None:
@@ -90,7 +94,7 @@ def sections(run: Path, summary: dict, target_out: list) -> None:
             v = json.loads(_text(val))
             print(f"  validation: ok {v['ok']}, {v['rows']} rows, {v['tokens']} tokens, {v['reference_floor']}")
     for name, d in summary.get("train", {}).items():
-        print(f"train {name}: rc {d['rc']}, {d['wall_s']} s, loss {d['loss_first_last']}")
+        print(f"train {name}: rc {d['rc']}, {d['wall_s']} s, loss {d['loss_first_last']} {d.get('error', '')}")
     for metrics in _glob(run / "drafts", "*/metrics.jsonl"):
         epochs = _val_epochs(metrics)
         for epoch, accs in (epochs[0], epochs[-1]) if epochs else ():
