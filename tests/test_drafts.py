@@ -35,7 +35,6 @@ def test_each_algorithm_reads_its_aux_layers_then_the_final_state():
     assert union == [2, 13, 25, 30, 36, 48, 58, 59, 61]
 
 
-
 def test_each_type_gets_the_trainer_flags_it_takes():
     """The flags every draft trainer of the quality bench and of test_draft_views.py gets, by type: its ids, a draft
     vocabulary but for dflash2 and mtp, blocks for the block drafts, nothing of attention or layers for mtp."""

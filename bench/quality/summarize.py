@@ -64,11 +64,11 @@ def main(runs: list[Path]) -> None:
                 raise SystemExit(f"error: {variant} seed {seed} served in two runs ({res})")
             cells.setdefault(variant, {})[int(seed)] = json.loads(_text(res))
     table(cells, summaries, runs)
-    cells = draft_cells(runs)
-    for kind, variants in cells.items():
+    by_type = draft_cells(runs)
+    for kind, variants in by_type.items():
         drafts_table(kind, variants)
     trained = {json.loads(r.read_text()).get("type") for run in runs for r in (run / "drafts").glob("*/recipe.json")}
-    for kind in sorted(trained - set(cells) - {None}):
+    for kind in sorted(trained - set(by_type) - {None}):
         print(f"\n{kind}: no draft of this type trained (its train lines above say why)")
 
 
@@ -96,7 +96,10 @@ def sections(run: Path, summary: dict, target_out: list) -> None:
     for name, d in summary.get("train", {}).items():
         print(f"train {name}: rc {d['rc']}, {d['wall_s']} s, loss {d['loss_first_last']} {d.get('error', '')}")
     for metrics in _glob(run / "drafts", "*/metrics.jsonl"):
-        epochs = _val_epochs(metrics)
+        epochs, own = _val_epochs(metrics), speculators_metric(metrics)
+        if own and not own[1].endswith("full_acc_i"):  # a type without eagle3's per-step accuracies
+            print(f"  {metrics.parent.name} val last epoch: {own[1]} {own[0]:.4f}")
+            continue
         for epoch, accs in (epochs[0], epochs[-1]) if epochs else ():
             print(
                 f"  {metrics.parent.name} val epoch {epoch}: full_acc {[round(a, 3) for a in accs]}, "
@@ -177,12 +180,6 @@ def table(serve: dict, summaries: list[dict], folders: list[Path]) -> None:
         )
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", type=Path, nargs="+", help="run.py's OUT, then later runs that add cells")
-    main(ap.parse_args().runs)
-
-
 # speculators' validation metric of each type (the val record's `<key>_epoch`), the first the record holds; for
 # each its label and whether higher is better. eagle3's 1 + sum of its per-step full accuracies is the acceptance
 # length a chain of those accuracies gives; dflash logs an expected acceptance length (eal), dspark accept_len.
@@ -206,46 +203,52 @@ def speculators_metric(metrics: Path) -> tuple[float, str, bool] | None:
     return None
 
 
-def draft_cells(runs: list[Path]) -> dict[str, dict[str, dict[int, tuple[float, str, bool]]]]:
-    """{type: {variant: {seed: (figure, label, higher is better)}}} of the drafts run.py --drafts trained (their
-    recipe.json names the type): vLLM's acceptance length where served, else speculators' metric."""
+def draft_cells(runs: list[Path]) -> dict[str, dict[str, dict[int, dict]]]:
+    """{type: {variant: {seed: {"vllm": acceptance length or None, "own": speculators_metric}}}} of the drafts
+    run.py --drafts trained (their recipe.json names the type)."""
     cells: dict = {}
     for run in runs:
         for recipe in sorted((run / "drafts").glob("*/recipe.json")):
             r, save = json.loads(recipe.read_text()), recipe.parent
-            if "type" not in r:
-                continue  # before --drafts: the table above
+            own = speculators_metric(save / "metrics.jsonl") if _glob(save, "metrics.jsonl") else None
+            if "type" not in r or own is None:
+                continue  # before --drafts (the table above), or a draft that did not train
             served = run / "serve" / f"{save.name}.json"
-            acc = json.loads(_text(served)).get("mean_acceptance_length") if _glob(served.parent, served.name) else None
-            metrics = save / "metrics.jsonl"
-            own = speculators_metric(metrics) if _glob(save, "metrics.jsonl") else None
-            cell = (acc, "vLLM mean acceptance length", True) if acc is not None else own
-            if cell is not None:
-                cells.setdefault(r["type"], {}).setdefault(r["variant"], {})[r["seed"]] = cell
+            acc = (
+                json.loads(_text(served)).get("mean_acceptance_length") if _glob(served.parent, served.name) else None
+            )
+            cells.setdefault(r["type"], {}).setdefault(r["variant"], {})[r["seed"]] = {"vllm": acc, "own": own}
     return cells
 
 
-def drafts_table(kind: str, variants: dict[str, dict[int, tuple[float, str, bool]]]) -> None:
-    """One draft type: variant x seed, mean and spread, then ours' variants against the peer."""
-    labels = {c[1] for runs in variants.values() for c in runs.values()}
-    if len(labels) > 1:  # a type served for some cells only: not one figure to compare
-        print(f"\n{kind}: cells measured differently ({', '.join(sorted(labels))}); no verdict")
-    label, higher = next(iter(variants.values()))[min(next(iter(variants.values())))][1:]
+def drafts_table(kind: str, variants: dict[str, dict[int, dict]]) -> None:
+    """One draft type: variant x seed, mean and spread, then each other variant against the peer. vLLM's mean
+    acceptance length where every cell was served, else speculators' metric for every cell: one figure a table."""
+    served = all(c["vllm"] is not None for runs in variants.values() for c in runs.values())
+    first = next(iter(next(iter(variants.values())).values()))  # every cell of a type has the same metric
+    label, higher = ("vLLM mean acceptance length", True) if served else first["own"][1:]
+    figure = {
+        v: {seed: c["vllm"] if served else c["own"][0] for seed, c in runs.items()} for v, runs in variants.items()
+    }
+    print(f"\n{kind} ({label}, {'higher' if higher else 'lower'} is better)\nvariant | seeds | mean | spread")
     stats = {}
-    print(f"\n{kind} ({label}, {'higher' if higher else 'lower'} is better)")
-    print("variant | seeds | mean | spread")
-    for v, runs in sorted(variants.items()):
-        xs = [c[0] for _, c in sorted(runs.items())]
+    for v, runs in sorted(figure.items()):
+        xs = [x for _, x in sorted(runs.items())]
         stats[v] = (sum(xs) / len(xs), max(xs) - min(xs), len(xs))
-        cells = " ".join(f"s{seed} {c[0]:.4f}" for seed, c in sorted(runs.items()))
-        print(f"{v} | {cells} | {stats[v][0]:.4f} | {stats[v][1]:.4f}")
-    if "peer" not in stats or len(labels) > 1:
-        print(f"{kind}: no verdict ({'no peer cells' if 'peer' not in stats else 'mixed figures'})")
-        return
-    for v in [v for v in stats if v != "peer"]:
+        print(f"{v} | " + " ".join(f"s{seed} {x:.4f}" for seed, x in sorted(runs.items()))
+              + f" | {stats[v][0]:.4f} | {stats[v][1]:.4f}")  # fmt: skip
+    if "peer" not in stats:
+        print(f"{kind}: no verdict (no peer cells)")
+    for v in [v for v in stats if v != "peer" and "peer" in stats]:
         (mine, spread, n), (peer, peer_spread, m) = stats[v], stats["peer"]
         noise = max(spread, peer_spread)
         gap = (mine - peer) if higher else (peer - mine)  # > 0: ours better
-        ok = "yes" if gap >= -noise else "NO"
         few = "" if min(n, m) > 1 else " (one seed: no spread, noise 0)"
-        print(f"{kind} {v} >= peer within seed noise: {ok} (gap {gap:+.4f}, noise {noise:.4f}){few}")
+        print(f"{kind} {v} >= peer within seed noise: {'yes' if gap >= -noise else 'NO'} "
+              f"(gap {gap:+.4f}, noise {noise:.4f}){few}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", type=Path, nargs="+", help="run.py's OUT, then later runs that add cells")
+    main(ap.parse_args().runs)
