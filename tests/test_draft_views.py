@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("speculators.train.cli", reason="speculators 0.9.0: make .venv/.installed")
 
+from eagle3prep.drafts import trainer_args  # noqa: E402
 from eagle3prep.layers import default_layer_ids  # noqa: E402
 from eagle3prep.train import rows as rows_module  # noqa: E402
 from eagle3prep.train.backend import draft_view  # noqa: E402
@@ -87,16 +88,12 @@ def test_the_backend_gives_each_draft_type_the_view_its_trainer_reads(data):
 def speculators_args(data: dict, draft, out: Path, epochs: int) -> list[str]:
     """speculators train arguments for one draft from the one export: its type and --target-layer-ids, the
     eagle3prep backend (the view), the CPU's attention and loss (no FlexAttention backward, no Triton on a CPU)."""
-    kind = draft.type
     return [
         *("--verifier-name-or-path", str(data["model"]), "--data-path", str(data["export"])),
-        *("--speculator-type", kind, *(["--target-layer-ids", *map(str, draft.aux)] if draft.aux else [])),
         *("--hidden-states-backend", "eagle3prep", "--on-missing", "raise"),
-        # DFlash2 takes the verifier's whole vocabulary; the others a 64-token draft vocabulary
-        *(("--draft-vocab-size", "64") if kind not in ("dflash2", "mtp") else ()),
-        *(("--loss-implementation", "eager", "--draft-attn-impl", "sdpa") if kind != "mtp" else ()),
-        # one draft layer (the block drafts default to 5) and blocks of 4 (default 8 or 16): seconds on one core
-        *(("--num-layers", "1") + (("--block-size", "4") if kind in BLOCK_DRAFTS else ()) if kind != "mtp" else ()),
+        # the type's flags as the quality bench gives them; one draft layer (the block drafts default to 5) and
+        # blocks of 4 (default 8 or 16): seconds on one core
+        *trainer_args(draft, 64, num_layers=1, block_size=4),
         *("--total-seq-len", "128", "--train-data-ratio", "0.9", "--epochs", str(epochs), "--lr", "3e-3"),
         *("--seed", "0", "--num-workers", "0", "--checkpoint-freq", "100"),
         *("--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs")),
@@ -104,7 +101,6 @@ def speculators_args(data: dict, draft, out: Path, epochs: int) -> list[str]:
 
 
 K = 3  # steps averaged at each end
-BLOCK_DRAFTS = ("dflash", "dflash2", "dspark", "xpress")
 
 
 @pytest.mark.parametrize("kind", drafts_data.TYPES)

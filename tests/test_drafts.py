@@ -8,7 +8,7 @@ import json
 import pytest
 
 from eagle3prep.config import ConfigError, validate_config
-from eagle3prep.drafts import capture_layer_ids, draft_lines, missing_layers, resolve_drafts
+from eagle3prep.drafts import capture_layer_ids, draft_lines, missing_layers, resolve_drafts, trainer_args
 from eagle3prep.run.parse import check_model
 from eagle3prep.settings import LayersSettings, Settings
 
@@ -33,6 +33,19 @@ def test_each_algorithm_reads_its_aux_layers_then_the_final_state():
     assert mtp.reads == [61] and mtp.aux == ()  # MTPDraftModel.target_layer_ids == [N]
     union = capture_layer_ids(None, "input_of_layer", [{"type": "eagle3"}, KIMI_DFLASH, {"type": "mtp"}], KIMI_N)
     assert union == [2, 13, 25, 30, 36, 48, 58, 59, 61]
+
+
+def test_each_type_gets_the_trainer_flags_it_takes():
+    """The flags every draft trainer of the quality bench and of test_draft_views.py gets, by type: its ids, a draft
+    vocabulary but for dflash2 and mtp, blocks for the block drafts, nothing of attention or layers for mtp."""
+    by_type = {d.type: d for d in resolve_drafts([{"type": t} for t in ("eagle3", "dflash2", "dspark", "mtp")], 8)}
+    common = ["--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-layers", "1"]
+    assert trainer_args(by_type["eagle3"], 64, block_size=4) == [
+        *("--speculator-type", "eagle3", "--target-layer-ids", "2", "4", "5", "--draft-vocab-size", "64"), *common
+    ]  # fmt: skip
+    assert trainer_args(by_type["dflash2"], 64, block_size=4)[6:] == [*common, "--block-size", "4"]
+    assert trainer_args(by_type["dspark"], 64)[-2:] == ["--num-layers", "1"]  # no block size: speculators' default
+    assert trainer_args(by_type["mtp"], 64, block_size=4) == ["--speculator-type", "mtp"]
 
 
 def test_the_sources_numberings_are_one_conversion():

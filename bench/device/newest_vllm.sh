@@ -37,6 +37,14 @@
 #             finished shards kept, one rerun completes
 #   quality   the acceptance bench's ours and peer branches (bench/quality/device_run.sh; needs the tools payload),
 #             its summary in OUT/quality.txt
+#   quality_drafts  each draft type (eagle3 peagle dflash dspark mtp; QDRAFTS picks) trained on ours (bf16), mxfp4 and
+#             the peer's rows, two seeds, served where this vLLM serves the type; summarize.py's table and verdict
+#             per type in OUT/quality_drafts.txt. speculators 0.9 trains mtp on qwen3-family targets only, so on this
+#             Llama target its trainer refuses in seconds and the printout says so. About 30 GPU minutes from the
+#             H200 quality run (docs/runs/acceptance/summary.txt): the target 71 s, ours' data 256 s, then beside
+#             it mxfp4's (fp8's 156 s) and the peer; per branch 4 types one after the other at ~160 s (eagle3's
+#             train with ~9 beside it; every type at one draft layer) = ~640 s, then 8 serves (4 types x 2 seeds) at
+#             ~70 s engine start each = ~560 s: 71 + 256 + 156 + 640 + 560 = ~1,680 s
 # Steps run in the order STEPS gives (default: ALL below); REGRESS_PHASES=pf drops (e) from regress; FAULTS="a b"
 # only those rows of the fault matrix, FAULTS_PARALLEL=1 each in a workdir of its own, all at once;
 # MATRIX_FAMILIES="qwen2_5_vl" only that
@@ -63,15 +71,17 @@ workflow() {
   python3 bench/gpu_validate.py "$W/workflow/llama" --runs 1:auto && \
     python3 bench/gpu_validate.py "$W/workflow/kimi" --target kimi-int4 --runs 1:auto
 }
-quality() {
-  BRANCHES="${QBRANCHES:-ours peer}" bash bench/quality/device_run.sh "$W/q" > "$O/quality_run.log" 2>&1
-  python3 bench/quality/summarize.py "$W/q"
+quality() {  # QDIR: the run folder (fmt_real reads $W/q); DRAFTS reaches run.py through device_common.sh
+  local q=${QDIR:-$W/q}
+  BRANCHES="${QBRANCHES:-ours peer}" bash bench/quality/device_run.sh "$q" > "$O/${QDIR:+$(basename "$q")_}quality_run.log" 2>&1
+  python3 bench/quality/summarize.py "$q"
 }
 images() {  # the image-heavy workload on auto's path (built-in on 0.34) beside plain compiled prefill
   python3 bench/bench_extract.py "$W/images" --images 4 --phases pf --rows 64
 }
 ALL="matrix workflow valid_narrow long64 regress kimi_int4 regen_long quality valid_kimi kimi64 fmt_8b fmt_kimi
-  regress_mx quality_mx fmt_real kimi64_mx shm_f images kimi_int4_mx faults fmt_kernel_8b fmt_kernel_kimi train_mx"
+  regress_mx quality_mx fmt_real kimi64_mx shm_f images kimi_int4_mx faults fmt_kernel_8b fmt_kernel_kimi train_mx
+  quality_drafts"
 run_step() {
   case $1 in
     matrix) step matrix "$NEW" matrix ;;
@@ -98,6 +108,9 @@ run_step() {
     shm_f) step shm_f "$NEW" python3 bench/bench_extract.py /dev/shm/e3p_shm_f --phases pf --rows 192 ;;
     # the acceptance bench: ours (bf16), fp8 and mxfp4 drafts from the same rows, two seeds each
     quality_mx) QBRANCHES="${QMX_BRANCHES:-ours fp8 mxfp4}" step quality_mx "$NEW" quality ;;
+    # each draft type from ours (bf16), mxfp4 and the peer's rows, two seeds (its run folder removed after the step)
+    quality_drafts) QBRANCHES="ours mxfp4 peer" DRAFTS="${QDRAFTS:-eagle3 peagle dflash dspark mtp}" QDIR=$W/quality_drafts \
+      step quality_drafts "$NEW" quality ;;
     images) step images "$NEW" images ;;
     kimi_int4_mx) step kimi_int4_mx "$NEW" python3 bench/bench_extract.py $W/kimi_int4_mx --shape kimi-int4 --phases ${MX_PHASES:-pfg} --scaled mxfp4 --rows 384 --seq 1000 --min-len 100 --max-len 1000 ;;
     faults) step faults "$NEW" python3 bench/gpu_faults.py $W/faults ${FAULTS:+--faults $FAULTS} ${FAULTS_PARALLEL:+--parallel} ;;

