@@ -7,7 +7,7 @@ from eagle3prep.config import ConfigError
 from eagle3prep.healing import tickets
 from eagle3prep.report import stale
 from eagle3prep.run import closing, command, environment, progress
-from eagle3prep.run.mode import Mode
+from eagle3prep.infra.mode import Mode
 from eagle3prep.settings import (
     ExtractSettings,
     LayersSettings,
@@ -132,6 +132,7 @@ HEALING = tickets.Healing(
     mode=MODE,
     say=lambda line: print(f"eagle3prep: {line}", file=sys.stderr),
     before=_results_checks,
+    mark_stale=stale.mark_for_heal,
 )
 # The one place healing writes before the DAG is built: a job's ticket must exist, newer than its outputs, when
 # Snakemake compares them, and Snakemake calls no hook between this parse and that comparison (an input function

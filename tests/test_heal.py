@@ -9,7 +9,7 @@ import pytest
 
 from eagle3prep import paths
 from eagle3prep.healing import heal, tickets
-from eagle3prep.run.mode import Mode
+from eagle3prep.infra.mode import Mode
 
 
 def finished(k: int, validated: bool = True) -> Path:

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from eagle3prep import made_by
+from eagle3prep import errors, made_by
 from eagle3prep.run import command
 from eagle3prep.run.parse import config_source_line
 from eagle3prep.settings import Settings
@@ -126,11 +126,11 @@ def test_suggested_commands_carry_the_users_configfile_and_directory(monkeypatch
     cmd = command.from_argv(argv)
     assert str(cmd) == "snakemake --configfile 'my run.yaml' --config x=1 --directory runs/a"
     command.export(cmd)
-    assert command.same_command("-R", "validate") == (
+    assert errors.same_command("-R", "validate") == (
         "snakemake --configfile 'my run.yaml' --config x=1 --directory runs/a -R validate"
     )
     monkeypatch.delenv(command.ENV)
-    assert command.same_command() == "snakemake"
+    assert errors.same_command() == "snakemake"
 
 
 @pytest.mark.integration

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
+import shlex
 import signal
 import sys
 from collections.abc import Iterator
+
+# The user's own `snakemake` command, which the main process hands its jobs here (run/command.py reads it from the
+# command line), so that every command a message suggests is one the user can paste.
+COMMAND_ENV = "EAGLE3PREP_COMMAND"
+
+
+def same_command(*args: str) -> str:
+    """The user's command with `args` after it, as the main process handed it down; `snakemake` alone outside a
+    run (python -m eagle3prep.verify, tests)."""
+    base = shlex.split(os.environ.get(COMMAND_ENV) or "snakemake")
+    return shlex.join([*base, *args])
 
 
 class UserError(Exception):

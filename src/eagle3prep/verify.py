@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from .errors import same_command
 from .infra.atomic import sha256_file, write_json
 from .infra.disk import human_bytes
 from .run import command
@@ -67,7 +68,7 @@ class Verdict:
         yours = "" if command.known() else " (with your --configfile and --directory)"
         return (
             f"verify: {len(self.damaged)} damaged of {checked}, in {', '.join(places)}; the next run of the same "
-            f"command makes them again: {command.same_command()}{yours}"
+            f"command makes them again: {same_command()}{yours}"
         )
 
     def write_record(self, results: str | Path) -> None:

@@ -29,11 +29,10 @@ from typing import TYPE_CHECKING
 
 from .. import paths
 from ..infra.atomic import write_json
-from ..report import stale
 from . import heal
 
 if TYPE_CHECKING:
-    from ..run.mode import Mode
+    from ..infra.mode import Mode
 
 FOLDER = paths.HEAL_TICKETS
 
@@ -110,9 +109,11 @@ class Healing:
         say: Callable[[str], None],
         before: Callable[[Mode], None] = lambda mode: None,
         folder: str | os.PathLike = FOLDER,
+        mark_stale: Callable[[list[str]], str | None] = lambda reasons: None,
     ) -> None:
         self.shards, self.keep_failed, self.main = list(shards), keep_failed, main
         self._mode, self._before, self.folder, self._say = mode, before, folder, say
+        self._mark_stale = mark_stale  # the report's (report.stale.mark_for_heal): the line it says, or None
         self.tickets = read_tickets(folder)
         self.next = max(self.tickets, default=0) + 1
         self.found: list[heal.Heal] = []
@@ -186,8 +187,8 @@ class Healing:
                 lines.append(f"moved {heal.shard_dir(h.shard)} to {heal.set_aside(h)}")
                 self._say(lines[-1])
         reasons = [h.why for h in heals if h.shard is not None]
-        if reasons and stale.mark_stale(reasons):
-            lines.append(f"marked {stale.REPORT} STALE until this run rebuilds it")
+        if reasons and (marked := self._mark_stale(reasons)):
+            lines.append(marked)
             self._say(lines[-1])
         log = log or paths.log(f"heal/{Path(self.path).stem}")
         Path(log).parent.mkdir(parents=True, exist_ok=True)

@@ -89,3 +89,8 @@ def set_aside_shards(failed: str | os.PathLike = FAILED) -> list[dict[str, str]]
         why = report_failures(report) or "failed validation"
         out.append({"dir": f"{Path(failed) / name}", "why": why[:300]})
     return out
+
+
+def mark_for_heal(reasons: list[str]) -> str | None:
+    """What healing says when it marks the report stale for the shards it redoes; None when there is no report."""
+    return f"marked {REPORT} STALE until this run rebuilds it" if mark_stale(reasons) else None

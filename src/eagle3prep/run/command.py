@@ -13,7 +13,7 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-ENV = "EAGLE3PREP_COMMAND"
+from ..errors import COMMAND_ENV as ENV
 # The flags that decide which workflow, config and folder a command works on; the rest (--cores, -n, targets)
 # is the user's choice for each command. The flags that take several values come first: a target typed after
 # `--configfile a.yaml` would be read as a config file.
@@ -97,10 +97,3 @@ def export(command: Command) -> None:
 def known() -> bool:
     """Whether a run handed its command down (else same_command() is a bare `snakemake`)."""
     return bool(os.environ.get(ENV))
-
-
-def same_command(*args: str) -> str:
-    """The user's command with `args` after it, as the main process handed it down; `snakemake` alone outside a
-    run (python -m eagle3prep.verify, tests)."""
-    base = shlex.split(os.environ.get(ENV) or "snakemake")
-    return shlex.join([*base, *args])

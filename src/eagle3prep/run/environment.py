@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from ..settings import Settings
-from .mode import Mode
+from ..infra.mode import Mode
 
 GPU_ENV = ".venv-gpu/bin/snakemake (make gpu-env builds it; docs/guides/install.md)"
 DATASETS_ENV = (

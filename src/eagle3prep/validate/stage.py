@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Self
 from .. import paths
 from ..check import Checks, failed_line
 from ..config import reference_mode
-from ..errors import UserError
+from ..errors import UserError, same_command
 from ..infra import faults
 from ..infra.atomic import write_json
 from ..infra.gpus import claim_job_gpus
@@ -205,7 +205,6 @@ def next_run(shard_dir: str, keep_failed: bool) -> str:
     """What the next run of the same command does with a shard that failed validation (healing.heal decides it), in
     words: set aside and extracted again, or, kept in place (heal.keep_failed) or after too many redos, validated
     again, failing the run until it passes or is removed. Starts with "the next run" (healing.heal cuts there)."""
-    from ..run.command import same_command
     from ..healing.heal import MAX_REDOS, failed_copies
 
     name = Path(shard_dir).name
