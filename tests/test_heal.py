@@ -99,7 +99,12 @@ def test_a_shard_that_failed_validation_is_set_aside_and_redone(tmp_path):
     assert heal.set_aside(h) == "results/failed/shard_1"
     assert not Path(heal.shard_dir(1)).exists()
     kept = Path("results/failed/shard_1")
-    assert sorted(p.name for p in kept.iterdir()) == ["extract.log", "hidden_states", "validate.log", "validation.json"]
+    assert sorted(p.name for p in kept.iterdir()) == [
+        "extract.log",
+        "hidden_states",
+        "validate.log",
+        "validation.json",
+    ]
     assert (kept / "hidden_states/manifest.json").is_file() and "FAIL" in (kept / "validate.log").read_text()
     assert not Path(paths.validation_failure(1)).exists()
 

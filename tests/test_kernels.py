@@ -208,7 +208,13 @@ def test_the_kernels_build_for_hopper(in_bits):
     for block in (4096, 8192):  # hidden 4,096 and 7,168
         src = ASTSource(
             fn=tk.fp8_kernel,
-            signature={**common, "s_ptr": "*fp32", "inv_max": "fp32", "BLOCK_H": "constexpr", "BY_INVERSE": "constexpr"},
+            signature={
+                **common,
+                "s_ptr": "*fp32",
+                "inv_max": "fp32",
+                "BLOCK_H": "constexpr",
+                "BY_INVERSE": "constexpr",
+            },
             constexprs={"BLOCK_H": block, "IN_BITS": in_bits, "BY_INVERSE": True},
         )
         ptx = triton.compile(src, target=target, options={"num_warps": kernels.FP8_WARPS[block > 4096]}).asm["ptx"]

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3prep.report import page
 from eagle3prep import paths
 from eagle3prep.healing import heal
-from eagle3prep.report import stale
+from eagle3prep.report import page, stale
 from eagle3prep.run import closing
 
 GREEN = "Every check passed on every shard"
@@ -92,7 +91,9 @@ def test_a_report_this_run_rebuilt_is_left_alone():
 def test_set_aside_copies_are_listed_with_their_error():
     copy = Path(stale.FAILED) / "shard_6"
     copy.mkdir(parents=True)
-    (copy / "validation.json").write_text(json.dumps({"checks": [{"check": "sha256", "ok": False, "detail": "1 != 2"}]}))
+    (copy / "validation.json").write_text(
+        json.dumps({"checks": [{"check": "sha256", "ok": False, "detail": "1 != 2"}]})
+    )
     (Path(stale.FAILED) / "shard_6.1").mkdir()
     assert stale.set_aside_shards() == [
         {"dir": "results/failed/shard_6", "why": "1 check(s) failed: sha256 (1 != 2)"},

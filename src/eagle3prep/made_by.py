@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from . import paths
-from .settings import Settings
 from .paths import HIDDEN_STATES, MANIFEST, PREPARED, TOKENIZED
 from .run.command import Command
+from .settings import Settings
 
 RECORD = paths.CONFIG_RECORD
 PLAN_SCRATCH = paths.PLAN_DIR  # what `plan` makes for another config than results/'s

@@ -256,8 +256,7 @@ def _failed(k: int, failure: str, keep_failed: bool, dryrun: bool = False) -> He
     move = WOULD_MOVE if dryrun else MOVING
     return Heal(
         k,
-        f"{folder} failed validation ({failure[:200]}): {move} "
-        f"{next_failed_dir(k)} and extracting it again",
+        f"{folder} failed validation ({failure[:200]}): {move} {next_failed_dir(k)} and extracting it again",
         folder,
         set_aside=True,
     )
@@ -276,7 +275,10 @@ def set_aside(heal: Heal) -> str:
     dest.mkdir(parents=True)
     os.rename(shard_dir(heal.shard), dest / "hidden_states")
     os.replace(paths.validation_failure(heal.shard), dest / paths.SET_ASIDE_VERDICT)
-    for log, name in ((validate_log(heal.shard), "validate.log"), (paths.log(f"extract/shard_{heal.shard}"), "extract.log")):
+    for log, name in (
+        (validate_log(heal.shard), "validate.log"),
+        (paths.log(f"extract/shard_{heal.shard}"), "extract.log"),
+    ):
         if os.path.exists(log):
             shutil.copy2(log, dest / name)
     return str(dest)

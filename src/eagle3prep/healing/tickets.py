@@ -74,9 +74,6 @@ def ticket_path(n: int, folder: str | os.PathLike = FOLDER) -> str:
     return f"{folder}/{n}.json"
 
 
-
-
-
 # What the due jobs' outputs are compared with when a job's own output is missing (Snakemake takes a later job's).
 OUTPUTS_AFTER = (paths.REPORT, paths.DATASET_MANIFEST, paths.EXPORT)
 

@@ -13,11 +13,10 @@ from typing import Any, Self
 
 from ..infra import faults
 from ..infra.atomic import atomic_open, sha256_file, write_json
-from . import stale
 from ..shard.layout import MANIFEST, TIMINGS
 from ..shard.shardset import ShardSet
 from ..shard.tokenized import rows as tokenized_rows
-from . import data, page, plots, samples
+from . import data, page, plots, samples, stale
 
 DATASET_FORMAT = "eagle3prep.dataset/1"
 

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from ..infra.atomic import atomic_open
-from .stale import GREEN_BANNER, STALE_VERDICTS, while_current
 from ..shard.formats import storage_format
 from . import data, drafts
+from .stale import GREEN_BANNER, STALE_VERDICTS, while_current
 from .tables import loss_banner, set_aside_banner, source_table, tool_banner
 from .tables import table as _table
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import COMMAND_ENV as ENV
+
 # The flags that decide which workflow, config and folder a command works on; the rest (--cores, -n, targets)
 # is the user's choice for each command. The flags that take several values come first: a target typed after
 # `--configfile a.yaml` would be read as a config file.

@@ -20,8 +20,8 @@ import sys
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from ..settings import Settings
 from ..infra.mode import Mode
+from ..settings import Settings
 
 GPU_ENV = ".venv-gpu/bin/snakemake (make gpu-env builds it; docs/guides/install.md)"
 DATASETS_ENV = (

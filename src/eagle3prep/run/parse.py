@@ -10,16 +10,15 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 from ..config import ConfigError
 from ..config.model import check_max_seq_len
 from ..layers import default_layer_ids
 from ..model_facts import ModelFacts
+from ..paths import HIDDEN_STATES, OUTPUT_ROOTS
 from ..settings import Settings
 from ..shard.formats import storage_format
 from ..vllm.families import check_capture_path
-from ..paths import HIDDEN_STATES, OUTPUT_ROOTS
 
 # What extract loads its weights from (transformers and vLLM read these; *.pt and *.pth are older checkpoints).
 WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
