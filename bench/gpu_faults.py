@@ -190,14 +190,8 @@ def strike(wd: Path, fault: str, k: int) -> dict:
 
 def table_row(r: dict) -> tuple[str, bool]:
     kept = all(r["kept"].values())
-    good = (
-        r["rc"] != 0
-        and r["line"].startswith("error: ")
-        and kept
-        and not r["left"]
-        and r["rerun_rc"] == 0
-        and r["validation_ok"]
-    )
+    stopped = r["rc"] != 0 and r["line"].startswith("error: ") and kept and not r["left"]
+    good = stopped and r["rerun_rc"] == 0 and r["validation_ok"]
     line = (
         f"| {r['fault']} | {r['shard']} | {r['rc']} | {r['line']} | {kept} ({len(r['kept'])}) | "
         f"{len(r['left'])} | {r['gpu_free']:.0%} | {r['rerun_rc']} | {r['rerun_s']} | {r['validation_ok']} |"
@@ -266,9 +260,7 @@ def main() -> None:
             done = list(pool.map(lambda f: run_rows(args.out / f"wd_{f}", model, [f], args.tmpfs, True), args.faults))
     else:
         done = [run_rows(args.out / "wd", model, args.faults, args.tmpfs, False)]
-    print("\n".join(["", header, *(ln for lines, _ in done for ln in lines if ln.startswith("|"))]))
-    for lines, _ in done:
-        print("\n".join(ln for ln in lines if not ln.startswith("|")))
+    print("\n".join(ln for lines, _ in done for ln in lines if not ln.startswith("|")))  # the rows came as they ran
     ok = all(good for _, good in done)
     print("GPU FAULT MATRIX:", "PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)
