@@ -70,6 +70,8 @@ if workflow.is_main_process:
 
 SHARDS = list(range(SETTINGS.tokenize.num_shards))
 MODEL = SETTINGS.model.path
+# What decides the finished shards' bytes: the results check below and the plan (plan.smk) read this one value.
+SHARD_KEYS = made_by.shard_keys(config)
 # The tokenize job's output is this one folder, not one output per shard: Snakemake's DAG work
 # grows with (outputs of a job) x (jobs using them), so N declared outputs made `-n` quadratic.
 TOKENIZED = paths.TOKENIZED
@@ -92,24 +94,23 @@ def _results_checks(mode):
     finished shards again is refused (in a run and in -n) unless replace_results accepts it; a run records the
     config in results/config.json when it starts (onstart), never in -n, plan, verify or a refused run.
     """
-    _keys = made_by.shard_keys(config)
     _error, _note = made_by.check(
         SETTINGS,
         CONFIG_SHOWN,
         demo=not CONFIGFILES,
         command=_command,
-        keys=_keys,
+        keys=SHARD_KEYS,
         gpus_per_job=get_gpus(),
     )
     if _error:
         sys.exit(_error)
     if _note:
         print(f"eagle3prep: {_note}", file=sys.stderr)
-    if _redo := made_by.redo_note(_keys, SHARDS):
+    if _redo := made_by.redo_note(SHARD_KEYS, SHARDS):
         REDO.append(_redo)
         print(f"eagle3prep: {_redo}", file=sys.stderr)
     if mode.jobs_run:
-        RECORD.append(_keys)
+        RECORD.append(SHARD_KEYS)
 
 
 # Shards that are missing, unfinished, changed after validation or failed it are redone by the same command, each

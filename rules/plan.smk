@@ -2,7 +2,7 @@
 # Not part of `all`: `snakemake plan` (add -f to refresh the free space after freeing disk). It changes nothing
 # under results/ but, in a folder with no tokenized shards yet, the run's own first steps (prepare, tokenize);
 # another config's shards are tokenized in .eagle3prep/plan/ (eagle3prep.made_by.plan_source).
-PLAN_SOURCE = made_by.plan_source(made_by.shard_keys(config))
+PLAN_SOURCE = made_by.plan_source(SHARD_KEYS)
 
 
 rule plan:
@@ -33,6 +33,6 @@ rule plan:
         validate_device=SETTINGS.validate.device,
         sample_rows=SETTINGS.validate.sample_rows,
         # every key that decides the shards: another config's plan is made again
-        shard_keys=made_by.shard_keys(config),
+        shard_keys=SHARD_KEYS,
     script:
         "../scripts/plan.py"

@@ -119,7 +119,7 @@ def test_validation_time_is_estimated_before_any_shard_is_validated_and_a_measur
 
     none = bill.measured(SIZES, "nowhere", "nowhere")
     _, validate = bill.time_lines(plan, none, "cpu", reference=True, estimate_s=7200.0)
-    assert validate.startswith("validate: ~2.00 h on CPU for 2 shards with its reference forward (an estimate at ")
+    assert validate.startswith("validate: ~2.0 h on CPU for 2 shards with its reference forward (an estimate at ")
     assert "0.05 TFLOP/s and 1 GB/s reads" in validate and "measured time replaces it" in validate
     assert bill.time_lines(plan, none, "cuda", reference=True, estimate_s=42.0)[1].startswith("validate: ~42 s on GPU")
     Path("benchmarks/validate").mkdir(parents=True)

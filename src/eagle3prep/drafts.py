@@ -141,11 +141,16 @@ def plan_drafts(
     """The plan's part: ([{draft..., bytes_per_token, bytes}], its lines), `per_layer` the storage format's bytes per
     token per layer. With drafts the captured ids end with N: every draft reads it."""
     served = resolve_drafts(drafts, ids[-1])
-    table = [
+    return draft_table(served, per_layer, tokens), draft_lines(served, ids, per_layer, tokens)
+
+
+def draft_table(drafts: Sequence[Draft], per_layer: int, tokens: int) -> list[dict[str, Any]]:
+    """[{draft..., bytes_per_token, bytes}]: what a token of each draft's view and all `tokens` of it read, at
+    `per_layer` bytes per token per layer (the plan's and the report's numbers)."""
+    return [
         {**d.to_json(), "bytes_per_token": len(d.reads) * per_layer, "bytes": len(d.reads) * per_layer * tokens}
-        for d in served
+        for d in drafts
     ]
-    return table, draft_lines(served, ids, per_layer, tokens)
 
 
 def _gb(n: int) -> str:

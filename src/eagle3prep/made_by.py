@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import paths
+from .infra.units import human_duration
 from .paths import HIDDEN_STATES, MANIFEST, PREPARED, TOKENIZED
 from .run.command import Command
 from .settings import Settings
@@ -128,15 +129,7 @@ def redo_cost(shard_root: str | os.PathLike = HIDDEN_STATES, gpus_per_job: int =
         return "no timings.json says what they took"
     seconds *= n / timed
     unit = "GPU" if gpus_per_job else "CPU job"
-    return f"about {_duration(seconds * max(gpus_per_job, 1), unit)} by their timings.json"
-
-
-def _duration(seconds: float, unit: str) -> str:
-    if seconds >= 3600:
-        return f"{seconds / 3600:,.1f} {unit}-hours"
-    if seconds >= 60:
-        return f"{seconds / 60:.0f} {unit}-minutes"
-    return f"{max(seconds, 1):.0f} {unit}-seconds"
+    return f"about {human_duration(seconds * max(gpus_per_job, 1), unit)} by their timings.json"
 
 
 def record(settings: Settings, config_files: list[str], keys: dict[str, Any] | None = None) -> dict[str, Any]:

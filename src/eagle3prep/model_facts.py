@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,11 @@ class ModelFacts:
     # A vision-language wrapper's own model_type (the config has a vision_config), e.g. "qwen2_5_vl"
     vision_model_type: str | None = None
 
+    @property
+    def architecture(self) -> str | None:
+        """The model's class as its config names it first; messages say `facts.architecture or "the model"`."""
+        return first_architecture(self.architectures)
+
     @classmethod
     def read(cls, model_path: str | os.PathLike) -> ModelFacts:
         path = Path(model_path) / "config.json"
@@ -37,6 +43,11 @@ class ModelFacts:
             model_type=text.get("model_type") or config.get("model_type"),
             vision_model_type=config.get("model_type") if "vision_config" in config else None,
         )
+
+
+def first_architecture(architectures: Sequence[str]) -> str | None:
+    """The first of a config's `architectures` (the class vLLM and transformers load); None when it names none."""
+    return architectures[0] if architectures else None
 
 
 def require_hidden_size(facts: ModelFacts, model_path: str | os.PathLike) -> int:

@@ -24,7 +24,7 @@ from typing import Any, Self
 
 from .errors import same_command
 from .infra.atomic import sha256_file, write_json
-from .infra.disk import human_bytes
+from .infra.units import human_bytes
 from .run import command
 from .shard.layout import MANIFEST
 from .shard.manifest import EXPORT_EXTRAS, check_listed_file, read_manifest, stray_files

@@ -22,11 +22,12 @@ from typing import Any, Self
 from ..backends.base import CaptureBackend, CaptureSpec, EngineInfo
 from ..infra import faults
 from ..infra.atomic import sha256_file
-from ..infra.disk import DiskSpaceError, human_bytes
+from ..infra.disk import DiskSpaceError
 from ..infra.folder import open_folder
 from ..infra.gpus import claim_job_gpus
 from ..infra.log import get_logger
 from ..infra.provenance import code_version, model_identity, tokenizer_identity
+from ..infra.units import human_bytes
 from ..layers import CONVENTION, check_layer_ids
 from ..model_facts import ModelFacts, require_hidden_size
 from ..settings import ExtractSettings, LayersSettings

@@ -1,4 +1,4 @@
-"""Disk space as users read it: sizes in binary units, and a full disk reported as an error they can fix."""
+"""A disk too small or full, reported as an error users can fix (sizes in binary units, units.human_bytes)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import UserError
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB' (binary units, as `df -h` prints them)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+from .units import human_bytes
 
 
 class DiskSpaceError(UserError, OSError):

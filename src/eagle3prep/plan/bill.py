@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..extract import shard_bytes
-from ..infra.disk import human_bytes
+from ..infra.units import human_bytes, human_duration
 from ..shard.formats import storage_format
 
 RESULTS = "results"
@@ -193,7 +193,7 @@ def time_lines(plan: dict[str, Any], meas: dict[str, Any], validate_device: str,
         )
     elif estimate_s is not None:
         validate = (
-            f"validate: ~{_duration(estimate_s)} on {vwhere} for {len(left)} shard{'s' * (len(left) != 1)} {ref} "
+            f"validate: ~{human_duration(estimate_s)} on {vwhere} for {len(left)} shard{'s' * (len(left) != 1)} {ref} "
             f"(an estimate at nominal rates, {NOMINAL_FLOPS[vwhere] / 1e12:g} TFLOP/s and "
             f"{NOMINAL_READ_BPS / 1e9:g} GB/s reads, from the model's parameters and the sampled rows' tokens; "
             "a validated shard's measured time replaces it: snakemake results/validation/shard_0.json)"
@@ -204,13 +204,6 @@ def time_lines(plan: dict[str, Any], meas: dict[str, Any], validate_device: str,
             "validated (snakemake results/validation/shard_0.json measures it)"
         )
     return [extract, validate]
-
-
-def _duration(seconds: float) -> str:
-    """An estimate's size in the unit that reads: hours, minutes or seconds."""
-    if seconds >= 3600:
-        return f"{seconds / 3600:.2f} h"
-    return f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
 def disk_line(bill: dict[str, int], free: int, logs_now: int = 0) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..extract import free_space_probe, shard_bytes
 from ..infra.atomic import atomic_open, write_json
-from ..infra.disk import human_bytes
+from ..infra.units import compact_duration, human_bytes
 from ..shard.formats import StorageFormat, storage_format, storage_of_entry
 from ..shard.layout import MANIFEST
 
@@ -199,7 +199,7 @@ def _table(plan: dict[str, Any]) -> list[str]:
         f"{'shard':>5}  {'rows':>9}  {'tokens':>13}  {'bytes':>10}  {'job time':>9}  status",
     ]
     for s in plan["shards"]:
-        job = _duration(s["job_s"]) if s["job_s"] is not None else "-"
+        job = compact_duration(s["job_s"]) if s["job_s"] is not None else "-"
         status = "done (has manifest)" if s["done"] else f"to redo: {s['redo']}" if s.get("redo") else "to do"
         lines.append(
             f"{s['shard']:>5}  {s['rows']:>9,}  {s['tokens']:>13,}  {human_bytes(s['bytes']):>10}  {job:>9}  {status}"
@@ -268,12 +268,6 @@ def _time(plan: dict[str, Any], num_shards_key: str) -> list[str]:
 
 def _shards(n: int) -> str:
     return f"{n} shard" + "s" * (n != 1)
-
-
-def _duration(seconds: float) -> str:
-    h, rem = divmod(int(round(seconds)), 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
 def write_plan(plan: dict[str, Any], json_path: str | os.PathLike, txt_path: str | os.PathLike) -> str:

@@ -100,7 +100,7 @@ class VLLMEngine:
         kwargs = self.engine_kwargs(fixes.engine_kwargs)
         log(f"starting vLLM {version}: {kwargs}")
         self._children = ChildOutput()
-        arch = facts.architectures[0] if facts.architectures else "the model"
+        arch = facts.architecture or "the model"
         try:
             self.llm = start_llm(kwargs, self._children, log)
         except Exception as e:

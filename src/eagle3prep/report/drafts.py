@@ -12,7 +12,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from ..drafts import ALGORITHMS, default_aux
+from ..drafts import ALGORITHMS, draft_table, resolve_drafts
 from ..shard.formats import storage_format, storage_of_entry
 from .tables import table
 
@@ -22,12 +22,11 @@ def served(dataset: dict[str, Any]) -> list[dict[str, Any]]:
     n, held = dataset["num_hidden_layers"], set(dataset["layer_ids"])
     storage = storage_format(storage_of_entry(dataset.get("storage")))
     per_layer = storage.token_bytes(dataset["hidden_size"], dataset["dtype"])
-    rows = []
-    for kind in ALGORITHMS:
-        reads = [*default_aux(kind, n), n]
-        rows.append({"type": kind, "reads": reads, "held": set(reads) <= held, "missing": sorted(set(reads) - held),
-                     "bytes_per_token": len(reads) * per_layer, "bytes": len(reads) * per_layer * dataset["tokens"]})  # fmt: skip
-    return rows
+    defaults = resolve_drafts([{"type": kind} for kind in ALGORITHMS], n)
+    return [
+        {**row, "held": set(row["reads"]) <= held, "missing": sorted(set(row["reads"]) - held)}
+        for row in draft_table(defaults, per_layer, dataset["tokens"])
+    ]
 
 
 def drafts_section(dataset: dict[str, Any]) -> list[str]:

@@ -83,7 +83,7 @@ class VLLMBackend(CaptureBackend):
         check_layer_ids(self.spec.layer_ids, model.num_hidden_layers)
         on_cpu = self._on_cpu = runs_on_cpu()
         self._workarounds = resolve_workarounds(version, on_cpu, model.architectures, self.spec.dtype, log)
-        supports = families.supports_eagle3(model.architectures[0]) if model.architectures else None
+        supports = families.supports_eagle3(model.architecture) if model.architecture else None
         facts = choice.PathFacts(model.architectures, model.num_hidden_layers, self.spec.layer_ids, supports, on_cpu)
         candidates, fallback_reason = choice.choose(version, facts, self.settings.content.capture_path)
         if fallback_reason:
@@ -100,7 +100,7 @@ class VLLMBackend(CaptureBackend):
                      fallback_reason: str | None) -> tuple[dict[str, float], str | None]:  # fmt: skip
         """Start the engine on the first capture path whose start and smoke capture pass: (their timings,
         why an earlier path was passed over, or the given reason when none was)."""
-        arch = model.architectures[0] if model.architectures else "the model"
+        arch = model.architecture or "the model"
         wanted = self.settings.content.capture_path
         for k, name in enumerate(candidates):
             last = k == len(candidates) - 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import ConfigError
+from ...model_facts import first_architecture
 from ..engine.workarounds import uses_deepseek_backbone
 from ..names import (
     BUILTIN_FIRST_SINCE,
@@ -39,7 +40,7 @@ class PathFacts:
 
     @property
     def arch(self) -> str:
-        return self.architectures[0] if self.architectures else "the model"
+        return first_architecture(self.architectures) or "the model"
 
 
 def choose(version: str, facts: PathFacts, wanted: str) -> tuple[list[str], str | None]:
@@ -117,7 +118,7 @@ def _no_interface(version: str, arch: str, supports: bool | None) -> str | None:
 
 def builtin_blocker(version: str, facts: PathFacts) -> str | None:
     """Why the built-in path cannot capture `facts.layer_ids` correctly on this vLLM; None when it can."""
-    arch = facts.architectures[0] if facts.architectures else "this model"
+    arch = first_architecture(facts.architectures) or "this model"
     if not builtin_supported(version):
         return f"the built-in extract_hidden_states path needs vLLM >= {_BUILTIN} (installed {version})"
     if line := _no_interface(version, arch, facts.supports_eagle3):
@@ -183,7 +184,7 @@ def smoke_fix(version: str, path: str, architectures: list[str]) -> str:
 
 def builtin_fix_hint(version: str, architectures: list[str]) -> str:
     """The one-line fix to print when the built-in path returned the wrong layers."""
-    arch = architectures[0] if architectures else "this model"
+    arch = first_architecture(architectures) or "this model"
     if uses_deepseek_backbone(architectures) and not at_least(version, DEEPSEEK_FINAL_LAYER_SINCE):
         return (
             f"final-layer capture on {arch} needs vLLM >= {_DEEPSEEK_N} (installed {version}): upgrade vLLM "

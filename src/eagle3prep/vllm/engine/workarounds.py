@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...model_facts import first_architecture
 from .. import registry
 from ..names import parse_version
 
@@ -94,7 +95,7 @@ def engine_workarounds(
     """The known bugs (default KNOWN_BUGS) of this vLLM, platform and model, and the engine kwargs that
     avoid them. `disabled` (EAGLE3PREP_NO_WORKAROUNDS=1) applies none and refuses nothing: asked for.
     The fp32 MLA backend (cpu_mla_fp32_kwargs) is no bug fix but a start-up need: it applies either way."""
-    arch = architectures[0] if architectures else "this model"
+    arch = first_architecture(architectures) or "this model"
     where = f"vLLM {version} on {'CPU' if on_cpu else 'GPU'}, {arch}"
     out = Workarounds()
     backend = cpu_mla_fp32_kwargs(on_cpu, architectures, dtype)
