@@ -26,7 +26,7 @@
 #             on 65,536 rows at hidden 4,096 / 7,168, and the byte-identity check of the two (PASS / FAIL lines)
 #   train_mx  the trainer (eagle3prep-train, direct backend) on bf16 and MXFP4 shards of the same rows of a random
 #             4,096-wide target: median step time of each and their ratio (bench/train_formats.py; needs the tools
-#             payload's speculators)
+#             payload's speculators and, for the config schema, the vLLM payload's jsonschema: run it after the install)
 #   regress_mx / kimi64_mx  regress / kimi64 with (g) writing MXFP4 beside (f) in bf16 and (p), on the local disk
 #   shm_f     (p) and (f) in bf16 with the shard in /dev/shm: the path's own cost apart from the disk
 #   quality_mx  the acceptance bench with ours (bf16), fp8 and mxfp4 drafts from the same rows, two seeds each
