@@ -16,12 +16,14 @@ import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from eagle3prep.errors import UserError
 from eagle3prep.extract import iter_batches
+from eagle3prep.shard.formats import storage_format
 from eagle3prep.tokenize.row_inputs import ImageRow, RowImages
 from eagle3prep.tokenize.vision import collapse_runs
 from eagle3prep.vllm.capture import feed, requests
@@ -212,6 +214,7 @@ class Spec:
     logprob_rows: tuple = ()
     tag_prefix: str = "t"
     step_tokens: int = 0  # no tail of small steps (vllm/capture/loop.TAIL_PARTS): each test sets its own window
+    storage: Any = dataclasses.field(default_factory=lambda: storage_format("model_dtype"))  # sent by name
 
     @property
     def total_tokens(self) -> int:
