@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,3 +104,34 @@ def test_a_damaged_folder_heals_wherever_it_is_and_with_or_without_metadata(smal
     assert not stale.is_stale(wd / stale.REPORT)
     again = snakemake(wd, "-n")
     assert "Nothing to be done" in again.stdout + again.stderr
+
+
+TICKET_BY_A_JOB = """
+import os
+rule all:
+    input: "out.txt"
+rule heal:
+    output: "ticket.json"
+    shell: "echo '{{}}' > {output}"
+rule work:
+    input: lambda w: ["ticket.json"] if os.path.exists("due") else []
+    output: "out.txt"
+    shell: "date > {output}"
+"""
+
+
+@pytest.mark.parametrize("metadata", [True, False], ids=["with .snakemake", "without"])
+def test_why_the_ticket_is_written_while_the_snakefile_is_read(tmp_path, metadata):
+    """A ticket made by a job of its own redoes the due job only where Snakemake's metadata is: without it
+    Snakemake says "Nothing to be done" over a missing ticket whose consumer's output is there. So healing writes
+    its ticket while the Snakefile is read (healing.tickets.Healing.prepare), newer than the due jobs' outputs."""
+    (tmp_path / "Snakefile").write_text(TICKET_BY_A_JOB)
+    cmd = [str(Path(sys.executable).with_name("snakemake")), "-c1", "--workflow-profile", "none"]
+    assert subprocess.run(cmd, cwd=tmp_path, capture_output=True).returncode == 0
+    if not metadata:
+        shutil.rmtree(tmp_path / ".snakemake")
+    (tmp_path / "due").touch()
+    dry = subprocess.run([*cmd, "-n"], cwd=tmp_path, capture_output=True, text=True)
+    assert dry.returncode == 0
+    redone = "Input files updated by another job: ticket.json" in dry.stdout + dry.stderr
+    assert redone == metadata
