@@ -16,8 +16,9 @@ results/validation/shard_<i>.json`), and the same command is run once more. Each
 - rerun: the same command's exit status and the shard's validation verdict.
 At the end every shard's validation is asked for at once: no finished shard may be captured again.
 --parallel gives each fault a workdir of its own (its shard 0, then its fault on shard 1), all at once, each
-engine with a fixed KV cache (vLLM's memory profile fails when another process frees memory meanwhile): the rows
-in the time of one (oom_start holds the whole GPU, so it stays out of a parallel run).
+engine with a fixed KV cache (vLLM's memory profile fails when another process frees memory meanwhile) and a GPU lock
+folder of its own (the host-wide claim, infra/gpus.py, would run them one after another): the rows in the time of
+one (oom_start holds the whole GPU, so it stays out of a parallel run).
 
 The faults (infra/faults.py makes each at one step inside the shard, in the engine's own process):
   oom_start    another process holds all but 0.5 GiB of the GPU when the engine starts
@@ -46,6 +47,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from gpu_validate import build_target  # noqa: E402
 
 FAULTS = ["oom_start", "oom_mid", "engine_kill", "disk_full", "sigterm"]
+OWN = "own_locks_"  # a --parallel workdir's name: its jobs claim the GPU in a lock folder of their own
 # The fault's kill point and scope (infra/faults.py); {k} is the faulted shard.
 PLANTED = {
     "oom_mid": ("capture.step:dir=shard_{k},step=2", "cuda_oom"),
@@ -68,10 +70,11 @@ def snakemake(wd: Path, *targets: str, env: dict | None = None) -> tuple[subproc
     t0 = time.time()
     # a session of its own: a planted SIGTERM goes to the run's process group, not to this bench, and what the run
     # leaves alive is found by its session id (the leader's pid)
+    own = {"EAGLE3PREP_GPU_LOCK_DIR": str(wd / ".gpu-locks")} if wd.name.startswith(OWN) else {}
     popen = subprocess.Popen(
         [*cmd, "--cores", "4", "--resources", "gpu=1"],
         cwd=wd,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **own, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -257,7 +260,7 @@ def main() -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(len(args.faults)) as pool:
-            done = list(pool.map(lambda f: run_rows(args.out / f"wd_{f}", model, [f], args.tmpfs, True), args.faults))
+            done = list(pool.map(lambda f: run_rows(args.out / (OWN + f), model, [f], args.tmpfs, True), args.faults))
     else:
         done = [run_rows(args.out / "wd", model, args.faults, args.tmpfs, False)]
     print("\n".join(ln for lines, _ in done for ln in lines if not ln.startswith("|")))  # the rows came as they ran

@@ -6,6 +6,7 @@ step() {
   case " ${STEPS:-$name} " in *" $name "*) ;; *) return ;; esac
   echo "$(date +%T) start $name" >> "$O/done"
   { echo "command: PYTHONPATH=$path $*"; PYTHONPATH=$path:${PYTHONPATH:-} "$@"; } > "$O/$name.txt" 2>&1
-  echo "$(date +%T) end $name rc $?" >> "$O/done"
+  local rc=$?  # read before the next line's $(date) resets it: every step once read as "rc 0"
+  echo "$(date +%T) end $name rc $rc" >> "$O/done"
   rm -rf "${W:?}/$name"
 }
