@@ -8,7 +8,8 @@ from __future__ import annotations
 
 PREPARED = "results/prepared"
 # The regenerate stage's prompt shards, its shards, and the conversations it hands to tokenize.
-REGEN_PROMPTS = "results/regenerate/prompts"
+REGENERATE = "results/regenerate"
+REGEN_PROMPTS = f"{REGENERATE}/prompts"
 REGENERATED = "results/regenerated"
 # The tokenize job's one output folder: shard_{k}.jsonl, stats.json, token_freq.json, quarantine.jsonl.
 TOKENIZED = "results/tokenized"
@@ -48,7 +49,7 @@ def regen_prompt_shard(k: int | str = "{k}") -> str:
 
 
 def regen_shard(k: int | str = "{k}") -> str:
-    return f"results/regenerate/shard_{k}"
+    return f"{REGENERATE}/shard_{k}"
 
 
 def shard_dir(k: int | str = "{k}") -> str:
