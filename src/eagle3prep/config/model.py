@@ -31,11 +31,20 @@ def model_max_positions(model_path: str | Path) -> int | None:
     return ModelFacts.read(model_path).max_positions
 
 
-def check_max_seq_len(max_seq_len: int, model_path: str | Path) -> None:
-    """Raise ConfigError when tokenize.max_seq_len is longer than the model can take."""
+def check_max_seq_len(max_seq_len: int, model_path: str | Path, backend: str = "hf") -> None:
+    """Raise ConfigError when tokenize.max_seq_len is longer than the model can take; with vLLM one position more
+    is needed (the engine samples one token after each row: engine_args.engine_kwargs' max_model_len)."""
     limit = model_max_positions(model_path)
-    if limit is not None and max_seq_len > limit:
+    room = 1 if backend == "vllm" else 0
+    if limit is None or max_seq_len + room <= limit:
+        return
+    where = f"max_position_embeddings in {Path(model_path) / 'config.json'}"
+    if max_seq_len > limit:
         raise ConfigError(
             f"config error: tokenize.max_seq_len = {max_seq_len} is above the model's context of {limit} tokens "
-            f"(max_position_embeddings in {Path(model_path) / 'config.json'}); set it to {limit} or less"
+            f"({where}); set it to {limit - room} or less"
         )
+    raise ConfigError(
+        f"config error: tokenize.max_seq_len = {max_seq_len} fills the model's context of {limit} tokens ({where}), "
+        f"and extract.backend vllm samples one token after each row; set it to {limit - 1} or less"
+    )

@@ -239,7 +239,7 @@ def check_model(settings: Settings) -> list[str]:
 
             if error := speculators_layer_error(ids, n, settings.layers.convention):
                 raise ConfigError(f"config error: {error}")
-    check_max_seq_len(settings.tokenize.max_seq_len, path)
+    check_max_seq_len(settings.tokenize.max_seq_len, path, settings.extract.content.backend)
     check_capture_path(settings.extract.content.backend, settings.extract.content.capture_path, path)
     if note := images_note(settings, path):
         notes.append(note)
