@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from . import paths
 from .errors import same_command
 from .infra.atomic import sha256_file, write_json
 from .infra.units import human_bytes
@@ -29,10 +30,13 @@ from .run import command
 from .shard.layout import MANIFEST
 from .shard.manifest import EXPORT_EXTRAS, check_listed_file, read_manifest, stray_files
 
-HIDDEN_STATES = "hidden_states"  # under the results folder, as heal.HIDDEN_STATES
-DATASET_MANIFEST = "report/dataset_manifest.json"
-EXPORT = "export/speculators"
-RECORD = "verify.json"  # under the results folder, as heal.VERIFIED
+# paths.py's names, under whatever results folder verify is pointed at (it may have been copied or moved).
+HIDDEN_STATES, DATASET_MANIFEST, EXPORT, RECORD = (
+    paths.HIDDEN_STATES.removeprefix("results/"),
+    paths.DATASET_MANIFEST.removeprefix("results/"),
+    paths.EXPORT.removeprefix("results/"),
+    paths.VERIFIED.removeprefix("results/"),
+)
 # hashlib and file reads release the GIL: a few threads keep several disks (or one NVMe) busy.
 THREADS = 4
 
