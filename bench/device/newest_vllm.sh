@@ -43,11 +43,14 @@
 #   quality_drafts  each draft type (eagle3 peagle dflash dspark mtp; QDRAFTS picks) trained on ours (bf16), mxfp4 and
 #             the peer's rows, two seeds, served where this vLLM serves the type; summarize.py's table and verdict
 #             per type in OUT/quality_drafts.txt. speculators 0.9 trains mtp on qwen3-family targets only, so on this
-#             Llama target its trainer refuses in seconds and the printout says so. About 30 GPU minutes from the
-#             H200 quality run (docs/runs/acceptance/summary.txt): the target 71 s, ours' data 256 s, then beside
-#             it mxfp4's (fp8's 156 s) and the peer; per branch 4 types one after the other at ~160 s (eagle3's
-#             train with ~9 beside it; every type at one draft layer) = ~640 s, then 8 serves (4 types x 2 seeds) at
-#             ~70 s engine start each = ~560 s: 71 + 256 + 156 + 640 + 560 = ~1,680 s
+#             Llama target its trainer refuses in seconds and the printout says so. About 16 GPU minutes, estimated
+#             (not measured) from the H200 quality run (docs/runs/acceptance/summary.txt): the target 71 s, ours'
+#             data 256 s, then beside it mxfp4's (fp8's 156 s) and the peer; each branch trains its 10 (type, seed)
+#             drafts at once, a process each (mtp's 2 refused in seconds), at ~2x that run's ~160 s (eagle3 beside
+#             ~9 trainers; here up to ~24 share the GPU and 16 cores; every type at one draft layer) = ~320 s, and
+#             serves each draft once trained, 8 engines at once over all branches (device_run.sh SERVE_SLOTS): the
+#             last two branches' 16 serves in two waves at ~90 s (that run's engine starts beside others: 58-105 s)
+#             = ~180 s: 71 + 256 + 156 + 320 + 180 = ~980 s
 # Steps run in the order STEPS gives (default: ALL below); REGRESS_PHASES=pf drops (e) from regress; FAULTS="a b"
 # only those rows of the fault matrix, FAULTS_PARALLEL=1 each in a workdir of its own, all at once;
 # MATRIX_FAMILIES="qwen2_5_vl" only that
@@ -75,8 +78,9 @@ workflow() {
     python3 bench/gpu_validate.py "$W/workflow/kimi" --target kimi-int4 --runs 1:auto
 }
 quality() {  # QDIR: the run folder (fmt_real reads $W/q); DRAFTS reaches run.py through device_common.sh
-  local q=${QDIR:-$W/q}
-  BRANCHES="${QBRANCHES:-ours peer}" bash bench/quality/device_run.sh "$q" > "$O/${QDIR:+$(basename "$q")_}quality_run.log" 2>&1
+  local q=${QDIR:-$W/q} p=$O/${QDIR:+$(basename "$QDIR")_}
+  BRANCHES="${QBRANCHES:-ours peer}" bash bench/quality/device_run.sh "$q" > "${p}quality_run.log" 2>&1
+  cp "$q/gpu_memory.log" "${p}gpu_memory.log"  # the step removes its run folder (QDIR)
   python3 bench/quality/summarize.py "$q"
 }
 images() {  # the image-heavy workload on auto's path (built-in on 0.34) beside plain compiled prefill

@@ -70,7 +70,8 @@ def make_peer(out: Path) -> dict:
     layer_ids = manifest["layer_ids"]
     dest = out / "wd/peer/results/export/speculators"
     shutil.rmtree(out / "wd/peer", ignore_errors=True)  # a rerun starts over: staging, logs, export
-    shutil.copytree(ours, dest, ignore=shutil.ignore_patterns("manifest.json", "hidden_states"))
+    # not the d2t/t2d files: ours' train stage may be writing them now (run.py vocab_maps makes the peer's own)
+    shutil.copytree(ours, dest, ignore=shutil.ignore_patterns("manifest.json", "hidden_states", "d2t-*", "t2d-*"))
     staging = out / "wd/peer/staging"
     staging.mkdir(parents=True)
     t0 = time.time()

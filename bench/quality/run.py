@@ -24,7 +24,8 @@ One stage per device call (each reads what the earlier wrote to OUT, on the same
   summary  OUT/summary.json and the table (acceptance length, per position, tokens/s, validation verdict)
 
 --drafts names speculators' draft types (eagle3prep.drafts.ALGORITHMS): the data stage hands them to the workflow
-as `layers.drafts`, so every variant captures their layers' union once, and each draft trains on its own view.
+as `layers.drafts`, so every variant captures their layers' union once, and each draft trains on its own view;
+train and serve take those types only (device_run.sh: one type and seed a process).
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ ENGINE_SHARE = {"gpu_memory_utilization": 0.1, "engine_args": {"kv_cache_memory_
 
 # Variants that hold ours' rows in another extract.storage
 SCALED_VARIANTS = {"fp8": "fp8_e4m3", "mxfp4": "mxfp4"}
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Calls run side by side (device_run.sh) and rewrite the same file: a reader sees a whole one, never half."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def workflow_config(opts: argparse.Namespace, variant: str, sources: list[str]) -> dict:
@@ -111,16 +119,8 @@ def run_workflow(wd: Path, cfg: dict, cores: int) -> dict:
     t0 = time.time()
     with open(wd / "snakemake.log", "w") as log:
         # The export is the target (the report rule's plotting stack is not on the GPU machine; nor is pulp).
-        argv = [
-            *cmd,
-            "results/export/speculators",
-            "--cores",
-            str(cores),
-            "--resources",
-            "gpus=1",
-            "--scheduler",
-            "greedy",
-        ]
+        argv = [*cmd, "results/export/speculators", "--cores", str(cores)]
+        argv += ["--resources", "gpus=1", "--scheduler", "greedy"]
         proc = subprocess.run(argv, cwd=wd, stdout=log, stderr=log)
     return {"rc": proc.returncode, "wall_s": round(time.time() - t0, 1), "verdict": verdicts(wd)}
 
@@ -141,10 +141,8 @@ def stage_data(opts: argparse.Namespace) -> dict:
     rows = train.read_text().splitlines()[: ROWS[opts.size]]
     src = opts.out / "rows.jsonl"
     text = "\n".join(rows) + "\n"
-    if not src.exists() or src.read_text() != text:  # variants' data stages run side by side: write once, atomically
-        tmp = src.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(text)
-        tmp.replace(src)
+    if not src.exists() or src.read_text() != text:
+        write_atomic(src, text)
     regenerated = opts.out / "wd/ours/results/regenerated/conversations.jsonl"
     out = {}
     for variant in opts.variants:
@@ -207,10 +205,24 @@ def train_args(opts: argparse.Namespace, export: Path, save: Path, seed: int, dr
     ]
 
 
+def vocab_maps(opts: argparse.Namespace, export: Path) -> None:
+    """The d2t/t2d files speculators' trainer caches in the export on its first run, made once here by its own
+    code under a lock: trainers started side by side each wrote them, and one could load another's half-written."""
+    size = (RECIPE if opts.size == "h200" else TOY_RECIPE)["draft_vocab_size"]
+    with open(opts.out / "vocab_maps.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not all((export / f"{m}-{size}.npy").exists() for m in ("d2t", "t2d")):  # as the trainer tests them
+            from speculators.train.cli import _generate_vocab_mappings
+
+            args = {"verifier_name_or_path": str(opts.out / "target/model"), "draft_vocab_size": size}
+            _generate_vocab_mappings(argparse.Namespace(**args, token_freq_path=None, trust_remote_code=False), export)
+
+
 def stage_train(opts: argparse.Namespace) -> dict:
     out = {}
     for variant in opts.variants:
         export = opts.out / "wd" / variant / "results/export/speculators"
+        vocab_maps(opts, export)
         for draft, seed in [(d, s) for d in bench_drafts(opts) for s in opts.seeds]:
             save = opts.out / "drafts" / draft_folder(variant, seed, draft.type)
             save.mkdir(parents=True, exist_ok=True)
@@ -253,7 +265,7 @@ def heldout_prompts(opts: argparse.Namespace) -> Path:
         )
     path = opts.out / "serve/prompts.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(prompts))
+    write_atomic(path, json.dumps(prompts))
     return path
 
 
@@ -272,7 +284,7 @@ def vllm_serves(opts: argparse.Namespace) -> list[str]:
     code = "from vllm.transformers_utils.configs.speculators.algos import SUPPORTED_SPECULATORS_TYPES as S; print(*S)"
     found = subprocess.run([opts.vllm_python, "-c", code], capture_output=True, text=True)
     types = sorted(found.stdout.split()) if found.returncode == 0 else []
-    (opts.out / "vllm_serves.json").write_text(json.dumps({"types": types, "error": found.stderr[-2000:]}, indent=1))
+    write_atomic(opts.out / "vllm_serves.json", json.dumps({"types": types, "error": found.stderr[-2000:]}, indent=1))
     return types
 
 
@@ -284,11 +296,13 @@ def draft_type(save: Path) -> str:
 def stage_serve(opts: argparse.Namespace) -> dict:
     prompts = heldout_prompts(opts)
     serves = vllm_serves(opts)
-    runs = {"target_only": None}
-    drafts = {d.name: last_checkpoint_or_none(d) for d in sorted((opts.out / "drafts").iterdir()) if d.is_dir()}
-    runs.update({name: ckpt for name, ckpt in drafts.items() if ckpt is not None})
+    names = ["target_only", *(d.name for d in sorted((opts.out / "drafts").glob("*")) if d.is_dir())]
     if opts.only:  # a name and its other draft types: ours_s0 also picks ours_s0_dflash
-        runs = {n: c for n, c in runs.items() if any(n == o or n.startswith(o + "_") for o in opts.only)}
+        names = [n for n in names if any(n == o or n.startswith(o + "_") for o in opts.only)]
+    # names, then --drafts' types, then checkpoints: a draft still training beside this call is never read
+    saves = [opts.out / "drafts" / n for n in names if n != "target_only"]
+    runs = {n: None for n in names if n == "target_only"}
+    runs |= {s.name: c for s in saves if draft_type(s) in opts.drafts and (c := last_checkpoint_or_none(s))}
     out = {}
     for name, draft in runs.items():
         kind = draft_type(draft.parent.parent) if draft else None
