@@ -212,6 +212,7 @@ def vocab_maps(opts: argparse.Namespace, export: Path) -> None:
     with open(opts.out / "vocab_maps.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not all((export / f"{m}-{size}.npy").exists() for m in ("d2t", "t2d")):  # as the trainer tests them
+            # private in speculators 0.9 (pinned): if it moves, this import fails the train stage in one line
             from speculators.train.cli import _generate_vocab_mappings
 
             args = {"verifier_name_or_path": str(opts.out / "target/model"), "draft_vocab_size": size}
