@@ -31,11 +31,11 @@ def model_max_positions(model_path: str | Path) -> int | None:
     return ModelFacts.read(model_path).max_positions
 
 
-def check_max_seq_len(max_seq_len: int, model_path: str | Path, backend: str = "hf") -> None:
-    """Raise ConfigError when tokenize.max_seq_len is longer than the model can take; with vLLM one position more
-    is needed (the engine samples one token after each row: engine_args.engine_kwargs' max_model_len)."""
+def check_max_seq_len(max_seq_len: int, model_path: str | Path, engine: str | None = None) -> None:
+    """Raise ConfigError when tokenize.max_seq_len is longer than the model can take; an `engine` of "vllm" needs
+    one position more (it samples one token after each row: engine_args.engine_kwargs' max_model_len)."""
     limit = model_max_positions(model_path)
-    room = 1 if backend == "vllm" else 0
+    room = 1 if engine == "vllm" else 0
     if limit is None or max_seq_len + room <= limit:
         return
     where = f"max_position_embeddings in {Path(model_path) / 'config.json'}"
