@@ -2,6 +2,7 @@
 # The newest vLLM (the 0.34.0 payload, README.md here) on the H200 (one GPU), as one background run:
 #   mkdir /tmp/repo && tar --exclude=./.whl --exclude=./docs -cf - . | tar -xf - -C /tmp/repo && cd /tmp/repo
 #   setsid nohup bash bench/device/newest_vllm.sh /tmp/nv > /tmp/nv.log 2>&1 &
+# polled at once from the same message, call after call: bash bench/device/poll.sh /tmp/nv (README.md, "Long runs")
 # Each step's printout lands in OUT/<step>.txt (its command line first); OUT/done lists the steps and their rc.
 #   matrix    the validation matrix's vLLM cells, bf16, the path auto picks, five families at once on the shared
 #             GPU: llama, qwen3_moe, deepseek_v3 (MLA), kimi_int4 (INT4 routed experts), qwen2_5_vl (images);
