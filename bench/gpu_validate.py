@@ -34,8 +34,11 @@ from pathlib import Path
 
 import yaml
 
+from eagle3prep.config.model import VLLM_SAMPLED_TOKENS
+
 REPO = Path(__file__).resolve().parents[1]
 THINKING_ROWS = 16
+PROMPT_ROOM = 4096  # --thinking: the target's context is the replies' tokens and this
 sys.path.insert(0, str(REPO / "tests"))  # the test kit, tests/testkit
 
 
@@ -122,13 +125,9 @@ def run_one(
         demo = (REPO / "resources/demo/sharegpt.jsonl").read_text().splitlines(keepends=True)
         (wd / "thinking.jsonl").write_text("".join(demo[:THINKING_ROWS]))
         cfg["data"]["sources"] = ["thinking.jsonl"]
-        cfg["regenerate"] = {
-            "enabled": True,
-            "turns": "last",
-            "sampling": {"max_tokens": thinking},
-            "gpu_memory_utilization": 0.5,
-        }
-        cfg["tokenize"] = {"max_seq_len": thinking + 4095, "num_shards": 1}  # the context, less the sampled token
+        regen = {"enabled": True, "turns": "last", "sampling": {"max_tokens": thinking}}
+        cfg["regenerate"] = {**regen, "gpu_memory_utilization": 0.5}
+        cfg["tokenize"] = {"max_seq_len": thinking + PROMPT_ROOM - VLLM_SAMPLED_TOKENS, "num_shards": 1}
         cfg["extract"].update(storage="mxfp4", batch_tokens=16384)
     if reference == "scalable":  # every window between consecutive captured ids, in our convention
         ours = sorted(i + 1 if convention == "output_of_layer" else i for i in ids or [2, 4, 5, 8])
@@ -226,11 +225,10 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     where = Path(os.environ.get("TMPDIR", "/tmp")) / "e3p-gpu-target"
-    if args.target == "llama" and args.thinking:
-        context = args.thinking + 4096
-        model, convention, default_ids = build_target(where / f"endless{context}", context, True), "input_of_layer", None  # fmt: skip
-    elif args.target == "llama":
-        model, convention, default_ids = build_target(where / "model"), "input_of_layer", None
+    if args.target == "llama":
+        context = args.thinking + PROMPT_ROOM if args.thinking else 2048
+        folder = where / (f"endless{context}" if args.thinking else "model")
+        model, convention, default_ids = build_target(folder, context, bool(args.thinking)), "input_of_layer", None
     else:
         model = build_kimi(where / "kimi", args.target.removeprefix("kimi-"))
         n = json.loads((model / "config.json").read_text())["num_hidden_layers"]

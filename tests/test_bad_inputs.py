@@ -323,13 +323,19 @@ def test_cli_bad_source_fails_the_prepare_job_with_one_line(tmp_path):
             "config error: tokenize.max_seq_len = 4096 is above the model's context of 1024 tokens "
             "(max_position_embeddings in {model}/config.json); set it to 1024 or less",
         ),
+        (  # vLLM samples a token after the row: the engine would refuse max_model_len 1025 after the GPU jobs
+            {"tokenize": {"max_seq_len": 1024}, "extract": {"backend": "vllm"}},
+            "config error: tokenize.max_seq_len = 1024 fills the model's context of 1024 tokens "
+            "(max_position_embeddings in {model}/config.json), and extract.backend vllm samples one token after "
+            "each row; set it to 1023 or less",
+        ),
         (
             {"layers": {"ids": [2, 4, 99]}},
             "config error: layers.ids = [2, 4, 99] has ids [99] outside 0..8 (the model has N = 8 decoder layers; "
             "id 8 is the pre-norm final state)",
         ),
     ],
-    ids=["max_seq_len", "layer_ids"],
+    ids=["max_seq_len", "max_seq_len_vllm", "layer_ids"],
 )
 def test_cli_what_the_model_config_decides_fails_the_dry_run_in_one_line(override, message, tmp_path, demo_model_dir):
     # Both were found only inside the jobs (layer ids once per extract job), after prepare and tokenize.

@@ -32,10 +32,7 @@ from .shard.manifest import EXPORT_EXTRAS, check_listed_file, read_manifest, str
 
 # paths.py's names, under whatever results folder verify is pointed at (it may have been copied or moved).
 HIDDEN_STATES, DATASET_MANIFEST, EXPORT, RECORD = (
-    paths.HIDDEN_STATES.removeprefix("results/"),
-    paths.DATASET_MANIFEST.removeprefix("results/"),
-    paths.EXPORT.removeprefix("results/"),
-    paths.VERIFIED.removeprefix("results/"),
+    p.removeprefix("results/") for p in (paths.HIDDEN_STATES, paths.DATASET_MANIFEST, paths.EXPORT, paths.VERIFIED)
 )
 # hashlib and file reads release the GIL: a few threads keep several disks (or one NVMe) busy.
 THREADS = 4

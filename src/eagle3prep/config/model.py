@@ -11,6 +11,10 @@ from ..drafts import capture_layer_ids
 from ..errors import ConfigError
 from ..model_facts import ModelFacts
 
+# Positions vLLM needs after a row of tokenize.max_seq_len tokens: the one token it samples (its max_model_len is
+# max_seq_len + this: vllm/capture/engine_args.py).
+VLLM_SAMPLED_TOKENS = 1
+
 
 def model_layer_ids(
     model_path: str, ids: Sequence[int] | None, convention: str, drafts: Sequence[Mapping[str, Any]] = ()
@@ -33,9 +37,9 @@ def model_max_positions(model_path: str | Path) -> int | None:
 
 def check_max_seq_len(max_seq_len: int, model_path: str | Path, engine: str | None = None) -> None:
     """Raise ConfigError when tokenize.max_seq_len is longer than the model can take; an `engine` of "vllm" needs
-    one position more (it samples one token after each row: engine_args.engine_kwargs' max_model_len)."""
+    VLLM_SAMPLED_TOKENS positions more."""
     limit = model_max_positions(model_path)
-    room = 1 if engine == "vllm" else 0
+    room = VLLM_SAMPLED_TOKENS if engine == "vllm" else 0
     if limit is None or max_seq_len + room <= limit:
         return
     where = f"max_position_embeddings in {Path(model_path) / 'config.json'}"
@@ -46,5 +50,5 @@ def check_max_seq_len(max_seq_len: int, model_path: str | Path, engine: str | No
         )
     raise ConfigError(
         f"config error: tokenize.max_seq_len = {max_seq_len} fills the model's context of {limit} tokens ({where}), "
-        f"and extract.backend vllm samples one token after each row; set it to {limit - 1} or less"
+        f"and extract.backend vllm samples one token after each row; set it to {limit - room} or less"
     )

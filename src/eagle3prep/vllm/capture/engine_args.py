@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ...config.model import VLLM_SAMPLED_TOKENS
 from ...tokenize.vision import EXPANDS
 from .. import memory
 from ..engine.workarounds import merge_engine_kwargs
@@ -32,8 +33,8 @@ def engine_kwargs(
         "skip_tokenizer_init": facts.vision_model_type not in EXPANDS,
         "dtype": spec.dtype,
         "tensor_parallel_size": spec.tp_size,
-        # +1: the one sampled token must fit after a prompt of max_seq_len tokens.
-        "max_model_len": spec.max_seq_len + 1,
+        # the sampled token must fit after a prompt of max_seq_len tokens (parse checks the context has room)
+        "max_model_len": spec.max_seq_len + VLLM_SAMPLED_TOKENS,
         "max_num_batched_tokens": speed.max_num_batched_tokens,
         "gpu_memory_utilization": speed.gpu_memory_utilization,
         "enforce_eager": content.enforce_eager,
