@@ -313,7 +313,7 @@ def test_a_file_written_in_place_after_validation_is_noticed_by_its_size_or_mtim
     folder = finished(0)
     val = Path(heal.validation_json(0))
     layer = folder / "layer_2.safetensors"
-    past = layer.stat().st_mtime_ns - 5 * 10**9
+    past = (layer.stat().st_mtime_ns // 10**9 - 5) * 10**9  # a whole second: past + 0.1 s stays in it
     os.utime(layer, ns=(past, past))
     val.write_text(json.dumps({"ok": True, "files_seen": heal.files_seen(folder)}))
     later = folder.stat().st_mtime_ns + 10**9
