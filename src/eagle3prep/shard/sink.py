@@ -282,6 +282,13 @@ class LayerSink:
         for lid in self.layer_ids:
             self.add_layer(lid, layers[lid])
 
+    @property
+    def failure(self) -> str | None:
+        """The first error of the shard's capture or writers, as a line; None while none happened. Once set, no
+        more rows are placed: the driver stops waiting for them and finish() raises it."""
+        error = self._error
+        return None if error is None else f"{type(error).__name__}: {error}"
+
     def _fail(self, error: BaseException) -> None:
         with self._lock:
             if self._error is None:

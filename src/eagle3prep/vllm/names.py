@@ -134,6 +134,8 @@ NAMES: tuple[Name, ...] = (
     _n("InprocClient", "vllm.v1.engine.core_client", "object", ENGINE,
        "an in-process engine core, stepped by the driver while a shard drains (capture/loop.engine_in_process)"),
     _n("EngineCoreClient.shutdown", "vllm.v1.engine.core_client", "method", ENGINE, "stops the engine", call=(0, ())),
+    _n("EngineCore", "vllm.v1.engine.core", "literal", ENGINE,
+       "the engine core process's name (EngineCore_DP0 before 0.17): engine/watch.py sees that process end"),
     _n("VllmConfig.scheduler_config", "vllm.config.vllm", "member", ENGINE, "the scheduler's settings"),
     _n("SchedulerConfig.max_num_batched_tokens", "vllm.config.scheduler", "member", ENGINE, "the step budget"),
     _n("EngineCoreRequest.mm_features", "vllm.v1.engine", "member", ENGINE, "a request's images"),

@@ -20,7 +20,7 @@ from ...layers import check_layer_ids
 from ...model_facts import ModelFacts, require_hidden_size
 from ...shard.sink import SinkPlan
 from .. import families, memory, registry
-from ..engine.errors import ChildOutput, EngineError, engine_died, engine_error
+from ..engine.errors import ChildOutput, EngineError, died_fix_hint, engine_died, engine_error, worker_failed
 from ..engine.launch import (
     prefer_forked_workers,
     resolve_workarounds,
@@ -29,12 +29,14 @@ from ..engine.launch import (
     start_llm,
     step_budget,
 )
+from ..engine.watch import EngineGone, engine_watch
 from ..engine.workarounds import Workarounds
 from . import choice
 from .builtin.path import BuiltinPath
 from .engine_args import engine_kwargs, planned_kwargs
 from .feed import log
 from .hooks.path import HooksPath
+from .loop import WorkerError
 from .requests import CaptureError
 
 if TYPE_CHECKING:
@@ -160,13 +162,22 @@ class VLLMBackend(CaptureBackend):
             raise RuntimeError("capture_shard() before probe(): call probe() first")
         # a full step always waiting, whatever the batches' size
         self.path.window_tokens = max(self.settings.speed.batch_tokens, 2 * sink.step_tokens)
+        version = self.info.engine_version if self.info else registry.installed_version()
+        doing = f"capturing ({self.path.name} path)"
+
+        def died(how: str) -> str:
+            return f"vLLM {version} died {doing}: {how}; {died_fix_hint(how)}"
+
         try:
-            entries = self.path.capture_shard(self.llm, batches, sink)
+            with engine_watch(died):
+                entries = self.path.capture_shard(self.llm, batches, sink)
+        except WorkerError as e:  # the engine lives on; the worker printed the traceback
+            raise worker_failed(str(e), version=version, doing=doing) from None
         except (CaptureError, UserError):
             raise
+        except EngineGone as e:  # its engine core process died without a word; vLLM's client would wait forever
+            raise EngineError(died(str(e))) from None
         except Exception as e:  # the engine died mid-shard: its own exception, from its processes' output
-            version = self.info.engine_version if self.info else registry.installed_version()
-            doing = f"capturing ({self.path.name} path)"
             raise engine_died(e, self._children.text(), version=version, doing=doing) from e
         self.capture_stats, self.capture_logprobs = self.path.stats, self.path.logprobs
         return entries

@@ -30,6 +30,11 @@ class WorkerUserError(UserError):
     """A UserError raised in the vLLM worker (a full disk), passed on with its message."""
 
 
+class WorkerError(CaptureError):
+    """Any other error of the worker's capture (out of GPU memory, say), passed on with its message; the worker
+    printed its traceback into the job's log."""
+
+
 def engine_in_process(engine: Any) -> bool:
     """LLMEngine's engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so nothing steps
     it unless the driver does. Its client is InprocClient in vLLM's V1 engine (0.8 through 0.32)."""
@@ -162,7 +167,7 @@ class WorkerSinkPath:
             text = f"the worker could not write the shard's layer files: {reply.error}"
             if reply.user_error:  # e.g. the disk filled up: one line for the user, no traceback
                 raise WorkerUserError(text)
-            raise CaptureError(text)
+            raise WorkerError(text)
         self.stats = {
             "window_tokens": self.window_tokens,
             **({"logprob_notes": run.logprob_notes} if run.logprob_notes else {}),

@@ -20,7 +20,7 @@ class WorkerReply:
     hooks: int | None = None  # e3p_install_hooks: the hooks registered
     entries: dict[str, dict[str, Any]] | None = None  # e3p_finish_shard: {layer_id: file entry}
     stats: dict[str, Any] | None = None  # e3p_finish_shard: the sink's timings
-    error: str | None = None  # e3p_finish_shard: why the layer files could not be written
+    error: str | None = None  # e3p_finish_shard (and e3p_shard_progress, early): why the layer files cannot be written
     user_error: bool | None = None  # the error is the user's to fix (a full disk): one line, no traceback
     tokens: int | None = None  # e3p_shard_progress: rows handed to the open sink
     steps: int | None = None  # e3p_shard_progress: engine steps the connector was bound to

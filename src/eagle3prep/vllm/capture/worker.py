@@ -93,8 +93,12 @@ class ShardWorker:
             stats = sink.stats() | ({"part_tokens": parts} if parts else {})
             return WorkerReply(rank=0, entries={str(k): v for k, v in entries.items()}, stats=stats).to_wire()
         except Exception as e:  # the message travels back; a raise here would kill the engine
+            import traceback
+
             from ...errors import UserError
 
+            if not isinstance(e, UserError):  # the job's log keeps where it came from; the driver says one line
+                traceback.print_exception(e)
             error = f"{type(e).__name__}: {e}"
             return WorkerReply(rank=0, error=error, user_error=isinstance(e, UserError)).to_wire()
 

@@ -58,6 +58,8 @@ class BuiltinPath(WorkerSinkPath):
         while True:
             reply = message.call(llm, "e3p_shard_progress", version=self.version)
             first, got = first or reply, reply.tokens
+            if reply.error is not None:  # the sink failed (out of GPU memory, say): no more rows will come
+                return
             if got >= total:
                 # where the drain went: the connector's steps meanwhile, and how long after it began the last rows
                 # reached the sink (the rest of drain_s is this loop's polling)

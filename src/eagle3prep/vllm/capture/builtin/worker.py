@@ -19,5 +19,9 @@ class ConnectorWorker(ShardWorker):
         return WorkerReply(rank=self._e3p_rank).to_wire()
 
     def e3p_shard_progress(self) -> dict[str, Any]:
-        """Rows the connector has handed to the open shard's sink (the driver waits for all of them)."""
-        return WorkerReply(rank=self._e3p_rank, tokens=PORT.tokens, steps=PORT.steps, last_at=PORT.last_at).to_wire()
+        """Rows the connector has handed to the open shard's sink (the driver waits for all of them), and the
+        sink's error once one happened (no more rows will come: the driver finishes the shard, which reports it)."""
+        failure = PORT.sink.failure if PORT.sink is not None else None
+        return WorkerReply(
+            rank=self._e3p_rank, tokens=PORT.tokens, steps=PORT.steps, last_at=PORT.last_at, error=failure
+        ).to_wire()

@@ -1,0 +1,121 @@
+"""The engine watch (vllm/engine/watch.py): a driver blocked on a dead engine core is woken with one line.
+
+The engine core here is a plain child process named as vLLM names it; the driver's blocked wait is a queue.get()
+without a timeout, which is where vLLM's client waits for the next step's outputs. tests/test_vllm_workflow.py
+kills vLLM's own engine core mid-shard (engine_core_killed)."""
+
+import multiprocessing
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3prep.vllm.engine import watch
+from eagle3prep.vllm.engine.watch import EngineGone, engine_processes, engine_watch, how_it_ended
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def child(name: str) -> multiprocessing.Process:
+    proc = multiprocessing.Process(target=time.sleep, args=(60,), name=name, daemon=True)
+    proc.start()
+    return proc
+
+
+def kill_later(proc: multiprocessing.Process, after: float = 0.3) -> None:
+    threading.Timer(after, os.kill, (proc.pid, signal.SIGKILL)).start()
+
+
+def test_a_killed_engine_core_wakes_the_blocked_driver_with_how_it_ended(monkeypatch):
+    monkeypatch.setattr(watch, "POLL_S", 0.05)
+    core = child("EngineCore")
+    kill_later(core)
+    with (
+        pytest.raises(EngineGone, match=rf"engine core process \(pid {core.pid}\) was killed by SIGKILL: out of host"),
+        engine_watch(lambda how: how),
+    ):
+        queue.Queue().get()  # blocks for good, as vLLM's client does on a dead engine core
+
+
+def test_the_watch_finds_the_engine_core_by_vllms_process_names():
+    cores, other = [child("EngineCore"), child("EngineCore_DP0")], child("SomethingElse")
+    try:
+        found = {p.pid for p in engine_processes()}
+        assert {p.pid for p in cores} <= found and other.pid not in found
+    finally:
+        for p in [*cores, other]:
+            p.kill()
+            p.join()
+
+
+def test_a_clean_block_leaves_no_watch_behind(monkeypatch):
+    monkeypatch.setattr(watch, "POLL_S", 0.05)
+    core = child("EngineCore")
+    before = signal.getsignal(watch.SIGNAL)
+    with engine_watch(lambda how: how, [core]):
+        time.sleep(0.2)
+    core.kill()  # the engine stopped after the block (its shutdown): nothing fires
+    core.join()
+    time.sleep(0.2)
+    assert signal.getsignal(watch.SIGNAL) is before
+    assert not [t for t in threading.enumerate() if t.name == "e3p-engine-watch"]
+
+
+def test_outside_the_main_thread_the_block_runs_unwatched():
+    seen = []
+
+    def run():
+        with engine_watch(lambda how: how, [child("EngineCore")]):
+            seen.append(threading.current_thread().name)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen == [t.name]
+
+
+def test_a_process_that_exits_on_its_own_is_named_with_its_code():
+    proc = multiprocessing.Process(target=sys.exit, args=(3,), name="EngineCore")
+    proc.start()
+    proc.join()
+    assert how_it_ended(proc) == f"vLLM's engine core process (pid {proc.pid}) exited with code 3 without a traceback"
+
+
+def test_unwinding_that_blocks_too_ends_the_job_on_its_own_with_the_one_line():
+    """The driver's cleanup may itself wait on the dead engine: after GRACE_S the job prints its line and exits 1."""
+    script = textwrap.dedent(
+        """
+        import multiprocessing, os, signal, threading, time
+        from eagle3prep.vllm.engine import watch
+        watch.POLL_S, watch.GRACE_S = 0.05, 0.5
+        core = multiprocessing.Process(target=time.sleep, args=(60,), name="EngineCore", daemon=True)
+        core.start()
+        threading.Timer(0.3, os.kill, (core.pid, signal.SIGKILL)).start()
+        with watch.engine_watch(lambda how: f"vLLM died capturing: {how}"):
+            try:
+                time.sleep(30)
+            except watch.EngineGone:
+                threading.Event().wait(30)  # a cleanup that waits on the dead engine as well
+        print("not reached")
+        """
+    )
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+    )
+    assert done.returncode == 1, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert lines == [lines[0]] and "vLLM died capturing: vLLM's engine core process" in lines[0], done.stderr
+    assert "killed by SIGKILL" in lines[0] and "not reached" not in done.stdout
+    assert time.monotonic() - t0 < 30  # it did not sit out the cleanup's wait
