@@ -119,3 +119,33 @@ def test_unwinding_that_blocks_too_ends_the_job_on_its_own_with_the_one_line():
     assert lines == [lines[0]] and "vLLM died capturing: vLLM's engine core process" in lines[0], done.stderr
     assert "killed by SIGKILL" in lines[0] and "not reached" not in done.stdout
     assert time.monotonic() - t0 < 30  # it did not sit out the cleanup's wait
+
+
+class _StuckEngine:
+    """vLLM's LLMEngine as a driver sees it after its engine core was SIGKILLed: step() never returns."""
+
+    def step(self):
+        queue.Queue().get()
+
+
+def test_the_regenerate_stage_stops_in_one_line_when_its_engine_core_is_killed_mid_step(monkeypatch):
+    from types import SimpleNamespace
+
+    from eagle3prep.regenerate.engine import VLLMEngine
+    from eagle3prep.vllm.engine.errors import EngineError
+
+    monkeypatch.setattr(watch, "POLL_S", 0.05)
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.llm, engine.info, engine.volatile = SimpleNamespace(llm_engine=_StuckEngine()), {}, {}
+    engine.info["engine_version"] = "0.34.0"
+    core = child("EngineCore")
+    engine._watch = watch.EngineWatch(lambda how: VLLMEngine._died("0.34.0", how), [core]).start()
+    kill_later(core)
+    try:
+        with pytest.raises(EngineError, match=r"^vLLM 0\.34\.0 died generating replies: vLLM's engine core process"):
+            engine.step()
+    finally:
+        engine._watch.stop()
+    # a step after it raises at once (the watch remembers), and the line names the stage's own settings
+    with pytest.raises(EngineError, match=r"lower regenerate\.max_num_batched_tokens"):
+        engine.step()

@@ -15,7 +15,7 @@ from eagle3prep.regenerate.runner import Finished, RequestRejected
 from eagle3prep.settings import RegenerateSettings, Sampling
 from eagle3prep.tokenize.vision import EXPANDS
 from eagle3prep.vllm import registry
-from eagle3prep.vllm.engine.errors import ChildOutput, engine_died, engine_error
+from eagle3prep.vllm.engine.errors import ChildOutput, EngineError, died_fix_hint, engine_died, engine_error
 from eagle3prep.vllm.engine.launch import (
     prefer_forked_workers,
     resolve_workarounds,
@@ -23,6 +23,7 @@ from eagle3prep.vllm.engine.launch import (
     shutdown_engine,
     start_llm,
 )
+from eagle3prep.vllm.engine.watch import EngineGone, EngineWatch
 from eagle3prep.vllm.engine.workarounds import merge_engine_kwargs
 
 from ..infra.log import get_logger
@@ -59,6 +60,7 @@ class VLLMEngine:
         self.info: dict[str, Any] = {}
         self.volatile: dict[str, Any] = {}  # facts of this run only (timings.json, not the manifest)
         self._children = ChildOutput()
+        self._watch: EngineWatch | None = None  # the engine core process, watched while a step waits on it
 
     def __enter__(self) -> VLLMEngine:
         return self
@@ -109,6 +111,7 @@ class VLLMEngine:
                 e, self._children.text(), version=version, arch=arch, path="generate", doing="for generation",
                 section="regenerate",
             ) from e  # fmt: skip
+        self._watch = EngineWatch(lambda how: self._died(version, how)).start()
         self.info = {
             "engine": "vllm",
             "engine_version": version,
@@ -158,7 +161,10 @@ class VLLMEngine:
     def step(self) -> list[Finished]:
         out = []
         try:
-            outputs = self.llm.llm_engine.step()
+            with self._watch.armed() if self._watch else contextlib.nullcontext():
+                outputs = self.llm.llm_engine.step()
+        except EngineGone as e:  # its engine core process died without a word; vLLM's client would wait forever
+            raise EngineError(self._died(self.info.get("engine_version", "?"), str(e))) from None
         except Exception as e:  # the engine died mid-run: its own exception, from its processes' output
             version = self.info.get("engine_version", "?")
             raise engine_died(
@@ -183,4 +189,11 @@ class VLLMEngine:
             self.llm.llm_engine.abort_request(request_ids)
 
     def close(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         shutdown_engine(self)
+
+    @staticmethod
+    def _died(version: str, how: str) -> str:
+        return f"vLLM {version} died generating replies: {how}; {died_fix_hint(how, 'regenerate')}"

@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from .. import registry
 
@@ -47,41 +48,78 @@ def how_it_ended(proc: multiprocessing.Process) -> str:
     return f"{what} was killed by {name}{why}"
 
 
-@contextlib.contextmanager
-def engine_watch(line: Callable[[str], str], processes: list[multiprocessing.Process] | None = None) -> Iterator[None]:
-    """Raise EngineGone in the main thread if one of `processes` (default: engine_processes()) ends inside the
-    block. Outside the main thread, or with no engine core process to watch, the block runs unwatched.
-    `line(how)`: the job's one line for it, printed before the job ends on its own if unwinding outlasts GRACE_S."""
-    procs = engine_processes() if processes is None else processes
-    if not procs or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    gone: list[str] = []
-    stop = threading.Event()
-    main = threading.main_thread().ident
+class EngineWatch:
+    """The watch of one engine's core processes, from start() to stop(). While armed (the driver is inside a call
+    that waits on the engine), an ended process raises EngineGone at once; outside, the next armed() raises it.
 
-    def raise_gone(signum: int, frame: object) -> None:
-        if gone and not stop.is_set():
-            raise EngineGone(gone[0])
+    Args:
+        line: `line(how)` is the job's one line for it (`how`: how_it_ended), printed before the job ends on its own
+            if unwinding outlasts GRACE_S.
+        processes: the processes to watch (default: engine_processes()).
+    """
 
-    def watch() -> None:
-        while not stop.wait(POLL_S):
-            ended = next((p for p in procs if not p.is_alive()), None)
+    def __init__(self, line: Callable[[str], str], processes: list[multiprocessing.Process] | None = None):
+        self.line = line
+        self.procs = engine_processes() if processes is None else processes
+        self.gone: str | None = None
+        self._armed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._previous: Any = None
+
+    def start(self) -> EngineWatch:
+        """Watch from now on; outside the main thread, or with no engine core process, nothing is watched."""
+        if self.procs and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(SIGNAL, self._on_signal)
+            self._thread = threading.Thread(target=self._watch, name="e3p-engine-watch", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (before the engine is shut down on purpose)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        signal.signal(SIGNAL, self._previous)
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        """A block that waits on the engine: EngineGone raised in it as soon as the engine core is gone."""
+        if self.gone is not None:
+            raise EngineGone(self.gone)
+        self._armed = True
+        try:
+            yield
+        finally:
+            self._armed = False
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self._armed and self.gone is not None and not self._stop.is_set():
+            self._armed = False  # raised once
+            raise EngineGone(self.gone)
+
+    def _watch(self) -> None:
+        main = threading.main_thread().ident
+        while not self._stop.wait(POLL_S):
+            ended = next((p for p in self.procs if not p.is_alive()), None)
             if ended is None:
                 continue
-            gone.append(how_it_ended(ended))
+            self.gone = how_it_ended(ended)
             signal.pthread_kill(main, SIGNAL)
-            if not stop.wait(GRACE_S):  # the unwinding blocked on the dead engine too
-                print(f"error: {line(gone[0])}", file=sys.stderr, flush=True)
+            if not self._stop.wait(GRACE_S):  # the unwinding blocked on the dead engine too
+                print(f"error: {self.line(self.gone)}", file=sys.stderr, flush=True)
                 os._exit(1)
             return
 
-    previous = signal.signal(SIGNAL, raise_gone)
-    thread = threading.Thread(target=watch, name="e3p-engine-watch", daemon=True)
-    thread.start()
+
+@contextlib.contextmanager
+def engine_watch(line: Callable[[str], str], processes: list[multiprocessing.Process] | None = None) -> Iterator[None]:
+    """An EngineWatch started and armed for the block (the capture of one shard)."""
+    watch = EngineWatch(line, processes).start()
     try:
-        yield
+        with watch.armed():
+            yield
     finally:
-        stop.set()
-        thread.join()
-        signal.signal(SIGNAL, previous)
+        watch.stop()
