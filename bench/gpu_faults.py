@@ -34,6 +34,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -64,7 +65,14 @@ time.sleep(3600)
 """
 
 
-def snakemake(wd: Path, *targets: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+# A faulted run that has not ended by then waits on something that will not come (an engine core's death once left
+# a job waiting on it for good): its session is killed and the row says "hung", so one hang costs minutes, not the run.
+HANG_S = 420
+
+
+def snakemake(
+    wd: Path, *targets: str, env: dict | None = None, limit: float | None = None
+) -> tuple[subprocess.CompletedProcess, float]:
     exe = Path(sys.executable).with_name("snakemake")
     cmd = [str(exe) if exe.exists() else "snakemake", "--snakefile", str(REPO / "Snakefile"), *targets]
     t0 = time.time()
@@ -80,9 +88,16 @@ def snakemake(wd: Path, *targets: str, env: dict | None = None) -> tuple[subproc
         text=True,
         start_new_session=True,
     )
-    out, err = popen.communicate()
+    hung = False
+    try:
+        out, err = popen.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        hung = True
+        os.killpg(popen.pid, signal.SIGKILL)
+        out, err = popen.communicate()
     proc = subprocess.CompletedProcess(popen.args, popen.returncode, out, err)
     proc.sid = popen.pid  # type: ignore[attr-defined]
+    proc.hung = hung  # type: ignore[attr-defined]
     return proc, time.time() - t0
 
 
@@ -165,7 +180,7 @@ def strike(wd: Path, fault: str, k: int) -> dict:
             "EAGLE3PREP_FILL_DIR": str(wd / "results"),
         }
     try:
-        proc, wall = snakemake(wd, target, env=env)
+        proc, wall = snakemake(wd, target, env=env, limit=HANG_S)
     finally:
         if hog is not None:
             hog.kill()
@@ -174,7 +189,7 @@ def strike(wd: Path, fault: str, k: int) -> dict:
     row = {
         "fault": fault,
         "shard": k,
-        "rc": proc.returncode,
+        "rc": f"hung (killed after {HANG_S} s)" if proc.hung else proc.returncode,
         "wall_s": round(wall, 1),
         "line": error_line(wd, k, proc),
         "kept": {s: finished(wd).get(s) == v for s, v in before.items()},
@@ -193,7 +208,7 @@ def strike(wd: Path, fault: str, k: int) -> dict:
 
 def table_row(r: dict) -> tuple[str, bool]:
     kept = all(r["kept"].values())
-    stopped = r["rc"] != 0 and r["line"].startswith("error: ") and kept and not r["left"]
+    stopped = isinstance(r["rc"], int) and r["rc"] != 0 and r["line"].startswith("error: ") and kept and not r["left"]
     good = stopped and r["rerun_rc"] == 0 and r["validation_ok"]
     line = (
         f"| {r['fault']} | {r['shard']} | {r['rc']} | {r['line']} | {kept} ({len(r['kept'])}) | "
