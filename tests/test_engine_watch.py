@@ -149,3 +149,20 @@ def test_the_regenerate_stage_stops_in_one_line_when_its_engine_core_is_killed_m
     # a step after it raises at once (the watch remembers), and the line names the stage's own settings
     with pytest.raises(EngineError, match=r"lower regenerate\.max_num_batched_tokens"):
         engine.step()
+
+
+def test_a_stop_already_under_way_is_not_masked_by_the_engines_end(monkeypatch):
+    """SIGTERM (Terminated) or Ctrl-C stops the engine core too: the watch stays quiet while that unwinds."""
+    monkeypatch.setattr(watch, "POLL_S", 0.05)
+
+    class Stopped(BaseException):
+        pass
+
+    core = child("EngineCore")
+    with pytest.raises(Stopped), engine_watch(lambda how: how, [core]):
+        try:
+            raise Stopped
+        except Stopped:
+            core.kill()  # the engine core ends while the stop unwinds (the driver's cleanup runs here)
+            time.sleep(0.5)
+            raise

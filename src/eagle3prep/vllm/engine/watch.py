@@ -96,6 +96,10 @@ class EngineWatch:
             self._armed = False
 
     def _on_signal(self, signum: int, frame: object) -> None:
+        # An exception the main thread is already handling (SIGTERM's Terminated, Ctrl-C: they stop the engine core
+        # too) is the job's verdict: the engine's end is its consequence, not news.
+        if sys.exc_info()[1] is not None:
+            return
         if self._armed and self.gone is not None and not self._stop.is_set():
             self._armed = False  # raised once
             raise EngineGone(self.gone)
