@@ -10,7 +10,6 @@ import queue
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -88,37 +87,64 @@ def test_a_process_that_exits_on_its_own_is_named_with_its_code():
     assert how_it_ended(proc) == f"vLLM's engine core process (pid {proc.pid}) exited with code 3 without a traceback"
 
 
-def test_unwinding_that_blocks_too_ends_the_job_on_its_own_with_the_one_line():
-    """The driver's cleanup may itself wait on the dead engine: after GRACE_S the job prints its line and exits 1."""
-    script = textwrap.dedent(
-        """
-        import multiprocessing, os, signal, threading, time
-        from eagle3prep.vllm.engine import watch
-        watch.POLL_S, watch.GRACE_S = 0.05, 0.5
-        core = multiprocessing.Process(target=time.sleep, args=(60,), name="EngineCore", daemon=True)
-        core.start()
-        threading.Timer(0.3, os.kill, (core.pid, signal.SIGKILL)).start()
-        with watch.engine_watch(lambda how: f"vLLM died capturing: {how}"):
-            try:
-                time.sleep(30)
-            except watch.EngineGone:
-                threading.Event().wait(30)  # a cleanup that waits on the dead engine as well
-        print("not reached")
-        """
-    )
+FALLBACK = """
+import multiprocessing, os, signal, threading, time
+from eagle3prep.errors import Terminated
+from eagle3prep.vllm.engine import watch
+watch.POLL_S, watch.GRACE_S = 0.05, 0.5
+core = multiprocessing.Process(target=time.sleep, args=(60,), name="EngineCore", daemon=True)
+core.start()
+w = watch.EngineWatch(lambda how: f"vLLM died generating replies: {how}").start()
+threading.Timer(0.3, os.kill, (core.pid, signal.SIGKILL)).start()
+try:
+    if STOPPING:
+        raise Terminated
+    threading.Event().wait(30)  # a wait on the dead engine outside the watched steps (the stage's own cleanup)
+except Terminated:
+    threading.Event().wait(30)  # SIGTERM's unwinding, blocked on the dead engine as well
+print("not reached")
+"""
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+def test_unwinding_that_blocks_ends_the_job_on_its_own_with_its_one_line(stopping):
+    """A wait on the dead engine the signal cannot end: after GRACE_S the job prints its line and exits, the line of
+    what it was stopping for when there was one (SIGTERM: 143)."""
     t0 = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, "-c", f"STOPPING = {stopping}\n{FALLBACK}"],
         capture_output=True,
         text=True,
         timeout=60,
         env={**os.environ, "PYTHONPATH": str(SRC)},
     )
-    assert done.returncode == 1, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-    assert lines == [lines[0]] and "vLLM died capturing: vLLM's engine core process" in lines[0], done.stderr
-    assert "killed by SIGKILL" in lines[0] and "not reached" not in done.stdout
-    assert time.monotonic() - t0 < 30  # it did not sit out the cleanup's wait
+    assert len(lines) == 1 and "not reached" not in done.stdout, done.stderr
+    if stopping:
+        assert done.returncode == 143 and lines[0].startswith("error: stopped by SIGTERM"), done.stderr
+    else:
+        assert done.returncode == 1, done.stderr
+        assert lines[0].startswith("error: vLLM died generating replies: vLLM's engine core process"), done.stderr
+        assert "killed by SIGKILL" in lines[0]
+    assert time.monotonic() - t0 < 30  # it did not sit out the wait
+
+
+def test_a_wait_inside_the_unwinding_ends_with_the_stop_raised_again(monkeypatch):
+    """Dropping the shard's requests after SIGTERM waits on the engine that SIGTERM also ended: the watch raises the
+    stop again there, so the job ends with SIGTERM's own line."""
+    monkeypatch.setattr(watch, "POLL_S", 0.05)
+
+    class Stopped(BaseException):
+        pass
+
+    core = child("EngineCore")
+    with pytest.raises(Stopped), engine_watch(lambda how: how, [core]):
+        try:
+            raise Stopped
+        except Stopped:
+            core.kill()
+            queue.Queue().get()  # blocks for good, unless the stop is raised again here
+            raise
 
 
 class _StuckEngine:

