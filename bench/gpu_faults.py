@@ -65,14 +65,10 @@ time.sleep(3600)
 """
 
 
-# A faulted run that has not ended by then waits on something that will not come (an engine core's death once left
-# a job waiting on it for good): its session is killed and the row says "hung", so one hang costs minutes, not the run.
-HANG_S = 420
+HANG_S = 420  # a faulted run still going then waits for good: killed, its row says "hung" (minutes, not the run)
 
 
-def snakemake(
-    wd: Path, *targets: str, env: dict | None = None, limit: float | None = None
-) -> tuple[subprocess.CompletedProcess, float]:
+def snakemake(wd: Path, *targets: str, env: dict | None = None, limit: float | None = None):
     exe = Path(sys.executable).with_name("snakemake")
     cmd = [str(exe) if exe.exists() else "snakemake", "--snakefile", str(REPO / "Snakefile"), *targets]
     t0 = time.time()
@@ -88,16 +84,13 @@ def snakemake(
         text=True,
         start_new_session=True,
     )
-    hung = False
     try:
         out, err = popen.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
-        hung = True
         os.killpg(popen.pid, signal.SIGKILL)
         out, err = popen.communicate()
     proc = subprocess.CompletedProcess(popen.args, popen.returncode, out, err)
-    proc.sid = popen.pid  # type: ignore[attr-defined]
-    proc.hung = hung  # type: ignore[attr-defined]
+    proc.sid, proc.hung = popen.pid, limit is not None and time.time() - t0 >= limit  # type: ignore[attr-defined]
     return proc, time.time() - t0
 
 
@@ -231,8 +224,7 @@ def run_rows(wd: Path, model: Path, faults: list[str], tmpfs: str, shared_gpu: b
             lines.append(f"| {fault} | {k} | skipped: no tmpfs could be mounted (not root) | | | | | | | |")
             snakemake(wd, f"results/validation/shard_{k}.json")
             continue
-        r = strike(wd, fault, k)
-        rows.append(r)
+        rows.append(r := strike(wd, fault, k))
         line, good = table_row(r)
         ok &= good
         lines.append(line)
@@ -241,10 +233,8 @@ def run_rows(wd: Path, model: Path, faults: list[str], tmpfs: str, shared_gpu: b
     before = finished(wd)
     final, wall = snakemake(wd, *(f"results/validation/shard_{k}.json" for k in range(len(faults) + 1)))
     redone = [s for s, v in before.items() if finished(wd).get(s) != v]
-    lines.append(
-        f"{wd.name}: every shard's validation after the faults: rc {final.returncode} in {wall:.0f} s, "
-        f"finished shards captured again: {redone or 'none'}"
-    )
+    lines.append(f"{wd.name}: every shard's validation after the faults: rc {final.returncode} in {wall:.0f} s, "
+                 f"finished shards captured again: {redone or 'none'}")  # fmt: skip
     ok &= final.returncode == 0 and not redone
     if on_tmpfs:
         subprocess.run(["umount", "-l", str(wd / "results")])
@@ -266,11 +256,8 @@ def main() -> None:
     model = build_target(Path(os.environ.get("TMPDIR", "/tmp")) / "e3p-gpu-target" / "model")
     print(f"# {torch.cuda.get_device_name(0)}, vLLM {vllm.__version__}, torch {torch.__version__}"
           + (", one workdir a fault, all at once" if args.parallel else ""))  # fmt: skip
-    header = (
-        "| fault | shard | rc | the job's one line | finished kept | processes left | GPU free after | rerun rc "
-        "| rerun s | valid |\n|---|---|---|---|---|---|---|---|---|---|"
-    )
-    print(header, flush=True)
+    print("| fault | shard | rc | the job's one line | finished kept | processes left | GPU free after | rerun rc "
+          "| rerun s | valid |\n|---|---|---|---|---|---|---|---|---|---|", flush=True)  # fmt: skip
     if args.parallel:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -281,7 +268,7 @@ def main() -> None:
     print("\n".join(ln for lines, _ in done for ln in lines if not ln.startswith("|")))  # the rows came as they ran
     ok = all(good for _, good in done)
     print("GPU FAULT MATRIX:", "PASS" if ok else "FAIL")
-    sys.exit(0 if ok else 1)
+    sys.exit(not ok)
 
 
 if __name__ == "__main__":

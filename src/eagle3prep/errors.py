@@ -9,6 +9,7 @@ import shlex
 import signal
 import sys
 from collections.abc import Iterator
+from typing import NoReturn
 
 # The user's own `snakemake` command, which the main process hands its jobs here (run/command.py reads it from the
 # command line), so that every command a message suggests is one the user can paste.
@@ -39,6 +40,15 @@ TERMINATED_LINE = (
     "stopped by SIGTERM (a scheduler's preemption, scancel or a shutdown): this job's outputs are incomplete and were "
     "not sealed; finished shards are kept; the same command redoes this job"
 )
+
+
+INTERRUPTED_LINE = "interrupted (Ctrl-C): this job's outputs are incomplete; the same command redoes it"
+
+
+def exit_now(line: str, status: int) -> NoReturn:
+    """The job's last line, then its end without unwinding (what would unwind is stuck: engine/watch.py)."""
+    print(line, file=sys.stderr, flush=True)
+    os._exit(status)
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
@@ -89,7 +99,7 @@ def one_line_errors(oom_fix: str = "") -> Iterator[None]:
         print(f"error: {'. '.join(first).rstrip('.')}; {oom_fix}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
-        print("interrupted (Ctrl-C): this job's outputs are incomplete; the same command redoes it", file=sys.stderr)
+        print(INTERRUPTED_LINE, file=sys.stderr)
         sys.exit(130)
     finally:
         signal.signal(signal.SIGTERM, previous)

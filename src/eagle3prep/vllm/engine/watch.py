@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import os
 import signal
 import sys
 import threading
@@ -20,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ...errors import TERMINATED_LINE, Terminated
+from ...errors import INTERRUPTED_LINE, TERMINATED_LINE, Terminated, exit_now
 from .. import registry
 
 SIGNAL = signal.SIGUSR1  # vLLM's driver side installs no handler for it
@@ -126,13 +125,10 @@ class EngineWatch:
     def _exit(self) -> None:
         """The unwinding blocked past GRACE_S: the job's one line for what stopped it, and its exit status."""
         if isinstance(self.unwinding, Terminated):
-            line, status = TERMINATED_LINE, 143
-        elif isinstance(self.unwinding, KeyboardInterrupt):
-            line, status = "interrupted (Ctrl-C): this job's outputs are incomplete; the same command redoes it", 130
-        else:
-            line, status = self.line(self.gone or "it ended"), 1
-        print(f"error: {line}", file=sys.stderr, flush=True)
-        os._exit(status)
+            exit_now(f"error: {TERMINATED_LINE}", 143)
+        if isinstance(self.unwinding, KeyboardInterrupt):
+            exit_now(INTERRUPTED_LINE, 130)
+        exit_now(f"error: {self.line(self.gone or 'it ended')}", 1)
 
 
 @contextlib.contextmanager
