@@ -36,7 +36,7 @@ from .builtin.path import BuiltinPath
 from .engine_args import engine_kwargs, planned_kwargs
 from .feed import log
 from .hooks.path import HooksPath
-from .loop import WorkerError
+from .loop import WorkerError, WorkerFailure
 from .requests import CaptureError
 
 if TYPE_CHECKING:
@@ -162,23 +162,25 @@ class VLLMBackend(CaptureBackend):
             raise RuntimeError("capture_shard() before probe(): call probe() first")
         # a full step always waiting, whatever the batches' size
         self.path.window_tokens = max(self.settings.speed.batch_tokens, 2 * sink.step_tokens)
-        version = self.info.engine_version if self.info else registry.installed_version()
         doing = f"capturing ({self.path.name} path)"
 
+        def version() -> str:  # asked only when a line needs it
+            return self.info.engine_version if self.info else self.path.version
+
         def died(how: str) -> str:
-            return f"vLLM {version} died {doing}: {how}; {died_fix_hint(how)}"
+            return f"vLLM {version()} died {doing}: {how}; {died_fix_hint(how)}"
 
         try:
             with engine_watch(died):
                 entries = self.path.capture_shard(self.llm, batches, sink)
-        except WorkerError as e:  # the engine lives on; the worker printed the traceback
-            raise worker_failed(str(e), version=version, doing=doing) from None
+        except WorkerError as e:  # the engine lives on; the worker printed the traceback (the smoke adds its fix)
+            raise WorkerFailure(worker_failed(str(e), version=version(), doing=doing)) from None
         except (CaptureError, UserError):
             raise
         except EngineGone as e:  # its engine core process died without a word; vLLM's client would wait forever
             raise EngineError(died(str(e))) from None
         except Exception as e:  # the engine died mid-shard: its own exception, from its processes' output
-            raise engine_died(e, self._children.text(), version=version, doing=doing) from e
+            raise engine_died(e, self._children.text(), version=version(), doing=doing) from e
         self.capture_stats, self.capture_logprobs = self.path.stats, self.path.logprobs
         return entries
 

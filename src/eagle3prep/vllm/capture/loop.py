@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import UserError
 from .. import registry
+from ..engine.errors import EngineError
 from . import feed, message
 from .feed import Row, ShardRun
 from .requests import CaptureError, prompt_logprobs
@@ -33,6 +34,11 @@ class WorkerUserError(UserError):
 class WorkerError(CaptureError):
     """Any other error of the worker's capture (out of GPU memory, say), passed on with its message; the worker
     printed its traceback into the job's log."""
+
+
+class WorkerFailure(EngineError, CaptureError):
+    """A WorkerError as the job's one line (engine/errors.worker_failed); still a CaptureError, so that the probe's
+    smoke capture adds its own fix to it."""
 
 
 def engine_in_process(engine: Any) -> bool:

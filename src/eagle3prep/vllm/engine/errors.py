@@ -251,12 +251,12 @@ def died_fix_hint(cause: str, section: str = "extract") -> str:
     return f"the engine's traceback is in the job's log; the same command retries the {section} job"
 
 
-def worker_failed(cause: str, *, version: str, doing: str, section: str = "extract") -> EngineError:
-    """One line for an error inside the engine's worker that the engine survived (the capture's own, out of GPU
+def worker_failed(cause: str, *, version: str, doing: str, section: str = "extract") -> str:
+    """The one line for an error inside the engine's worker that the engine survived (the capture's own, out of GPU
     memory say): its cause, CUDA's out-of-memory text cut to its first sentences, and the fix."""
     if m := _OOM.search(cause):
         cause = cause[: m.end()]  # "...: OutOfMemoryError: CUDA out of memory. Tried to allocate 7.83 GiB"
-    return EngineError(f"vLLM {version} failed {doing}: {cause.rstrip('.')}; {died_fix_hint(cause, section)}")
+    return f"vLLM {version} failed {doing}: {cause.rstrip('.')}; {died_fix_hint(cause, section)}"
 
 
 def engine_died(exc: BaseException, output: str, *, version: str, doing: str, section: str = "extract") -> UserError:
