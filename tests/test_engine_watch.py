@@ -129,9 +129,10 @@ def test_unwinding_that_blocks_ends_the_job_on_its_own_with_its_one_line(stoppin
     assert time.monotonic() - t0 < 30  # it did not sit out the wait
 
 
-def test_a_wait_inside_the_unwinding_ends_with_the_stop_raised_again(monkeypatch):
-    """Dropping the shard's requests after SIGTERM waits on the engine that SIGTERM also ended: the watch raises the
-    stop again there, so the job ends with SIGTERM's own line."""
+@pytest.mark.parametrize("wait", [lambda: time.sleep(0.5), lambda: queue.Queue().get()], ids=["busy", "blocked"])
+def test_a_stop_under_way_stays_the_verdict_and_a_wait_inside_it_ends_with_it(monkeypatch, wait):
+    """SIGTERM (Terminated) or Ctrl-C ends the engine core too: the engine's end does not mask the stop, and the
+    cleanup's wait on the dead engine (dropping the shard's requests) ends with the stop raised again there."""
     monkeypatch.setattr(watch, "POLL_S", 0.05)
 
     class Stopped(BaseException):
@@ -143,7 +144,7 @@ def test_a_wait_inside_the_unwinding_ends_with_the_stop_raised_again(monkeypatch
             raise Stopped
         except Stopped:
             core.kill()
-            queue.Queue().get()  # blocks for good, unless the stop is raised again here
+            wait()  # a blocked one lasts for good unless the stop is raised again here
             raise
 
 
@@ -175,20 +176,3 @@ def test_the_regenerate_stage_stops_in_one_line_when_its_engine_core_is_killed_m
     # a step after it raises at once (the watch remembers), and the line names the stage's own settings
     with pytest.raises(EngineError, match=r"lower regenerate\.max_num_batched_tokens"):
         engine.step()
-
-
-def test_a_stop_already_under_way_is_not_masked_by_the_engines_end(monkeypatch):
-    """SIGTERM (Terminated) or Ctrl-C stops the engine core too: the watch stays quiet while that unwinds."""
-    monkeypatch.setattr(watch, "POLL_S", 0.05)
-
-    class Stopped(BaseException):
-        pass
-
-    core = child("EngineCore")
-    with pytest.raises(Stopped), engine_watch(lambda how: how, [core]):
-        try:
-            raise Stopped
-        except Stopped:
-            core.kill()  # the engine core ends while the stop unwinds (the driver's cleanup runs here)
-            time.sleep(0.5)
-            raise
