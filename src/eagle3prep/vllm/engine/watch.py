@@ -4,8 +4,9 @@ When the engine core process dies without a word (SIGKILL: the host's OOM killer
 vLLM's client sees the process end and closes its sockets, but a driver blocked in `LLMEngine.step` or
 `LLM.collective_rpc` waits for a reply that never comes: on vLLM 0.34 at TP 1 a capture job hung for as long as it
 was let (docs/runs/crash_safety). The watch polls the engine core processes (children of this process) and, when
-one ends, raises EngineGone in the main thread through a signal, which also wakes a blocked wait there. Should the
-unwinding itself block on the dead engine, the job ends on its own after GRACE_S with the same one line.
+one ends, raises EngineGone in the main thread through a signal, which also wakes a blocked wait there (a stop
+already unwinding, such as SIGTERM's, is raised again instead: it stays the verdict). A wait no signal ends is cut
+after GRACE_S: the job prints the line of what stopped it and exits.
 """
 
 from __future__ import annotations
