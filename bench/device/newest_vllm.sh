@@ -18,8 +18,8 @@
 #             (bench_extract phases: (p) plain prefill compiled as vLLM starts by default, (e) vLLM's
 #             extract_hidden_states with nothing saved (its own cost), (f) the built-in path compiled: auto's path
 #             on 0.34, with the default enforce_eager: false)
-#   regen_long  the regenerate stage writing replies of up to 24k tokens (8B shape), beside plain generate;
-#             random weights rarely stop early: each phase is ~24,000 decode steps (8 prompts: the step time, not
+#   regen_long  the regenerate stage writing replies of up to 16k tokens (8B shape), beside plain generate;
+#             random weights rarely stop early: each phase is ~16,400 decode steps (8 prompts: the step time, not
 #             the prompt count, sets it)
 #   thinking_mx  thinking-length rows end to end through snakemake (gpu_validate.py --thinking): the regenerate
 #             stage writes 24,000-token replies with a small random Llama whose stop tokens never win, then those rows
@@ -99,7 +99,7 @@ run_step() {
     long64) step long64 "$NEW" python3 bench/bench_extract.py $W/long64 --phases pef --rows 4 --seq 65536 --min-len 32768 --max-len 65536 ;;
     regress) step regress "$NEW" python3 bench/bench_extract.py $W/regress --phases ${REGRESS_PHASES:-pef} --rows 192 ;;
     kimi_int4) step kimi_int4 "$NEW" python3 bench/bench_extract.py $W/kimi_int4 --shape kimi-int4 --phases pf --rows 384 --seq 1000 --min-len 100 --max-len 1000 ;;
-    regen_long) step regen_long "$NEW" python3 bench/bench_regenerate.py $W/regen_long --prompts 8 --max-tokens 24000 --max-model-len 32768 --rounds 1 ;;
+    regen_long) step regen_long "$NEW" python3 bench/bench_regenerate.py $W/regen_long --prompts 8 --max-tokens 16384 --max-model-len 32768 --rounds 1 ;;
     thinking_mx) step thinking_mx "$NEW" python3 bench/gpu_validate.py $W/thinking --runs 1:auto --thinking 24000 --kv-gib 16 ;;
     quality) step quality "$NEW" quality ;;
     valid_kimi) step valid_kimi "$NEW" python3 bench/long_rows.py $W/valid_kimi --shape kimi-vocab --lengths 32768,65536,20000,4096 --layer-ids 1,2 ;;
