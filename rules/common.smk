@@ -50,7 +50,8 @@ try:
     check_targets_after_configfile(CONFIGFILES, os.getcwd())
     # The config as typed settings, built once; rules read SETTINGS, and pass `config` only where its
     # mapping is the params (Snakemake compares their repr, so the user's key order stays).
-    SETTINGS = Settings.validated(config)  # against the package's schema.yaml
+    # against the package's schema.yaml; extract.logprob_rows: auto never below the finished shards'
+    SETTINGS = Settings.validated(config, made_by.kept_logprob_rows())
     SOURCES = config_sources(SETTINGS)
     # Whatever the model folder decides (layer ids, max_seq_len, the tokenizer) fails here, before any job.
     MODEL_NOTES = check_model(SETTINGS)

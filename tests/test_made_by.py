@@ -99,6 +99,16 @@ def test_nothing_is_refused_without_finished_shards_or_a_record(folder):
     assert made_by.check(other, ["other.yaml"], demo=False) == (None, None)
 
 
+def test_the_finished_shards_logprob_rows_are_kept(folder, tmp_path):
+    """extract.logprob_rows: auto never falls below what the record says the finished shards hold; with no record
+    (a folder made before it), the old default 4; nothing finished, nothing to keep."""
+    assert made_by.kept_logprob_rows() == 4  # the fixture's record holds no shard keys
+    made_by.write_record(cfg(), ["my-run.yaml"], keys=made_by.shard_keys(_completed({**BASE})))
+    assert made_by.kept_logprob_rows() == 0
+    shutil.rmtree(tmp_path / "results" / "hidden_states")
+    assert made_by.kept_logprob_rows() is None
+
+
 def test_the_record_is_rewritten_only_when_it_changes(folder):
     record = folder / made_by.RECORD
     before = record.stat().st_mtime_ns
@@ -300,3 +310,23 @@ def _completed(config: dict) -> dict:
     config = json.loads(json.dumps(config))
     Settings.validated(config)
     return config
+
+
+def test_logprob_rows_auto_keeps_a_finished_folders_rows_through_snakemake(small_demo_run, tmp_path):
+    """Under the default (auto, full reference) new shards hold no prompt logprobs, which only the scalable
+    reference reads; a folder whose shards hold them (made while the default was 4: its record says so) stays
+    finished when run again, its extract params unchanged."""
+    from testkit.workflow import snakemake
+
+    wd = shutil.copytree(small_demo_run, tmp_path / "wd", symlinks=True)
+    shards = sorted((wd / "results" / "hidden_states").glob("shard_*"))
+    assert shards and not any((d / "logprobs.safetensors").exists() for d in shards)
+    path = wd / made_by.RECORD
+    record = json.loads(path.read_text())
+    assert record["shard_keys"]["extract.logprob_rows"] == 0
+    record["shard_keys"]["extract.logprob_rows"] = 4  # as a folder made under the old default records it
+    path.write_text(json.dumps(record))
+    snakemake(wd, "--forcerun", "extract")  # its shards made with 4 rows each, as the old default made them
+    assert all((d / "logprobs.safetensors").exists() for d in shards)
+    again = snakemake(wd, "-n")
+    assert "Nothing to be done" in again.stdout + again.stderr, (again.stdout + again.stderr)[-3000:]

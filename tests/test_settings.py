@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3prep.config import SCHEMA, ConfigError, validate_config
+from eagle3prep.config import SCHEMA, ConfigError, logprob_rows, validate_config
 from eagle3prep.settings import (
     _FIELD_TYPES,
     SECTIONS,
@@ -35,8 +35,22 @@ def base(**over):
 def test_every_default_comes_from_the_schema():
     s = ExtractSettings.defaults()
     values = {**dataclasses.asdict(s.content), **dataclasses.asdict(s.speed)}
-    assert values == {k: EXTRACT_SCHEMA[k]["default"] for k in values}
+    schema = {k: EXTRACT_SCHEMA[k]["default"] for k in values}
+    assert values == {**schema, "logprob_rows": logprob_rows(schema["logprob_rows"], True)}  # auto as a count
     assert s == ExtractSettings.from_config(validate_config(base()))  # the workflow's path gives the same
+
+
+@pytest.mark.parametrize(
+    ("reference", "kept", "rows"),
+    [(True, None, 0), ("full", None, 0), ("off", None, 0), ("scalable", None, 4), (True, 4, 4), ("scalable", 0, 4)],
+)
+def test_logprob_rows_auto_asks_what_the_reference_reads_and_never_below_the_finished_shards(reference, kept, rows):
+    """The full reference reads no prompt logprobs; finished shards made with more keep their count (a shard
+    with more logprob rows than asked is right), so no shard is redone by the default's change."""
+    config = validate_config(base(validate={"reference": reference}), kept)
+    assert config["extract"]["logprob_rows"] == rows
+    assert list(config["extract"]).index("logprob_rows") == list(EXTRACT_SCHEMA).index("logprob_rows")  # params' order
+    assert validate_config(base(extract={"logprob_rows": 2}), 4)["extract"]["logprob_rows"] == 2  # a count stays
 
 
 def test_the_demo_config_sets_batch_tokens_and_the_settings_read_it():

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import paths
+from .config.schema import SCALABLE_LOGPROB_ROWS
 from .infra.units import human_duration
 from .paths import HIDDEN_STATES, MANIFEST, PREPARED, TOKENIZED
 from .run.command import Command
@@ -200,6 +201,15 @@ def _finished_folders(shard_root: str | os.PathLike = HIDDEN_STATES) -> list[str
     except FileNotFoundError:
         return []
     return [os.path.join(shard_root, n) for n in names if os.path.isfile(os.path.join(shard_root, n, MANIFEST))]
+
+
+def kept_logprob_rows(record_path: str | os.PathLike = RECORD, shard_root: str | os.PathLike = HIDDEN_STATES) -> int | None:
+    """What extract.logprob_rows: auto must not fall below (config.schema.logprob_rows): the count the record says
+    the finished shards were made with, the old default (4) when no record says, None when no shard is finished."""
+    if not finished_shards(shard_root):
+        return None
+    kept = ((read_record(record_path) or {}).get("shard_keys") or {}).get("extract.logprob_rows")
+    return kept if isinstance(kept, int) and not isinstance(kept, bool) else SCALABLE_LOGPROB_ROWS
 
 
 def finished_shards(hidden_states: str | os.PathLike = HIDDEN_STATES) -> int:

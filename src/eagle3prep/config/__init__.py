@@ -10,13 +10,14 @@ from typing import Any
 from ..errors import ConfigError
 from ..layers import convert_layer_ids
 from .engine import check_extract_engine_args
-from .schema import SCHEMA, check_schema, load_schema, reference_mode, schema_default, section_defaults
+from .schema import SCHEMA, check_schema, load_schema, logprob_rows, reference_mode, schema_default, section_defaults
 from .template import check_template_kwargs
 
 __all__ = [
     "SCHEMA",
     "ConfigError",
     "load_schema",
+    "logprob_rows",
     "reference_mode",
     "schema_default",
     "section_defaults",
@@ -24,9 +25,12 @@ __all__ = [
 ]
 
 
-def validate_config(config: dict[str, Any]) -> dict[str, Any]:
-    """Validate `config` in place (defaults filled in) and return it; raise ConfigError on the first error."""
+def validate_config(config: dict[str, Any], kept_logprob_rows: int | None = None) -> dict[str, Any]:
+    """Validate `config` in place (defaults filled in, extract.logprob_rows as a count, at least
+    `kept_logprob_rows`: schema.logprob_rows) and return it; raise ConfigError on the first error."""
     check_schema(config)
+    extract = config["extract"]  # the value replaced in place: the params' order stays the schema's
+    extract["logprob_rows"] = logprob_rows(extract["logprob_rows"], config["validate"]["reference"], kept_logprob_rows)
     check_template_kwargs(config["tokenize"]["chat_template_kwargs"])
     check_extract_engine_args(config["extract"]["engine_args"], config["tokenize"]["max_seq_len"])
     if config["layers"]["ids"] is not None:

@@ -26,6 +26,19 @@ def load_schema() -> dict[str, Any]:
     return yaml.safe_load(SCHEMA.read_text(encoding="utf-8"))
 
 
+# What extract.logprob_rows: auto asks for under validate.reference scalable, whose logits check reads them.
+SCALABLE_LOGPROB_ROWS = 4
+
+
+def logprob_rows(value: int | str, reference: bool | str, kept: int | None = None) -> int:
+    """extract.logprob_rows as a count: `auto` is SCALABLE_LOGPROB_ROWS under the scalable reference and 0 under the
+    others (the full reference reads none), but at least `kept`, what the results folder's finished shards were made
+    with (made_by.kept_logprob_rows): a shard holding more rows than asked is right, and redoing it is not."""
+    if value != "auto":
+        return int(value)
+    return max(SCALABLE_LOGPROB_ROWS if reference_mode(reference) == "scalable" else 0, kept or 0)
+
+
 def schema_default(section: str, key: str) -> Any:
     """The schema's default of `section`.`key` (a copy: callers may change it)."""
     return copy.deepcopy(load_schema()["properties"][section]["properties"][key]["default"])
