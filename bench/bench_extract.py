@@ -106,7 +106,7 @@ def main() -> None:
         "--logprob-rows",
         type=int,
         default=None,
-        help="(b)/(f)/(g): extract.logprob_rows (default: the config's, 4 rows a shard whose prompt logprobs vLLM returns)",
+        help="(b)/(f)/(g): extract.logprob_rows (default: the config's auto, none under the full reference)",
     )
     args = ap.parse_args()
     args.real_weights = args.shape_name == KIMI_INT4

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+from eagle3prep.config.schema import SCALABLE_LOGPROB_ROWS
 from extractbench.workload import image_prompts, layer_ids, tokens_of, write_tokenized
 
 from testkit.shards import manifest_fields
@@ -179,7 +180,8 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
     def spec_of(settings: ExtractSettings) -> CaptureSpec:
         return CaptureSpec(settings, model_path=str(model), layer_ids=layer_ids(args.shape), max_seq_len=args.max_len)
 
-    spec, no_logits_check = spec_of(settings_of()), spec_of(settings_of(logprob_rows=0))
+    # the default asks no logprob rows under the full reference; the scalable reference's rows priced apart
+    spec, logits_check = spec_of(settings_of()), spec_of(settings_of(logprob_rows=SCALABLE_LOGPROB_ROWS))
     shards = args.out / "shards"
     shm = Path("/dev/shm")
     t0 = time.perf_counter()
@@ -198,18 +200,18 @@ def phase_b(args, model: Path, work: dict, **over) -> dict:
         # and the like-for-like comparison with (d), whose files go to /dev/shm
         runs = [("uniform_half", shards), ("uniform", shards), ("mixed", shards)]
         runs += [("uniform_shm", shm / "e3p-bench")] if shm.is_dir() else []
-        # the uniform shard again without the logits check's rows (their prompt logprobs): what the check costs
-        runs += [("uniform_nolp", shards)]
+        # the uniform shard again with the scalable reference's logits-check rows (their prompt logprobs)
+        runs += [("uniform_lp", shards)]
         # the mixed shard once more: growth that repeats grows with the shards; a first shard's own is the allocators'
         runs += [("mixed_again", shards)]
         for name, where in runs:
-            rows = work[name.removesuffix("_shm").removesuffix("_nolp").removesuffix("_again")]  # --images: tokenized
+            rows = work[name.removesuffix("_shm").removesuffix("_lp").removesuffix("_again")]  # --images: tokenized
             tok = rows if isinstance(rows, Path) else write_tokenized(args.out / f"{name}.jsonl", rows)
             base = rss.reset()
             m = extract_shard(
                 str(tok),
                 str(where / name),
-                no_logits_check if name.endswith("_nolp") else spec,
+                logits_check if name.endswith("_lp") else spec,
                 shard=0,
                 engine=(backend, info),
             )

@@ -203,7 +203,9 @@ def _finished_folders(shard_root: str | os.PathLike = HIDDEN_STATES) -> list[str
     return [os.path.join(shard_root, n) for n in names if os.path.isfile(os.path.join(shard_root, n, MANIFEST))]
 
 
-def kept_logprob_rows(record_path: str | os.PathLike = RECORD, shard_root: str | os.PathLike = HIDDEN_STATES) -> int | None:
+def kept_logprob_rows(
+    record_path: str | os.PathLike = RECORD, shard_root: str | os.PathLike = HIDDEN_STATES
+) -> int | None:
     """What extract.logprob_rows: auto must not fall below (config.schema.logprob_rows): the count the record says
     the finished shards were made with, the old default (4) when no record says, None when no shard is finished."""
     if not finished_shards(shard_root):

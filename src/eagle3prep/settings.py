@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
-from .config import load_schema, logprob_rows, reference_mode, schema_default, section_defaults, validate_config
+from .config import load_schema, reference_mode, schema_default, section_defaults, validate_config
 from .config.model import model_layer_ids
 from .layers import CONVENTION
 
@@ -115,13 +115,6 @@ class ExtractSettings(_Section):
     SECTION: ClassVar[str] = "extract"
     content: ExtractContent
     speed: ExtractSpeed
-
-    @classmethod
-    def defaults(cls, **values: Any) -> Self:
-        """`values` over the schema's defaults, logprob_rows as a count under the default validate.reference."""
-        section = section_defaults(cls.SECTION, values)
-        section["logprob_rows"] = logprob_rows(section["logprob_rows"], schema_default("validate", "reference"))
-        return _build(cls, section)
 
     @staticmethod
     def params(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -382,8 +375,7 @@ class Settings:
 
     @classmethod
     def validated(cls, config: dict[str, Any], kept_logprob_rows: int | None = None) -> Settings:
-        """`config` validated in place (validate_config: defaults filled in, one-line ConfigError), then typed;
-        `kept_logprob_rows`: the finished shards' (made_by.kept_logprob_rows)."""
+        """`config` validated in place (validate_config: defaults filled in, one-line ConfigError), then typed."""
         return cls.from_config(validate_config(config, kept_logprob_rows))
 
     def layer_ids(self) -> list[int]:

@@ -53,6 +53,10 @@ def section_defaults(section: str, values: Mapping[str, Any] | None = None) -> d
     errors = [e for e in validator.iter_errors(instance) if list(e.absolute_path)[:1] == [section]]
     if errors:
         raise ConfigError(_one_line(sorted(errors, key=lambda e: list(e.absolute_path))[0]))
+    if section == "extract":  # as validate_config gives it: a count, under the default validate.reference
+        instance[section]["logprob_rows"] = logprob_rows(
+            instance[section]["logprob_rows"], schema_default("validate", "reference")
+        )
     return instance[section]
 
 
