@@ -109,6 +109,14 @@ def test_the_finished_shards_logprob_rows_are_kept(folder, tmp_path):
     assert made_by.kept_logprob_rows() is None
 
 
+def test_switching_to_the_scalable_reference_is_refused_for_the_logprob_rows_the_shards_lack(folder):
+    made_by.write_record(cfg(), ["my-run.yaml"], keys=made_by.shard_keys(_completed({**BASE})))
+    scalable = {**BASE, "validate": {"reference": "scalable"}}
+    keys = made_by.shard_keys(_completed(scalable))
+    error, _ = made_by.check(cfg(**scalable), ["my-run.yaml"], demo=False, keys=keys)
+    assert error and "extract.logprob_rows 0 -> 4" in error and "would extract all 2 again" in error
+
+
 def test_the_record_is_rewritten_only_when_it_changes(folder):
     record = folder / made_by.RECORD
     before = record.stat().st_mtime_ns
