@@ -91,9 +91,11 @@ images() {  # the image-heavy workload on auto's path (built-in on 0.34) beside 
 ALL="matrix workflow valid_narrow long64 regress kimi_int4 regen_long thinking_mx quality valid_kimi kimi64 fmt_8b fmt_kimi
   regress_mx quality_mx fmt_real kimi64_mx shm_f images kimi_int4_mx faults fmt_kernel_8b fmt_kernel_kimi train_mx
   quality_drafts"
-# STEPS=seed: what the seed's workload still needs on the GPU, in order of importance (about 25 minutes after the
-# install): the fault rows not yet run since their fixes beside the thinking-length rows end to end, the trainer on
-# MXFP4, the Kimi shapes and the 8B shards in MXFP4 against plain prefill, 16k-token replies, the image rows.
+# STEPS=seed: what the seed's workload still needs on the GPU, in order of importance: the fault rows not yet run
+# since their fixes beside the thinking-length rows end to end, the trainer on MXFP4, the Kimi shapes and the 8B
+# shards in MXFP4 against plain prefill, 16k-token replies, the image rows. About 30 minutes after the install,
+# estimated from these steps' earlier records (docs/runs/vllm_range/vllm_0.34/steps_*.txt), not measured whole:
+# a device budget that ends first cuts the last steps.
 SEED="faults+thinking_mx train_mx kimi64_mx kimi_int4_mx regress_mx regen_long images"
 if [ "${STEPS:-}" = seed ]; then
   STEPS=$SEED FAULTS=${FAULTS:-oom_mid engine_kill} FAULTS_PARALLEL=1 MX_PHASES=${MX_PHASES:-pg}
