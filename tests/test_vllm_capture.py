@@ -417,10 +417,18 @@ def test_a_long_shards_last_step_is_fed_a_few_rows_at_a_time(monkeypatch, step_t
 
 def test_builtin_path_that_never_gets_its_rows_fails_and_aborts(monkeypatch):
     from eagle3prep.vllm.capture.builtin import path as paths
+    from eagle3prep.vllm.capture.loop import WorkerError
+    from eagle3prep.vllm.engine.errors import worker_failed
 
     monkeypatch.setattr(paths, "DRAIN_S", 0.05)
-    with pytest.raises(CaptureError, match=r"4 of the shard's 5 rows reached the worker's sink in 0\.05 s"):
+    with pytest.raises(WorkerError, match=r"4 of the shard's 5 rows reached the worker's sink in 0\.05 s") as e:
         run_capture_shard(monkeypatch, {"rank": 0, "entries": {}}, "builtin", progress=lambda engine: 4)
+    # the backend makes it the job's one line (WorkerFailure), with no traceback to point at
+    line = worker_failed(str(e.value), version="0.34.0", doing="capturing (builtin path)")
+    assert line == (
+        "vLLM 0.34.0 failed capturing (builtin path): 4 of the shard's 5 rows reached the worker's sink in 0.05 s; "
+        "the engine's own lines are in the job's log; the same command retries the extract job"
+    )
 
 
 def test_capture_shard_feeds_every_row_and_returns_the_worker_entries(monkeypatch):

@@ -114,8 +114,16 @@ HOST_FAULTS = {
     "worker_error": ("capture.step:dir=shard_0,step=2", "raise", "planted fault"),
 }
 FAULT_CASES = [(f, p) for f in sorted(HOST_FAULTS) for p in PATHS_ALL]
-FAULTS = FAULT_CASES if os.environ.get("EAGLE3PREP_ALL_FAULTS") == "1" else [
-    ("engine_killed", "auto"), ("engine_core_killed", "builtin"), ("worker_error", "builtin"), ("sigterm", "builtin")]
+FAULTS = (
+    FAULT_CASES
+    if os.environ.get("EAGLE3PREP_ALL_FAULTS") == "1"
+    else [
+        ("engine_killed", "auto"),
+        ("engine_core_killed", "builtin"),
+        ("worker_error", "builtin"),
+        ("sigterm", "builtin"),
+    ]
+)
 
 
 @pytest.mark.parametrize(("fault", "capture_path"), FAULTS)

@@ -33,7 +33,7 @@ class WorkerUserError(UserError):
 
 class WorkerError(CaptureError):
     """Any other error of the worker's capture (out of GPU memory, say), passed on with its message; the worker
-    printed its traceback into the job's log."""
+    printed its traceback into the job's log. Also rows that never reached the worker's sink (no traceback)."""
 
 
 class WorkerFailure(EngineError, CaptureError):

@@ -248,6 +248,8 @@ def died_fix_hint(cause: str, section: str = "extract") -> str:
     if "out of memory" in cause.lower():
         logprobs = f" or set {section}.logprob_rows: 0" if section == "extract" else ""
         return f"lower {section}.max_num_batched_tokens or {section}.gpu_memory_utilization{logprobs}"
+    if "reached the worker's sink" in cause:  # rows lost without an error anywhere
+        return f"the engine's own lines are in the job's log; the same command retries the {section} job"
     return f"the engine's traceback is in the job's log; the same command retries the {section} job"
 
 

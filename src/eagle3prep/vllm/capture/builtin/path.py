@@ -11,7 +11,6 @@ from ... import registry
 from .. import loop, message
 from ..feed import ShardRun, log
 from ..loop import WorkerSinkPath
-from ..requests import CaptureError
 from . import connector
 from .worker import ConnectorWorker
 
@@ -67,7 +66,8 @@ class BuiltinPath(WorkerSinkPath):
                 run.clock["drain_lag_s"] = max(0.0, (reply.last_at or 0.0) - start)
                 return
             if time.monotonic() > deadline:
-                raise CaptureError(f"{got} of the shard's {total} rows reached the worker's sink in {DRAIN_S} s")
+                # the worker reported no error: one line (WorkerFailure) pointing at the engine's own log lines
+                raise loop.WorkerError(f"{got} of the shard's {total} rows reached the worker's sink in {DRAIN_S} s")
             if inproc:
                 registry.member(run.engine, "LLMEngine.step", version=self.version)()
             else:
