@@ -30,6 +30,12 @@ def test_command_line_strings_are_coerced_to_the_schema_type():
     # What `snakemake --config 'export={speculators: true}' 'tokenize={num_shards: 3}'` hands over.
     c = validate_config(base(export={"speculators": "true"}, tokenize={"num_shards": "3"}))
     assert c["export"]["speculators"] is True and c["tokenize"]["num_shards"] == 3
+    # a key that is an integer or 'auto' (`--config 'extract={logprob_rows: 2}' 'validate={sample_rows: auto}'`)
+    c = validate_config(base(extract={"logprob_rows": "2"}, validate={"sample_rows": "auto"}))
+    assert c["extract"]["logprob_rows"] == 2 and c["validate"]["sample_rows"] == "auto"
+    assert validate_config(base(validate={"sample_rows": "7"}))["validate"]["sample_rows"] == 7
+    with pytest.raises(ConfigError, match=r"extract\.logprob_rows = 'many' is not allowed; choose an integer >= 0"):
+        validate_config(base(extract={"logprob_rows": "many"}))
 
 
 def test_command_line_numbers_nulls_and_lists_are_accepted():

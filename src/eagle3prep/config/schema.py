@@ -139,11 +139,18 @@ def coerce_scalar(value: str, types: list[str]) -> Any:
     return value
 
 
+def _types(schema: dict[str, Any]) -> list[str]:
+    kind = schema.get("type", [])
+    return [kind] if isinstance(kind, str) else list(kind)
+
+
 def _coerce_strings(instance: Any, schema: dict[str, Any]) -> Any:
     """Values given on the command line (`--config 'plan={tokens_per_s: 660}'`) reach the config as strings
     (Snakemake reads nested ones with YAML's BaseLoader): read them as the schema's type; return the value."""
-    types = schema.get("type", [])
-    types = [types] if isinstance(types, str) else types
+    types = _types(schema)
+    branches = schema.get("oneOf") or schema.get("anyOf") or []  # an integer or 'auto': '4' is read as 4
+    if isinstance(instance, str) and not types and not any(instance in b.get("enum", ()) for b in branches):
+        types = [t for b in branches if "enum" not in b for t in _types(b)]
     if isinstance(instance, str) and types:
         return coerce_scalar(instance, types)
     if isinstance(instance, dict):
