@@ -244,8 +244,8 @@ def main() -> None:
         if int(tp) > gpus:
             continue
         layer_ids = [int(i) for i in ids[0].split(",")] if ids else default_ids
-        where = (args.out, model, int(tp), path, args.device, layer_ids, convention)
-        r = run_one(*where, args.reference, args.thinking, args.kv_gib)
+        target = (args.out, model, int(tp), path, args.device, layer_ids, convention)
+        r = run_one(*target, args.reference, args.thinking, args.kv_gib)
         results.append(r)
         (args.out / "gpu_validation.json").write_text(json.dumps(results, indent=1))
         if r["rc"]:
